@@ -1,0 +1,181 @@
+//! `sqcow2 info`: what `qemu-img info` shows, plus chain length and every
+//! feature bit.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+use sqcow2_format::chain::backing_path_of;
+use sqcow2_format::features::SetFeature;
+use sqcow2_format::{Chain, ChainOptions, Layer, Version};
+
+use crate::output::{human_size, OutputFormat};
+
+/// qcow2-specific information, shaped like qemu-img's `format-specific`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct Qcow2Info {
+    compat: &'static str,
+    compression_type: &'static str,
+    lazy_refcounts: bool,
+    refcount_bits: u32,
+    corrupt: bool,
+    extended_l2: bool,
+    dirty: bool,
+    bitmaps: bool,
+    internal_snapshots: u32,
+    features: Vec<SetFeature>,
+    unknown_extensions: Vec<String>,
+}
+
+/// One layer, with qemu-img's field names.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct LayerInfo {
+    filename: String,
+    format: &'static str,
+    virtual_size: u64,
+    actual_size: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster_size: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backing_filename: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    full_backing_filename: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backing_filename_format: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dirty_flag: Option<bool>,
+    /// Layers from this one down to the base, this one included.
+    chain_length: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    format_specific: Option<Qcow2Info>,
+}
+
+fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
+    let meta = std::fs::metadata(layer.path())
+        .with_context(|| format!("{}: cannot stat", layer.path().display()))?;
+    let header = layer.header();
+    Ok(LayerInfo {
+        filename: layer.path().display().to_string(),
+        format: layer.format_name(),
+        virtual_size: layer.virtual_size(),
+        actual_size: meta.blocks() * 512,
+        cluster_size: header.map(|h| h.geometry.cluster_size()),
+        backing_filename: header
+            .and_then(|h| h.backing_file.as_ref())
+            .map(|p| p.display().to_string()),
+        full_backing_filename: backing_path_of(layer).map(|p| p.display().to_string()),
+        backing_filename_format: header.and_then(|h| h.backing_format()).map(str::to_owned),
+        dirty_flag: header.map(|h| h.is_dirty()),
+        chain_length,
+        format_specific: header.map(|h| Qcow2Info {
+            compat: match h.version {
+                Version::V2 => "0.10",
+                Version::V3 => "1.1",
+            },
+            compression_type: h.compression_type.name(),
+            lazy_refcounts: h.lazy_refcounts(),
+            refcount_bits: 1 << h.refcount_order,
+            corrupt: false,
+            extended_l2: h.geometry.extended_l2,
+            dirty: h.is_dirty(),
+            bitmaps: h.has_bitmaps(),
+            internal_snapshots: h.nb_snapshots,
+            features: h.features.describe(&h.feature_names()),
+            unknown_extensions: h
+                .extensions
+                .iter()
+                .filter(|e| matches!(e, sqcow2_format::extension::HeaderExtension::Unknown { .. }))
+                .map(|e| format!("{:#010x}", e.ext_type()))
+                .collect(),
+        }),
+    })
+}
+
+fn print_human(info: &LayerInfo) {
+    println!("image: {}", info.filename);
+    println!("file format: {}", info.format);
+    println!(
+        "virtual size: {} ({} bytes)",
+        human_size(info.virtual_size),
+        info.virtual_size
+    );
+    println!("disk size: {}", human_size(info.actual_size));
+    if let Some(c) = info.cluster_size {
+        println!("cluster_size: {c}");
+    }
+    if let Some(b) = &info.backing_filename {
+        match &info.full_backing_filename {
+            Some(full) if full != b => println!("backing file: {b} (actual path: {full})"),
+            _ => println!("backing file: {b}"),
+        }
+    }
+    if let Some(f) = &info.backing_filename_format {
+        println!("backing file format: {f}");
+    }
+    println!("chain length: {}", info.chain_length);
+    if let Some(q) = &info.format_specific {
+        println!("Format specific information:");
+        println!("    compat: {}", q.compat);
+        println!("    compression type: {}", q.compression_type);
+        println!("    lazy refcounts: {}", q.lazy_refcounts);
+        println!("    bitmaps: {}", q.bitmaps);
+        println!("    refcount bits: {}", q.refcount_bits);
+        println!("    corrupt: {}", q.corrupt);
+        println!("    extended l2: {}", q.extended_l2);
+        println!("    dirty: {}", q.dirty);
+        println!("    internal snapshots: {}", q.internal_snapshots);
+        for f in &q.features {
+            println!(
+                "    feature: {:?} bit {}{}",
+                f.kind,
+                f.bit,
+                f.name
+                    .as_deref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default()
+            );
+        }
+        for e in &q.unknown_extensions {
+            println!("    unknown header extension: {e} (kept)");
+        }
+    }
+}
+
+/// Runs `sqcow2 info`.
+pub fn run(
+    image: &Path,
+    backing_chain: bool,
+    output: OutputFormat,
+    options: &ChainOptions,
+) -> anyhow::Result<()> {
+    let chain = Chain::open(image, options)?;
+    let layers = chain.layers();
+    let shown: Vec<LayerInfo> = if backing_chain {
+        layers
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, l)| layer_info(l, i + 1))
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        vec![layer_info(chain.top(), layers.len())?]
+    };
+    match output {
+        OutputFormat::Json if backing_chain => {
+            println!("{}", serde_json::to_string_pretty(&shown)?)
+        }
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&shown[0])?),
+        OutputFormat::Human => {
+            for (i, info) in shown.iter().enumerate() {
+                if i > 0 {
+                    println!();
+                }
+                print_human(info);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! `sqcow2`: read-outs, conversion and maintenance of qcow2 / sQcow2 chains,
+//! in the spirit of `qemu-img`.
+
+mod convert;
+mod info;
+mod map;
+mod output;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use sqcow2_format::ChainOptions;
+
+use crate::output::OutputFormat;
+
+/// qcow2 backing chains with direct access and one unified metadata cache.
+#[derive(Debug, Parser)]
+#[command(name = "sqcow2", version, about)]
+struct Cli {
+    /// Most layers a chain may have before it is refused.
+    #[arg(long, global = true, default_value_t = sqcow2_format::chain::DEFAULT_MAX_LAYERS)]
+    max_layers: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show an image's format, size, backing file and features.
+    Info {
+        /// Also show every layer of the backing chain.
+        #[arg(long)]
+        backing_chain: bool,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// Top image of the chain.
+        image: PathBuf,
+    },
+    /// Show which layer maps each range of the virtual disk, like `qemu-img map`.
+    Map {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// Top image of the chain.
+        image: PathBuf,
+    },
+    /// Write the whole virtual disk to a raw file.
+    Convert {
+        /// Output format (only `raw`).
+        #[arg(short = 'O', value_enum)]
+        output_format: convert::TargetFormat,
+        /// Show a progress bar even when standard error is not a terminal.
+        #[arg(short = 'p')]
+        progress: bool,
+        /// Top image of the source chain.
+        src: PathBuf,
+        /// Raw file to write.
+        dst: PathBuf,
+    },
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let options = ChainOptions {
+        max_layers: cli.max_layers,
+        ..ChainOptions::default()
+    };
+    match cli.command {
+        Command::Info {
+            backing_chain,
+            output,
+            image,
+        } => info::run(&image, backing_chain, output, &options),
+        Command::Map { output, image } => map::run(&image, output, &options),
+        Command::Convert {
+            output_format,
+            progress,
+            src,
+            dst,
+        } => convert::run(&src, &dst, output_format, progress, &options),
+    }
+    .map(|()| ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("sqcow2: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Backing file names and formats, resolved like QEMU does.
+
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use crate::error::ErrorKind;
+
+/// Format of a backing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackingFormat {
+    /// qcow2.
+    Qcow2,
+    /// raw.
+    Raw,
+}
+
+impl BackingFormat {
+    /// Interprets the backing format extension; `None` when it is absent.
+    pub fn from_recorded(recorded: Option<&str>) -> Result<Option<Self>, ErrorKind> {
+        match recorded {
+            None => Ok(None),
+            Some("qcow2") => Ok(Some(BackingFormat::Qcow2)),
+            Some("raw") => Ok(Some(BackingFormat::Raw)),
+            Some(other) => Err(ErrorKind::UnsupportedBackingFormat(other.to_owned())),
+        }
+    }
+}
+
+/// Whether a file name starts with a protocol prefix (`nbd:`, `json:`, ...),
+/// as QEMU's `path_has_protocol` decides: a colon before any slash.
+fn has_protocol(name: &[u8]) -> bool {
+    name.iter()
+        .find(|&&b| b == b':' || b == b'/' || b == b'\\')
+        .is_some_and(|&b| b == b':')
+}
+
+/// The path of `backing` as named by the image at `image`: absolute names
+/// stay, relative ones are taken relative to the image's directory.
+pub fn resolve_backing_path(image: &Path, backing: &Path) -> Result<PathBuf, ErrorKind> {
+    let bytes = backing.as_os_str().as_bytes();
+    if has_protocol(bytes) {
+        return Err(ErrorKind::BackingProtocol(
+            String::from_utf8_lossy(bytes).into_owned(),
+        ));
+    }
+    if backing.is_absolute() {
+        return Ok(backing.to_path_buf());
+    }
+    Ok(match image.parent() {
+        Some(dir) => dir.join(backing),
+        None => backing.to_path_buf(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_names_follow_the_image_directory() {
+        let p = resolve_backing_path(Path::new("/a/b/top.qcow2"), Path::new("../base.qcow2"));
+        assert_eq!(p.unwrap(), PathBuf::from("/a/b/../base.qcow2"));
+        let p = resolve_backing_path(Path::new("top.qcow2"), Path::new("base.qcow2"));
+        assert_eq!(p.unwrap(), PathBuf::from("base.qcow2"));
+        let p = resolve_backing_path(Path::new("/a/top"), Path::new("/abs/base"));
+        assert_eq!(p.unwrap(), PathBuf::from("/abs/base"));
+    }
+
+    #[test]
+    fn protocols_are_refused() {
+        for name in ["nbd:localhost:10809", "json:{}", "file:x"] {
+            assert!(matches!(
+                resolve_backing_path(Path::new("/a/top"), Path::new(name)),
+                Err(ErrorKind::BackingProtocol(_))
+            ));
+        }
+        assert!(resolve_backing_path(Path::new("/a/top"), Path::new("./x:y")).is_ok());
+    }
+}

@@ -1,0 +1,299 @@
+//! Typed errors of the format crate.
+//!
+//! Every error names the file it concerns ([`Error::path`]) and what is wrong
+//! with it ([`ErrorKind`]), so that a caller can print one line that a user
+//! understands and a test can match the exact problem.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// An error about one file of a chain.
+#[derive(Debug, thiserror::Error)]
+pub struct Error {
+    /// The file the error is about.
+    pub path: PathBuf,
+    /// What is wrong (its text is part of this error's message, so it is not
+    /// also reported as the source).
+    pub kind: ErrorKind,
+}
+
+impl Error {
+    /// Attaches a path to an error kind.
+    pub fn new(path: impl Into<PathBuf>, kind: ErrorKind) -> Self {
+        Self {
+            path: path.into(),
+            kind,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.kind)
+    }
+}
+
+/// Attaches a path to the error of a result.
+pub(crate) trait WithPath<T> {
+    fn with_path(self, path: &Path) -> Result<T, Error>;
+}
+
+impl<T> WithPath<T> for Result<T, ErrorKind> {
+    fn with_path(self, path: &Path) -> Result<T, Error> {
+        self.map_err(|kind| Error::new(path, kind))
+    }
+}
+
+/// A qcow2 metadata table, named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Table {
+    /// The active L1 table.
+    L1,
+    /// An L2 table.
+    L2,
+    /// The refcount table.
+    Refcount,
+    /// The internal snapshot table.
+    Snapshots,
+    /// The bitmap directory.
+    BitmapDirectory,
+}
+
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Table::L1 => "L1 table",
+            Table::L2 => "L2 table",
+            Table::Refcount => "refcount table",
+            Table::Snapshots => "snapshot table",
+            Table::BitmapDirectory => "bitmap directory",
+        })
+    }
+}
+
+/// What is wrong with a file.
+#[derive(Debug, thiserror::Error)]
+pub enum ErrorKind {
+    /// The operating system refused an operation.
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+    /// The file ends before the structure that was read.
+    #[error(
+        "file truncated: {what} needs {needed} bytes at offset {offset:#x}, file has {file_size}"
+    )]
+    Truncated {
+        /// What was read.
+        what: &'static str,
+        /// Where it starts.
+        offset: u64,
+        /// How many bytes it needs.
+        needed: u64,
+        /// The size of the file.
+        file_size: u64,
+    },
+    /// The file does not start with the qcow2 magic.
+    #[error("not a qcow2 image (bad magic {0:#010x})")]
+    BadMagic(u32),
+    /// A qcow2 version other than 2 or 3.
+    #[error("unsupported qcow2 version {0}")]
+    UnsupportedVersion(u32),
+    /// `cluster_bits` outside 9..=21.
+    #[error("cluster_bits {0} out of range (9 to 21)")]
+    ClusterBits(u32),
+    /// A header field with a value QEMU rejects.
+    #[error("invalid header field {field}: {reason}")]
+    InvalidHeader {
+        /// Field name as in the qcow2 specification.
+        field: &'static str,
+        /// Why it is invalid.
+        reason: String,
+    },
+    /// The virtual size does not fit the format's limits.
+    #[error("virtual size {0} too large")]
+    SizeTooLarge(u64),
+    /// The L1 table cannot address the whole virtual disk.
+    #[error("L1 table too small: {l1_size} entries, {needed} needed for the virtual size")]
+    L1TooSmall {
+        /// Entries in the header.
+        l1_size: u32,
+        /// Entries needed.
+        needed: u64,
+    },
+    /// A table with more entries than the format allows.
+    #[error("{table} too large: {entries} entries (at most {max})")]
+    TableTooLarge {
+        /// Which table.
+        table: Table,
+        /// Entries in the header.
+        entries: u64,
+        /// The maximum.
+        max: u64,
+    },
+    /// A table offset that is not cluster aligned.
+    #[error("{table} offset {offset:#x} is not cluster aligned")]
+    UnalignedTable {
+        /// Which table.
+        table: Table,
+        /// Its offset.
+        offset: u64,
+    },
+    /// A table that extends beyond the end of the file.
+    #[error("{table} at {offset:#x} ({len} bytes) extends beyond the end of the file ({file_size} bytes)")]
+    TableBeyondEof {
+        /// Which table.
+        table: Table,
+        /// Its offset.
+        offset: u64,
+        /// Its length in bytes.
+        len: u64,
+        /// The size of the file.
+        file_size: u64,
+    },
+    /// A table that overlaps the header cluster.
+    #[error("{table} at {offset:#x} overlaps the image header")]
+    TableOverlapsHeader {
+        /// Which table.
+        table: Table,
+        /// Its offset.
+        offset: u64,
+    },
+    /// A data cluster offset that is not cluster aligned.
+    #[error("data cluster offset {host_offset:#x} for guest offset {guest_offset:#x} is not cluster aligned")]
+    UnalignedCluster {
+        /// The guest offset being resolved.
+        guest_offset: u64,
+        /// The host offset in the L2 entry.
+        host_offset: u64,
+    },
+    /// An extended L2 entry whose bitmap QEMU treats as invalid.
+    #[error("invalid subcluster bitmap {bitmap:#018x} for guest offset {guest_offset:#x}")]
+    InvalidSubclusterBitmap {
+        /// The guest offset being resolved.
+        guest_offset: u64,
+        /// The bitmap word.
+        bitmap: u64,
+    },
+    /// A compressed cluster descriptor that points outside the file.
+    #[error("compressed cluster at {offset:#x} ({len} bytes) lies beyond the end of the file ({file_size} bytes)")]
+    CompressedBeyondEof {
+        /// Host offset of the compressed data.
+        offset: u64,
+        /// Length of the compressed data.
+        len: u64,
+        /// The size of the file.
+        file_size: u64,
+    },
+    /// Compressed data that does not decompress into exactly one cluster.
+    #[error("compressed cluster at {offset:#x} does not decompress ({algorithm}): {reason}")]
+    Decompression {
+        /// Host offset of the compressed data.
+        offset: u64,
+        /// `deflate` or `zstd`.
+        algorithm: &'static str,
+        /// What the decompressor said.
+        reason: String,
+    },
+    /// A feature sqcow2 does not implement.
+    #[error("unsupported feature: {0}")]
+    Unsupported(Feature),
+    /// A header extension that is malformed.
+    #[error("invalid header extension {ext_type:#010x} at offset {offset:#x}: {reason}")]
+    InvalidExtension {
+        /// Extension type.
+        ext_type: u32,
+        /// Offset of the extension in the header cluster.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The backing file name is too long or lies outside the header cluster.
+    #[error("backing file name invalid: {0}")]
+    InvalidBackingName(String),
+    /// The backing file named by the image does not exist or cannot be opened.
+    #[error("cannot open backing file {backing}: {source}")]
+    MissingBacking {
+        /// The resolved backing path.
+        backing: PathBuf,
+        /// Why it could not be opened.
+        source: io::Error,
+    },
+    /// A backing file that uses a protocol prefix (`nbd:`, `json:`, ...).
+    #[error("backing file {0:?} uses a protocol prefix, which is not supported")]
+    BackingProtocol(String),
+    /// A backing format that is not `qcow2` or `raw`.
+    #[error("backing format {0:?} is not supported (qcow2 and raw are)")]
+    UnsupportedBackingFormat(String),
+    /// A backing file whose format is not recorded and that is not qcow2.
+    #[error("backing file {0} has no recorded format and is not qcow2 (raw is never guessed)")]
+    UnknownBackingFormat(PathBuf),
+    /// A backing file recorded as qcow2 that is not qcow2.
+    #[error("backing file {0} is recorded as qcow2 but is not a qcow2 image")]
+    BackingNotQcow2(PathBuf),
+    /// A chain that comes back to a file already in it.
+    #[error("backing chain loop: {0} is already in the chain")]
+    BackingLoop(PathBuf),
+    /// A chain with more layers than the configured limit.
+    #[error("backing chain longer than the limit of {limit} layers")]
+    ChainTooDeep {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// A read outside the virtual disk.
+    #[error("request at {offset:#x} ({len} bytes) is beyond the virtual size {size}")]
+    OutOfRange {
+        /// Guest offset.
+        offset: u64,
+        /// Request length.
+        len: u64,
+        /// Virtual size.
+        size: u64,
+    },
+}
+
+/// A qcow2 feature that sqcow2 does not implement, named in errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Feature {
+    /// AES encryption (crypt_method 1).
+    AesEncryption,
+    /// LUKS encryption (crypt_method 2).
+    LuksEncryption,
+    /// A crypt_method value that no QEMU defines.
+    UnknownEncryption(u32),
+    /// The external data file (incompatible bit 2).
+    ExternalDataFile,
+    /// The corrupt bit (incompatible bit 1) is set.
+    CorruptBit,
+    /// An incompatible feature bit sqcow2 does not know, with its name from
+    /// the image's feature name table when it has one.
+    UnknownIncompatible {
+        /// Bit number.
+        bit: u32,
+        /// Name from the feature name table.
+        name: Option<String>,
+    },
+    /// A compression type other than deflate (0) and zstd (1).
+    UnknownCompressionType(u8),
+}
+
+impl fmt::Display for Feature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Feature::AesEncryption => f.write_str("AES encryption"),
+            Feature::LuksEncryption => f.write_str("LUKS encryption"),
+            Feature::UnknownEncryption(m) => write!(f, "unknown encryption method {m}"),
+            Feature::ExternalDataFile => f.write_str("external data file"),
+            Feature::CorruptBit => {
+                f.write_str("image is marked corrupt (run 'qemu-img check -r all')")
+            }
+            Feature::UnknownIncompatible {
+                bit,
+                name: Some(name),
+            } => write!(f, "incompatible feature bit {bit} ({name})"),
+            Feature::UnknownIncompatible { bit, name: None } => {
+                write!(f, "unknown incompatible feature bit {bit}")
+            }
+            Feature::UnknownCompressionType(t) => write!(f, "compression type {t}"),
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! One layer of a chain: a qcow2 image or a raw file, and what it says about
+//! a range of guest offsets.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::bytes::be_u64;
+use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
+use crate::error::{ErrorKind, Table};
+use crate::header::Header;
+use crate::l2_cache::{L2Cache, L2Table};
+use crate::storage::Storage;
+use crate::types::{GuestOffset, HostOffset, LayerIndex};
+
+/// What a layer says about a run of guest bytes.
+pub type LayerStatus = ClusterMapping;
+
+/// A qcow2 image opened read-only: validated header and active L1 table.
+#[derive(Debug)]
+pub struct Qcow2Layer {
+    path: PathBuf,
+    storage: Arc<dyn Storage>,
+    header: Header,
+    l1: Vec<u64>,
+    file_size: u64,
+}
+
+/// A raw file used as the base of a chain.
+#[derive(Debug)]
+pub struct RawLayer {
+    path: PathBuf,
+    storage: Arc<dyn Storage>,
+    file_size: u64,
+}
+
+/// A layer of a chain.
+#[derive(Debug)]
+pub enum Layer {
+    /// A qcow2 image.
+    Qcow2(Qcow2Layer),
+    /// A raw file (only ever the base).
+    Raw(RawLayer),
+}
+
+impl Qcow2Layer {
+    /// Opens a qcow2 image: reads and validates the header, reads the L1
+    /// table.
+    pub fn open(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
+        let file_size = storage.len()?;
+        let mut first = vec![0u8; 112];
+        storage.read_at(&mut first, 0)?;
+        let header = match Header::cluster_size_hint(&first) {
+            Some(cluster_size) => {
+                let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
+                storage.read_at(&mut cluster, 0)?;
+                Header::parse(&cluster, file_size)?
+            }
+            None => Header::parse(&first[..file_size.min(112) as usize], file_size)?,
+        };
+        let mut raw = vec![0u8; header.l1_size as usize * 8];
+        storage.read_at(&mut raw, header.l1_table_offset)?;
+        let l1 = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
+        Ok(Self {
+            path: path.to_path_buf(),
+            storage,
+            header,
+            l1,
+            file_size,
+        })
+    }
+
+    /// The validated header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// The file's size when it was opened.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// Loads (through `cache`) the L2 table at `offset`, validating where it is.
+    fn l2_table(
+        &self,
+        index: LayerIndex,
+        offset: u64,
+        cache: &L2Cache,
+    ) -> Result<L2Table, ErrorKind> {
+        let geometry = self.header.geometry;
+        let cluster_size = geometry.cluster_size();
+        if let Some(t) = cache.get((index, HostOffset(offset))) {
+            return Ok(t);
+        }
+        if geometry.offset_in_cluster(offset) != 0 {
+            return Err(ErrorKind::UnalignedTable {
+                table: Table::L2,
+                offset,
+            });
+        }
+        if offset < cluster_size {
+            return Err(ErrorKind::TableOverlapsHeader {
+                table: Table::L2,
+                offset,
+            });
+        }
+        if offset + cluster_size > self.file_size {
+            return Err(ErrorKind::TableBeyondEof {
+                table: Table::L2,
+                offset,
+                len: cluster_size,
+                file_size: self.file_size,
+            });
+        }
+        let mut raw = vec![0u8; cluster_size as usize];
+        self.storage.read_at(&mut raw, offset)?;
+        let table: L2Table = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
+        cache.insert((index, HostOffset(offset)), table.clone());
+        Ok(table)
+    }
+
+    /// The mapping of `[guest, guest + max)` in this image, truncated to the
+    /// run that shares one mapping (contiguous host offsets for data).
+    /// `guest` must be below the virtual size.
+    pub fn status(
+        &self,
+        index: LayerIndex,
+        guest: GuestOffset,
+        max: u64,
+        cache: &L2Cache,
+    ) -> Result<(LayerStatus, u64), ErrorKind> {
+        let g = self.header.geometry;
+        let l2_end = (g.l1_index(guest) + 1) * g.l2_coverage();
+        let max = max.min(l2_end - guest.0);
+        let l1_entry = usize::try_from(g.l1_index(guest))
+            .ok()
+            .and_then(|i| self.l1.get(i))
+            .copied()
+            .unwrap_or(0);
+        let l2_offset = l1_entry & OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok((LayerStatus::Unallocated, max));
+        }
+        let table = self.l2_table(index, l2_offset, cache)?;
+        let granule = g.subcluster_size();
+        let words = if g.extended_l2 { 2 } else { 1 };
+        let mapping_at = |pos: u64| -> Result<LayerStatus, ErrorKind> {
+            let l2_index = g.l2_index(GuestOffset(pos)) as usize;
+            let entry = table.get(l2_index * words).copied().unwrap_or(0);
+            let bitmap = if words == 2 {
+                table.get(l2_index * 2 + 1).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            let sc = (g.offset_in_cluster(pos) / granule) as u32;
+            decode_l2(entry, bitmap, sc, g).map_err(|e| match e {
+                EntryError::UnalignedCluster(host_offset) => ErrorKind::UnalignedCluster {
+                    guest_offset: pos,
+                    host_offset,
+                },
+                EntryError::InvalidBitmap(bitmap) => ErrorKind::InvalidSubclusterBitmap {
+                    guest_offset: pos,
+                    bitmap,
+                },
+            })
+        };
+        let first = match mapping_at(guest.0)? {
+            LayerStatus::Data { host } => LayerStatus::Data {
+                host: host.add(guest.0 % granule),
+            },
+            LayerStatus::Zero { host: Some(host) } => LayerStatus::Zero {
+                host: Some(host.add(guest.0 % granule)),
+            },
+            other => other,
+        };
+        let mut len = (granule - guest.0 % granule).min(max);
+        if let LayerStatus::Compressed(_) = first {
+            let to_cluster_end = g.cluster_size() - g.offset_in_cluster(guest.0);
+            return Ok((first, to_cluster_end.min(max)));
+        }
+        while len < max {
+            let next = mapping_at(guest.0 + len)?;
+            if !continues(first, len, next) {
+                break;
+            }
+            len = (len + granule).min(max);
+        }
+        Ok((first, len))
+    }
+}
+
+/// Whether `next`, found `len` bytes after `first`, extends `first`'s run.
+fn continues(first: LayerStatus, len: u64, next: LayerStatus) -> bool {
+    // `first` maps the run's first byte; the granule that starts `len`
+    // bytes later must map `len` bytes further on.
+    let shifted = |h: HostOffset, first_host: HostOffset, delta: u64| h.0 == first_host.0 + delta;
+    match (first, next) {
+        (LayerStatus::Unallocated, LayerStatus::Unallocated) => true,
+        (LayerStatus::Zero { host: None }, LayerStatus::Zero { host: None }) => true,
+        (LayerStatus::Zero { host: Some(a) }, LayerStatus::Zero { host: Some(b) }) => {
+            shifted(b, a, len)
+        }
+        (LayerStatus::Data { host: a }, LayerStatus::Data { host: b }) => shifted(b, a, len),
+        _ => false,
+    }
+}
+
+impl RawLayer {
+    /// Opens a raw file.
+    pub fn open(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
+        Ok(Self {
+            path: path.to_path_buf(),
+            file_size: storage.len()?,
+            storage,
+        })
+    }
+
+    /// The mapping of `[guest, guest + max)`: data at the same offset, or
+    /// (when `precise` and the file system reports it) a hole reading zeros.
+    pub fn status(&self, guest: GuestOffset, max: u64, precise: bool) -> (LayerStatus, u64) {
+        let host = HostOffset(guest.0);
+        if precise {
+            if let Some((is_data, run)) = self.storage.allocation(guest.0, max) {
+                let run = run.div_ceil(512).max(1) * 512;
+                let run = run.min(max);
+                return if is_data {
+                    (LayerStatus::Data { host }, run)
+                } else {
+                    (LayerStatus::Zero { host: Some(host) }, run)
+                };
+            }
+        }
+        (LayerStatus::Data { host }, max)
+    }
+}
+
+impl Layer {
+    /// Path the layer was opened by.
+    pub fn path(&self) -> &Path {
+        match self {
+            Layer::Qcow2(l) => &l.path,
+            Layer::Raw(l) => &l.path,
+        }
+    }
+
+    /// Virtual size: the header's size, or the raw file's size rounded up to
+    /// a 512-byte sector as QEMU does.
+    pub fn virtual_size(&self) -> u64 {
+        match self {
+            Layer::Qcow2(l) => l.header.size,
+            Layer::Raw(l) => l.file_size.div_ceil(512) * 512,
+        }
+    }
+
+    /// `qcow2` or `raw`.
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            Layer::Qcow2(_) => "qcow2",
+            Layer::Raw(_) => "raw",
+        }
+    }
+
+    /// The storage holding the layer's bytes.
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        match self {
+            Layer::Qcow2(l) => &l.storage,
+            Layer::Raw(l) => &l.storage,
+        }
+    }
+
+    /// The qcow2 header, for a qcow2 layer.
+    pub fn header(&self) -> Option<&Header> {
+        match self {
+            Layer::Qcow2(l) => Some(&l.header),
+            Layer::Raw(_) => None,
+        }
+    }
+
+    /// Size of the file when it was opened.
+    pub fn file_size(&self) -> u64 {
+        match self {
+            Layer::Qcow2(l) => l.file_size,
+            Layer::Raw(l) => l.file_size,
+        }
+    }
+}

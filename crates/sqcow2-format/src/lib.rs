@@ -1,0 +1,28 @@
+//! qcow2 on-disk structures and the sqcow2 chain engine.
+//!
+//! [`Chain::open`] opens a backing chain from its top image, validating
+//! every header and following backing files iteratively; [`Chain::read_at`]
+//! returns the bytes QEMU returns, and [`Chain::map`] the extents
+//! `qemu-img map` reports.
+
+#![warn(missing_docs)]
+
+pub mod backing;
+mod bytes;
+pub mod chain;
+pub mod compressed;
+pub mod entry;
+pub mod error;
+pub mod extension;
+pub mod features;
+pub mod header;
+pub mod l2_cache;
+pub mod layer;
+pub mod storage;
+pub mod types;
+
+pub use chain::{Chain, ChainOptions, Extent, ExtentKind};
+pub use error::{Error, ErrorKind, Feature, Table};
+pub use header::{CompressionType, Header, Version};
+pub use layer::Layer;
+pub use types::{GuestOffset, HostOffset, LayerIndex};

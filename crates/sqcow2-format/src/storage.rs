@@ -1,0 +1,138 @@
+//! Where the bytes of one layer live: a file, or memory for tests.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::RwLock;
+
+/// Byte-addressed storage of one layer.
+///
+/// Reads past the end of the storage return zeros for the missing part, like
+/// QEMU's file driver; callers that need the bytes to exist check
+/// [`Storage::len`] first.
+pub trait Storage: Send + Sync + std::fmt::Debug {
+    /// Reads `buf.len()` bytes at `offset`, zero-filling beyond the end.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// Whether the storage is empty.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+    /// Allocation status of `[offset, offset + len)`: `Some((is_data, run))`
+    /// where `run` bytes from `offset` share the status, or `None` when the
+    /// storage cannot tell (everything is then data).
+    fn allocation(&self, _offset: u64, _len: u64) -> Option<(bool, u64)> {
+        None
+    }
+}
+
+/// A regular file, read with positioned reads.
+#[derive(Debug)]
+pub struct FileStorage {
+    file: File,
+}
+
+impl FileStorage {
+    /// Opens `path` read-only.
+    pub fn open_read_only(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            file: File::open(path)?,
+        })
+    }
+
+    /// Wraps an open file.
+    pub fn from_file(file: File) -> Self {
+        Self { file }
+    }
+
+    /// The underlying file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+}
+
+impl Storage for FileStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => {
+                    buf[done..].fill(0);
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn allocation(&self, offset: u64, len: u64) -> Option<(bool, u64)> {
+        use std::os::fd::AsRawFd;
+        let fd = self.file.as_raw_fd();
+        let start = i64::try_from(offset).ok()?;
+        // SAFETY: lseek on a file descriptor we own; it only moves the file
+        // position, which positioned reads do not use.
+        let data = unsafe { libc::lseek(fd, start, libc::SEEK_DATA) };
+        if data < 0 {
+            let err = io::Error::last_os_error();
+            // ENXIO: no data at or after `offset` (a trailing hole).
+            return (err.raw_os_error() == Some(libc::ENXIO)).then_some((false, len));
+        }
+        if data > start {
+            return Some((false, ((data - start) as u64).min(len)));
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
+        if hole <= start {
+            return None;
+        }
+        Some((true, ((hole - start) as u64).min(len)))
+    }
+}
+
+/// Storage in memory, for tests and fault injection.
+#[derive(Debug, Default)]
+pub struct MemStorage {
+    bytes: RwLock<Vec<u8>>,
+}
+
+impl MemStorage {
+    /// Storage holding `bytes`.
+    pub fn new(bytes: Vec<u8>) -> Self {
+        Self {
+            bytes: RwLock::new(bytes),
+        }
+    }
+}
+
+impl Storage for MemStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let bytes = self
+            .bytes
+            .read()
+            .map_err(|_| io::Error::other("storage lock poisoned"))?;
+        buf.fill(0);
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(bytes.len());
+        let end = start.saturating_add(buf.len()).min(bytes.len());
+        buf[..end - start].copy_from_slice(&bytes[start..end]);
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        let bytes = self
+            .bytes
+            .read()
+            .map_err(|_| io::Error::other("storage lock poisoned"))?;
+        Ok(bytes.len() as u64)
+    }
+}
