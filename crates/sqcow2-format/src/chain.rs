@@ -229,7 +229,7 @@ impl Chain {
                     host,
                     allocated: true,
                 },
-                LayerStatus::Unallocated => {
+                LayerStatus::Unallocated { host } => {
                     let below = index.0.checked_sub(1).map(|i| &self.layers[i]);
                     match below {
                         Some(below) if start.0 < below.virtual_size() => {
@@ -238,7 +238,7 @@ impl Chain {
                             continue;
                         }
                         _ => ExtentKind::Zero {
-                            host: None,
+                            host,
                             allocated: false,
                         },
                     }

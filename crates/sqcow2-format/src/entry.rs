@@ -42,8 +42,12 @@ impl CompressedDescriptor {
 /// What one (sub)cluster of an L2 table says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClusterMapping {
-    /// Not allocated here: look in the backing file.
-    Unallocated,
+    /// Not allocated here: look in the backing file. `host` is set for an
+    /// unallocated subcluster of an allocated cluster (extended L2).
+    Unallocated {
+        /// The subcluster's place in the allocated cluster, if any.
+        host: Option<HostOffset>,
+    },
     /// Reads as zeros; `host` is set when a cluster stays preallocated.
     Zero {
         /// Preallocated host cluster, if any.
@@ -94,7 +98,7 @@ pub fn decode_l2(
         } else if let Some(host) = host {
             ClusterMapping::Data { host }
         } else {
-            ClusterMapping::Unallocated
+            ClusterMapping::Unallocated { host: None }
         });
     }
     let alloc_bits = bitmap & 0xffff_ffff;
@@ -105,13 +109,17 @@ pub fn decode_l2(
             if alloc_bits & zero_bits != 0 {
                 Err(EntryError::InvalidBitmap(bitmap))
             } else if zero_bits & sc_mask != 0 {
-                Ok(ClusterMapping::Zero { host: Some(host) })
+                Ok(ClusterMapping::Zero {
+                    host: Some(host.add(u64::from(sc) * geometry.subcluster_size())),
+                })
             } else if alloc_bits & sc_mask != 0 {
                 Ok(ClusterMapping::Data {
                     host: host.add(u64::from(sc) * geometry.subcluster_size()),
                 })
             } else {
-                Ok(ClusterMapping::Unallocated)
+                Ok(ClusterMapping::Unallocated {
+                    host: Some(host.add(u64::from(sc) * geometry.subcluster_size())),
+                })
             }
         }
         None => {
@@ -120,9 +128,49 @@ pub fn decode_l2(
             } else if zero_bits & sc_mask != 0 {
                 Ok(ClusterMapping::Zero { host: None })
             } else {
-                Ok(ClusterMapping::Unallocated)
+                Ok(ClusterMapping::Unallocated { host: None })
             }
         }
+    }
+}
+
+impl ClusterMapping {
+    /// The host offset the mapping carries, if any.
+    pub fn host(&self) -> Option<HostOffset> {
+        match *self {
+            ClusterMapping::Unallocated { host } | ClusterMapping::Zero { host } => host,
+            ClusterMapping::Data { host } => Some(host),
+            ClusterMapping::Compressed(_) => None,
+        }
+    }
+
+    /// The same mapping `delta` bytes further into the guest range.
+    pub fn advanced(self, delta: u64) -> Self {
+        let shift = |h: Option<HostOffset>| h.map(|h| h.add(delta));
+        match self {
+            ClusterMapping::Unallocated { host } => {
+                ClusterMapping::Unallocated { host: shift(host) }
+            }
+            ClusterMapping::Zero { host } => ClusterMapping::Zero { host: shift(host) },
+            ClusterMapping::Data { host } => ClusterMapping::Data {
+                host: host.add(delta),
+            },
+            c @ ClusterMapping::Compressed(_) => c,
+        }
+    }
+
+    /// Whether `next`, found `len` bytes after `self`, continues the same
+    /// run: same kind and, where there are host offsets, contiguous ones.
+    /// Compressed clusters never continue each other.
+    pub fn continued_by(&self, len: u64, next: &ClusterMapping) -> bool {
+        let same_kind = std::mem::discriminant(self) == std::mem::discriminant(next);
+        same_kind
+            && !matches!(self, ClusterMapping::Compressed(_))
+            && match (self.host(), next.host()) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.0 + len == b.0,
+                _ => false,
+            }
     }
 }
 
@@ -137,7 +185,10 @@ mod tests {
 
     #[test]
     fn standard_entries() {
-        assert_eq!(decode_l2(0, 0, 0, G64K), Ok(ClusterMapping::Unallocated));
+        assert_eq!(
+            decode_l2(0, 0, 0, G64K),
+            Ok(ClusterMapping::Unallocated { host: None })
+        );
         assert_eq!(
             decode_l2(COPIED | 0x5_0000, 0, 0, G64K),
             Ok(ClusterMapping::Data {

@@ -138,7 +138,7 @@ impl Qcow2Layer {
             .unwrap_or(0);
         let l2_offset = l1_entry & OFFSET_MASK;
         if l2_offset == 0 {
-            return Ok((LayerStatus::Unallocated, max));
+            return Ok((LayerStatus::Unallocated { host: None }, max));
         }
         let table = self.l2_table(index, l2_offset, cache)?;
         let granule = g.subcluster_size();
@@ -163,15 +163,7 @@ impl Qcow2Layer {
                 },
             })
         };
-        let first = match mapping_at(guest.0)? {
-            LayerStatus::Data { host } => LayerStatus::Data {
-                host: host.add(guest.0 % granule),
-            },
-            LayerStatus::Zero { host: Some(host) } => LayerStatus::Zero {
-                host: Some(host.add(guest.0 % granule)),
-            },
-            other => other,
-        };
+        let first = mapping_at(guest.0)?.advanced(guest.0 % granule);
         let mut len = (granule - guest.0 % granule).min(max);
         if let LayerStatus::Compressed(_) = first {
             let to_cluster_end = g.cluster_size() - g.offset_in_cluster(guest.0);
@@ -179,28 +171,12 @@ impl Qcow2Layer {
         }
         while len < max {
             let next = mapping_at(guest.0 + len)?;
-            if !continues(first, len, next) {
+            if !first.continued_by(len, &next) {
                 break;
             }
             len = (len + granule).min(max);
         }
         Ok((first, len))
-    }
-}
-
-/// Whether `next`, found `len` bytes after `first`, extends `first`'s run.
-fn continues(first: LayerStatus, len: u64, next: LayerStatus) -> bool {
-    // `first` maps the run's first byte; the granule that starts `len`
-    // bytes later must map `len` bytes further on.
-    let shifted = |h: HostOffset, first_host: HostOffset, delta: u64| h.0 == first_host.0 + delta;
-    match (first, next) {
-        (LayerStatus::Unallocated, LayerStatus::Unallocated) => true,
-        (LayerStatus::Zero { host: None }, LayerStatus::Zero { host: None }) => true,
-        (LayerStatus::Zero { host: Some(a) }, LayerStatus::Zero { host: Some(b) }) => {
-            shifted(b, a, len)
-        }
-        (LayerStatus::Data { host: a }, LayerStatus::Data { host: b }) => shifted(b, a, len),
-        _ => false,
     }
 }
 
@@ -220,8 +196,7 @@ impl RawLayer {
         let host = HostOffset(guest.0);
         if precise {
             if let Some((is_data, run)) = self.storage.allocation(guest.0, max) {
-                let run = run.div_ceil(512).max(1) * 512;
-                let run = run.min(max);
+                let run = run.clamp(1, max);
                 return if is_data {
                     (LayerStatus::Data { host }, run)
                 } else {
@@ -243,7 +218,8 @@ impl Layer {
     }
 
     /// Virtual size: the header's size, or the raw file's size rounded up to
-    /// a 512-byte sector as QEMU does.
+    /// a 512-byte sector, as QEMU counts it (the tail past the end of the
+    /// file reads as zeros).
     pub fn virtual_size(&self) -> u64 {
         match self {
             Layer::Qcow2(l) => l.header.size,
@@ -279,7 +255,7 @@ impl Layer {
     pub fn file_size(&self) -> u64 {
         match self {
             Layer::Qcow2(l) => l.file_size,
-            Layer::Raw(l) => l.file_size,
+            Layer::Raw(l) => l.file_size.div_ceil(512) * 512,
         }
     }
 }

@@ -1,0 +1,197 @@
+//! Helpers shared by the integration tests: the `sqcow2` binary, QEMU's
+//! tools as the oracle, and chain construction with `qemu-img`/`qemu-io`.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::SystemTime;
+
+use sha2::{Digest, Sha256};
+
+/// Newest modification time of any file below `dir`.
+fn newest_mtime(dir: &Path) -> SystemTime {
+    let mut newest = SystemTime::UNIX_EPOCH;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return newest;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH)
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// The `sqcow2` binary of this build. Integration tests of the root package
+/// cannot ask cargo for another package's binary, so the test command builds
+/// it first (`cargo build --workspace`); a missing or stale binary fails the
+/// test instead of testing old code.
+pub fn sqcow2_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps layout");
+    let bin = profile_dir.join("sqcow2");
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} missing: run `cargo build --workspace` first (scripts/test.sh does)",
+                bin.display()
+            )
+        });
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = newest_mtime(&root.join("crates"));
+    assert!(
+        built >= sources,
+        "{} is older than the sources: run `cargo build --workspace` first",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs a command, returning its output whatever the exit status.
+pub fn run_raw(cmd: &mut Command) -> Output {
+    cmd.output().unwrap_or_else(|e| {
+        panic!("cannot run {cmd:?}: {e} (is QEMU installed? scripts/test.sh installs it)")
+    })
+}
+
+/// Runs a command that must succeed; returns its standard output.
+pub fn run(cmd: &mut Command) -> String {
+    let out = run_raw(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed with {}:\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `sqcow2 ARGS...`, which must succeed.
+pub fn sqcow2(args: &[&str]) -> String {
+    run(Command::new(sqcow2_bin()).args(args))
+}
+
+/// `qemu-img ARGS...`, which must succeed.
+pub fn qemu_img(args: &[&str]) -> String {
+    run(Command::new("qemu-img").args(args))
+}
+
+/// `qemu-io -f FMT IMAGE -c CMD...`, which must succeed.
+pub fn qemu_io(image: &Path, cmds: &[String]) {
+    let mut cmd = Command::new("qemu-io");
+    cmd.arg("-f").arg("qcow2");
+    for c in cmds {
+        cmd.arg("-c").arg(c);
+    }
+    cmd.arg(image);
+    let out = run(&mut cmd);
+    assert!(
+        !out.contains("failed") && !out.contains("error"),
+        "qemu-io reported a failure on {}: {out}",
+        image.display()
+    );
+}
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> String {
+    let mut hasher = Sha256::new();
+    let mut f = std::fs::File::open(path).expect("open for hashing");
+    std::io::copy(&mut f, &mut hasher).expect("hash file");
+    format!("{:x}", hasher.finalize())
+}
+
+/// Path as `&str` for command lines.
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 test path")
+}
+
+/// One extent of `map --output json`, reduced to what both tools must agree on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataZero {
+    pub start: u64,
+    pub length: u64,
+    pub data: bool,
+    pub zero: bool,
+}
+
+/// Parses map JSON and merges neighbours with equal data/zero flags.
+pub fn data_zero_extents(json: &str) -> Vec<DataZero> {
+    let v: serde_json::Value = serde_json::from_str(json).expect("map JSON");
+    let mut out: Vec<DataZero> = Vec::new();
+    for e in v.as_array().expect("map JSON is an array") {
+        let cur = DataZero {
+            start: e["start"].as_u64().expect("start"),
+            length: e["length"].as_u64().expect("length"),
+            data: e["data"].as_bool().expect("data"),
+            zero: e["zero"].as_bool().expect("zero"),
+        };
+        match out.last_mut() {
+            Some(prev)
+                if prev.data == cur.data
+                    && prev.zero == cur.zero
+                    && prev.start + prev.length == cur.start =>
+            {
+                prev.length += cur.length
+            }
+            _ => out.push(cur),
+        }
+    }
+    out
+}
+
+/// Asserts that sqcow2 reads `top` exactly as QEMU does: the same raw bytes
+/// and the same data/zero extents. Returns both map outputs (sqcow2, QEMU).
+pub fn assert_same_as_qemu(top: &Path) -> (String, String) {
+    let dir = top.parent().expect("image directory");
+    let ours = dir.join("sqcow2-convert.raw");
+    let theirs = dir.join("qemu-convert.raw");
+    sqcow2(&["convert", "-O", "raw", s(top), s(&ours)]);
+    qemu_img(&["convert", "-O", "raw", s(top), s(&theirs)]);
+    assert_eq!(
+        std::fs::metadata(&ours).unwrap().len(),
+        std::fs::metadata(&theirs).unwrap().len(),
+        "raw sizes differ for {}",
+        top.display()
+    );
+    assert_eq!(
+        sha256_file(&ours),
+        sha256_file(&theirs),
+        "sqcow2 and qemu-img read different bytes from {}",
+        top.display()
+    );
+    std::fs::remove_file(&ours).ok();
+    std::fs::remove_file(&theirs).ok();
+
+    let our_map = sqcow2(&["map", "--output", "json", s(top)]);
+    let their_map = qemu_img(&["map", "--output", "json", s(top)]);
+    assert_eq!(
+        data_zero_extents(&our_map),
+        data_zero_extents(&their_map),
+        "data/zero extents differ for {}",
+        top.display()
+    );
+    (our_map, their_map)
+}
+
+/// Asserts that the full map (depth, present, offsets, compressed) equals
+/// qemu-img's, entry for entry.
+pub fn assert_full_map_equal(top: &Path) {
+    let ours: serde_json::Value =
+        serde_json::from_str(&sqcow2(&["map", "--output", "json", s(top)])).unwrap();
+    let theirs: serde_json::Value =
+        serde_json::from_str(&qemu_img(&["map", "--output", "json", s(top)])).unwrap();
+    assert_eq!(ours, theirs, "full map differs for {}", top.display());
+}
