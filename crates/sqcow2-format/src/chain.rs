@@ -153,7 +153,13 @@ impl Chain {
             if !seen.insert((meta.dev(), meta.ino())) {
                 return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
             }
-            let layer = open_layer(&current, file, expect).with_path(&current)?;
+            let layer = open_layer(&current, file, expect).map_err(|kind| match kind {
+                // The referring image records the wrong format: blame it.
+                ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
+                    Error::new(&blame, kind)
+                }
+                kind => Error::new(&current, kind),
+            })?;
             if let Some(header) = layer.header() {
                 if let Some(name) = &header.backing_file {
                     let backing = resolve_backing_path(&current, name).with_path(&current)?;

@@ -110,15 +110,15 @@ pub fn decode_l2(
                 Err(EntryError::InvalidBitmap(bitmap))
             } else if zero_bits & sc_mask != 0 {
                 Ok(ClusterMapping::Zero {
-                    host: Some(host.add(u64::from(sc) * geometry.subcluster_size())),
+                    host: Some(host + u64::from(sc) * geometry.subcluster_size()),
                 })
             } else if alloc_bits & sc_mask != 0 {
                 Ok(ClusterMapping::Data {
-                    host: host.add(u64::from(sc) * geometry.subcluster_size()),
+                    host: host + u64::from(sc) * geometry.subcluster_size(),
                 })
             } else {
                 Ok(ClusterMapping::Unallocated {
-                    host: Some(host.add(u64::from(sc) * geometry.subcluster_size())),
+                    host: Some(host + u64::from(sc) * geometry.subcluster_size()),
                 })
             }
         }
@@ -146,14 +146,14 @@ impl ClusterMapping {
 
     /// The same mapping `delta` bytes further into the guest range.
     pub fn advanced(self, delta: u64) -> Self {
-        let shift = |h: Option<HostOffset>| h.map(|h| h.add(delta));
+        let shift = |h: Option<HostOffset>| h.map(|h| h + delta);
         match self {
             ClusterMapping::Unallocated { host } => {
                 ClusterMapping::Unallocated { host: shift(host) }
             }
             ClusterMapping::Zero { host } => ClusterMapping::Zero { host: shift(host) },
             ClusterMapping::Data { host } => ClusterMapping::Data {
-                host: host.add(delta),
+                host: (host + delta),
             },
             c @ ClusterMapping::Compressed(_) => c,
         }
@@ -229,7 +229,9 @@ mod tests {
         );
         assert_eq!(
             decode_l2(host, 1 << 3, 2, g),
-            Ok(ClusterMapping::Unallocated)
+            Ok(ClusterMapping::Unallocated {
+                host: Some(HostOffset(host + 2 * 2048))
+            })
         );
         assert_eq!(
             decode_l2(0, 1 << 33, 1, g),

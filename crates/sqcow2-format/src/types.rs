@@ -2,6 +2,7 @@
 //! and the cluster geometry derived from a validated header.
 
 use std::fmt;
+use std::ops::Add;
 
 /// A byte offset in the virtual disk seen by the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -27,16 +28,18 @@ impl fmt::Display for HostOffset {
     }
 }
 
-impl HostOffset {
-    /// The host offset `len` bytes further on.
-    pub fn add(self, len: u64) -> HostOffset {
+/// The host offset `len` bytes further on.
+impl Add<u64> for HostOffset {
+    type Output = HostOffset;
+    fn add(self, len: u64) -> HostOffset {
         HostOffset(self.0 + len)
     }
 }
 
-impl GuestOffset {
-    /// The guest offset `len` bytes further on.
-    pub fn add(self, len: u64) -> GuestOffset {
+/// The guest offset `len` bytes further on.
+impl Add<u64> for GuestOffset {
+    type Output = GuestOffset;
+    fn add(self, len: u64) -> GuestOffset {
         GuestOffset(self.0 + len)
     }
 }
