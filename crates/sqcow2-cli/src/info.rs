@@ -1,6 +1,7 @@
 //! `sqcow2 info`: what `qemu-img info` shows, plus chain length and every
 //! feature bit.
 
+use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -10,7 +11,7 @@ use sqcow2_format::chain::backing_path_of;
 use sqcow2_format::features::SetFeature;
 use sqcow2_format::{Chain, ChainOptions, Layer, Version};
 
-use crate::output::{human_size, OutputFormat};
+use crate::output::{human_size, print_json, OutputFormat};
 
 /// qcow2-specific information, shaped like qemu-img's `format-specific`.
 #[derive(Debug, Serialize)]
@@ -94,54 +95,55 @@ fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
     })
 }
 
-fn print_human(info: &LayerInfo) {
-    println!("image: {}", info.filename);
-    println!("file format: {}", info.format);
-    println!(
+fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
+    writeln!(out, "image: {}", info.filename)?;
+    writeln!(out, "file format: {}", info.format)?;
+    writeln!(
+        out,
         "virtual size: {} ({} bytes)",
         human_size(info.virtual_size),
         info.virtual_size
-    );
-    println!("disk size: {}", human_size(info.actual_size));
+    )?;
+    writeln!(out, "disk size: {}", human_size(info.actual_size))?;
     if let Some(c) = info.cluster_size {
-        println!("cluster_size: {c}");
+        writeln!(out, "cluster_size: {c}")?;
     }
     if let Some(b) = &info.backing_filename {
         match &info.full_backing_filename {
-            Some(full) if full != b => println!("backing file: {b} (actual path: {full})"),
-            _ => println!("backing file: {b}"),
+            Some(full) if full != b => writeln!(out, "backing file: {b} (actual path: {full})")?,
+            _ => writeln!(out, "backing file: {b}")?,
         }
     }
     if let Some(f) = &info.backing_filename_format {
-        println!("backing file format: {f}");
+        writeln!(out, "backing file format: {f}")?;
     }
-    println!("chain length: {}", info.chain_length);
+    writeln!(out, "chain length: {}", info.chain_length)?;
     if let Some(q) = &info.format_specific {
-        println!("Format specific information:");
-        println!("    compat: {}", q.compat);
-        println!("    compression type: {}", q.compression_type);
-        println!("    lazy refcounts: {}", q.lazy_refcounts);
-        println!("    bitmaps: {}", q.bitmaps);
-        println!("    refcount bits: {}", q.refcount_bits);
-        println!("    corrupt: {}", q.corrupt);
-        println!("    extended l2: {}", q.extended_l2);
-        println!("    dirty: {}", q.dirty);
-        println!("    internal snapshots: {}", q.internal_snapshots);
+        writeln!(out, "Format specific information:")?;
+        writeln!(out, "    compat: {}", q.compat)?;
+        writeln!(out, "    compression type: {}", q.compression_type)?;
+        writeln!(out, "    lazy refcounts: {}", q.lazy_refcounts)?;
+        writeln!(out, "    bitmaps: {}", q.bitmaps)?;
+        writeln!(out, "    refcount bits: {}", q.refcount_bits)?;
+        writeln!(out, "    corrupt: {}", q.corrupt)?;
+        writeln!(out, "    extended l2: {}", q.extended_l2)?;
+        writeln!(out, "    dirty: {}", q.dirty)?;
+        writeln!(out, "    internal snapshots: {}", q.internal_snapshots)?;
         for f in &q.features {
-            println!(
+            let name = f.name.as_deref().map(|n| format!(" ({n})"));
+            writeln!(
+                out,
                 "    feature: {:?} bit {}{}",
                 f.kind,
                 f.bit,
-                f.name
-                    .as_deref()
-                    .map(|n| format!(" ({n})"))
-                    .unwrap_or_default()
-            );
+                name.unwrap_or_default()
+            )?;
         }
         for e in &q.unknown_extensions {
-            println!("    unknown header extension: {e} (kept)");
+            writeln!(out, "    unknown header extension: {e} (kept)")?;
         }
     }
+    Ok(())
 }
 
 /// Runs `sqcow2 info`.
@@ -163,17 +165,16 @@ pub fn run(
     } else {
         vec![layer_info(chain.top(), layers.len())?]
     };
+    let mut out = io::stdout().lock();
     match output {
-        OutputFormat::Json if backing_chain => {
-            println!("{}", serde_json::to_string_pretty(&shown)?)
-        }
-        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&shown[0])?),
+        OutputFormat::Json if backing_chain => print_json(&mut out, &shown)?,
+        OutputFormat::Json => print_json(&mut out, &shown[0])?,
         OutputFormat::Human => {
             for (i, info) in shown.iter().enumerate() {
                 if i > 0 {
-                    println!();
+                    writeln!(out)?;
                 }
-                print_human(info);
+                print_human(&mut out, info)?;
             }
         }
     }

@@ -1,11 +1,12 @@
 //! `sqcow2 map`: the extents of the virtual disk, like `qemu-img map`.
 
+use std::io::Write;
 use std::path::Path;
 
 use serde::Serialize;
 use sqcow2_format::{Chain, ChainOptions, ExtentKind};
 
-use crate::output::OutputFormat;
+use crate::output::{print_json, OutputFormat};
 
 /// One extent with qemu-img's JSON field names.
 #[derive(Debug, Serialize)]
@@ -58,18 +59,18 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
             e.layer,
         ));
     })?;
+    let mut out = std::io::stdout().lock();
     match output {
         OutputFormat::Json => {
             let list: Vec<&MapEntry> = entries.iter().map(|(e, _)| e).collect();
-            println!("{}", serde_json::to_string_pretty(&list)?);
+            print_json(&mut out, &list)?;
         }
         OutputFormat::Human => {
-            println!(
-                "{}{}{}File",
-                c_hex_hdr("Offset"),
-                c_hex_hdr("Length"),
-                c_hex_hdr("Mapped to")
-            );
+            writeln!(
+                out,
+                "{:<16}{:<16}{:<16}File",
+                "Offset", "Length", "Mapped to"
+            )?;
             for (e, layer) in &entries {
                 if !e.data {
                     continue;
@@ -79,13 +80,16 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                     Some(o) => c_hex(o),
                     None => format!("{:<16}", "compressed"),
                 };
-                println!("{}{}{}{}", c_hex(e.start), c_hex(e.length), mapped, file);
+                writeln!(
+                    out,
+                    "{}{}{}{}",
+                    c_hex(e.start),
+                    c_hex(e.length),
+                    mapped,
+                    file
+                )?;
             }
         }
     }
     Ok(())
-}
-
-fn c_hex_hdr(s: &str) -> String {
-    format!("{s:<16}")
 }

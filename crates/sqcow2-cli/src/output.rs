@@ -9,6 +9,16 @@ pub enum OutputFormat {
     Json,
 }
 
+/// Writes `value` as pretty JSON and a newline.
+pub fn print_json(
+    out: &mut impl std::io::Write,
+    value: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    serde_json::to_writer_pretty(&mut *out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
 /// A size the way qemu-img prints it: `1 GiB`, `196 KiB`, `512 B`.
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what it needs, checks formatting and lints,
+# builds, then runs every test against QEMU's own tools as the oracle.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/deps.sh
+
+ensure_commands qemu-img:qemu-utils qemu-io:qemu-utils
+ensure_rust_components fmt clippy
+
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "==> cargo build"
+# Integration tests run the sqcow2 binary, which must be built first.
+cargo build --workspace --locked
+echo "==> cargo test"
+cargo test --workspace --locked "$@"
