@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 dir=${1:-demo}
 layers=${2:-30}
-ensure_commands qemu-img:qemu-utils qemu-io:qemu-utils
+ensure_commands cc:gcc qemu-img:qemu-utils qemu-io:qemu-utils
 
 echo "==> building sqcow2 (release)"
 cargo build --release --locked -p sqcow2-cli

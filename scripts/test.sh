@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 
-ensure_commands qemu-img:qemu-utils qemu-io:qemu-utils
+ensure_commands cc:gcc qemu-img:qemu-utils qemu-io:qemu-utils
 ensure_rust_components fmt clippy
 
 echo "==> cargo fmt --check"

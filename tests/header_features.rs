@@ -1,0 +1,146 @@
+//! Header features and extensions that must not stop a read: persistent
+//! bitmaps, internal snapshots, the dirty bit, unknown extensions and
+//! unknown compatible/autoclear bits. Each image still reads as QEMU reads
+//! it, and `info` reports what is there.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{assert_full_map_equal, assert_same_as_qemu, qemu_img, qemu_io, run, s, sqcow2};
+use sqcow2_format::extension::HeaderExtension;
+use sqcow2_format::{Chain, ChainOptions};
+
+fn image(dir: &Path, opts: &str) -> PathBuf {
+    let p = dir.join("img.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", "-o", opts, s(&p), "8M"]);
+    qemu_io(
+        &p,
+        &["write -P 0x42 0 1M".into(), "write -P 0x43 3M 100k".into()],
+    );
+    p
+}
+
+fn info_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&sqcow2(&["info", "--output", "json", s(p)])).unwrap()
+}
+
+#[test]
+fn persistent_bitmap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=65536");
+    qemu_img(&["bitmap", "--add", s(&p), "b0"]);
+    assert_same_as_qemu(&p);
+    let info = info_json(&p);
+    assert_eq!(info["format-specific"]["bitmaps"], true);
+    let chain = Chain::open(&p, &ChainOptions::default()).unwrap();
+    assert!(chain.top().header().unwrap().has_bitmaps());
+}
+
+#[test]
+fn internal_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=4096");
+    qemu_img(&["snapshot", "-c", "snap1", s(&p)]);
+    // The active state diverges from the snapshot: reads follow the active L1.
+    qemu_io(&p, &["write -P 0x99 0 64k".into(), "write -z 3M 4k".into()]);
+    assert_same_as_qemu(&p);
+    assert_full_map_equal(&p);
+    assert_eq!(info_json(&p)["format-specific"]["internal-snapshots"], 1);
+}
+
+#[test]
+fn dirty_image_with_lazy_refcounts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "lazy_refcounts=on");
+    // `abort` kills qemu-io without closing the image: the dirty bit stays.
+    let out = Command::new("qemu-io")
+        .args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0x77 2M 64k",
+            "-c",
+            "abort",
+            s(&p),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "qemu-io abort should not exit cleanly"
+    );
+    let info = info_json(&p);
+    assert_eq!(info["dirty-flag"], true, "{info}");
+    assert_eq!(info["format-specific"]["lazy-refcounts"], true);
+    assert_same_as_qemu(&p);
+}
+
+/// Writes an unknown header extension after the existing ones.
+fn inject_extension(p: &Path, ext_type: u32, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(p)
+        .unwrap();
+    let mut hdr = vec![0u8; 4096];
+    f.read_exact_at(&mut hdr, 0).unwrap();
+    let be32 = |at: usize| u32::from_be_bytes(hdr[at..at + 4].try_into().unwrap());
+    let mut off = be32(100) as usize;
+    while be32(off) != 0 {
+        off += 8 + (be32(off + 4) as usize).div_ceil(8) * 8;
+    }
+    let mut ext = Vec::new();
+    ext.extend_from_slice(&ext_type.to_be_bytes());
+    ext.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    ext.extend_from_slice(data);
+    ext.resize(8 + data.len().div_ceil(8) * 8, 0);
+    ext.extend_from_slice(&[0u8; 8]);
+    f.write_all_at(&ext, off as u64).unwrap();
+}
+
+#[test]
+fn unknown_extension_is_kept_verbatim() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=65536");
+    inject_extension(&p, 0x5eed_c0de, b"hello");
+    let chain = Chain::open(&p, &ChainOptions::default()).unwrap();
+    let kept = chain.top().header().unwrap().extensions.iter().any(|e| {
+        matches!(e, HeaderExtension::Unknown { ext_type: 0x5eed_c0de, data } if data == b"hello")
+    });
+    assert!(kept, "unknown extension not kept");
+    assert_eq!(
+        info_json(&p)["format-specific"]["unknown-extensions"][0],
+        "0x5eedc0de"
+    );
+    // QEMU still reads the image, and so do we, identically.
+    assert_same_as_qemu(&p);
+    assert!(run(Command::new("qemu-img").args(["info", s(&p)])).contains("file format: qcow2"));
+}
+
+#[test]
+fn unknown_compatible_and_autoclear_bits_are_ignored() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=65536");
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&(1u64 << 40).to_be_bytes(), 80).unwrap();
+    f.write_all_at(&(1u64 << 63).to_be_bytes(), 88).unwrap();
+    drop(f);
+    assert_same_as_qemu(&p);
+    let info = info_json(&p);
+    let features = info["format-specific"]["features"].as_array().unwrap();
+    let bits: Vec<(String, u64)> = features
+        .iter()
+        .map(|f| {
+            (
+                f["kind"].as_str().unwrap().to_owned(),
+                f["bit"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(bits.contains(&("compatible".into(), 40)), "{bits:?}");
+    assert!(bits.contains(&("autoclear".into(), 63)), "{bits:?}");
+}
