@@ -4,12 +4,13 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use tracing::debug;
 
+use crate::active::{ActiveState, WritePlan};
 use crate::backing::{resolve_backing_path, BackingFormat};
-use crate::compressed::decompress;
+use crate::compressed::read_compressed_cluster;
 use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind, WithPath};
 use crate::header::QCOW2_MAGIC;
@@ -30,6 +31,11 @@ pub struct ChainOptions {
     pub max_layers: usize,
     /// Byte budget of the L2 table cache.
     pub l2_cache_bytes: u64,
+    /// Open the top image for writing.
+    pub writable: bool,
+    /// Storage to use for the top image instead of opening its path (tests
+    /// inject faults this way); its path still anchors backing names.
+    pub top_storage: Option<Arc<dyn Storage>>,
 }
 
 impl Default for ChainOptions {
@@ -37,6 +43,8 @@ impl Default for ChainOptions {
         Self {
             max_layers: DEFAULT_MAX_LAYERS,
             l2_cache_bytes: DEFAULT_L2_CACHE_BYTES,
+            writable: false,
+            top_storage: None,
         }
     }
 }
@@ -75,10 +83,29 @@ pub struct Extent {
 }
 
 /// An opened chain; layer 0 is the base, the last layer the top.
+///
+/// Opened writable, the top takes writes; call [`Chain::close`] to flush
+/// and leave the image clean (dropping does it too, logging any error).
 #[derive(Debug)]
 pub struct Chain {
     layers: Vec<Layer>,
     cache: L2Cache,
+    active: Option<Active>,
+}
+
+/// The writable top: its metadata behind a lock, and a gate that requests
+/// hold shared and a flush holds exclusively, so that clusters freed by a
+/// flush are not in use by a request still in flight.
+#[derive(Debug)]
+struct Active {
+    gate: RwLock<()>,
+    state: Mutex<ActiveState>,
+}
+
+/// Locks a mutex, recovering from a panicked holder (the metadata stays
+/// consistent because every update is applied before the lock is released).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Which format to open the next file with.
@@ -91,8 +118,18 @@ enum Expect {
     Probe,
 }
 
-fn open_layer(path: &Path, file: File, expect: Expect) -> Result<Layer, ErrorKind> {
-    let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(file));
+fn open_layer(
+    path: &Path,
+    file: Option<File>,
+    expect: Expect,
+    options: &ChainOptions,
+) -> Result<Layer, ErrorKind> {
+    let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
+        (Expect::Top, Some(s), _) => s.clone(),
+        (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
+        (_, _, Some(file)) => Arc::new(FileStorage::from_file(file)),
+        (_, _, None) => Arc::new(FileStorage::open_read_only(path)?),
+    };
     let is_qcow2 = || -> Result<bool, ErrorKind> {
         let mut magic = [0u8; 4];
         storage.read_at(&mut magic, 0)?;
@@ -134,26 +171,32 @@ impl Chain {
                     },
                 ));
             }
-            let file = match File::open(&current) {
-                Ok(f) => f,
-                Err(source) if referrer.is_some() => {
-                    return Err(Error::new(
-                        blame,
-                        ErrorKind::MissingBacking {
-                            backing: current,
-                            source,
-                        },
-                    ))
+            let injected = referrer.is_none() && options.top_storage.is_some();
+            let file = if injected {
+                None
+            } else {
+                let file = match File::open(&current) {
+                    Ok(f) => f,
+                    Err(source) if referrer.is_some() => {
+                        return Err(Error::new(
+                            blame,
+                            ErrorKind::MissingBacking {
+                                backing: current,
+                                source,
+                            },
+                        ))
+                    }
+                    Err(e) => return Err(Error::new(current, ErrorKind::Io(e))),
+                };
+                let meta = file
+                    .metadata()
+                    .map_err(|e| Error::new(&current, e.into()))?;
+                if !seen.insert((meta.dev(), meta.ino())) {
+                    return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
                 }
-                Err(e) => return Err(Error::new(current, ErrorKind::Io(e))),
+                Some(file)
             };
-            let meta = file
-                .metadata()
-                .map_err(|e| Error::new(&current, e.into()))?;
-            if !seen.insert((meta.dev(), meta.ino())) {
-                return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
-            }
-            let layer = open_layer(&current, file, expect).map_err(|kind| match kind {
+            let layer = open_layer(&current, file, expect, options).map_err(|kind| match kind {
                 // The referring image records the wrong format: blame it.
                 ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
                     Error::new(&blame, kind)
@@ -176,9 +219,15 @@ impl Chain {
             top_down.push(layer);
         }
         top_down.reverse();
+        let active = if options.writable {
+            Some(Active::open(&top_down)?)
+        } else {
+            None
+        };
         Ok(Chain {
             layers: top_down,
             cache: L2Cache::new(options.l2_cache_bytes),
+            active,
         })
     }
 
@@ -200,7 +249,10 @@ impl Chain {
 
     /// Virtual size of the disk (the top's).
     pub fn virtual_size(&self) -> u64 {
-        self.top().virtual_size()
+        match &self.active {
+            Some(a) => lock(&a.state).size(),
+            None => self.top().virtual_size(),
+        }
     }
 
     fn layer_status(
@@ -211,6 +263,9 @@ impl Chain {
         precise: bool,
     ) -> Result<(LayerStatus, u64), Error> {
         let layer = &self.layers[index.0];
+        if let (Some(active), true) = (&self.active, index == self.top_index()) {
+            return lock(&active.state).status(guest.0, max);
+        }
         match layer {
             Layer::Qcow2(q) => q
                 .status(index, guest, max, &self.cache)
@@ -223,8 +278,19 @@ impl Chain {
     /// the virtual size): the first run with one mapping. `precise` asks
     /// raw layers for their holes (for `map`; reads do not need it).
     pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
+        self.resolve_from(self.top_index(), start, max, precise)
+    }
+
+    /// [`Chain::resolve`] starting at layer `index` instead of the top
+    /// (`start` must lie within that layer's virtual size).
+    fn resolve_from(
+        &self,
+        mut index: LayerIndex,
+        start: GuestOffset,
+        max: u64,
+        precise: bool,
+    ) -> Result<Extent, Error> {
         let mut len = max;
-        let mut index = self.top_index();
         loop {
             let (status, n) = self.layer_status(index, start, len, precise)?;
             len = n;
@@ -273,10 +339,23 @@ impl Chain {
     /// Reads guest bytes at `offset` into `buf`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
+        let _gate = self.active.as_ref().map(|a| a.gate.read());
+        self.read_from(self.top_index(), buf, offset)
+    }
+
+    /// Reads what layer `index` and the layers below it hold at `offset`;
+    /// zeros beyond that layer's virtual size.
+    fn read_from(&self, index: LayerIndex, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+        let size = self.layers[index.0].virtual_size();
         let mut done = 0usize;
         while done < buf.len() {
             let pos = GuestOffset(offset + done as u64);
-            let extent = self.resolve(pos, (buf.len() - done) as u64, false)?;
+            if pos.0 >= size {
+                buf[done..].fill(0);
+                break;
+            }
+            let want = ((buf.len() - done) as u64).min(size - pos.0);
+            let extent = self.resolve_from(index, pos, want, false)?;
             let n = extent.len as usize;
             let out = &mut buf[done..done + n];
             let layer = &self.layers[extent.layer.0];
@@ -295,6 +374,142 @@ impl Chain {
         Ok(())
     }
 
+    /// Reads the guest view of the layers below the top.
+    fn read_below(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+        match self.top_index().0.checked_sub(1) {
+            Some(i) => self.read_from(LayerIndex(i), buf, offset),
+            None => {
+                buf.fill(0);
+                Ok(())
+            }
+        }
+    }
+
+    fn active(&self) -> Result<&Active, Error> {
+        self.active.as_ref().ok_or_else(|| {
+            Error::new(
+                self.top().path(),
+                ErrorKind::Io(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "image opened read-only",
+                )),
+            )
+        })
+    }
+
+    /// Calls `each(offset, len)` for every piece of `[offset, offset + len)`
+    /// that lies within one cluster of the top.
+    fn for_each_cluster(
+        &self,
+        offset: u64,
+        len: u64,
+        mut each: impl FnMut(u64, u64) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let cluster_size = self
+            .top()
+            .header()
+            .map(|h| h.geometry.cluster_size())
+            .unwrap_or(65536);
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let n = (cluster_size - pos % cluster_size).min(end - pos);
+            each(pos, n)?;
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` at guest `offset` into the top.
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        self.check_range(offset, buf.len() as u64)?;
+        let active = self.active()?;
+        let _gate = active.gate.read();
+        self.write_locked(active, buf, offset)
+    }
+
+    fn write_locked(&self, active: &Active, buf: &[u8], offset: u64) -> Result<(), Error> {
+        let below = |b: &mut [u8], o: u64| self.read_below(b, o);
+        self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
+            let data = &buf[(pos - offset) as usize..(pos - offset + n) as usize];
+            let plan = lock(&active.state).write_in_cluster(&below, data, pos)?;
+            if let WritePlan::InPlace(host) = plan {
+                let top = self.top();
+                top.storage()
+                    .write_at(data, host)
+                    .map_err(|e| Error::new(top.path(), e.into()))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Makes `[offset, offset + len)` read as zeros. Whole clusters become
+    /// zero clusters (with `unmap`, their space is released); partial ones
+    /// are written with zeros.
+    pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
+        self.check_range(offset, len)?;
+        let active = self.active()?;
+        let _gate = active.gate.read();
+        let cluster_size = self.cluster_size();
+        let zeros = vec![0u8; cluster_size as usize];
+        self.for_each_cluster(offset, len, |pos, n| {
+            let whole =
+                n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
+            if whole && lock(&active.state).zero_cluster(pos, unmap)? {
+                return Ok(());
+            }
+            self.write_locked(active, &zeros[..n as usize], pos)
+        })
+    }
+
+    /// Discards `[offset, offset + len)`: whole clusters read as zeros
+    /// afterwards and their space is released; partial clusters are left
+    /// as they are (discard is advisory, as in QEMU).
+    pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
+        self.check_range(offset, len)?;
+        let active = self.active()?;
+        let _gate = active.gate.read();
+        let cluster_size = self.cluster_size();
+        let zeros = vec![0u8; cluster_size as usize];
+        self.for_each_cluster(offset, len, |pos, n| {
+            let whole =
+                n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
+            if !whole || lock(&active.state).zero_cluster(pos, true)? {
+                return Ok(());
+            }
+            self.write_locked(active, &zeros[..n as usize], pos)
+        })
+    }
+
+    /// Makes every completed write durable, metadata in crash-safe order.
+    pub fn flush(&self) -> Result<(), Error> {
+        let Some(active) = &self.active else {
+            return Ok(());
+        };
+        let _gate = active.gate.write();
+        lock(&active.state).flush()
+    }
+
+    /// Flushes and leaves the image clean (clears the dirty bit of lazy
+    /// refcounts). Read-only chains close trivially.
+    pub fn close(mut self) -> Result<(), Error> {
+        match self.active.take() {
+            Some(active) => active
+                .state
+                .into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .close(),
+            None => Ok(()),
+        }
+    }
+
+    fn cluster_size(&self) -> u64 {
+        self.top()
+            .header()
+            .map(|h| h.geometry.cluster_size())
+            .unwrap_or(65536)
+    }
+
     fn read_compressed(
         &self,
         layer: &Layer,
@@ -302,36 +517,15 @@ impl Chain {
         pos: GuestOffset,
         out: &mut [u8],
     ) -> Result<(), Error> {
-        let fail = |kind| Error::new(layer.path(), kind);
-        let Layer::Qcow2(q) = layer else {
-            unreachable!("raw layers have no compressed clusters");
+        let Some(header) = layer.header() else {
+            return Err(Error::new(
+                layer.path(),
+                ErrorKind::Io(std::io::Error::other("compressed cluster in a raw file")),
+            ));
         };
-        let header = q.header();
-        let file_size = q.file_size();
-        if d.offset.0 >= file_size {
-            return Err(fail(ErrorKind::CompressedBeyondEof {
-                offset: d.offset.0,
-                len: d.len,
-                file_size,
-            }));
-        }
-        let mut packed = vec![0u8; d.len as usize];
-        layer
-            .storage()
-            .read_at(&mut packed, d.offset.0)
-            .map_err(|e| fail(e.into()))?;
         let g = header.geometry;
-        let mut cluster = vec![0u8; g.cluster_size() as usize];
-        decompress(header.compression_type, &packed, &mut cluster).map_err(|reason| {
-            fail(ErrorKind::Decompression {
-                offset: d.offset.0,
-                algorithm: match header.compression_type {
-                    crate::header::CompressionType::Deflate => "deflate",
-                    crate::header::CompressionType::Zstd => "zstd",
-                },
-                reason,
-            })
-        })?;
+        let cluster = read_compressed_cluster(&**layer.storage(), header.compression_type, g, d)
+            .map_err(|k| Error::new(layer.path(), k))?;
         let from = g.offset_in_cluster(pos.0) as usize;
         out.copy_from_slice(&cluster[from..from + out.len()]);
         Ok(())
@@ -395,4 +589,37 @@ pub fn backing_path_of(layer: &Layer) -> Option<PathBuf> {
     let header = layer.header()?;
     let name = header.backing_file.as_ref()?;
     resolve_backing_path(layer.path(), name).ok()
+}
+
+impl Active {
+    /// Takes the top of freshly opened `layers` (base first) for writing.
+    fn open(layers: &[Layer]) -> Result<Active, Error> {
+        let top = &layers[layers.len() - 1];
+        let Some(header) = top.header() else {
+            return Err(Error::new(top.path(), ErrorKind::BadMagic(0)));
+        };
+        let state = ActiveState::open(
+            top.path(),
+            top.storage().clone(),
+            header.clone(),
+            layers.len() > 1,
+        )?;
+        Ok(Active {
+            gate: RwLock::new(()),
+            state: Mutex::new(state),
+        })
+    }
+}
+
+impl Drop for Chain {
+    fn drop(&mut self) {
+        if let Some(active) = self.active.take() {
+            let path = self.top().path().to_path_buf();
+            let state = active.state.into_inner().unwrap_or_else(|p| p.into_inner());
+            let mut state = state;
+            if let Err(e) = state.close() {
+                tracing::error!(path = %path.display(), error = %e, "closing the image failed");
+            }
+        }
+    }
 }

@@ -4,7 +4,40 @@
 use flate2::{Decompress, FlushDecompress, Status};
 use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
 
+use crate::entry::CompressedDescriptor;
+use crate::error::ErrorKind;
 use crate::header::CompressionType;
+use crate::storage::Storage;
+use crate::types::Geometry;
+
+/// Reads and decompresses the compressed cluster `d` of an image.
+pub fn read_compressed_cluster(
+    storage: &dyn Storage,
+    kind: CompressionType,
+    geometry: Geometry,
+    d: CompressedDescriptor,
+) -> Result<Vec<u8>, ErrorKind> {
+    let file_size = storage.len()?;
+    if d.offset.0 >= file_size {
+        return Err(ErrorKind::CompressedBeyondEof {
+            offset: d.offset.0,
+            len: d.len,
+            file_size,
+        });
+    }
+    let mut packed = vec![0u8; d.len as usize];
+    storage.read_at(&mut packed, d.offset.0)?;
+    let mut cluster = vec![0u8; geometry.cluster_size() as usize];
+    decompress(kind, &packed, &mut cluster).map_err(|reason| ErrorKind::Decompression {
+        offset: d.offset.0,
+        algorithm: match kind {
+            CompressionType::Deflate => "deflate",
+            CompressionType::Zstd => "zstd",
+        },
+        reason,
+    })?;
+    Ok(cluster)
+}
 
 /// Decompresses `input` into `out`, which must be filled completely.
 pub fn decompress(kind: CompressionType, input: &[u8], out: &mut [u8]) -> Result<(), String> {

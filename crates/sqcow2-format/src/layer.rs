@@ -10,7 +10,7 @@ use crate::error::{ErrorKind, Table};
 use crate::header::Header;
 use crate::l2_cache::{L2Cache, L2Table};
 use crate::storage::Storage;
-use crate::types::{GuestOffset, HostOffset, LayerIndex};
+use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
 
 /// What a layer says about a run of guest bytes.
 pub type LayerStatus = ClusterMapping;
@@ -86,34 +86,11 @@ impl Qcow2Layer {
         offset: u64,
         cache: &L2Cache,
     ) -> Result<L2Table, ErrorKind> {
-        let geometry = self.header.geometry;
-        let cluster_size = geometry.cluster_size();
         if let Some(t) = cache.get((index, HostOffset(offset))) {
             return Ok(t);
         }
-        if geometry.offset_in_cluster(offset) != 0 {
-            return Err(ErrorKind::UnalignedTable {
-                table: Table::L2,
-                offset,
-            });
-        }
-        if offset < cluster_size {
-            return Err(ErrorKind::TableOverlapsHeader {
-                table: Table::L2,
-                offset,
-            });
-        }
-        if offset + cluster_size > self.file_size {
-            return Err(ErrorKind::TableBeyondEof {
-                table: Table::L2,
-                offset,
-                len: cluster_size,
-                file_size: self.file_size,
-            });
-        }
-        let mut raw = vec![0u8; cluster_size as usize];
-        self.storage.read_at(&mut raw, offset)?;
-        let table: L2Table = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
+        let table: L2Table =
+            read_l2_table(self.header.geometry, &*self.storage, offset, self.file_size)?.into();
         cache.insert((index, HostOffset(offset)), table.clone());
         Ok(table)
     }
@@ -129,8 +106,7 @@ impl Qcow2Layer {
         cache: &L2Cache,
     ) -> Result<(LayerStatus, u64), ErrorKind> {
         let g = self.header.geometry;
-        let l2_end = (g.l1_index(guest) + 1) * g.l2_coverage();
-        let max = max.min(l2_end - guest.0);
+        let max = clip_to_l2(g, guest, max);
         let l1_entry = usize::try_from(g.l1_index(guest))
             .ok()
             .and_then(|i| self.l1.get(i))
@@ -141,43 +117,102 @@ impl Qcow2Layer {
             return Ok((LayerStatus::Unallocated { host: None }, max));
         }
         let table = self.l2_table(index, l2_offset, cache)?;
-        let granule = g.subcluster_size();
-        let words = if g.extended_l2 { 2 } else { 1 };
-        let mapping_at = |pos: u64| -> Result<LayerStatus, ErrorKind> {
-            let l2_index = g.l2_index(GuestOffset(pos)) as usize;
-            let entry = table.get(l2_index * words).copied().unwrap_or(0);
-            let bitmap = if words == 2 {
-                table.get(l2_index * 2 + 1).copied().unwrap_or(0)
-            } else {
-                0
-            };
-            let sc = (g.offset_in_cluster(pos) / granule) as u32;
-            decode_l2(entry, bitmap, sc, g).map_err(|e| match e {
-                EntryError::UnalignedCluster(host_offset) => ErrorKind::UnalignedCluster {
-                    guest_offset: pos,
-                    host_offset,
-                },
-                EntryError::InvalidBitmap(bitmap) => ErrorKind::InvalidSubclusterBitmap {
-                    guest_offset: pos,
-                    bitmap,
-                },
-            })
-        };
-        let first = mapping_at(guest.0)?.advanced(guest.0 % granule);
-        let mut len = (granule - guest.0 % granule).min(max);
-        if let LayerStatus::Compressed(_) = first {
-            let to_cluster_end = g.cluster_size() - g.offset_in_cluster(guest.0);
-            return Ok((first, to_cluster_end.min(max)));
-        }
-        while len < max {
-            let next = mapping_at(guest.0 + len)?;
-            if !first.continued_by(len, &next) {
-                break;
-            }
-            len = (len + granule).min(max);
-        }
-        Ok((first, len))
+        table_status(g, &table, guest, max)
     }
+}
+
+/// `max` shortened so that `[guest, guest + max)` stays within one L2 table.
+pub fn clip_to_l2(g: Geometry, guest: GuestOffset, max: u64) -> u64 {
+    let l2_end = (g.l1_index(guest) + 1) * g.l2_coverage();
+    max.min(l2_end - guest.0)
+}
+
+/// The mapping of (sub)cluster at `pos` in an L2 table.
+pub fn mapping_in_table(g: Geometry, table: &[u64], pos: u64) -> Result<LayerStatus, ErrorKind> {
+    let words = if g.extended_l2 { 2 } else { 1 };
+    let l2_index = g.l2_index(GuestOffset(pos)) as usize;
+    let entry = table.get(l2_index * words).copied().unwrap_or(0);
+    let bitmap = if words == 2 {
+        table.get(l2_index * 2 + 1).copied().unwrap_or(0)
+    } else {
+        0
+    };
+    let sc = (g.offset_in_cluster(pos) / g.subcluster_size()) as u32;
+    decode_l2(entry, bitmap, sc, g).map_err(|e| match e {
+        EntryError::UnalignedCluster(host_offset) => ErrorKind::UnalignedCluster {
+            guest_offset: pos,
+            host_offset,
+        },
+        EntryError::InvalidBitmap(bitmap) => ErrorKind::InvalidSubclusterBitmap {
+            guest_offset: pos,
+            bitmap,
+        },
+    })
+}
+
+/// The first run of `[guest, guest + max)` (within one L2 table) that
+/// shares one mapping in `table`.
+pub fn table_status(
+    g: Geometry,
+    table: &[u64],
+    guest: GuestOffset,
+    max: u64,
+) -> Result<(LayerStatus, u64), ErrorKind> {
+    let granule = g.subcluster_size();
+    let first = mapping_in_table(g, table, guest.0)?.advanced(guest.0 % granule);
+    let mut len = (granule - guest.0 % granule).min(max);
+    if let LayerStatus::Compressed(_) = first {
+        let to_cluster_end = g.cluster_size() - g.offset_in_cluster(guest.0);
+        return Ok((first, to_cluster_end.min(max)));
+    }
+    while len < max {
+        let next = mapping_in_table(g, table, guest.0 + len)?;
+        if !first.continued_by(len, &next) {
+            break;
+        }
+        len = (len + granule).min(max);
+    }
+    Ok((first, len))
+}
+
+/// Checks that an L2 table offset is aligned, after the header cluster and
+/// inside a file of `file_size` bytes.
+pub fn validate_l2_offset(g: Geometry, offset: u64, file_size: u64) -> Result<(), ErrorKind> {
+    let cluster_size = g.cluster_size();
+    if g.offset_in_cluster(offset) != 0 {
+        return Err(ErrorKind::UnalignedTable {
+            table: Table::L2,
+            offset,
+        });
+    }
+    if offset < cluster_size {
+        return Err(ErrorKind::TableOverlapsHeader {
+            table: Table::L2,
+            offset,
+        });
+    }
+    if offset + cluster_size > file_size {
+        return Err(ErrorKind::TableBeyondEof {
+            table: Table::L2,
+            offset,
+            len: cluster_size,
+            file_size,
+        });
+    }
+    Ok(())
+}
+
+/// Reads and decodes the table at `offset` (validated first).
+pub fn read_l2_table(
+    g: Geometry,
+    storage: &dyn Storage,
+    offset: u64,
+    file_size: u64,
+) -> Result<Vec<u64>, ErrorKind> {
+    validate_l2_offset(g, offset, file_size)?;
+    let mut raw = vec![0u8; g.cluster_size() as usize];
+    storage.read_at(&mut raw, offset)?;
+    Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
 }
 
 impl RawLayer {

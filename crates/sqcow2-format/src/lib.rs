@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod active;
 pub mod backing;
 mod bytes;
 pub mod chain;
@@ -18,6 +19,7 @@ pub mod features;
 pub mod header;
 pub mod l2_cache;
 pub mod layer;
+pub mod refcount;
 pub mod storage;
 pub mod types;
 

@@ -20,6 +20,24 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn is_empty(&self) -> io::Result<bool> {
         Ok(self.len()? == 0)
     }
+    /// Writes all of `buf` at `offset`, extending the storage if needed.
+    fn write_at(&self, _buf: &[u8], _offset: u64) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "read-only storage",
+        ))
+    }
+    /// Sets the length, truncating or extending with zeros.
+    fn set_len(&self, _len: u64) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "read-only storage",
+        ))
+    }
+    /// Makes every completed write durable (fdatasync).
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
     /// Allocation status of `[offset, offset + len)`: `Some((is_data, run))`
     /// where `run` bytes from `offset` share the status, or `None` when the
     /// storage cannot tell (everything is then data).
@@ -39,6 +57,16 @@ impl FileStorage {
     pub fn open_read_only(path: &Path) -> io::Result<Self> {
         Ok(Self {
             file: File::open(path)?,
+        })
+    }
+
+    /// Opens `path` for reading and writing.
+    pub fn open_read_write(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            file: std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)?,
         })
     }
 
@@ -72,6 +100,18 @@ impl Storage for FileStorage {
 
     fn len(&self) -> io::Result<u64> {
         Ok(self.file.metadata()?.len())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
     }
 
     fn allocation(&self, offset: u64, len: u64) -> Option<(bool, u64)> {
@@ -111,6 +151,11 @@ impl MemStorage {
             bytes: RwLock::new(bytes),
         }
     }
+
+    /// A copy of the current bytes.
+    pub fn snapshot(&self) -> Vec<u8> {
+        self.bytes.read().map(|b| b.clone()).unwrap_or_default()
+    }
 }
 
 impl Storage for MemStorage {
@@ -134,5 +179,28 @@ impl Storage for MemStorage {
             .read()
             .map_err(|_| io::Error::other("storage lock poisoned"))?;
         Ok(bytes.len() as u64)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let mut bytes = self
+            .bytes
+            .write()
+            .map_err(|_| io::Error::other("storage lock poisoned"))?;
+        let start = usize::try_from(offset).map_err(io::Error::other)?;
+        let end = start + buf.len();
+        if bytes.len() < end {
+            bytes.resize(end, 0);
+        }
+        bytes[start..end].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut bytes = self
+            .bytes
+            .write()
+            .map_err(|_| io::Error::other("storage lock poisoned"))?;
+        bytes.resize(usize::try_from(len).map_err(io::Error::other)?, 0);
+        Ok(())
     }
 }
