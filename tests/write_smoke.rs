@@ -38,7 +38,7 @@ fn smoke() {
     chain.write_zeroes(4 << 20, 2 << 20, false).unwrap();
     chain.discard(6 << 20, 1 << 20).unwrap();
     chain.flush().unwrap();
-    chain.write_at(&vec![0x55; 100], 2000).unwrap();
+    chain.write_at(&[0x55; 100], 2000).unwrap();
     chain.close().unwrap();
     println!("{}", qemu_img(&["check", s(&top)]));
     let ro = Chain::open(&top, &ChainOptions::default()).unwrap();

@@ -1,8 +1,11 @@
 //! `sqcow2`: read-outs, conversion and maintenance of qcow2 / sQcow2 chains,
 //! in the spirit of `qemu-img`.
 
+mod check;
 mod convert;
+mod create;
 mod info;
+mod io;
 mod map;
 mod output;
 
@@ -46,6 +49,52 @@ enum Command {
         /// Top image of the chain.
         image: PathBuf,
     },
+    /// Create a qcow2 image, like `qemu-img create -f qcow2`.
+    Create {
+        /// Image format (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
+        /// Backing file, named as it will be written in the image.
+        #[arg(short = 'b')]
+        backing: Option<PathBuf>,
+        /// Backing file format (qcow2 or raw).
+        #[arg(short = 'F')]
+        backing_format: Option<String>,
+        /// Options: cluster_size, extended_l2, compression_type,
+        /// lazy_refcounts, compat, refcount_bits.
+        #[arg(short = 'o')]
+        options: Vec<String>,
+        /// Image to create.
+        file: PathBuf,
+        /// Virtual size (defaults to the backing file's).
+        size: Option<String>,
+    },
+    /// Check refcounts and mappings, like `qemu-img check`
+    /// (exit 0 clean, 2 errors, 3 leaks, 1 check failed).
+    Check {
+        /// Repair leaks, or everything.
+        #[arg(short = 'r', value_enum)]
+        repair: Option<check::RepairArg>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// Image to check.
+        image: PathBuf,
+    },
+    /// Run qemu-io commands (read, write, discard, flush) on an image.
+    Io {
+        /// A command, as for qemu-io -c.
+        #[arg(short = 'c', required = true)]
+        commands: Vec<String>,
+        /// Open read-only.
+        #[arg(short = 'r')]
+        read_only: bool,
+        /// Format (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
+        /// Top image of the chain.
+        image: PathBuf,
+    },
     /// Write the whole virtual disk to a raw file.
     Convert {
         /// Output format (only `raw`).
@@ -67,18 +116,51 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         ..ChainOptions::default()
     };
     match cli.command {
+        Command::Create {
+            backing,
+            backing_format,
+            options,
+            file,
+            size,
+            ..
+        } => create::run(
+            &file,
+            size.as_deref(),
+            backing.as_deref(),
+            backing_format.as_deref(),
+            &options,
+        )
+        .map(|()| ExitCode::SUCCESS),
+        Command::Check {
+            repair,
+            output,
+            image,
+        } => check::run(&image, repair, output),
+        Command::Io {
+            commands,
+            read_only,
+            image,
+            ..
+        } => io::run(&image, &commands, read_only, &options),
+        other => run_read_out(other, &options),
+    }
+}
+
+fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<ExitCode> {
+    match command {
         Command::Info {
             backing_chain,
             output,
             image,
-        } => info::run(&image, backing_chain, output, &options),
-        Command::Map { output, image } => map::run(&image, output, &options),
+        } => info::run(&image, backing_chain, output, options),
+        Command::Map { output, image } => map::run(&image, output, options),
         Command::Convert {
             output_format,
             progress,
             src,
             dst,
-        } => convert::run(&src, &dst, output_format, progress, &options),
+        } => convert::run(&src, &dst, output_format, progress, options),
+        _ => unreachable!("handled by run"),
     }
     .map(|()| ExitCode::SUCCESS)
 }

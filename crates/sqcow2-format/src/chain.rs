@@ -10,9 +10,15 @@ use tracing::debug;
 
 use crate::active::{ActiveState, WritePlan};
 use crate::backing::{resolve_backing_path, BackingFormat};
+use crate::check::{check_storage, read_header, Repair};
 use crate::compressed::read_compressed_cluster;
 use crate::entry::CompressedDescriptor;
-use crate::error::{Error, ErrorKind, WithPath};
+use crate::error::{Error, ErrorKind, Feature, WithPath};
+use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_DIRTY};
+use crate::header::Version;
+
+/// Autoclear bits this writer keeps consistent (or that do not apply).
+const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
 use crate::header::QCOW2_MAGIC;
 use crate::l2_cache::L2Cache;
 use crate::layer::{Layer, LayerStatus, Qcow2Layer, RawLayer};
@@ -598,12 +604,36 @@ impl Active {
         let Some(header) = top.header() else {
             return Err(Error::new(top.path(), ErrorKind::BadMagic(0)));
         };
-        let state = ActiveState::open(
-            top.path(),
-            top.storage().clone(),
-            header.clone(),
-            layers.len() > 1,
-        )?;
+        let path = top.path();
+        let storage = top.storage().clone();
+        let e = |k: ErrorKind| Error::new(path, k);
+        if header.has_bitmaps() {
+            return Err(e(ErrorKind::Unsupported(Feature::WriteWithBitmaps)));
+        }
+        let mut header = header.clone();
+        if header.is_dirty() {
+            // Refcounts of a dirty image may be stale: repair, as QEMU does.
+            tracing::warn!(path = %path.display(), "image was not closed cleanly: repairing refcounts");
+            check_storage(path, storage.clone(), Repair::All)?;
+            header = read_header(&*storage).map_err(e)?;
+            let clean = header.features.incompatible & !INCOMPAT_DIRTY;
+            storage
+                .write_at(&clean.to_be_bytes(), 72)
+                .and_then(|()| storage.sync())
+                .map_err(|io| e(io.into()))?;
+            header.features.incompatible = clean;
+        }
+        let unknown_autoclear = header.features.autoclear & !KNOWN_AUTOCLEAR;
+        if header.version == Version::V3 && unknown_autoclear != 0 {
+            // A writer that does not know an autoclear feature clears it.
+            let kept = header.features.autoclear & KNOWN_AUTOCLEAR;
+            storage
+                .write_at(&kept.to_be_bytes(), 88)
+                .and_then(|()| storage.sync())
+                .map_err(|io| e(io.into()))?;
+            header.features.autoclear = kept;
+        }
+        let state = ActiveState::open(path, storage, header, layers.len() > 1)?;
         Ok(Active {
             gate: RwLock::new(()),
             state: Mutex::new(state),

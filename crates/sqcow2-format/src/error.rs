@@ -274,6 +274,9 @@ pub enum Feature {
     },
     /// A compression type other than deflate (0) and zstd (1).
     UnknownCompressionType(u8),
+    /// Writing to an image with persistent dirty bitmaps (they would go
+    /// stale; reading works).
+    WriteWithBitmaps,
 }
 
 impl fmt::Display for Feature {
@@ -294,6 +297,9 @@ impl fmt::Display for Feature {
                 write!(f, "unknown incompatible feature bit {bit}")
             }
             Feature::UnknownCompressionType(t) => write!(f, "compression type {t}"),
+            Feature::WriteWithBitmaps => {
+                f.write_str("writing to an image with persistent dirty bitmaps")
+            }
         }
     }
 }

@@ -11,7 +11,9 @@ pub mod active;
 pub mod backing;
 mod bytes;
 pub mod chain;
+pub mod check;
 pub mod compressed;
+pub mod create;
 pub mod entry;
 pub mod error;
 pub mod extension;
@@ -20,6 +22,7 @@ pub mod header;
 pub mod l2_cache;
 pub mod layer;
 pub mod refcount;
+pub mod snapshot;
 pub mod storage;
 pub mod types;
 

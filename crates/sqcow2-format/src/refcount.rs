@@ -192,6 +192,16 @@ impl Refcounts {
         Ok(())
     }
 
+    /// Sets the refcount of a cluster whose block exists (repairs).
+    pub fn set_value(
+        &mut self,
+        storage: &dyn Storage,
+        idx: u64,
+        value: u64,
+    ) -> Result<(), ErrorKind> {
+        self.set(storage, idx, value)
+    }
+
     /// Adds `delta` to the refcount of cluster `idx` (whose block exists).
     pub fn increment(&mut self, storage: &dyn Storage, idx: u64) -> Result<(), ErrorKind> {
         let v = self.get(storage, idx)?;

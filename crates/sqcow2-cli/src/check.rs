@@ -1,0 +1,83 @@
+//! `sqcow2 check`: refcount and mapping consistency, like `qemu-img check`.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+
+use sqcow2_format::check::{check, Repair};
+
+use crate::output::{print_json, OutputFormat};
+
+/// `-r` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RepairArg {
+    /// Drop leaked clusters.
+    Leaks,
+    /// Fix leaks and errors.
+    All,
+}
+
+/// Runs `sqcow2 check`; the exit code follows qemu-img check.
+pub fn run(
+    image: &Path,
+    repair: Option<RepairArg>,
+    output: OutputFormat,
+) -> anyhow::Result<ExitCode> {
+    let repair = match repair {
+        None => Repair::None,
+        Some(RepairArg::Leaks) => Repair::Leaks,
+        Some(RepairArg::All) => Repair::All,
+    };
+    let report = check(image, repair)?;
+    let mut out = std::io::stdout().lock();
+    match output {
+        OutputFormat::Json => print_json(&mut out, &report)?,
+        OutputFormat::Human => {
+            for m in &report.messages {
+                writeln!(out, "{m}")?;
+            }
+            if report.leaks_fixed > 0 || report.corruptions_fixed > 0 {
+                writeln!(
+                    out,
+                    "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n",
+                    report.leaks_fixed, report.corruptions_fixed
+                )?;
+            }
+            if report.corruptions == 0 && report.leaks == 0 && report.check_errors == 0 {
+                writeln!(out, "No errors were found on the image.")?;
+            }
+            if report.corruptions > 0 {
+                writeln!(
+                    out,
+                    "\n{} errors were found on the image.\nData may be corrupted, or further writes to the image may corrupt it.",
+                    report.corruptions
+                )?;
+            }
+            if report.leaks > 0 {
+                writeln!(
+                    out,
+                    "\n{} leaked clusters were found on the image.\nThis means waste of disk space, but no harm to data.",
+                    report.leaks
+                )?;
+            }
+            let pct = |n: u64| {
+                if report.total_clusters == 0 {
+                    0.0
+                } else {
+                    n as f64 * 100.0 / report.total_clusters as f64
+                }
+            };
+            writeln!(
+                out,
+                "{}/{} = {:.2}% allocated, {:.2}% fragmented, {:.2}% compressed clusters",
+                report.allocated_clusters,
+                report.total_clusters,
+                pct(report.allocated_clusters),
+                pct(report.fragmented_clusters),
+                pct(report.compressed_clusters)
+            )?;
+            writeln!(out, "Image end offset: {}", report.image_end_offset)?;
+        }
+    }
+    Ok(ExitCode::from(report.exit_code() as u8))
+}

@@ -1,0 +1,564 @@
+//! Consistency check and repair of one qcow2 image, like `qemu-img check`:
+//! every reference from the metadata is counted and compared with the
+//! refcounts on disk; `COPIED` flags of the active tables are verified.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::bytes::{be_u32, be_u64};
+use crate::entry::{
+    CompressedDescriptor, COMPRESSED, COPIED, L1_RESERVED_MASK, L2_STD_RESERVED_MASK, OFFSET_MASK,
+};
+use crate::error::{Error, ErrorKind};
+use crate::extension::HeaderExtension;
+use crate::header::Header;
+use crate::refcount::{max_refcount, set_entry, Refcounts};
+use crate::snapshot::read_snapshot_table;
+use crate::storage::{FileStorage, Storage};
+
+/// What to repair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repair {
+    /// Only report.
+    None,
+    /// Drop leaked references.
+    Leaks,
+    /// Fix leaks, refcounts that are too low and `COPIED` flags.
+    All,
+}
+
+/// Result of a check, with `qemu-img check`'s JSON field names.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct CheckReport {
+    /// The image checked.
+    pub filename: String,
+    /// Always `qcow2`.
+    pub format: &'static str,
+    /// Errors that may mean lost or wrong data.
+    pub corruptions: u64,
+    /// Clusters counted but not referenced.
+    pub leaks: u64,
+    /// Errors that stopped the check from completing.
+    pub check_errors: u64,
+    /// Corruptions repaired.
+    pub corruptions_fixed: u64,
+    /// Leaks repaired.
+    pub leaks_fixed: u64,
+    /// Byte offset after the last used cluster.
+    pub image_end_offset: u64,
+    /// Guest clusters of the virtual disk.
+    pub total_clusters: u64,
+    /// Guest clusters allocated in the active volume.
+    pub allocated_clusters: u64,
+    /// Allocated guest clusters not following their predecessor on disk.
+    pub fragmented_clusters: u64,
+    /// Compressed guest clusters.
+    pub compressed_clusters: u64,
+    /// One line per problem found.
+    #[serde(skip)]
+    pub messages: Vec<String>,
+}
+
+impl CheckReport {
+    /// `qemu-img check`'s exit code: 0 clean, 2 corruptions, 3 leaks only,
+    /// 1 check errors.
+    pub fn exit_code(&self) -> i32 {
+        if self.check_errors > 0 {
+            1
+        } else if self.corruptions > 0 {
+            2
+        } else if self.leaks > 0 {
+            3
+        } else {
+            0
+        }
+    }
+}
+
+/// Everything the metadata references, counted per host cluster.
+struct Census {
+    cluster_bits: u32,
+    file_size: u64,
+    counts: Vec<u64>,
+    report: CheckReport,
+    /// Active L1 entries and L2 entries whose COPIED flag must be checked:
+    /// (where the entry lives on disk, entry value, referenced cluster).
+    copied: Vec<(u64, u64, u64)>,
+}
+
+impl Census {
+    fn corrupt(&mut self, msg: String) {
+        self.report.corruptions += 1;
+        self.report.messages.push(format!("ERROR {msg}"));
+    }
+
+    fn add_cluster(&mut self, idx: u64, what: &str) {
+        if (idx << self.cluster_bits) >= self.file_size {
+            self.corrupt(format!(
+                "{what} cluster {idx} is beyond the end of the file"
+            ));
+            return;
+        }
+        let i = idx as usize;
+        if self.counts.len() <= i {
+            self.counts.resize(i + 1, 0);
+        }
+        self.counts[i] += 1;
+    }
+
+    fn add_range(&mut self, offset: u64, len: u64, what: &str) {
+        if len == 0 {
+            return;
+        }
+        let first = offset >> self.cluster_bits;
+        let last = (offset + len - 1) >> self.cluster_bits;
+        for c in first..=last {
+            self.add_cluster(c, what);
+        }
+    }
+}
+
+fn read_table(storage: &dyn Storage, offset: u64, entries: u64) -> Result<Vec<u64>, ErrorKind> {
+    let mut raw = vec![0u8; (entries * 8) as usize];
+    storage.read_at(&mut raw, offset)?;
+    Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
+}
+
+/// Counts one L1 table and the L2 tables and data it references.
+fn count_l1(
+    census: &mut Census,
+    header: &Header,
+    storage: &dyn Storage,
+    l1_offset: u64,
+    l1_size: u32,
+    active: bool,
+) -> Result<(), ErrorKind> {
+    let g = header.geometry;
+    let cs = g.cluster_size();
+    let l1 = read_table(storage, l1_offset, u64::from(l1_size))?;
+    let words = if g.extended_l2 { 2 } else { 1 };
+    let mut prev_host: Option<u64> = None;
+    for (i, &l1e) in l1.iter().enumerate() {
+        let l2 = l1e & OFFSET_MASK;
+        if l2 == 0 {
+            continue;
+        }
+        if l1e & L1_RESERVED_MASK != 0 {
+            census.corrupt(format!("L1 entry {i} has reserved bits set: {l1e:#x}"));
+        }
+        if l2 % cs != 0 {
+            census.corrupt(format!("L2 table offset {l2:#x} is not cluster aligned"));
+            continue;
+        }
+        if l2 + cs > census.file_size {
+            census.corrupt(format!("L2 table at {l2:#x} is beyond the end of the file"));
+            continue;
+        }
+        census.add_cluster(l2 / cs, "L2 table");
+        if active {
+            census.copied.push((l1_offset + i as u64 * 8, l1e, l2 / cs));
+        }
+        let table = read_table(storage, l2, cs / 8)?;
+        for (j, pair) in table.chunks_exact(words).enumerate() {
+            let (e, bitmap) = (pair[0], if words == 2 { pair[1] } else { 0 });
+            let entry_pos = l2 + (j * words) as u64 * 8;
+            let guest_cluster = i as u64 * g.l2_entries() + j as u64;
+            if e & COMPRESSED != 0 {
+                let d = CompressedDescriptor::decode(e, g);
+                if g.extended_l2 && bitmap != 0 {
+                    census.corrupt(format!(
+                        "compressed cluster {guest_cluster} has a subcluster bitmap"
+                    ));
+                }
+                census.add_range(d.offset.0, d.len, "compressed data");
+                if active && guest_cluster * cs < header.size {
+                    census.report.allocated_clusters += 1;
+                    census.report.compressed_clusters += 1;
+                }
+                continue;
+            }
+            if e & L2_STD_RESERVED_MASK != 0 {
+                census.corrupt(format!(
+                    "L2 entry {entry_pos:#x} has reserved bits set: {e:#x}"
+                ));
+            }
+            let host = e & OFFSET_MASK;
+            if g.extended_l2 {
+                let (alloc, zero) = (bitmap & 0xffff_ffff, bitmap >> 32);
+                if alloc & zero != 0 || (host == 0 && alloc != 0) {
+                    census.corrupt(format!(
+                        "invalid subcluster bitmap {bitmap:#x} at {entry_pos:#x}"
+                    ));
+                }
+            }
+            if host == 0 {
+                continue;
+            }
+            if host % cs != 0 {
+                census.corrupt(format!(
+                    "data cluster offset {host:#x} is not cluster aligned"
+                ));
+                continue;
+            }
+            census.add_cluster(host / cs, "data");
+            if active {
+                census.copied.push((entry_pos, e, host / cs));
+                if guest_cluster * cs < header.size {
+                    census.report.allocated_clusters += 1;
+                    if prev_host.is_some_and(|p| p + cs != host) {
+                        census.report.fragmented_clusters += 1;
+                    }
+                    prev_host = Some(host);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Counts every reference except those of the refcount structures.
+fn census(header: &Header, storage: &dyn Storage, path: &Path) -> Result<Census, ErrorKind> {
+    let g = header.geometry;
+    let cs = g.cluster_size();
+    let file_size = storage.len()?;
+    let mut census = Census {
+        cluster_bits: g.cluster_bits,
+        file_size,
+        counts: Vec::new(),
+        report: CheckReport {
+            filename: path.display().to_string(),
+            format: "qcow2",
+            total_clusters: header.size.div_ceil(cs),
+            ..CheckReport::default()
+        },
+        copied: Vec::new(),
+    };
+    census.add_cluster(0, "header");
+    census.add_range(
+        header.l1_table_offset,
+        u64::from(header.l1_size) * 8,
+        "L1 table",
+    );
+    count_l1(
+        &mut census,
+        header,
+        storage,
+        header.l1_table_offset,
+        header.l1_size,
+        true,
+    )?;
+    let snapshots = read_snapshot_table(header, storage)?;
+    census.add_range(header.snapshots_offset, snapshots.len, "snapshot table");
+    for snap in &snapshots.snapshots {
+        census.add_range(
+            snap.l1_table_offset,
+            u64::from(snap.l1_size) * 8,
+            "snapshot L1 table",
+        );
+        count_l1(
+            &mut census,
+            header,
+            storage,
+            snap.l1_table_offset,
+            snap.l1_size,
+            false,
+        )?;
+    }
+    if header.has_bitmaps() {
+        count_bitmaps(&mut census, header, storage)?;
+    }
+    Ok(census)
+}
+
+/// Counts the bitmap directory, bitmap tables and bitmap data clusters.
+fn count_bitmaps(
+    census: &mut Census,
+    header: &Header,
+    storage: &dyn Storage,
+) -> Result<(), ErrorKind> {
+    let Some(ext) = header.extensions.iter().find_map(|e| match e {
+        HeaderExtension::Bitmaps(b) => Some(b.clone()),
+        _ => None,
+    }) else {
+        return Ok(());
+    };
+    census.add_range(ext.directory_offset, ext.directory_size, "bitmap directory");
+    let mut dir = vec![0u8; ext.directory_size as usize];
+    storage.read_at(&mut dir, ext.directory_offset)?;
+    let mut pos = 0usize;
+    for _ in 0..ext.nb_bitmaps {
+        if pos + 24 > dir.len() {
+            census.corrupt("bitmap directory entry beyond the directory".into());
+            break;
+        }
+        let table_offset = be_u64(&dir, pos);
+        let table_size = u64::from(be_u32(&dir, pos + 8));
+        let name_size = u64::from(u16::from_be_bytes([dir[pos + 18], dir[pos + 19]]));
+        let extra = u64::from(be_u32(&dir, pos + 20));
+        census.add_range(table_offset, table_size * 8, "bitmap table");
+        for e in read_table(storage, table_offset, table_size)? {
+            let off = e & OFFSET_MASK;
+            if off != 0 {
+                census.add_cluster(off >> census.cluster_bits, "bitmap data");
+            }
+        }
+        pos += (24 + extra + name_size).div_ceil(8) as usize * 8;
+    }
+    Ok(())
+}
+
+/// Counts the refcount table and blocks as the header describes them.
+fn count_refcount_structures(
+    census: &mut Census,
+    header: &Header,
+    storage: &dyn Storage,
+) -> Result<Vec<u64>, ErrorKind> {
+    let cs = header.geometry.cluster_size();
+    census.add_range(
+        header.refcount_table_offset,
+        u64::from(header.refcount_table_clusters) * cs,
+        "refcount table",
+    );
+    let table = read_table(
+        storage,
+        header.refcount_table_offset,
+        u64::from(header.refcount_table_clusters) * cs / 8,
+    )?;
+    for (i, &e) in table.iter().enumerate() {
+        let off = e & OFFSET_MASK;
+        if off == 0 {
+            continue;
+        }
+        if off % cs != 0 || off + cs > census.file_size {
+            census.corrupt(format!("refcount block {i} at {off:#x} is invalid"));
+            continue;
+        }
+        census.add_cluster(off / cs, "refcount block");
+    }
+    Ok(table)
+}
+
+/// Checks (and repairs) the image at `path`.
+pub fn check(path: &Path, repair: Repair) -> Result<CheckReport, Error> {
+    let e = |k: ErrorKind| Error::new(path, k);
+    let storage: Arc<dyn Storage> = if repair == Repair::None {
+        Arc::new(FileStorage::open_read_only(path).map_err(|io| e(io.into()))?)
+    } else {
+        Arc::new(FileStorage::open_read_write(path).map_err(|io| e(io.into()))?)
+    };
+    check_storage(path, storage, repair)
+}
+
+/// Reads and validates the header of an image in `storage`.
+pub fn read_header(storage: &dyn Storage) -> Result<Header, ErrorKind> {
+    let file_size = storage.len()?;
+    let mut first = vec![0u8; 112];
+    storage.read_at(&mut first, 0)?;
+    let cs = Header::cluster_size_hint(&first).unwrap_or(512);
+    let mut cluster = vec![0u8; cs.min(file_size).max(112) as usize];
+    storage.read_at(&mut cluster, 0)?;
+    Header::parse(&cluster, file_size)
+}
+
+/// [`check`] on already opened storage.
+pub fn check_storage(
+    path: &Path,
+    storage: Arc<dyn Storage>,
+    repair: Repair,
+) -> Result<CheckReport, Error> {
+    let e = |k: ErrorKind| Error::new(path, k);
+    let header = read_header(&*storage).map_err(e)?;
+    let first = run_check(path, &header, &*storage).map_err(e)?;
+    if repair == Repair::None || (first.report.corruptions == 0 && first.report.leaks == 0) {
+        return Ok(first.report);
+    }
+    let (leaks, corruptions) = (first.report.leaks, first.report.corruptions);
+    apply_repair(&header, &*storage, first, repair).map_err(e)?;
+    // Double-check the result, as qemu-img does.
+    let header = read_header(&*storage).map_err(e)?;
+    let mut after = run_check(path, &header, &*storage).map_err(e)?.report;
+    after.leaks_fixed = leaks.saturating_sub(after.leaks);
+    after.corruptions_fixed = corruptions.saturating_sub(after.corruptions);
+    Ok(after)
+}
+
+struct Checked {
+    report: CheckReport,
+    counts: Vec<u64>,
+    on_disk: Vec<u64>,
+    copied: Vec<(u64, u64, u64)>,
+}
+
+fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Checked, ErrorKind> {
+    let mut census = census(header, storage, path)?;
+    count_refcount_structures(&mut census, header, storage)?;
+    let g = header.geometry;
+    let mut refcounts = Refcounts::load(
+        storage,
+        header.refcount_order,
+        g.cluster_bits,
+        header.refcount_table_offset,
+        header.refcount_table_clusters,
+    )?;
+    let clusters = census
+        .file_size
+        .div_ceil(g.cluster_size())
+        .max(census.counts.len() as u64);
+    let mut on_disk = Vec::with_capacity(clusters as usize);
+    for idx in 0..clusters {
+        let v = match refcounts.get(storage, idx) {
+            Ok(v) => v,
+            Err(err) => {
+                census.corrupt(format!("cannot read the refcount of cluster {idx}: {err}"));
+                0
+            }
+        };
+        on_disk.push(v);
+        let expected = census.counts.get(idx as usize).copied().unwrap_or(0);
+        if v > expected {
+            census.report.leaks += 1;
+            census.report.messages.push(format!(
+                "Leaked cluster {idx} refcount={v} reference={expected}"
+            ));
+        } else if v < expected {
+            census.corrupt(format!("cluster {idx} refcount={v} reference={expected}"));
+        }
+    }
+    let copied = std::mem::take(&mut census.copied);
+    for &(pos, entry, cluster) in &copied {
+        let rc = on_disk.get(cluster as usize).copied().unwrap_or(0);
+        if rc > 0 && (rc == 1) != (entry & COPIED != 0) {
+            census.corrupt(format!(
+                "OFLAG_COPIED mismatch: entry {entry:#x} at {pos:#x}, refcount={rc}"
+            ));
+        }
+    }
+    let highest = census.counts.iter().rposition(|&c| c > 0).unwrap_or(0) as u64;
+    census.report.image_end_offset = (highest + 1) << g.cluster_bits;
+    Ok(Checked {
+        report: census.report,
+        counts: census.counts,
+        on_disk,
+        copied,
+    })
+}
+
+/// Repairs what `checked` found.
+fn apply_repair(
+    header: &Header,
+    storage: &dyn Storage,
+    checked: Checked,
+    repair: Repair,
+) -> Result<(), ErrorKind> {
+    let too_low = checked
+        .counts
+        .iter()
+        .enumerate()
+        .any(|(i, &c)| checked.on_disk.get(i).copied().unwrap_or(0) < c);
+    if repair == Repair::All && (too_low || checked.report.corruptions > 0) {
+        rebuild_refcounts(header, storage)?;
+        fix_copied_flags(storage, &checked)?;
+        storage.sync()?;
+        return Ok(());
+    }
+    // Leaks only: lower refcounts in place.
+    let g = header.geometry;
+    let mut refcounts = Refcounts::load(
+        storage,
+        header.refcount_order,
+        g.cluster_bits,
+        header.refcount_table_offset,
+        header.refcount_table_clusters,
+    )?;
+    for (idx, &v) in checked.on_disk.iter().enumerate() {
+        let expected = checked.counts.get(idx).copied().unwrap_or(0);
+        if v > expected {
+            refcounts.set_value(storage, idx as u64, expected)?;
+        }
+    }
+    refcounts.write_blocks(storage)?;
+    storage.sync()?;
+    Ok(())
+}
+
+/// Sets each active entry's COPIED flag to match its repaired refcount.
+fn fix_copied_flags(storage: &dyn Storage, checked: &Checked) -> Result<(), ErrorKind> {
+    for &(pos, entry, cluster) in &checked.copied {
+        let rc = checked.counts.get(cluster as usize).copied().unwrap_or(0);
+        let want = if rc == 1 {
+            entry | COPIED
+        } else {
+            entry & !COPIED
+        };
+        if want != entry {
+            storage.write_at(&want.to_be_bytes(), pos)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a fresh refcount table and blocks at the end of the file, computed
+/// from the metadata alone, then points the header at them. The old
+/// structures become free space. A crash before the header update leaves
+/// the old ones in force.
+pub fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), ErrorKind> {
+    let g = header.geometry;
+    let cs = g.cluster_size();
+    let census = census(header, storage, Path::new(""))?;
+    let mut counts = census.counts;
+    let order = header.refcount_order;
+    let block_entries = (cs * 8) >> order;
+    let start = (storage.len()?.div_ceil(cs)).max(counts.len() as u64);
+    let (mut blocks, mut table) = (1u64, 1u64);
+    loop {
+        let total = start + blocks + table;
+        let nb = total.div_ceil(block_entries);
+        let nt = (nb * 8).div_ceil(cs);
+        if (nb, nt) == (blocks, table) {
+            break;
+        }
+        (blocks, table) = (nb, nt);
+    }
+    if table * cs > crate::header::MAX_REFTABLE_BYTES {
+        return Err(ErrorKind::TableTooLarge {
+            table: crate::error::Table::Refcount,
+            entries: table * cs / 8,
+            max: crate::header::MAX_REFTABLE_BYTES / 8,
+        });
+    }
+    counts.resize((start + blocks + table) as usize, 0);
+    for c in start..start + blocks + table {
+        counts[c as usize] += 1;
+    }
+    let max = max_refcount(order);
+    let mut table_bytes = vec![0u8; (table * cs) as usize];
+    for b in 0..blocks {
+        let mut block = vec![0u8; cs as usize];
+        for i in 0..block_entries {
+            let c = b * block_entries + i;
+            let v = counts.get(c as usize).copied().unwrap_or(0);
+            if v > max {
+                return Err(ErrorKind::InvalidHeader {
+                    field: "refcount_order",
+                    reason: format!("cluster {c} needs refcount {v}, more than {max}"),
+                });
+            }
+            set_entry(&mut block, order, i as usize, v);
+        }
+        let at = (start + b) * cs;
+        storage.write_at(&block, at)?;
+        table_bytes[(b * 8) as usize..(b * 8 + 8) as usize].copy_from_slice(&at.to_be_bytes());
+    }
+    let table_offset = (start + blocks) * cs;
+    storage.write_at(&table_bytes, table_offset)?;
+    storage.sync()?;
+    let mut field = [0u8; 12];
+    field[..8].copy_from_slice(&table_offset.to_be_bytes());
+    field[8..].copy_from_slice(&(table as u32).to_be_bytes());
+    storage.write_at(&field, 48)?;
+    storage.sync()?;
+    Ok(())
+}
