@@ -205,3 +205,49 @@ pub fn assert_full_map_equal(top: &Path) {
     }
     assert_eq!(ours, theirs, "full map differs for {}", top.display());
 }
+
+/// One layer to create: `qemu-img create` options, virtual size, and the
+/// `qemu-io` commands that fill it.
+pub struct LayerSpec {
+    pub opts: String,
+    pub size: u64,
+    pub cmds: Vec<String>,
+}
+
+impl LayerSpec {
+    pub fn new(opts: &str, size: u64, cmds: &[&str]) -> Self {
+        Self {
+            opts: opts.to_owned(),
+            size,
+            cmds: cmds.iter().map(|c| (*c).to_owned()).collect(),
+        }
+    }
+}
+
+/// Creates `layer0.qcow2` (the base) up to `layerN.qcow2` (the top), each
+/// backed by the previous one with a recorded qcow2 format; returns the top.
+pub fn build_chain(dir: &Path, layers: &[LayerSpec]) -> PathBuf {
+    let mut prev: Option<PathBuf> = None;
+    for (i, spec) in layers.iter().enumerate() {
+        let path = dir.join(format!("layer{i}.qcow2"));
+        let mut args = vec!["create", "-q", "-f", "qcow2"];
+        if !spec.opts.is_empty() {
+            args.extend(["-o", &spec.opts]);
+        }
+        // Relative backing names, as management tools usually write them.
+        let backing_name;
+        if let Some(p) = &prev {
+            backing_name = p.file_name().unwrap().to_str().unwrap().to_owned();
+            args.extend(["-b", &backing_name, "-F", "qcow2"]);
+        }
+        let size = spec.size.to_string();
+        args.extend([s(&path), &size]);
+        qemu_img(&args);
+        if !spec.cmds.is_empty() {
+            qemu_io(&path, &spec.cmds);
+        }
+        prev = Some(path);
+    }
+    prev.expect("at least one layer")
+}
+

@@ -194,7 +194,13 @@ pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
         }
         push_extension(&mut h, EXT_BACKING_FORMAT, format.as_bytes());
     }
-    if v3 {
+    let backing_len = opts
+        .backing_file
+        .as_ref()
+        .map_or(0, |b| b.as_os_str().as_bytes().len());
+    // Like QEMU, leave the feature name table out when it does not fit.
+    let table_len = 8 + FEATURE_NAMES.len() * 48;
+    if v3 && h.len() + table_len + 8 + backing_len <= cs as usize {
         let mut table = Vec::new();
         for (kind, bit, name) in FEATURE_NAMES {
             let mut entry = [0u8; 48];
