@@ -5,8 +5,9 @@
 
 mod common;
 
-
-use common::{assert_full_map_equal, assert_same_as_qemu, build_chain, qemu_img, qemu_io, s, LayerSpec};
+use common::{
+    assert_full_map_equal, assert_same_as_qemu, build_chain, qemu_img, qemu_io, s, LayerSpec,
+};
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().expect("temporary directory")

@@ -38,7 +38,11 @@ impl TopConfig {
             extended_l2,
             v2,
             lazy: !v2 && rng.u8(0..3) == 0,
-            refcount_bits: if v2 { 16 } else { [1u32, 8, 16, 16, 64][rng.usize(0..5)] },
+            refcount_bits: if v2 {
+                16
+            } else {
+                [1u32, 8, 16, 16, 64][rng.usize(0..5)]
+            },
             created_by_qemu: rng.bool(),
         }
     }
@@ -76,12 +80,21 @@ fn lower_layers(dir: &Path, rng: &mut fastrand::Rng) -> PathBuf {
         LayerSpec::new(
             "cluster_size=4096",
             SIZE,
-            &["write -P 0x20 300k 700k", "write -z 2500k 100k", "discard 6M 256k", "write -P 0x21 7M 4097"],
+            &[
+                "write -P 0x20 300k 700k",
+                "write -z 2500k 100k",
+                "discard 6M 256k",
+                "write -P 0x21 7M 4097",
+            ],
         ),
         LayerSpec::new(
             "cluster_size=32768,extended_l2=on",
             SIZE,
-            &["write -c -P 0x30 4M 64k", "write -P 0x31 4200k 3000", "write -z 100k 8k"],
+            &[
+                "write -c -P 0x30 4M 64k",
+                "write -P 0x31 4200k 3000",
+                "write -z 100k 8k",
+            ],
         ),
     ];
     build_chain(dir, &layers)
@@ -92,7 +105,19 @@ fn create_top(dir: &Path, backing: &Path, cfg: &TopConfig) -> PathBuf {
     let name = backing.file_name().unwrap().to_str().unwrap();
     let opts = cfg.options();
     if cfg.created_by_qemu {
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, "-b", name, "-F", "qcow2", s(&top)]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &opts,
+            "-b",
+            name,
+            "-F",
+            "qcow2",
+            s(&top),
+        ]);
     } else {
         common::sqcow2(&["create", "-o", &opts, "-b", name, "-F", "qcow2", s(&top)]);
     }
@@ -146,7 +171,9 @@ fn run_seed(seed: u64, ops: usize) {
             0..=8 => {
                 let mut data = vec![0u8; l];
                 rng.fill(&mut data);
-                chain.write_at(&data, off).unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
+                chain
+                    .write_at(&data, off)
+                    .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
                 model[o..o + l].copy_from_slice(&data);
             }
             9..=10 => {
@@ -157,24 +184,39 @@ fn run_seed(seed: u64, ops: usize) {
                 model[o..o + l].fill(0);
             }
             11..=12 => {
-                chain.discard(off, len).unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
+                chain
+                    .discard(off, len)
+                    .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
                 // Whole clusters of the top read as zeros, partial ones stay.
                 let c = cfg.cluster;
                 let first = off.div_ceil(c) * c;
-                let end = if off + len == SIZE { SIZE } else { (off + len) / c * c };
+                let end = if off + len == SIZE {
+                    SIZE
+                } else {
+                    (off + len) / c * c
+                };
                 if first < end {
                     model[first as usize..end as usize].fill(0);
                 }
             }
-            13 => chain.flush().unwrap_or_else(|e| panic!("{ctx} step {step}: {e}")),
+            13 => chain
+                .flush()
+                .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}")),
             14 => {
-                chain.close().unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
+                chain
+                    .close()
+                    .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
                 chain = open_rw(&top);
             }
             _ => {
                 let mut buf = vec![0u8; l];
-                chain.read_at(&mut buf, off).unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
-                assert!(buf == model[o..o + l], "{ctx} step {step}: read {off}+{len} differs from the model");
+                chain
+                    .read_at(&mut buf, off)
+                    .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
+                assert!(
+                    buf == model[o..o + l],
+                    "{ctx} step {step}: read {off}+{len} differs from the model"
+                );
             }
         }
     }
@@ -185,10 +227,23 @@ fn run_seed(seed: u64, ops: usize) {
 
     let check = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
     let out = String::from_utf8_lossy(&check.stdout);
-    assert_eq!(check.status.code(), Some(0), "{ctx}: qemu-img check:\n{out}{}", String::from_utf8_lossy(&check.stderr));
+    assert_eq!(
+        check.status.code(),
+        Some(0),
+        "{ctx}: qemu-img check:\n{out}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
     let model_path = dir.join("model.raw");
     std::fs::write(&model_path, &model).unwrap();
-    let cmp = run_raw(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", s(&model_path), s(&top)]));
+    let cmp = run_raw(Command::new("qemu-img").args([
+        "compare",
+        "-f",
+        "raw",
+        "-F",
+        "qcow2",
+        s(&model_path),
+        s(&top),
+    ]));
     assert_eq!(
         cmp.status.code(),
         Some(0),

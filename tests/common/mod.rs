@@ -250,4 +250,3 @@ pub fn build_chain(dir: &Path, layers: &[LayerSpec]) -> PathBuf {
     }
     prev.expect("at least one layer")
 }
-

@@ -1,0 +1,348 @@
+//! Crash simulation: a storage layer records every write and flush of the
+//! top image; the image is then rebuilt as it could be after a crash at
+//! every point of the log, keeping or dropping each write not yet flushed
+//! (at random and in adversarial orders). At each crash point: the image
+//! has no errors for `qemu-img check` (leaks allowed), reopens,
+//! `check -r leaks` leaves no leak, and every write completed before the
+//! last completed flush reads back.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use common::{qemu_img, qemu_io, run_raw, s};
+use sqcow2_format::check::{check, Repair};
+use sqcow2_format::create::{image_bytes, CreateOptions};
+use sqcow2_format::storage::Storage;
+use sqcow2_format::{Chain, ChainOptions, Version};
+
+const SIZE: u64 = 2 << 20;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write { offset: u64, data: Vec<u8> },
+    SetLen(u64),
+    Sync,
+}
+
+/// Storage that logs every write, length change and sync.
+#[derive(Debug)]
+struct RecordingStorage {
+    live: Mutex<Vec<u8>>,
+    log: Mutex<Vec<Op>>,
+}
+
+impl Storage for RecordingStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let live = self.live.lock().unwrap();
+        buf.fill(0);
+        let start = (offset as usize).min(live.len());
+        let end = (start + buf.len()).min(live.len());
+        buf[..end - start].copy_from_slice(&live[start..end]);
+        Ok(())
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.live.lock().unwrap().len() as u64)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        apply(
+            &mut self.live.lock().unwrap(),
+            &Op::Write {
+                offset,
+                data: buf.to_vec(),
+            },
+        );
+        self.log.lock().unwrap().push(Op::Write {
+            offset,
+            data: buf.to_vec(),
+        });
+        Ok(())
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.live.lock().unwrap().resize(len as usize, 0);
+        self.log.lock().unwrap().push(Op::SetLen(len));
+        Ok(())
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.log.lock().unwrap().push(Op::Sync);
+        Ok(())
+    }
+}
+
+fn apply(image: &mut Vec<u8>, op: &Op) {
+    match op {
+        Op::Write { offset, data } => {
+            let end = *offset as usize + data.len();
+            if image.len() < end {
+                image.resize(end, 0);
+            }
+            image[*offset as usize..end].copy_from_slice(data);
+        }
+        Op::SetLen(len) => image.resize(*len as usize, 0),
+        Op::Sync => {}
+    }
+}
+
+/// A guest operation of the workload and what it may leave on disk.
+#[derive(Debug, Clone)]
+enum GuestOp {
+    Write { offset: u64, data: Vec<u8> },
+    Zero { offset: u64, len: u64 },
+    Flush,
+}
+
+#[derive(Debug)]
+struct Config {
+    cluster: u64,
+    lazy: bool,
+    extended_l2: bool,
+    v2: bool,
+    snapshot: bool,
+}
+
+/// Base layer with data and compressed clusters, then a top created by
+/// sqcow2 (optionally given data and an internal snapshot by QEMU, so that
+/// clusters are shared). Returns the top's bytes.
+fn prepare(dir: &Path, cfg: &Config) -> Vec<u8> {
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), &SIZE.to_string()]);
+    qemu_io(
+        &base,
+        &[
+            "write -P 0x41 0 1M".into(),
+            "write -c -P 0x42 1M 512k".into(),
+        ],
+    );
+    let opts = CreateOptions {
+        size: SIZE,
+        cluster_size: cfg.cluster,
+        version: if cfg.v2 { Version::V2 } else { Version::V3 },
+        extended_l2: cfg.extended_l2,
+        lazy_refcounts: cfg.lazy,
+        backing_file: Some("base.qcow2".into()),
+        backing_format: Some("qcow2".into()),
+        ..CreateOptions::default()
+    };
+    let top = dir.join("top.qcow2");
+    std::fs::write(&top, image_bytes(&opts).unwrap()).unwrap();
+    if cfg.snapshot {
+        qemu_io(
+            &top,
+            &[
+                "write -P 0x51 256k 512k".into(),
+                "write -P 0x52 1536k 64k".into(),
+            ],
+        );
+        qemu_img(&["snapshot", "-c", "s1", s(&top)]);
+    }
+    std::fs::read(&top).unwrap()
+}
+
+fn workload(rng: &mut fastrand::Rng, cluster: u64, n: usize) -> Vec<GuestOp> {
+    (0..n)
+        .map(|_| {
+            let offset = rng.u64(0..SIZE);
+            let len = rng.u64(1..=(2 * cluster).min(SIZE - offset));
+            match rng.u8(0..10) {
+                0..=5 => {
+                    let mut data = vec![0u8; len as usize];
+                    rng.fill(&mut data);
+                    GuestOp::Write { offset, data }
+                }
+                6 => GuestOp::Zero { offset, len },
+                _ => GuestOp::Flush,
+            }
+        })
+        .collect()
+}
+
+fn qemu_check_code(top: &Path) -> (Option<i32>, String) {
+    let out = run_raw(Command::new("qemu-img").args(["check", s(top)]));
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// Runs one seed; returns the number of crash points checked.
+fn run_seed(seed: u64) -> usize {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let cfg = Config {
+        cluster: [4096u64, 65536][rng.usize(0..2)],
+        lazy: rng.u8(0..3) == 0,
+        extended_l2: false,
+        v2: rng.u8(0..5) == 0,
+        snapshot: rng.bool(),
+    };
+    let cfg = Config {
+        extended_l2: !cfg.v2 && cfg.cluster == 65536 && rng.bool(),
+        lazy: cfg.lazy && !cfg.v2,
+        ..cfg
+    };
+    let ctx = format!("seed {seed} {cfg:?}");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let initial = prepare(dir, &cfg);
+    let top = dir.join("top.qcow2");
+
+    // Model of the disk before the workload: QEMU's view.
+    let raw = dir.join("initial.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
+    let mut model = std::fs::read(&raw).unwrap();
+
+    let storage = Arc::new(RecordingStorage {
+        live: Mutex::new(initial.clone()),
+        log: Mutex::new(Vec::new()),
+    });
+    let options = ChainOptions {
+        writable: true,
+        top_storage: Some(storage.clone()),
+        ..ChainOptions::default()
+    };
+    let ops = workload(&mut rng, cfg.cluster, 50);
+    // (op index, log length when the op completed, model after the op)
+    let mut completed: Vec<(usize, usize, Option<Vec<u8>>)> = Vec::new();
+    {
+        let chain = Chain::open(&top, &options).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        for (i, op) in ops.iter().enumerate() {
+            match op {
+                GuestOp::Write { offset, data } => {
+                    chain.write_at(data, *offset).unwrap();
+                    model[*offset as usize..*offset as usize + data.len()].copy_from_slice(data);
+                }
+                GuestOp::Zero { offset, len } => {
+                    chain.write_zeroes(*offset, *len, i % 2 == 0).unwrap();
+                    model[*offset as usize..(*offset + *len) as usize].fill(0);
+                }
+                GuestOp::Flush => chain.flush().unwrap(),
+            }
+            let log_len = storage.log.lock().unwrap().len();
+            let snapshot = matches!(op, GuestOp::Flush).then(|| model.clone());
+            completed.push((i, log_len, snapshot));
+        }
+        // No close: the process "dies" after the last operation.
+        std::mem::forget(chain);
+    }
+    let log = storage.log.lock().unwrap().clone();
+    let initial_model = std::fs::read(&raw).unwrap();
+
+    let mut points = 0;
+    let mut durable = initial.clone();
+    let mut last_sync = 0usize; // log entries [0, last_sync) are durable
+    for k in 0..=log.len() {
+        if k > 0 && matches!(log[k - 1], Op::Sync) {
+            for op in &log[last_sync..k] {
+                apply(&mut durable, op);
+            }
+            last_sync = k;
+        }
+        // The last flush completed by log position k, and the ops after it.
+        let flushed = completed
+            .iter()
+            .filter(|(i, at, _)| *at <= k && matches!(ops[*i], GuestOp::Flush))
+            .last();
+        let (flush_index, expected) = match flushed {
+            Some((i, _, Some(m))) => (Some(*i), m.clone()),
+            _ => (None, initial_model.clone()),
+        };
+        let started_after: Vec<&GuestOp> = ops
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| flush_index.is_none_or(|f| *i > f))
+            .filter(|(i, _)| *i == 0 || completed[*i - 1].1 <= k)
+            .map(|(_, op)| op)
+            .collect();
+        let pending: Vec<&Op> = log[last_sync..k].iter().collect();
+        let variants: Vec<Vec<&Op>> = if pending.is_empty() {
+            vec![vec![]]
+        } else {
+            let subset: Vec<&Op> = pending.iter().copied().filter(|_| rng.bool()).collect();
+            let mut shuffled = subset.clone();
+            rng.shuffle(&mut shuffled);
+            let reversed: Vec<&Op> = pending.iter().rev().copied().collect();
+            let pick = [vec![], pending.clone(), subset, shuffled, reversed];
+            let a = rng.usize(0..pick.len());
+            let b = (a + 1 + rng.usize(0..pick.len() - 1)) % pick.len();
+            vec![pick[a].clone(), pick[b].clone()]
+        };
+        for kept in variants {
+            let mut image = durable.clone();
+            for op in kept {
+                apply(&mut image, op);
+            }
+            std::fs::write(&top, &image).unwrap();
+            let here = format!("{ctx} crash at log {k}/{}", log.len());
+            if !cfg.lazy {
+                let (code, out) = qemu_check_code(&top);
+                assert!(
+                    matches!(code, Some(0 | 3)),
+                    "{here}: qemu-img check before reopening:\n{out}"
+                );
+            }
+            // Reopen read-write (repairs a dirty image) and close cleanly.
+            let rw = ChainOptions {
+                writable: true,
+                ..ChainOptions::default()
+            };
+            Chain::open(&top, &rw)
+                .unwrap_or_else(|e| panic!("{here}: reopen: {e}"))
+                .close()
+                .unwrap_or_else(|e| panic!("{here}: close: {e}"));
+            let (code, out) = qemu_check_code(&top);
+            assert!(
+                matches!(code, Some(0 | 3)),
+                "{here}: qemu-img check after reopening:\n{out}"
+            );
+            let report = check(&top, Repair::Leaks).unwrap();
+            assert_eq!(
+                (report.leaks, report.corruptions),
+                (0, 0),
+                "{here}: after check -r leaks"
+            );
+            let (code, out) = qemu_check_code(&top);
+            assert_eq!(code, Some(0), "{here}: qemu-img check after repair:\n{out}");
+
+            let chain = Chain::open(&top, &ChainOptions::default()).unwrap();
+            let mut actual = vec![0u8; SIZE as usize];
+            chain.read_at(&mut actual, 0).unwrap();
+            for (b, (&got, &want)) in actual.iter().zip(&expected).enumerate() {
+                if got == want {
+                    continue;
+                }
+                let b = b as u64;
+                let explained = started_after.iter().any(|op| match op {
+                    GuestOp::Write { offset, data } => {
+                        b >= *offset
+                            && b < offset + data.len() as u64
+                            && data[(b - offset) as usize] == got
+                    }
+                    GuestOp::Zero { offset, len } => b >= *offset && b < offset + len && got == 0,
+                    GuestOp::Flush => false,
+                });
+                assert!(
+                    explained,
+                    "{here}: byte {b} reads {got:#x}, flushed value {want:#x}"
+                );
+            }
+            points += 1;
+        }
+    }
+    points
+}
+
+#[test]
+fn crash_at_every_point_of_the_log() {
+    let seeds: u64 = std::env::var("SQCOW2_CRASH_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let points: usize = (0..seeds).map(run_seed).sum();
+    println!("{points} crash points checked");
+    assert!(points >= 1000 || seeds < 8, "only {points} crash points");
+}
