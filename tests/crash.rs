@@ -245,8 +245,7 @@ fn run_seed(seed: u64) -> usize {
         // The last flush completed by log position k, and the ops after it.
         let flushed = completed
             .iter()
-            .filter(|(i, at, _)| *at <= k && matches!(ops[*i], GuestOp::Flush))
-            .last();
+            .rfind(|(i, at, _)| *at <= k && matches!(ops[*i], GuestOp::Flush));
         let (flush_index, expected) = match flushed {
             Some((i, _, Some(m))) => (Some(*i), m.clone()),
             _ => (None, initial_model.clone()),
