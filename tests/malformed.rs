@@ -942,3 +942,14 @@ fn info_reports_one_line() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("nonexistent.qcow2"), "{stderr}");
 }
+
+malformed!(
+    not_qcow2_at_all,
+    |d| {
+        let p = d.join("img.qcow2");
+        std::fs::write(&p, vec![0xffu8; 65536]).unwrap();
+        p
+    },
+    "img.qcow2",
+    ErrorKind::BadMagic(0xffff_ffff)
+);

@@ -403,10 +403,13 @@ fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Chec
         header.refcount_table_offset,
         header.refcount_table_clusters,
     )?;
-    let clusters = census
+    let file_clusters = census
         .file_size
         .div_ceil(g.cluster_size())
         .max(census.counts.len() as u64);
+    // Refcounts may also be set for clusters past the end of the file:
+    // scan up to the end of the last refcount block in use.
+    let clusters = refcounts.covered_clusters().max(file_clusters);
     let mut on_disk = Vec::with_capacity(clusters as usize);
     for idx in 0..clusters {
         let v = match refcounts.get(storage, idx) {

@@ -150,7 +150,7 @@ impl Header {
     /// bytes have given `cluster_bits`.
     pub fn cluster_size_hint(first: &[u8]) -> Option<u64> {
         let bits = be_u32(first, 20);
-        (9..=21).contains(&bits).then_some(1 << bits)
+        (9..=21).contains(&bits).then(|| 1u64 << bits)
     }
 
     /// Parses and validates the header from the start of a file.

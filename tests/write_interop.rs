@@ -1,0 +1,356 @@
+//! Interoperability of the write path with QEMU, both ways, and the
+//! `create`, `check` and `io` commands against their QEMU counterparts.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{assert_same_as_qemu, qemu_img, qemu_io, run_raw, s, sqcow2, sqcow2_bin};
+use sqcow2_format::{Chain, ChainOptions};
+
+fn rw(top: &Path) -> Chain {
+    Chain::open(
+        top,
+        &ChainOptions {
+            writable: true,
+            ..ChainOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn qemu_check(top: &Path) -> (Option<i32>, String) {
+    let out = run_raw(Command::new("qemu-img").args(["check", s(top)]));
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+fn sqcow2_status(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = run_raw(Command::new(sqcow2_bin()).args(args));
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn chain_of_two(dir: &Path) -> PathBuf {
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(
+        &base,
+        &[
+            "write -P 0x11 0 8M".into(),
+            "write -c -P 0x12 16M 1M".into(),
+        ],
+    );
+    let top = dir.join("top.qcow2");
+    sqcow2(&["create", "-b", "base.qcow2", "-F", "qcow2", s(&top)]);
+    top
+}
+
+#[test]
+fn qemu_reads_what_sqcow2_wrote_and_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = chain_of_two(tmp.path());
+    let chain = rw(&top);
+    chain.write_at(&[0x33; 5000], 1000).unwrap();
+    chain
+        .write_at(&vec![0x44; 3 << 20], (16 << 20) | 777)
+        .unwrap();
+    chain.write_zeroes(4 << 20, 2 << 20, false).unwrap();
+    chain.discard(6 << 20, 1 << 20).unwrap();
+    chain.close().unwrap();
+    assert_eq!(qemu_check(&top).0, Some(0));
+    assert_same_as_qemu(&top);
+    // QEMU writes on top of what sqcow2 wrote; sqcow2 reads QEMU's bytes.
+    qemu_io(
+        &top,
+        &[
+            "write -P 0x55 3000 70000".into(),
+            "write -z 16M 64k".into(),
+            "discard 4M 1M".into(),
+        ],
+    );
+    assert_same_as_qemu(&top);
+    let (code, out, _) = sqcow2_status(&["check", s(&top)]);
+    assert_eq!(code, Some(0), "{out}");
+    // And sqcow2 writes again on top of QEMU's writes.
+    let chain = rw(&top);
+    chain.write_at(&[0x66; 100_000], 50_000).unwrap();
+    chain.close().unwrap();
+    assert_eq!(qemu_check(&top).0, Some(0));
+    assert_same_as_qemu(&top);
+}
+
+#[test]
+fn io_runs_qemu_io_scripts_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = chain_of_two(tmp.path());
+    let theirs = tmp.path().join("theirs.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        s(&theirs),
+    ]);
+    let script = [
+        "write -P 0xab 0 64k",
+        "write -P 0x5 100000 3000",
+        "write -z 1M 128k",
+        "write -z -u 2M 64k",
+        "discard 0 64k",
+        "flush",
+        "read -P 0 0 64k",
+        "read -P 5 100000 3000",
+        "read -P 0x11 3M 64k",
+    ];
+    let mut q = Command::new("qemu-io");
+    let mut o = Command::new(sqcow2_bin());
+    o.arg("io");
+    q.args(["-f", "qcow2"]);
+    for c in script {
+        q.args(["-c", c]);
+        o.args(["-c", c]);
+    }
+    let q = run_raw(q.arg(&theirs));
+    let o = run_raw(o.arg(&ours));
+    assert!(q.status.success() && o.status.success());
+    let first_lines = |out: &[u8]| -> Vec<String> {
+        String::from_utf8_lossy(out)
+            .lines()
+            .filter(|l| l.starts_with("wrote") || l.starts_with("read") || l.starts_with("discard"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(first_lines(&o.stdout), first_lines(&q.stdout));
+    let cmp = run_raw(Command::new("qemu-img").args(["compare", s(&ours), s(&theirs)]));
+    assert_eq!(
+        cmp.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&cmp.stdout)
+    );
+    // A failed pattern check fails the command and the exit status.
+    let (code, out, _) = sqcow2_status(&["io", "-c", "read -P 0x77 0 512", s(&ours)]);
+    assert_eq!(code, Some(1));
+    assert!(
+        out.contains("Pattern verification failed at offset 0"),
+        "{out}"
+    );
+}
+
+#[test]
+fn create_matches_qemu_for_every_option() {
+    let tmp = tempfile::tempdir().unwrap();
+    for opts in [
+        "cluster_size=512",
+        "cluster_size=2M",
+        "compat=0.10",
+        "extended_l2=on,compression_type=zstd",
+        "lazy_refcounts=on,refcount_bits=1",
+        "refcount_bits=64,cluster_size=4096",
+    ] {
+        let ours = tmp.path().join("ours.qcow2");
+        let theirs = tmp.path().join("theirs.qcow2");
+        sqcow2(&["create", "-o", opts, s(&ours), "3G"]);
+        qemu_img(&["create", "-q", "-f", "qcow2", "-o", opts, s(&theirs), "3G"]);
+        assert_eq!(qemu_check(&ours).0, Some(0), "{opts}");
+        let info = |p: &Path| -> serde_json::Value {
+            let mut v: serde_json::Value =
+                serde_json::from_str(&qemu_img(&["info", "--output", "json", s(p)])).unwrap();
+            let o = v.as_object_mut().unwrap();
+            for k in ["filename", "actual-size", "dirty-flag", "children"] {
+                o.remove(k);
+            }
+            v
+        };
+        assert_eq!(info(&ours), info(&theirs), "{opts}");
+    }
+    // Size defaults to the backing file's; a raw backing needs -F.
+    let base = tmp.path().join("base.raw");
+    std::fs::write(&base, vec![1u8; 1 << 20]).unwrap();
+    let top = tmp.path().join("top.qcow2");
+    let (code, _, err) = sqcow2_status(&["create", "-b", "base.raw", s(&top)]);
+    assert_eq!(code, Some(1), "{err}");
+    sqcow2(&["create", "-b", "base.raw", "-F", "raw", s(&top)]);
+    assert_same_as_qemu(&top);
+}
+
+/// Adds `delta` to the 16-bit refcount of cluster `idx` (first block only).
+fn poke_refcount(path: &Path, idx: u64, value: u16) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 8];
+    f.read_exact_at(&mut b, 48).unwrap();
+    let table = u64::from_be_bytes(b);
+    f.read_exact_at(&mut b, table).unwrap();
+    let block = u64::from_be_bytes(b);
+    f.write_all_at(&value.to_be_bytes(), block + idx * 2)
+        .unwrap();
+}
+
+#[test]
+fn check_exit_codes_and_repairs_match_qemu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    sqcow2(&["create", s(&img), "16M"]);
+    sqcow2(&["io", "-c", "write -P 1 0 1M", s(&img)]);
+    let clusters = std::fs::metadata(&img).unwrap().len() / 65536;
+
+    // A leak: a cluster inside the file that nothing uses gets refcount 1.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len((clusters + 4) * 65536)
+        .unwrap();
+    poke_refcount(&img, clusters + 3, 1);
+    let (code, out, _) = sqcow2_status(&["check", s(&img)]);
+    assert_eq!(code, Some(3), "{out}");
+    assert_eq!(qemu_check(&img).0, Some(3));
+    let (code, json, _) = sqcow2_status(&["check", "--output", "json", s(&img)]);
+    assert_eq!(code, Some(3));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["leaks"], 1);
+    let (code, _, _) = sqcow2_status(&["check", "-r", "leaks", s(&img)]);
+    assert_eq!(code, Some(0));
+    assert_eq!(qemu_check(&img).0, Some(0));
+
+    // A corruption: a data cluster's refcount drops to 0.
+    let l1: u64 = {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(&img).unwrap();
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, 40).unwrap();
+        let l1 = u64::from_be_bytes(b);
+        f.read_exact_at(&mut b, l1).unwrap();
+        let l2 = u64::from_be_bytes(b) & 0x00ff_ffff_ffff_fe00;
+        f.read_exact_at(&mut b, l2).unwrap();
+        (u64::from_be_bytes(b) & 0x00ff_ffff_ffff_fe00) / 65536
+    };
+    poke_refcount(&img, l1, 0);
+    let (code, out, _) = sqcow2_status(&["check", s(&img)]);
+    assert_eq!(code, Some(2), "{out}");
+    assert_eq!(qemu_check(&img).0, Some(2));
+    let (code, _, _) = sqcow2_status(&["check", "-r", "leaks", s(&img)]);
+    assert_eq!(code, Some(2), "-r leaks does not fix errors");
+    let (code, out, _) = sqcow2_status(&["check", "-r", "all", s(&img)]);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(qemu_check(&img).0, Some(0));
+    let (code, out, _) = sqcow2_status(&["io", "-c", "read -P 1 0 1M", s(&img)]);
+    assert_eq!(code, Some(0), "{out}");
+}
+
+fn incompatible_bits(path: &Path) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut b, 72)
+        .unwrap();
+    u64::from_be_bytes(b)
+}
+
+#[test]
+fn lazy_refcounts_dirty_bit_and_repair() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    sqcow2(&["create", "-o", "lazy_refcounts=on", s(&img), "16M"]);
+    let chain = rw(&img);
+    chain.write_at(&[7u8; 200_000], 12345).unwrap();
+    assert_eq!(incompatible_bits(&img) & 1, 0, "no metadata written yet");
+    chain.flush().unwrap();
+    assert_eq!(
+        incompatible_bits(&img) & 1,
+        1,
+        "dirty bit set before metadata changes"
+    );
+    chain.close().unwrap();
+    assert_eq!(
+        incompatible_bits(&img) & 1,
+        0,
+        "clean close clears the dirty bit"
+    );
+    assert_eq!(qemu_check(&img).0, Some(0));
+
+    // A crash after a flush: the image stays dirty with stale refcounts.
+    let chain = rw(&img);
+    chain.write_at(&[8u8; 300_000], 2 << 20).unwrap();
+    chain.flush().unwrap();
+    std::mem::forget(chain);
+    assert_eq!(incompatible_bits(&img) & 1, 1);
+    let info: serde_json::Value =
+        serde_json::from_str(&sqcow2(&["info", "--output", "json", s(&img)])).unwrap();
+    assert_eq!(info["dirty-flag"], true);
+    // Opening read-write repairs it, as QEMU does.
+    rw(&img).close().unwrap();
+    assert_eq!(incompatible_bits(&img) & 1, 0);
+    assert_eq!(qemu_check(&img).0, Some(0));
+    let (code, out, _) = sqcow2_status(&[
+        "io",
+        "-c",
+        "read -P 8 2M 300000",
+        "-c",
+        "read -P 7 12345 200000",
+        s(&img),
+    ]);
+    assert_eq!(code, Some(0), "{out}");
+}
+
+#[test]
+fn shared_clusters_of_internal_snapshots_are_copied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    sqcow2(&["create", "-o", "cluster_size=4096", s(&img), "8M"]);
+    qemu_io(&img, &["write -P 0x21 0 1M".into()]);
+    qemu_img(&["snapshot", "-c", "before", s(&img)]);
+    let chain = rw(&img);
+    chain.write_at(&[0x22; 10_000], 5000).unwrap();
+    chain.write_zeroes(512 << 10, 256 << 10, true).unwrap();
+    chain.close().unwrap();
+    assert_eq!(qemu_check(&img).0, Some(0));
+    // The snapshot still holds the old data.
+    qemu_img(&["snapshot", "-a", "before", s(&img)]);
+    let (code, out, _) = sqcow2_status(&["io", "-c", "read -P 0x21 0 1M", s(&img)]);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(qemu_check(&img).0, Some(0));
+}
+
+#[test]
+fn read_only_and_bitmap_images_refuse_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    sqcow2(&["create", s(&img), "16M"]);
+    let ro = Chain::open(&img, &ChainOptions::default()).unwrap();
+    assert!(ro.write_at(&[1], 0).is_err());
+    assert!(ro.write_at(&[1], 16 << 20).is_err());
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+    let err = Chain::open(
+        &img,
+        &ChainOptions {
+            writable: true,
+            ..ChainOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(
+        err.kind,
+        sqcow2_format::ErrorKind::Unsupported(sqcow2_format::Feature::WriteWithBitmaps)
+    ));
+    let (code, _, stderr) = sqcow2_status(&["io", "-c", "write 0 512", s(&img)]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("bitmaps"), "{stderr}");
+}
