@@ -354,3 +354,37 @@ fn read_only_and_bitmap_images_refuse_writes() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("bitmaps"), "{stderr}");
 }
+
+#[test]
+fn refcount_table_grows_as_the_image_grows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    // 512-byte clusters with 64-bit refcounts: one refcount block covers
+    // 64 clusters and the first table 4096, so 8 MiB of data outgrows it.
+    sqcow2(&[
+        "create",
+        "-o",
+        "cluster_size=512,refcount_bits=64",
+        s(&img),
+        "16M",
+    ]);
+    let table_before = std::fs::read(&img).unwrap()[48..60].to_vec();
+    let chain = rw(&img);
+    for i in 0..16u64 {
+        chain
+            .write_at(&vec![i as u8 + 1; 512 << 10], i * (512 << 10))
+            .unwrap();
+        if i % 4 == 3 {
+            chain.flush().unwrap();
+        }
+    }
+    chain.close().unwrap();
+    let table_after = std::fs::read(&img).unwrap()[48..60].to_vec();
+    assert_ne!(
+        table_before, table_after,
+        "the refcount table should have moved"
+    );
+    assert_eq!(qemu_check(&img), (Some(0), qemu_check(&img).1));
+    let (code, out, _) = sqcow2_status(&["io", "-c", "read -P 16 7680k 512k", s(&img)]);
+    assert_eq!(code, Some(0), "{out}");
+}

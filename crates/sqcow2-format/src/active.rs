@@ -338,6 +338,14 @@ impl ActiveState {
         let storage = self.storage.clone();
 
         if !compressed && host != 0 && g.offset_in_cluster(host) == 0 && self.owned(host)? {
+            let file_size = storage.len().map_err(|e| self.io(e))?;
+            if host + cluster_size > file_size {
+                return Err(self.err(ErrorKind::ClusterBeyondEof {
+                    guest_offset: guest,
+                    host_offset: host,
+                    file_size,
+                }));
+            }
             if !g.extended_l2 {
                 if entry & ZERO == 0 {
                     if entry & COPIED == 0 {

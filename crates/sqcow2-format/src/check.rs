@@ -2,6 +2,7 @@
 //! every reference from the metadata is counted and compared with the
 //! refcounts on disk; `COPIED` flags of the active tables are verified.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use crate::entry::{
 use crate::error::{Error, ErrorKind};
 use crate::extension::HeaderExtension;
 use crate::header::Header;
-use crate::refcount::{max_refcount, set_entry, Refcounts};
+use crate::refcount::{get_entry, max_refcount, set_entry, Refcounts};
 use crate::snapshot::read_snapshot_table;
 use crate::storage::{FileStorage, Storage};
 
@@ -82,7 +83,7 @@ impl CheckReport {
 struct Census {
     cluster_bits: u32,
     file_size: u64,
-    counts: Vec<u64>,
+    counts: HashMap<u64, u64>,
     report: CheckReport,
     /// Active L1 entries and L2 entries whose COPIED flag must be checked:
     /// (where the entry lives on disk, entry value, referenced cluster).
@@ -102,11 +103,7 @@ impl Census {
             ));
             return;
         }
-        let i = idx as usize;
-        if self.counts.len() <= i {
-            self.counts.resize(i + 1, 0);
-        }
-        self.counts[i] += 1;
+        *self.counts.entry(idx).or_insert(0) += 1;
     }
 
     fn add_range(&mut self, offset: u64, len: u64, what: &str) {
@@ -121,10 +118,23 @@ impl Census {
     }
 }
 
-fn read_table(storage: &dyn Storage, offset: u64, entries: u64) -> Result<Vec<u64>, ErrorKind> {
+/// Reads a table of big-endian `u64`s that must lie inside the file
+/// (`None` otherwise, so that hostile sizes never drive an allocation).
+fn read_table(
+    storage: &dyn Storage,
+    offset: u64,
+    entries: u64,
+) -> Result<Option<Vec<u64>>, ErrorKind> {
+    let len = entries.checked_mul(8);
+    if len
+        .and_then(|l| offset.checked_add(l))
+        .is_none_or(|end| end > storage.len().unwrap_or(0))
+    {
+        return Ok(None);
+    }
     let mut raw = vec![0u8; (entries * 8) as usize];
     storage.read_at(&mut raw, offset)?;
-    Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
+    Ok(Some(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect()))
 }
 
 /// Counts one L1 table and the L2 tables and data it references.
@@ -138,7 +148,12 @@ fn count_l1(
 ) -> Result<(), ErrorKind> {
     let g = header.geometry;
     let cs = g.cluster_size();
-    let l1 = read_table(storage, l1_offset, u64::from(l1_size))?;
+    let Some(l1) = read_table(storage, l1_offset, u64::from(l1_size))? else {
+        census.corrupt(format!(
+            "L1 table at {l1_offset:#x} ({l1_size} entries) lies outside the file"
+        ));
+        return Ok(());
+    };
     let words = if g.extended_l2 { 2 } else { 1 };
     let mut prev_host: Option<u64> = None;
     for (i, &l1e) in l1.iter().enumerate() {
@@ -161,7 +176,9 @@ fn count_l1(
         if active {
             census.copied.push((l1_offset + i as u64 * 8, l1e, l2 / cs));
         }
-        let table = read_table(storage, l2, cs / 8)?;
+        let Some(table) = read_table(storage, l2, cs / 8)? else {
+            continue;
+        };
         for (j, pair) in table.chunks_exact(words).enumerate() {
             let (e, bitmap) = (pair[0], if words == 2 { pair[1] } else { 0 });
             let entry_pos = l2 + (j * words) as u64 * 8;
@@ -227,7 +244,7 @@ fn census(header: &Header, storage: &dyn Storage, path: &Path) -> Result<Census,
     let mut census = Census {
         cluster_bits: g.cluster_bits,
         file_size,
-        counts: Vec::new(),
+        counts: HashMap::new(),
         report: CheckReport {
             filename: path.display().to_string(),
             format: "qcow2",
@@ -286,6 +303,10 @@ fn count_bitmaps(
         return Ok(());
     };
     census.add_range(ext.directory_offset, ext.directory_size, "bitmap directory");
+    if ext.directory_offset.saturating_add(ext.directory_size) > census.file_size {
+        census.corrupt("bitmap directory lies outside the file".into());
+        return Ok(());
+    }
     let mut dir = vec![0u8; ext.directory_size as usize];
     storage.read_at(&mut dir, ext.directory_offset)?;
     let mut pos = 0usize;
@@ -299,7 +320,13 @@ fn count_bitmaps(
         let name_size = u64::from(u16::from_be_bytes([dir[pos + 18], dir[pos + 19]]));
         let extra = u64::from(be_u32(&dir, pos + 20));
         census.add_range(table_offset, table_size * 8, "bitmap table");
-        for e in read_table(storage, table_offset, table_size)? {
+        let Some(table) = read_table(storage, table_offset, table_size)? else {
+            census.corrupt(format!(
+                "bitmap table at {table_offset:#x} lies outside the file"
+            ));
+            break;
+        };
+        for e in table {
             let off = e & OFFSET_MASK;
             if off != 0 {
                 census.add_cluster(off >> census.cluster_bits, "bitmap data");
@@ -310,23 +337,28 @@ fn count_bitmaps(
     Ok(())
 }
 
-/// Counts the refcount table and blocks as the header describes them.
+/// Counts the refcount table and blocks as the header describes them;
+/// returns the valid blocks as (block index, offset).
 fn count_refcount_structures(
     census: &mut Census,
     header: &Header,
     storage: &dyn Storage,
-) -> Result<Vec<u64>, ErrorKind> {
+) -> Result<Vec<(u64, u64)>, ErrorKind> {
     let cs = header.geometry.cluster_size();
     census.add_range(
         header.refcount_table_offset,
         u64::from(header.refcount_table_clusters) * cs,
         "refcount table",
     );
-    let table = read_table(
+    let Some(table) = read_table(
         storage,
         header.refcount_table_offset,
         u64::from(header.refcount_table_clusters) * cs / 8,
-    )?;
+    )?
+    else {
+        return Ok(Vec::new());
+    };
+    let mut blocks = Vec::new();
     for (i, &e) in table.iter().enumerate() {
         let off = e & OFFSET_MASK;
         if off == 0 {
@@ -337,8 +369,9 @@ fn count_refcount_structures(
             continue;
         }
         census.add_cluster(off / cs, "refcount block");
+        blocks.push((i as u64, off));
     }
-    Ok(table)
+    Ok(blocks)
 }
 
 /// Checks (and repairs) the image at `path`.
@@ -387,64 +420,72 @@ pub fn check_storage(
 
 struct Checked {
     report: CheckReport,
-    counts: Vec<u64>,
-    on_disk: Vec<u64>,
+    counts: HashMap<u64, u64>,
+    /// Clusters whose refcount on disk differs: (cluster, on disk, expected).
+    mismatches: Vec<(u64, u64, u64)>,
     copied: Vec<(u64, u64, u64)>,
 }
 
 fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Checked, ErrorKind> {
     let mut census = census(header, storage, path)?;
-    count_refcount_structures(&mut census, header, storage)?;
+    let blocks = count_refcount_structures(&mut census, header, storage)?;
     let g = header.geometry;
-    let mut refcounts = Refcounts::load(
-        storage,
-        header.refcount_order,
-        g.cluster_bits,
-        header.refcount_table_offset,
-        header.refcount_table_clusters,
-    )?;
-    let file_clusters = census
-        .file_size
-        .div_ceil(g.cluster_size())
-        .max(census.counts.len() as u64);
-    // Refcounts may also be set for clusters past the end of the file:
-    // scan up to the end of the last refcount block in use.
-    let clusters = refcounts.covered_clusters().max(file_clusters);
-    let mut on_disk = Vec::with_capacity(clusters as usize);
-    for idx in 0..clusters {
-        let v = match refcounts.get(storage, idx) {
-            Ok(v) => v,
-            Err(err) => {
-                census.corrupt(format!("cannot read the refcount of cluster {idx}: {err}"));
-                0
+    let cs = g.cluster_size();
+    let order = header.refcount_order;
+    let block_entries = (cs * 8) >> order;
+    // Compare every entry of every valid block (they lie inside the file,
+    // so this is bounded by its size), then the references no block covers.
+    let mut on_disk: HashMap<u64, u64> = HashMap::new();
+    let mut block = vec![0u8; cs as usize];
+    let mut covered = std::collections::HashSet::new();
+    for &(bi, offset) in &blocks {
+        storage.read_at(&mut block, offset)?;
+        covered.insert(bi);
+        for i in 0..block_entries {
+            let v = get_entry(&block, order, i as usize);
+            if v != 0 {
+                on_disk.insert(bi * block_entries + i, v);
             }
-        };
-        on_disk.push(v);
-        let expected = census.counts.get(idx as usize).copied().unwrap_or(0);
+        }
+    }
+    let mut mismatches = Vec::new();
+    for (&idx, &v) in &on_disk {
+        let expected = census.counts.get(&idx).copied().unwrap_or(0);
+        if v != expected {
+            mismatches.push((idx, v, expected));
+        }
+    }
+    for (&idx, &expected) in &census.counts {
+        if !on_disk.contains_key(&idx) {
+            mismatches.push((idx, 0, expected));
+        }
+    }
+    mismatches.sort_unstable();
+    for &(idx, v, expected) in &mismatches {
         if v > expected {
             census.report.leaks += 1;
             census.report.messages.push(format!(
                 "Leaked cluster {idx} refcount={v} reference={expected}"
             ));
-        } else if v < expected {
+        } else {
             census.corrupt(format!("cluster {idx} refcount={v} reference={expected}"));
         }
     }
     let copied = std::mem::take(&mut census.copied);
     for &(pos, entry, cluster) in &copied {
-        let rc = on_disk.get(cluster as usize).copied().unwrap_or(0);
+        let rc = on_disk.get(&cluster).copied().unwrap_or(0);
         if rc > 0 && (rc == 1) != (entry & COPIED != 0) {
             census.corrupt(format!(
                 "OFLAG_COPIED mismatch: entry {entry:#x} at {pos:#x}, refcount={rc}"
             ));
         }
     }
-    let highest = census.counts.iter().rposition(|&c| c > 0).unwrap_or(0) as u64;
+    let highest = census.counts.keys().max().copied().unwrap_or(0);
     census.report.image_end_offset = (highest + 1) << g.cluster_bits;
     Ok(Checked {
         report: census.report,
         counts: census.counts,
-        on_disk,
+        mismatches,
         copied,
     })
 }
@@ -456,11 +497,7 @@ fn apply_repair(
     checked: Checked,
     repair: Repair,
 ) -> Result<(), ErrorKind> {
-    let too_low = checked
-        .counts
-        .iter()
-        .enumerate()
-        .any(|(i, &c)| checked.on_disk.get(i).copied().unwrap_or(0) < c);
+    let too_low = checked.mismatches.iter().any(|&(_, v, e)| v < e);
     if repair == Repair::All && (too_low || checked.report.corruptions > 0) {
         rebuild_refcounts(header, storage)?;
         fix_copied_flags(storage, &checked)?;
@@ -476,10 +513,9 @@ fn apply_repair(
         header.refcount_table_offset,
         header.refcount_table_clusters,
     )?;
-    for (idx, &v) in checked.on_disk.iter().enumerate() {
-        let expected = checked.counts.get(idx).copied().unwrap_or(0);
+    for &(idx, v, expected) in &checked.mismatches {
         if v > expected {
-            refcounts.set_value(storage, idx as u64, expected)?;
+            refcounts.set_value(storage, idx, expected)?;
         }
     }
     refcounts.write_blocks(storage)?;
@@ -490,7 +526,7 @@ fn apply_repair(
 /// Sets each active entry's COPIED flag to match its repaired refcount.
 fn fix_copied_flags(storage: &dyn Storage, checked: &Checked) -> Result<(), ErrorKind> {
     for &(pos, entry, cluster) in &checked.copied {
-        let rc = checked.counts.get(cluster as usize).copied().unwrap_or(0);
+        let rc = checked.counts.get(&cluster).copied().unwrap_or(0);
         let want = if rc == 1 {
             entry | COPIED
         } else {
@@ -514,7 +550,8 @@ pub fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), E
     let mut counts = census.counts;
     let order = header.refcount_order;
     let block_entries = (cs * 8) >> order;
-    let start = (storage.len()?.div_ceil(cs)).max(counts.len() as u64);
+    let highest = counts.keys().max().map_or(0, |m| m + 1);
+    let start = (storage.len()?.div_ceil(cs)).max(highest);
     let (mut blocks, mut table) = (1u64, 1u64);
     loop {
         let total = start + blocks + table;
@@ -532,9 +569,8 @@ pub fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), E
             max: crate::header::MAX_REFTABLE_BYTES / 8,
         });
     }
-    counts.resize((start + blocks + table) as usize, 0);
     for c in start..start + blocks + table {
-        counts[c as usize] += 1;
+        *counts.entry(c).or_insert(0) += 1;
     }
     let max = max_refcount(order);
     let mut table_bytes = vec![0u8; (table * cs) as usize];
@@ -542,7 +578,7 @@ pub fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), E
         let mut block = vec![0u8; cs as usize];
         for i in 0..block_entries {
             let c = b * block_entries + i;
-            let v = counts.get(c as usize).copied().unwrap_or(0);
+            let v = counts.get(&c).copied().unwrap_or(0);
             if v > max {
                 return Err(ErrorKind::InvalidHeader {
                     field: "refcount_order",

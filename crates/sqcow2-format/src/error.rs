@@ -166,6 +166,17 @@ pub enum ErrorKind {
         /// The host offset in the L2 entry.
         host_offset: u64,
     },
+    /// A data cluster that an L2 entry places beyond the end of the file,
+    /// found when writing to it.
+    #[error("data cluster {host_offset:#x} for guest offset {guest_offset:#x} lies beyond the end of the file ({file_size} bytes)")]
+    ClusterBeyondEof {
+        /// The guest offset being written.
+        guest_offset: u64,
+        /// The host offset in the L2 entry.
+        host_offset: u64,
+        /// The size of the file.
+        file_size: u64,
+    },
     /// An extended L2 entry whose bitmap QEMU treats as invalid.
     #[error("invalid subcluster bitmap {bitmap:#018x} for guest offset {guest_offset:#x}")]
     InvalidSubclusterBitmap {

@@ -31,3 +31,13 @@ pub use error::{Error, ErrorKind, Feature, Table};
 pub use header::{CompressionType, Header, Version};
 pub use layer::Layer;
 pub use types::{GuestOffset, HostOffset, LayerIndex};
+
+#[cfg(test)]
+mod tests {
+    /// The engine is shared by queue threads: it must be `Send + Sync`.
+    #[test]
+    fn chain_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<crate::Chain>();
+    }
+}

@@ -116,12 +116,6 @@ impl Refcounts {
         self.cluster_bits + 3 - self.order
     }
 
-    /// Clusters covered up to the end of the last refcount block in use.
-    pub fn covered_clusters(&self) -> u64 {
-        let last = self.table.iter().rposition(|e| e & OFFSET_MASK != 0);
-        last.map_or(0, |i| (i as u64 + 1) << self.block_bits())
-    }
-
     /// Refcount table location: (offset, clusters).
     pub fn table_location(&self) -> (u64, u64) {
         (self.table_offset, self.table_clusters)
