@@ -200,9 +200,13 @@ fn run_seed(seed: u64) -> usize {
         live: Mutex::new(initial.clone()),
         log: Mutex::new(Vec::new()),
     });
+    // Half the seeds use a tiny cache, so that metadata is written back
+    // early and slices are evicted while the workload runs.
     let options = ChainOptions {
         writable: true,
         top_storage: Some(storage.clone()),
+        cache_size: if seed % 2 == 0 { 16 << 10 } else { 32 << 20 },
+        slice_size: if seed % 2 == 0 { 512 } else { 4096 },
         ..ChainOptions::default()
     };
     let ops = workload(&mut rng, cfg.cluster, 50);

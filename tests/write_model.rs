@@ -124,9 +124,11 @@ fn create_top(dir: &Path, backing: &Path, cfg: &TopConfig) -> PathBuf {
     top
 }
 
-fn open_rw(top: &Path) -> Chain {
+fn open_rw(top: &Path, small_cache: bool) -> Chain {
     let opts = ChainOptions {
         writable: true,
+        cache_size: if small_cache { 16 << 10 } else { 32 << 20 },
+        slice_size: if small_cache { 512 } else { 4096 },
         ..ChainOptions::default()
     };
     Chain::open(top, &opts).unwrap_or_else(|e| panic!("open {}: {e}", top.display()))
@@ -163,7 +165,8 @@ fn run_seed(seed: u64, ops: usize) {
     qemu_img(&["convert", "-O", "raw", s(&top), s(&initial)]);
     let mut model = std::fs::read(&initial).unwrap();
 
-    let mut chain = open_rw(&top);
+    let small_cache = rng.bool();
+    let mut chain = open_rw(&top, small_cache);
     for step in 0..ops {
         let (off, len) = range(&mut rng, cfg.cluster);
         let (o, l) = (off as usize, len as usize);
@@ -206,7 +209,7 @@ fn run_seed(seed: u64, ops: usize) {
                 chain
                     .close()
                     .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
-                chain = open_rw(&top);
+                chain = open_rw(&top, small_cache);
             }
             _ => {
                 let mut buf = vec![0u8; l];

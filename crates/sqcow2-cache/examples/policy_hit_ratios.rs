@@ -45,7 +45,9 @@ fn trace(name: &str, rng: &mut fastrand::Rng) -> Vec<u64> {
     let mut perm: Vec<u64> = (0..SLICES).collect();
     rng.shuffle(&mut perm);
     match name {
-        "zipf" => (0..LOOKUPS).map(|_| perm[zipf.sample(rng) as usize]).collect(),
+        "zipf" => (0..LOOKUPS)
+            .map(|_| perm[zipf.sample(rng) as usize])
+            .collect(),
         "zipf+scans" => {
             let mut t = Vec::with_capacity(LOOKUPS);
             while t.len() < LOOKUPS {
@@ -57,8 +59,12 @@ fn trace(name: &str, rng: &mut fastrand::Rng) -> Vec<u64> {
             t.truncate(LOOKUPS);
             t
         }
-        "uniform" => (0..LOOKUPS).map(|_| rng.u64(0..2 * BUDGET_SLICES)).collect(),
-        "loop" => (0..LOOKUPS as u64).map(|i| i % (BUDGET_SLICES * 12 / 10)).collect(),
+        "uniform" => (0..LOOKUPS)
+            .map(|_| rng.u64(0..2 * BUDGET_SLICES))
+            .collect(),
+        "loop" => (0..LOOKUPS as u64)
+            .map(|i| i % (BUDGET_SLICES * 12 / 10))
+            .collect(),
         _ => unreachable!(),
     }
 }
@@ -66,7 +72,10 @@ fn trace(name: &str, rng: &mut fastrand::Rng) -> Vec<u64> {
 fn main() {
     let weight = SLICE_ENTRIES as u64 * 8 + 64;
     let slice: Arc<[u64]> = vec![0u64; SLICE_ENTRIES].into();
-    println!("{:<12} {:>8} {:>8} {:>8}", "trace", "LRU", "CLOCK", "S3-FIFO");
+    println!(
+        "{:<12} {:>8} {:>8} {:>8}",
+        "trace", "LRU", "CLOCK", "S3-FIFO"
+    );
     for name in ["zipf", "zipf+scans", "uniform", "loop"] {
         let mut rng = fastrand::Rng::with_seed(7);
         let t = trace(name, &mut rng);
@@ -78,11 +87,17 @@ fn main() {
                 policy,
             });
             for &s in &t {
-                let key = SliceKey { source: 0, offset: s * 4096 };
+                let key = SliceKey {
+                    source: 0,
+                    offset: s * 4096,
+                };
                 let _ = cache.get_or_load(key, || Ok::<_, ()>(slice.clone()));
             }
             let st = cache.stats().snapshot();
-            row += &format!(" {:>7.2}%", 100.0 * st.hits as f64 / (st.hits + st.misses) as f64);
+            row += &format!(
+                " {:>7.2}%",
+                100.0 * st.hits as f64 / (st.hits + st.misses) as f64
+            );
         }
         println!("{row}");
     }

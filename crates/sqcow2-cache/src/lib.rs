@@ -186,7 +186,12 @@ impl SliceCache {
     pub fn remove_source(&self, source: u32) {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            let keys: Vec<SliceKey> = shard.map.keys().filter(|k| k.source == source).copied().collect();
+            let keys: Vec<SliceKey> = shard
+                .map
+                .keys()
+                .filter(|k| k.source == source)
+                .copied()
+                .collect();
             for key in keys {
                 if let Some((old, meta)) = shard.map.remove(&key) {
                     shard.bytes -= weight(&old);
@@ -221,7 +226,13 @@ mod tests {
                 policy,
             });
             for i in 0..10_000u64 {
-                cache.insert(SliceKey { source: (i % 7) as u32, offset: i * 4096 }, slice(512, i));
+                cache.insert(
+                    SliceKey {
+                        source: (i % 7) as u32,
+                        offset: i * 4096,
+                    },
+                    slice(512, i),
+                );
                 assert!(cache.stats().snapshot().bytes <= 64 * 1024, "{policy:?}");
             }
             let s = cache.stats().snapshot();
@@ -232,7 +243,10 @@ mod tests {
     #[test]
     fn hits_return_what_was_inserted() {
         let cache = SliceCache::new(CacheConfig::default());
-        let key = SliceKey { source: 3, offset: 65536 };
+        let key = SliceKey {
+            source: 3,
+            offset: 65536,
+        };
         assert!(cache.get(key).is_none());
         cache.insert(key, slice(8, 42));
         assert_eq!(cache.get(key).unwrap()[0], 42);
@@ -257,7 +271,10 @@ mod tests {
                 let cache = cache.clone();
                 std::thread::spawn(move || {
                     for i in 0..20_000u64 {
-                        let key = SliceKey { source: 0, offset: (i * 7 + t) % 4000 };
+                        let key = SliceKey {
+                            source: 0,
+                            offset: (i * 7 + t) % 4000,
+                        };
                         let v = cache
                             .get_or_load(key, || Ok::<_, ()>(slice(64, key.offset)))
                             .unwrap();

@@ -121,7 +121,11 @@ impl Queues {
             let from_small = self.policy == Policy::S3Fifo
                 && !self.small.is_empty()
                 && (self.small_bytes > self.small_target || self.main.is_empty());
-            let queue = if from_small { &mut self.small } else { &mut self.main };
+            let queue = if from_small {
+                &mut self.small
+            } else {
+                &mut self.main
+            };
             let (key, generation) = queue.pop_front()?;
             let Some((_, meta)) = map.get_mut(&key) else {
                 continue;

@@ -22,10 +22,13 @@ use crate::entry::{CompressedDescriptor, COPIED, OFFSET_MASK, ZERO};
 use crate::error::{Error, ErrorKind};
 use crate::features::INCOMPAT_DIRTY;
 use crate::header::{Header, Version};
-use crate::layer::{clip_to_l2, read_l2_table, table_status, LayerStatus};
+use crate::layer::{
+    clip_to_l2, read_l2_table, read_words, table_status, validate_l2_offset, L2Slice, LayerStatus,
+};
 use crate::refcount::Refcounts;
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset};
+use sqcow2_cache::{Slice, SliceCache, SliceKey};
 
 /// Header field offsets that the write path updates.
 const HDR_REFTABLE: u64 = 48;
@@ -36,9 +39,9 @@ const ALL_ALLOC: u64 = 0x0000_0000_ffff_ffff;
 /// Bitmap with every subcluster reading as zeros.
 const ALL_ZERO: u64 = 0xffff_ffff_0000_0000;
 
-/// Upper bound on clean L2 tables kept in memory (dirty ones stay until the
-/// next flush).
-const MAX_CLEAN_L2_TABLES: usize = 4096;
+/// Tables under modification stay in memory until a flush writes them; past
+/// this share of the cache budget, their metadata is written back early.
+const DIRTY_SHARE_OF_BUDGET: u64 = 4;
 
 /// Reads the guest view of the layers below the top: `(buf, offset)`.
 pub type BelowReader<'a> = dyn Fn(&mut [u8], u64) -> Result<(), Error> + 'a;
@@ -72,6 +75,23 @@ pub struct ActiveState {
     refcounts: Refcounts,
     has_backing: bool,
     dirty_bit_on_disk: bool,
+    cache: Arc<SliceCache>,
+    source: u32,
+    slice_size: u64,
+    cache_budget: u64,
+}
+
+/// Where the top's clean L2 slices are cached.
+#[derive(Debug, Clone)]
+pub struct CacheLink {
+    /// The unified cache.
+    pub cache: Arc<SliceCache>,
+    /// The top's layer number (its source in the cache).
+    pub source: u32,
+    /// Bytes per slice.
+    pub slice_size: u64,
+    /// The cache's byte budget.
+    pub budget: u64,
 }
 
 impl ActiveState {
@@ -81,6 +101,7 @@ impl ActiveState {
         storage: Arc<dyn Storage>,
         header: Header,
         has_backing: bool,
+        link: CacheLink,
     ) -> Result<Self, Error> {
         let e = |kind| Error::new(path, kind);
         let mut raw = vec![0u8; header.l1_size as usize * 8];
@@ -109,6 +130,10 @@ impl ActiveState {
             l2: HashMap::new(),
             refcounts,
             has_backing,
+            cache: link.cache,
+            source: link.source,
+            slice_size: link.slice_size,
+            cache_budget: link.budget,
         })
     }
 
@@ -142,12 +167,10 @@ impl ActiveState {
         }
     }
 
+    /// Takes the whole table at `offset` into the set under modification.
     fn l2_loaded(&mut self, offset: u64) -> Result<(), Error> {
         if self.l2.contains_key(&offset) {
             return Ok(());
-        }
-        if self.l2.len() >= MAX_CLEAN_L2_TABLES {
-            self.l2.retain(|_, slot| slot.dirty);
         }
         let file_size = self.storage.len().map_err(|e| self.io(e))?;
         let table = read_l2_table(self.geometry(), &*self.storage, offset, file_size)
@@ -160,6 +183,82 @@ impl ActiveState {
             },
         );
         Ok(())
+    }
+
+    /// The cached slice of the (clean) table at `l2_offset` covering `guest`.
+    fn cached_slice(&self, l2_offset: u64, guest: u64) -> Result<(L2Slice, Slice), Error> {
+        let g = self.geometry();
+        let slice = L2Slice::locate(g, l2_offset, GuestOffset(guest), self.slice_size);
+        let key = SliceKey {
+            source: self.source,
+            offset: slice.offset,
+        };
+        let words = self
+            .cache
+            .get_or_load(key, || {
+                validate_l2_offset(g, l2_offset, self.storage.len()?)?;
+                read_words(&*self.storage, slice.offset, slice.words)
+            })
+            .map_err(|k| self.err(k))?;
+        Ok((slice, words))
+    }
+
+    /// The raw L2 entry and bitmap of the cluster at `guest` (`None` where
+    /// the L1 entry is empty).
+    fn raw_entry(&self, guest: u64) -> Result<Option<(u64, u64)>, Error> {
+        let g = self.geometry();
+        let l2_offset = self.l1_entry(guest) & OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok(None);
+        }
+        let per = self.words();
+        let (words, first): (&[u64], u64) = match self.l2.get(&l2_offset) {
+            Some(slot) => (&slot.table, 0),
+            None => {
+                let (slice, words) = self.cached_slice(l2_offset, guest)?;
+                let i = (g.l2_index(GuestOffset(guest)) - slice.first_entry) as usize * per;
+                let bitmap = if per == 2 { words[i + 1] } else { 0 };
+                return Ok(Some((words[i], bitmap)));
+            }
+        };
+        let i = (g.l2_index(GuestOffset(guest)) - first) as usize * per;
+        let bitmap = if per == 2 { words[i + 1] } else { 0 };
+        Ok(Some((words[i], bitmap)))
+    }
+
+    /// Moves tables that are not dirty out of the set under modification,
+    /// and writes metadata back early when dirty tables take too much room.
+    fn settle(&mut self) -> Result<(), Error> {
+        let clean: Vec<u64> = self
+            .l2
+            .iter()
+            .filter(|(_, s)| !s.dirty)
+            .map(|(o, _)| *o)
+            .collect();
+        for offset in clean {
+            if let Some(slot) = self.l2.remove(&offset) {
+                self.publish(offset, &slot.table);
+            }
+        }
+        let dirty_bytes: u64 = self.l2.values().map(|s| s.table.len() as u64 * 8).sum();
+        if dirty_bytes > self.cache_budget / DIRTY_SHARE_OF_BUDGET {
+            self.write_back(false)?;
+        }
+        Ok(())
+    }
+
+    /// Puts the slices of a clean table into the unified cache.
+    fn publish(&self, offset: u64, table: &[u64]) {
+        let g = self.geometry();
+        let slice_bytes = self.slice_size.clamp(g.l2_entry_size(), g.cluster_size());
+        let words = (slice_bytes / 8) as usize;
+        for (i, chunk) in table.chunks(words).enumerate() {
+            let key = SliceKey {
+                source: self.source,
+                offset: offset + i as u64 * slice_bytes,
+            };
+            self.cache.insert(key, chunk.to_vec().into());
+        }
     }
 
     fn l1_entry(&self, guest: u64) -> u64 {
@@ -179,9 +278,13 @@ impl ActiveState {
         if l2_offset == 0 {
             return Ok((LayerStatus::Unallocated { host: None }, max));
         }
-        self.l2_loaded(l2_offset)?;
-        let table = &self.l2[&l2_offset].table;
-        table_status(g, table, GuestOffset(guest), max).map_err(|k| self.err(k))
+        if let Some(slot) = self.l2.get(&l2_offset) {
+            return table_status(g, &slot.table, GuestOffset(guest), max).map_err(|k| self.err(k));
+        }
+        let (slice, words) = self.cached_slice(l2_offset, guest)?;
+        slice
+            .status(g, &words, GuestOffset(guest), max)
+            .map_err(|k| self.err(k))
     }
 
     /// Reads the guest view of `[guest, guest + buf.len())`, which lies in
@@ -327,6 +430,51 @@ impl ActiveState {
         data: &[u8],
         guest: u64,
     ) -> Result<WritePlan, Error> {
+        let plan = self.write_in_cluster_inner(below, data, guest)?;
+        self.settle()?;
+        Ok(plan)
+    }
+
+    /// Whether a write of `len` bytes at `guest` can go straight to the
+    /// top's own cluster: returns its host offset.
+    fn in_place_target(&mut self, guest: u64, len: u64) -> Result<Option<u64>, Error> {
+        let g = self.geometry();
+        let Some((entry, bitmap)) = self.raw_entry(guest)? else {
+            return Ok(None);
+        };
+        let host = entry & OFFSET_MASK;
+        let plain = entry & (crate::entry::COMPRESSED | ZERO) == 0 && entry & COPIED != 0;
+        if !plain || host == 0 || g.offset_in_cluster(host) != 0 {
+            return Ok(None);
+        }
+        let in_cluster = g.offset_in_cluster(guest);
+        if g.extended_l2 {
+            let sc = g.subcluster_size();
+            let all =
+                (in_cluster / sc..=(in_cluster + len - 1) / sc).all(|i| bitmap & (1 << i) != 0);
+            if !all {
+                return Ok(None);
+            }
+        }
+        if !self.owned(host)? {
+            return Ok(None);
+        }
+        let file_size = self.storage.len().map_err(|e| self.io(e))?;
+        if host + g.cluster_size() > file_size {
+            return Ok(None);
+        }
+        Ok(Some(host + in_cluster))
+    }
+
+    fn write_in_cluster_inner(
+        &mut self,
+        below: &BelowReader,
+        data: &[u8],
+        guest: u64,
+    ) -> Result<WritePlan, Error> {
+        if let Some(host) = self.in_place_target(guest, data.len() as u64)? {
+            return Ok(WritePlan::InPlace(host));
+        }
         let g = self.geometry();
         let cluster_size = g.cluster_size();
         let cluster_start = guest - g.offset_in_cluster(guest);
@@ -415,6 +563,12 @@ impl ActiveState {
     /// Makes the whole cluster at `guest` read as zeros without writing data
     /// (`false` when the image cannot express it and zeros must be written).
     pub fn zero_cluster(&mut self, guest: u64, unmap: bool) -> Result<bool, Error> {
+        let done = self.zero_cluster_inner(guest, unmap)?;
+        self.settle()?;
+        Ok(done)
+    }
+
+    fn zero_cluster_inner(&mut self, guest: u64, unmap: bool) -> Result<bool, Error> {
         let g = self.geometry();
         let v2 = self.header.version == Version::V2;
         if v2 && self.has_backing {
@@ -510,6 +664,13 @@ impl ActiveState {
 
     /// The ordered flush described in the module documentation.
     pub fn flush(&mut self) -> Result<(), Error> {
+        self.write_back(true)
+    }
+
+    /// The flush sequence; queued frees are applied only when
+    /// `apply_frees` (the caller guarantees no request in flight still uses
+    /// a freed cluster).
+    fn write_back(&mut self, apply_frees: bool) -> Result<(), Error> {
         if !self.is_dirty() {
             return self.sync();
         }
@@ -548,7 +709,12 @@ impl ActiveState {
             self.dirty_l1.clear();
             self.sync()?;
         }
-        if self.refcounts.has_pending_frees() {
+        // Written tables are clean now: their slices serve reads from the
+        // unified cache.
+        for (offset, slot) in std::mem::take(&mut self.l2) {
+            self.publish(offset, &slot.table);
+        }
+        if apply_frees && self.refcounts.has_pending_frees() {
             self.refcounts
                 .apply_pending_frees(&*storage)
                 .map_err(|k| self.err(k))?;

@@ -4,11 +4,12 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use tracing::debug;
 
-use crate::active::{ActiveState, WritePlan};
+use crate::active::{ActiveState, CacheLink, WritePlan};
 use crate::backing::{resolve_backing_path, BackingFormat};
 use crate::check::{check_storage, read_header, Repair};
 use crate::compressed::read_compressed_cluster;
@@ -20,23 +21,30 @@ use crate::header::Version;
 /// Autoclear bits this writer keeps consistent (or that do not apply).
 const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
 use crate::header::QCOW2_MAGIC;
-use crate::l2_cache::L2Cache;
 use crate::layer::{Layer, LayerStatus, Qcow2Layer, RawLayer};
 use crate::storage::{FileStorage, Storage};
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
+use sqcow2_cache::{CacheConfig, Policy, SliceCache, StatsSnapshot};
 
 /// Default limit on the number of layers in a chain.
 pub const DEFAULT_MAX_LAYERS: usize = 65535;
-/// Default byte budget of the interim L2 table cache.
-pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
+/// Default byte budget of the unified metadata cache (QEMU's default for
+/// one layer; here for the whole chain).
+pub const DEFAULT_CACHE_SIZE: u64 = sqcow2_cache::DEFAULT_BUDGET;
+/// Default size of a cached metadata slice.
+pub const DEFAULT_SLICE_SIZE: u64 = 4096;
 
 /// How to open a chain.
 #[derive(Debug, Clone)]
 pub struct ChainOptions {
     /// Most layers a chain may have, the top included.
     pub max_layers: usize,
-    /// Byte budget of the L2 table cache.
-    pub l2_cache_bytes: u64,
+    /// Byte budget of the unified metadata cache.
+    pub cache_size: u64,
+    /// Bytes per cached metadata slice (clamped to one cluster).
+    pub slice_size: u64,
+    /// Eviction policy of the cache.
+    pub cache_policy: Policy,
     /// Open the top image for writing.
     pub writable: bool,
     /// Storage to use for the top image instead of opening its path (tests
@@ -48,7 +56,9 @@ impl Default for ChainOptions {
     fn default() -> Self {
         Self {
             max_layers: DEFAULT_MAX_LAYERS,
-            l2_cache_bytes: DEFAULT_L2_CACHE_BYTES,
+            cache_size: DEFAULT_CACHE_SIZE,
+            slice_size: DEFAULT_SLICE_SIZE,
+            cache_policy: Policy::S3Fifo,
             writable: false,
             top_storage: None,
         }
@@ -95,7 +105,9 @@ pub struct Extent {
 #[derive(Debug)]
 pub struct Chain {
     layers: Vec<Layer>,
-    cache: L2Cache,
+    cache: Arc<SliceCache>,
+    slice_size: u64,
+    data_reads: Vec<AtomicU64>,
     active: Option<Active>,
 }
 
@@ -225,16 +237,42 @@ impl Chain {
             top_down.push(layer);
         }
         top_down.reverse();
+        let cache = Arc::new(SliceCache::new(CacheConfig {
+            budget: options.cache_size,
+            policy: options.cache_policy,
+            ..CacheConfig::default()
+        }));
         let active = if options.writable {
-            Some(Active::open(&top_down)?)
+            let link = CacheLink {
+                cache: cache.clone(),
+                source: (top_down.len() - 1) as u32,
+                slice_size: options.slice_size,
+                budget: options.cache_size,
+            };
+            Some(Active::open(&top_down, link)?)
         } else {
             None
         };
         Ok(Chain {
+            data_reads: top_down.iter().map(|_| AtomicU64::new(0)).collect(),
             layers: top_down,
-            cache: L2Cache::new(options.l2_cache_bytes),
+            cache,
+            slice_size: options.slice_size,
             active,
         })
+    }
+
+    /// Statistics of the unified cache.
+    pub fn cache_stats(&self) -> StatsSnapshot {
+        self.cache.stats().snapshot()
+    }
+
+    /// Data reads served by each layer (base first).
+    pub fn data_reads_per_layer(&self) -> Vec<u64> {
+        self.data_reads
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// The layers, base first.
@@ -274,7 +312,7 @@ impl Chain {
         }
         match layer {
             Layer::Qcow2(q) => q
-                .status(index, guest, max, &self.cache)
+                .status(index, guest, max, &self.cache, self.slice_size)
                 .with_path(layer.path()),
             Layer::Raw(r) => Ok(r.status(guest, max, precise)),
         }
@@ -311,6 +349,7 @@ impl Chain {
                     let below = index.0.checked_sub(1).map(|i| &self.layers[i]);
                     match below {
                         Some(below) if start.0 < below.virtual_size() => {
+                            self.cache.stats().hit_unallocated();
                             len = len.min(below.virtual_size() - start.0);
                             index = LayerIndex(index.0 - 1);
                             continue;
@@ -365,6 +404,9 @@ impl Chain {
             let n = extent.len as usize;
             let out = &mut buf[done..done + n];
             let layer = &self.layers[extent.layer.0];
+            if !matches!(extent.kind, ExtentKind::Zero { .. }) {
+                self.data_reads[extent.layer.0].fetch_add(1, Ordering::Relaxed);
+            }
             match extent.kind {
                 ExtentKind::Zero { .. } => out.fill(0),
                 ExtentKind::Data { host } => layer
@@ -599,7 +641,7 @@ pub fn backing_path_of(layer: &Layer) -> Option<PathBuf> {
 
 impl Active {
     /// Takes the top of freshly opened `layers` (base first) for writing.
-    fn open(layers: &[Layer]) -> Result<Active, Error> {
+    fn open(layers: &[Layer], link: CacheLink) -> Result<Active, Error> {
         let top = &layers[layers.len() - 1];
         let Some(header) = top.header() else {
             return Err(Error::new(top.path(), ErrorKind::BadMagic(0)));
@@ -633,7 +675,7 @@ impl Active {
                 .map_err(|io| e(io.into()))?;
             header.features.autoclear = kept;
         }
-        let state = ActiveState::open(path, storage, header, layers.len() > 1)?;
+        let state = ActiveState::open(path, storage, header, layers.len() > 1, link)?;
         Ok(Active {
             gate: RwLock::new(()),
             state: Mutex::new(state),

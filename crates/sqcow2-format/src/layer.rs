@@ -8,9 +8,9 @@ use crate::bytes::be_u64;
 use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
 use crate::error::{ErrorKind, Table};
 use crate::header::Header;
-use crate::l2_cache::{L2Cache, L2Table};
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
+use sqcow2_cache::{Slice, SliceCache, SliceKey};
 
 /// What a layer says about a run of guest bytes.
 pub type LayerStatus = ClusterMapping;
@@ -79,31 +79,17 @@ impl Qcow2Layer {
         self.file_size
     }
 
-    /// Loads (through `cache`) the L2 table at `offset`, validating where it is.
-    fn l2_table(
-        &self,
-        index: LayerIndex,
-        offset: u64,
-        cache: &L2Cache,
-    ) -> Result<L2Table, ErrorKind> {
-        if let Some(t) = cache.get((index, HostOffset(offset))) {
-            return Ok(t);
-        }
-        let table: L2Table =
-            read_l2_table(self.header.geometry, &*self.storage, offset, self.file_size)?.into();
-        cache.insert((index, HostOffset(offset)), table.clone());
-        Ok(table)
-    }
-
     /// The mapping of `[guest, guest + max)` in this image, truncated to the
     /// run that shares one mapping (contiguous host offsets for data).
-    /// `guest` must be below the virtual size.
+    /// `guest` must be below the virtual size. L2 slices come through the
+    /// unified `cache`.
     pub fn status(
         &self,
         index: LayerIndex,
         guest: GuestOffset,
         max: u64,
-        cache: &L2Cache,
+        cache: &SliceCache,
+        slice_size: u64,
     ) -> Result<(LayerStatus, u64), ErrorKind> {
         let g = self.header.geometry;
         let max = clip_to_l2(g, guest, max);
@@ -116,9 +102,67 @@ impl Qcow2Layer {
         if l2_offset == 0 {
             return Ok((LayerStatus::Unallocated { host: None }, max));
         }
-        let table = self.l2_table(index, l2_offset, cache)?;
-        table_status(g, &table, guest, max)
+        let slice = L2Slice::locate(g, l2_offset, guest, slice_size);
+        let key = SliceKey {
+            source: index.0 as u32,
+            offset: slice.offset,
+        };
+        let words = cache.get_or_load(key, || {
+            validate_l2_offset(g, l2_offset, self.file_size)?;
+            read_words(&*self.storage, slice.offset, slice.words)
+        })?;
+        slice.status(g, &words, guest, max)
     }
+}
+
+/// Where the L2 slice covering a guest offset lies, and what it covers.
+#[derive(Debug, Clone, Copy)]
+pub struct L2Slice {
+    /// Byte offset of the slice in the file.
+    pub offset: u64,
+    /// Number of 64-bit words in the slice.
+    pub words: usize,
+    /// L2 index of the slice's first entry.
+    pub first_entry: u64,
+}
+
+impl L2Slice {
+    /// The slice of `slice_size` bytes (clamped to one cluster, at least
+    /// one entry) of the L2 table at `l2_offset` that covers `guest`.
+    pub fn locate(g: Geometry, l2_offset: u64, guest: GuestOffset, slice_size: u64) -> Self {
+        let entry_size = g.l2_entry_size();
+        let slice_bytes = slice_size.clamp(entry_size, g.cluster_size());
+        let entries_per_slice = slice_bytes / entry_size;
+        let first_entry = g.l2_index(guest) / entries_per_slice * entries_per_slice;
+        Self {
+            offset: l2_offset + first_entry * entry_size,
+            words: (slice_bytes / 8) as usize,
+            first_entry,
+        }
+    }
+
+    /// [`table_status`] within this slice's words.
+    pub fn status(
+        &self,
+        g: Geometry,
+        words: &[u64],
+        guest: GuestOffset,
+        max: u64,
+    ) -> Result<(LayerStatus, u64), ErrorKind> {
+        let per_word = if g.extended_l2 { 2 } else { 1 };
+        let entries = (words.len() / per_word) as u64;
+        let l1_base = g.l1_index(guest) * g.l2_coverage();
+        let slice_end = l1_base + (self.first_entry + entries) * g.cluster_size();
+        let max = max.min(slice_end - guest.0);
+        slice_status(g, words, self.first_entry, guest, max)
+    }
+}
+
+/// Reads `words` big-endian 64-bit words at `offset`.
+pub fn read_words(storage: &dyn Storage, offset: u64, words: usize) -> Result<Slice, ErrorKind> {
+    let mut raw = vec![0u8; words * 8];
+    storage.read_at(&mut raw, offset)?;
+    Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
 }
 
 /// `max` shortened so that `[guest, guest + max)` stays within one L2 table.
@@ -127,10 +171,16 @@ pub fn clip_to_l2(g: Geometry, guest: GuestOffset, max: u64) -> u64 {
     max.min(l2_end - guest.0)
 }
 
-/// The mapping of (sub)cluster at `pos` in an L2 table.
-pub fn mapping_in_table(g: Geometry, table: &[u64], pos: u64) -> Result<LayerStatus, ErrorKind> {
+/// The mapping of (sub)cluster at `pos` in an L2 table slice whose first
+/// entry has L2 index `first_entry`.
+pub fn mapping_in_table(
+    g: Geometry,
+    table: &[u64],
+    first_entry: u64,
+    pos: u64,
+) -> Result<LayerStatus, ErrorKind> {
     let words = if g.extended_l2 { 2 } else { 1 };
-    let l2_index = g.l2_index(GuestOffset(pos)) as usize;
+    let l2_index = (g.l2_index(GuestOffset(pos)) - first_entry) as usize;
     let entry = table.get(l2_index * words).copied().unwrap_or(0);
     let bitmap = if words == 2 {
         table.get(l2_index * 2 + 1).copied().unwrap_or(0)
@@ -151,22 +201,34 @@ pub fn mapping_in_table(g: Geometry, table: &[u64], pos: u64) -> Result<LayerSta
 }
 
 /// The first run of `[guest, guest + max)` (within one L2 table) that
-/// shares one mapping in `table`.
+/// shares one mapping in a whole `table`.
 pub fn table_status(
     g: Geometry,
     table: &[u64],
     guest: GuestOffset,
     max: u64,
 ) -> Result<(LayerStatus, u64), ErrorKind> {
+    slice_status(g, table, 0, guest, max)
+}
+
+/// [`table_status`] in a slice starting at L2 index `first_entry`; `max`
+/// must not run past the slice.
+pub fn slice_status(
+    g: Geometry,
+    table: &[u64],
+    first_entry: u64,
+    guest: GuestOffset,
+    max: u64,
+) -> Result<(LayerStatus, u64), ErrorKind> {
     let granule = g.subcluster_size();
-    let first = mapping_in_table(g, table, guest.0)?.advanced(guest.0 % granule);
+    let first = mapping_in_table(g, table, first_entry, guest.0)?.advanced(guest.0 % granule);
     let mut len = (granule - guest.0 % granule).min(max);
     if let LayerStatus::Compressed(_) = first {
         let to_cluster_end = g.cluster_size() - g.offset_in_cluster(guest.0);
         return Ok((first, to_cluster_end.min(max)));
     }
     while len < max {
-        let next = mapping_in_table(g, table, guest.0 + len)?;
+        let next = mapping_in_table(g, table, first_entry, guest.0 + len)?;
         if !first.continued_by(len, &next) {
             break;
         }

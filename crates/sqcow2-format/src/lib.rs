@@ -19,7 +19,6 @@ pub mod error;
 pub mod extension;
 pub mod features;
 pub mod header;
-pub mod l2_cache;
 pub mod layer;
 pub mod refcount;
 pub mod snapshot;
