@@ -105,12 +105,13 @@ fn invalid(ext_type: u32, offset: usize, reason: impl Into<String>) -> ErrorKind
 
 /// Parses the extensions in `cluster[start..end]`.
 ///
-/// Stops at the end marker or at `end`, whichever comes first.
+/// Stops at the end marker or at `end`, whichever comes first; returns the
+/// extensions and the offset just past the last byte read.
 pub(crate) fn parse_extensions(
     cluster: &[u8],
     start: usize,
     end: usize,
-) -> Result<Vec<HeaderExtension>, ErrorKind> {
+) -> Result<(Vec<HeaderExtension>, usize), ErrorKind> {
     let mut out = Vec::new();
     let end = end.min(cluster.len());
     let mut offset = start;
@@ -124,7 +125,7 @@ pub(crate) fn parse_extensions(
         }
         let data = &cluster[offset..offset + len];
         match ext_type {
-            EXT_END => return Ok(out),
+            EXT_END => return Ok((out, offset)),
             EXT_BACKING_FORMAT => {
                 if len >= 16 {
                     return Err(invalid(
@@ -187,5 +188,5 @@ pub(crate) fn parse_extensions(
         }
         offset += len.div_ceil(8) * 8;
     }
-    Ok(out)
+    Ok((out, offset.min(end)))
 }

@@ -96,6 +96,9 @@ pub struct Header {
     pub extensions: Vec<HeaderExtension>,
     /// Backing file name as written in the image (bytes, up to the first NUL).
     pub backing_file: Option<PathBuf>,
+    /// Bytes at the start of the file that the header, its extensions and
+    /// the backing file name occupy.
+    pub area_len: u64,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ErrorKind {
@@ -231,7 +234,7 @@ impl Header {
         };
         let extensions = parse_extensions(cluster, header_length as usize, ext_end as usize);
         let feature_table: Vec<FeatureNameEntry> = match &extensions {
-            Ok(exts) => exts
+            Ok((exts, _)) => exts
                 .iter()
                 .filter_map(|e| match e {
                     HeaderExtension::FeatureNameTable(t) => Some(t.clone()),
@@ -343,7 +346,7 @@ impl Header {
             return Err(ErrorKind::L1TooSmall { l1_size, needed });
         }
 
-        let extensions = extensions?;
+        let (extensions, ext_area_end) = extensions?;
         for ext in &extensions {
             match ext {
                 HeaderExtension::Bitmaps(b) if features.autoclear & AUTOCLEAR_BITMAPS != 0 => {
@@ -377,7 +380,16 @@ impl Header {
             None
         };
 
+        let area_len = (ext_area_end as u64)
+            .max(u64::from(header_length))
+            .max(if backing_file_offset != 0 {
+                backing_file_offset + u64::from(backing_file_size)
+            } else {
+                0
+            })
+            .min(cluster_size);
         Ok(Header {
+            area_len,
             version,
             geometry,
             size,

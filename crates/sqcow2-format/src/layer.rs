@@ -11,6 +11,7 @@ use crate::header::Header;
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
 use sqcow2_cache::{Slice, SliceCache, SliceKey};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// What a layer says about a run of guest bytes.
 pub type LayerStatus = ClusterMapping;
@@ -23,6 +24,7 @@ pub struct Qcow2Layer {
     header: Header,
     l1: Vec<u64>,
     file_size: u64,
+    fingerprint: (u64, u64),
 }
 
 /// A raw file used as the base of a chain.
@@ -49,24 +51,43 @@ impl Qcow2Layer {
         let file_size = storage.len()?;
         let mut first = vec![0u8; 112];
         storage.read_at(&mut first, 0)?;
-        let header = match Header::cluster_size_hint(&first) {
+        let (header, mut area) = match Header::cluster_size_hint(&first) {
             Some(cluster_size) => {
                 let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
                 storage.read_at(&mut cluster, 0)?;
-                Header::parse(&cluster, file_size)?
+                (Header::parse(&cluster, file_size)?, cluster)
             }
-            None => Header::parse(&first[..file_size.min(112) as usize], file_size)?,
+            None => (
+                Header::parse(&first[..file_size.min(112) as usize], file_size)?,
+                first,
+            ),
         };
         let mut raw = vec![0u8; header.l1_size as usize * 8];
         storage.read_at(&mut raw, header.l1_table_offset)?;
         let l1 = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
+        // Fingerprint: the header area without the autoclear bits (which
+        // sqcow2 itself sets), and the active L1 table.
+        area.truncate(header.area_len as usize);
+        if let Some(autoclear) = area.get_mut(88..96) {
+            if header.version == crate::header::Version::V3 {
+                autoclear.fill(0);
+            }
+        }
+        let fingerprint = (xxh3_64(&area), xxh3_64(&raw));
         Ok(Self {
             path: path.to_path_buf(),
             storage,
             header,
             l1,
             file_size,
+            fingerprint,
         })
+    }
+
+    /// Hashes of the header area (autoclear bits excluded) and of the L1
+    /// table, taken when the image was opened.
+    pub fn fingerprint(&self) -> (u64, u64) {
+        self.fingerprint
     }
 
     /// The validated header.

@@ -19,6 +19,7 @@ pub mod error;
 pub mod extension;
 pub mod features;
 pub mod header;
+pub mod index;
 pub mod layer;
 pub mod refcount;
 pub mod snapshot;

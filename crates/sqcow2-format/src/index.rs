@@ -1,0 +1,599 @@
+//! The sQcow2 chain index: for every guest chunk the top does not hold,
+//! which layer below holds it and where. Stored in a sidecar file named by
+//! a header extension of the top; see `docs/format.md` for the layout.
+//!
+//! An index is trusted only while it provably describes the layers below:
+//! every header and table of the file is checksummed, every covered layer
+//! is fingerprinted and (qcow2 v3) carries the sQcow2 autoclear bit that
+//! any other writer clears. Anything else makes it [`Stale`], and the chain
+//! is walked instead.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use sqcow2_cache::{Slice, SliceCache, SliceKey};
+
+use crate::bytes::{be_u32, be_u64};
+use crate::storage::Storage;
+
+/// File magic.
+pub const INDEX_MAGIC: &[u8; 8] = b"SQC2INDX";
+/// Current version; readers reject others.
+pub const INDEX_VERSION: u32 = 1;
+/// Header extension of the top naming its index file.
+pub const EXT_SQCOW2: u32 = 0x7371_6332;
+/// Autoclear bit carried by every qcow2 v3 layer an index covers.
+pub const AUTOCLEAR_SQCOW2: u64 = 1 << 63;
+/// Size of the index file header.
+pub const INDEX_HEADER_LEN: u64 = 128;
+/// Size of one index entry and of one index L1 entry.
+pub const ENTRY_SIZE: u64 = 16;
+/// Entries per index slice (4 KiB slices).
+pub const SLICE_ENTRIES_BITS: u32 = 8;
+
+const KIND_NONE: u64 = 0;
+const KIND_DATA: u64 = 1;
+const KIND_COMPRESSED: u64 = 2;
+const KIND_ZERO: u64 = 3;
+const KIND_WALK: u64 = 4;
+
+/// What one chunk of the guest disk reads from, below the top.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexEntry {
+    /// No layer below holds it (or it lies past a layer's end): zeros.
+    None,
+    /// Data at `host` (the chunk's first byte) in layer `layer`.
+    Data {
+        /// Layer number (0 = base).
+        layer: u32,
+        /// Host offset of the chunk's first byte.
+        host: u64,
+    },
+    /// Part of a compressed cluster of layer `layer`.
+    Compressed {
+        /// Layer number.
+        layer: u32,
+        /// The layer's L2 entry (compressed descriptor).
+        l2_entry: u64,
+    },
+    /// Zeros recorded by layer `layer`.
+    Zero {
+        /// Layer number.
+        layer: u32,
+    },
+    /// The chunk is split between mappings (only at a layer's end): walk.
+    Walk,
+}
+
+impl IndexEntry {
+    /// Encodes as two 64-bit words.
+    pub fn encode(self) -> [u64; 2] {
+        match self {
+            IndexEntry::None => [0, KIND_NONE << 32],
+            IndexEntry::Data { layer, host } => [host, (KIND_DATA << 32) | u64::from(layer)],
+            IndexEntry::Compressed { layer, l2_entry } => {
+                [l2_entry, (KIND_COMPRESSED << 32) | u64::from(layer)]
+            }
+            IndexEntry::Zero { layer } => [0, (KIND_ZERO << 32) | u64::from(layer)],
+            IndexEntry::Walk => [0, KIND_WALK << 32],
+        }
+    }
+
+    /// Decodes two words; `None` for an unknown kind or reserved bits set.
+    pub fn decode(w0: u64, w1: u64) -> Option<Self> {
+        let layer = (w1 & 0xffff_ffff) as u32;
+        if w1 >> 40 != 0 {
+            return None;
+        }
+        Some(match w1 >> 32 {
+            KIND_NONE => IndexEntry::None,
+            KIND_DATA => IndexEntry::Data { layer, host: w0 },
+            KIND_COMPRESSED => IndexEntry::Compressed {
+                layer,
+                l2_entry: w0,
+            },
+            KIND_ZERO => IndexEntry::Zero { layer },
+            KIND_WALK => IndexEntry::Walk,
+            _ => return None,
+        })
+    }
+
+    /// The layer the entry points into, if any.
+    pub fn layer(self) -> Option<u32> {
+        match self {
+            IndexEntry::Data { layer, .. }
+            | IndexEntry::Compressed { layer, .. }
+            | IndexEntry::Zero { layer } => Some(layer),
+            IndexEntry::None | IndexEntry::Walk => None,
+        }
+    }
+}
+
+/// What identifies a covered layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerFingerprint {
+    /// 0 qcow2, 1 raw.
+    pub format: u8,
+    /// Virtual size.
+    pub virtual_size: u64,
+    /// File length.
+    pub file_size: u64,
+    /// Hash of the header area, autoclear bits excluded (0 for raw).
+    pub header_hash: u64,
+    /// Hash of the active L1 table (0 for raw).
+    pub l1_hash: u64,
+    /// Backing file name as the layer above writes it.
+    pub name: Vec<u8>,
+}
+
+impl LayerFingerprint {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&0u32.to_be_bytes());
+        out.push(self.format);
+        out.extend_from_slice(&[0; 3]);
+        out.extend_from_slice(&self.virtual_size.to_be_bytes());
+        out.extend_from_slice(&self.file_size.to_be_bytes());
+        out.extend_from_slice(&self.header_hash.to_be_bytes());
+        out.extend_from_slice(&self.l1_hash.to_be_bytes());
+        out.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
+        out.extend_from_slice(&self.name);
+        out.resize(out.len().div_ceil(8) * 8, 0);
+        let len = (out.len() - start) as u32;
+        out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+    }
+
+    fn decode(buf: &[u8]) -> Option<(Self, usize)> {
+        let len = be_u32(buf, 0) as usize;
+        if len < 42 || len > buf.len() || len % 8 != 0 {
+            return None;
+        }
+        let name_len = u16::from_be_bytes([buf[40], buf[41]]) as usize;
+        if 42 + name_len > len {
+            return None;
+        }
+        Some((
+            Self {
+                format: buf[4],
+                virtual_size: be_u64(buf, 8),
+                file_size: be_u64(buf, 16),
+                header_hash: be_u64(buf, 24),
+                l1_hash: be_u64(buf, 32),
+                name: buf[42..42 + name_len].to_vec(),
+            },
+            len,
+        ))
+    }
+}
+
+/// Why an index is not used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stale {
+    /// The top has no sQcow2 extension.
+    NotIndexed,
+    /// The index file is missing or unreadable.
+    Missing(String),
+    /// The file is shorter than its structures.
+    Truncated,
+    /// Bad magic or an unknown version.
+    Format(String),
+    /// A checksum does not match.
+    Checksum(&'static str),
+    /// The chain has a different number of layers below the top.
+    LayerCount {
+        /// Layers the index describes.
+        indexed: u32,
+        /// Layers below the top now.
+        actual: u32,
+    },
+    /// A layer's autoclear bit was cleared: another writer modified it.
+    AutoclearCleared(u32),
+    /// A layer no longer matches its fingerprint.
+    Fingerprint {
+        /// Layer number.
+        layer: u32,
+        /// Which property differs.
+        what: &'static str,
+    },
+    /// The top's virtual size changed since the index was built.
+    SizeChanged,
+    /// The index granularity does not fit the layers.
+    Granularity,
+}
+
+impl fmt::Display for Stale {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Stale::NotIndexed => f.write_str("no chain index"),
+            Stale::Missing(e) => write!(f, "index file missing: {e}"),
+            Stale::Truncated => f.write_str("index file truncated"),
+            Stale::Format(e) => write!(f, "index file format: {e}"),
+            Stale::Checksum(what) => write!(f, "{what} checksum mismatch"),
+            Stale::LayerCount { indexed, actual } => {
+                write!(
+                    f,
+                    "index covers {indexed} layers, the chain has {actual} below the top"
+                )
+            }
+            Stale::AutoclearCleared(l) => {
+                write!(
+                    f,
+                    "layer {l} was opened for writing by a tool that does not know sQcow2"
+                )
+            }
+            Stale::Fingerprint { layer, what } => write!(f, "layer {layer} changed ({what})"),
+            Stale::SizeChanged => f.write_str("the top's virtual size changed"),
+            Stale::Granularity => f.write_str("index granularity does not fit the layers"),
+        }
+    }
+}
+
+/// Layout parameters of an index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexGeometry {
+    /// log2 of the chunk size.
+    pub granularity_bits: u32,
+    /// Guest bytes covered (the top's virtual size when built).
+    pub covered_size: u64,
+}
+
+impl IndexGeometry {
+    /// Chunk size in bytes.
+    pub fn chunk_size(&self) -> u64 {
+        1 << self.granularity_bits
+    }
+    /// Number of chunks.
+    pub fn chunks(&self) -> u64 {
+        self.covered_size.div_ceil(self.chunk_size())
+    }
+    fn slice_entries(&self) -> u64 {
+        1 << SLICE_ENTRIES_BITS
+    }
+    fn slices(&self) -> u64 {
+        self.chunks().div_ceil(self.slice_entries())
+    }
+}
+
+/// Serialises an index: entries for every chunk, fingerprints of the
+/// covered layers (base first).
+pub fn encode_index(
+    geometry: IndexGeometry,
+    layers: &[LayerFingerprint],
+    entries: &[IndexEntry],
+) -> Vec<u8> {
+    let mut layer_table = Vec::new();
+    for l in layers {
+        l.encode(&mut layer_table);
+    }
+    let table_crc = crc32c::crc32c(&layer_table);
+    layer_table.extend_from_slice(&u64::from(table_crc).to_be_bytes());
+    let layers_offset = INDEX_HEADER_LEN;
+    let l1_offset = layers_offset + layer_table.len() as u64;
+    let slices = geometry.slices();
+    let mut slice_offset = l1_offset + slices * ENTRY_SIZE;
+    let per = geometry.slice_entries() as usize;
+    let mut l1 = Vec::with_capacity((slices * ENTRY_SIZE) as usize);
+    let mut body = Vec::new();
+    for chunk in entries.chunks(per) {
+        if chunk.iter().all(|e| *e == IndexEntry::None) {
+            l1.extend_from_slice(&[0u8; 16]);
+            continue;
+        }
+        let mut bytes = Vec::with_capacity(per * 16);
+        for i in 0..per {
+            let [a, b] = chunk.get(i).copied().unwrap_or(IndexEntry::None).encode();
+            bytes.extend_from_slice(&a.to_be_bytes());
+            bytes.extend_from_slice(&b.to_be_bytes());
+        }
+        l1.extend_from_slice(&slice_offset.to_be_bytes());
+        l1.extend_from_slice(&crc32c::crc32c(&bytes).to_be_bytes());
+        l1.extend_from_slice(&[0u8; 4]);
+        slice_offset += bytes.len() as u64;
+        body.extend_from_slice(&bytes);
+    }
+    let mut header = vec![0u8; INDEX_HEADER_LEN as usize];
+    header[0..8].copy_from_slice(INDEX_MAGIC);
+    header[8..12].copy_from_slice(&INDEX_VERSION.to_be_bytes());
+    header[12..16].copy_from_slice(&(INDEX_HEADER_LEN as u32).to_be_bytes());
+    header[16..20].copy_from_slice(&geometry.granularity_bits.to_be_bytes());
+    header[20..24].copy_from_slice(&SLICE_ENTRIES_BITS.to_be_bytes());
+    header[24..28].copy_from_slice(&(layers.len() as u32).to_be_bytes());
+    header[32..40].copy_from_slice(&geometry.covered_size.to_be_bytes());
+    header[40..48].copy_from_slice(&geometry.chunks().to_be_bytes());
+    header[48..56].copy_from_slice(&layers_offset.to_be_bytes());
+    header[56..64].copy_from_slice(&(layer_table.len() as u64).to_be_bytes());
+    header[64..72].copy_from_slice(&l1_offset.to_be_bytes());
+    header[72..80].copy_from_slice(&slices.to_be_bytes());
+    header[88..92].copy_from_slice(&crc32c::crc32c(&l1).to_be_bytes());
+    let crc = crc32c::crc32c(&header);
+    header[80..84].copy_from_slice(&crc.to_be_bytes());
+    let mut out = header;
+    out.extend_from_slice(&layer_table);
+    out.extend_from_slice(&l1);
+    out.extend_from_slice(&body);
+    out
+}
+
+/// An opened, structurally valid index file (its fit to the chain is
+/// checked by [`ChainIndex::matches`]).
+#[derive(Debug)]
+pub struct ChainIndex {
+    path: PathBuf,
+    storage: Arc<dyn Storage>,
+    geometry: IndexGeometry,
+    layers: Vec<LayerFingerprint>,
+    l1: Vec<(u64, u32)>,
+    file_size: u64,
+    usable: AtomicBool,
+}
+
+fn read(storage: &dyn Storage, offset: u64, len: u64, file_size: u64) -> Result<Vec<u8>, Stale> {
+    if offset.checked_add(len).is_none_or(|end| end > file_size) || len > 1 << 30 {
+        return Err(Stale::Truncated);
+    }
+    let mut buf = vec![0u8; len as usize];
+    storage
+        .read_at(&mut buf, offset)
+        .map_err(|e| Stale::Missing(e.to_string()))?;
+    Ok(buf)
+}
+
+impl ChainIndex {
+    /// Opens and verifies the structure of the index at `path`.
+    pub fn open(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, Stale> {
+        let file_size = storage.len().map_err(|e| Stale::Missing(e.to_string()))?;
+        let mut header = read(&*storage, 0, INDEX_HEADER_LEN, file_size)?;
+        if &header[0..8] != INDEX_MAGIC {
+            return Err(Stale::Format("bad magic".into()));
+        }
+        let version = be_u32(&header, 8);
+        if version != INDEX_VERSION {
+            return Err(Stale::Format(format!("version {version}")));
+        }
+        let crc = be_u32(&header, 80);
+        header[80..84].fill(0);
+        if crc32c::crc32c(&header) != crc {
+            return Err(Stale::Checksum("index header"));
+        }
+        let granularity_bits = be_u32(&header, 16);
+        let slice_bits = be_u32(&header, 20);
+        let layer_count = be_u32(&header, 24);
+        let geometry = IndexGeometry {
+            granularity_bits,
+            covered_size: be_u64(&header, 32),
+        };
+        if !(9..=21).contains(&granularity_bits)
+            || slice_bits != SLICE_ENTRIES_BITS
+            || be_u64(&header, 40) != geometry.chunks()
+            || be_u64(&header, 72) != geometry.slices()
+        {
+            return Err(Stale::Format("inconsistent geometry".into()));
+        }
+        let table = read(
+            &*storage,
+            be_u64(&header, 48),
+            be_u64(&header, 56),
+            file_size,
+        )?;
+        if table.len() < 8 {
+            return Err(Stale::Truncated);
+        }
+        let (records, crc) = table.split_at(table.len() - 8);
+        if crc32c::crc32c(records) as u64 != be_u64(crc, 0) {
+            return Err(Stale::Checksum("layer table"));
+        }
+        let mut layers = Vec::new();
+        let mut pos = 0;
+        while pos < records.len() {
+            let (l, n) = LayerFingerprint::decode(&records[pos..])
+                .ok_or_else(|| Stale::Format("layer record".into()))?;
+            layers.push(l);
+            pos += n;
+        }
+        if layers.len() != layer_count as usize {
+            return Err(Stale::Format("layer count".into()));
+        }
+        let l1_raw = read(
+            &*storage,
+            be_u64(&header, 64),
+            geometry.slices() * ENTRY_SIZE,
+            file_size,
+        )?;
+        if crc32c::crc32c(&l1_raw) != be_u32(&header, 88) {
+            return Err(Stale::Checksum("index L1 table"));
+        }
+        let l1 = l1_raw
+            .chunks_exact(16)
+            .map(|c| (be_u64(c, 0), be_u32(c, 8)))
+            .collect();
+        Ok(Self {
+            path: path.to_path_buf(),
+            storage,
+            geometry,
+            layers,
+            l1,
+            file_size,
+            usable: AtomicBool::new(true),
+        })
+    }
+
+    /// Layout of the index.
+    pub fn geometry(&self) -> IndexGeometry {
+        self.geometry
+    }
+
+    /// Fingerprints of the covered layers, base first.
+    pub fn layers(&self) -> &[LayerFingerprint] {
+        &self.layers
+    }
+
+    /// Path of the index file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Size of the index file.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// Compares the index with the layers as they are now.
+    pub fn matches(
+        &self,
+        actual: &[LayerFingerprint],
+        autoclear_ok: &[bool],
+        top_size: u64,
+        max_granularity_bits: u32,
+    ) -> Result<(), Stale> {
+        if self.layers.len() != actual.len() {
+            return Err(Stale::LayerCount {
+                indexed: self.layers.len() as u32,
+                actual: actual.len() as u32,
+            });
+        }
+        if self.geometry.covered_size != top_size {
+            return Err(Stale::SizeChanged);
+        }
+        if self.geometry.granularity_bits > max_granularity_bits {
+            return Err(Stale::Granularity);
+        }
+        for (i, (want, got)) in self.layers.iter().zip(actual).enumerate() {
+            let layer = i as u32;
+            if !autoclear_ok[i] {
+                return Err(Stale::AutoclearCleared(layer));
+            }
+            let what = if want.name != got.name {
+                "backing file name"
+            } else if want.format != got.format {
+                "format"
+            } else if want.virtual_size != got.virtual_size {
+                "virtual size"
+            } else if want.file_size != got.file_size {
+                "file size"
+            } else if want.header_hash != got.header_hash {
+                "header"
+            } else if want.l1_hash != got.l1_hash {
+                "L1 table"
+            } else {
+                continue;
+            };
+            return Err(Stale::Fingerprint { layer, what });
+        }
+        Ok(())
+    }
+
+    /// Whether the index is still in use (a bad slice turns it off).
+    pub fn usable(&self) -> bool {
+        self.usable.load(Ordering::Relaxed)
+    }
+
+    /// The entry of `chunk`, through the unified cache; `None` when the
+    /// index has become unusable (a slice failed its checksum).
+    pub fn entry(&self, chunk: u64, cache: &SliceCache) -> Option<IndexEntry> {
+        if !self.usable() {
+            return None;
+        }
+        let per = self.geometry.slice_entries();
+        let slice_no = chunk / per;
+        let &(offset, crc) = self.l1.get(slice_no as usize)?;
+        if offset == 0 {
+            return Some(IndexEntry::None);
+        }
+        let key = SliceKey {
+            source: SliceKey::INDEX,
+            offset,
+        };
+        let words: Result<Slice, Stale> = cache.get_or_load(key, || {
+            let raw = read(&*self.storage, offset, per * ENTRY_SIZE, self.file_size)?;
+            if crc32c::crc32c(&raw) != crc {
+                return Err(Stale::Checksum("index slice"));
+            }
+            Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
+        });
+        let decoded = words.ok().and_then(|w| {
+            let i = ((chunk % per) * 2) as usize;
+            IndexEntry::decode(*w.get(i)?, *w.get(i + 1)?)
+        });
+        if decoded.is_none() {
+            tracing::warn!(index = %self.path.display(), "chain index slice unreadable: falling back to walking the chain");
+            self.usable.store(false, Ordering::Relaxed);
+        }
+        decoded
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::MemStorage;
+
+    #[test]
+    fn entries_round_trip() {
+        for e in [
+            IndexEntry::None,
+            IndexEntry::Walk,
+            IndexEntry::Zero { layer: 7 },
+            IndexEntry::Data {
+                layer: 999,
+                host: 0x1234_0000,
+            },
+            IndexEntry::Compressed {
+                layer: 3,
+                l2_entry: (1 << 62) | 0x55,
+            },
+        ] {
+            let [a, b] = e.encode();
+            assert_eq!(IndexEntry::decode(a, b), Some(e));
+        }
+        assert_eq!(IndexEntry::decode(0, 9 << 32), None);
+        assert_eq!(IndexEntry::decode(0, 1 << 50), None);
+    }
+
+    #[test]
+    fn file_round_trip_and_corruption() {
+        let g = IndexGeometry {
+            granularity_bits: 16,
+            covered_size: 1000 * 65536 + 5,
+        };
+        let layers = vec![LayerFingerprint {
+            format: 0,
+            virtual_size: 5,
+            file_size: 6,
+            header_hash: 7,
+            l1_hash: 8,
+            name: b"base.qcow2".to_vec(),
+        }];
+        let mut entries = vec![IndexEntry::None; g.chunks() as usize];
+        entries[700] = IndexEntry::Data {
+            layer: 0,
+            host: 65536 * 9,
+        };
+        let bytes = encode_index(g, &layers, &entries);
+        let cache = SliceCache::new(sqcow2_cache::CacheConfig::default());
+        let idx =
+            ChainIndex::open(Path::new("x"), Arc::new(MemStorage::new(bytes.clone()))).unwrap();
+        assert_eq!(idx.layers(), &layers[..]);
+        assert_eq!(idx.entry(700, &cache), Some(entries[700]));
+        assert_eq!(idx.entry(3, &cache), Some(IndexEntry::None));
+        assert!(idx.matches(&layers, &[true], g.covered_size, 16).is_ok());
+        assert!(idx.matches(&layers, &[false], g.covered_size, 16).is_err());
+        // Any flipped byte is caught: at open, or when its slice is read.
+        for at in (0..bytes.len()).step_by(7) {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x40;
+            let cache = SliceCache::new(sqcow2_cache::CacheConfig::default());
+            match ChainIndex::open(Path::new("x"), Arc::new(MemStorage::new(bad))) {
+                Err(_) => {}
+                Ok(idx) => {
+                    let e = idx.entry(700, &cache);
+                    assert!(e.is_none() || e == Some(entries[700]), "byte {at}");
+                    if e.is_none() {
+                        assert!(!idx.usable());
+                    }
+                }
+            }
+        }
+    }
+}
