@@ -5,6 +5,8 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
+use sqcow2_format::indexing::verify_index;
+use sqcow2_format::sqcow2_ext::IndexState;
 
 use crate::output::{print_json, OutputFormat};
 
@@ -28,7 +30,39 @@ pub fn run(
         Some(RepairArg::Leaks) => Repair::Leaks,
         Some(RepairArg::All) => Repair::All,
     };
-    let report = check(image, repair)?;
+    let mut report = check(image, repair)?;
+    // An index the chain trusts must agree with a fresh walk.
+    let index = match verify_index(image) {
+        Ok(v) => v,
+        Err(e) => {
+            report
+                .messages
+                .push(format!("Chain index not verified: {e}"));
+            return finish(report, output);
+        }
+    };
+    if index.mismatches > 0 {
+        report.corruptions += index.mismatches;
+        report.messages.push(format!(
+            "ERROR chain index disagrees with the chain for {} of {} chunks",
+            index.mismatches, index.chunks
+        ));
+        report
+            .messages
+            .extend(index.examples.iter().map(|e| format!("ERROR {e}")));
+    }
+    if let IndexState::Stale { reason, .. } = &index.state {
+        report.messages.push(format!(
+            "Chain index is stale and not used ({reason}); `sqcow2 upgrade` rebuilds it"
+        ));
+    }
+    finish(report, output)
+}
+
+fn finish(
+    report: sqcow2_format::check::CheckReport,
+    output: OutputFormat,
+) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     match output {
         OutputFormat::Json => print_json(&mut out, &report)?,

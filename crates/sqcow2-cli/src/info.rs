@@ -9,6 +9,7 @@ use anyhow::Context;
 use serde::Serialize;
 use sqcow2_format::chain::backing_path_of;
 use sqcow2_format::features::SetFeature;
+use sqcow2_format::sqcow2_ext::IndexState;
 use sqcow2_format::{Chain, ChainOptions, Layer, Version};
 
 use crate::output::{human_size, print_json, OutputFormat};
@@ -52,6 +53,9 @@ struct LayerInfo {
     chain_length: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     format_specific: Option<Qcow2Info>,
+    /// The chain index (top layer only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chain_index: Option<IndexState>,
 }
 
 fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
@@ -71,6 +75,7 @@ fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
         backing_filename_format: header.and_then(|h| h.backing_format()).map(str::to_owned),
         dirty_flag: header.map(|h| h.is_dirty()),
         chain_length,
+        chain_index: None,
         format_specific: header.map(|h| Qcow2Info {
             compat: match h.version {
                 Version::V2 => "0.10",
@@ -118,6 +123,25 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         writeln!(out, "backing file format: {f}")?;
     }
     writeln!(out, "chain length: {}", info.chain_length)?;
+    match &info.chain_index {
+        Some(IndexState::Valid {
+            path,
+            layers,
+            bytes,
+            granularity,
+        }) => writeln!(
+            out,
+            "chain index: valid ({}; {layers} layers, {bytes} bytes, {granularity}-byte chunks)",
+            path.display()
+        )?,
+        Some(IndexState::Stale { path, reason }) => writeln!(
+            out,
+            "chain index: stale ({}: {reason}); walking the chain, `sqcow2 upgrade` rebuilds it",
+            path.display()
+        )?,
+        Some(IndexState::None) => writeln!(out, "chain index: none (walk mode)")?,
+        Some(IndexState::Disabled) | None => {}
+    }
     if let Some(q) = &info.format_specific {
         writeln!(out, "Format specific information:")?;
         writeln!(out, "    compat: {}", q.compat)?;
@@ -155,7 +179,7 @@ pub fn run(
 ) -> anyhow::Result<()> {
     let chain = Chain::open(image, options)?;
     let layers = chain.layers();
-    let shown: Vec<LayerInfo> = if backing_chain {
+    let mut shown: Vec<LayerInfo> = if backing_chain {
         layers
             .iter()
             .enumerate()
@@ -165,6 +189,7 @@ pub fn run(
     } else {
         vec![layer_info(chain.top(), layers.len())?]
     };
+    shown[0].chain_index = Some(chain.index_state().clone());
     let mut out = io::stdout().lock();
     match output {
         OutputFormat::Json if backing_chain => print_json(&mut out, &shown)?,

@@ -4,6 +4,7 @@
 mod check;
 mod convert;
 mod create;
+mod index_cmds;
 mod info;
 mod io;
 mod map;
@@ -95,6 +96,31 @@ enum Command {
         /// Top image of the chain.
         image: PathBuf,
     },
+    /// Index a vanilla chain in place (the top names the new index).
+    Upgrade {
+        /// Show a progress bar even when standard error is not a terminal.
+        #[arg(short = 'p')]
+        progress: bool,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// Top image of the chain.
+        top: PathBuf,
+    },
+    /// Create a new active volume over TOP (like `qemu-img create -b TOP -F
+    /// qcow2 NEW`) with its chain index; atomic.
+    Snapshot {
+        /// Show a progress bar even when standard error is not a terminal.
+        #[arg(short = 'p')]
+        progress: bool,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// Current top of the chain.
+        top: PathBuf,
+        /// New active volume to create.
+        new: PathBuf,
+    },
     /// Write the whole virtual disk to a raw file.
     Convert {
         /// Output format (only `raw`).
@@ -142,6 +168,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             image,
             ..
         } => io::run(&image, &commands, read_only, &options),
+        Command::Upgrade {
+            progress,
+            output,
+            top,
+        } => index_cmds::run_upgrade(&top, progress, output).map(|()| ExitCode::SUCCESS),
+        Command::Snapshot {
+            progress,
+            output,
+            top,
+            new,
+        } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }
 }

@@ -17,6 +17,8 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind, Feature, WithPath};
 use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_DIRTY};
 use crate::header::Version;
+use crate::index::{ChainIndex, IndexEntry, IndexGeometry};
+use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 
 /// Autoclear bits this writer keeps consistent (or that do not apply).
 const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
@@ -45,6 +47,9 @@ pub struct ChainOptions {
     pub slice_size: u64,
     /// Eviction policy of the cache.
     pub cache_policy: Policy,
+    /// Use the chain index when the top names a valid one (otherwise walk
+    /// the chain, as QEMU does).
+    pub use_index: bool,
     /// Open the top image for writing.
     pub writable: bool,
     /// Storage to use for the top image instead of opening its path (tests
@@ -59,6 +64,7 @@ impl Default for ChainOptions {
             cache_size: DEFAULT_CACHE_SIZE,
             slice_size: DEFAULT_SLICE_SIZE,
             cache_policy: Policy::S3Fifo,
+            use_index: true,
             writable: false,
             top_storage: None,
         }
@@ -109,6 +115,8 @@ pub struct Chain {
     slice_size: u64,
     data_reads: Vec<AtomicU64>,
     active: Option<Active>,
+    index: Option<ChainIndex>,
+    index_state: IndexState,
 }
 
 /// The writable top: its metadata behind a lock, and a gate that requests
@@ -237,6 +245,11 @@ impl Chain {
             top_down.push(layer);
         }
         top_down.reverse();
+        let (index, index_state) = if options.use_index {
+            open_index(&top_down)
+        } else {
+            (None, IndexState::Disabled)
+        };
         let cache = Arc::new(SliceCache::new(CacheConfig {
             budget: options.cache_size,
             policy: options.cache_policy,
@@ -259,6 +272,8 @@ impl Chain {
             cache,
             slice_size: options.slice_size,
             active,
+            index,
+            index_state,
         })
     }
 
@@ -338,6 +353,13 @@ impl Chain {
         loop {
             let (status, n) = self.layer_status(index, start, len, precise)?;
             len = n;
+            if index == self.top_index() && index.0 > 0 {
+                if let (LayerStatus::Unallocated { .. }, Some(ci)) = (&status, &self.index) {
+                    if let Some(extent) = self.from_index(ci, start, len) {
+                        return Ok(extent);
+                    }
+                }
+            }
             let kind = match status {
                 LayerStatus::Data { host } => ExtentKind::Data { host },
                 LayerStatus::Compressed(d) => ExtentKind::Compressed(d),
@@ -368,6 +390,145 @@ impl Chain {
                 kind,
             });
         }
+    }
+
+    /// The extent at `start` (at most `len` bytes) from the chain index;
+    /// `None` when the index cannot answer (split chunk, unusable index).
+    fn from_index(&self, ci: &ChainIndex, start: GuestOffset, len: u64) -> Option<Extent> {
+        let g = ci.geometry();
+        let chunk = start.0 >> g.granularity_bits;
+        let chunk_start = chunk << g.granularity_bits;
+        let len = len.min(chunk_start + g.chunk_size() - start.0);
+        let below = LayerIndex(self.top_index().0 - 1);
+        let (layer, kind) = match ci.entry(chunk, &self.cache)? {
+            IndexEntry::Walk => return None,
+            IndexEntry::None => (
+                below,
+                ExtentKind::Zero {
+                    host: None,
+                    allocated: false,
+                },
+            ),
+            IndexEntry::Zero { layer } => (
+                LayerIndex(layer as usize),
+                ExtentKind::Zero {
+                    host: None,
+                    allocated: true,
+                },
+            ),
+            IndexEntry::Data { layer, host } => (
+                LayerIndex(layer as usize),
+                ExtentKind::Data {
+                    host: HostOffset(host + (start.0 - chunk_start)),
+                },
+            ),
+            IndexEntry::Compressed { layer, l2_entry } => {
+                let geometry = self.layers.get(layer as usize)?.header()?.geometry;
+                (
+                    LayerIndex(layer as usize),
+                    ExtentKind::Compressed(CompressedDescriptor::decode(l2_entry, geometry)),
+                )
+            }
+        };
+        if layer.0 >= self.top_index().0 {
+            return None;
+        }
+        Some(Extent {
+            start,
+            len,
+            layer,
+            kind,
+        })
+    }
+
+    /// Whether and why the chain index is (not) used.
+    pub fn index_state(&self) -> &IndexState {
+        &self.index_state
+    }
+
+    /// The raw index entry of `chunk`, when an index is in use.
+    pub fn index_entry(&self, chunk: u64) -> Option<IndexEntry> {
+        self.index.as_ref()?.entry(chunk, &self.cache)
+    }
+
+    /// Whether lookups currently go through the chain index.
+    pub fn is_indexed(&self) -> bool {
+        self.index.as_ref().is_some_and(|i| i.usable())
+    }
+
+    /// Index entries for every chunk of `[0, covered_size)` as layers
+    /// `0..=upto` resolve it (through this chain's index when `upto` is the
+    /// top), and the geometry to store them with. `progress(done, total)`
+    /// is called as chunks are resolved.
+    pub fn index_entries(
+        &self,
+        upto: LayerIndex,
+        covered_size: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(IndexGeometry, Vec<IndexEntry>), Error> {
+        let geometry = IndexGeometry {
+            granularity_bits: granularity_bits(&self.layers, upto.0),
+            covered_size,
+        };
+        let cs = geometry.chunk_size();
+        let chunks = geometry.chunks();
+        let size = self.layers[upto.0].virtual_size();
+        let mut entries = Vec::with_capacity(chunks as usize);
+        let mut chunk = 0u64;
+        while chunk < chunks {
+            let start = chunk * cs;
+            if start >= size {
+                entries.push(IndexEntry::None);
+                chunk += 1;
+                continue;
+            }
+            let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
+            let whole = extent.len / cs;
+            if whole == 0 {
+                // The mapping changes inside this chunk (a layer ends here).
+                entries.push(IndexEntry::Walk);
+                chunk += 1;
+                continue;
+            }
+            for k in 0..whole {
+                let delta = k * cs;
+                entries.push(match extent.kind {
+                    ExtentKind::Data { host } => IndexEntry::Data {
+                        layer: extent.layer.0 as u32,
+                        host: host.0 + delta,
+                    },
+                    ExtentKind::Compressed(_) => {
+                        // Re-read the layer's entry: the descriptor as stored.
+                        let layer = &self.layers[extent.layer.0];
+                        let l2_entry = match layer {
+                            Layer::Qcow2(q) => q
+                                .raw_l2_entry(
+                                    extent.layer,
+                                    extent.start.0 + delta,
+                                    &self.cache,
+                                    self.slice_size,
+                                )
+                                .with_path(layer.path())?,
+                            Layer::Raw(_) => 0,
+                        };
+                        IndexEntry::Compressed {
+                            layer: extent.layer.0 as u32,
+                            l2_entry,
+                        }
+                    }
+                    ExtentKind::Zero {
+                        allocated: true, ..
+                    } => IndexEntry::Zero {
+                        layer: extent.layer.0 as u32,
+                    },
+                    ExtentKind::Zero { .. } => IndexEntry::None,
+                });
+            }
+            chunk += whole;
+            progress(chunk.min(chunks), chunks);
+        }
+        entries.truncate(chunks as usize);
+        Ok((geometry, entries))
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), Error> {

@@ -136,6 +136,42 @@ impl Qcow2Layer {
     }
 }
 
+impl Qcow2Layer {
+    /// The raw L2 entry of the cluster at `guest` (0 when unallocated).
+    pub fn raw_l2_entry(
+        &self,
+        index: LayerIndex,
+        guest: u64,
+        cache: &SliceCache,
+        slice_size: u64,
+    ) -> Result<u64, ErrorKind> {
+        let g = self.header.geometry;
+        let l1_entry = usize::try_from(g.l1_index(GuestOffset(guest)))
+            .ok()
+            .and_then(|i| self.l1.get(i))
+            .copied()
+            .unwrap_or(0);
+        let l2_offset = l1_entry & OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok(0);
+        }
+        let slice = L2Slice::locate(g, l2_offset, GuestOffset(guest), slice_size);
+        let words = cache.get_or_load(
+            SliceKey {
+                source: index.0 as u32,
+                offset: slice.offset,
+            },
+            || {
+                validate_l2_offset(g, l2_offset, self.file_size)?;
+                read_words(&*self.storage, slice.offset, slice.words)
+            },
+        )?;
+        let per = if g.extended_l2 { 2 } else { 1 };
+        let i = (g.l2_index(GuestOffset(guest)) - slice.first_entry) as usize * per;
+        Ok(words.get(i).copied().unwrap_or(0))
+    }
+}
+
 /// Where the L2 slice covering a guest offset lies, and what it covers.
 #[derive(Debug, Clone, Copy)]
 pub struct L2Slice {

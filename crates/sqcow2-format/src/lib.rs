@@ -20,9 +20,11 @@ pub mod extension;
 pub mod features;
 pub mod header;
 pub mod index;
+pub mod indexing;
 pub mod layer;
 pub mod refcount;
 pub mod snapshot;
+pub mod sqcow2_ext;
 pub mod storage;
 pub mod types;
 

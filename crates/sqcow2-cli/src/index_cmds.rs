@@ -1,0 +1,83 @@
+//! `sqcow2 upgrade` and `sqcow2 snapshot`: create chain indexes.
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use sqcow2_format::indexing::{snapshot, upgrade};
+
+use crate::output::{print_json, OutputFormat};
+
+fn bar(forced: bool) -> ProgressBar {
+    if !forced && !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} {bar:40} {percent:>3}% {pos}/{len} chunks eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Runs `sqcow2 upgrade TOP`.
+pub fn run_upgrade(top: &Path, progress: bool, output: OutputFormat) -> anyhow::Result<()> {
+    let pb = bar(progress);
+    pb.set_message("indexing");
+    let report = upgrade(top, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    })?;
+    pb.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    match output {
+        OutputFormat::Json => print_json(&mut out, &report)?,
+        OutputFormat::Human => writeln!(
+            out,
+            "indexed {} layers below {}: {} ({} chunks, {} bytes)",
+            report.layers,
+            top.display(),
+            report.index.display(),
+            report.chunks,
+            report.bytes
+        )?,
+    }
+    Ok(())
+}
+
+/// Runs `sqcow2 snapshot TOP NEW`.
+pub fn run_snapshot(
+    top: &Path,
+    new: &Path,
+    progress: bool,
+    output: OutputFormat,
+) -> anyhow::Result<()> {
+    let pb = bar(progress);
+    pb.set_message("indexing");
+    let start = std::time::Instant::now();
+    let report = snapshot(top, new, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    })?;
+    pb.finish_and_clear();
+    let elapsed = start.elapsed();
+    let mut out = std::io::stdout().lock();
+    match output {
+        OutputFormat::Json => print_json(&mut out, &report)?,
+        OutputFormat::Human => writeln!(
+            out,
+            "{} created over {} (backing file {:?}), index {} ({}) in {:.1} ms",
+            report.new.display(),
+            top.display(),
+            report.backing,
+            report.index.display(),
+            if report.incremental {
+                "incremental"
+            } else {
+                "walked the chain"
+            },
+            elapsed.as_secs_f64() * 1e3
+        )?,
+    }
+    Ok(())
+}

@@ -1,0 +1,259 @@
+//! How a top names its chain index, and how an index is matched to the
+//! layers of a chain: the sQcow2 header extension, layer fingerprints, the
+//! sQcow2 autoclear bit.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::extension::{HeaderExtension, EXT_BACKING_FORMAT, EXT_FEATURE_TABLE};
+use crate::header::{Header, Version};
+use crate::index::{ChainIndex, LayerFingerprint, Stale, AUTOCLEAR_SQCOW2, EXT_SQCOW2};
+use crate::layer::Layer;
+use crate::storage::{FileStorage, Storage};
+
+/// Version of the sQcow2 header extension's data.
+const EXT_VERSION: u32 = 1;
+
+/// Whether a chain is read through its index, and why not.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum IndexState {
+    /// The top names no index.
+    None,
+    /// The index is valid and used.
+    Valid {
+        /// Index file.
+        path: PathBuf,
+        /// Layers covered.
+        layers: usize,
+        /// Size of the index file.
+        bytes: u64,
+        /// Chunk size.
+        granularity: u64,
+    },
+    /// The top names an index that is not used.
+    Stale {
+        /// Index file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Indexes were disabled by the caller.
+    Disabled,
+}
+
+/// The index file named by a header's sQcow2 extension, if any.
+pub fn index_name(header: &Header) -> Option<PathBuf> {
+    header.extensions.iter().find_map(|e| match e {
+        HeaderExtension::Unknown { ext_type, data }
+            if *ext_type == EXT_SQCOW2 && data.len() > 8 =>
+        {
+            Some(PathBuf::from(OsStr::from_bytes(&data[8..])))
+        }
+        _ => None,
+    })
+}
+
+/// Fingerprints of layers `0..=upto`, each named as the layer above writes
+/// it (`names[i]` for the layer right above `upto`, passed by the caller).
+pub fn fingerprints(layers: &[Layer], upto: usize, top_name: &[u8]) -> Vec<LayerFingerprint> {
+    (0..=upto)
+        .map(|i| {
+            let layer = &layers[i];
+            let name = if i == upto {
+                top_name.to_vec()
+            } else {
+                layers[i + 1]
+                    .header()
+                    .and_then(|h| h.backing_file.as_ref())
+                    .map(|p| p.as_os_str().as_bytes().to_vec())
+                    .unwrap_or_default()
+            };
+            let (format, (header_hash, l1_hash)) = match layer {
+                Layer::Qcow2(q) => (0, q.fingerprint()),
+                Layer::Raw(_) => (1, (0, 0)),
+            };
+            LayerFingerprint {
+                format,
+                virtual_size: layer.virtual_size(),
+                file_size: layer.file_size(),
+                header_hash,
+                l1_hash,
+                name,
+            }
+        })
+        .collect()
+}
+
+/// Whether each layer `0..=upto` still carries the sQcow2 autoclear bit
+/// (layers that cannot carry one, raw and qcow2 v2, count as carrying it).
+pub fn autoclear_flags(layers: &[Layer], upto: usize) -> Vec<bool> {
+    layers[..=upto]
+        .iter()
+        .map(|l| match l.header() {
+            Some(h) if h.version == Version::V3 => h.features.autoclear & AUTOCLEAR_SQCOW2 != 0,
+            _ => true,
+        })
+        .collect()
+}
+
+/// The largest chunk size (log2) that every layer `0..=upto` maps
+/// uniformly: their smallest subcluster.
+pub fn granularity_bits(layers: &[Layer], upto: usize) -> u32 {
+    layers[..=upto]
+        .iter()
+        .filter_map(|l| l.header())
+        .map(|h| h.geometry.subcluster_size().trailing_zeros())
+        .min()
+        .unwrap_or(16)
+}
+
+/// Opens the index the top names and checks it against the layers below.
+pub fn open_index(layers: &[Layer]) -> (Option<ChainIndex>, IndexState) {
+    let top = &layers[layers.len() - 1];
+    let Some(name) = top.header().and_then(index_name) else {
+        return (None, IndexState::None);
+    };
+    let path = match top.path().parent() {
+        Some(dir) => dir.join(&name),
+        None => name,
+    };
+    let stale = |reason: Stale| {
+        tracing::warn!(index = %path.display(), %reason, "chain index not used: walking the chain");
+        (
+            None,
+            IndexState::Stale {
+                path: path.clone(),
+                reason: reason.to_string(),
+            },
+        )
+    };
+    if layers.len() < 2 {
+        return stale(Stale::LayerCount {
+            indexed: 0,
+            actual: 0,
+        });
+    }
+    let storage: Arc<dyn Storage> = match FileStorage::open_read_only(&path) {
+        Ok(s) => Arc::new(s),
+        Err(e) => return stale(Stale::Missing(e.to_string())),
+    };
+    let index = match ChainIndex::open(&path, storage) {
+        Ok(i) => i,
+        Err(reason) => return stale(reason),
+    };
+    let upto = layers.len() - 2;
+    let top_name = top
+        .header()
+        .and_then(|h| h.backing_file.as_ref())
+        .map(|p| p.as_os_str().as_bytes().to_vec())
+        .unwrap_or_default();
+    let actual = fingerprints(layers, upto, &top_name);
+    if let Err(reason) = index.matches(
+        &actual,
+        &autoclear_flags(layers, upto),
+        top.virtual_size(),
+        granularity_bits(layers, upto),
+    ) {
+        return stale(reason);
+    }
+    let state = IndexState::Valid {
+        path,
+        layers: upto + 1,
+        bytes: index.file_size(),
+        granularity: index.geometry().chunk_size(),
+    };
+    (Some(index), state)
+}
+
+/// Sets the sQcow2 autoclear bit of a qcow2 v3 image (durably). Returns
+/// `false` for images that cannot carry it (v2).
+pub fn set_autoclear_bit(storage: &dyn Storage, header: &Header) -> std::io::Result<bool> {
+    if header.version != Version::V3 {
+        return Ok(false);
+    }
+    let bits = header.features.autoclear | AUTOCLEAR_SQCOW2;
+    storage.write_at(&bits.to_be_bytes(), 88)?;
+    storage.sync()?;
+    Ok(true)
+}
+
+/// Rewrites the header area so that it names `index` (relative to the
+/// image's directory): extensions are re-laid out as QEMU does, the backing
+/// name moved after them. Fails if it does not fit the first cluster.
+pub fn write_index_extension(
+    storage: &dyn Storage,
+    header: &Header,
+    index: &Path,
+) -> std::io::Result<()> {
+    let cs = header.geometry.cluster_size() as usize;
+    let mut area = vec![0u8; header.header_length as usize];
+    storage.read_at(&mut area, 0)?;
+    let push = |out: &mut Vec<u8>, t: u32, data: &[u8]| {
+        out.extend_from_slice(&t.to_be_bytes());
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(8) * 8, 0);
+    };
+    let mut out = area;
+    for ext in &header.extensions {
+        match ext {
+            HeaderExtension::Unknown { ext_type, .. } if *ext_type == EXT_SQCOW2 => {}
+            HeaderExtension::BackingFormat(f) => push(&mut out, EXT_BACKING_FORMAT, f.as_bytes()),
+            HeaderExtension::FeatureNameTable(t) => {
+                let mut data = Vec::new();
+                for e in t {
+                    let mut entry = [0u8; 48];
+                    entry[0] = match e.kind {
+                        Some(crate::features::FeatureKind::Incompatible) => 0,
+                        Some(crate::features::FeatureKind::Compatible) => 1,
+                        Some(crate::features::FeatureKind::Autoclear) => 2,
+                        None => 0xff,
+                    };
+                    entry[1] = e.bit;
+                    let n = e.name.len().min(46);
+                    entry[2..2 + n].copy_from_slice(&e.name.as_bytes()[..n]);
+                    data.extend_from_slice(&entry);
+                }
+                push(&mut out, EXT_FEATURE_TABLE, &data);
+            }
+            HeaderExtension::Unknown { ext_type, data } => push(&mut out, *ext_type, data),
+            // Bitmaps, crypto and data file images are refused for writing.
+            other => {
+                return Err(std::io::Error::other(format!(
+                    "cannot rewrite header extension {:#x}",
+                    other.ext_type()
+                )))
+            }
+        }
+    }
+    let mut data = Vec::new();
+    data.extend_from_slice(&EXT_VERSION.to_be_bytes());
+    data.extend_from_slice(&0u32.to_be_bytes());
+    data.extend_from_slice(index.as_os_str().as_bytes());
+    push(&mut out, EXT_SQCOW2, &data);
+    out.extend_from_slice(&[0u8; 8]);
+    if let Some(b) = &header.backing_file {
+        let name = b.as_os_str().as_bytes();
+        let at = out.len() as u64;
+        out[8..16].copy_from_slice(&at.to_be_bytes());
+        out[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
+        out.extend_from_slice(name);
+    }
+    if out.len() > cs {
+        return Err(std::io::Error::other(
+            "header extensions do not fit the first cluster",
+        ));
+    }
+    // Clear what the old area used beyond the new one.
+    let old_len = header.area_len as usize;
+    if old_len > out.len() {
+        out.resize(old_len, 0);
+    }
+    storage.write_at(&out, 0)?;
+    storage.sync()
+}
