@@ -355,7 +355,7 @@ impl Chain {
             len = n;
             if index == self.top_index() && index.0 > 0 {
                 if let (LayerStatus::Unallocated { .. }, Some(ci)) = (&status, &self.index) {
-                    if let Some(extent) = self.from_index(ci, start, len) {
+                    if let Some(extent) = self.index_extent(ci, start, len) {
                         return Ok(extent);
                     }
                 }
@@ -394,7 +394,7 @@ impl Chain {
 
     /// The extent at `start` (at most `len` bytes) from the chain index;
     /// `None` when the index cannot answer (split chunk, unusable index).
-    fn from_index(&self, ci: &ChainIndex, start: GuestOffset, len: u64) -> Option<Extent> {
+    fn index_extent(&self, ci: &ChainIndex, start: GuestOffset, len: u64) -> Option<Extent> {
         let g = ci.geometry();
         let chunk = start.0 >> g.granularity_bits;
         let chunk_start = chunk << g.granularity_bits;

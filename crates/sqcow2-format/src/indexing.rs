@@ -147,7 +147,7 @@ fn relative_to(path: &Path, base: &Path) -> PathBuf {
         .collect();
     let p: Vec<Component> = p.into_iter().filter(|c| *c != Component::CurDir).collect();
     let common = p.iter().zip(&b).take_while(|(x, y)| x == y).count();
-    if b[common..].iter().any(|c| *c == Component::ParentDir) {
+    if b[common..].contains(&Component::ParentDir) {
         return std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     }
     let mut out = PathBuf::new();
