@@ -4,6 +4,7 @@
 mod check;
 mod convert;
 mod create;
+mod gen_chain;
 mod index_cmds;
 mod info;
 mod io;
@@ -121,6 +122,8 @@ enum Command {
         /// New active volume to create.
         new: PathBuf,
     },
+    /// Generate a qcow2 chain whose clusters identify their layer.
+    GenChain(gen_chain::GenArgs),
     /// Write the whole virtual disk to a raw file.
     Convert {
         /// Output format (only `raw`).
@@ -179,6 +182,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             top,
             new,
         } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
+        Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }
 }

@@ -79,6 +79,21 @@ fn push_extension(out: &mut Vec<u8>, ext_type: u32, data: &[u8]) {
 
 /// Builds the image bytes (header cluster, refcount structures, L1 table).
 pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
+    image_layout(opts, 0).map(|(bytes, _)| bytes)
+}
+
+/// Where [`image_layout`] put things.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageLayout {
+    /// Offset of the L1 table.
+    pub l1_offset: u64,
+    /// First cluster after the L1 table: where the `extra` clusters go.
+    pub next_cluster: u64,
+}
+
+/// [`image_bytes`] with `extra` clusters after the L1 table already
+/// counted in the refcounts (the caller writes them: L2 tables, data).
+pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageLayout), ErrorKind> {
     let cs = opts.cluster_size;
     if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
         return Err(invalid(
@@ -135,7 +150,7 @@ pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
     let l1_clusters = (l1_size * 8).div_ceil(cs).max(1);
     let (mut blocks, mut table) = (1u64, 1u64);
     loop {
-        let total = 1 + table + blocks + l1_clusters;
+        let total = 1 + table + blocks + l1_clusters + extra;
         let nb = total.div_ceil(block_entries);
         let nt = (nb * 8).div_ceil(cs);
         if (nb, nt) == (blocks, table) {
@@ -143,8 +158,8 @@ pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
         }
         (blocks, table) = (nb, nt);
     }
-    let total = 1 + table + blocks + l1_clusters;
-    let mut image = vec![0u8; (total * cs) as usize];
+    let total = 1 + table + blocks + l1_clusters + extra;
+    let mut image = vec![0u8; ((total - extra) * cs) as usize];
 
     // Header.
     let header_length: u32 = if v3 { 112 } else { 72 };
@@ -246,7 +261,11 @@ pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
         }
         image[block_offset as usize..(block_offset + cs) as usize].copy_from_slice(&block);
     }
-    Ok(image)
+    let layout = ImageLayout {
+        l1_offset,
+        next_cluster: total - extra,
+    };
+    Ok((image, layout))
 }
 
 /// Creates (or overwrites) the image at `path`.

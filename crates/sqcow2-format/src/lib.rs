@@ -18,6 +18,7 @@ pub mod entry;
 pub mod error;
 pub mod extension;
 pub mod features;
+pub mod gen;
 pub mod header;
 pub mod index;
 pub mod indexing;
