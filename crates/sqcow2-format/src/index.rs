@@ -404,10 +404,19 @@ impl ChainIndex {
         if crc32c::crc32c(&l1_raw) != be_u32(&header, 88) {
             return Err(Stale::Checksum("index L1 table"));
         }
-        let l1 = l1_raw
+        let l1: Vec<(u64, u32)> = l1_raw
             .chunks_exact(16)
             .map(|c| (be_u64(c, 0), be_u32(c, 8)))
             .collect();
+        let slice_bytes = geometry.slice_entries() * ENTRY_SIZE;
+        let end = l1
+            .iter()
+            .map(|(o, _)| o.saturating_add(slice_bytes))
+            .max()
+            .unwrap_or(0);
+        if end > file_size {
+            return Err(Stale::Truncated);
+        }
         Ok(Self {
             path: path.to_path_buf(),
             storage,
