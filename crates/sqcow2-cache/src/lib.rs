@@ -202,6 +202,19 @@ impl SliceCache {
         }
     }
 
+    /// Drops every slice (statistics are kept).
+    pub fn clear(&self) {
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let shard = &mut *shard;
+            for (_, (old, meta)) in shard.map.drain() {
+                self.stats.sub_bytes(weight(&old));
+                shard.queues.forget(&meta);
+            }
+            shard.bytes = 0;
+        }
+    }
+
     /// The statistics counters (also for callers to record
     /// hit-unallocated lookups).
     pub fn stats(&self) -> &CacheStats {

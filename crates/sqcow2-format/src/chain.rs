@@ -282,6 +282,20 @@ impl Chain {
         self.cache.stats().snapshot()
     }
 
+    /// Bytes held by per-layer structures and the index's tables, outside
+    /// the cache (whose bytes [`Chain::cache_stats`] reports).
+    pub fn metadata_structure_bytes(&self) -> u64 {
+        let layers: u64 = self.layers.iter().map(Layer::heap_bytes).sum();
+        let counters = self.data_reads.len() as u64 * 8;
+        let index = self.index.as_ref().map_or(0, |i| i.heap_bytes());
+        layers + counters + index
+    }
+
+    /// Empties the metadata cache (benchmarks of cold lookups).
+    pub fn clear_cache(&self) {
+        self.cache.clear();
+    }
+
     /// Data reads served by each layer (base first).
     pub fn data_reads_per_layer(&self) -> Vec<u64> {
         self.data_reads

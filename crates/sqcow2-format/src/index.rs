@@ -493,6 +493,12 @@ impl ChainIndex {
         Ok(())
     }
 
+    /// Bytes of the index's in-memory tables (L1 and layer records).
+    pub fn heap_bytes(&self) -> u64 {
+        let records: usize = self.layers.iter().map(|l| 64 + l.name.len()).sum();
+        (self.l1.len() * 16 + records) as u64
+    }
+
     /// Whether the index is still in use (a bad slice turns it off).
     pub fn usable(&self) -> bool {
         self.usable.load(Ordering::Relaxed)

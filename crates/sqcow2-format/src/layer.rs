@@ -405,6 +405,39 @@ impl Layer {
         }
     }
 
+    /// Bytes this layer's structures hold in memory (the struct, its path,
+    /// header extensions, backing name and L1 table), excluding cached
+    /// slices.
+    pub fn heap_bytes(&self) -> u64 {
+        let path = self.path().as_os_str().len() as u64;
+        let base = std::mem::size_of::<Layer>() as u64 + path + 64;
+        match self {
+            Layer::Qcow2(q) => {
+                let exts: u64 = q
+                    .header
+                    .extensions
+                    .iter()
+                    .map(|e| {
+                        64 + match e {
+                            crate::extension::HeaderExtension::Unknown { data, .. } => data.len(),
+                            crate::extension::HeaderExtension::FeatureNameTable(t) => t.len() * 80,
+                            crate::extension::HeaderExtension::ExternalDataFile(d) => d.len(),
+                            crate::extension::HeaderExtension::BackingFormat(f) => f.len(),
+                            _ => 0,
+                        } as u64
+                    })
+                    .sum();
+                let backing = q
+                    .header
+                    .backing_file
+                    .as_ref()
+                    .map_or(0, |b| b.as_os_str().len() as u64);
+                base + std::mem::size_of::<Header>() as u64 + exts + backing + q.l1.len() as u64 * 8
+            }
+            Layer::Raw(_) => base,
+        }
+    }
+
     /// Size of the file when it was opened.
     pub fn file_size(&self) -> u64 {
         match self {

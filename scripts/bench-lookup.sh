@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Criterion lookup benchmarks (walk vs indexed at 1, 10, 100, 1000 layers),
+# then a Markdown table of the mean latencies for the README.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/deps.sh
+ensure_commands cc:gcc python3:python3
+cargo bench --locked --bench lookup -- "$@"
+python3 - <<'PY'
+import json, glob, os
+rows = {}
+for f in glob.glob("target/criterion/lookup/*/*/new/estimates.json"):
+    parts = f.split(os.sep)
+    kind, layers = parts[-4], int(parts[-3])
+    ns = json.load(open(f))["mean"]["point_estimate"]
+    rows.setdefault(kind, {})[layers] = ns
+def fmt(ns):
+    return f"{ns/1000:.2f} µs" if ns >= 1000 else f"{ns:.0f} ns"
+print("\n| lookup | mode | 1 layer | 10 | 100 | 1000 | 1000 vs 1 |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+for kind in ["hit", "hit_unallocated", "cold"]:
+    for mode in ["indexed", "walk"]:
+        r = rows.get(f"{kind}_{mode}", {})
+        if not r:
+            continue
+        cells = [fmt(r[n]) if n in r else "-" for n in (1, 10, 100, 1000)]
+        ratio = f"{r[1000]/r[1]:.2f}x" if 1 in r and 1000 in r else "-"
+        print(f"| {kind} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+PY
