@@ -160,6 +160,14 @@ fn run_seed(seed: u64, ops: usize) {
     let ctx = format!("seed {seed}, {cfg:?}");
     let top = create_top(dir, &below, &cfg);
 
+    // Half the seeds index the chain first: writes then go through the
+    // resolved slices of indexed mode.
+    let indexed = rng.bool();
+    if indexed {
+        common::sqcow2(&["upgrade", s(&top)]);
+    }
+    let ctx = format!("{ctx}, indexed {indexed}");
+
     // The model starts as QEMU's view of the chain.
     let initial = dir.join("initial.raw");
     qemu_img(&["convert", "-O", "raw", s(&top), s(&initial)]);
@@ -211,6 +219,16 @@ fn run_seed(seed: u64, ops: usize) {
                     .unwrap_or_else(|e| panic!("{ctx} step {step}: {e}"));
                 chain = open_rw(&top, small_cache);
             }
+            _ if std::env::var("SQCOW2_MODEL_DEBUG").is_ok() => {
+                let mut all = vec![0u8; SIZE as usize];
+                chain.read_at(&mut all, 0).unwrap();
+                if let Some(b) = all.iter().zip(&model).position(|(a, b)| a != b) {
+                    panic!(
+                        "{ctx} step {step}: byte {b} differs ({} vs model {})",
+                        all[b], model[b]
+                    );
+                }
+            }
             _ => {
                 let mut buf = vec![0u8; l];
                 chain
@@ -223,6 +241,7 @@ fn run_seed(seed: u64, ops: usize) {
             }
         }
     }
+    assert_eq!(chain.is_indexed(), indexed, "{ctx}");
     let mut all = vec![0u8; SIZE as usize];
     chain.read_at(&mut all, 0).unwrap();
     assert!(all == model, "{ctx}: final content differs from the model");

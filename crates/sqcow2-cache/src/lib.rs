@@ -139,6 +139,7 @@ impl SliceCache {
             return Ok(s);
         }
         let slice = load()?;
+        self.stats.loaded();
         self.insert(key, slice.clone());
         Ok(slice)
     }

@@ -12,6 +12,7 @@ pub struct CacheStats {
     hit_unallocated: AtomicU64,
     evictions: AtomicU64,
     bytes: AtomicU64,
+    loads: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -27,6 +28,8 @@ pub struct StatsSnapshot {
     pub evictions: u64,
     /// Bytes of slices held now (with bookkeeping allowance).
     pub bytes: u64,
+    /// Slices loaded from their files (misses of `get_or_load`).
+    pub loads: u64,
 }
 
 impl CacheStats {
@@ -35,6 +38,9 @@ impl CacheStats {
     }
     pub(crate) fn miss(&self) {
         self.misses.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn loaded(&self) {
+        self.loads.fetch_add(1, Relaxed);
     }
     pub(crate) fn evicted(&self) {
         self.evictions.fetch_add(1, Relaxed);
@@ -59,6 +65,7 @@ impl CacheStats {
             hit_unallocated: self.hit_unallocated.load(Relaxed),
             evictions: self.evictions.load(Relaxed),
             bytes: self.bytes.load(Relaxed),
+            loads: self.loads.load(Relaxed),
         }
     }
 }

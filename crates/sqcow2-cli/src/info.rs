@@ -140,7 +140,8 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
             path.display()
         )?,
         Some(IndexState::None) => writeln!(out, "chain index: none (walk mode)")?,
-        Some(IndexState::Disabled) | None => {}
+        Some(IndexState::Disabled) => writeln!(out, "chain index: not used (--walk)")?,
+        None => {}
     }
     if let Some(q) = &info.format_specific {
         writeln!(out, "Format specific information:")?;

@@ -26,6 +26,15 @@ struct Cli {
     /// Most layers a chain may have before it is refused.
     #[arg(long, global = true, default_value_t = sqcow2_format::chain::DEFAULT_MAX_LAYERS)]
     max_layers: usize,
+    /// Byte budget of the unified metadata cache (whole chain).
+    #[arg(long, global = true, default_value = "32M")]
+    cache_size: String,
+    /// Bytes per cached metadata slice.
+    #[arg(long, global = true, default_value = "4k")]
+    slice_size: String,
+    /// Walk the chain even when the top has a valid chain index.
+    #[arg(long, global = true)]
+    walk: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -142,6 +151,9 @@ enum Command {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let options = ChainOptions {
         max_layers: cli.max_layers,
+        cache_size: output::parse_size(&cli.cache_size)?,
+        slice_size: output::parse_size(&cli.slice_size)?,
+        use_index: !cli.walk,
         ..ChainOptions::default()
     };
     match cli.command {

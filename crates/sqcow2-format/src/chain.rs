@@ -26,7 +26,7 @@ use crate::header::QCOW2_MAGIC;
 use crate::layer::{Layer, LayerStatus, Qcow2Layer, RawLayer};
 use crate::storage::{FileStorage, Storage};
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
-use sqcow2_cache::{CacheConfig, Policy, SliceCache, StatsSnapshot};
+use sqcow2_cache::{CacheConfig, Policy, Slice, SliceCache, SliceKey, StatsSnapshot};
 
 /// Default limit on the number of layers in a chain.
 pub const DEFAULT_MAX_LAYERS: usize = 65535;
@@ -117,7 +117,17 @@ pub struct Chain {
     active: Option<Active>,
     index: Option<ChainIndex>,
     index_state: IndexState,
+    /// Bumped whenever the top's mapping changes; resolved slices built
+    /// across a change are dropped.
+    mapping_generation: AtomicU64,
+    /// log2 of the granule of resolved slices.
+    resolved_bits: u32,
 }
+
+/// Cache source of resolved slices (guest slice number as offset).
+const RESOLVED_SOURCE: u32 = u32::MAX - 1;
+/// log2 of the granules per resolved slice (256: a 4 KiB slice).
+const RESOLVED_ENTRIES_BITS: u32 = 8;
 
 /// The writable top: its metadata behind a lock, and a gate that requests
 /// hold shared and a flush holds exclusively, so that clusters freed by a
@@ -250,6 +260,16 @@ impl Chain {
         } else {
             (None, IndexState::Disabled)
         };
+        let resolved_bits = {
+            let top_bits = top_down
+                .last()
+                .and_then(|l| l.header())
+                .map_or(16, |h| h.geometry.subcluster_size().trailing_zeros());
+            let index_bits = index
+                .as_ref()
+                .map_or(top_bits, |i| i.geometry().granularity_bits);
+            top_bits.min(index_bits)
+        };
         let cache = Arc::new(SliceCache::new(CacheConfig {
             budget: options.cache_size,
             policy: options.cache_policy,
@@ -272,8 +292,10 @@ impl Chain {
             cache,
             slice_size: options.slice_size,
             active,
+            resolved_bits,
             index,
             index_state,
+            mapping_generation: AtomicU64::new(0),
         })
     }
 
@@ -351,7 +373,175 @@ impl Chain {
     /// the virtual size): the first run with one mapping. `precise` asks
     /// raw layers for their holes (for `map`; reads do not need it).
     pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
+        if !precise && self.is_indexed() {
+            if let Some(extent) = self.resolved_extent(start, max)? {
+                return Ok(extent);
+            }
+        }
         self.resolve_from(self.top_index(), start, max, precise)
+    }
+
+    /// The extent at `start` from the cache of resolved slices (top and
+    /// index combined, one lookup whatever the chain length); `None` where
+    /// the index says to walk.
+    fn resolved_extent(&self, start: GuestOffset, max: u64) -> Result<Option<Extent>, Error> {
+        let bits = self.resolved_bits;
+        let slice_no = start.0 >> (bits + RESOLVED_ENTRIES_BITS);
+        let key = SliceKey {
+            source: RESOLVED_SOURCE,
+            offset: slice_no,
+        };
+        let words = match self.cache.get(key) {
+            Some(w) => w,
+            None => {
+                let generation = self.mapping_generation.load(Ordering::SeqCst);
+                let built = self.build_resolved(slice_no)?;
+                self.cache.insert(key, built.clone());
+                if self.mapping_generation.load(Ordering::SeqCst) != generation {
+                    self.cache.remove(key);
+                }
+                built
+            }
+        };
+        let granule = 1u64 << bits;
+        let first = (start.0 >> bits) & ((1 << RESOLVED_ENTRIES_BITS) - 1);
+        let decode = |i: u64| {
+            let i = i as usize * 2;
+            IndexEntry::decode(words[i], words[i + 1])
+        };
+        let Some(entry) = decode(first) else {
+            return Ok(None);
+        };
+        if entry == IndexEntry::Walk {
+            return Ok(None);
+        }
+        let granule_start = start.0 & !(granule - 1);
+        let mut len = (granule_start + granule - start.0).min(max);
+        // Extend over following granules of the slice with the same mapping.
+        let mut i = first + 1;
+        while len < max && i < 1 << RESOLVED_ENTRIES_BITS {
+            let next = decode(i);
+            let delta = granule_start + (i - first) * granule;
+            let same = match (entry, next) {
+                (
+                    IndexEntry::Data { layer: a, host: h },
+                    Some(IndexEntry::Data { layer: b, host: k }),
+                ) => a == b && k == h + (delta - granule_start),
+                (IndexEntry::Zero { layer: a }, Some(IndexEntry::Zero { layer: b })) => a == b,
+                (IndexEntry::None, Some(IndexEntry::None)) => true,
+                _ => false,
+            };
+            if !same {
+                break;
+            }
+            len = (len + granule).min(max);
+            i += 1;
+        }
+        let layer = LayerIndex(entry.layer().unwrap_or(0) as usize);
+        let kind = match entry {
+            IndexEntry::Data { host, .. } => ExtentKind::Data {
+                host: HostOffset(host + (start.0 - granule_start)),
+            },
+            IndexEntry::Compressed { layer, l2_entry } => {
+                let Some(h) = self.layers.get(layer as usize).and_then(|l| l.header()) else {
+                    return Ok(None);
+                };
+                ExtentKind::Compressed(CompressedDescriptor::decode(l2_entry, h.geometry))
+            }
+            IndexEntry::Zero { .. } => ExtentKind::Zero {
+                host: None,
+                allocated: true,
+            },
+            IndexEntry::None => ExtentKind::Zero {
+                host: None,
+                allocated: false,
+            },
+            IndexEntry::Walk => return Ok(None),
+        };
+        if layer.0 > self.top_index().0 {
+            return Ok(None);
+        }
+        Ok(Some(Extent {
+            start,
+            len,
+            layer,
+            kind,
+        }))
+    }
+
+    /// Builds resolved slice `slice_no`: each granule from the top, or from
+    /// the index where the top does not hold it.
+    fn build_resolved(&self, slice_no: u64) -> Result<Slice, Error> {
+        let bits = self.resolved_bits;
+        let granule = 1u64 << bits;
+        let n = 1u64 << RESOLVED_ENTRIES_BITS;
+        let start = slice_no << (bits + RESOLVED_ENTRIES_BITS);
+        let size = self.virtual_size();
+        let end = (start + n * granule).min(size);
+        let top = self.top_index();
+        let top_geometry = self.top().header().map(|h| h.geometry);
+        let mut words = vec![0u64; (n * 2) as usize];
+        let mut put = |pos: u64, e: IndexEntry| {
+            let i = (((pos - start) >> bits) * 2) as usize;
+            let [a, b] = e.encode();
+            words[i] = a;
+            words[i + 1] = b;
+        };
+        let mut pos = start;
+        while pos < end {
+            let (status, len) = self.layer_status(top, GuestOffset(pos), end - pos, false)?;
+            let run_end = pos + len;
+            let mut g = pos;
+            while g < run_end {
+                let entry = match status {
+                    LayerStatus::Data { host } => IndexEntry::Data {
+                        layer: top.0 as u32,
+                        host: host.0 + (g - pos),
+                    },
+                    LayerStatus::Compressed(d) => IndexEntry::Compressed {
+                        layer: top.0 as u32,
+                        l2_entry: top_geometry.map_or(0, |tg| d.encode(tg)),
+                    },
+                    LayerStatus::Zero { .. } => IndexEntry::Zero {
+                        layer: top.0 as u32,
+                    },
+                    LayerStatus::Unallocated { .. } => match &self.index {
+                        Some(ci) => {
+                            let bits = ci.geometry().granularity_bits;
+                            let chunk = g >> bits;
+                            match ci.entry(chunk, &self.cache) {
+                                // A granule inside a larger chunk: offset the host.
+                                Some(IndexEntry::Data { layer, host }) => IndexEntry::Data {
+                                    layer,
+                                    host: host + (g - (chunk << bits)),
+                                },
+                                Some(e) => e,
+                                None => IndexEntry::Walk,
+                            }
+                        }
+                        None => IndexEntry::Walk,
+                    },
+                };
+                put(g, entry);
+                g += granule;
+            }
+            pos = run_end.max(pos + 1);
+        }
+        Ok(words.into())
+    }
+
+    /// Drops resolved slices covering `[offset, offset + len)` after the
+    /// top's mapping changed there.
+    fn mapping_changed(&self, offset: u64, len: u64) {
+        self.mapping_generation.fetch_add(1, Ordering::SeqCst);
+        let shift = self.resolved_bits + RESOLVED_ENTRIES_BITS;
+        let last = (offset + len.max(1) - 1) >> shift;
+        for slice_no in offset >> shift..=last {
+            self.cache.remove(SliceKey {
+                source: RESOLVED_SOURCE,
+                offset: slice_no,
+            });
+        }
     }
 
     /// [`Chain::resolve`] starting at layer `index` instead of the top
@@ -575,7 +765,11 @@ impl Chain {
                 break;
             }
             let want = ((buf.len() - done) as u64).min(size - pos.0);
-            let extent = self.resolve_from(index, pos, want, false)?;
+            let extent = if index == self.top_index() {
+                self.resolve(pos, want, false)?
+            } else {
+                self.resolve_from(index, pos, want, false)?
+            };
             let n = extent.len as usize;
             let out = &mut buf[done..done + n];
             let layer = &self.layers[extent.layer.0];
@@ -656,6 +850,9 @@ impl Chain {
         self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
             let data = &buf[(pos - offset) as usize..(pos - offset + n) as usize];
             let plan = lock(&active.state).write_in_cluster(&below, data, pos)?;
+            if plan == WritePlan::Done {
+                self.mapping_changed(pos, n);
+            }
             if let WritePlan::InPlace(host) = plan {
                 let top = self.top();
                 top.storage()
@@ -679,6 +876,7 @@ impl Chain {
             let whole =
                 n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
             if whole && lock(&active.state).zero_cluster(pos, unmap)? {
+                self.mapping_changed(pos, n);
                 return Ok(());
             }
             self.write_locked(active, &zeros[..n as usize], pos)
@@ -697,7 +895,11 @@ impl Chain {
         self.for_each_cluster(offset, len, |pos, n| {
             let whole =
                 n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
-            if !whole || lock(&active.state).zero_cluster(pos, true)? {
+            if !whole {
+                return Ok(());
+            }
+            if lock(&active.state).zero_cluster(pos, true)? {
+                self.mapping_changed(pos, n);
                 return Ok(());
             }
             self.write_locked(active, &zeros[..n as usize], pos)

@@ -37,6 +37,13 @@ impl CompressedDescriptor {
             len: sectors * 512 - (offset & 511),
         }
     }
+
+    /// The compressed L2 entry that decodes to this descriptor.
+    pub fn encode(&self, geometry: Geometry) -> u64 {
+        let shift = 62 - (geometry.cluster_bits - 8);
+        let sectors = (self.len + (self.offset.0 & 511)) / 512;
+        COMPRESSED | (sectors.saturating_sub(1) << shift) | self.offset.0
+    }
 }
 
 /// What one (sub)cluster of an L2 table says.
@@ -203,6 +210,18 @@ mod tests {
             decode_l2(0x5_0200, 0, 0, G64K),
             Err(EntryError::UnalignedCluster(0x5_0200))
         );
+    }
+
+    #[test]
+    fn compressed_descriptor_round_trip() {
+        for bits in [9u32, 12, 16, 21] {
+            let g = Geometry {
+                cluster_bits: bits,
+                extended_l2: false,
+            };
+            let e = COMPRESSED | (1u64 << (62 - (bits - 8))) | 0x1234;
+            assert_eq!(CompressedDescriptor::decode(e, g).encode(g), e);
+        }
     }
 
     #[test]
