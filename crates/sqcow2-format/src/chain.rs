@@ -17,7 +17,7 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind, Feature, WithPath};
 use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_DIRTY};
 use crate::header::Version;
-use crate::index::{ChainIndex, IndexEntry, IndexGeometry};
+use crate::index::{decode_at, ChainIndex, IndexEntry, IndexGeometry};
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 
 /// Autoclear bits this writer keeps consistent (or that do not apply).
@@ -487,6 +487,35 @@ impl Chain {
             words[i] = a;
             words[i + 1] = b;
         };
+        // The index slice in use: (slice number, its words).
+        let mut current: Option<(u64, Option<Slice>)> = None;
+        let mut index_entry = |g: u64| -> IndexEntry {
+            let Some(ci) = &self.index else {
+                return IndexEntry::Walk;
+            };
+            let bits = ci.geometry().granularity_bits;
+            let chunk = g >> bits;
+            let per = ci.entries_per_slice();
+            let slice_no = chunk / per;
+            if current.as_ref().is_none_or(|(n, _)| *n != slice_no) {
+                match ci.slice(slice_no, &self.cache) {
+                    Some(words) => current = Some((slice_no, words)),
+                    None => return IndexEntry::Walk,
+                }
+            }
+            let entry = match current.as_ref().and_then(|(_, w)| w.as_ref()) {
+                Some(words) => decode_at(words, chunk % per).unwrap_or(IndexEntry::Walk),
+                None => IndexEntry::None,
+            };
+            match entry {
+                // A granule inside a larger chunk: offset the host.
+                IndexEntry::Data { layer, host } => IndexEntry::Data {
+                    layer,
+                    host: host + (g - (chunk << bits)),
+                },
+                e => e,
+            }
+        };
         let mut pos = start;
         while pos < end {
             let (status, len) = self.layer_status(top, GuestOffset(pos), end - pos, false)?;
@@ -505,22 +534,7 @@ impl Chain {
                     LayerStatus::Zero { .. } => IndexEntry::Zero {
                         layer: top.0 as u32,
                     },
-                    LayerStatus::Unallocated { .. } => match &self.index {
-                        Some(ci) => {
-                            let bits = ci.geometry().granularity_bits;
-                            let chunk = g >> bits;
-                            match ci.entry(chunk, &self.cache) {
-                                // A granule inside a larger chunk: offset the host.
-                                Some(IndexEntry::Data { layer, host }) => IndexEntry::Data {
-                                    layer,
-                                    host: host + (g - (chunk << bits)),
-                                },
-                                Some(e) => e,
-                                None => IndexEntry::Walk,
-                            }
-                        }
-                        None => IndexEntry::Walk,
-                    },
+                    LayerStatus::Unallocated { .. } => index_entry(g),
                 };
                 put(g, entry);
                 g += granule;

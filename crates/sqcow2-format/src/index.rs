@@ -507,14 +507,31 @@ impl ChainIndex {
     /// The entry of `chunk`, through the unified cache; `None` when the
     /// index has become unusable (a slice failed its checksum).
     pub fn entry(&self, chunk: u64, cache: &SliceCache) -> Option<IndexEntry> {
+        let per = self.geometry.slice_entries();
+        match self.slice(chunk / per, cache)? {
+            Some(words) => decode_at(&words, chunk % per).or_else(|| {
+                self.usable.store(false, Ordering::Relaxed);
+                None
+            }),
+            None => Some(IndexEntry::None),
+        }
+    }
+
+    /// Entries per slice.
+    pub fn entries_per_slice(&self) -> u64 {
+        self.geometry.slice_entries()
+    }
+
+    /// The words of slice `slice_no` (`Some(None)` for a slice of *none*
+    /// entries; `None` when the index is unusable).
+    pub fn slice(&self, slice_no: u64, cache: &SliceCache) -> Option<Option<Slice>> {
         if !self.usable() {
             return None;
         }
         let per = self.geometry.slice_entries();
-        let slice_no = chunk / per;
         let &(offset, crc) = self.l1.get(slice_no as usize)?;
         if offset == 0 {
-            return Some(IndexEntry::None);
+            return Some(None);
         }
         let key = SliceKey {
             source: SliceKey::INDEX,
@@ -527,16 +544,21 @@ impl ChainIndex {
             }
             Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
         });
-        let decoded = words.ok().and_then(|w| {
-            let i = ((chunk % per) * 2) as usize;
-            IndexEntry::decode(*w.get(i)?, *w.get(i + 1)?)
-        });
-        if decoded.is_none() {
-            tracing::warn!(index = %self.path.display(), "chain index slice unreadable: falling back to walking the chain");
-            self.usable.store(false, Ordering::Relaxed);
+        match words {
+            Ok(w) => Some(Some(w)),
+            Err(reason) => {
+                tracing::warn!(index = %self.path.display(), %reason, "chain index slice unreadable: falling back to walking the chain");
+                self.usable.store(false, Ordering::Relaxed);
+                None
+            }
         }
-        decoded
     }
+}
+
+/// Entry `i` of a slice's words (`None` for an invalid entry).
+pub fn decode_at(words: &[u64], i: u64) -> Option<IndexEntry> {
+    let i = (i * 2) as usize;
+    IndexEntry::decode(*words.get(i)?, *words.get(i + 1)?)
 }
 
 #[cfg(test)]
