@@ -15,7 +15,10 @@ cargo build --release --locked -p sqcow2-cli >/dev/null
 sqcow2=$PWD/target/release/sqcow2
 mkdir -p "$dir"
 qemu-img create -q -f qcow2 "$dir/base.qcow2" "$size"
-qemu-img create -q -f qcow2 -o preallocation=metadata -b base.qcow2 -F qcow2 "$dir/top.qcow2" "$size"
+# QEMU refuses preallocation together with a backing file: preallocate,
+# then attach the backing file.
+qemu-img create -q -f qcow2 -o preallocation=metadata "$dir/top.qcow2" "$size"
+qemu-img rebase -u -b base.qcow2 -F qcow2 "$dir/top.qcow2"
 "$sqcow2" upgrade "$dir/top.qcow2" >/dev/null
 ms() { echo $(( ($2 - $1) / 1000000 )); }
 s_times=(); q_times=()
