@@ -1,5 +1,5 @@
 //! Lookup latency of the chain engine, walk mode against indexed mode, at
-//! chain lengths 1, 10, 100 and 1000 (generated 1 GiB chains):
+//! chain lengths 1, 2, 10, 100 and 1000 files (generated 1 GiB chains):
 //!
 //! * `hit`: the cluster's metadata slices are cached; the cluster is held
 //!   by the base, so a walk crosses every layer;
@@ -74,7 +74,7 @@ fn lookups(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    for layers in [1usize, 10, 100, 1000] {
+    for layers in [1usize, 2, 10, 100, 1000] {
         let s = setup(layers);
         assert!(layers == 1 || s.indexed.is_indexed());
         for (mode, chain) in [("indexed", &s.indexed), ("walk", &s.walked)] {
