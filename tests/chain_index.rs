@@ -390,3 +390,22 @@ fn snapshots_extend_the_index_incrementally() {
     let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&top)]));
     assert_eq!(out.status.code(), Some(1));
 }
+
+/// What a crash in the middle of `snapshot` leaves (temporary files) is
+/// ignored: the old chain reads as before and the snapshot can be redone.
+#[test]
+fn interrupted_snapshot_leaves_the_chain_usable() {
+    let (tmp, top) = fresh_chain();
+    let new = tmp.path().join("new.qcow2");
+    // The state after a crash before the final rename: an index and a
+    // half-written image under their temporary names.
+    std::fs::write(tmp.path().join("new.qcow2.sqidx.tmp"), b"partial").unwrap();
+    std::fs::write(tmp.path().join("new.qcow2.tmp"), b"QFI\xfb partial").unwrap();
+    assert!(!new.exists());
+    assert_valid(&top);
+    assert_same_as_qemu(&top);
+    sqcow2(&["snapshot", s(&top), s(&new)]);
+    assert_valid(&new);
+    assert_same_as_qemu(&new);
+    qemu_check_all(&new);
+}
