@@ -409,3 +409,36 @@ fn interrupted_snapshot_leaves_the_chain_usable() {
     assert_same_as_qemu(&new);
     qemu_check_all(&new);
 }
+
+/// An index whose checksums are intact but whose content is wrong (as a
+/// buggy writer could leave it) is caught by `sqcow2 check`.
+#[test]
+fn check_compares_the_index_with_a_walk() {
+    use sqcow2_format::index::{encode_index, ChainIndex, IndexEntry};
+    use sqcow2_format::storage::FileStorage;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let (top, opts) = gen(tmp.path(), 5, true, Distribution::Uniform);
+    let path = top.with_file_name("layer0004.qcow2.sqidx");
+    let index =
+        ChainIndex::open(&path, Arc::new(FileStorage::open_read_only(&path).unwrap())).unwrap();
+    let cache = sqcow2_cache::SliceCache::new(sqcow2_cache::CacheConfig::default());
+    let g = index.geometry();
+    let mut entries: Vec<IndexEntry> = (0..g.chunks())
+        .map(|c| index.entry(c, &cache).unwrap())
+        .collect();
+    let victim = entries
+        .iter()
+        .position(|e| matches!(e, IndexEntry::Data { .. }))
+        .unwrap();
+    entries[victim] = IndexEntry::None;
+    let layers = index.layers().to_vec();
+    drop(index);
+    std::fs::write(&path, encode_index(g, &layers, &entries)).unwrap();
+    assert_valid(&top);
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["check", s(&top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("chain index disagrees"), "{text}");
+    let _ = opts;
+}
