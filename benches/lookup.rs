@@ -5,7 +5,10 @@
 //!   by the base, so a walk crosses every layer;
 //! * `hit_unallocated`: cached, and no layer holds the cluster;
 //! * `cold`: the metadata cache is emptied before each lookup (file data
-//!   comes from the page cache).
+//!   comes from the page cache), for a base cluster in a region where the
+//!   top holds nothing (as after a snapshot);
+//! * `cold_busy`: the same for a base cluster in a region (one 4 KiB L2
+//!   slice of the top, 32 MiB) where the top does hold data.
 //!
 //! `scripts/bench-lookup.sh` runs this and prints the table for the README.
 
@@ -25,6 +28,7 @@ struct Setup {
     indexed: Chain,
     walked: Chain,
     base_cluster: u64,
+    busy_cluster: u64,
     empty_cluster: u64,
 }
 
@@ -40,11 +44,27 @@ fn setup(layers: usize) -> Setup {
         index: true,
     };
     let top = generate(dir.path(), &opts, &mut |_, _| {}).expect("generate chain");
-    let owner = owners(&plan(&opts), SIZE / CLUSTER, layers - 1);
-    let base_cluster = owner
-        .iter()
-        .position(|o| *o == Some(0))
-        .expect("base cluster") as u64;
+    let p = plan(&opts);
+    let owner = owners(&p, SIZE / CLUSTER, layers - 1);
+    let region = |c: u64| c / 512;
+    let top_regions: std::collections::HashSet<u64> =
+        p[layers - 1].iter().map(|&c| region(c)).collect();
+    // A base cluster in a region where the top holds nothing (or does);
+    // any base cluster when no such region exists (dense tops).
+    let base = |busy: bool| {
+        let find = |want: Option<bool>| {
+            owner.iter().enumerate().position(|(c, o)| {
+                *o == Some(0)
+                    && want
+                        .is_none_or(|b| layers == 1 || top_regions.contains(&region(c as u64)) == b)
+            })
+        };
+        find(Some(busy))
+            .or_else(|| find(None))
+            .expect("base cluster") as u64
+    };
+    let base_cluster = base(false);
+    let busy_cluster = base(true);
     let empty_cluster = owner
         .iter()
         .position(|o| o.is_none())
@@ -64,6 +84,7 @@ fn setup(layers: usize) -> Setup {
         walked: open(false),
         _dir: dir,
         base_cluster,
+        busy_cluster,
         empty_cluster,
     }
 }
@@ -92,17 +113,20 @@ fn lookups(c: &mut Criterion) {
                 &empty,
                 |b, &at| b.iter(|| black_box(chain.resolve(at, 4096, false).expect("lookup"))),
             );
-            group.bench_with_input(
-                BenchmarkId::new(format!("cold/{mode}"), layers),
-                &at,
-                |b, &at| {
-                    b.iter_batched(
-                        || chain.clear_cache(),
-                        |()| black_box(chain.resolve(at, 4096, false).expect("lookup")),
-                        BatchSize::PerIteration,
-                    )
-                },
-            );
+            let busy = GuestOffset(s.busy_cluster * CLUSTER);
+            for (name, at) in [("cold", at), ("cold_busy", busy)] {
+                group.bench_with_input(
+                    BenchmarkId::new(format!("{name}/{mode}"), layers),
+                    &at,
+                    |b, &at| {
+                        b.iter_batched(
+                            || chain.clear_cache(),
+                            |()| black_box(chain.resolve(at, 4096, false).expect("lookup")),
+                            BatchSize::PerIteration,
+                        )
+                    },
+                );
+            }
         }
     }
     group.finish();

@@ -19,7 +19,7 @@ def fmt(ns):
 print("\nChain length in files (layers), the top included: 2 = one backing file.\n")
 print("| lookup | mode | 1 | 2 | 10 | 100 | 1000 | 1000 vs 1 | 1000 vs 2 |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-for kind in ["hit", "hit_unallocated", "cold"]:
+for kind in ["hit", "hit_unallocated", "cold", "cold_busy"]:
     for mode in ["indexed", "walk"]:
         r = rows.get(f"{kind}_{mode}", {})
         if not r:

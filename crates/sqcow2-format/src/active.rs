@@ -27,6 +27,7 @@ use crate::layer::{
 };
 use crate::refcount::Refcounts;
 use crate::storage::Storage;
+use crate::summary::TopSummary;
 use crate::types::{Geometry, GuestOffset};
 use sqcow2_cache::{Slice, SliceCache, SliceKey};
 
@@ -79,6 +80,7 @@ pub struct ActiveState {
     source: u32,
     slice_size: u64,
     cache_budget: u64,
+    summary: Option<Arc<TopSummary>>,
 }
 
 /// Where the top's clean L2 slices are cached.
@@ -92,6 +94,9 @@ pub struct CacheLink {
     pub slice_size: u64,
     /// The cache's byte budget.
     pub budget: u64,
+    /// Regions of the top known to be empty (indexed mode), to keep up to
+    /// date.
+    pub summary: Option<Arc<TopSummary>>,
 }
 
 impl ActiveState {
@@ -134,6 +139,7 @@ impl ActiveState {
             source: link.source,
             slice_size: link.slice_size,
             cache_budget: link.budget,
+            summary: link.summary,
         })
     }
 
@@ -472,6 +478,9 @@ impl ActiveState {
         data: &[u8],
         guest: u64,
     ) -> Result<WritePlan, Error> {
+        if let Some(s) = &self.summary {
+            s.mark(GuestOffset(guest));
+        }
         if let Some(host) = self.in_place_target(guest, data.len() as u64)? {
             return Ok(WritePlan::InPlace(host));
         }
@@ -569,6 +578,9 @@ impl ActiveState {
     }
 
     fn zero_cluster_inner(&mut self, guest: u64, unmap: bool) -> Result<bool, Error> {
+        if let Some(s) = &self.summary {
+            s.mark(GuestOffset(guest));
+        }
         let g = self.geometry();
         let v2 = self.header.version == Version::V2;
         if v2 && self.has_backing {

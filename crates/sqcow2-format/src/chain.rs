@@ -19,6 +19,7 @@ use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_DIRTY
 use crate::header::Version;
 use crate::index::{decode_at, ChainIndex, IndexEntry, IndexGeometry};
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
+use crate::summary::TopSummary;
 
 /// Autoclear bits this writer keeps consistent (or that do not apply).
 const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
@@ -122,6 +123,11 @@ pub struct Chain {
     mapping_generation: AtomicU64,
     /// log2 of the granule of resolved slices.
     resolved_bits: u32,
+    /// Regions of the top that hold nothing (indexed mode only).
+    summary: Option<Arc<TopSummary>>,
+    /// Resolved slices looked up once: built on the second lookup, so that
+    /// a cold lookup reads only what it needs.
+    touched: Mutex<HashSet<u64>>,
 }
 
 /// Cache source of resolved slices (guest slice number as offset).
@@ -136,6 +142,11 @@ const RESOLVED_ENTRIES_BITS: u32 = 8;
 struct Active {
     gate: RwLock<()>,
     state: Mutex<ActiveState>,
+}
+
+/// The storage of a qcow2 layer.
+fn q_storage(q: &Qcow2Layer) -> &Arc<dyn Storage> {
+    q.storage()
 }
 
 /// Locks a mutex, recovering from a panicked holder (the metadata stays
@@ -270,6 +281,14 @@ impl Chain {
                 .map_or(top_bits, |i| i.geometry().granularity_bits);
             top_bits.min(index_bits)
         };
+        let summary = match (&index, top_down.last()) {
+            (Some(_), Some(Layer::Qcow2(q))) => {
+                TopSummary::build(q.header(), q.l1(), &**q_storage(q), options.slice_size)
+                    .ok()
+                    .map(Arc::new)
+            }
+            _ => None,
+        };
         let cache = Arc::new(SliceCache::new(CacheConfig {
             budget: options.cache_size,
             policy: options.cache_policy,
@@ -281,6 +300,7 @@ impl Chain {
                 source: (top_down.len() - 1) as u32,
                 slice_size: options.slice_size,
                 budget: options.cache_size,
+                summary: summary.clone(),
             };
             Some(Active::open(&top_down, link)?)
         } else {
@@ -296,6 +316,8 @@ impl Chain {
             index,
             index_state,
             mapping_generation: AtomicU64::new(0),
+            summary,
+            touched: Mutex::new(HashSet::new()),
         })
     }
 
@@ -316,6 +338,7 @@ impl Chain {
     /// Empties the metadata cache (benchmarks of cold lookups).
     pub fn clear_cache(&self) {
         self.cache.clear();
+        lock(&self.touched).clear();
     }
 
     /// Data reads served by each layer (base first).
@@ -358,6 +381,12 @@ impl Chain {
         precise: bool,
     ) -> Result<(LayerStatus, u64), Error> {
         let layer = &self.layers[index.0];
+        if let (Some(summary), true) = (&self.summary, index == self.top_index()) {
+            if summary.is_empty(guest) {
+                let len = max.min(summary.region_end(guest) - guest.0);
+                return Ok((LayerStatus::Unallocated { host: None }, len));
+            }
+        }
         if let (Some(active), true) = (&self.active, index == self.top_index()) {
             return lock(&active.state).status(guest.0, max);
         }
@@ -394,6 +423,18 @@ impl Chain {
         let words = match self.cache.get(key) {
             Some(w) => w,
             None => {
+                // First lookup in this slice: answer directly (reading at
+                // most the slices it needs); build the slice next time.
+                {
+                    let mut touched = lock(&self.touched);
+                    if touched.len() > 65536 {
+                        touched.clear();
+                    }
+                    if touched.insert(slice_no) {
+                        return Ok(None);
+                    }
+                    touched.remove(&slice_no);
+                }
                 let generation = self.mapping_generation.load(Ordering::SeqCst);
                 let built = self.build_resolved(slice_no)?;
                 self.cache.insert(key, built.clone());

@@ -90,6 +90,16 @@ impl Qcow2Layer {
         self.fingerprint
     }
 
+    /// The storage holding the image.
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
+    /// The active L1 table as opened.
+    pub fn l1(&self) -> &[u64] {
+        &self.l1
+    }
+
     /// The validated header.
     pub fn header(&self) -> &Header {
         &self.header

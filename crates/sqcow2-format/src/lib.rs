@@ -27,6 +27,7 @@ pub mod refcount;
 pub mod snapshot;
 pub mod sqcow2_ext;
 pub mod storage;
+pub mod summary;
 pub mod types;
 
 pub use chain::{Chain, ChainOptions, Extent, ExtentKind};
