@@ -125,13 +125,15 @@ pub struct Chain {
     resolved_bits: u32,
     /// Regions of the top that hold nothing (indexed mode only).
     summary: Option<Arc<TopSummary>>,
-    /// Resolved slices looked up once: built on the second lookup, so that
-    /// a cold lookup reads only what it needs.
-    touched: Mutex<HashSet<u64>>,
+    /// Resolved slices looked up once (a lossy bit filter): built on the
+    /// second lookup, so that a cold lookup reads only what it needs.
+    touched: Box<[AtomicU64]>,
 }
 
 /// Cache source of resolved slices (guest slice number as offset).
 const RESOLVED_SOURCE: u32 = u32::MAX - 1;
+/// Words of the filter of resolved slices looked up once.
+const TOUCHED_WORDS: usize = 256;
 /// log2 of the granules per resolved slice (256: a 4 KiB slice).
 const RESOLVED_ENTRIES_BITS: u32 = 8;
 
@@ -317,7 +319,7 @@ impl Chain {
             index_state,
             mapping_generation: AtomicU64::new(0),
             summary,
-            touched: Mutex::new(HashSet::new()),
+            touched: (0..TOUCHED_WORDS).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -338,7 +340,9 @@ impl Chain {
     /// Empties the metadata cache (benchmarks of cold lookups).
     pub fn clear_cache(&self) {
         self.cache.clear();
-        lock(&self.touched).clear();
+        self.touched
+            .iter()
+            .for_each(|w| w.store(0, Ordering::Relaxed));
     }
 
     /// Data reads served by each layer (base first).
@@ -425,16 +429,13 @@ impl Chain {
             None => {
                 // First lookup in this slice: answer directly (reading at
                 // most the slices it needs); build the slice next time.
-                {
-                    let mut touched = lock(&self.touched);
-                    if touched.len() > 65536 {
-                        touched.clear();
-                    }
-                    if touched.insert(slice_no) {
-                        return Ok(None);
-                    }
-                    touched.remove(&slice_no);
+                let bit = (slice_no.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 50) as usize;
+                let word = &self.touched[(bit / 64) % TOUCHED_WORDS];
+                let mask = 1u64 << (bit % 64);
+                if word.fetch_or(mask, Ordering::Relaxed) & mask == 0 {
+                    return Ok(None);
                 }
+                word.fetch_and(!mask, Ordering::Relaxed);
                 let generation = self.mapping_generation.load(Ordering::SeqCst);
                 let built = self.build_resolved(slice_no)?;
                 self.cache.insert(key, built.clone());

@@ -288,7 +288,7 @@ pub fn encode_index(
             bytes.extend_from_slice(&b.to_be_bytes());
         }
         l1.extend_from_slice(&slice_offset.to_be_bytes());
-        l1.extend_from_slice(&crc32c::crc32c(&bytes).to_be_bytes());
+        l1.extend_from_slice(&slice_checksum(&bytes).to_be_bytes());
         l1.extend_from_slice(&[0u8; 4]);
         slice_offset += bytes.len() as u64;
         body.extend_from_slice(&bytes);
@@ -539,7 +539,7 @@ impl ChainIndex {
         };
         let words: Result<Slice, Stale> = cache.get_or_load(key, || {
             let raw = read(&*self.storage, offset, per * ENTRY_SIZE, self.file_size)?;
-            if crc32c::crc32c(&raw) != crc {
+            if slice_checksum(&raw) != crc {
                 return Err(Stale::Checksum("index slice"));
             }
             Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
@@ -553,6 +553,12 @@ impl ChainIndex {
             }
         }
     }
+}
+
+/// Checksum of a slice: the low 32 bits of its XXH3-64 (cheaper than
+/// CRC-32C on the cold lookup path; structures read once use CRC-32C).
+fn slice_checksum(bytes: &[u8]) -> u32 {
+    xxhash_rust::xxh3::xxh3_64(bytes) as u32
 }
 
 /// Entry `i` of a slice's words (`None` for an invalid entry).

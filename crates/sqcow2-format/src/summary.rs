@@ -70,7 +70,7 @@ impl TopSummary {
             {
                 if chunk.iter().any(|&w| w != 0) {
                     let guest = i as u64 * g.l2_coverage()
-                        + (k as u64 * entries_per_slice << g.cluster_bits);
+                        + ((k as u64 * entries_per_slice) << g.cluster_bits);
                     summary.mark(GuestOffset(guest));
                 }
             }
