@@ -272,7 +272,9 @@ pub fn encode_index(
     let layers_offset = INDEX_HEADER_LEN;
     let l1_offset = layers_offset + layer_table.len() as u64;
     let slices = geometry.slices();
-    let mut slice_offset = l1_offset + slices * ENTRY_SIZE;
+    // Slices start on a 4 KiB boundary: one page per slice read.
+    let body_start = (l1_offset + slices * ENTRY_SIZE).div_ceil(4096) * 4096;
+    let mut slice_offset = body_start;
     let per = geometry.slice_entries() as usize;
     let mut l1 = Vec::with_capacity((slices * ENTRY_SIZE) as usize);
     let mut body = Vec::new();
@@ -312,6 +314,7 @@ pub fn encode_index(
     let mut out = header;
     out.extend_from_slice(&layer_table);
     out.extend_from_slice(&l1);
+    out.resize(body_start as usize, 0);
     out.extend_from_slice(&body);
     out
 }
