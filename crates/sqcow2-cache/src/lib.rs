@@ -70,6 +70,18 @@ struct Shard {
     budget: u64,
 }
 
+impl Shard {
+    /// Removes `key` (not as an eviction), keeping the accounting right.
+    fn take(&mut self, key: &SliceKey, stats: &CacheStats) {
+        if let Some((old, meta)) = self.map.remove(key) {
+            self.bytes -= weight(&old);
+            stats.sub_bytes(weight(&old));
+            self.queues.forget(&meta);
+            self.queues.compact(&self.map);
+        }
+    }
+}
+
 /// The unified slice cache.
 #[derive(Debug)]
 pub struct SliceCache {
@@ -150,11 +162,7 @@ impl SliceCache {
         let w = weight(&slice);
         let mut shard = self.shard(&key);
         let shard = &mut *shard;
-        if let Some((old, meta)) = shard.map.remove(&key) {
-            shard.bytes -= weight(&old);
-            self.stats.sub_bytes(weight(&old));
-            shard.queues.forget(&meta);
-        }
+        shard.take(&key, &self.stats);
         let meta = shard.queues.admit(key, w);
         shard.map.insert(key, (slice, meta));
         shard.bytes += w;
@@ -174,13 +182,7 @@ impl SliceCache {
 
     /// Drops the slice cached under `key`, if any.
     pub fn remove(&self, key: SliceKey) {
-        let mut shard = self.shard(&key);
-        let shard = &mut *shard;
-        if let Some((old, meta)) = shard.map.remove(&key) {
-            shard.bytes -= weight(&old);
-            self.stats.sub_bytes(weight(&old));
-            shard.queues.forget(&meta);
-        }
+        self.shard(&key).take(&key, &self.stats);
     }
 
     /// Drops every slice of `source`.
@@ -194,11 +196,7 @@ impl SliceCache {
                 .copied()
                 .collect();
             for key in keys {
-                if let Some((old, meta)) = shard.map.remove(&key) {
-                    shard.bytes -= weight(&old);
-                    self.stats.sub_bytes(weight(&old));
-                    shard.queues.forget(&meta);
-                }
+                shard.take(&key, &self.stats);
             }
         }
     }
@@ -208,11 +206,10 @@ impl SliceCache {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             let shard = &mut *shard;
-            for (_, (old, meta)) in shard.map.drain() {
-                self.stats.sub_bytes(weight(&old));
-                shard.queues.forget(&meta);
+            let keys: Vec<SliceKey> = shard.map.keys().copied().collect();
+            for key in keys {
+                shard.take(&key, &self.stats);
             }
-            shard.bytes = 0;
         }
     }
 
@@ -301,5 +298,38 @@ mod tests {
             h.join().unwrap();
         }
         assert!(cache.stats().snapshot().bytes <= 1 << 20);
+    }
+}
+
+#[cfg(test)]
+mod churn_tests {
+    use super::*;
+
+    /// Insert/remove churn (resolved slices invalidated by writes) never
+    /// lets the queues grow without bound.
+    #[test]
+    fn queues_stay_bounded_under_churn() {
+        for policy in [Policy::Lru, Policy::Clock, Policy::S3Fifo] {
+            let cache = SliceCache::new(CacheConfig {
+                budget: 1 << 30,
+                shards: 1,
+                policy,
+            });
+            for i in 0..100_000u64 {
+                let key = SliceKey {
+                    source: 0,
+                    offset: i % 10,
+                };
+                cache.insert(key, vec![i; 4].into());
+                let _ = cache.get(key);
+                cache.remove(key);
+            }
+            let shard = cache.shards[0].lock().unwrap();
+            assert!(
+                shard.queues.len() < 1000,
+                "{policy:?}: {} queue items",
+                shard.queues.len()
+            );
+        }
     }
 }

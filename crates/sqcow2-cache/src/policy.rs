@@ -100,12 +100,22 @@ impl Queues {
         }
     }
 
-    /// Drops stale LRU queue items once they outnumber live entries 4:1.
+    /// Drops stale queue items (left by hits under LRU, and by removals)
+    /// once they outnumber live entries 4:1, so the queues stay bounded.
     pub(crate) fn compact(&mut self, map: &Map) {
-        if self.policy == Policy::Lru && self.main.len() > 64 && self.main.len() > 4 * map.len() {
-            self.main
-                .retain(|(k, g)| map.get(k).is_some_and(|(_, m)| m.generation == *g));
+        let live = |(k, g): &(SliceKey, u64)| map.get(k).is_some_and(|(_, m)| m.generation == *g);
+        if self.main.len() > 64 && self.main.len() > 4 * map.len() {
+            self.main.retain(live);
         }
+        if self.small.len() > 64 && self.small.len() > 4 * map.len() {
+            self.small.retain(live);
+        }
+    }
+
+    /// Items in the queues (live and stale).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.main.len() + self.small.len()
     }
 
     /// Called when an entry leaves the map other than by eviction.

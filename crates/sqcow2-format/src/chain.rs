@@ -923,26 +923,20 @@ impl Chain {
     /// zero clusters (with `unmap`, their space is released); partial ones
     /// are written with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
-        self.check_range(offset, len)?;
-        let active = self.active()?;
-        let _gate = active.gate.read();
-        let cluster_size = self.cluster_size();
-        let zeros = vec![0u8; cluster_size as usize];
-        self.for_each_cluster(offset, len, |pos, n| {
-            let whole =
-                n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
-            if whole && lock(&active.state).zero_cluster(pos, unmap)? {
-                self.mapping_changed(pos, n);
-                return Ok(());
-            }
-            self.write_locked(active, &zeros[..n as usize], pos)
-        })
+        self.zero_range(offset, len, unmap, true)
     }
 
     /// Discards `[offset, offset + len)`: whole clusters read as zeros
     /// afterwards and their space is released; partial clusters are left
     /// as they are (discard is advisory, as in QEMU).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
+        self.zero_range(offset, len, true, false)
+    }
+
+    /// Zeroes whole clusters as metadata (writing zeros where the image
+    /// cannot express them) and, if `partial`, writes zeros over the
+    /// partial clusters at the ends.
+    fn zero_range(&self, offset: u64, len: u64, unmap: bool, partial: bool) -> Result<(), Error> {
         self.check_range(offset, len)?;
         let active = self.active()?;
         let _gate = active.gate.read();
@@ -951,10 +945,10 @@ impl Chain {
         self.for_each_cluster(offset, len, |pos, n| {
             let whole =
                 n == cluster_size || pos + n == self.virtual_size() && pos % cluster_size == 0;
-            if !whole {
+            if !whole && !partial {
                 return Ok(());
             }
-            if lock(&active.state).zero_cluster(pos, true)? {
+            if whole && lock(&active.state).zero_cluster(pos, unmap)? {
                 self.mapping_changed(pos, n);
                 return Ok(());
             }
