@@ -424,18 +424,19 @@ impl Chain {
             source: RESOLVED_SOURCE,
             offset: slice_no,
         };
+        // A slice never looked up since the cache was emptied cannot be
+        // cached: answer directly (reading only what this lookup needs) and
+        // remember it; build the resolved slice from the next lookup on.
+        let bit = (slice_no.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 50) as usize;
+        let word = &self.touched[(bit / 64) % TOUCHED_WORDS];
+        let mask = 1u64 << (bit % 64);
+        if word.load(Ordering::Relaxed) & mask == 0 {
+            word.fetch_or(mask, Ordering::Relaxed);
+            return Ok(None);
+        }
         let words = match self.cache.get(key) {
             Some(w) => w,
             None => {
-                // First lookup in this slice: answer directly (reading at
-                // most the slices it needs); build the slice next time.
-                let bit = (slice_no.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 50) as usize;
-                let word = &self.touched[(bit / 64) % TOUCHED_WORDS];
-                let mask = 1u64 << (bit % 64);
-                if word.fetch_or(mask, Ordering::Relaxed) & mask == 0 {
-                    return Ok(None);
-                }
-                word.fetch_and(!mask, Ordering::Relaxed);
                 let generation = self.mapping_generation.load(Ordering::SeqCst);
                 let built = self.build_resolved(slice_no)?;
                 self.cache.insert(key, built.clone());

@@ -330,6 +330,10 @@ pub struct ChainIndex {
     l1: Vec<(u64, u32)>,
     file_size: u64,
     usable: AtomicBool,
+    /// Slices whose checksum matched once: the file is never rewritten in
+    /// place (a new index replaces it by rename), so a slice read again
+    /// after eviction is not checked again.
+    verified: Box<[std::sync::atomic::AtomicU64]>,
 }
 
 fn read(storage: &dyn Storage, offset: u64, len: u64, file_size: u64) -> Result<Vec<u8>, Stale> {
@@ -428,6 +432,9 @@ impl ChainIndex {
             l1,
             file_size,
             usable: AtomicBool::new(true),
+            verified: (0..geometry.slices().div_ceil(64))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
         })
     }
 
@@ -542,8 +549,15 @@ impl ChainIndex {
         };
         let words: Result<Slice, Stale> = cache.get_or_load(key, || {
             let raw = read(&*self.storage, offset, per * ENTRY_SIZE, self.file_size)?;
-            if slice_checksum(&raw) != crc {
-                return Err(Stale::Checksum("index slice"));
+            let (word, bit) = ((slice_no / 64) as usize, 1u64 << (slice_no % 64));
+            let verified = self.verified.get(word);
+            if verified.is_none_or(|v| v.load(Ordering::Relaxed) & bit == 0) {
+                if slice_checksum(&raw) != crc {
+                    return Err(Stale::Checksum("index slice"));
+                }
+                if let Some(v) = verified {
+                    v.fetch_or(bit, Ordering::Relaxed);
+                }
             }
             Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
         });
