@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{assert_same_as_qemu, qemu_img, qemu_io, run_raw, s, sqcow2};
+use common::{assert_same_as_qemu, qemu_img, qemu_io, qemu_overlay, run_raw, s, sqcow2};
 use sqcow2_format::gen::{generate, owners, parse_tag, plan, Distribution, GenOptions, TAG_STRIDE};
 use sqcow2_format::sqcow2_ext::IndexState;
 use sqcow2_format::{Chain, ChainOptions};
@@ -309,17 +309,7 @@ fn check_repair_of_a_layer_makes_it_stale() {
 fn vanilla_overlay_on_an_indexed_chain() {
     let (tmp, _top) = fresh_chain();
     let over = tmp.path().join("over.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "top.qcow2",
-        "-F",
-        "qcow2",
-        s(&over),
-    ]);
+    qemu_overlay(&over, "top.qcow2", "qcow2", &[], None);
     qemu_io(&over, &["write -P 0x5e 2M 100k".into()]);
     assert!(matches!(state(&over), IndexState::None));
     assert_same_as_qemu(&over);

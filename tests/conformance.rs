@@ -6,7 +6,8 @@
 mod common;
 
 use common::{
-    assert_full_map_equal, assert_same_as_qemu, build_chain, qemu_img, qemu_io, s, LayerSpec,
+    assert_full_map_equal, assert_same_as_qemu, build_chain, qemu_img, qemu_io, qemu_overlay, s,
+    LayerSpec,
 };
 
 fn tmp() -> tempfile::TempDir {
@@ -139,19 +140,13 @@ fn compressed_base(compression: &str, cluster: u64, extended_l2: bool) {
     assert_same_as_qemu(&base);
     assert_full_map_equal(&base);
     let top = dir.path().join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
+    qemu_overlay(
+        &top,
         "base.qcow2",
-        "-F",
         "qcow2",
-        "-o",
-        &format!("compression_type={compression}"),
-        s(&top),
-    ]);
+        &["-o", &format!("compression_type={compression}")],
+        None,
+    );
     qemu_io(
         &top,
         &[
@@ -250,18 +245,7 @@ fn raw_base() {
         s(&base),
     ]));
     let top = dir.path().join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        s(&top),
-        "16M",
-    ]);
+    qemu_overlay(&top, "base.raw", "raw", &[], Some("16M"));
     qemu_io(
         &top,
         &["write -P 0x54 512k 1M".into(), "write -z 5M 64k".into()],
@@ -348,17 +332,7 @@ fn backing_in_another_directory() {
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "4M"]);
     qemu_io(&base, &["write -P 0x31 0 2M".into()]);
     let top = dir.path().join("vm/top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "../base/disk.qcow2",
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    qemu_overlay(&top, "../base/disk.qcow2", "qcow2", &[], None);
     qemu_io(&top, &["write -P 0x32 1M 4k".into()]);
     assert_same_as_qemu(&top);
     // Opened through a relative path from another working directory.

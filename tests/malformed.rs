@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{qemu_img, qemu_io, s, sqcow2_bin};
+use common::{qemu_img, qemu_io, qemu_overlay, s, sqcow2_bin};
 use sqcow2_format::{Chain, ChainOptions, ErrorKind, Feature, Table};
 
 const MIB: u64 = 1 << 20;
@@ -98,17 +98,7 @@ fn two_layers(dir: &Path) -> PathBuf {
     let base = dir.join("base.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "16M"]);
     let top = dir.join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
     top
 }
 
@@ -729,17 +719,7 @@ malformed!(
         for i in 1..5 {
             let p = d.join(format!("l{i}.qcow2"));
             let b = prev.file_name().unwrap().to_str().unwrap().to_owned();
-            qemu_img(&[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-b",
-                &b,
-                "-F",
-                "qcow2",
-                s(&p),
-            ]);
+            qemu_overlay(&p, &b, "qcow2", &[], None);
             prev = p;
         }
         prev

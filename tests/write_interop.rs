@@ -6,7 +6,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{assert_same_as_qemu, qemu_img, qemu_io, run_raw, s, sqcow2, sqcow2_bin};
+use common::{
+    assert_same_as_qemu, qemu_img, qemu_io, qemu_overlay, run_raw, s, sqcow2, sqcow2_bin,
+};
 use sqcow2_format::{Chain, ChainOptions};
 
 fn rw(top: &Path) -> Chain {
@@ -91,17 +93,7 @@ fn io_runs_qemu_io_scripts_unchanged() {
     let tmp = tempfile::tempdir().unwrap();
     let ours = chain_of_two(tmp.path());
     let theirs = tmp.path().join("theirs.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-        s(&theirs),
-    ]);
+    qemu_overlay(&theirs, "base.qcow2", "qcow2", &[], None);
     let script = [
         "write -P 0xab 0 64k",
         "write -P 0x5 100000 3000",

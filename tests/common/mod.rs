@@ -89,6 +89,17 @@ pub fn qemu_img(args: &[&str]) -> String {
     run(Command::new("qemu-img").args(args))
 }
 
+/// `qemu-img create -f qcow2 -b BACKING -F FORMAT [EXTRA...] PATH [SIZE]`:
+/// an overlay, the backing file named as given (relative to `path`'s
+/// directory), which must succeed.
+pub fn qemu_overlay(path: &Path, backing: &str, format: &str, extra: &[&str], size: Option<&str>) {
+    let mut args = vec!["create", "-q", "-f", "qcow2", "-b", backing, "-F", format];
+    args.extend_from_slice(extra);
+    args.push(s(path));
+    args.extend(size);
+    qemu_img(&args);
+}
+
 /// `qemu-io -f FMT IMAGE -c CMD...`, which must succeed.
 pub fn qemu_io(image: &Path, cmds: &[String]) {
     let mut cmd = Command::new("qemu-io");
