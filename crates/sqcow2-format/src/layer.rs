@@ -124,6 +124,25 @@ impl Qcow2Layer {
     ) -> Result<(LayerStatus, u64), ErrorKind> {
         let g = self.header.geometry;
         let max = clip_to_l2(g, guest, max);
+        let Some((slice, words)) = self.cached_l2_slice(index, guest, cache, slice_size)? else {
+            return Ok((LayerStatus::Unallocated { host: None }, max));
+        };
+        slice.status(g, &words, guest, max)
+    }
+}
+
+impl Qcow2Layer {
+    /// The L2 slice covering `guest`, through the unified cache (`None`
+    /// where the L1 entry is empty); the table's place is validated when
+    /// the slice is first read.
+    fn cached_l2_slice(
+        &self,
+        index: LayerIndex,
+        guest: GuestOffset,
+        cache: &SliceCache,
+        slice_size: u64,
+    ) -> Result<Option<(L2Slice, Slice)>, ErrorKind> {
+        let g = self.header.geometry;
         let l1_entry = usize::try_from(g.l1_index(guest))
             .ok()
             .and_then(|i| self.l1.get(i))
@@ -131,7 +150,7 @@ impl Qcow2Layer {
             .unwrap_or(0);
         let l2_offset = l1_entry & OFFSET_MASK;
         if l2_offset == 0 {
-            return Ok((LayerStatus::Unallocated { host: None }, max));
+            return Ok(None);
         }
         let slice = L2Slice::locate(g, l2_offset, guest, slice_size);
         let key = SliceKey {
@@ -142,11 +161,9 @@ impl Qcow2Layer {
             validate_l2_offset(g, l2_offset, self.file_size)?;
             read_words(&*self.storage, slice.offset, slice.words)
         })?;
-        slice.status(g, &words, guest, max)
+        Ok(Some((slice, words)))
     }
-}
 
-impl Qcow2Layer {
     /// The raw L2 entry of the cluster at `guest` (0 when unallocated).
     pub fn raw_l2_entry(
         &self,
@@ -156,26 +173,11 @@ impl Qcow2Layer {
         slice_size: u64,
     ) -> Result<u64, ErrorKind> {
         let g = self.header.geometry;
-        let l1_entry = usize::try_from(g.l1_index(GuestOffset(guest)))
-            .ok()
-            .and_then(|i| self.l1.get(i))
-            .copied()
-            .unwrap_or(0);
-        let l2_offset = l1_entry & OFFSET_MASK;
-        if l2_offset == 0 {
+        let Some((slice, words)) =
+            self.cached_l2_slice(index, GuestOffset(guest), cache, slice_size)?
+        else {
             return Ok(0);
-        }
-        let slice = L2Slice::locate(g, l2_offset, GuestOffset(guest), slice_size);
-        let words = cache.get_or_load(
-            SliceKey {
-                source: index.0 as u32,
-                offset: slice.offset,
-            },
-            || {
-                validate_l2_offset(g, l2_offset, self.file_size)?;
-                read_words(&*self.storage, slice.offset, slice.words)
-            },
-        )?;
+        };
         let per = if g.extended_l2 { 2 } else { 1 };
         let i = (g.l2_index(GuestOffset(guest)) - slice.first_entry) as usize * per;
         Ok(words.get(i).copied().unwrap_or(0))
