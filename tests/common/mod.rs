@@ -261,3 +261,4 @@ pub fn build_chain(dir: &Path, layers: &[LayerSpec]) -> PathBuf {
     }
     prev.expect("at least one layer")
 }
+pub mod vhost;

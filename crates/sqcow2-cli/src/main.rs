@@ -10,6 +10,7 @@ mod info;
 mod io;
 mod map;
 mod output;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +42,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve a chain to a VM as a vhost-user-blk device (QEMU
+    /// `vhost-user-blk-pci`, Cloud Hypervisor `--disk vhost_user=true`).
+    Serve(serve::ServeArgs),
     /// Show an image's format, size, backing file and features.
     Info {
         /// Also show every layer of the backing chain.
@@ -195,6 +199,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             new,
         } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }
 }
@@ -229,14 +234,19 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A daemon reports what it does; one-shot commands only what went wrong.
+    let default_level = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
         // A reader that went away (`sqcow2 map | head`) is not an error.

@@ -966,6 +966,30 @@ impl Chain {
         lock(&active.state).flush()
     }
 
+    /// Flushes like [`Chain::close`] (lazy refcounts written, dirty bit
+    /// cleared) but keeps the chain open: the image is clean for any reader
+    /// until the next write.
+    pub fn flush_clean(&self) -> Result<(), Error> {
+        let Some(active) = &self.active else {
+            return Ok(());
+        };
+        let _gate = active.gate.write();
+        lock(&active.state).close()
+    }
+
+    /// Counts a data read from `layer` done by a caller that reads the
+    /// host file itself (see [`Chain::data_reads_per_layer`]).
+    pub fn count_data_read(&self, layer: LayerIndex) {
+        if let Some(counter) = self.data_reads.get(layer.0) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the chain takes writes.
+    pub fn is_writable(&self) -> bool {
+        self.active.is_some()
+    }
+
     /// Flushes and leaves the image clean (clears the dirty bit of lazy
     /// refcounts). Read-only chains close trivially.
     pub fn close(mut self) -> Result<(), Error> {

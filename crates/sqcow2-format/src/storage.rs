@@ -38,6 +38,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn sync(&self) -> io::Result<()> {
         Ok(())
     }
+    /// The file descriptor behind this storage, for callers that submit
+    /// their own I/O (io_uring); `None` when there is no file.
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
     /// Allocation status of `[offset, offset + len)`: `Some((is_data, run))`
     /// where `run` bytes from `offset` share the status, or `None` when the
     /// storage cannot tell (everything is then data).
@@ -82,6 +87,10 @@ impl FileStorage {
 }
 
 impl Storage for FileStorage {
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(std::os::fd::AsRawFd::as_raw_fd(&self.file))
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let mut done = 0;
         while done < buf.len() {

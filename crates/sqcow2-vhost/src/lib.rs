@@ -1,4 +1,24 @@
-//! vhost-user-blk backend that serves an sQcow2 chain to unmodified QEMU and
-//! Cloud Hypervisor guests over virtio queues in shared memory.
+//! A vhost-user-blk backend that serves an sQcow2 chain to unmodified
+//! QEMU and Cloud Hypervisor guests.
 //!
-//! Not built yet: see the project's issue tracker.
+//! * [`request`] parses untrusted descriptor chains into validated
+//!   requests;
+//! * [`worker`] executes them: data clusters are read with io_uring
+//!   straight into guest memory, metadata comes from the chain's unified
+//!   cache;
+//! * [`backend`] plugs the workers into vhost-user-backend;
+//! * [`server`] owns the socket: one frontend at a time, reconnects,
+//!   signals, readiness.
+
+pub mod backend;
+pub mod config;
+pub mod device;
+pub mod fence;
+pub mod request;
+pub mod server;
+pub mod worker;
+
+pub use backend::BlkBackend;
+pub use device::BlkDevice;
+pub use server::{serve, ServeOptions};
+pub use worker::{Completion, GuestMem, GuestMemAtomic, QueueWorker};

@@ -1,0 +1,69 @@
+//! `sqcow2 serve`: export a chain as a vhost-user-blk device.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use sqcow2_format::{Chain, ChainOptions};
+use sqcow2_vhost::ServeOptions;
+
+/// Arguments of `sqcow2 serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The vhost-user socket to create.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Export read-only (the device reports VIRTIO_BLK_F_RO).
+    #[arg(long)]
+    read_only: bool,
+    /// Request queues offered to the guest (1-64).
+    #[arg(long, default_value_t = 1)]
+    num_queues: u16,
+    /// Largest virtqueue the frontend may set up (a power of two).
+    #[arg(long, default_value_t = 256)]
+    queue_size: u16,
+    /// Queues handled by each worker thread.
+    #[arg(long, default_value_t = 1)]
+    queues_per_thread: u16,
+    /// Permission bits of the socket, in octal.
+    #[arg(long, default_value = "600")]
+    socket_mode: String,
+    /// Write the daemon's pid to this file once it accepts connections.
+    #[arg(long)]
+    pidfile: Option<PathBuf>,
+    /// The top image of the chain.
+    image: PathBuf,
+}
+
+pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
+    if !(1..=64).contains(&args.num_queues) {
+        bail!("--num-queues must be between 1 and 64");
+    }
+    if !args.queue_size.is_power_of_two() || args.queue_size < 2 {
+        bail!("--queue-size must be a power of two, at least 2");
+    }
+    if args.queues_per_thread == 0 {
+        bail!("--queues-per-thread must be at least 1");
+    }
+    let socket_mode = u32::from_str_radix(&args.socket_mode, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .with_context(|| format!("--socket-mode {}: not an octal mode", args.socket_mode))?;
+    let chain = open(&args.image, !args.read_only, options)?;
+    let serve = ServeOptions {
+        socket: args.socket.clone(),
+        num_queues: args.num_queues,
+        queue_size: args.queue_size,
+        queues_per_thread: args.queues_per_thread,
+        socket_mode,
+        pidfile: args.pidfile.clone(),
+    };
+    sqcow2_vhost::serve(chain, &serve).with_context(|| format!("serving {}", args.image.display()))
+}
+
+fn open(image: &Path, writable: bool, options: &ChainOptions) -> anyhow::Result<Chain> {
+    let options = ChainOptions {
+        writable,
+        ..options.clone()
+    };
+    Ok(Chain::open(image, &options)?)
+}

@@ -1,0 +1,290 @@
+//! The socket side of `sqcow2 serve`: one frontend at a time, the next one
+//! accepted after a disconnect, a second concurrent one refused, SIGTERM
+//! and SIGINT drain and flush, readiness for supervisors.
+
+use std::fs;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread;
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use sqcow2_format::Chain;
+use tracing::{info, warn};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use crate::backend::BlkBackend;
+use crate::device::BlkDevice;
+use crate::worker::GuestMem;
+
+/// How often the accept loop looks at signals.
+const POLL_INTERVAL_MS: i32 = 100;
+
+/// How to serve a chain.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The vhost-user socket to listen on.
+    pub socket: PathBuf,
+    /// Request queues offered.
+    pub num_queues: u16,
+    /// Largest queue the frontend may set up.
+    pub queue_size: u16,
+    /// Queues served by each worker thread.
+    pub queues_per_thread: u16,
+    /// Permission bits of the socket.
+    pub socket_mode: u32,
+    /// Write the daemon's pid here once it accepts connections.
+    pub pidfile: Option<PathBuf>,
+}
+
+/// Why serving failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The socket path is taken.
+    #[error("{path}: {reason}")]
+    Socket { path: PathBuf, reason: String },
+    /// The vhost-user daemon failed.
+    #[error("vhost-user: {0}")]
+    Daemon(String),
+    /// An I/O error.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+    /// Flushing the chain failed.
+    #[error(transparent)]
+    Chain(#[from] sqcow2_format::Error),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> ServeError {
+    let context = context.into();
+    move |source| ServeError::Io { context, source }
+}
+
+/// Removes a stale socket at `path`; refuses anything else there.
+fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let taken = |reason: &str| ServeError::Socket {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(taken("exists and is not a socket"));
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(taken("another server is listening on it"));
+    }
+    fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))
+}
+
+/// Binds the socket with `mode` from the start (no window where it is
+/// more open).
+fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
+    claim_socket_path(path)?;
+    // SAFETY: umask only changes this process's file-creation mask; it is
+    // restored right after the bind.
+    let old = unsafe { libc::umask(!mode & 0o777) };
+    let listener = Listener::new(path, false);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = listener.map_err(|e| ServeError::Socket {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(io_err(format!("chmod {}", path.display())))?;
+    Ok(listener)
+}
+
+/// Everything that lives as long as the server.
+struct Server {
+    chain: Arc<Chain>,
+    options: ServeOptions,
+    listener: Listener,
+    epoll: Epoll,
+    signals: Signals,
+}
+
+/// Serves `chain` until SIGTERM or SIGINT; flushes and closes it then.
+pub fn serve(chain: Chain, options: &ServeOptions) -> Result<(), ServeError> {
+    let listener = bind(&options.socket, options.socket_mode)?;
+    let epoll = Epoll::new().map_err(io_err("epoll"))?;
+    epoll
+        .ctl(
+            ControlOperation::Add,
+            listener.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, 0),
+        )
+        .map_err(io_err("epoll"))?;
+    let signals = Signals::new([SIGTERM, SIGINT]).map_err(io_err("signal handlers"))?;
+    let mut server = Server {
+        chain: Arc::new(chain),
+        options: options.clone(),
+        listener,
+        epoll,
+        signals,
+    };
+    if let Some(pidfile) = &options.pidfile {
+        fs::write(pidfile, format!("{}\n", std::process::id()))
+            .map_err(io_err(format!("writing {}", pidfile.display())))?;
+    }
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        warn!("sd_notify: {e}");
+    }
+    info!(
+        socket = %options.socket.display(),
+        image = %server.chain.top().path().display(),
+        "ready for a vhost-user frontend"
+    );
+    let result = server.run();
+    let _ = fs::remove_file(&options.socket);
+    if let Some(pidfile) = &options.pidfile {
+        let _ = fs::remove_file(pidfile);
+    }
+    let closed = match Arc::try_unwrap(server.chain) {
+        Ok(chain) => chain.close(),
+        Err(chain) => chain.flush_clean(),
+    };
+    result?;
+    closed?;
+    info!("stopped");
+    Ok(())
+}
+
+impl Server {
+    /// Whether SIGTERM or SIGINT arrived.
+    fn stop_requested(&mut self) -> bool {
+        let mut stop = false;
+        for signal in self.signals.pending() {
+            info!(signal, "stopping");
+            stop = true;
+        }
+        stop
+    }
+
+    /// Waits up to one poll interval for a connection; whether one waits.
+    fn connection_waiting(&self) -> Result<bool, ServeError> {
+        let mut events = [EpollEvent::default(); 1];
+        match self.epoll.wait(POLL_INTERVAL_MS, &mut events) {
+            Ok(n) => Ok(n > 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+            Err(e) => Err(io_err("epoll wait")(e)),
+        }
+    }
+
+    fn run(&mut self) -> Result<(), ServeError> {
+        loop {
+            if self.stop_requested() {
+                return Ok(());
+            }
+            if !self.connection_waiting()? {
+                continue;
+            }
+            if self.session()? == SessionEnd::Stop {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Serves one frontend until it disconnects or a signal asks to stop.
+    fn session(&mut self) -> Result<SessionEnd, ServeError> {
+        let o = &self.options;
+        let device = Arc::new(BlkDevice::new(self.chain.clone(), o.num_queues, o.queue_size));
+        let backend = Arc::new(
+            BlkBackend::new(device, o.queues_per_thread).map_err(io_err("io_uring worker"))?,
+        );
+        let mem = GuestMemoryAtomic::new(GuestMem::new());
+        let daemon_err = |e: vhost_user_backend::Error| ServeError::Daemon(e.to_string());
+        let mut daemon =
+            VhostUserDaemon::new("sqcow2".into(), backend.clone(), mem).map_err(daemon_err)?;
+        for (thread, handler) in daemon.get_epoll_handlers().iter().enumerate() {
+            if let Some(fd) = backend.completion_fd(thread) {
+                handler
+                    .register_listener(fd, EventSet::IN, backend.completion_event_id())
+                    .map_err(io_err("registering io_uring eventfd"))?;
+            }
+        }
+        self.listener
+            .set_nonblocking(false)
+            .map_err(|e| ServeError::Daemon(e.to_string()))?;
+        daemon.start(&mut self.listener).map_err(daemon_err)?;
+        info!("frontend connected");
+        let shutdown = daemon.shutdown_handle();
+        let waiter = thread::Builder::new()
+            .name("vhost-user".into())
+            .spawn(move || {
+                let result = daemon.wait();
+                (daemon, result)
+            })
+            .map_err(io_err("spawning the vhost-user thread"))?;
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| ServeError::Daemon(e.to_string()))?;
+
+        let mut end = SessionEnd::Disconnected;
+        while !waiter.is_finished() {
+            if self.stop_requested() {
+                end = SessionEnd::Stop;
+                // Finish what the guest asked for, make it durable, then
+                // hang up.
+                backend.drain();
+                if let Err(e) = self.chain.flush_clean() {
+                    warn!("flush: {e}");
+                }
+                if let Some(handle) = &shutdown {
+                    handle.shutdown();
+                }
+                break;
+            }
+            if self.connection_waiting()? {
+                self.refuse_extra_frontends();
+            }
+        }
+        let (daemon, result) = waiter
+            .join()
+            .map_err(|_| ServeError::Daemon("vhost-user thread panicked".into()))?;
+        for handler in daemon.get_epoll_handlers() {
+            handler.send_exit_event();
+        }
+        backend.drain();
+        drop(daemon);
+        match result {
+            Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            ))
+            | Ok(()) => {}
+            Err(e) => warn!("frontend connection ended: {e}"),
+        }
+        self.chain.flush_clean()?;
+        if end == SessionEnd::Disconnected {
+            info!("frontend disconnected; waiting for the next");
+        }
+        Ok(end)
+    }
+
+    /// Accepts and closes connections that arrive while a frontend is
+    /// served: a second frontend would corrupt the first one's device.
+    fn refuse_extra_frontends(&self) {
+        while let Ok(Some(stream)) = self.listener.accept() {
+            warn!("refusing a second frontend while one is connected");
+            drop(stream);
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum SessionEnd {
+    Disconnected,
+    Stop,
+}

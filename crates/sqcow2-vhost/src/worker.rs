@@ -1,0 +1,519 @@
+//! One queue worker: takes requests off its queues, reads data clusters
+//! with io_uring straight into guest memory, completes requests as their
+//! I/O finishes.
+//!
+//! Reads are asynchronous: each piece of a read that maps to a data
+//! cluster becomes one io_uring read into the guest buffer, and the
+//! request completes when its last piece does (the ring's eventfd wakes
+//! the worker). Zero and unallocated ranges are zero-filled in place;
+//! compressed clusters are decompressed through a bounce buffer. Writes,
+//! discards, write-zeroes and flushes go through the chain engine
+//! synchronously (metadata updates need its lock anyway).
+
+use std::io;
+use std::sync::Arc;
+
+use io_uring::{opcode, types, IoUring};
+use sqcow2_format::chain::ExtentKind;
+use sqcow2_format::{GuestOffset, LayerIndex};
+use tracing::{debug, warn};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{
+    Address, Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
+    VolatileSlice,
+};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::device::BlkDevice;
+use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
+
+/// Guest memory as the daemon maps it.
+pub type GuestMem = GuestMemoryMmap<()>;
+/// Guest memory that the frontend may remap at any time.
+pub type GuestMemAtomic = GuestMemoryAtomic<GuestMem>;
+
+/// Submission queue entries per worker ring.
+const RING_ENTRIES: u32 = 256;
+/// Largest bounce buffer for a write.
+const WRITE_CHUNK: usize = 1 << 20;
+
+/// A request finished: `len` bytes written to the guest's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The worker-local queue index given to [`QueueWorker::process_queue`].
+    pub queue: usize,
+    /// Head of the request's descriptor chain.
+    pub head: u16,
+    /// Bytes written into the request's buffers (status byte included).
+    pub len: u32,
+}
+
+/// A read whose io_uring pieces are in flight.
+struct InFlight {
+    queue: usize,
+    request: Request,
+    /// Keeps the guest mapping alive while the kernel writes into it.
+    mem: Arc<GuestMem>,
+    pending: u32,
+    failed: bool,
+    short: bool,
+    ticket: u64,
+}
+
+/// The engine of one worker thread.
+pub struct QueueWorker {
+    device: Arc<BlkDevice>,
+    ring: IoUring,
+    event: EventFd,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    completed: Vec<Completion>,
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for QueueWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueWorker")
+            .field("in_flight", &self.in_flight)
+            .finish()
+    }
+}
+
+/// The status code and used length of a request finished here.
+struct Outcome {
+    code: u32,
+    data_len: u32,
+}
+
+impl Outcome {
+    fn ok(data_len: u32) -> Self {
+        Outcome { code: VIRTIO_BLK_S_OK, data_len }
+    }
+    fn ioerr() -> Self {
+        Outcome { code: VIRTIO_BLK_S_IOERR, data_len: 0 }
+    }
+}
+
+impl QueueWorker {
+    /// A worker for `device` with its own io_uring and completion eventfd.
+    pub fn new(device: Arc<BlkDevice>) -> io::Result<Self> {
+        let ring = IoUring::new(RING_ENTRIES)?;
+        let event = EventFd::new(EFD_NONBLOCK)?;
+        ring.submitter().register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
+        Ok(QueueWorker {
+            device,
+            ring,
+            event,
+            slots: Vec::new(),
+            free: Vec::new(),
+            completed: Vec::new(),
+            in_flight: 0,
+        })
+    }
+
+    /// The eventfd that becomes readable when io_uring completions wait.
+    pub fn completion_fd(&self) -> &EventFd {
+        &self.event
+    }
+
+    /// Requests whose I/O is still running.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Takes every available request off `queue` and starts it; requests
+    /// finished on the spot are put on the used ring at once. Returns
+    /// whether any was. `queue_index` names the queue in [`Completion`]s.
+    pub fn process_queue(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        mem: &GuestMemAtomic,
+    ) -> io::Result<bool> {
+        let mem = mem.memory().into_inner();
+        let limits = self.device.limits();
+        let event_idx = queue.event_idx_enabled();
+        let mut used = false;
+        loop {
+            if event_idx {
+                queue.disable_notification(&*mem).map_err(io::Error::other)?;
+            }
+            while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+                let done = match request::parse(chain, &limits) {
+                    Ok(req) => self.start(queue_index, req, &mem),
+                    Err(rejected) => {
+                        debug!(reason = rejected.reason, head = rejected.head, "request rejected");
+                        let len = match rejected.status {
+                            Some(addr) => {
+                                let _ = mem.write_obj(rejected.code, addr);
+                                1
+                            }
+                            None => 0,
+                        };
+                        Some(Completion { queue: queue_index, head: rejected.head, len })
+                    }
+                };
+                if let Some(c) = done {
+                    queue.add_used(&*mem, c.head, c.len).map_err(io::Error::other)?;
+                    used = true;
+                }
+            }
+            if !event_idx || !queue.enable_notification(&*mem).map_err(io::Error::other)? {
+                break;
+            }
+        }
+        self.ring.submit()?;
+        Ok(used)
+    }
+
+    /// Starts one request; returns its completion if it finished already.
+    fn start(&mut self, queue: usize, req: Request, mem: &Arc<GuestMem>) -> Option<Completion> {
+        let outcome = match &req.kind {
+            RequestKind::In { offset, buffers, .. } => {
+                let (offset, buffers) = (*offset, buffers.clone());
+                return self.start_read(queue, req, offset, &buffers, mem);
+            }
+            RequestKind::Out { offset, buffers, .. } => self.write(*offset, buffers, mem),
+            RequestKind::Flush => self.flush(),
+            RequestKind::GetId { buffers } => self.get_id(buffers, mem),
+            RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
+                let write_zeroes = matches!(req.kind, RequestKind::WriteZeroes(_));
+                self.zero(ranges, write_zeroes)
+            }
+        };
+        Some(finish(queue, &req, outcome, mem))
+    }
+
+    fn start_read(
+        &mut self,
+        queue: usize,
+        req: Request,
+        offset: u64,
+        buffers: &[GuestBuffer],
+        mem: &Arc<GuestMem>,
+    ) -> Option<Completion> {
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        let ticket = self.device.fence().begin();
+        self.slots[slot] = Some(InFlight {
+            queue,
+            request: req,
+            mem: mem.clone(),
+            // One for the submission itself: the slot cannot retire while
+            // its pieces are still being queued.
+            pending: 1,
+            failed: false,
+            short: false,
+            ticket,
+        });
+        self.in_flight += 1;
+        if let Err(e) = self.submit_reads(slot, offset, buffers, mem) {
+            warn!("read at {offset}: {e}");
+            if let Some(f) = self.slots[slot].as_mut() {
+                f.failed = true;
+            }
+        }
+        let f = self.slots[slot].as_mut()?;
+        f.pending -= 1;
+        if f.pending == 0 {
+            self.retire(slot)
+        } else {
+            None
+        }
+    }
+
+    /// Queues the io_uring reads of `[offset, ..)` into `buffers`; fills
+    /// zero and compressed ranges on the spot.
+    fn submit_reads(
+        &mut self,
+        slot: usize,
+        offset: u64,
+        buffers: &[GuestBuffer],
+        mem: &GuestMem,
+    ) -> Result<(), ReadError> {
+        let chain = self.device.chain().clone();
+        let mut pos = offset;
+        for b in buffers {
+            for piece in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
+                let piece = piece.map_err(|_| ReadError::Memory)?;
+                let mut done = 0usize;
+                while done < piece.len() {
+                    let want = (piece.len() - done) as u64;
+                    let extent = chain.resolve(GuestOffset(pos), want, false)?;
+                    let n = extent.len.min(want) as usize;
+                    let dst = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
+                    match extent.kind {
+                        ExtentKind::Zero { .. } => fill_zero(&dst),
+                        ExtentKind::Data { host } => {
+                            self.queue_read(slot, extent.layer, host.0, &dst, pos)?;
+                        }
+                        ExtentKind::Compressed(_) => {
+                            let mut tmp = vec![0u8; n];
+                            chain.read_at(&mut tmp, pos)?;
+                            dst.copy_from(&tmp);
+                        }
+                    }
+                    done += n;
+                    pos += n as u64;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One io_uring read of `dst.len()` bytes of `layer` at `host`.
+    fn queue_read(
+        &mut self,
+        slot: usize,
+        layer: LayerIndex,
+        host: u64,
+        dst: &VolatileSlice<'_, ()>,
+        guest: u64,
+    ) -> Result<(), ReadError> {
+        let chain = self.device.chain().clone();
+        let storage = chain.layers()[layer.0].storage().clone();
+        chain.count_data_read(layer);
+        let Some(fd) = storage.raw_fd() else {
+            let mut tmp = vec![0u8; dst.len()];
+            chain.read_at(&mut tmp, guest)?;
+            dst.copy_from(&tmp);
+            return Ok(());
+        };
+        let len = dst.len() as u32;
+        let ptr = dst.ptr_guard_mut().as_ptr();
+        let entry = opcode::Read::new(types::Fd(fd), ptr, len)
+            .offset(host)
+            .build()
+            .user_data((slot as u64) << 32 | u64::from(len));
+        // SAFETY: `ptr..ptr + len` lies in a guest memory region whose
+        // mapping the in-flight slot keeps alive (`InFlight::mem`) until the
+        // completion is reaped, and nothing else reads it meanwhile; `fd`
+        // belongs to the chain, which `self.device` keeps open.
+        while unsafe { self.ring.submission().push(&entry) }.is_err() {
+            self.ring.submit().map_err(ReadError::Io)?;
+            self.reap();
+        }
+        if let Some(f) = self.slots[slot].as_mut() {
+            f.pending += 1;
+        }
+        Ok(())
+    }
+
+    /// Clears the completion eventfd and handles every completion waiting.
+    pub fn handle_completion_event(&mut self) {
+        let _ = self.event.read();
+        self.reap();
+    }
+
+    /// Handles the completions in the ring.
+    fn reap(&mut self) {
+        let mut finished = Vec::new();
+        for cqe in self.ring.completion() {
+            let slot = (cqe.user_data() >> 32) as usize;
+            let expected = cqe.user_data() & 0xffff_ffff;
+            let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+                continue;
+            };
+            let res = cqe.result();
+            if res < 0 {
+                warn!("data read failed: {}", io::Error::from_raw_os_error(-res));
+                f.failed = true;
+            } else if (res as u64) < expected {
+                f.short = true;
+            }
+            f.pending -= 1;
+            if f.pending == 0 {
+                finished.push(slot);
+            }
+        }
+        for slot in finished {
+            if let Some(c) = self.retire(slot) {
+                self.completed.push(c);
+            }
+        }
+    }
+
+    /// Completes the read in `slot` (its I/O is done).
+    fn retire(&mut self, slot: usize) -> Option<Completion> {
+        let f = self.slots.get_mut(slot)?.take()?;
+        self.free.push(slot);
+        self.in_flight -= 1;
+        let RequestKind::In { offset, len, buffers } = &f.request.kind else {
+            return None;
+        };
+        let mut ok = !f.failed;
+        if ok && f.short {
+            // A data cluster past the end of its file: read it the slow way,
+            // which zero-fills like every other reader of the chain.
+            ok = self.read_through_engine(*offset, buffers, &f.mem).is_ok();
+        }
+        self.device.fence().end(f.ticket);
+        let outcome = if ok {
+            Outcome::ok(*len as u32)
+        } else {
+            Outcome::ioerr()
+        };
+        Some(finish(f.queue, &f.request, outcome, &f.mem))
+    }
+
+    fn read_through_engine(
+        &self,
+        offset: u64,
+        buffers: &[GuestBuffer],
+        mem: &GuestMem,
+    ) -> Result<(), ReadError> {
+        let mut pos = offset;
+        for b in buffers {
+            let mut tmp = vec![0u8; b.len as usize];
+            self.device.chain().read_at(&mut tmp, pos)?;
+            mem.write_slice(&tmp, b.addr).map_err(|_| ReadError::Memory)?;
+            pos += u64::from(b.len);
+        }
+        Ok(())
+    }
+
+    /// Requests completed since the last call.
+    pub fn take_completions(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.completed)
+    }
+
+    /// Waits for every read of this worker to finish; their completions
+    /// join [`QueueWorker::take_completions`].
+    pub fn drain(&mut self) {
+        while self.in_flight > 0 {
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    warn!("io_uring wait: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            self.reap();
+        }
+    }
+
+    fn write(&mut self, offset: u64, buffers: &[GuestBuffer], mem: &GuestMem) -> Outcome {
+        let chain = self.device.chain().clone();
+        let mut bounce: Vec<u8> = Vec::new();
+        let mut pos = offset;
+        let mut result = Ok(());
+        for b in buffers {
+            let mut addr = b.addr;
+            let mut left = b.len as usize;
+            while left > 0 && result.is_ok() {
+                let room = WRITE_CHUNK - bounce.len();
+                let n = left.min(room);
+                let start = bounce.len();
+                bounce.resize(start + n, 0);
+                if mem.read_slice(&mut bounce[start..], addr).is_err() {
+                    return Outcome::ioerr();
+                }
+                addr = addr.unchecked_add(n as u64);
+                left -= n;
+                if bounce.len() == WRITE_CHUNK {
+                    result = chain.write_at(&bounce, pos);
+                    pos += bounce.len() as u64;
+                    bounce.clear();
+                }
+            }
+        }
+        if result.is_ok() && !bounce.is_empty() {
+            result = chain.write_at(&bounce, pos);
+        }
+        if let Err(e) = result {
+            warn!("write at {offset}: {e}");
+            return Outcome::ioerr();
+        }
+        self.after_write()
+    }
+
+    fn zero(&mut self, ranges: &[ZeroRange], write_zeroes: bool) -> Outcome {
+        let chain = self.device.chain().clone();
+        for r in ranges {
+            let result = if write_zeroes {
+                chain.write_zeroes(r.offset, r.len, r.unmap)
+            } else {
+                chain.discard(r.offset, r.len)
+            };
+            if let Err(e) = result {
+                warn!("discard/write-zeroes at {}: {e}", r.offset);
+                return Outcome::ioerr();
+            }
+        }
+        self.after_write()
+    }
+
+    /// In write-through mode a write completes only once durable.
+    fn after_write(&mut self) -> Outcome {
+        if self.device.writeback() {
+            Outcome::ok(0)
+        } else {
+            self.flush()
+        }
+    }
+
+    fn flush(&mut self) -> Outcome {
+        // Our own reads first (only this thread reaps them), then everyone
+        // else's: a flush may make clusters freed by discards reusable.
+        self.drain();
+        self.device.fence().wait_for_earlier();
+        match self.device.chain().flush() {
+            Ok(()) => Outcome::ok(0),
+            Err(e) => {
+                warn!("flush: {e}");
+                Outcome::ioerr()
+            }
+        }
+    }
+
+    fn get_id(&self, buffers: &[GuestBuffer], mem: &GuestMem) -> Outcome {
+        let id = self.device.id();
+        let mut done = 0usize;
+        for b in buffers {
+            let n = (b.len as usize).min(id.len() - done);
+            if mem.write_slice(&id[done..done + n], b.addr).is_err() {
+                return Outcome::ioerr();
+            }
+            done += n;
+        }
+        Outcome::ok(done as u32)
+    }
+}
+
+/// Writes the status byte; the completion to put on the used ring.
+fn finish(queue: usize, req: &Request, outcome: Outcome, mem: &GuestMem) -> Completion {
+    let written = match mem.write_obj(outcome.code as u8, req.status) {
+        Ok(()) => 1,
+        Err(_) => 0,
+    };
+    Completion {
+        queue,
+        head: req.head,
+        len: outcome.data_len.saturating_add(written),
+    }
+}
+
+fn fill_zero(dst: &VolatileSlice<'_, ()>) {
+    const ZEROS: [u8; 4096] = [0; 4096];
+    let mut off = 0;
+    while off < dst.len() {
+        let n = (dst.len() - off).min(ZEROS.len());
+        if let Ok(s) = dst.subslice(off, n) {
+            s.copy_from(&ZEROS[..n]);
+        }
+        off += n;
+    }
+}
+
+/// Why a read could not be set up.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error("guest buffer outside guest memory")]
+    Memory,
+    #[error(transparent)]
+    Chain(#[from] sqcow2_format::Error),
+    #[error("io_uring: {0}")]
+    Io(io::Error),
+}

@@ -1,0 +1,244 @@
+//! A `sqcow2 serve` daemon under test and a libblkio client for it: the
+//! independent vhost-user-blk frontend the daemon is checked against.
+
+#![allow(dead_code)]
+
+use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, Blkioq, MemoryRegion, ReqFlags};
+
+use super::sqcow2_bin;
+
+/// A running `sqcow2 serve`.
+pub struct Daemon {
+    child: Option<Child>,
+    pub socket: PathBuf,
+    pub pidfile: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `sqcow2 serve` of `image` with `extra` arguments; returns
+    /// once it accepts connections (its pidfile exists).
+    pub fn start(dir: &Path, image: &Path, extra: &[&str]) -> Daemon {
+        let socket = dir.join("vhost.sock");
+        let pidfile = dir.join("serve.pid");
+        let log = dir.join("serve.log");
+        let _ = std::fs::remove_file(&pidfile);
+        let child = Command::new(sqcow2_bin())
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .args(extra)
+            .arg(image)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("daemon log"))
+            .spawn()
+            .expect("spawn sqcow2 serve");
+        let mut d = Daemon {
+            child: Some(child),
+            socket,
+            pidfile,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !d.pidfile.exists() {
+            if let Some(status) = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("sqcow2 serve exited early ({status}):\n{}", d.log());
+            }
+            assert!(Instant::now() < deadline, "sqcow2 serve not ready:\n{}", d.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map(|c| c.id() as i32).unwrap_or(-1)
+    }
+
+    /// Whether the process still runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// Sends `signal` and waits (at most 60 s) for the exit.
+    pub fn stop_with(&mut self, signal: i32) -> ExitStatus {
+        let mut child = self.child.take().expect("daemon already stopped");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("sqcow2 serve ignored signal {signal}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM; asserts a clean exit.
+    pub fn stop(&mut self) {
+        let status = self.stop_with(libc::SIGTERM);
+        assert!(status.success(), "sqcow2 serve exited with {status}:\n{}", self.log());
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Bytes of the client's I/O buffer.
+pub const BUF_SIZE: usize = 8 << 20;
+
+/// A libblkio `virtio-blk-vhost-user` connection.
+pub struct Client {
+    pub blkio: Blkio,
+    pub queues: Vec<Blkioq>,
+    pub region: MemoryRegion,
+}
+
+impl Client {
+    /// Connects with `num_queues` queues and one mapped buffer region.
+    pub fn connect(socket: &Path, num_queues: i32, read_only: bool) -> Result<Client, blkio::Error> {
+        let mut blkio = Blkio::new("virtio-blk-vhost-user")?;
+        blkio.set_str("path", socket.to_str().expect("utf-8 socket path"))?;
+        blkio.set_bool("read-only", read_only)?;
+        blkio.connect()?;
+        blkio.set_i32("num-queues", num_queues)?;
+        let queues = blkio.start()?.queues;
+        // Mapped after start: the daemon sees it as ADD_MEM_REG.
+        let region = blkio.alloc_mem_region(BUF_SIZE)?;
+        blkio.map_mem_region(&region)?;
+        Ok(Client {
+            blkio,
+            queues,
+            region,
+        })
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.blkio.get_u64("capacity").expect("capacity")
+    }
+
+    /// The buffer region as bytes.
+    pub fn buf(&mut self) -> &mut [u8] {
+        // SAFETY: the region is BUF_SIZE bytes mapped by libblkio for this
+        // client, alive as long as `self`; requests using it are waited
+        // for before any method returns.
+        unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, self.region.len) }
+    }
+
+    /// Waits for `n` completions on queue `q`; returns their results by
+    /// user_data.
+    pub fn wait(&mut self, q: usize, n: usize) -> Vec<(usize, i32)> {
+        let mut out = Vec::with_capacity(n);
+        let mut completions: Vec<MaybeUninit<blkio::Completion>> =
+            (0..n).map(|_| MaybeUninit::uninit()).collect();
+        while out.len() < n {
+            let mut timeout = Duration::from_secs(60);
+            let want = n - out.len();
+            let got = self.queues[q]
+                .do_io(&mut completions[..want], want, Some(&mut timeout), None)
+                .expect("do_io");
+            assert!(got > 0, "no completion within 60 s");
+            for c in &completions[..got] {
+                // SAFETY: do_io initialised the first `got` entries.
+                let c = unsafe { c.assume_init_ref() };
+                out.push((c.user_data, c.ret));
+            }
+        }
+        out
+    }
+
+    fn one(&mut self, q: usize) -> i32 {
+        self.wait(q, 1)[0].1
+    }
+
+    /// Reads `len` bytes at `offset` (through the buffer region).
+    pub fn try_read(&mut self, offset: u64, len: usize) -> Result<Vec<u8>, i32> {
+        assert!(len <= BUF_SIZE);
+        let ptr = self.region.addr as *mut u8;
+        self.queues[0].read(offset, ptr, len, 0, ReqFlags::empty());
+        match self.one(0) {
+            0 => Ok(self.buf()[..len].to_vec()),
+            e => Err(e),
+        }
+    }
+
+    pub fn read(&mut self, offset: u64, len: usize) -> Vec<u8> {
+        self.try_read(offset, len)
+            .unwrap_or_else(|e| panic!("read at {offset}+{len}: {e}"))
+    }
+
+    pub fn try_write(&mut self, offset: u64, data: &[u8]) -> i32 {
+        assert!(data.len() <= BUF_SIZE);
+        self.buf()[..data.len()].copy_from_slice(data);
+        let ptr = self.region.addr as *const u8;
+        self.queues[0].write(offset, ptr, data.len(), 0, ReqFlags::empty());
+        self.one(0)
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        let r = self.try_write(offset, data);
+        assert_eq!(r, 0, "write at {offset}+{}", data.len());
+    }
+
+    pub fn flush(&mut self) {
+        self.queues[0].flush(0, ReqFlags::empty());
+        assert_eq!(self.one(0), 0, "flush");
+    }
+
+    pub fn discard(&mut self, offset: u64, len: u64) {
+        self.queues[0].discard(offset, len, 0, ReqFlags::empty());
+        assert_eq!(self.one(0), 0, "discard at {offset}+{len}");
+    }
+
+    pub fn write_zeroes(&mut self, offset: u64, len: u64, unmap: bool) {
+        let flags = if unmap { ReqFlags::empty() } else { ReqFlags::NO_UNMAP };
+        self.queues[0].write_zeroes(offset, len, 0, flags);
+        assert_eq!(self.one(0), 0, "write-zeroes at {offset}+{len}");
+    }
+}
+
+/// Connects, retrying while the daemon still finishes with a previous
+/// frontend (it refuses a second one meanwhile).
+pub fn connect_retry(daemon: &Daemon, num_queues: i32, read_only: bool) -> Client {
+    let socket = &daemon.socket;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match Client::connect(socket, num_queues, read_only) {
+            Ok(c) => return c,
+            Err(e) if Instant::now() < deadline && is_refusal(&e) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("cannot connect to {}: {e}\n{}", socket.display(), daemon.log()),
+        }
+    }
+}
+
+/// Whether `e` is the daemon hanging up on a connection it does not take.
+pub fn is_refusal(e: &blkio::Error) -> bool {
+    let m = e.message();
+    m.contains("reset by peer") || m.contains("Broken pipe") || m.contains("refused")
+}
