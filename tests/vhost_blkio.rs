@@ -12,7 +12,15 @@ use common::{qemu_img, run_raw, s, sqcow2};
 /// A `gen-chain` chain of `layers` layers and `size`; returns its top.
 fn gen_chain(dir: &Path, layers: usize, size: &str, index: bool) -> PathBuf {
     let layers = layers.to_string();
-    let mut args = vec!["gen-chain", "--layers", &layers, "--size", size, "--fill", "0.6"];
+    let mut args = vec![
+        "gen-chain",
+        "--layers",
+        &layers,
+        "--size",
+        size,
+        "--fill",
+        "0.6",
+    ];
     if !index {
         args.push("--no-index");
     }
@@ -28,12 +36,27 @@ fn qemu_raw(top: &Path, dir: &Path) -> Vec<u8> {
 }
 
 fn assert_qemu_check_clean(image: &Path) {
-    let out = run_raw(std::process::Command::new("qemu-img").args(["check", "--output=json", s(image)]));
+    let out =
+        run_raw(std::process::Command::new("qemu-img").args(["check", "--output=json", s(image)]));
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "qemu-img check {}: {text}", image.display());
+    assert!(
+        out.status.success(),
+        "qemu-img check {}: {text}",
+        image.display()
+    );
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(json.get("leaks").and_then(|v| v.as_u64()).unwrap_or(0), 0, "{text}");
-    assert_eq!(json.get("corruptions").and_then(|v| v.as_u64()).unwrap_or(0), 0, "{text}");
+    assert_eq!(
+        json.get("leaks").and_then(|v| v.as_u64()).unwrap_or(0),
+        0,
+        "{text}"
+    );
+    assert_eq!(
+        json.get("corruptions")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0),
+        0,
+        "{text}"
+    );
 }
 
 fn read_all(client: &mut Client, len: u64) -> Vec<u8> {
@@ -61,7 +84,299 @@ fn every_byte_of_a_100_layer_chain_matches_qemu() {
     let mut client = connect_retry(&daemon, 1, true);
     assert_eq!(client.capacity(), expected.len() as u64);
     let got = read_all(&mut client, expected.len() as u64);
-    assert_eq!(first_difference(&got, &expected), None, "guest view differs from qemu-img convert");
+    assert_eq!(
+        first_difference(&got, &expected),
+        None,
+        "guest view differs from qemu-img convert"
+    );
     drop(client);
     daemon.stop();
+}
+
+/// A random 512-aligned range of at most `max` bytes inside `size`.
+fn range(rng: &mut fastrand::Rng, size: u64, max: u64) -> (u64, u64) {
+    let len = rng.u64(1..=max / 512) * 512;
+    let offset = rng.u64(0..=(size - len) / 512) * 512;
+    (offset, len)
+}
+
+#[test]
+fn random_writes_discards_and_zeroes_match_a_model_and_qemu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 100, "64M", true);
+    let mut model = qemu_raw(&top, tmp.path());
+    let size = model.len() as u64;
+    let cluster = 65536u64;
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    for step in 0..400 {
+        match rng.u32(0..10) {
+            0..=3 => {
+                let (offset, len) = range(&mut rng, size, 256 << 10);
+                let data: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+                client.write(offset, &data);
+                model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+            }
+            4 => client.flush(),
+            5 => {
+                let clusters = rng.u64(1..=4);
+                let offset = rng.u64(0..size / cluster - clusters) * cluster;
+                let len = clusters * cluster;
+                client.discard(offset, len);
+                model[offset as usize..(offset + len) as usize].fill(0);
+            }
+            6 => {
+                let (offset, len) = range(&mut rng, size, 512 << 10);
+                client.write_zeroes(offset, len, rng.bool());
+                model[offset as usize..(offset + len) as usize].fill(0);
+            }
+            _ => {
+                let (offset, len) = range(&mut rng, size, 1 << 20);
+                let got = client.read(offset, len as usize);
+                let want = &model[offset as usize..(offset + len) as usize];
+                assert!(
+                    got == want,
+                    "step {step}: read at {offset}+{len} differs from the model"
+                );
+            }
+        }
+    }
+    client.flush();
+    let got = read_all(&mut client, size);
+    assert_eq!(
+        first_difference(&got, &model),
+        None,
+        "guest view differs from the model"
+    );
+    drop(client);
+    daemon.stop();
+    assert_qemu_check_clean(&top);
+    let after = qemu_raw(&top, tmp.path());
+    assert_eq!(
+        first_difference(&after, &model),
+        None,
+        "qemu-img convert differs from the model"
+    );
+}
+
+#[test]
+fn four_queues_of_concurrent_io_on_two_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 20, "64M", true);
+    let mut model = qemu_raw(&top, tmp.path());
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--num-queues", "4", "--queues-per-thread", "2"],
+    );
+    let mut client = connect_retry(&daemon, 4, false);
+    assert_eq!(client.queues.len(), 4);
+    const PIECE: u64 = 16 << 10;
+    const DEPTH: usize = 8;
+    const ROUNDS: u64 = 24;
+    // Queue q owns pieces q, q + 4, q + 8, ...: neighbours share clusters
+    // and L2 tables, so the queues contend for the same metadata.
+    let piece_offset = |q: u64, i: u64| (i * 4 + q) * PIECE * 3;
+    let base = client.region.addr;
+    let queues = std::mem::take(&mut client.queues);
+    let workers: Vec<_> = queues
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            std::thread::spawn(move || {
+                let q = q as u64;
+                let slot = |k: usize| (base + (q as usize * DEPTH + k) * PIECE as usize) as *mut u8;
+                let fill = |i: u64| (i as u8).wrapping_mul(31) ^ (q as u8 + 1);
+                let mut completions: Vec<std::mem::MaybeUninit<blkio::Completion>> = (0..DEPTH)
+                    .map(|_| std::mem::MaybeUninit::uninit())
+                    .collect();
+                let mut wait_all = |queue: &mut blkio::Blkioq| {
+                    let mut done = 0;
+                    while done < DEPTH {
+                        let n = queue
+                            .do_io(&mut completions[..DEPTH - done], DEPTH - done, None, None)
+                            .expect("do_io");
+                        for c in &completions[..n] {
+                            // SAFETY: do_io initialised the first n entries.
+                            assert_eq!(unsafe { c.assume_init_ref() }.ret, 0, "queue {q}");
+                        }
+                        done += n;
+                    }
+                };
+                for round in 0..ROUNDS / DEPTH as u64 {
+                    for k in 0..DEPTH {
+                        let i = round * DEPTH as u64 + k as u64;
+                        // SAFETY: slot k of queue q is PIECE bytes of the
+                        // mapped region that only this thread touches.
+                        unsafe { std::ptr::write_bytes(slot(k), fill(i), PIECE as usize) };
+                        queue.write(
+                            piece_offset(q, i),
+                            slot(k),
+                            PIECE as usize,
+                            k,
+                            blkio::ReqFlags::empty(),
+                        );
+                    }
+                    wait_all(&mut queue);
+                }
+                queue.flush(0, blkio::ReqFlags::empty());
+                let mut one = [std::mem::MaybeUninit::uninit()];
+                let n = queue.do_io(&mut one, 1, None, None).expect("flush");
+                assert_eq!(n, 1);
+                for round in 0..ROUNDS / DEPTH as u64 {
+                    for k in 0..DEPTH {
+                        let i = round * DEPTH as u64 + k as u64;
+                        queue.read(
+                            piece_offset(q, i),
+                            slot(k),
+                            PIECE as usize,
+                            k,
+                            blkio::ReqFlags::empty(),
+                        );
+                    }
+                    wait_all(&mut queue);
+                    for k in 0..DEPTH {
+                        let i = round * DEPTH as u64 + k as u64;
+                        // SAFETY: as above; the read into slot k completed.
+                        let got = unsafe { std::slice::from_raw_parts(slot(k), PIECE as usize) };
+                        assert!(
+                            got.iter().all(|&b| b == fill(i)),
+                            "queue {q} piece {i} differs"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("queue thread");
+    }
+    for q in 0..4u64 {
+        for i in 0..ROUNDS {
+            let off = piece_offset(q, i) as usize;
+            model[off..off + PIECE as usize].fill((i as u8).wrapping_mul(31) ^ (q as u8 + 1));
+        }
+    }
+    drop(client);
+    daemon.stop();
+    assert_qemu_check_clean(&top);
+    let after = qemu_raw(&top, tmp.path());
+    assert_eq!(
+        first_difference(&after, &model),
+        None,
+        "qemu-img convert differs from the model"
+    );
+}
+
+#[test]
+fn reconnect_keeps_data_and_a_second_frontend_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 10, "16M", true);
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let mut first = connect_retry(&daemon, 1, false);
+    let flushed = vec![0xA5u8; 128 << 10];
+    first.write(1 << 20, &flushed);
+    first.flush();
+    // Not flushed by the guest: the daemon flushes when the frontend goes.
+    let unflushed = vec![0x3Cu8; 64 << 10];
+    first.write(5 << 20, &unflushed);
+    match Client::connect(&daemon.socket, 1, false) {
+        Ok(_) => panic!("a second frontend was accepted while one is connected"),
+        Err(e) => assert!(common::vhost::is_refusal(&e), "unexpected error: {e}"),
+    }
+    assert_eq!(
+        first.read(1 << 20, flushed.len()),
+        flushed,
+        "first frontend disturbed"
+    );
+    drop(first);
+    let mut second = connect_retry(&daemon, 1, false);
+    assert_eq!(second.read(1 << 20, flushed.len()), flushed);
+    assert_eq!(second.read(5 << 20, unflushed.len()), unflushed);
+    drop(second);
+    assert!(daemon.is_running(), "daemon exited after a disconnect");
+    daemon.stop();
+    assert_qemu_check_clean(&top);
+    let raw = qemu_raw(&top, tmp.path());
+    assert_eq!(&raw[1 << 20..(1 << 20) + flushed.len()], &flushed[..]);
+    assert_eq!(&raw[5 << 20..(5 << 20) + unflushed.len()], &unflushed[..]);
+}
+
+#[test]
+fn memory_mapped_while_queues_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 5, "16M", true);
+    let expected = qemu_raw(&top, tmp.path());
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let mut client = connect_retry(&daemon, 1, false);
+    assert_eq!(client.read(0, 4096), expected[..4096]);
+    // A second region, mapped while the queue runs (ADD_MEM_REG).
+    let extra = client.blkio.alloc_mem_region(2 << 20).unwrap();
+    client.blkio.map_mem_region(&extra).unwrap();
+    let ptr = extra.addr as *mut u8;
+    client.queues[0].read(3 << 20, ptr, 1 << 20, 0, blkio::ReqFlags::empty());
+    assert_eq!(client.wait(0, 1)[0].1, 0);
+    // SAFETY: the region is 2 MiB mapped by libblkio; the read completed.
+    let got = unsafe { std::slice::from_raw_parts(ptr, 1 << 20) };
+    assert!(
+        got == &expected[3 << 20..4 << 20],
+        "read into the new region differs"
+    );
+    client.blkio.unmap_mem_region(&extra);
+    assert_eq!(
+        client.read(8 << 20, 8192),
+        expected[8 << 20..(8 << 20) + 8192]
+    );
+    drop(client);
+    daemon.stop();
+}
+
+#[test]
+fn lifecycle_socket_mode_pidfile_signals() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "8M", true);
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let meta = std::fs::metadata(&daemon.socket).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let pid: i32 = std::fs::read_to_string(&daemon.pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(pid, daemon.pid());
+
+    // A second daemon on the same socket is refused, the first keeps it.
+    let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args([
+        "serve",
+        "--socket",
+        s(&daemon.socket),
+        s(&top),
+    ]));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another server"));
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(0, &[7u8; 4096]);
+    drop(client);
+
+    // SIGINT drains, flushes, exits 0 and cleans up.
+    let status = daemon.stop_with(libc::SIGINT);
+    assert!(status.success(), "exit status {status}:\n{}", daemon.log());
+    assert!(!daemon.socket.exists(), "socket left behind");
+    assert!(!daemon.pidfile.exists(), "pidfile left behind");
+    assert_qemu_check_clean(&top);
+
+    // A regular file in the socket's place is never removed.
+    let precious = tmp.path().join("precious");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args([
+        "serve",
+        "--socket",
+        s(&precious),
+        s(&top),
+    ]));
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
 }

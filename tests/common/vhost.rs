@@ -52,7 +52,11 @@ impl Daemon {
             if let Some(status) = d.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
                 panic!("sqcow2 serve exited early ({status}):\n{}", d.log());
             }
-            assert!(Instant::now() < deadline, "sqcow2 serve not ready:\n{}", d.log());
+            assert!(
+                Instant::now() < deadline,
+                "sqcow2 serve not ready:\n{}",
+                d.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         d
@@ -95,7 +99,11 @@ impl Daemon {
     /// SIGTERM; asserts a clean exit.
     pub fn stop(&mut self) {
         let status = self.stop_with(libc::SIGTERM);
-        assert!(status.success(), "sqcow2 serve exited with {status}:\n{}", self.log());
+        assert!(
+            status.success(),
+            "sqcow2 serve exited with {status}:\n{}",
+            self.log()
+        );
     }
 }
 
@@ -120,7 +128,11 @@ pub struct Client {
 
 impl Client {
     /// Connects with `num_queues` queues and one mapped buffer region.
-    pub fn connect(socket: &Path, num_queues: i32, read_only: bool) -> Result<Client, blkio::Error> {
+    pub fn connect(
+        socket: &Path,
+        num_queues: i32,
+        read_only: bool,
+    ) -> Result<Client, blkio::Error> {
         let mut blkio = Blkio::new("virtio-blk-vhost-user")?;
         blkio.set_str("path", socket.to_str().expect("utf-8 socket path"))?;
         blkio.set_bool("read-only", read_only)?;
@@ -215,7 +227,11 @@ impl Client {
     }
 
     pub fn write_zeroes(&mut self, offset: u64, len: u64, unmap: bool) {
-        let flags = if unmap { ReqFlags::empty() } else { ReqFlags::NO_UNMAP };
+        let flags = if unmap {
+            ReqFlags::empty()
+        } else {
+            ReqFlags::NO_UNMAP
+        };
         self.queues[0].write_zeroes(offset, len, 0, flags);
         assert_eq!(self.one(0), 0, "write-zeroes at {offset}+{len}");
     }
@@ -232,7 +248,11 @@ pub fn connect_retry(daemon: &Daemon, num_queues: i32, read_only: bool) -> Clien
             Err(e) if Instant::now() < deadline && is_refusal(&e) => {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Err(e) => panic!("cannot connect to {}: {e}\n{}", socket.display(), daemon.log()),
+            Err(e) => panic!(
+                "cannot connect to {}: {e}\n{}",
+                socket.display(),
+                daemon.log()
+            ),
         }
     }
 }

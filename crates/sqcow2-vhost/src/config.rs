@@ -70,7 +70,8 @@ impl DeviceConfig {
     /// The configuration space, `writeback` as given.
     pub fn space(&self, writeback: bool) -> [u8; CONFIG_SPACE_SIZE] {
         let mut c = [0u8; CONFIG_SPACE_SIZE];
-        let cluster_sectors = (self.cluster_size / SECTOR_SIZE).clamp(1, u64::from(u32::MAX)) as u32;
+        let cluster_sectors =
+            (self.cluster_size / SECTOR_SIZE).clamp(1, u64::from(u32::MAX)) as u32;
         c[0..8].copy_from_slice(&self.capacity_sectors.to_le_bytes());
         c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
         c[12..16].copy_from_slice(&self.seg_max().to_le_bytes());
@@ -96,7 +97,9 @@ impl DeviceConfig {
 pub fn read_config(space: &[u8], offset: u32, size: u32) -> Vec<u8> {
     let mut out = vec![0u8; size as usize];
     let start = (offset as usize).min(space.len());
-    let end = (offset as usize).saturating_add(size as usize).min(space.len());
+    let end = (offset as usize)
+        .saturating_add(size as usize)
+        .min(space.len());
     out[..end - start].copy_from_slice(&space[start..end]);
     out
 }

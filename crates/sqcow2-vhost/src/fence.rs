@@ -80,7 +80,10 @@ mod tests {
         let f = fence.clone();
         let waiter = std::thread::spawn(move || f.wait_below(limit));
         std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(!waiter.is_finished(), "finished with an earlier read in flight");
+        assert!(
+            !waiter.is_finished(),
+            "finished with an earlier read in flight"
+        );
         fence.end(early);
         waiter.join().unwrap();
         fence.end(late);

@@ -14,7 +14,7 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::worker::GuestMem;
 
-use crate::config::{SECTOR_SIZE, MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS};
+use crate::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
 
 /// Bytes of the request header (`type`, `ioprio`, `sector`).
 const HEADER_SIZE: u64 = 16;
@@ -47,9 +47,17 @@ pub struct ZeroRange {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestKind {
     /// Read `len` bytes at `offset` into `buffers`.
-    In { offset: u64, len: u64, buffers: Vec<GuestBuffer> },
+    In {
+        offset: u64,
+        len: u64,
+        buffers: Vec<GuestBuffer>,
+    },
     /// Write `len` bytes at `offset` from `buffers`.
-    Out { offset: u64, len: u64, buffers: Vec<GuestBuffer> },
+    Out {
+        offset: u64,
+        len: u64,
+        buffers: Vec<GuestBuffer>,
+    },
     /// Make completed writes durable.
     Flush,
     /// Write the device id into `buffers` (at most [`ID_SIZE`] bytes).
@@ -157,7 +165,10 @@ fn drop_tail(buffers: &[GuestBuffer], drop: u64) -> Vec<GuestBuffer> {
             break;
         }
         let len = u64::from(b.len).min(left);
-        out.push(GuestBuffer { addr: b.addr, len: len as u32 });
+        out.push(GuestBuffer {
+            addr: b.addr,
+            len: len as u32,
+        });
         left -= len;
     }
     out
@@ -202,7 +213,10 @@ fn zero_ranges(
     let ioerr = VIRTIO_BLK_S_IOERR as u8;
     let len = total(data);
     if len == 0 || len % ZERO_SEGMENT_SIZE != 0 {
-        return Err((ioerr, "discard/write-zeroes payload not a whole number of ranges"));
+        return Err((
+            ioerr,
+            "discard/write-zeroes payload not a whole number of ranges",
+        ));
     }
     if len / ZERO_SEGMENT_SIZE > u64::from(MAX_ZERO_SEGMENTS) {
         return Err((ioerr, "too many discard/write-zeroes ranges"));
@@ -224,9 +238,16 @@ fn zero_ranges(
         let sector = word(0..8);
         let sectors = word(8..12) as u32;
         let flags = word(12..16) as u32;
-        let allowed = if write_zeroes { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP } else { 0 };
+        let allowed = if write_zeroes {
+            VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+        } else {
+            0
+        };
         if flags & !allowed != 0 {
-            return Err((VIRTIO_BLK_S_UNSUPP as u8, "unsupported discard/write-zeroes flags"));
+            return Err((
+                VIRTIO_BLK_S_UNSUPP as u8,
+                "unsupported discard/write-zeroes flags",
+            ));
         }
         if sectors > MAX_ZERO_SECTORS {
             return Err((ioerr, "discard/write-zeroes range too long"));
@@ -315,9 +336,17 @@ where
                 return Err(ioerr("request beyond capacity"));
             };
             if request_type == VIRTIO_BLK_T_IN {
-                RequestKind::In { offset, len, buffers: data }
+                RequestKind::In {
+                    offset,
+                    len,
+                    buffers: data,
+                }
             } else {
-                RequestKind::Out { offset, len, buffers: data }
+                RequestKind::Out {
+                    offset,
+                    len,
+                    buffers: data,
+                }
             }
         }
         VIRTIO_BLK_T_FLUSH => RequestKind::Flush,
@@ -325,7 +354,12 @@ where
             if total(&payload) != 0 {
                 return Err(ioerr("data buffer with the wrong direction"));
             }
-            RequestKind::GetId { buffers: drop_tail(&writable_data, total(&writable_data).saturating_sub(ID_SIZE as u64)) }
+            RequestKind::GetId {
+                buffers: drop_tail(
+                    &writable_data,
+                    total(&writable_data).saturating_sub(ID_SIZE as u64),
+                ),
+            }
         }
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
             if total(&writable_data) != 0 {

@@ -200,7 +200,11 @@ impl Server {
     /// Serves one frontend until it disconnects or a signal asks to stop.
     fn session(&mut self) -> Result<SessionEnd, ServeError> {
         let o = &self.options;
-        let device = Arc::new(BlkDevice::new(self.chain.clone(), o.num_queues, o.queue_size));
+        let device = Arc::new(BlkDevice::new(
+            self.chain.clone(),
+            o.num_queues,
+            o.queue_size,
+        ));
         let backend = Arc::new(
             BlkBackend::new(device, o.queues_per_thread).map_err(io_err("io_uring worker"))?,
         );

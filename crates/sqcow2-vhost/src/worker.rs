@@ -88,10 +88,16 @@ struct Outcome {
 
 impl Outcome {
     fn ok(data_len: u32) -> Self {
-        Outcome { code: VIRTIO_BLK_S_OK, data_len }
+        Outcome {
+            code: VIRTIO_BLK_S_OK,
+            data_len,
+        }
     }
     fn ioerr() -> Self {
-        Outcome { code: VIRTIO_BLK_S_IOERR, data_len: 0 }
+        Outcome {
+            code: VIRTIO_BLK_S_IOERR,
+            data_len: 0,
+        }
     }
 }
 
@@ -100,7 +106,8 @@ impl QueueWorker {
     pub fn new(device: Arc<BlkDevice>) -> io::Result<Self> {
         let ring = IoUring::new(RING_ENTRIES)?;
         let event = EventFd::new(EFD_NONBLOCK)?;
-        ring.submitter().register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
+        ring.submitter()
+            .register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
         Ok(QueueWorker {
             device,
             ring,
@@ -137,13 +144,19 @@ impl QueueWorker {
         let mut used = false;
         loop {
             if event_idx {
-                queue.disable_notification(&*mem).map_err(io::Error::other)?;
+                queue
+                    .disable_notification(&*mem)
+                    .map_err(io::Error::other)?;
             }
             while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
                 let done = match request::parse(chain, &limits) {
                     Ok(req) => self.start(queue_index, req, &mem),
                     Err(rejected) => {
-                        debug!(reason = rejected.reason, head = rejected.head, "request rejected");
+                        debug!(
+                            reason = rejected.reason,
+                            head = rejected.head,
+                            "request rejected"
+                        );
                         let len = match rejected.status {
                             Some(addr) => {
                                 let _ = mem.write_obj(rejected.code, addr);
@@ -151,11 +164,17 @@ impl QueueWorker {
                             }
                             None => 0,
                         };
-                        Some(Completion { queue: queue_index, head: rejected.head, len })
+                        Some(Completion {
+                            queue: queue_index,
+                            head: rejected.head,
+                            len,
+                        })
                     }
                 };
                 if let Some(c) = done {
-                    queue.add_used(&*mem, c.head, c.len).map_err(io::Error::other)?;
+                    queue
+                        .add_used(&*mem, c.head, c.len)
+                        .map_err(io::Error::other)?;
                     used = true;
                 }
             }
@@ -170,11 +189,15 @@ impl QueueWorker {
     /// Starts one request; returns its completion if it finished already.
     fn start(&mut self, queue: usize, req: Request, mem: &Arc<GuestMem>) -> Option<Completion> {
         let outcome = match &req.kind {
-            RequestKind::In { offset, buffers, .. } => {
+            RequestKind::In {
+                offset, buffers, ..
+            } => {
                 let (offset, buffers) = (*offset, buffers.clone());
                 return self.start_read(queue, req, offset, &buffers, mem);
             }
-            RequestKind::Out { offset, buffers, .. } => self.write(*offset, buffers, mem),
+            RequestKind::Out {
+                offset, buffers, ..
+            } => self.write(*offset, buffers, mem),
             RequestKind::Flush => self.flush(),
             RequestKind::GetId { buffers } => self.get_id(buffers, mem),
             RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
@@ -341,7 +364,12 @@ impl QueueWorker {
         let f = self.slots.get_mut(slot)?.take()?;
         self.free.push(slot);
         self.in_flight -= 1;
-        let RequestKind::In { offset, len, buffers } = &f.request.kind else {
+        let RequestKind::In {
+            offset,
+            len,
+            buffers,
+        } = &f.request.kind
+        else {
             return None;
         };
         let mut ok = !f.failed;
@@ -369,7 +397,8 @@ impl QueueWorker {
         for b in buffers {
             let mut tmp = vec![0u8; b.len as usize];
             self.device.chain().read_at(&mut tmp, pos)?;
-            mem.write_slice(&tmp, b.addr).map_err(|_| ReadError::Memory)?;
+            mem.write_slice(&tmp, b.addr)
+                .map_err(|_| ReadError::Memory)?;
             pos += u64::from(b.len);
         }
         Ok(())
