@@ -1,0 +1,556 @@
+//! Hostile guests: malformed descriptor chains built with virtio-queue's
+//! mock split queue and fed straight to a queue worker. Every request
+//! must get the right status (or no status where there is no room for
+//! one), and the queue must keep serving valid requests afterwards.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::{Chain, ChainOptions};
+use sqcow2_vhost::{BlkDevice, GuestMem, GuestMemAtomic, QueueWorker};
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_T_WRITE_ZEROES,
+};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
+
+const MEM_SIZE: u64 = 128 << 20;
+const DISK_SIZE: u64 = 4 << 20;
+const QUEUE_SIZE: u16 = 256;
+/// Request headers, data and status bytes live from here on.
+const HEADER: u64 = 0x10_0000;
+const DATA: u64 = 0x20_0000;
+const STATUS: u64 = 0x1F_0000;
+const PATTERN: u8 = 0x5A;
+
+/// A descriptor as the guest would write it.
+#[derive(Clone, Copy)]
+struct Desc {
+    addr: u64,
+    len: u32,
+    write: bool,
+}
+
+fn r(addr: u64, len: u32) -> Desc {
+    Desc {
+        addr,
+        len,
+        write: false,
+    }
+}
+fn w(addr: u64, len: u32) -> Desc {
+    Desc {
+        addr,
+        len,
+        write: true,
+    }
+}
+
+struct Guest {
+    _dir: tempfile::TempDir,
+    mem: GuestMem,
+    atomic: GuestMemAtomic,
+    worker: QueueWorker,
+    next_desc: u16,
+}
+
+impl Guest {
+    /// A 4 MiB image filled with PATTERN, exported read-write or not.
+    fn new(read_only: bool) -> Guest {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("disk.qcow2");
+        create(
+            &image,
+            &CreateOptions {
+                size: DISK_SIZE,
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        fill(&image);
+        let chain = Chain::open(
+            &image,
+            &ChainOptions {
+                writable: !read_only,
+                ..ChainOptions::default()
+            },
+        )
+        .unwrap();
+        let device = Arc::new(BlkDevice::new(Arc::new(chain), 1, QUEUE_SIZE));
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap();
+        let atomic = GuestMemoryAtomic::new(mem.clone());
+        Guest {
+            _dir: dir,
+            mem,
+            atomic,
+            worker: QueueWorker::new(device).unwrap(),
+            next_desc: 0,
+        }
+    }
+
+    fn header(&self, request_type: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[..4].copy_from_slice(&request_type.to_le_bytes());
+        h[8..].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write_slice(&h, GuestAddress(HEADER)).unwrap();
+        self.mem.write_obj(0xFFu8, GuestAddress(STATUS)).unwrap();
+    }
+
+    /// Submits one chain and runs the worker until it is answered;
+    /// returns the used length and the status byte.
+    fn submit(&mut self, descs: &[Desc]) -> (u32, u8) {
+        let mock = MockSplitQueue::create(&self.mem, GuestAddress(0), QUEUE_SIZE);
+        let first = self.next_desc;
+        let raw: Vec<RawDescriptor> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let last = i + 1 == descs.len();
+                let mut flags = if d.write {
+                    VRING_DESC_F_WRITE as u16
+                } else {
+                    0
+                };
+                if !last {
+                    flags |= VRING_DESC_F_NEXT as u16;
+                }
+                let next = (first + i as u16 + 1) % QUEUE_SIZE;
+                RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next))
+            })
+            .collect();
+        mock.add_desc_chains(&raw, first).unwrap();
+        self.next_desc = (first + descs.len() as u16) % QUEUE_SIZE;
+        let mut queue: Queue = mock.create_queue().unwrap();
+        self.worker
+            .process_queue(0, &mut queue, &self.atomic)
+            .unwrap();
+        self.worker.drain();
+        for c in self.worker.take_completions() {
+            queue.add_used(&self.mem, c.head, c.len).unwrap();
+        }
+        let used = mock.used_addr();
+        let idx: u16 = self.mem.read_obj(used.unchecked_add(2)).unwrap();
+        assert_eq!(idx, 1, "exactly one request answered");
+        let id: u32 = self.mem.read_obj(used.unchecked_add(4)).unwrap();
+        assert_eq!(id, u32::from(first), "answer for the submitted chain");
+        let len: u32 = self.mem.read_obj(used.unchecked_add(8)).unwrap();
+        let status: u8 = self.mem.read_obj(GuestAddress(STATUS)).unwrap();
+        (len, status)
+    }
+
+    /// A valid 4 KiB read at sector 8 still works and returns PATTERN.
+    fn assert_still_serving(&mut self) {
+        self.mem
+            .write_slice(&[0u8; 4096], GuestAddress(DATA))
+            .unwrap();
+        self.header(VIRTIO_BLK_T_IN, 8);
+        let (len, status) = self.submit(&[r(HEADER, 16), w(DATA, 4096), w(STATUS, 1)]);
+        assert_eq!((len, u32::from(status)), (4097, VIRTIO_BLK_S_OK));
+        let mut got = [0u8; 4096];
+        self.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert!(
+            got.iter().all(|&b| b == PATTERN),
+            "data after a hostile request"
+        );
+    }
+}
+
+use vm_memory::Address;
+
+fn fill(image: &Path) {
+    let chain = Chain::open(
+        image,
+        &ChainOptions {
+            writable: true,
+            ..ChainOptions::default()
+        },
+    )
+    .unwrap();
+    chain
+        .write_at(&vec![PATTERN; DISK_SIZE as usize], 0)
+        .unwrap();
+    chain.close().unwrap();
+}
+
+fn expect(guest: &mut Guest, descs: &[Desc], want: u32, what: &str) {
+    let (len, status) = guest.submit(descs);
+    assert_eq!(u32::from(status), want, "{what}: status");
+    assert_eq!(len, 1, "{what}: used length");
+    guest.assert_still_serving();
+}
+
+const IOERR: u32 = VIRTIO_BLK_S_IOERR;
+const UNSUPP: u32 = VIRTIO_BLK_S_UNSUPP;
+
+#[test]
+fn buffers_outside_guest_memory() {
+    let mut g = Guest::new(false);
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(MEM_SIZE - 2048, 4096), w(STATUS, 1)],
+        IOERR,
+        "read into the end of memory",
+    );
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(u64::MAX - 511, 512), w(STATUS, 1)],
+        IOERR,
+        "address wraps",
+    );
+    g.header(VIRTIO_BLK_T_OUT, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(MEM_SIZE + (1 << 30), 4096), w(STATUS, 1)],
+        IOERR,
+        "write from outside",
+    );
+    expect(
+        &mut g,
+        &[r(MEM_SIZE + 4096, 16), w(STATUS, 1)],
+        IOERR,
+        "header outside memory",
+    );
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(DATA, u32::MAX - 511), w(STATUS, 1)],
+        IOERR,
+        "4 GiB buffer",
+    );
+}
+
+#[test]
+fn wrong_device_writable_flags() {
+    let mut g = Guest::new(false);
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, 4096), w(STATUS, 1)],
+        IOERR,
+        "read into a read-only buffer",
+    );
+    g.header(VIRTIO_BLK_T_OUT, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(DATA, 4096), w(STATUS, 1)],
+        IOERR,
+        "write from a write-only buffer",
+    );
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[w(HEADER, 16), w(DATA, 4096), w(STATUS, 1)],
+        IOERR,
+        "write-only header",
+    );
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[
+            r(HEADER, 16),
+            w(DATA, 4096),
+            r(DATA + 8192, 512),
+            w(STATUS, 1),
+        ],
+        IOERR,
+        "readable after writable",
+    );
+    g.header(VIRTIO_BLK_T_FLUSH, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, 512), w(STATUS, 1)],
+        OK_FLUSH_WITH_DATA,
+        "flush with a payload",
+    );
+}
+
+/// A flush with a stray readable payload is still a flush.
+const OK_FLUSH_WITH_DATA: u32 = VIRTIO_BLK_S_OK;
+
+#[test]
+fn missing_or_short_status_and_header() {
+    let mut g = Guest::new(false);
+    g.header(VIRTIO_BLK_T_IN, 0);
+    let (len, status) = g.submit(&[r(HEADER, 16), r(DATA, 4096)]);
+    assert_eq!(
+        (len, status),
+        (0, 0xFF),
+        "no writable byte: nothing written"
+    );
+    g.assert_still_serving();
+    g.header(VIRTIO_BLK_T_IN, 0);
+    let (len, status) = g.submit(&[r(HEADER, 16), w(STATUS, 0)]);
+    assert_eq!(
+        (len, status),
+        (0, 0xFF),
+        "zero-length status: nothing written"
+    );
+    g.assert_still_serving();
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 8), w(STATUS, 1)],
+        IOERR,
+        "8-byte header",
+    );
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(&mut g, &[r(HEADER, 0), w(STATUS, 1)], IOERR, "empty header");
+    // A header split over two descriptors is valid framing.
+    g.header(VIRTIO_BLK_T_IN, 8);
+    let (len, status) = g.submit(&[r(HEADER, 4), r(HEADER + 4, 12), w(DATA, 4096), w(STATUS, 1)]);
+    assert_eq!((len, u32::from(status)), (4097, VIRTIO_BLK_S_OK));
+}
+
+#[test]
+fn ranges_beyond_capacity_and_sector_overflow() {
+    let mut g = Guest::new(false);
+    let sectors = DISK_SIZE / 512;
+    for (sector, what) in [
+        (sectors, "first sector past the end"),
+        (sectors - 1, "last sector plus one more"),
+        (u64::MAX, "sector overflow"),
+        (u64::MAX / 512 + 1, "byte offset overflow"),
+    ] {
+        for t in [VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT] {
+            g.header(t, sector);
+            let data = if t == VIRTIO_BLK_T_IN {
+                w(DATA, 1024)
+            } else {
+                r(DATA, 1024)
+            };
+            expect(&mut g, &[r(HEADER, 16), data, w(STATUS, 1)], IOERR, what);
+        }
+    }
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(DATA, 1000), w(STATUS, 1)],
+        IOERR,
+        "not a multiple of 512",
+    );
+}
+
+#[test]
+fn zero_length_and_huge_requests() {
+    let mut g = Guest::new(false);
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "zero-length read",
+    );
+    g.header(VIRTIO_BLK_T_OUT, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "zero-length write",
+    );
+    // The whole disk in one request, from 64 buffers of 64 KiB.
+    g.header(VIRTIO_BLK_T_IN, 0);
+    let mut descs = vec![r(HEADER, 16)];
+    descs.extend((0..64).map(|i| w(DATA + i * 65536, 65536)));
+    descs.push(w(STATUS, 1));
+    let (len, status) = g.submit(&descs);
+    assert_eq!(
+        (len, u32::from(status)),
+        (DISK_SIZE as u32 + 1, VIRTIO_BLK_S_OK)
+    );
+    let mut got = vec![0u8; DISK_SIZE as usize];
+    g.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    assert!(got.iter().all(|&b| b == PATTERN));
+    // Larger than the disk: refused.
+    g.header(VIRTIO_BLK_T_IN, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(DATA, DISK_SIZE as u32 + 512), w(STATUS, 1)],
+        IOERR,
+        "larger than the disk",
+    );
+}
+
+#[test]
+fn writes_to_a_read_only_export() {
+    let mut g = Guest::new(true);
+    g.header(VIRTIO_BLK_T_OUT, 0);
+    g.mem.write_slice(&[0u8; 4096], GuestAddress(DATA)).unwrap();
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, 4096), w(STATUS, 1)],
+        IOERR,
+        "write",
+    );
+    let seg = zero_segment(0, 8, 0);
+    g.mem.write_slice(&seg, GuestAddress(DATA)).unwrap();
+    for t in [VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES] {
+        g.header(t, 0);
+        expect(
+            &mut g,
+            &[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)],
+            IOERR,
+            "discard/write-zeroes",
+        );
+    }
+    g.header(VIRTIO_BLK_T_FLUSH, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "flush",
+    );
+}
+
+fn zero_segment(sector: u64, sectors: u32, flags: u32) -> [u8; 16] {
+    let mut s = [0u8; 16];
+    s[..8].copy_from_slice(&sector.to_le_bytes());
+    s[8..12].copy_from_slice(&sectors.to_le_bytes());
+    s[12..].copy_from_slice(&flags.to_le_bytes());
+    s
+}
+
+#[test]
+fn unknown_types_and_bad_discard_payloads() {
+    let mut g = Guest::new(false);
+    for t in [2, 3, 14, 15, 99, u32::MAX] {
+        g.header(t, 0);
+        expect(
+            &mut g,
+            &[r(HEADER, 16), w(STATUS, 1)],
+            UNSUPP,
+            "unknown type",
+        );
+    }
+    let cases: [(u32, Vec<u8>, u32, &str); 6] = [
+        (
+            VIRTIO_BLK_T_DISCARD,
+            zero_segment(0, 8, 1).to_vec(),
+            UNSUPP,
+            "discard with unmap flag",
+        ),
+        (
+            VIRTIO_BLK_T_WRITE_ZEROES,
+            zero_segment(0, 8, 2).to_vec(),
+            UNSUPP,
+            "unknown write-zeroes flag",
+        ),
+        (
+            VIRTIO_BLK_T_DISCARD,
+            zero_segment(0, 8, 0)[..10].to_vec(),
+            IOERR,
+            "partial range",
+        ),
+        (VIRTIO_BLK_T_DISCARD, Vec::new(), IOERR, "no range"),
+        (
+            VIRTIO_BLK_T_WRITE_ZEROES,
+            zero_segment(DISK_SIZE / 512 - 4, 8, 0).to_vec(),
+            IOERR,
+            "beyond capacity",
+        ),
+        (
+            VIRTIO_BLK_T_DISCARD,
+            zero_segment(u64::MAX, 8, 0).to_vec(),
+            IOERR,
+            "sector overflow",
+        ),
+    ];
+    for (t, payload, want, what) in cases {
+        g.mem.write_slice(&payload, GuestAddress(DATA)).unwrap();
+        g.header(t, 0);
+        let mut descs = vec![r(HEADER, 16)];
+        if !payload.is_empty() {
+            descs.push(r(DATA, payload.len() as u32));
+        }
+        descs.push(w(STATUS, 1));
+        expect(&mut g, &descs, want, what);
+    }
+    let many: Vec<u8> = (0..17).flat_map(|i| zero_segment(i * 8, 8, 0)).collect();
+    g.mem.write_slice(&many, GuestAddress(DATA)).unwrap();
+    g.header(VIRTIO_BLK_T_DISCARD, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, many.len() as u32), w(STATUS, 1)],
+        IOERR,
+        "17 ranges",
+    );
+}
+
+#[test]
+fn valid_requests_of_every_type() {
+    let mut g = Guest::new(false);
+    // Write 8 KiB of 0x11 at sector 16, read it back.
+    g.mem
+        .write_slice(&[0x11u8; 8192], GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_OUT, 16);
+    expect(
+        &mut g,
+        &[
+            r(HEADER, 16),
+            r(DATA, 4096),
+            r(DATA + 4096, 4096),
+            w(STATUS, 1),
+        ],
+        VIRTIO_BLK_S_OK,
+        "write",
+    );
+    g.header(VIRTIO_BLK_T_IN, 16);
+    let (len, status) = g.submit(&[r(HEADER, 16), w(DATA + 65536, 8192), w(STATUS, 1)]);
+    assert_eq!((len, u32::from(status)), (8193, VIRTIO_BLK_S_OK));
+    let mut got = [0u8; 8192];
+    g.mem
+        .read_slice(&mut got, GuestAddress(DATA + 65536))
+        .unwrap();
+    assert!(got.iter().all(|&b| b == 0x11));
+    // Write-zeroes over it, then it reads as zeros.
+    g.mem
+        .write_slice(&zero_segment(16, 16, 1), GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_WRITE_ZEROES, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "write-zeroes",
+    );
+    g.header(VIRTIO_BLK_T_IN, 16);
+    let (_, status) = g.submit(&[r(HEADER, 16), w(DATA + 65536, 8192), w(STATUS, 1)]);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.mem
+        .read_slice(&mut got, GuestAddress(DATA + 65536))
+        .unwrap();
+    assert!(got.iter().all(|&b| b == 0));
+    // Discard of a whole cluster, flush, GET_ID.
+    g.mem
+        .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_DISCARD, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "discard",
+    );
+    g.header(VIRTIO_BLK_T_FLUSH, 0);
+    expect(
+        &mut g,
+        &[r(HEADER, 16), w(STATUS, 1)],
+        VIRTIO_BLK_S_OK,
+        "flush",
+    );
+    g.header(VIRTIO_BLK_T_GET_ID, 0);
+    let (len, status) = g.submit(&[r(HEADER, 16), w(DATA, 20), w(STATUS, 1)]);
+    assert_eq!((len, u32::from(status)), (21, VIRTIO_BLK_S_OK));
+    let mut id = [0u8; 20];
+    g.mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+    assert_eq!(&id[..10], b"disk.qcow2");
+}
