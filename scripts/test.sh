@@ -5,8 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 
+# qemu-system-x86 first: on a machine whose qemu-utils comes from another
+# release, installing it replaces qemu-utils, which the next line restores.
+ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
 ensure_commands cc:gcc qemu-img:qemu-utils qemu-io:qemu-utils
 ensure_rust_components fmt clippy
+# Kernel and initramfs of the QEMU guest test (tests/qemu_guest.rs).
+echo "==> guest kit"
+SQCOW2_GUEST_KIT=$(scripts/guest-kit.sh)
+export SQCOW2_GUEST_KIT
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
