@@ -336,7 +336,16 @@ fn memory_mapped_while_queues_run() {
 fn lifecycle_socket_mode_pidfile_signals() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 3, "8M", true);
-    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let notify_path = tmp.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut daemon =
+        Daemon::start_with_env(tmp.path(), &top, &[], &[("NOTIFY_SOCKET", s(&notify_path))]);
+    let mut msg = [0u8; 256];
+    let n = notify.recv(&mut msg).expect("sd_notify message");
+    assert!(String::from_utf8_lossy(&msg[..n]).contains("READY=1"));
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let meta = std::fs::metadata(&daemon.socket).unwrap();
     assert!(meta.file_type().is_socket());

@@ -24,6 +24,16 @@ impl Daemon {
     /// Starts `sqcow2 serve` of `image` with `extra` arguments; returns
     /// once it accepts connections (its pidfile exists).
     pub fn start(dir: &Path, image: &Path, extra: &[&str]) -> Daemon {
+        Daemon::start_with_env(dir, image, extra, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables.
+    pub fn start_with_env(
+        dir: &Path,
+        image: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let socket = dir.join("vhost.sock");
         let pidfile = dir.join("serve.pid");
         let log = dir.join("serve.log");
@@ -37,6 +47,7 @@ impl Daemon {
             .args(extra)
             .arg(image)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("daemon log"))
             .spawn()

@@ -1,0 +1,220 @@
+//! The daemon under a frontend that behaves like Cloud Hypervisor v53
+//! (driven message by message with rust-vmm's vhost-user frontend): the
+//! CONFIG protocol feature is required, 60 bytes of config are read at
+//! offset 0, only the 1-byte writeback field is written, "enable vring"
+//! comes several times, the queue has no call fd (no interrupt vector; the
+//! driver polls the used ring), and the socket closes without
+//! GET_VRING_BASE. The daemon must serve all of it and the next frontend.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::vhost::{connect_retry, Daemon};
+use common::{qemu_img, run_raw, s, sqcow2};
+use vhost::vhost_user::message::{
+    VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+const MEM: usize = 16 << 20;
+const QSIZE: u16 = 16;
+const HEADER: u64 = 0x10_0000;
+const STATUS: u64 = 0x10_1000;
+const DATA: u64 = 0x20_0000;
+
+type Mem = GuestMemoryMmap<()>;
+
+/// Puts one request (header, data, status) on the ring at descriptor
+/// `first`.
+fn add_request(mock: &MockSplitQueue<'_, Mem>, first: u16, data_write: bool, len: u32) {
+    let descs = [
+        (HEADER, 16, 0),
+        (DATA, len, if data_write { VRING_DESC_F_WRITE } else { 0 }),
+        (STATUS, 1, VRING_DESC_F_WRITE),
+    ];
+    let raw: Vec<RawDescriptor> = descs
+        .iter()
+        .enumerate()
+        .map(|(i, &(addr, len, flags))| {
+            let next = if i + 1 < descs.len() {
+                VRING_DESC_F_NEXT
+            } else {
+                0
+            };
+            RawDescriptor::from(SplitDescriptor::new(
+                addr,
+                len,
+                (flags | next) as u16,
+                first + i as u16 + 1,
+            ))
+        })
+        .collect();
+    mock.add_desc_chains(&raw, first).unwrap();
+}
+
+/// Polls the used index (there is no call fd) until it reaches `want`.
+fn wait_used(mem: &Mem, mock: &MockSplitQueue<'_, Mem>, want: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let idx: u16 = mem.read_obj(mock.used_addr().unchecked_add(2)).unwrap();
+        if idx >= want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "request not completed (used idx {idx})"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn header(mem: &Mem, t: u32, sector: u64) {
+    let mut h = [0u8; 16];
+    h[..4].copy_from_slice(&t.to_le_bytes());
+    h[8..].copy_from_slice(&sector.to_le_bytes());
+    mem.write_slice(&h, GuestAddress(HEADER)).unwrap();
+    mem.write_obj(0xFFu8, GuestAddress(STATUS)).unwrap();
+}
+
+#[test]
+fn cloud_hypervisor_style_frontend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = PathBuf::from(
+        sqcow2(&[
+            "gen-chain",
+            "--layers",
+            "10",
+            "--size",
+            "16M",
+            s(tmp.path()),
+        ])
+        .trim(),
+    );
+    let raw = tmp.path().join("expected.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
+    let expected = std::fs::read(&raw).unwrap();
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+
+    let backing = tempfile::tempfile().unwrap();
+    backing.set_len(MEM as u64).unwrap();
+    let mem = Mem::from_ranges_with_files([(
+        GuestAddress(0),
+        MEM,
+        Some(FileOffset::new(backing.try_clone().unwrap(), 0)),
+    )])
+    .unwrap();
+    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+
+    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    let features = fe.get_features().unwrap();
+    assert_ne!(
+        features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
+        0
+    );
+    fe.set_features(features).unwrap();
+    let wanted = VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
+    let offered = fe.get_protocol_features().unwrap();
+    assert!(offered.contains(wanted), "protocol features {offered:?}");
+    fe.set_protocol_features(wanted).unwrap();
+    assert_eq!(fe.get_queue_num().unwrap(), 1);
+
+    // 60 bytes at offset 0, exactly that back.
+    let (cfg_hdr, cfg) = fe
+        .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])
+        .unwrap();
+    assert_eq!((cfg_hdr.offset, cfg_hdr.size), (0, 60));
+    assert_eq!(cfg.len(), 60);
+    let capacity = u64::from_le_bytes(cfg[..8].try_into().unwrap());
+    assert_eq!(capacity * 512, expected.len() as u64);
+    assert_eq!(cfg[32], 1, "write-back by default");
+    // Only the writeback byte is written: switch to write-through.
+    fe.set_config(32, VhostUserConfigFlags::WRITABLE, &[0])
+        .unwrap();
+    let (_, cfg) = fe
+        .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])
+        .unwrap();
+    assert_eq!(cfg[32], 0, "writeback field not taken");
+
+    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
+        guest_phys_addr: 0,
+        memory_size: MEM as u64,
+        userspace_addr: host,
+        mmap_offset: 0,
+        mmap_handle: backing.as_raw_fd(),
+    }])
+    .unwrap();
+    let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
+    fe.set_vring_num(0, QSIZE).unwrap();
+    fe.set_vring_addr(
+        0,
+        &VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: host + mock.desc_table_addr().0,
+            used_ring_addr: host + mock.used_addr().0,
+            avail_ring_addr: host + mock.avail_addr().0,
+            log_addr: None,
+        },
+    )
+    .unwrap();
+    fe.set_vring_base(0, 0).unwrap();
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    // No SET_VRING_CALL: the queue has no interrupt vector.
+    for _ in 0..3 {
+        fe.set_vring_enable(0, true).unwrap();
+    }
+
+    // A read, then a write (write-through: flushed before completion).
+    header(&mem, VIRTIO_BLK_T_IN, 16);
+    add_request(&mock, 0, true, 8192);
+    kick.write(1).unwrap();
+    wait_used(&mem, &mock, 1);
+    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    let mut got = vec![0u8; 8192];
+    mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    assert!(
+        got == expected[8192..16384],
+        "read differs from qemu-img convert"
+    );
+
+    header(&mem, VIRTIO_BLK_T_OUT, 2048);
+    mem.write_slice(&[0xC3u8; 4096], GuestAddress(DATA))
+        .unwrap();
+    add_request(&mock, 3, false, 4096);
+    kick.write(1).unwrap();
+    wait_used(&mem, &mock, 2);
+    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+
+    // Shutdown: the socket closes, no GET_VRING_BASE.
+    drop(fe);
+    assert!(daemon.is_running(), "daemon exited:\n{}", daemon.log());
+    let mut next = connect_retry(&daemon, 1, false);
+    assert_eq!(next.read(2048 * 512, 4096), vec![0xC3u8; 4096]);
+    drop(next);
+    daemon.stop();
+    let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+}
