@@ -199,6 +199,8 @@ impl VhostUserBackend for BlkBackend {
         vrings: &[VringRwLock],
         thread_id: usize,
     ) -> io::Result<()> {
+        // Never returns an error: vhost-user-backend ends the worker thread
+        // on one.
         let Some(w) = self.workers.get(thread_id) else {
             return Ok(());
         };
@@ -219,10 +221,15 @@ impl VhostUserBackend for BlkBackend {
             let used = {
                 let mut state = vring.get_mut();
                 slot.worker
-                    .process_queue(index, state.get_queue_mut(), &mem)?
+                    .process_queue(index, state.get_queue_mut(), &mem)
             };
-            if used {
-                signal(vring);
+            // An error here means the guest's rings are unusable (e.g. the
+            // used ring lies outside guest memory). Returning it would end
+            // this worker thread and every queue on it, so log it instead.
+            match used {
+                Ok(true) => signal(vring),
+                Ok(false) => {}
+                Err(e) => warn!(queue = index, "queue unusable: {e}"),
             }
         } else if u64::from(device_event) == self.completion_event_id() {
             slot.worker.handle_completion_event();

@@ -139,18 +139,32 @@ impl QueueWorker {
         mem: &GuestMemAtomic,
     ) -> io::Result<bool> {
         let mem = mem.memory().into_inner();
+        let popped = self.pop_all(queue_index, queue, &mem);
+        // Reads queued so far go to the kernel even if the ring failed.
+        let submitted = self.ring.submit();
+        let used = popped?;
+        submitted?;
+        Ok(used)
+    }
+
+    fn pop_all(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        mem: &Arc<GuestMem>,
+    ) -> io::Result<bool> {
         let limits = self.device.limits();
         let event_idx = queue.event_idx_enabled();
         let mut used = false;
         loop {
             if event_idx {
                 queue
-                    .disable_notification(&*mem)
+                    .disable_notification(&**mem)
                     .map_err(io::Error::other)?;
             }
-            while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+            while let Some(chain) = queue.pop_descriptor_chain(&**mem) {
                 let done = match request::parse(chain, &limits) {
-                    Ok(req) => self.start(queue_index, req, &mem),
+                    Ok(req) => self.start(queue_index, req, mem),
                     Err(rejected) => {
                         debug!(
                             reason = rejected.reason,
@@ -173,17 +187,19 @@ impl QueueWorker {
                 };
                 if let Some(c) = done {
                     queue
-                        .add_used(&*mem, c.head, c.len)
+                        .add_used(&**mem, c.head, c.len)
                         .map_err(io::Error::other)?;
                     used = true;
                 }
             }
-            if !event_idx || !queue.enable_notification(&*mem).map_err(io::Error::other)? {
-                break;
+            if !event_idx
+                || !queue
+                    .enable_notification(&**mem)
+                    .map_err(io::Error::other)?
+            {
+                return Ok(used);
             }
         }
-        self.ring.submit()?;
-        Ok(used)
     }
 
     /// Starts one request; returns its completion if it finished already.

@@ -554,3 +554,70 @@ fn valid_requests_of_every_type() {
     g.mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
     assert_eq!(&id[..10], b"disk.qcow2");
 }
+
+#[test]
+fn descriptor_loops_and_indirect_tables_outside_memory() {
+    use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
+    let mut g = Guest::new(false);
+    let mock = MockSplitQueue::create(&g.mem, GuestAddress(0), QUEUE_SIZE);
+    // Descriptor 0 -> 1 -> 0 -> ...: a loop with no writable byte.
+    g.header(VIRTIO_BLK_T_IN, 0);
+    let looped = [
+        RawDescriptor::from(SplitDescriptor::new(
+            HEADER,
+            16,
+            VRING_DESC_F_NEXT as u16,
+            1,
+        )),
+        RawDescriptor::from(SplitDescriptor::new(DATA, 512, VRING_DESC_F_NEXT as u16, 0)),
+    ];
+    mock.add_desc_chains(&looped, 0).unwrap();
+    // An indirect table far outside guest memory.
+    let indirect = [RawDescriptor::from(SplitDescriptor::new(
+        MEM_SIZE * 4,
+        16 * 4,
+        VRING_DESC_F_INDIRECT as u16,
+        0,
+    ))];
+    mock.add_desc_chains(&indirect, 2).unwrap();
+    let mut queue: Queue = mock.create_queue().unwrap();
+    g.worker.process_queue(0, &mut queue, &g.atomic).unwrap();
+    g.worker.drain();
+    let used = mock.used_addr();
+    let idx: u16 = g.mem.read_obj(used.unchecked_add(2)).unwrap();
+    assert_eq!(idx, 2, "both chains answered");
+    for i in 0..2u64 {
+        let len: u32 = g.mem.read_obj(used.unchecked_add(8 + 8 * i)).unwrap();
+        assert_eq!(len, 0, "no status byte to write");
+    }
+    g.next_desc = 3;
+    g.assert_still_serving();
+}
+
+#[test]
+fn a_used_ring_outside_memory_is_an_error_not_a_crash() {
+    let mut g = Guest::new(false);
+    let mock = MockSplitQueue::create(&g.mem, GuestAddress(0), QUEUE_SIZE);
+    g.header(VIRTIO_BLK_T_FLUSH, 0);
+    let raw = [
+        RawDescriptor::from(SplitDescriptor::new(
+            HEADER,
+            16,
+            VRING_DESC_F_NEXT as u16,
+            1,
+        )),
+        RawDescriptor::from(SplitDescriptor::new(
+            STATUS,
+            1,
+            VRING_DESC_F_WRITE as u16,
+            0,
+        )),
+    ];
+    mock.add_desc_chains(&raw, 0).unwrap();
+    let mut queue: Queue = mock.create_queue().unwrap();
+    let far = MEM_SIZE * 8;
+    queue.set_used_ring_address(Some(far as u32), Some((far >> 32) as u32));
+    assert!(g.worker.process_queue(0, &mut queue, &g.atomic).is_err());
+    g.next_desc = 2;
+    g.assert_still_serving();
+}
