@@ -443,7 +443,7 @@ impl ActiveState {
 
     /// Whether a write of `len` bytes at `guest` can go straight to the
     /// top's own cluster: returns its host offset.
-    fn in_place_target(&mut self, guest: u64, len: u64) -> Result<Option<u64>, Error> {
+    pub fn in_place_target(&mut self, guest: u64, len: u64) -> Result<Option<u64>, Error> {
         let g = self.geometry();
         let Some((entry, bitmap)) = self.raw_entry(guest)? else {
             return Ok(None);

@@ -977,6 +977,23 @@ impl Chain {
         lock(&active.state).close()
     }
 
+    /// Where a write of `len` bytes at guest `offset` (within one cluster)
+    /// may go straight to the top's file, bypassing the engine: the host
+    /// offset, or `None` when the write needs the engine (allocation,
+    /// copy-on-write, zero, compressed or shared cluster). The caller must
+    /// finish such a write before the next [`Chain::flush`] (a flush may
+    /// make clusters freed meanwhile reusable).
+    pub fn in_place_target(&self, offset: u64, len: u64) -> Result<Option<u64>, Error> {
+        self.check_range(offset, len)?;
+        let active = self.active()?;
+        let cluster_size = self.cluster_size();
+        if len == 0 || offset % cluster_size + len > cluster_size {
+            return Ok(None);
+        }
+        let _gate = active.gate.read();
+        lock(&active.state).in_place_target(offset, len)
+    }
+
     /// Counts a data read from `layer` done by a caller that reads the
     /// host file itself (see [`Chain::data_reads_per_layer`]).
     pub fn count_data_read(&self, layer: LayerIndex) {

@@ -205,11 +205,9 @@ impl QueueWorker {
     /// Starts one request; returns its completion if it finished already.
     fn start(&mut self, queue: usize, req: Request, mem: &Arc<GuestMem>) -> Option<Completion> {
         let outcome = match &req.kind {
-            RequestKind::In {
-                offset, buffers, ..
-            } => {
-                let (offset, buffers) = (*offset, buffers.clone());
-                return self.start_read(queue, req, offset, &buffers, mem);
+            RequestKind::In { .. } => return self.start_async(queue, req, mem),
+            RequestKind::Out { .. } if self.device.writeback() => {
+                return self.start_async(queue, req, mem)
             }
             RequestKind::Out {
                 offset, buffers, ..
@@ -224,12 +222,12 @@ impl QueueWorker {
         Some(finish(queue, &req, outcome, mem))
     }
 
-    fn start_read(
+    /// Starts a read or a write-back write whose data moves between the
+    /// image files and guest memory with io_uring.
+    fn start_async(
         &mut self,
         queue: usize,
         req: Request,
-        offset: u64,
-        buffers: &[GuestBuffer],
         mem: &Arc<GuestMem>,
     ) -> Option<Completion> {
         let slot = self.free.pop().unwrap_or_else(|| {
@@ -237,6 +235,7 @@ impl QueueWorker {
             self.slots.len() - 1
         });
         let ticket = self.device.fence().begin();
+        let kind = req.kind.clone();
         self.slots[slot] = Some(InFlight {
             queue,
             request: req,
@@ -249,8 +248,17 @@ impl QueueWorker {
             ticket,
         });
         self.in_flight += 1;
-        if let Err(e) = self.submit_reads(slot, offset, buffers, mem) {
-            warn!("read at {offset}: {e}");
+        let result = match &kind {
+            RequestKind::In {
+                offset, buffers, ..
+            } => self.submit_reads(slot, *offset, buffers, mem),
+            RequestKind::Out {
+                offset, buffers, ..
+            } => self.submit_writes(slot, *offset, buffers, mem),
+            _ => Ok(()),
+        };
+        if let Err(e) = result {
+            warn!("{}: {e}", describe(&kind));
             if let Some(f) = self.slots[slot].as_mut() {
                 f.failed = true;
             }
@@ -262,6 +270,52 @@ impl QueueWorker {
         } else {
             None
         }
+    }
+
+    /// Queues io_uring writes for the pieces of `[offset, ..)` that land
+    /// in clusters the top owns; the rest (allocation, copy-on-write) goes
+    /// through the engine from a bounce buffer.
+    fn submit_writes(
+        &mut self,
+        slot: usize,
+        offset: u64,
+        buffers: &[GuestBuffer],
+        mem: &GuestMem,
+    ) -> Result<(), ReadError> {
+        let chain = self.device.chain().clone();
+        let cluster = self.device.config().cluster_size;
+        let top_fd = chain.top().storage().raw_fd();
+        let mut bounce = Bounce::default();
+        let mut pos = offset;
+        for b in buffers {
+            for piece in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
+                let piece = piece.map_err(|_| ReadError::Memory)?;
+                let mut done = 0usize;
+                while done < piece.len() {
+                    let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
+                    let src = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
+                    let target = match top_fd {
+                        Some(fd) => chain.in_place_target(pos, n as u64)?.map(|h| (fd, h)),
+                        None => None,
+                    };
+                    match target {
+                        Some((fd, host)) => {
+                            bounce.write_out(&chain)?;
+                            self.queue_io(slot, IoKind::Write, fd, host, &src)?;
+                        }
+                        None => {
+                            bounce.append(pos, &src);
+                            if bounce.data.len() >= WRITE_CHUNK {
+                                bounce.write_out(&chain)?;
+                            }
+                        }
+                    }
+                    done += n;
+                    pos += n as u64;
+                }
+            }
+        }
+        bounce.write_out(&chain)
     }
 
     /// Queues the io_uring reads of `[offset, ..)` into `buffers`; fills
@@ -321,16 +375,36 @@ impl QueueWorker {
             dst.copy_from(&tmp);
             return Ok(());
         };
-        let len = dst.len() as u32;
-        let ptr = dst.ptr_guard_mut().as_ptr();
-        let entry = opcode::Read::new(types::Fd(fd), ptr, len)
-            .offset(host)
-            .build()
-            .user_data((slot as u64) << 32 | u64::from(len));
+        self.queue_io(slot, IoKind::Read, fd, host, dst)
+    }
+
+    /// One io_uring read into (or write from) the guest memory `buf`.
+    fn queue_io(
+        &mut self,
+        slot: usize,
+        kind: IoKind,
+        fd: std::os::fd::RawFd,
+        host: u64,
+        buf: &VolatileSlice<'_, ()>,
+    ) -> Result<(), ReadError> {
+        let len = buf.len() as u32;
+        let ptr = buf.ptr_guard_mut().as_ptr();
+        let user_data = (slot as u64) << 32 | u64::from(len);
+        let entry = match kind {
+            IoKind::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+                .offset(host)
+                .build(),
+            IoKind::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+                .offset(host)
+                .build(),
+        }
+        .user_data(user_data);
         // SAFETY: `ptr..ptr + len` lies in a guest memory region whose
         // mapping the in-flight slot keeps alive (`InFlight::mem`) until the
-        // completion is reaped, and nothing else reads it meanwhile; `fd`
-        // belongs to the chain, which `self.device` keeps open.
+        // completion is reaped; the guest does not touch a buffer it handed
+        // to the device before the request completes (if it does, only its
+        // own data is garbled). `fd` belongs to the chain, which
+        // `self.device` keeps open.
         while unsafe { self.ring.submission().push(&entry) }.is_err() {
             self.ring.submit().map_err(ReadError::Io)?;
             self.reap();
@@ -358,7 +432,7 @@ impl QueueWorker {
             };
             let res = cqe.result();
             if res < 0 {
-                warn!("data read failed: {}", io::Error::from_raw_os_error(-res));
+                warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
                 f.failed = true;
             } else if (res as u64) < expected {
                 f.short = true;
@@ -380,26 +454,29 @@ impl QueueWorker {
         let f = self.slots.get_mut(slot)?.take()?;
         self.free.push(slot);
         self.in_flight -= 1;
-        let RequestKind::In {
-            offset,
-            len,
-            buffers,
-        } = &f.request.kind
-        else {
-            return None;
+        let outcome = match &f.request.kind {
+            RequestKind::In {
+                offset,
+                len,
+                buffers,
+            } => {
+                let mut ok = !f.failed;
+                if ok && f.short {
+                    // A data cluster past the end of its file: read it the
+                    // slow way, which zero-fills like every other reader.
+                    ok = self.read_through_engine(*offset, buffers, &f.mem).is_ok();
+                }
+                if ok {
+                    Outcome::ok(*len as u32)
+                } else {
+                    Outcome::ioerr()
+                }
+            }
+            // A short write to a regular file means no space: an error.
+            _ if f.failed || f.short => Outcome::ioerr(),
+            _ => Outcome::ok(0),
         };
-        let mut ok = !f.failed;
-        if ok && f.short {
-            // A data cluster past the end of its file: read it the slow way,
-            // which zero-fills like every other reader of the chain.
-            ok = self.read_through_engine(*offset, buffers, &f.mem).is_ok();
-        }
         self.device.fence().end(f.ticket);
-        let outcome = if ok {
-            Outcome::ok(*len as u32)
-        } else {
-            Outcome::ioerr()
-        };
         Some(finish(f.queue, &f.request, outcome, &f.mem))
     }
 
@@ -552,7 +629,7 @@ fn fill_zero(dst: &VolatileSlice<'_, ()>) {
     }
 }
 
-/// Why a read could not be set up.
+/// Why a transfer could not be set up.
 #[derive(Debug, thiserror::Error)]
 enum ReadError {
     #[error("guest buffer outside guest memory")]
@@ -561,4 +638,45 @@ enum ReadError {
     Chain(#[from] sqcow2_format::Error),
     #[error("io_uring: {0}")]
     Io(io::Error),
+}
+
+/// Direction of one io_uring data transfer.
+#[derive(Debug, Clone, Copy)]
+enum IoKind {
+    Read,
+    Write,
+}
+
+fn describe(kind: &RequestKind) -> String {
+    match kind {
+        RequestKind::In { offset, len, .. } => format!("read of {len} bytes at {offset}"),
+        RequestKind::Out { offset, len, .. } => format!("write of {len} bytes at {offset}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Guest data on its way to the engine: one contiguous guest range.
+#[derive(Default)]
+struct Bounce {
+    start: u64,
+    data: Vec<u8>,
+}
+
+impl Bounce {
+    fn append(&mut self, pos: u64, src: &VolatileSlice<'_, ()>) {
+        if self.data.is_empty() {
+            self.start = pos;
+        }
+        let at = self.data.len();
+        self.data.resize(at + src.len(), 0);
+        src.copy_to(&mut self.data[at..]);
+    }
+
+    fn write_out(&mut self, chain: &sqcow2_format::Chain) -> Result<(), ReadError> {
+        if !self.data.is_empty() {
+            chain.write_at(&self.data, self.start)?;
+            self.data.clear();
+        }
+        Ok(())
+    }
 }
