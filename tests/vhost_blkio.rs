@@ -100,8 +100,22 @@ fn range(rng: &mut fastrand::Rng, size: u64, max: u64) -> (u64, u64) {
     (offset, len)
 }
 
+/// Seeds of the model test: `SQCOW2_VHOST_SEEDS` (default 2).
+fn model_seeds() -> u64 {
+    std::env::var("SQCOW2_VHOST_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+}
+
 #[test]
 fn random_writes_discards_and_zeroes_match_a_model_and_qemu() {
+    for seed in 0..model_seeds() {
+        model_run(0x5eed + seed);
+    }
+}
+
+fn model_run(seed: u64) {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 100, "64M", true);
     let mut model = qemu_raw(&top, tmp.path());
@@ -109,7 +123,7 @@ fn random_writes_discards_and_zeroes_match_a_model_and_qemu() {
     let cluster = 65536u64;
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let mut client = connect_retry(&daemon, 1, false);
-    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     for step in 0..400 {
         match rng.u32(0..10) {
             0..=3 => {
