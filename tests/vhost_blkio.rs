@@ -59,6 +59,23 @@ fn assert_qemu_check_clean(image: &Path) {
     );
 }
 
+/// Stops the daemon (SIGTERM, exit 0), then checks the image with QEMU:
+/// `qemu-img check` clean, `qemu-img convert` equal to `model`.
+fn stop_and_verify(daemon: &mut Daemon, top: &Path, dir: &Path, model: &[u8]) {
+    daemon.stop();
+    verify_image(top, dir, model);
+}
+
+fn verify_image(top: &Path, dir: &Path, model: &[u8]) {
+    assert_qemu_check_clean(top);
+    let after = qemu_raw(top, dir);
+    assert_eq!(
+        first_difference(&after, model),
+        None,
+        "qemu-img convert differs from the model"
+    );
+}
+
 fn read_all(client: &mut Client, len: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(len as usize);
     let chunk = 1 << 20;
@@ -164,14 +181,7 @@ fn model_run(seed: u64) {
         "guest view differs from the model"
     );
     drop(client);
-    daemon.stop();
-    assert_qemu_check_clean(&top);
-    let after = qemu_raw(&top, tmp.path());
-    assert_eq!(
-        first_difference(&after, &model),
-        None,
-        "qemu-img convert differs from the model"
-    );
+    stop_and_verify(&mut daemon, &top, tmp.path(), &model);
 }
 
 #[test]
@@ -273,14 +283,7 @@ fn four_queues_of_concurrent_io_on_two_threads() {
         }
     }
     drop(client);
-    daemon.stop();
-    assert_qemu_check_clean(&top);
-    let after = qemu_raw(&top, tmp.path());
-    assert_eq!(
-        first_difference(&after, &model),
-        None,
-        "qemu-img convert differs from the model"
-    );
+    stop_and_verify(&mut daemon, &top, tmp.path(), &model);
 }
 
 #[test]
@@ -446,12 +449,6 @@ fn sigterm_with_requests_in_flight_drains_and_flushes() {
     let status = daemon.stop_with(libc::SIGTERM);
     assert!(status.success(), "exit status {status}:\n{}", daemon.log());
     drop(client);
-    assert_qemu_check_clean(&top);
     // Every write the daemon took was completed and flushed.
-    let after = qemu_raw(&top, tmp.path());
-    assert_eq!(
-        first_difference(&after, &model),
-        None,
-        "writes lost at SIGTERM"
-    );
+    verify_image(&top, tmp.path(), &model);
 }

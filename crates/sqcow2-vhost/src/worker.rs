@@ -20,8 +20,7 @@ use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
-    Address, Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
-    VolatileSlice,
+    Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice,
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -287,32 +286,30 @@ impl QueueWorker {
         let top_fd = chain.top().storage().raw_fd();
         let mut bounce = Bounce::default();
         let mut pos = offset;
-        for b in buffers {
-            for piece in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
-                let piece = piece.map_err(|_| ReadError::Memory)?;
-                let mut done = 0usize;
-                while done < piece.len() {
-                    let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
-                    let src = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
-                    let target = match top_fd {
-                        Some(fd) => chain.in_place_target(pos, n as u64)?.map(|h| (fd, h)),
-                        None => None,
-                    };
-                    match target {
-                        Some((fd, host)) => {
+        for piece in host_slices(mem, buffers) {
+            let piece = piece?;
+            let mut done = 0usize;
+            while done < piece.len() {
+                let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
+                let src = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
+                let target = match top_fd {
+                    Some(fd) => chain.in_place_target(pos, n as u64)?.map(|h| (fd, h)),
+                    None => None,
+                };
+                match target {
+                    Some((fd, host)) => {
+                        bounce.write_out(&chain)?;
+                        self.queue_io(slot, IoKind::Write, fd, host, &src)?;
+                    }
+                    None => {
+                        bounce.append(pos, &src);
+                        if bounce.data.len() >= WRITE_CHUNK {
                             bounce.write_out(&chain)?;
-                            self.queue_io(slot, IoKind::Write, fd, host, &src)?;
-                        }
-                        None => {
-                            bounce.append(pos, &src);
-                            if bounce.data.len() >= WRITE_CHUNK {
-                                bounce.write_out(&chain)?;
-                            }
                         }
                     }
-                    done += n;
-                    pos += n as u64;
                 }
+                done += n;
+                pos += n as u64;
             }
         }
         bounce.write_out(&chain)
@@ -329,29 +326,27 @@ impl QueueWorker {
     ) -> Result<(), ReadError> {
         let chain = self.device.chain().clone();
         let mut pos = offset;
-        for b in buffers {
-            for piece in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
-                let piece = piece.map_err(|_| ReadError::Memory)?;
-                let mut done = 0usize;
-                while done < piece.len() {
-                    let want = (piece.len() - done) as u64;
-                    let extent = chain.resolve(GuestOffset(pos), want, false)?;
-                    let n = extent.len.min(want) as usize;
-                    let dst = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
-                    match extent.kind {
-                        ExtentKind::Zero { .. } => fill_zero(&dst),
-                        ExtentKind::Data { host } => {
-                            self.queue_read(slot, extent.layer, host.0, &dst, pos)?;
-                        }
-                        ExtentKind::Compressed(_) => {
-                            let mut tmp = vec![0u8; n];
-                            chain.read_at(&mut tmp, pos)?;
-                            dst.copy_from(&tmp);
-                        }
+        for piece in host_slices(mem, buffers) {
+            let piece = piece?;
+            let mut done = 0usize;
+            while done < piece.len() {
+                let want = (piece.len() - done) as u64;
+                let extent = chain.resolve(GuestOffset(pos), want, false)?;
+                let n = extent.len.min(want) as usize;
+                let dst = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
+                match extent.kind {
+                    ExtentKind::Zero { .. } => fill_zero(&dst),
+                    ExtentKind::Data { host } => {
+                        self.queue_read(slot, extent.layer, host.0, &dst, pos)?;
                     }
-                    done += n;
-                    pos += n as u64;
+                    ExtentKind::Compressed(_) => {
+                        let mut tmp = vec![0u8; n];
+                        chain.read_at(&mut tmp, pos)?;
+                        dst.copy_from(&tmp);
+                    }
                 }
+                done += n;
+                pos += n as u64;
             }
         }
         Ok(())
@@ -516,35 +511,27 @@ impl QueueWorker {
         }
     }
 
+    /// A write-through write: through the engine, flushed before it
+    /// completes.
     fn write(&mut self, offset: u64, buffers: &[GuestBuffer], mem: &GuestMem) -> Outcome {
         let chain = self.device.chain().clone();
-        let mut bounce: Vec<u8> = Vec::new();
+        let mut bounce = Bounce::default();
         let mut pos = offset;
         let mut result = Ok(());
-        for b in buffers {
-            let mut addr = b.addr;
-            let mut left = b.len as usize;
-            while left > 0 && result.is_ok() {
-                let room = WRITE_CHUNK - bounce.len();
-                let n = left.min(room);
-                let start = bounce.len();
-                bounce.resize(start + n, 0);
-                if mem.read_slice(&mut bounce[start..], addr).is_err() {
-                    return Outcome::ioerr();
+        for piece in host_slices(mem, buffers) {
+            result = piece.and_then(|piece| {
+                bounce.append(pos, &piece);
+                pos += piece.len() as u64;
+                if bounce.data.len() >= WRITE_CHUNK {
+                    bounce.write_out(&chain)?;
                 }
-                addr = addr.unchecked_add(n as u64);
-                left -= n;
-                if bounce.len() == WRITE_CHUNK {
-                    result = chain.write_at(&bounce, pos);
-                    pos += bounce.len() as u64;
-                    bounce.clear();
-                }
+                Ok(())
+            });
+            if result.is_err() {
+                break;
             }
         }
-        if result.is_ok() && !bounce.is_empty() {
-            result = chain.write_at(&bounce, pos);
-        }
-        if let Err(e) = result {
+        if let Err(e) = result.and_then(|()| bounce.write_out(&chain)) {
             warn!("write at {offset}: {e}");
             return Outcome::ioerr();
         }
@@ -679,4 +666,15 @@ impl Bounce {
         }
         Ok(())
     }
+}
+
+/// The host-contiguous pieces of `buffers`, in order.
+fn host_slices<'m>(
+    mem: &'m GuestMem,
+    buffers: &'m [GuestBuffer],
+) -> impl Iterator<Item = Result<VolatileSlice<'m, ()>, ReadError>> + 'm {
+    buffers.iter().flat_map(move |b| {
+        GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize)
+            .map(|piece| piece.map_err(|_| ReadError::Memory))
+    })
 }
