@@ -452,3 +452,34 @@ fn sigterm_with_requests_in_flight_drains_and_flushes() {
     // Every write the daemon took was completed and flushed.
     verify_image(&top, tmp.path(), &model);
 }
+
+#[test]
+fn bench_load_drives_the_daemon_without_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 10, "16M", true);
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--num-queues", "2"]);
+    for pattern in ["rand-read", "mixed", "seq-read"] {
+        let out = common::run(std::process::Command::new(common::sqcow2_bin()).args([
+            "bench",
+            "load",
+            "--socket",
+            s(&daemon.socket),
+            "--pattern",
+            pattern,
+            "--queues",
+            "2",
+            "--iodepth",
+            "4",
+            "--duration",
+            "0.5",
+            "--output",
+            "json",
+        ]));
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(json["errors"], 0, "{out}");
+        assert!(json["ios"].as_u64().unwrap() > 0, "{out}");
+        assert!(json["lat_p99_us"].as_f64().unwrap() >= json["lat_p50_us"].as_f64().unwrap());
+    }
+    daemon.stop();
+    assert_qemu_check_clean(&top);
+}

@@ -1,6 +1,7 @@
 //! `sqcow2`: read-outs, conversion and maintenance of qcow2 / sQcow2 chains,
 //! in the spirit of `qemu-img`.
 
+mod bench;
 mod check;
 mod convert;
 mod create;
@@ -45,6 +46,10 @@ enum Command {
     /// Serve a chain to a VM as a vhost-user-blk device (QEMU
     /// `vhost-user-blk-pci`, Cloud Hypervisor `--disk vhost_user=true`).
     Serve(serve::ServeArgs),
+    /// Benchmarks: a vhost-user-blk load generator and the suite that
+    /// compares sqcow2 with QEMU on the same chains.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// Show an image's format, size, backing file and features.
     Info {
         /// Also show every layer of the backing chain.
@@ -200,6 +205,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
+        Command::Bench(cmd) => bench::run(&cmd).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }
 }

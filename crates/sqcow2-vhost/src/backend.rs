@@ -231,6 +231,9 @@ impl VhostUserBackend for BlkBackend {
                 Ok(false) => {}
                 Err(e) => warn!(queue = index, "queue unusable: {e}"),
             }
+            // Reads of cached data often complete during the submission:
+            // finish them now rather than after another epoll round.
+            slot.worker.reap_ready();
         } else if u64::from(device_event) == self.completion_event_id() {
             slot.worker.handle_completion_event();
         }

@@ -10,6 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -252,6 +253,11 @@ impl Server {
                 break;
             }
             if self.connection_waiting()? {
+                // A frontend that reconnects right after hanging up finds
+                // the old session still ending: give it a moment.
+                if finishes_within(&waiter, Duration::from_millis(500)) {
+                    break;
+                }
                 self.refuse_extra_frontends();
             }
         }
@@ -291,4 +297,16 @@ impl Server {
 enum SessionEnd {
     Disconnected,
     Stop,
+}
+
+/// Whether `handle`'s thread ends within `timeout`.
+fn finishes_within<T>(handle: &thread::JoinHandle<T>, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !handle.is_finished() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    true
 }

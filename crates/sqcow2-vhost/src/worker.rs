@@ -416,6 +416,11 @@ impl QueueWorker {
         self.reap();
     }
 
+    /// Handles the completions already in the ring, without waiting.
+    pub fn reap_ready(&mut self) {
+        self.reap();
+    }
+
     /// Handles the completions in the ring.
     fn reap(&mut self) {
         let mut finished = Vec::new();

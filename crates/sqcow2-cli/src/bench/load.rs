@@ -1,0 +1,388 @@
+//! `sqcow2 bench load`: a guest-less load generator on libblkio. It drives
+//! a vhost-user-blk socket (`virtio-blk-vhost-user`) or, for the physical
+//! limit, a raw file with io_uring, and reports IOPS, MB/s and latency
+//! percentiles.
+
+use std::mem::MaybeUninit;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use blkio::{Blkio, Blkioq, ReqFlags};
+use serde::Serialize;
+
+/// What the load does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pattern {
+    /// Random reads.
+    RandRead,
+    /// Random writes.
+    RandWrite,
+    /// Sequential reads (each queue its own stripe).
+    SeqRead,
+    /// 70% random reads, 30% random writes.
+    Mixed,
+}
+
+/// Where the load goes.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A vhost-user-blk socket.
+    Socket(PathBuf),
+    /// A file read with io_uring (the physical limit).
+    File(PathBuf),
+}
+
+/// One load run.
+#[derive(Debug, Clone)]
+pub struct LoadSpec {
+    pub target: Target,
+    pub pattern: Pattern,
+    pub block_size: usize,
+    pub iodepth: usize,
+    pub queues: usize,
+    pub duration: Duration,
+    /// Keep at most this many latency samples per queue for the CDF.
+    pub keep_samples: usize,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadResult {
+    pub pattern: Pattern,
+    pub block_size: usize,
+    pub iodepth: usize,
+    pub queues: usize,
+    pub seconds: f64,
+    pub ios: u64,
+    pub errors: u64,
+    pub iops: f64,
+    pub mb_per_s: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_p999_us: f64,
+    /// Latency quantiles 0.00, 0.01, ..., 1.00 in microseconds.
+    pub lat_cdf_us: Vec<f64>,
+}
+
+/// Connects to `target` with `queues` queues; `read_only` for loads that
+/// only read (a read-only export refuses read-write drivers).
+pub fn connect(
+    target: &Target,
+    queues: usize,
+    read_only: bool,
+) -> anyhow::Result<(Blkio, Vec<Blkioq>)> {
+    // A server may still be ending the previous connection: retry a
+    // refusal for a few seconds.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match connect_once(target, queues, read_only) {
+            Err(e) if Instant::now() < deadline && is_refusal(&e) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn is_refusal(e: &anyhow::Error) -> bool {
+    let m = format!("{e:#}");
+    m.contains("reset by peer") || m.contains("Broken pipe") || m.contains("refused")
+}
+
+fn connect_once(
+    target: &Target,
+    queues: usize,
+    read_only: bool,
+) -> anyhow::Result<(Blkio, Vec<Blkioq>)> {
+    let (driver, path) = match target {
+        Target::Socket(p) => ("virtio-blk-vhost-user", p),
+        Target::File(p) => ("io_uring", p),
+    };
+    let mut b = Blkio::new(driver).map_err(blkio_err)?;
+    b.set_str("path", &path.to_string_lossy())
+        .map_err(blkio_err)?;
+    if read_only {
+        b.set_bool("read-only", true).map_err(blkio_err)?;
+    }
+    b.connect()
+        .map_err(blkio_err)
+        .with_context(|| format!("connecting to {}", path.display()))?;
+    b.set_i32("num-queues", queues as i32).map_err(blkio_err)?;
+    let q = b.start().map_err(blkio_err)?.queues;
+    Ok((b, q))
+}
+
+pub fn blkio_err(e: blkio::Error) -> anyhow::Error {
+    anyhow::anyhow!("libblkio: {}", e.message())
+}
+
+/// Reads 4 KiB at offset 0 once; for time-to-first-read.
+pub fn first_read(target: &Target) -> anyhow::Result<()> {
+    let (mut b, mut queues) = connect(target, 1, true)?;
+    let region = b.alloc_mem_region(1 << 20).map_err(blkio_err)?;
+    b.map_mem_region(&region).map_err(blkio_err)?;
+    let q = &mut queues[0];
+    q.read(0, region.addr as *mut u8, 4096, 0, ReqFlags::empty());
+    let mut c = [MaybeUninit::uninit()];
+    let mut timeout = Duration::from_secs(30);
+    let n = q
+        .do_io(&mut c, 1, Some(&mut timeout), None)
+        .map_err(blkio_err)?;
+    if n != 1 {
+        bail!("first read did not complete within 30 s");
+    }
+    // SAFETY: do_io initialised the first n completions.
+    let ret = unsafe { c[0].assume_init_ref() }.ret;
+    if ret != 0 {
+        bail!("first read failed: {ret}");
+    }
+    Ok(())
+}
+
+/// Runs one load; every queue on its own thread.
+pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
+    let read_only = matches!(spec.pattern, Pattern::RandRead | Pattern::SeqRead);
+    let (mut b, queues) = connect(&spec.target, spec.queues, read_only)?;
+    let capacity = b.get_u64("capacity").map_err(blkio_err)?;
+    let per_queue = spec.block_size * spec.iodepth;
+    let align = b.get_u64("mem-region-alignment").map_err(blkio_err)? as usize;
+    let len = (per_queue * spec.queues).div_ceil(align) * align;
+    let region = b.alloc_mem_region(len).map_err(blkio_err)?;
+    b.map_mem_region(&region).map_err(blkio_err)?;
+    if capacity < spec.block_size as u64 * 2 {
+        bail!("disk too small");
+    }
+    let start = Instant::now();
+    let threads: Vec<_> = queues
+        .into_iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let spec = spec.clone();
+            let base = region.addr + i * per_queue;
+            std::thread::spawn(move || {
+                let mut q = q;
+                drive_queue(&mut q, i, base, capacity, &spec)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut ios = 0u64;
+    let mut errors = 0u64;
+    for t in threads {
+        let r = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("load thread panicked"))??;
+        ios += r.ios;
+        errors += r.errors;
+        lat.extend(r.samples);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    drop(b);
+    Ok(summarize(spec, seconds, ios, errors, lat))
+}
+
+/// Turns counts and latency samples (ns) into a [`LoadResult`].
+pub fn summarize(
+    spec: &LoadSpec,
+    seconds: f64,
+    ios: u64,
+    errors: u64,
+    mut lat: Vec<u64>,
+) -> LoadResult {
+    lat.sort_unstable();
+    let q = |p: f64| -> f64 {
+        if lat.is_empty() {
+            return 0.0;
+        }
+        let i = ((lat.len() - 1) as f64 * p).round() as usize;
+        lat[i] as f64 / 1000.0
+    };
+    LoadResult {
+        pattern: spec.pattern,
+        block_size: spec.block_size,
+        iodepth: spec.iodepth,
+        queues: spec.queues,
+        seconds,
+        ios,
+        errors,
+        iops: ios as f64 / seconds,
+        mb_per_s: ios as f64 * spec.block_size as f64 / seconds / 1e6,
+        lat_p50_us: q(0.5),
+        lat_p99_us: q(0.99),
+        lat_p999_us: q(0.999),
+        lat_cdf_us: (0..=100).map(|i| q(i as f64 / 100.0)).collect(),
+    }
+}
+
+/// What one queue saw.
+pub struct QueueResult {
+    pub ios: u64,
+    pub errors: u64,
+    /// Latencies in nanoseconds (a reservoir sample when there are many).
+    pub samples: Vec<u64>,
+}
+
+/// Keeps `spec.iodepth` requests in flight on `q` for `spec.duration`,
+/// buffers from `base` (`block_size * iodepth` bytes of a mapped region).
+pub fn drive_queue(
+    q: &mut Blkioq,
+    index: usize,
+    base: usize,
+    capacity: u64,
+    spec: &LoadSpec,
+) -> anyhow::Result<QueueResult> {
+    let bs = spec.block_size as u64;
+    let blocks = capacity / bs;
+    let mut rng = fastrand::Rng::with_seed(0x10AD + index as u64);
+    // Sequential: each queue reads its own stripe of the disk.
+    let stripe = blocks / spec.queues as u64;
+    let mut next_seq = stripe * index as u64;
+    let mut started = vec![Instant::now(); spec.iodepth];
+    let mut out = QueueResult {
+        ios: 0,
+        errors: 0,
+        samples: Vec::new(),
+    };
+    let mut seen = 0u64;
+    let mut submit =
+        |q: &mut Blkioq, slot: usize, rng: &mut fastrand::Rng, started: &mut [Instant]| {
+            let buf = (base + slot * spec.block_size) as *mut u8;
+            let write = match spec.pattern {
+                Pattern::RandRead | Pattern::SeqRead => false,
+                Pattern::RandWrite => true,
+                Pattern::Mixed => rng.u8(0..10) < 3,
+            };
+            let block = if spec.pattern == Pattern::SeqRead {
+                let b = next_seq;
+                next_seq += 1;
+                if next_seq >= stripe * (index as u64 + 1) {
+                    next_seq = stripe * index as u64;
+                }
+                b
+            } else {
+                rng.u64(0..blocks)
+            };
+            started[slot] = Instant::now();
+            if write {
+                q.write(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
+            } else {
+                q.read(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
+            }
+        };
+    for slot in 0..spec.iodepth {
+        submit(q, slot, &mut rng, &mut started);
+    }
+    let deadline = Instant::now() + spec.duration;
+    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
+        (0..spec.iodepth).map(|_| MaybeUninit::uninit()).collect();
+    let mut in_flight = spec.iodepth;
+    while in_flight > 0 {
+        let mut timeout = Duration::from_secs(30);
+        let n = q
+            .do_io(&mut completions, 1, Some(&mut timeout), None)
+            .map_err(blkio_err)?;
+        if n == 0 {
+            bail!("no completion within 30 s");
+        }
+        let now = Instant::now();
+        for c in &completions[..n] {
+            // SAFETY: do_io initialised the first n completions.
+            let c = unsafe { c.assume_init_ref() };
+            let slot = c.user_data;
+            let ns = now.duration_since(started[slot]).as_nanos() as u64;
+            out.ios += 1;
+            if c.ret != 0 {
+                out.errors += 1;
+            }
+            seen += 1;
+            // Reservoir sampling keeps the latency distribution unbiased.
+            if out.samples.len() < spec.keep_samples {
+                out.samples.push(ns);
+            } else {
+                let j = rng.u64(0..seen) as usize;
+                if j < spec.keep_samples {
+                    out.samples[j] = ns;
+                }
+            }
+            if now < deadline {
+                submit(q, slot, &mut rng, &mut started);
+            } else {
+                in_flight -= 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Arguments of `sqcow2 bench load`.
+#[derive(Debug, clap::Args)]
+pub struct LoadArgs {
+    /// vhost-user-blk socket to drive.
+    #[arg(long, conflicts_with = "file")]
+    socket: Option<PathBuf>,
+    /// A file to read with io_uring instead (the physical limit).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Access pattern.
+    #[arg(long, value_enum, default_value = "rand-read")]
+    pattern: Pattern,
+    /// Block size.
+    #[arg(long, default_value = "4k")]
+    bs: String,
+    /// Requests in flight per queue.
+    #[arg(long, default_value_t = 32)]
+    iodepth: usize,
+    /// Queues (one thread each).
+    #[arg(long, default_value_t = 1)]
+    queues: usize,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "human")]
+    output: crate::output::OutputFormat,
+}
+
+pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
+    let target = match (&args.socket, &args.file) {
+        (Some(s), None) => Target::Socket(s.clone()),
+        (None, Some(f)) => Target::File(f.clone()),
+        _ => bail!("give --socket or --file"),
+    };
+    if args.iodepth == 0 || args.queues == 0 {
+        bail!("--iodepth and --queues must be at least 1");
+    }
+    if matches!(target, Target::File(_))
+        && args.pattern != Pattern::RandRead
+        && args.pattern != Pattern::SeqRead
+    {
+        bail!("--file is read-only: use rand-read or seq-read");
+    }
+    let spec = LoadSpec {
+        target,
+        pattern: args.pattern,
+        block_size: crate::output::parse_size(&args.bs)? as usize,
+        iodepth: args.iodepth,
+        queues: args.queues,
+        duration: Duration::from_secs_f64(args.duration),
+        keep_samples: 100_000,
+    };
+    let r = run(&spec)?;
+    match args.output {
+        crate::output::OutputFormat::Json => {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        }
+        crate::output::OutputFormat::Human => {
+            println!(
+                "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, {} errors",
+                r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.errors
+            );
+        }
+    }
+    if r.errors > 0 {
+        bail!("{} requests failed", r.errors);
+    }
+    Ok(())
+}

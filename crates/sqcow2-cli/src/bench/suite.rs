@@ -1,0 +1,442 @@
+//! `sqcow2 bench suite`: sqcow2 and qemu-storage-daemon side by side on
+//! the same generated chains, plus the raw-file limit; results as JSON,
+//! plots and a README section.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
+
+use super::load::{self, LoadResult, LoadSpec, Pattern, Target};
+use super::servers::{self, ChainFiles, Server};
+
+/// Arguments of `sqcow2 bench suite`.
+#[derive(Debug, clap::Args)]
+pub struct SuiteArgs {
+    /// The small matrix (lengths 1, 100, 1000; 256 MiB; one repetition;
+    /// short runs): at most about 3 minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Chain lengths (default 1,50,100,500,1000).
+    #[arg(long, value_delimiter = ',')]
+    lengths: Vec<usize>,
+    /// Virtual disk size (default 1G; 256M with --quick).
+    #[arg(long)]
+    size: Option<String>,
+    /// Repetitions of every configuration (default 3; 1 with --quick).
+    #[arg(long)]
+    repeat: Option<usize>,
+    /// Seconds per load run (default 4; 1.5 with --quick).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Cache budget of sqcow2, and of qsd-budget in all.
+    #[arg(long, default_value = "32M")]
+    cache: String,
+    /// Where chains, logs, results and plots go.
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+    /// Rewrite the section between the bench-suite markers of this file.
+    #[arg(long)]
+    readme: Option<PathBuf>,
+    /// Servers to run (default all).
+    #[arg(long, value_delimiter = ',')]
+    servers: Vec<String>,
+}
+
+/// Metrics of one server run on one chain.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    pub server: String,
+    pub layers: usize,
+    pub repetition: usize,
+    pub startup_ms: Option<f64>,
+    pub peak_rss_kib: Option<u64>,
+    pub rand_read_qd1: Option<LoadResult>,
+    pub rand_read_qd32: Option<LoadResult>,
+    pub seq_read_1m: Option<LoadResult>,
+    pub error: Option<String>,
+}
+
+/// Snapshot times at one chain length.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotTimes {
+    pub layers: usize,
+    pub sqcow2_ms: Vec<f64>,
+    pub qemu_img_ms: Vec<f64>,
+}
+
+/// Everything a suite run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Results {
+    pub command: String,
+    pub machine: BTreeMap<String, String>,
+    pub disk_size: u64,
+    pub cache_bytes: u64,
+    pub seconds_per_run: f64,
+    pub repetitions: usize,
+    pub lengths: Vec<usize>,
+    pub runs: Vec<Run>,
+    pub raw_limit: Vec<Run>,
+    pub snapshots: Vec<SnapshotTimes>,
+    pub wall_seconds: f64,
+}
+
+pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let lengths = if !args.lengths.is_empty() {
+        args.lengths.clone()
+    } else if args.quick {
+        vec![1, 100, 1000]
+    } else {
+        vec![1, 50, 100, 500, 1000]
+    };
+    let size = crate::output::parse_size(args.size.as_deref().unwrap_or(if args.quick {
+        "256M"
+    } else {
+        "1G"
+    }))?;
+    let repeat = args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let seconds = args.seconds.unwrap_or(if args.quick { 1.5 } else { 4.0 });
+    let cache_bytes = crate::output::parse_size(&args.cache)?;
+    let startup_limit = Duration::from_secs(if args.quick { 30 } else { 60 });
+    let servers: Vec<Server> = if args.servers.is_empty() {
+        Server::ALL.to_vec()
+    } else {
+        args.servers
+            .iter()
+            .map(|n| {
+                Server::ALL
+                    .into_iter()
+                    .find(|s| s.name() == n)
+                    .with_context(|| format!("unknown server {n}"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let sqcow2 = std::env::current_exe().context("own path")?;
+    std::fs::create_dir_all(&args.out)?;
+    let out = args.out.canonicalize()?;
+    let mut results = Results {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: machine(),
+        disk_size: size,
+        cache_bytes,
+        seconds_per_run: seconds,
+        repetitions: repeat,
+        lengths: lengths.clone(),
+        runs: Vec::new(),
+        raw_limit: Vec::new(),
+        snapshots: Vec::new(),
+        wall_seconds: 0.0,
+    };
+
+    let mut chains = BTreeMap::new();
+    for &layers in &lengths {
+        eprintln!("==> generating a {layers}-layer chain ({size} bytes)");
+        chains.insert(
+            layers,
+            gen_chain(&out.join(format!("chain-{layers}")), layers, size)?,
+        );
+    }
+
+    let setup = Setup {
+        out: &out,
+        sqcow2: &sqcow2,
+        cache_bytes,
+        seconds,
+        startup_limit,
+    };
+    // The physical limit: the same amount of data as one raw file.
+    let raw = out.join("limit.raw");
+    make_raw(&raw, size)?;
+    for rep in 0..repeat {
+        for &layers in &lengths {
+            let chain = &chains[&layers];
+            for &server in &servers {
+                // A server that did not start once is not tried again.
+                let failed_before = results.runs.iter().any(|r| {
+                    r.server == server.name() && r.layers == layers && r.startup_ms.is_none()
+                });
+                if failed_before {
+                    continue;
+                }
+                eprintln!(
+                    "==> {} on {layers} layers (repetition {})",
+                    server.name(),
+                    rep + 1
+                );
+                let run = measure_server(server, chain, &setup, rep);
+                if let Some(e) = &run.error {
+                    eprintln!("    failed: {e}");
+                }
+                results.runs.push(run);
+            }
+        }
+        eprintln!("==> raw file limit (repetition {})", rep + 1);
+        results.raw_limit.push(measure_raw(&raw, seconds, rep));
+    }
+    for &layers in &lengths {
+        eprintln!("==> snapshot time at {layers} layers");
+        match snapshot_times(&chains[&layers], &sqcow2, 5) {
+            Ok(t) => results.snapshots.push(t),
+            Err(e) => eprintln!("    failed: {e:#}"),
+        }
+    }
+    let _ = std::fs::remove_file(&raw);
+    results.wall_seconds = started.elapsed().as_secs_f64();
+
+    let json = out.join("results.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&results)?)?;
+    let summary = super::report::Summary::new(&results);
+    super::plot::plots(&summary, &out)?;
+    let section = super::report::markdown(&results, &summary, &out);
+    std::fs::write(out.join("summary.md"), &section)?;
+    if let Some(readme) = &args.readme {
+        super::report::replace_section(readme, &section)?;
+    }
+    println!("{section}");
+    eprintln!("results: {}", json.display());
+    Ok(())
+}
+
+fn machine() -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default();
+    m.insert("cpu".into(), cpu);
+    m.insert(
+        "cores".into(),
+        std::thread::available_parallelism()
+            .map(|n| n.to_string())
+            .unwrap_or_default(),
+    );
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("").to_string())
+        })
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| format!("{} GiB", kb / (1 << 20)))
+        .unwrap_or_default();
+    m.insert("memory".into(), mem);
+    let run = |cmd: &str, args: &[&str]| {
+        std::process::Command::new(cmd)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .unwrap_or_default()
+    };
+    m.insert("kernel".into(), run("uname", &["-r"]));
+    m.insert("qemu".into(), run("qemu-storage-daemon", &["--version"]));
+    m
+}
+
+fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let opts = GenOptions {
+        layers,
+        size,
+        cluster_size: 65536,
+        fill: 0.5,
+        seed: 1,
+        distribution: Distribution::Uniform,
+        index: true,
+    };
+    generate(dir, &opts, &mut |_, _| {})?;
+    Ok(ChainFiles {
+        layers: (0..layers).map(|i| dir.join(layer_file_name(i))).collect(),
+    })
+}
+
+fn make_raw(path: &Path, size: u64) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..size / buf.len() as u64 {
+        rng.fill(&mut buf);
+        f.write_all(&buf)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+/// The three loads every server gets, in order.
+fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
+    let spec = |pattern, block_size, iodepth| LoadSpec {
+        target: target.clone(),
+        pattern,
+        block_size,
+        iodepth,
+        queues: 1,
+        duration: Duration::from_secs_f64(seconds),
+        keep_samples: 200_000,
+    };
+    [
+        spec(Pattern::RandRead, 4096, 1),
+        spec(Pattern::RandRead, 4096, 32),
+        spec(Pattern::SeqRead, 1 << 20, 4),
+    ]
+}
+
+/// What every server run shares.
+struct Setup<'a> {
+    out: &'a Path,
+    sqcow2: &'a Path,
+    cache_bytes: u64,
+    seconds: f64,
+    startup_limit: Duration,
+}
+
+fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetition: usize) -> Run {
+    let mut run = Run {
+        server: server.name().into(),
+        layers: chain.layers.len(),
+        repetition,
+        startup_ms: None,
+        peak_rss_kib: None,
+        rand_read_qd1: None,
+        rand_read_qd32: None,
+        seq_read_1m: None,
+        error: None,
+    };
+    let Setup {
+        out,
+        sqcow2,
+        cache_bytes,
+        seconds,
+        startup_limit,
+    } = *setup;
+    let socket = out.join("bench.sock");
+    let log = out.join(format!("{}-{}.log", server.name(), chain.layers.len()));
+    let t0 = Instant::now();
+    let mut child = match servers::spawn(server, chain, &socket, sqcow2, cache_bytes, &log) {
+        Ok(c) => c,
+        Err(e) => {
+            run.error = Some(format!("{e:#}"));
+            return run;
+        }
+    };
+    let result = (|| -> anyhow::Result<()> {
+        let target = Target::Socket(socket.clone());
+        // Time from start to the first completed read.
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                bail!("server exited ({status}): {}", log.trim());
+            }
+            if socket.exists() && load::first_read(&target).is_ok() {
+                break;
+            }
+            if t0.elapsed() > startup_limit {
+                bail!(
+                    "no first read within {} s of the start",
+                    startup_limit.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        run.startup_ms = Some(t0.elapsed().as_secs_f64() * 1000.0);
+        let [qd1, qd32, seq] = loads(target, seconds);
+        run.rand_read_qd1 = Some(load::run(&qd1)?);
+        run.rand_read_qd32 = Some(load::run(&qd32)?);
+        run.seq_read_1m = Some(load::run(&seq)?);
+        Ok(())
+    })();
+    run.peak_rss_kib = servers::peak_rss_kib(child.id());
+    servers::stop(&mut child);
+    if let Err(e) = result {
+        run.error = Some(format!("{e:#}"));
+    }
+    run
+}
+
+fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
+    let mut run = Run {
+        server: "raw-file-io_uring".into(),
+        layers: 0,
+        repetition,
+        startup_ms: None,
+        peak_rss_kib: None,
+        rand_read_qd1: None,
+        rand_read_qd32: None,
+        seq_read_1m: None,
+        error: None,
+    };
+    let [qd1, qd32, seq] = loads(Target::File(raw.to_owned()), seconds);
+    let r = (|| -> anyhow::Result<()> {
+        run.rand_read_qd1 = Some(load::run(&qd1)?);
+        run.rand_read_qd32 = Some(load::run(&qd32)?);
+        run.seq_read_1m = Some(load::run(&seq)?);
+        Ok(())
+    })();
+    if let Err(e) = r {
+        run.error = Some(format!("{e:#}"));
+    }
+    run
+}
+
+/// `sqcow2 snapshot` vs `qemu-img create -b` on the chain's top, `n`
+/// times each; the new files are removed after every run.
+fn snapshot_times(chain: &ChainFiles, sqcow2: &Path, n: usize) -> anyhow::Result<SnapshotTimes> {
+    let top = chain.top();
+    let dir = top.parent().context("top has a directory")?;
+    let new = dir.join("bench-snapshot.qcow2");
+    let mut t = SnapshotTimes {
+        layers: chain.layers.len(),
+        sqcow2_ms: Vec::new(),
+        qemu_img_ms: Vec::new(),
+    };
+    let cleanup = || {
+        let _ = std::fs::remove_file(&new);
+        let _ = std::fs::remove_file(dir.join("bench-snapshot.qcow2.sqidx"));
+    };
+    for _ in 0..n {
+        cleanup();
+        let start = Instant::now();
+        let ok = std::process::Command::new(sqcow2)
+            .arg("snapshot")
+            .arg(top)
+            .arg(&new)
+            .status()?
+            .success();
+        let ms = start.elapsed().as_secs_f64() * 1000.0;
+        if !ok {
+            bail!("sqcow2 snapshot failed");
+        }
+        t.sqcow2_ms.push(ms);
+        cleanup();
+        let start = Instant::now();
+        let ok = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(top)
+            .arg(&new)
+            .status()?
+            .success();
+        let ms = start.elapsed().as_secs_f64() * 1000.0;
+        // qemu-img may fail on very long chains; keep sqcow2's figures.
+        if ok {
+            t.qemu_img_ms.push(ms);
+        }
+    }
+    cleanup();
+    Ok(t)
+}
