@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use blkio::{Blkio, Blkioq, ReqFlags};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What the load does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Pattern {
     /// Random reads.
@@ -48,7 +48,7 @@ pub struct LoadSpec {
 }
 
 /// What a run measured.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LoadResult {
     pub pattern: Pattern,
     pub block_size: usize,

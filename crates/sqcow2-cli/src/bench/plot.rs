@@ -89,8 +89,8 @@ impl Metric {
     }
     fn y_label(self) -> &'static str {
         match self {
-            Metric::Iops => "IOPS",
-            Metric::Rss => "MiB",
+            Metric::Iops => "IOPS (log scale)",
+            Metric::Rss => "MiB (log scale)",
         }
     }
 }
@@ -115,18 +115,29 @@ fn by_length<DB: DrawingBackend>(
         y_max = y_max.max(raw);
     }
     let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
+    let y_min = s
+        .cells
+        .values()
+        .filter_map(|c| metric.value(c))
+        .filter(|v| *v > 0.0)
+        .fold(f64::MAX, f64::min);
+    let y_min = if y_min < f64::MAX { y_min * 0.5 } else { 1.0 };
     let mut chart = ChartBuilder::on(&root)
         .caption(metric.caption(), ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d((0.8f64..max_len * 1.3).log_scale(), 0f64..y_max)
+        .build_cartesian_2d(
+            (0.8f64..max_len * 1.3).log_scale(),
+            (y_min..y_max).log_scale(),
+        )
         .map_err(err)?;
     chart
         .configure_mesh()
         .x_desc("chain length (layers)")
         .y_desc(metric.y_label())
         .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(err)?;
     for (i, server) in s.servers.iter().enumerate() {
@@ -168,7 +179,11 @@ fn by_length<DB: DrawingBackend>(
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .position(match metric {
+            // Where the lines are not.
+            Metric::Iops => SeriesLabelPosition::LowerLeft,
+            Metric::Rss => SeriesLabelPosition::UpperLeft,
+        })
         .draw()
         .map_err(err)?;
     root.present().map_err(err)?;
@@ -223,12 +238,13 @@ fn latency_cdf<DB: DrawingBackend>(
         .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(err)?;
-    for (i, (name, cdf)) in series.iter().enumerate() {
-        let color = if name.starts_with("raw") {
-            COLORS[4]
-        } else {
-            COLORS[i % 4]
-        };
+    for (name, cdf) in &series {
+        // The same color per server as in the other plots.
+        let color = s
+            .servers
+            .iter()
+            .position(|srv| srv == name)
+            .map_or(COLORS[4], |k| COLORS[k % 4]);
         let points: Vec<(f64, f64)> = cdf
             .iter()
             .enumerate()

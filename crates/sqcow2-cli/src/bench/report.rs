@@ -72,7 +72,8 @@ fn cell(runs: &[&Run]) -> Cell {
         iops_qd32: pick(&load(|r| &r.rand_read_qd32, |l| l.iops)),
         p99_qd32_us: pick(&load(|r| &r.rand_read_qd32, |l| l.lat_p99_us)),
         seq_mb_s: pick(&load(|r| &r.seq_read_1m, |l| l.mb_per_s)),
-        rss_mib: pick(&|r: &Run| r.peak_rss_kib.map(|k| k as f64 / 1024.0)),
+        // A server that never started serving has no meaningful peak.
+        rss_mib: pick(&|r: &Run| r.startup_ms.and(r.peak_rss_kib).map(|k| k as f64 / 1024.0)),
         startup_ms: pick(&|r: &Run| r.startup_ms),
         cdf_qd1_us,
         errors: runs.iter().filter_map(|r| r.error.clone()).collect(),

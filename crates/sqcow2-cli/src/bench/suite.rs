@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
 
 use super::load::{self, LoadResult, LoadSpec, Pattern, Target};
@@ -44,10 +44,14 @@ pub struct SuiteArgs {
     /// Servers to run (default all).
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
+    /// Measure nothing: redraw the plots and the README section from
+    /// this results.json.
+    #[arg(long)]
+    replot: Option<PathBuf>,
 }
 
 /// Metrics of one server run on one chain.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Run {
     pub server: String,
     pub layers: usize,
@@ -61,7 +65,7 @@ pub struct Run {
 }
 
 /// Snapshot times at one chain length.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotTimes {
     pub layers: usize,
     pub sqcow2_ms: Vec<f64>,
@@ -69,7 +73,7 @@ pub struct SnapshotTimes {
 }
 
 /// Everything a suite run measured.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Results {
     pub command: String,
     pub machine: BTreeMap<String, String>,
@@ -85,6 +89,13 @@ pub struct Results {
 }
 
 pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
+    if let Some(json) = &args.replot {
+        let text =
+            std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+        let results: Results = serde_json::from_str(&text).context("parsing results")?;
+        std::fs::create_dir_all(&args.out)?;
+        return report_outputs(&results, &args.out.canonicalize()?, args.readme.as_deref());
+    }
     let started = Instant::now();
     let lengths = if !args.lengths.is_empty() {
         args.lengths.clone()
@@ -189,15 +200,20 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
 
     let json = out.join("results.json");
     std::fs::write(&json, serde_json::to_string_pretty(&results)?)?;
-    let summary = super::report::Summary::new(&results);
-    super::plot::plots(&summary, &out)?;
-    let section = super::report::markdown(&results, &summary, &out);
+    eprintln!("results: {}", json.display());
+    report_outputs(&results, &out, args.readme.as_deref())
+}
+
+/// Plots, `summary.md` and (optionally) the README section of `results`.
+fn report_outputs(results: &Results, out: &Path, readme: Option<&Path>) -> anyhow::Result<()> {
+    let summary = super::report::Summary::new(results);
+    super::plot::plots(&summary, out)?;
+    let section = super::report::markdown(results, &summary, out);
     std::fs::write(out.join("summary.md"), &section)?;
-    if let Some(readme) = &args.readme {
+    if let Some(readme) = readme {
         super::report::replace_section(readme, &section)?;
     }
     println!("{section}");
-    eprintln!("results: {}", json.display());
     Ok(())
 }
 
