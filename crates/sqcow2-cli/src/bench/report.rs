@@ -221,6 +221,39 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     );
     let _ = writeln!(
         md,
+        "\n**sqcow2-indexed vs qsd-default** (ratios of the medians above):\n"
+    );
+    let _ = write!(md, "| metric |");
+    for l in &s.lengths {
+        let _ = write!(md, " {l} |");
+    }
+    let _ = write!(md, "\n| --- |");
+    for _ in &s.lengths {
+        let _ = write!(md, " ---: |");
+    }
+    md.push('\n');
+    let ratios: [(&str, fn(&Cell) -> Option<f64>); 4] = [
+        ("IOPS, depth 1", |c| c.iops_qd1),
+        ("IOPS, depth 32", |c| c.iops_qd32),
+        ("sequential MB/s", |c| c.seq_mb_s),
+        ("peak RSS", |c| c.rss_mib),
+    ];
+    for (name, f) in ratios {
+        let _ = write!(md, "| {name} |");
+        for &l in &s.lengths {
+            let r = match (
+                s.get("sqcow2-indexed", l).and_then(f),
+                s.get("qsd-default", l).and_then(f),
+            ) {
+                (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+                _ => "-".into(),
+            };
+            let _ = write!(md, " {r} |");
+        }
+        md.push('\n');
+    }
+    let _ = writeln!(
+        md,
         "\n**Physical limit** (the same amount of data in one raw file, read by libblkio's io_uring driver on the host): \
          {} IOPS at depth 1, {} IOPS at depth 32, {} MB/s sequential.",
         fmt(s.raw.iops_qd1, 0),
