@@ -12,6 +12,9 @@ use super::suite::{Results, Run};
 const START: &str = "<!-- bench-suite:start -->";
 const END: &str = "<!-- bench-suite:end -->";
 
+/// Picks one figure of a [`Cell`].
+type CellMetric = fn(&Cell) -> Option<f64>;
+
 /// Medians of one server at one chain length.
 #[derive(Debug, Clone, Default)]
 pub struct Cell {
@@ -232,7 +235,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         let _ = write!(md, " ---: |");
     }
     md.push('\n');
-    let ratios: [(&str, fn(&Cell) -> Option<f64>); 4] = [
+    let ratios: [(&str, CellMetric); 4] = [
         ("IOPS, depth 1", |c| c.iops_qd1),
         ("IOPS, depth 32", |c| c.iops_qd32),
         ("sequential MB/s", |c| c.seq_mb_s),
