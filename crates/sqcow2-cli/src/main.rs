@@ -9,6 +9,7 @@ mod gen_chain;
 mod index_cmds;
 mod info;
 mod io;
+mod live;
 mod map;
 mod output;
 mod serve;
@@ -46,6 +47,8 @@ enum Command {
     /// Serve a chain to a VM as a vhost-user-blk device (QEMU
     /// `vhost-user-blk-pci`, Cloud Hypervisor `--disk vhost_user=true`).
     Serve(serve::ServeArgs),
+    /// Statistics of a running `sqcow2 serve` (through its control socket).
+    Stats(live::StatsArgs),
     /// Benchmarks: a vhost-user-blk load generator and the suite that
     /// compares sqcow2 with QEMU on the same chains.
     #[command(subcommand)]
@@ -55,11 +58,16 @@ enum Command {
         /// Also show every layer of the backing chain.
         #[arg(long)]
         backing_chain: bool,
+        /// Ask a running `sqcow2 serve` through this control socket
+        /// instead of reading IMAGE.
+        #[arg(long, value_name = "CONTROL", conflicts_with = "image")]
+        live: Option<PathBuf>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
         output: OutputFormat,
         /// Top image of the chain.
-        image: PathBuf,
+        #[arg(required_unless_present = "live")]
+        image: Option<PathBuf>,
     },
     /// Show which layer maps each range of the virtual disk, like `qemu-img map`.
     Map {
@@ -135,7 +143,10 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
         output: OutputFormat,
-        /// Current top of the chain.
+        /// Snapshot a running `sqcow2 serve`: TOP is then its control socket.
+        #[arg(long)]
+        live: bool,
+        /// Current top of the chain (with --live: the control socket).
         top: PathBuf,
         /// New active volume to create.
         new: PathBuf,
@@ -198,11 +209,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             top,
         } => index_cmds::run_upgrade(&top, progress, output).map(|()| ExitCode::SUCCESS),
         Command::Snapshot {
+            live: true,
+            output,
+            top,
+            new,
+            ..
+        } => live::snapshot(&top, &new, output).map(|()| ExitCode::SUCCESS),
+        Command::Snapshot {
             progress,
             output,
             top,
             new,
+            ..
         } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
+        Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Bench(cmd) => bench::run(&cmd).map(|()| ExitCode::SUCCESS),
@@ -213,9 +233,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<ExitCode> {
     match command {
         Command::Info {
+            live: Some(control),
+            output,
+            ..
+        } => live::info(&control, output),
+        Command::Info {
             backing_chain,
             output,
-            image,
+            image: Some(image),
+            ..
         } => info::run(&image, backing_chain, output, options),
         Command::Map { output, image } => map::run(&image, output, options),
         Command::Convert {

@@ -1,6 +1,6 @@
 //! `sqcow2 serve`: export a chain as a vhost-user-blk device.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use sqcow2_format::{Chain, ChainOptions};
@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// Write the daemon's pid to this file once it accepts connections.
     #[arg(long)]
     pidfile: Option<PathBuf>,
+    /// Control socket (JSON lines: snapshot, stats, info, flush; see
+    /// docs/control-api.md), created with --socket-mode.
+    #[arg(long)]
+    control: Option<PathBuf>,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -48,7 +52,11 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         .ok()
         .filter(|m| *m <= 0o777)
         .with_context(|| format!("--socket-mode {}: not an octal mode", args.socket_mode))?;
-    let chain = open(&args.image, !args.read_only, options)?;
+    let chain_options = ChainOptions {
+        writable: !args.read_only,
+        ..options.clone()
+    };
+    let chain = Chain::open(&args.image, &chain_options)?;
     let serve = ServeOptions {
         socket: args.socket.clone(),
         num_queues: args.num_queues,
@@ -56,14 +64,8 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         queues_per_thread: args.queues_per_thread,
         socket_mode,
         pidfile: args.pidfile.clone(),
+        control: args.control.clone(),
     };
-    sqcow2_vhost::serve(chain, &serve).with_context(|| format!("serving {}", args.image.display()))
-}
-
-fn open(image: &Path, writable: bool, options: &ChainOptions) -> anyhow::Result<Chain> {
-    let options = ChainOptions {
-        writable,
-        ..options.clone()
-    };
-    Ok(Chain::open(image, &options)?)
+    sqcow2_vhost::serve(chain, chain_options, &serve)
+        .with_context(|| format!("serving {}", args.image.display()))
 }

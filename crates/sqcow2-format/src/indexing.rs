@@ -55,6 +55,11 @@ fn index_file_name(image: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Where the index of `image` lives: `<image>.sqidx` beside it.
+pub fn index_path_of(image: &Path) -> PathBuf {
+    image.with_file_name(index_file_name(image))
+}
+
 /// Sets the sQcow2 autoclear bit on layers `0..=upto` that lack it.
 fn mark_layers(chain: &Chain, upto: usize) -> Result<(), Error> {
     for layer in &chain.layers()[..=upto] {

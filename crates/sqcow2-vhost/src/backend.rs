@@ -89,6 +89,28 @@ impl BlkBackend {
             .map(|w| std::os::fd::AsRawFd::as_raw_fd(lock(w).worker.completion_fd()))
     }
 
+    /// Per-queue statistics (JSON objects with the queue number).
+    pub fn queue_stats(&self) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for (thread, w) in self.workers.iter().enumerate() {
+            let first = self.queues_per_thread[thread].trailing_zeros() as usize;
+            let slot = lock(w);
+            for (local, st) in slot.worker.stats().iter().enumerate() {
+                out.push(serde_json::json!({
+                    "queue": first + local,
+                    "requests": st.requests,
+                    "read_bytes": st.read_bytes,
+                    "write_bytes": st.write_bytes,
+                    "errors": st.errors,
+                    "latency_us_p50": st.latency_us.value_at_quantile(0.5),
+                    "latency_us_p99": st.latency_us.value_at_quantile(0.99),
+                    "latency_us_max": st.latency_us.max(),
+                }));
+            }
+        }
+        out
+    }
+
     /// Waits for every request in flight to finish and completes it to the
     /// guest (if it is still there).
     pub fn drain(&self) {
@@ -204,11 +226,16 @@ impl VhostUserBackend for BlkBackend {
         let Some(w) = self.workers.get(thread_id) else {
             return Ok(());
         };
+        let index = usize::from(device_event);
+        // New requests start only while no live snapshot pauses the device
+        // (taken before the worker lock: the snapshot then drains the
+        // workers itself). Completions never wait for it: a flush on one
+        // worker may be waiting for another worker's reads to complete.
+        let _running = (index < vrings.len()).then(|| self.device.handle().running());
         let mut slot = lock(w);
         if slot.vrings.len() != vrings.len() {
             slot.vrings = vrings.to_vec();
         }
-        let index = usize::from(device_event);
         if let Some(vring) = vrings.get(index) {
             let Some(mem) = self
                 .mem

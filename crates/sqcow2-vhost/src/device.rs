@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use sqcow2_format::Chain;
 
+use crate::handle::ChainHandle;
+
 use crate::config::{DeviceConfig, CONFIG_SPACE_SIZE, SECTOR_SIZE};
 use crate::fence::ReadFence;
 use crate::request::{RequestLimits, ID_SIZE};
@@ -13,7 +15,7 @@ use crate::request::{RequestLimits, ID_SIZE};
 /// A chain exported as a virtio-blk device.
 #[derive(Debug)]
 pub struct BlkDevice {
-    chain: Arc<Chain>,
+    chain: Arc<ChainHandle>,
     config: DeviceConfig,
     fence: ReadFence,
     writeback: AtomicBool,
@@ -21,9 +23,10 @@ pub struct BlkDevice {
 }
 
 impl BlkDevice {
-    /// Exports `chain` with `num_queues` queues of at most `queue_size`
-    /// entries; read-only if the chain was opened read-only.
-    pub fn new(chain: Arc<Chain>, num_queues: u16, queue_size: u16) -> Self {
+    /// Exports the chain of `handle` with `num_queues` queues of at most
+    /// `queue_size` entries; read-only if the chain was opened read-only.
+    pub fn new(handle: Arc<ChainHandle>, num_queues: u16, queue_size: u16) -> Self {
+        let chain = handle.get();
         let cluster_size = chain
             .top()
             .header()
@@ -38,7 +41,7 @@ impl BlkDevice {
         };
         let id = device_id(chain.top().path());
         BlkDevice {
-            chain,
+            chain: handle,
             config,
             fence: ReadFence::default(),
             writeback: AtomicBool::new(true),
@@ -46,8 +49,13 @@ impl BlkDevice {
         }
     }
 
-    /// The chain behind the device.
-    pub fn chain(&self) -> &Arc<Chain> {
+    /// The chain behind the device now.
+    pub fn chain(&self) -> Arc<Chain> {
+        self.chain.get()
+    }
+
+    /// The replaceable chain.
+    pub fn handle(&self) -> &Arc<ChainHandle> {
         &self.chain
     }
 

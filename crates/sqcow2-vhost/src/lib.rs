@@ -12,13 +12,16 @@
 
 pub mod backend;
 pub mod config;
+pub mod control;
 pub mod device;
 pub mod fence;
+pub mod handle;
 pub mod request;
 pub mod server;
 pub mod worker;
 
 pub use backend::BlkBackend;
 pub use device::BlkDevice;
+pub use handle::ChainHandle;
 pub use server::{serve, ServeOptions};
 pub use worker::{Completion, GuestMem, GuestMemAtomic, QueueWorker};

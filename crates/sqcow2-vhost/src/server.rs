@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use sqcow2_format::Chain;
+use sqcow2_format::{Chain, ChainOptions};
 use tracing::{info, warn};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -22,7 +22,9 @@ use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::backend::BlkBackend;
+use crate::control::Shared;
 use crate::device::BlkDevice;
+use crate::handle::ChainHandle;
 use crate::worker::GuestMem;
 
 /// How often the accept loop looks at signals.
@@ -43,6 +45,8 @@ pub struct ServeOptions {
     pub socket_mode: u32,
     /// Write the daemon's pid here once it accepts connections.
     pub pidfile: Option<PathBuf>,
+    /// The control socket (JSON lines; `docs/control-api.md`).
+    pub control: Option<PathBuf>,
 }
 
 /// Why serving failed.
@@ -89,20 +93,26 @@ fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
     fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))
 }
 
-/// Binds the socket with `mode` from the start (no window where it is
-/// more open).
-fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
-    claim_socket_path(path)?;
+/// Runs `f` with the file-creation mask that gives new files `mode`, so a
+/// socket is never more open than asked, not even briefly.
+pub(crate) fn with_umask<T>(mode: u32, f: impl FnOnce() -> T) -> T {
     // SAFETY: umask only changes this process's file-creation mask; it is
-    // restored right after the bind.
+    // restored right after `f`.
     let old = unsafe { libc::umask(!mode & 0o777) };
-    let listener = Listener::new(path, false);
+    let out = f();
     // SAFETY: as above.
     unsafe { libc::umask(old) };
-    let listener = listener.map_err(|e| ServeError::Socket {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
+    out
+}
+
+/// Binds the socket with `mode` from the start.
+fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
+    claim_socket_path(path)?;
+    let listener =
+        with_umask(mode, || Listener::new(path, false)).map_err(|e| ServeError::Socket {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
         .map_err(io_err(format!("chmod {}", path.display())))?;
     Ok(listener)
@@ -110,16 +120,32 @@ fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
 
 /// Everything that lives as long as the server.
 struct Server {
-    chain: Arc<Chain>,
+    shared: Arc<Shared>,
     options: ServeOptions,
     listener: Listener,
     epoll: Epoll,
     signals: Signals,
 }
 
-/// Serves `chain` until SIGTERM or SIGINT; flushes and closes it then.
-pub fn serve(chain: Chain, options: &ServeOptions) -> Result<(), ServeError> {
+/// Serves `chain` (opened with `chain_options`, which a live snapshot
+/// reuses for the new top) until SIGTERM or SIGINT; flushes it then.
+pub fn serve(
+    chain: Chain,
+    chain_options: ChainOptions,
+    options: &ServeOptions,
+) -> Result<(), ServeError> {
     let listener = bind(&options.socket, options.socket_mode)?;
+    let shared = Arc::new(Shared::new(
+        Arc::new(ChainHandle::new(chain)),
+        chain_options,
+    ));
+    if let Some(path) = &options.control {
+        let control = crate::control::bind(path, options.socket_mode)
+            .map_err(io_err(format!("control socket {}", path.display())))?;
+        fs::set_permissions(path, fs::Permissions::from_mode(options.socket_mode))
+            .map_err(io_err(format!("chmod {}", path.display())))?;
+        crate::control::spawn(control, shared.clone()).map_err(io_err("control thread"))?;
+    }
     let epoll = Epoll::new().map_err(io_err("epoll"))?;
     epoll
         .ctl(
@@ -130,7 +156,7 @@ pub fn serve(chain: Chain, options: &ServeOptions) -> Result<(), ServeError> {
         .map_err(io_err("epoll"))?;
     let signals = Signals::new([SIGTERM, SIGINT]).map_err(io_err("signal handlers"))?;
     let mut server = Server {
-        chain: Arc::new(chain),
+        shared,
         options: options.clone(),
         listener,
         epoll,
@@ -145,18 +171,19 @@ pub fn serve(chain: Chain, options: &ServeOptions) -> Result<(), ServeError> {
     }
     info!(
         socket = %options.socket.display(),
-        image = %server.chain.top().path().display(),
+        image = %server.shared.handle.get().top().path().display(),
         "ready for a vhost-user frontend"
     );
     let result = server.run();
     let _ = fs::remove_file(&options.socket);
+    if let Some(path) = &options.control {
+        let _ = fs::remove_file(path);
+    }
     if let Some(pidfile) = &options.pidfile {
         let _ = fs::remove_file(pidfile);
     }
-    let closed = match Arc::try_unwrap(server.chain) {
-        Ok(chain) => chain.close(),
-        Err(chain) => chain.flush_clean(),
-    };
+    // A control request may still hold the chain: leave it clean.
+    let closed = server.shared.handle.get().flush_clean();
     result?;
     closed?;
     info!("stopped");
@@ -202,7 +229,7 @@ impl Server {
     fn session(&mut self) -> Result<SessionEnd, ServeError> {
         let o = &self.options;
         let device = Arc::new(BlkDevice::new(
-            self.chain.clone(),
+            self.shared.handle.clone(),
             o.num_queues,
             o.queue_size,
         ));
@@ -225,6 +252,7 @@ impl Server {
             .map_err(|e| ServeError::Daemon(e.to_string()))?;
         daemon.start(&mut self.listener).map_err(daemon_err)?;
         info!("frontend connected");
+        *self.session_slot() = Some(backend.clone());
         let shutdown = daemon.shutdown_handle();
         let waiter = thread::Builder::new()
             .name("vhost-user".into())
@@ -244,7 +272,7 @@ impl Server {
                 // Finish what the guest asked for, make it durable, then
                 // hang up.
                 backend.drain();
-                if let Err(e) = self.chain.flush_clean() {
+                if let Err(e) = self.shared.handle.get().flush_clean() {
                     warn!("flush: {e}");
                 }
                 if let Some(handle) = &shutdown {
@@ -267,6 +295,7 @@ impl Server {
         for handler in daemon.get_epoll_handlers() {
             handler.send_exit_event();
         }
+        *self.session_slot() = None;
         backend.drain();
         drop(daemon);
         match result {
@@ -276,11 +305,18 @@ impl Server {
             | Ok(()) => {}
             Err(e) => warn!("frontend connection ended: {e}"),
         }
-        self.chain.flush_clean()?;
+        self.shared.handle.get().flush_clean()?;
         if end == SessionEnd::Disconnected {
             info!("frontend disconnected; waiting for the next");
         }
         Ok(end)
+    }
+
+    fn session_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<BlkBackend>>> {
+        self.shared
+            .session
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Accepts and closes connections that arrive while a frontend is

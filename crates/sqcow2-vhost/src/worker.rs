@@ -48,8 +48,40 @@ pub struct Completion {
     pub len: u32,
 }
 
+/// Counters and latencies of one queue.
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Requests completed (rejected ones included).
+    pub requests: u64,
+    /// Bytes read by the guest.
+    pub read_bytes: u64,
+    /// Bytes written by the guest.
+    pub write_bytes: u64,
+    /// Requests completed with an error status.
+    pub errors: u64,
+    /// Latency from start to completion, microseconds.
+    pub latency_us: hdrhistogram::Histogram<u64>,
+}
+
+impl Default for QueueStats {
+    fn default() -> Self {
+        QueueStats {
+            requests: 0,
+            read_bytes: 0,
+            write_bytes: 0,
+            errors: 0,
+            // Two significant digits, auto-resizing: bounded and cheap.
+            latency_us: hdrhistogram::Histogram::new(2).unwrap_or_else(|_| {
+                hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
+                    .expect("valid histogram bounds")
+            }),
+        }
+    }
+}
+
 /// A read whose io_uring pieces are in flight.
 struct InFlight {
+    started: std::time::Instant,
     queue: usize,
     request: Request,
     /// Keeps the guest mapping alive while the kernel writes into it.
@@ -69,6 +101,7 @@ pub struct QueueWorker {
     free: Vec<usize>,
     completed: Vec<Completion>,
     in_flight: usize,
+    stats: Vec<QueueStats>,
 }
 
 impl std::fmt::Debug for QueueWorker {
@@ -115,6 +148,7 @@ impl QueueWorker {
             free: Vec::new(),
             completed: Vec::new(),
             in_flight: 0,
+            stats: Vec::new(),
         })
     }
 
@@ -165,6 +199,7 @@ impl QueueWorker {
                 let done = match request::parse(chain, &limits) {
                     Ok(req) => self.start(queue_index, req, mem),
                     Err(rejected) => {
+                        self.account_rejected(queue_index);
                         debug!(
                             reason = rejected.reason,
                             head = rejected.head,
@@ -203,6 +238,7 @@ impl QueueWorker {
 
     /// Starts one request; returns its completion if it finished already.
     fn start(&mut self, queue: usize, req: Request, mem: &Arc<GuestMem>) -> Option<Completion> {
+        let started = std::time::Instant::now();
         let outcome = match &req.kind {
             RequestKind::In { .. } => return self.start_async(queue, req, mem),
             RequestKind::Out { .. } if self.device.writeback() => {
@@ -218,7 +254,48 @@ impl QueueWorker {
                 self.zero(ranges, write_zeroes)
             }
         };
+        self.account(queue, &req, &outcome, started);
         Some(finish(queue, &req, outcome, mem))
+    }
+
+    /// Counts a finished request in its queue's statistics.
+    fn account(
+        &mut self,
+        queue: usize,
+        req: &Request,
+        outcome: &Outcome,
+        started: std::time::Instant,
+    ) {
+        if self.stats.len() <= queue {
+            self.stats.resize_with(queue + 1, QueueStats::default);
+        }
+        let st = &mut self.stats[queue];
+        st.requests += 1;
+        if outcome.code != VIRTIO_BLK_S_OK {
+            st.errors += 1;
+        } else {
+            match &req.kind {
+                RequestKind::In { len, .. } => st.read_bytes += len,
+                RequestKind::Out { len, .. } => st.write_bytes += len,
+                _ => {}
+            }
+        }
+        let us = started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        let _ = st.latency_us.record(us.max(1));
+    }
+
+    /// Counts a request rejected before it started.
+    fn account_rejected(&mut self, queue: usize) {
+        if self.stats.len() <= queue {
+            self.stats.resize_with(queue + 1, QueueStats::default);
+        }
+        self.stats[queue].requests += 1;
+        self.stats[queue].errors += 1;
+    }
+
+    /// Statistics of this worker's queues, by worker-local queue index.
+    pub fn stats(&self) -> &[QueueStats] {
+        &self.stats
     }
 
     /// Starts a read or a write-back write whose data moves between the
@@ -236,6 +313,7 @@ impl QueueWorker {
         let ticket = self.device.fence().begin();
         let kind = req.kind.clone();
         self.slots[slot] = Some(InFlight {
+            started: std::time::Instant::now(),
             queue,
             request: req,
             mem: mem.clone(),
@@ -281,7 +359,7 @@ impl QueueWorker {
         buffers: &[GuestBuffer],
         mem: &GuestMem,
     ) -> Result<(), ReadError> {
-        let chain = self.device.chain().clone();
+        let chain = self.device.chain();
         let cluster = self.device.config().cluster_size;
         let top_fd = chain.top().storage().raw_fd();
         let mut bounce = Bounce::default();
@@ -324,7 +402,7 @@ impl QueueWorker {
         buffers: &[GuestBuffer],
         mem: &GuestMem,
     ) -> Result<(), ReadError> {
-        let chain = self.device.chain().clone();
+        let chain = self.device.chain();
         let mut pos = offset;
         for piece in host_slices(mem, buffers) {
             let piece = piece?;
@@ -361,7 +439,7 @@ impl QueueWorker {
         dst: &VolatileSlice<'_, ()>,
         guest: u64,
     ) -> Result<(), ReadError> {
-        let chain = self.device.chain().clone();
+        let chain = self.device.chain();
         let storage = chain.layers()[layer.0].storage().clone();
         chain.count_data_read(layer);
         let Some(fd) = storage.raw_fd() else {
@@ -477,6 +555,7 @@ impl QueueWorker {
             _ => Outcome::ok(0),
         };
         self.device.fence().end(f.ticket);
+        self.account(f.queue, &f.request, &outcome, f.started);
         Some(finish(f.queue, &f.request, outcome, &f.mem))
     }
 
@@ -519,7 +598,7 @@ impl QueueWorker {
     /// A write-through write: through the engine, flushed before it
     /// completes.
     fn write(&mut self, offset: u64, buffers: &[GuestBuffer], mem: &GuestMem) -> Outcome {
-        let chain = self.device.chain().clone();
+        let chain = self.device.chain();
         let mut bounce = Bounce::default();
         let mut pos = offset;
         let mut result = Ok(());
@@ -544,7 +623,7 @@ impl QueueWorker {
     }
 
     fn zero(&mut self, ranges: &[ZeroRange], write_zeroes: bool) -> Outcome {
-        let chain = self.device.chain().clone();
+        let chain = self.device.chain();
         for r in ranges {
             let result = if write_zeroes {
                 chain.write_zeroes(r.offset, r.len, r.unmap)

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use sqcow2_format::create::{create, CreateOptions};
 use sqcow2_format::{Chain, ChainOptions};
-use sqcow2_vhost::{BlkDevice, GuestMem, GuestMemAtomic, QueueWorker};
+use sqcow2_vhost::{BlkDevice, ChainHandle, GuestMem, GuestMemAtomic, QueueWorker};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -83,7 +83,11 @@ impl Guest {
             },
         )
         .unwrap();
-        let device = Arc::new(BlkDevice::new(Arc::new(chain), 1, QUEUE_SIZE));
+        let device = Arc::new(BlkDevice::new(
+            Arc::new(ChainHandle::new(chain)),
+            1,
+            QUEUE_SIZE,
+        ));
         let mem = GuestMem::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap();
         let atomic = GuestMemoryAtomic::new(mem.clone());
         Guest {
