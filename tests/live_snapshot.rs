@@ -1,0 +1,339 @@
+//! Live snapshots under load: a libblkio client writes, flushes and
+//! verifies at queue depth 16 on 2 queues while snapshots are taken at
+//! random intervals through the control socket; then the chain is judged
+//! by the daemon, `qemu-img check` and `qemu-img convert`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Write};
+use std::mem::MaybeUninit;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use blkio::{Completion, ReqFlags};
+use common::vhost::{connect_retry, Daemon};
+use common::{qemu_img, run_raw, s, sqcow2};
+use serde_json::{json, Value};
+
+const BLOCK: u64 = 16 << 10;
+const DEPTH: usize = 16;
+
+fn control(path: &Path, req: Value) -> Value {
+    let mut stream = UnixStream::connect(path).expect("control socket");
+    let mut line = req.to_string();
+    line.push('\n');
+    stream.write_all(line.as_bytes()).unwrap();
+    let mut reply = String::new();
+    BufReader::new(stream).read_line(&mut reply).unwrap();
+    serde_json::from_str(&reply).expect("reply is JSON")
+}
+
+/// Number of snapshots: `SQCOW2_LIVE_SNAPSHOTS` (default 50).
+fn snapshots() -> usize {
+    std::env::var("SQCOW2_LIVE_SNAPSHOTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50)
+}
+
+#[test]
+fn live_snapshots_under_write_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = PathBuf::from(
+        sqcow2(&[
+            "gen-chain",
+            "--layers",
+            "10",
+            "--size",
+            "64M",
+            "--fill",
+            "0.5",
+            s(tmp.path()),
+        ])
+        .trim(),
+    );
+    let raw = tmp.path().join("start.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
+    let model = Arc::new(Mutex::new(std::fs::read(&raw).unwrap()));
+    let size = model.lock().unwrap().len() as u64;
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--num-queues", "2", "--control", s(&ctl)],
+    );
+    let mut client = connect_retry(&daemon, 2, false);
+    let stop = Arc::new(AtomicBool::new(false));
+    let base = client.region.addr;
+    let queues = std::mem::take(&mut client.queues);
+    let workers: Vec<_> = queues
+        .into_iter()
+        .enumerate()
+        .map(|(q, mut queue)| {
+            let model = model.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || -> (u64, u64) {
+                let blocks = size / BLOCK;
+                let mut rng = fastrand::Rng::with_seed(q as u64 + 11);
+                let slot_ptr = |k: usize| (base + (q * DEPTH + k) * BLOCK as usize) as *mut u8;
+                // Queue q owns the blocks with block % 2 == q.
+                let mut busy: HashSet<u64> = HashSet::new();
+                let mut slot_block = [0u64; DEPTH];
+                let mut slot_fill = [0u8; DEPTH];
+                let mut completions: Vec<MaybeUninit<Completion>> =
+                    (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
+                let (mut writes, mut errors) = (0u64, 0u64);
+                let mut round = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    round += 1;
+                    // DEPTH writes to distinct blocks.
+                    busy.clear();
+                    for k in 0..DEPTH {
+                        let block = loop {
+                            let b = rng.u64(0..blocks / 2) * 2 + q as u64;
+                            if busy.insert(b) {
+                                break b;
+                            }
+                        };
+                        let fill = rng.u8(1..);
+                        slot_block[k] = block;
+                        slot_fill[k] = fill;
+                        // SAFETY: slot k of queue q is BLOCK bytes of the
+                        // mapped region that only this thread uses.
+                        unsafe { std::ptr::write_bytes(slot_ptr(k), fill, BLOCK as usize) };
+                        queue.write(
+                            block * BLOCK,
+                            slot_ptr(k),
+                            BLOCK as usize,
+                            k,
+                            ReqFlags::empty(),
+                        );
+                    }
+                    let mut done = 0;
+                    while done < DEPTH {
+                        let n = queue
+                            .do_io(&mut completions[..DEPTH - done], 1, None, None)
+                            .expect("do_io");
+                        for c in &completions[..n] {
+                            // SAFETY: do_io initialised the first n entries.
+                            let c = unsafe { c.assume_init_ref() };
+                            if c.ret != 0 {
+                                errors += 1;
+                            } else {
+                                let k = c.user_data;
+                                let off = (slot_block[k] * BLOCK) as usize;
+                                model.lock().unwrap()[off..off + BLOCK as usize].fill(slot_fill[k]);
+                                writes += 1;
+                            }
+                        }
+                        done += n;
+                    }
+                    if round % 4 == 0 {
+                        queue.flush(0, ReqFlags::empty());
+                        let n = queue.do_io(&mut completions[..1], 1, None, None).unwrap();
+                        assert_eq!(n, 1);
+                        // SAFETY: as above.
+                        if unsafe { completions[0].assume_init_ref() }.ret != 0 {
+                            errors += 1;
+                        }
+                    }
+                    // Verify one block of ours (not in flight now).
+                    let block = rng.u64(0..blocks / 2) * 2 + q as u64;
+                    queue.read(
+                        block * BLOCK,
+                        slot_ptr(0),
+                        BLOCK as usize,
+                        0,
+                        ReqFlags::empty(),
+                    );
+                    let n = queue.do_io(&mut completions[..1], 1, None, None).unwrap();
+                    assert_eq!(n, 1);
+                    // SAFETY: as above; the read into slot 0 completed.
+                    let got = unsafe { std::slice::from_raw_parts(slot_ptr(0), BLOCK as usize) };
+                    let off = (block * BLOCK) as usize;
+                    let want = model.lock().unwrap()[off..off + BLOCK as usize].to_vec();
+                    assert!(
+                        got == want.as_slice(),
+                        "queue {q}: block {block} differs during the run"
+                    );
+                }
+                queue.flush(0, ReqFlags::empty());
+                let _ = queue.do_io(&mut completions[..1], 1, None, None);
+                (writes, errors)
+            })
+        })
+        .collect();
+
+    let mut rng = fastrand::Rng::with_seed(99);
+    let mut pauses = Vec::new();
+    let count = snapshots();
+    for i in 0..count {
+        std::thread::sleep(Duration::from_millis(rng.u64(10..80)));
+        let new = tmp.path().join(format!("live{i:03}.qcow2"));
+        let reply = control(&ctl, json!({"id": i, "command": "snapshot", "path": new}));
+        assert_eq!(reply["ok"], true, "snapshot {i}: {reply}");
+        assert_eq!(reply["id"], i);
+        pauses.push(reply["result"]["pause_ms"].as_f64().unwrap());
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, Ordering::Relaxed);
+    let mut total_writes = 0;
+    for w in workers {
+        let (writes, errors) = w.join().expect("client thread");
+        assert_eq!(errors, 0, "I/O errors during live snapshots");
+        total_writes += writes;
+    }
+    pauses.sort_by(f64::total_cmp);
+    let q = |p: f64| pauses[((pauses.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "{count} live snapshots under {total_writes} writes: pause p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        q(0.5),
+        q(0.99),
+        q(1.0)
+    );
+
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["layers"], 10 + count, "{info}");
+    assert_eq!(info["result"]["indexed"], true, "{info}");
+    let stats = control(&ctl, json!({"command": "stats"}));
+    assert_eq!(stats["result"]["snapshots"]["count"], count);
+    let model = model.lock().unwrap().clone();
+    // Through the daemon (a new connection: the queues went to threads).
+    drop(client);
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut pos = 0u64;
+    while pos < size {
+        let n = (4u64 << 20).min(size - pos) as usize;
+        assert!(
+            client.read(pos, n) == model[pos as usize..pos as usize + n],
+            "daemon read at {pos} differs"
+        );
+        pos += n as u64;
+    }
+    drop(client);
+    daemon.stop();
+    // Every layer clean, the final chain equal to the model.
+    let new_top = tmp.path().join(format!("live{:03}.qcow2", count - 1));
+    let mut layers: Vec<PathBuf> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "qcow2"))
+        .collect();
+    layers.sort();
+    assert_eq!(layers.len(), 10 + count);
+    for layer in &layers {
+        let out = run_raw(std::process::Command::new("qemu-img").args([
+            "check",
+            "--output=json",
+            s(layer),
+        ]));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "qemu-img check {}: {text}",
+            layer.display()
+        );
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v["leaks"].as_u64().unwrap_or(0),
+            0,
+            "{}: {text}",
+            layer.display()
+        );
+    }
+    let after = tmp.path().join("after.raw");
+    qemu_img(&["convert", "-O", "raw", s(&new_top), s(&after)]);
+    assert!(
+        std::fs::read(&after).unwrap() == model,
+        "qemu-img convert of the final chain differs"
+    );
+    let info = sqcow2(&["info", s(&new_top)]);
+    assert!(info.contains("valid"), "index of the final top: {info}");
+}
+
+#[test]
+fn bad_control_input_gets_error_replies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = PathBuf::from(
+        sqcow2(&["gen-chain", "--layers", "3", "--size", "16M", s(tmp.path())]).trim(),
+    );
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&ctl).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let kind = |reply: &Value| reply["error"]["kind"].as_str().unwrap_or("").to_string();
+    // Raw lines on one connection.
+    let mut stream = UnixStream::connect(&ctl).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    for (line, want) in [
+        ("{not json", "bad-request"),
+        ("[1,2]", "bad-request"),
+        ("{\"id\":1}", "bad-request"),
+        ("{\"id\":2,\"command\":\"explode\"}", "unknown-command"),
+        ("{\"id\":3,\"command\":\"snapshot\"}", "bad-request"),
+        (
+            "{\"id\":4,\"command\":\"stats\",\"format\":\"xml\"}",
+            "bad-request",
+        ),
+    ] {
+        stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+        let mut reply = String::new();
+        reader.read_line(&mut reply).unwrap();
+        let reply: Value = serde_json::from_str(&reply).unwrap();
+        assert_eq!(reply["ok"], false, "{line}: {reply}");
+        assert_eq!(kind(&reply), want, "{line}: {reply}");
+    }
+    // Snapshot onto an existing file, into a directory nobody can create
+    // files in.
+    let reply = control(&ctl, json!({"command": "snapshot", "path": top}));
+    assert_eq!(kind(&reply), "exists", "{reply}");
+    let reply = control(
+        &ctl,
+        json!({"command": "snapshot", "path": "/proc/sqcow2-live.qcow2"}),
+    );
+    assert_eq!(kind(&reply), "snapshot-failed", "{reply}");
+    // Concurrent snapshots: each one succeeds or is told another runs.
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let ctl = ctl.clone();
+            let path = tmp.path().join(format!("race{i}.qcow2"));
+            std::thread::spawn(move || control(&ctl, json!({"command": "snapshot", "path": path})))
+        })
+        .collect();
+    let mut ok = 0;
+    for t in threads {
+        let reply = t.join().unwrap();
+        if reply["ok"] == true {
+            ok += 1;
+        } else {
+            assert_eq!(kind(&reply), "busy", "{reply}");
+        }
+    }
+    assert!(ok >= 1);
+    // Still serving: I/O works, stats and info answer, Prometheus text.
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(0, &[9u8; 4096]);
+    assert_eq!(client.read(0, 4096), vec![9u8; 4096]);
+    let prom = control(&ctl, json!({"command": "stats", "format": "prometheus"}));
+    let text = prom["result"]["text"].as_str().unwrap();
+    assert!(text.contains("sqcow2_cache_hits "), "{text}");
+    assert!(
+        text.contains("sqcow2_queue_requests_total{queue=\"0\"}"),
+        "{text}"
+    );
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["layers"], 3 + ok, "{info}");
+    drop(client);
+    daemon.stop();
+    assert!(!ctl.exists(), "control socket left behind");
+    let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
+    assert!(check.status.success());
+}
