@@ -179,18 +179,28 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<Value, Failure> {
     if new.exists() {
         return Err(fail("exists", format!("{} exists", new.display())));
     }
+    // Write most dirty metadata back while the guest still runs: the
+    // flush inside the pause then has little left to do.
+    shared
+        .handle
+        .get()
+        .flush()
+        .map_err(|e| fail("io-error", format!("flush before the snapshot: {e}")))?;
     let start = Instant::now();
     let session = shared.session();
     let pause = shared.handle.pause();
     if let Some(backend) = &session {
         backend.drain();
     }
+    let drained = start.elapsed();
     let old = shared.handle.get();
     old.flush_clean()
         .map_err(|e| fail("io-error", format!("flush before the snapshot: {e}")))?;
+    let flushed = start.elapsed();
     let top = old.top().path().to_path_buf();
     sqcow2_format::indexing::snapshot(&top, new, &mut |_, _| {})
         .map_err(|e| fail("snapshot-failed", e.to_string()))?;
+    let created = start.elapsed();
     let chain = match Chain::open(new, &shared.options) {
         Ok(c) => c,
         Err(e) => {
@@ -214,8 +224,15 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<Value, Failure> {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .push(pause_ms);
-    info!(new = %new.display(), layers, pause_ms, "live snapshot");
-    Ok(json!({"path": new, "layers": layers, "indexed": indexed, "pause_ms": pause_ms}))
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    let steps = json!({
+        "drain_ms": ms(drained),
+        "flush_ms": ms(flushed - drained),
+        "create_ms": ms(created - flushed),
+        "open_ms": pause_ms - ms(created),
+    });
+    info!(new = %new.display(), layers, pause_ms, %steps, "live snapshot");
+    Ok(json!({"path": new, "layers": layers, "indexed": indexed, "pause_ms": pause_ms, "steps": steps}))
 }
 
 fn info_of(shared: &Shared) -> Value {
