@@ -232,7 +232,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<Value, Failure> {
         "open_ms": pause_ms - ms(created),
     });
     info!(new = %new.display(), layers, pause_ms, %steps, "live snapshot");
-    Ok(json!({"path": new, "layers": layers, "indexed": indexed, "pause_ms": pause_ms, "steps": steps}))
+    Ok(
+        json!({"path": new, "layers": layers, "indexed": indexed, "pause_ms": pause_ms, "steps": steps}),
+    )
 }
 
 fn info_of(shared: &Shared) -> Value {
