@@ -254,6 +254,15 @@ fn live_snapshots_under_write_load() {
     );
     let info = sqcow2(&["info", s(&new_top)]);
     assert!(info.contains("valid"), "index of the final top: {info}");
+    // `check` compares every index entry with a walk of the chain.
+    let check =
+        run_raw(std::process::Command::new(common::sqcow2_bin()).args(["check", s(&new_top)]));
+    assert!(
+        check.status.success(),
+        "sqcow2 check of the final top: {}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
 }
 
 #[test]

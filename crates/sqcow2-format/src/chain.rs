@@ -734,6 +734,17 @@ impl Chain {
         let cs = geometry.chunk_size();
         let chunks = geometry.chunks();
         let size = self.layers[upto.0].virtual_size();
+        // Extending this chain's own index (a snapshot of the top): where
+        // the top holds nothing in a whole summary region, the new entry is
+        // the old one, no lookup needed.
+        let summary = self.summary.as_ref().filter(|_| {
+            upto == self.top_index()
+                && self.is_indexed()
+                && self
+                    .index
+                    .as_ref()
+                    .is_some_and(|i| i.geometry() == geometry)
+        });
         let mut entries = Vec::with_capacity(chunks as usize);
         let mut chunk = 0u64;
         while chunk < chunks {
@@ -741,6 +752,17 @@ impl Chain {
             if start >= size {
                 entries.push(IndexEntry::None);
                 chunk += 1;
+                continue;
+            }
+            if let Some(old) = summary
+                .filter(|s| s.is_empty(GuestOffset(start)))
+                .and_then(|_| self.index_entry(chunk))
+            {
+                entries.push(old);
+                chunk += 1;
+                if chunk % 65536 == 0 {
+                    progress(chunk.min(chunks), chunks);
+                }
                 continue;
             }
             let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
