@@ -735,16 +735,13 @@ impl Chain {
         let chunks = geometry.chunks();
         let size = self.layers[upto.0].virtual_size();
         // Extending this chain's own index (a snapshot of the top): where
-        // the top holds nothing in a whole summary region, the new entry is
-        // the old one, no lookup needed.
-        let summary = self.summary.as_ref().filter(|_| {
-            upto == self.top_index()
-                && self.is_indexed()
-                && self
-                    .index
-                    .as_ref()
-                    .is_some_and(|i| i.geometry() == geometry)
-        });
+        // the top holds nothing, the new entry is the old one.
+        let extending = upto == self.top_index()
+            && self.is_indexed()
+            && self
+                .index
+                .as_ref()
+                .is_some_and(|i| i.geometry() == geometry);
         let mut entries = Vec::with_capacity(chunks as usize);
         let mut chunk = 0u64;
         while chunk < chunks {
@@ -754,16 +751,24 @@ impl Chain {
                 chunk += 1;
                 continue;
             }
-            if let Some(old) = summary
-                .filter(|s| s.is_empty(GuestOffset(start)))
-                .and_then(|_| self.index_entry(chunk))
-            {
-                entries.push(old);
-                chunk += 1;
-                if chunk % 65536 == 0 {
-                    progress(chunk.min(chunks), chunks);
+            if extending {
+                let (status, n) =
+                    self.layer_status(upto, GuestOffset(start), size - start, false)?;
+                if matches!(status, LayerStatus::Unallocated { .. }) && n >= cs {
+                    let before = chunk;
+                    let end = (chunk + n / cs).min(chunks);
+                    while chunk < end {
+                        match self.index_entry(chunk) {
+                            Some(old) => entries.push(old),
+                            None => break,
+                        }
+                        chunk += 1;
+                    }
+                    if chunk > before {
+                        progress(chunk.min(chunks), chunks);
+                        continue;
+                    }
                 }
-                continue;
             }
             let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
             let whole = extent.len / cs;
