@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// Write the daemon's pid to this file once it accepts connections.
     #[arg(long)]
     pidfile: Option<PathBuf>,
+    /// Backing files must lie inside this directory, symlinks resolved
+    /// (default: the top image's directory).
+    #[arg(long)]
+    backing_root: Option<PathBuf>,
     /// Control socket (JSON lines: snapshot, stats, info, flush; see
     /// docs/control-api.md), created with --socket-mode.
     #[arg(long)]
@@ -52,8 +56,16 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         .ok()
         .filter(|m| *m <= 0o777)
         .with_context(|| format!("--socket-mode {}: not an octal mode", args.socket_mode))?;
+    let backing_root = match &args.backing_root {
+        Some(dir) => dir.clone(),
+        None => match args.image.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        },
+    };
     let chain_options = ChainOptions {
         writable: !args.read_only,
+        backing_root: Some(backing_root),
         ..options.clone()
     };
     let chain = Chain::open(&args.image, &chain_options)?;

@@ -56,6 +56,9 @@ pub struct ChainOptions {
     /// Storage to use for the top image instead of opening its path (tests
     /// inject faults this way); its path still anchors backing names.
     pub top_storage: Option<Arc<dyn Storage>>,
+    /// Backing files must lie inside this directory (symlinks resolved,
+    /// on the opened file itself); `None`: anywhere.
+    pub backing_root: Option<PathBuf>,
 }
 
 impl Default for ChainOptions {
@@ -68,6 +71,7 @@ impl Default for ChainOptions {
             use_index: true,
             writable: false,
             top_storage: None,
+            backing_root: None,
         }
     }
 }
@@ -202,6 +206,24 @@ fn open_layer(
     }
 }
 
+/// Refuses an opened backing file whose real location (read from the open
+/// descriptor, so a symlink swapped after the check cannot fool it) is
+/// outside `root`.
+fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), ErrorKind> {
+    use std::os::fd::AsRawFd;
+    let root = std::fs::canonicalize(root)?;
+    let resolved = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    if resolved.starts_with(&root) {
+        Ok(())
+    } else {
+        Err(ErrorKind::BackingOutsideRoot {
+            backing: named.to_path_buf(),
+            resolved,
+            root,
+        })
+    }
+}
+
 impl Chain {
     /// Opens the chain whose top image is `path`, following backing files
     /// iteratively.
@@ -237,6 +259,9 @@ impl Chain {
                     }
                     Err(e) => return Err(Error::new(current, ErrorKind::Io(e))),
                 };
+                if let (Some(root), Some(_)) = (&options.backing_root, &referrer) {
+                    check_inside_root(&file, &current, root).map_err(|k| Error::new(&blame, k))?;
+                }
                 let meta = file
                     .metadata()
                     .map_err(|e| Error::new(&current, e.into()))?;

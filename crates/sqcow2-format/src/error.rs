@@ -244,6 +244,16 @@ pub enum ErrorKind {
     /// A chain that comes back to a file already in it.
     #[error("backing chain loop: {0} is already in the chain")]
     BackingLoop(PathBuf),
+    /// A backing file outside the directory backing files must live in.
+    #[error("backing file {backing} resolves to {resolved}, outside the allowed root {root} (--backing-root widens it)")]
+    BackingOutsideRoot {
+        /// The backing file as named.
+        backing: PathBuf,
+        /// Where it really is (symlinks resolved).
+        resolved: PathBuf,
+        /// The allowed root.
+        root: PathBuf,
+    },
     /// A chain with more layers than the configured limit.
     #[error("backing chain longer than the limit of {limit} layers")]
     ChainTooDeep {
