@@ -305,7 +305,12 @@ impl Server {
             | Ok(()) => {}
             Err(e) => warn!("frontend connection ended: {e}"),
         }
-        self.shared.handle.get().flush_clean()?;
+        // A failed flush (full disk, I/O error) is the guest's and the
+        // operator's to see, not a reason to stop serving: the next
+        // frontend may find space again, and SIGTERM reports it.
+        if let Err(e) = self.shared.handle.get().flush_clean() {
+            warn!("flush after the frontend left: {e}");
+        }
         if end == SessionEnd::Disconnected {
             info!("frontend disconnected; waiting for the next");
         }
