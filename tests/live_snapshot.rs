@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use blkio::{Completion, ReqFlags};
 use common::vhost::{connect_retry, Daemon};
-use common::{qemu_img, run_raw, s, sqcow2};
+use common::{env_count, gen_chain, qemu_img, run_raw, s, sqcow2};
 use serde_json::{json, Value};
 
 const BLOCK: u64 = 16 << 10;
@@ -32,30 +32,10 @@ fn control(path: &Path, req: Value) -> Value {
     serde_json::from_str(&reply).expect("reply is JSON")
 }
 
-/// Number of snapshots: `SQCOW2_LIVE_SNAPSHOTS` (default 50).
-fn snapshots() -> usize {
-    std::env::var("SQCOW2_LIVE_SNAPSHOTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50)
-}
-
 #[test]
 fn live_snapshots_under_write_load() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = PathBuf::from(
-        sqcow2(&[
-            "gen-chain",
-            "--layers",
-            "10",
-            "--size",
-            "64M",
-            "--fill",
-            "0.5",
-            s(tmp.path()),
-        ])
-        .trim(),
-    );
+    let top = gen_chain(tmp.path(), 10, "64M", "0.5");
     let raw = tmp.path().join("start.raw");
     qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
     let model = Arc::new(Mutex::new(std::fs::read(&raw).unwrap()));
@@ -170,7 +150,7 @@ fn live_snapshots_under_write_load() {
 
     let mut rng = fastrand::Rng::with_seed(99);
     let mut pauses = Vec::new();
-    let count = snapshots();
+    let count = env_count("SQCOW2_LIVE_SNAPSHOTS", 50usize);
     for i in 0..count {
         std::thread::sleep(Duration::from_millis(rng.u64(10..80)));
         let new = tmp.path().join(format!("live{i:03}.qcow2"));
@@ -268,9 +248,7 @@ fn live_snapshots_under_write_load() {
 #[test]
 fn bad_control_input_gets_error_replies() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = PathBuf::from(
-        sqcow2(&["gen-chain", "--layers", "3", "--size", "16M", s(tmp.path())]).trim(),
-    );
+    let top = gen_chain(tmp.path(), 3, "16M", "0.5");
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     use std::os::unix::fs::PermissionsExt;

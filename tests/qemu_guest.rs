@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::vhost::Daemon;
-use common::{qemu_img, run, run_raw, s, sha256_file, sqcow2};
+use common::{gen_chain, qemu_img, run, run_raw, s, sha256_file};
 
 const PATTERN_OFFSET: u64 = 3 << 20;
 const PATTERN_LEN: u64 = 1 << 20;
@@ -108,19 +108,7 @@ fn debian_guest_reads_and_writes_a_100_layer_chain() {
     let kit = guest_kit();
     let tmp = tempfile::tempdir().unwrap();
     let accel = accelerator(&kit, tmp.path());
-    let top = PathBuf::from(
-        sqcow2(&[
-            "gen-chain",
-            "--layers",
-            "100",
-            "--size",
-            "64M",
-            "--fill",
-            "0.6",
-            s(tmp.path()),
-        ])
-        .trim(),
-    );
+    let top = gen_chain(tmp.path(), 100, "64M", "0.6");
     let raw = tmp.path().join("expected.raw");
     qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
     let expected = sha256_file(&raw);

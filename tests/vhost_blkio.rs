@@ -4,36 +4,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::vhost::{connect_retry, Client, Daemon};
-use common::{qemu_img, run_raw, s, sqcow2};
-
-/// A `gen-chain` chain of `layers` layers and `size`; returns its top.
-fn gen_chain(dir: &Path, layers: usize, size: &str, index: bool) -> PathBuf {
-    let layers = layers.to_string();
-    let mut args = vec![
-        "gen-chain",
-        "--layers",
-        &layers,
-        "--size",
-        size,
-        "--fill",
-        "0.6",
-    ];
-    if !index {
-        args.push("--no-index");
-    }
-    args.push(s(dir));
-    PathBuf::from(sqcow2(&args).trim())
-}
-
-/// The chain's guest view according to `qemu-img convert`.
-fn qemu_raw(top: &Path, dir: &Path) -> Vec<u8> {
-    let raw = dir.join("expected.raw");
-    qemu_img(&["convert", "-O", "raw", s(top), s(&raw)]);
-    std::fs::read(&raw).unwrap()
-}
+use common::{env_count, gen_chain, qemu_raw, run_raw, s};
 
 fn assert_qemu_check_clean(image: &Path) {
     let out =
@@ -95,7 +69,7 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 #[test]
 fn every_byte_of_a_100_layer_chain_matches_qemu() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 100, "64M", true);
+    let top = gen_chain(tmp.path(), 100, "64M", "0.6");
     let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &["--read-only"]);
     let mut client = connect_retry(&daemon, 1, true);
@@ -117,24 +91,16 @@ fn range(rng: &mut fastrand::Rng, size: u64, max: u64) -> (u64, u64) {
     (offset, len)
 }
 
-/// Seeds of the model test: `SQCOW2_VHOST_SEEDS` (default 2).
-fn model_seeds() -> u64 {
-    std::env::var("SQCOW2_VHOST_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2)
-}
-
 #[test]
 fn random_writes_discards_and_zeroes_match_a_model_and_qemu() {
-    for seed in 0..model_seeds() {
+    for seed in 0..env_count("SQCOW2_VHOST_SEEDS", 2u64) {
         model_run(0x5eed + seed);
     }
 }
 
 fn model_run(seed: u64) {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 100, "64M", true);
+    let top = gen_chain(tmp.path(), 100, "64M", "0.6");
     let mut model = qemu_raw(&top, tmp.path());
     let size = model.len() as u64;
     let cluster = 65536u64;
@@ -187,7 +153,7 @@ fn model_run(seed: u64) {
 #[test]
 fn four_queues_of_concurrent_io_on_two_threads() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 20, "64M", true);
+    let top = gen_chain(tmp.path(), 20, "64M", "0.6");
     let mut model = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(
         tmp.path(),
@@ -289,7 +255,7 @@ fn four_queues_of_concurrent_io_on_two_threads() {
 #[test]
 fn reconnect_keeps_data_and_a_second_frontend_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 10, "16M", true);
+    let top = gen_chain(tmp.path(), 10, "16M", "0.6");
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let mut first = connect_retry(&daemon, 1, false);
     let flushed = vec![0xA5u8; 128 << 10];
@@ -323,7 +289,7 @@ fn reconnect_keeps_data_and_a_second_frontend_is_refused() {
 #[test]
 fn memory_mapped_while_queues_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 5, "16M", true);
+    let top = gen_chain(tmp.path(), 5, "16M", "0.6");
     let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let mut client = connect_retry(&daemon, 1, false);
@@ -352,7 +318,7 @@ fn memory_mapped_while_queues_run() {
 #[test]
 fn lifecycle_socket_mode_pidfile_signals() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 3, "8M", true);
+    let top = gen_chain(tmp.path(), 3, "8M", "0.6");
     let notify_path = tmp.path().join("notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
     notify
@@ -410,7 +376,7 @@ fn lifecycle_socket_mode_pidfile_signals() {
 #[test]
 fn sigterm_with_requests_in_flight_drains_and_flushes() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 20, "64M", true);
+    let top = gen_chain(tmp.path(), 20, "64M", "0.6");
     let mut model = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let mut client = connect_retry(&daemon, 1, false);
@@ -456,7 +422,7 @@ fn sigterm_with_requests_in_flight_drains_and_flushes() {
 #[test]
 fn bench_load_drives_the_daemon_without_errors() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = gen_chain(tmp.path(), 10, "16M", true);
+    let top = gen_chain(tmp.path(), 10, "16M", "0.6");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--num-queues", "2"]);
     for pattern in ["rand-read", "mixed", "seq-read"] {
         let out = common::run(std::process::Command::new(common::sqcow2_bin()).args([

@@ -9,11 +9,10 @@
 mod common;
 
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::vhost::{connect_retry, Daemon};
-use common::{qemu_img, run_raw, s, sqcow2};
+use common::{gen_chain, qemu_raw, run_raw, s};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -90,20 +89,8 @@ fn header(mem: &Mem, t: u32, sector: u64) {
 #[test]
 fn cloud_hypervisor_style_frontend() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = PathBuf::from(
-        sqcow2(&[
-            "gen-chain",
-            "--layers",
-            "10",
-            "--size",
-            "16M",
-            s(tmp.path()),
-        ])
-        .trim(),
-    );
-    let raw = tmp.path().join("expected.raw");
-    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-    let expected = std::fs::read(&raw).unwrap();
+    let top = gen_chain(tmp.path(), 10, "16M", "0.5");
+    let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
 
     let backing = tempfile::tempfile().unwrap();

@@ -261,4 +261,39 @@ pub fn build_chain(dir: &Path, layers: &[LayerSpec]) -> PathBuf {
     }
     prev.expect("at least one layer")
 }
+/// A `sqcow2 gen-chain` chain (indexed) of `layers` layers of `size`,
+/// `fill` of its clusters written, in `dir`; returns its top.
+pub fn gen_chain(dir: &Path, layers: usize, size: &str, fill: &str) -> PathBuf {
+    let layers = layers.to_string();
+    PathBuf::from(
+        sqcow2(&[
+            "gen-chain",
+            "--layers",
+            &layers,
+            "--size",
+            size,
+            "--fill",
+            fill,
+            s(dir),
+        ])
+        .trim(),
+    )
+}
+
+/// The chain's guest view according to `qemu-img convert` (written to
+/// `dir/expected.raw`).
+pub fn qemu_raw(top: &Path, dir: &Path) -> Vec<u8> {
+    let raw = dir.join("expected.raw");
+    qemu_img(&["convert", "-O", "raw", s(top), s(&raw)]);
+    std::fs::read(&raw).unwrap()
+}
+
+/// A count from the environment variable `name`, else `default`.
+pub fn env_count<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 pub mod vhost;

@@ -64,6 +64,31 @@ pub struct Run {
     pub error: Option<String>,
 }
 
+impl Run {
+    fn new(server: &str, layers: usize, repetition: usize) -> Run {
+        Run {
+            server: server.into(),
+            layers,
+            repetition,
+            startup_ms: None,
+            peak_rss_kib: None,
+            rand_read_qd1: None,
+            rand_read_qd32: None,
+            seq_read_1m: None,
+            error: None,
+        }
+    }
+
+    /// The three loads every server gets, in order.
+    fn measure_loads(&mut self, target: Target, seconds: f64) -> anyhow::Result<()> {
+        let [qd1, qd32, seq] = loads(target, seconds);
+        self.rand_read_qd1 = Some(load::run(&qd1)?);
+        self.rand_read_qd32 = Some(load::run(&qd32)?);
+        self.seq_read_1m = Some(load::run(&seq)?);
+        Ok(())
+    }
+}
+
 /// Snapshot times at one chain length.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotTimes {
@@ -323,17 +348,7 @@ struct Setup<'a> {
 }
 
 fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetition: usize) -> Run {
-    let mut run = Run {
-        server: server.name().into(),
-        layers: chain.layers.len(),
-        repetition,
-        startup_ms: None,
-        peak_rss_kib: None,
-        rand_read_qd1: None,
-        rand_read_qd32: None,
-        seq_read_1m: None,
-        error: None,
-    };
+    let mut run = Run::new(server.name(), chain.layers.len(), repetition);
     let Setup {
         out,
         sqcow2,
@@ -371,11 +386,7 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
             std::thread::sleep(Duration::from_millis(5));
         }
         run.startup_ms = Some(t0.elapsed().as_secs_f64() * 1000.0);
-        let [qd1, qd32, seq] = loads(target, seconds);
-        run.rand_read_qd1 = Some(load::run(&qd1)?);
-        run.rand_read_qd32 = Some(load::run(&qd32)?);
-        run.seq_read_1m = Some(load::run(&seq)?);
-        Ok(())
+        run.measure_loads(target, seconds)
     })();
     run.peak_rss_kib = servers::peak_rss_kib(child.id());
     servers::stop(&mut child);
@@ -386,25 +397,8 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
 }
 
 fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
-    let mut run = Run {
-        server: "raw-file-io_uring".into(),
-        layers: 0,
-        repetition,
-        startup_ms: None,
-        peak_rss_kib: None,
-        rand_read_qd1: None,
-        rand_read_qd32: None,
-        seq_read_1m: None,
-        error: None,
-    };
-    let [qd1, qd32, seq] = loads(Target::File(raw.to_owned()), seconds);
-    let r = (|| -> anyhow::Result<()> {
-        run.rand_read_qd1 = Some(load::run(&qd1)?);
-        run.rand_read_qd32 = Some(load::run(&qd32)?);
-        run.seq_read_1m = Some(load::run(&seq)?);
-        Ok(())
-    })();
-    if let Err(e) = r {
+    let mut run = Run::new("raw-file-io_uring", 0, repetition);
+    if let Err(e) = run.measure_loads(Target::File(raw.to_owned()), seconds) {
         run.error = Some(format!("{e:#}"));
     }
     run
