@@ -557,8 +557,16 @@ impl ActiveState {
             self.read_view(below, &mut full, cluster_start)?;
         }
         full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
-        let new = self.refcounts.alloc(&*storage).map_err(|k| self.err(k))? << g.cluster_bits;
-        storage.write_at(&full, new).map_err(|e| self.io(e))?;
+        let new_index = self.refcounts.alloc(&*storage).map_err(|k| self.err(k))?;
+        let new = new_index << g.cluster_bits;
+        if let Err(e) = storage.write_at(&full, new) {
+            // Nothing references the new cluster yet: give it back, so a
+            // failed write leaks nothing.
+            if let Err(k) = self.refcounts.unalloc(&*storage, new_index) {
+                tracing::warn!(error = %k, "could not return an unused cluster");
+            }
+            return Err(self.io(e));
+        }
         self.release(entry, bitmap);
         self.set_entry(
             l2,

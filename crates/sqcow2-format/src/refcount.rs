@@ -236,6 +236,11 @@ impl Refcounts {
     }
 
     /// Allocates one cluster (refcount 0 -> 1) and returns its index.
+    ///
+    /// Every cluster handed out (and every refcount block or table cluster
+    /// placed on the way) has its space reserved in the file first, so a
+    /// full filesystem fails this call and leaves the counts unchanged,
+    /// instead of failing a later write of data or metadata.
     pub fn alloc(&mut self, storage: &dyn Storage) -> Result<u64, ErrorKind> {
         loop {
             let idx = self.cursor;
@@ -248,6 +253,7 @@ impl Refcounts {
             if self.table[bi as usize] & OFFSET_MASK == 0 {
                 // No block covers this range, so every cluster in it is
                 // free: the new block goes at `idx` and describes itself.
+                self.reserve(storage, idx, 1)?;
                 let cluster_size = 1usize << self.cluster_bits;
                 self.table[bi as usize] = idx << self.cluster_bits;
                 self.dirty_entries.insert(bi as usize);
@@ -262,12 +268,35 @@ impl Refcounts {
                 self.cursor = idx + 1;
                 continue;
             }
-            self.cursor = idx + 1;
             if self.get(storage, idx)? == 0 {
+                self.reserve(storage, idx, 1)?;
                 self.set(storage, idx, 1)?;
+                self.cursor = idx + 1;
                 return Ok(idx);
             }
+            self.cursor = idx + 1;
         }
+    }
+
+    /// Returns a cluster from [`Refcounts::alloc`] that nothing references
+    /// (its data write failed): refcount 1 -> 0, reusable at once.
+    pub fn unalloc(&mut self, storage: &dyn Storage, idx: u64) -> Result<(), ErrorKind> {
+        if self.get(storage, idx)? == 1 {
+            self.set(storage, idx, 0)?;
+            self.cursor = self.cursor.min(idx);
+        }
+        Ok(())
+    }
+
+    /// Reserves file space for clusters `idx .. idx + count`.
+    fn reserve(&self, storage: &dyn Storage, idx: u64, count: u64) -> Result<(), ErrorKind> {
+        let offset = idx
+            .checked_shl(self.cluster_bits)
+            .filter(|o| o >> self.cluster_bits == idx)
+            .ok_or(ErrorKind::Io(std::io::Error::from_raw_os_error(
+                libc::EFBIG,
+            )))?;
+        Ok(storage.reserve(offset, count << self.cluster_bits)?)
     }
 
     /// Grows the refcount table so that it covers cluster `idx`, placing
@@ -297,6 +326,7 @@ impl Refcounts {
                 max: MAX_REFTABLE_BYTES / 8,
             });
         }
+        self.reserve(storage, idx, blocks + table_clusters)?;
         let first_bi = idx >> bits;
         let mut table = std::mem::take(&mut self.table);
         table.resize((table_clusters * entries_per_cluster) as usize, 0);

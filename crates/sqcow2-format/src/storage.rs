@@ -38,6 +38,16 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn sync(&self) -> io::Result<()> {
         Ok(())
     }
+    /// Gives `[offset, offset + len)` backing space, extending the storage
+    /// if needed, so that later writes there cannot fail for lack of space
+    /// (`ENOSPC` is reported here instead).
+    fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset.saturating_add(len);
+        if end > self.len()? {
+            self.set_len(end)?;
+        }
+        Ok(())
+    }
     /// The file descriptor behind this storage, for callers that submit
     /// their own I/O (io_uring); `None` when there is no file.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -121,6 +131,35 @@ impl Storage for FileStorage {
 
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let (Ok(start), Ok(size)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from_raw_os_error(libc::EFBIG));
+        };
+        loop {
+            // SAFETY: fallocate on a file descriptor we own; mode 0 only
+            // allocates blocks (and extends the size), it never changes data.
+            let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, start, size) };
+            if r == 0 {
+                return Ok(());
+            }
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // Filesystems without fallocate: extend the size instead;
+                // space is then only claimed by the write itself.
+                Some(libc::EOPNOTSUPP) => {
+                    let end = offset.saturating_add(len);
+                    if end > self.len()? {
+                        self.file.set_len(end)?;
+                    }
+                    return Ok(());
+                }
+                _ => return Err(err),
+            }
+        }
     }
 
     fn allocation(&self, offset: u64, len: u64) -> Option<(bool, u64)> {

@@ -4,7 +4,7 @@
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use vmm_sys_util::epoll::EventSet;
@@ -156,6 +156,49 @@ fn signal(vring: &VringRwLock) {
     }
 }
 
+impl BlkBackend {
+    /// One event of a worker thread, its slot locked.
+    fn handle_locked(
+        &self,
+        slot: &mut WorkerSlot,
+        index: usize,
+        device_event: u16,
+        vrings: &[VringRwLock],
+    ) {
+        if slot.vrings.len() != vrings.len() {
+            slot.vrings = vrings.to_vec();
+        }
+        if let Some(vring) = vrings.get(index) {
+            let Some(mem) = self
+                .mem
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+            else {
+                return;
+            };
+            let used = {
+                let mut state = vring.get_mut();
+                slot.worker
+                    .process_queue(index, state.get_queue_mut(), &mem)
+            };
+            // An error here means the guest's rings are unusable (e.g. the
+            // used ring lies outside guest memory). Returning it would end
+            // this worker thread and every queue on it, so log it instead.
+            match used {
+                Ok(true) => signal(vring),
+                Ok(false) => {}
+                Err(e) => warn!(queue = index, "queue unusable: {e}"),
+            }
+            // Reads of cached data often complete during the submission:
+            // finish them now rather than after another epoll round.
+            slot.worker.reap_ready();
+        } else if u64::from(device_event) == self.completion_event_id() {
+            slot.worker.handle_completion_event();
+        }
+    }
+}
+
 impl VhostUserBackend for BlkBackend {
     type Bitmap = ();
     type Vring = VringRwLock;
@@ -233,36 +276,21 @@ impl VhostUserBackend for BlkBackend {
         // worker may be waiting for another worker's reads to complete.
         let _running = (index < vrings.len()).then(|| self.device.handle().running());
         let mut slot = lock(w);
-        if slot.vrings.len() != vrings.len() {
-            slot.vrings = vrings.to_vec();
-        }
-        if let Some(vring) = vrings.get(index) {
-            let Some(mem) = self
-                .mem
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
-            else {
-                return Ok(());
-            };
-            let used = {
-                let mut state = vring.get_mut();
-                slot.worker
-                    .process_queue(index, state.get_queue_mut(), &mem)
-            };
-            // An error here means the guest's rings are unusable (e.g. the
-            // used ring lies outside guest memory). Returning it would end
-            // this worker thread and every queue on it, so log it instead.
-            match used {
-                Ok(true) => signal(vring),
-                Ok(false) => {}
-                Err(e) => warn!(queue = index, "queue unusable: {e}"),
-            }
-            // Reads of cached data often complete during the submission:
-            // finish them now rather than after another epoll round.
-            slot.worker.reap_ready();
-        } else if u64::from(device_event) == self.completion_event_id() {
-            slot.worker.handle_completion_event();
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.handle_locked(&mut slot, index, device_event, vrings)
+        }));
+        if let Err(panic) = handled {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            error!(
+                thread = thread_id,
+                "worker panicked (a bug), failing its stuck requests: {what}"
+            );
+            self.device.count_panic();
+            slot.worker.recover_after_panic();
         }
         complete(&mut slot);
         Ok(())

@@ -271,10 +271,12 @@ fn stats(shared: &Shared) -> Value {
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
     pauses.sort_by(f64::total_cmp);
-    let queues = shared
-        .session()
+    let session = shared.session();
+    let queues = session
+        .as_ref()
         .map(|b| b.queue_stats())
         .unwrap_or_default();
+    let worker_panics = session.as_ref().map_or(0, |b| b.device().panics());
     json!({
         "uptime_s": shared.started.elapsed().as_secs_f64(),
         "index_mode": if chain.is_indexed() { "indexed" } else { "walk" },
@@ -291,6 +293,7 @@ fn stats(shared: &Shared) -> Value {
             "pause_ms_max": pauses.last().copied().unwrap_or(0.0),
         },
         "queues": queues,
+        "worker_panics": worker_panics,
     })
 }
 
@@ -346,6 +349,12 @@ pub fn prometheus(stats: &Value) -> String {
             vec![(String::new(), num(&stats["cache"][key]))],
         );
     }
+    metric(
+        "worker_panics_total",
+        "Worker panics caught (bugs; their requests failed).",
+        "counter",
+        vec![(String::new(), num(&stats["worker_panics"]))],
+    );
     let snaps = &stats["snapshots"];
     metric(
         "snapshots_total",

@@ -1,7 +1,7 @@
 //! The block device a chain becomes: what every queue worker shares.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use sqcow2_format::Chain;
@@ -20,6 +20,7 @@ pub struct BlkDevice {
     fence: ReadFence,
     writeback: AtomicBool,
     id: [u8; ID_SIZE],
+    panics: AtomicU64,
 }
 
 impl BlkDevice {
@@ -46,6 +47,7 @@ impl BlkDevice {
             fence: ReadFence::default(),
             writeback: AtomicBool::new(true),
             id,
+            panics: AtomicU64::new(0),
         }
     }
 
@@ -91,6 +93,16 @@ impl BlkDevice {
     /// The configuration space as the driver sees it now.
     pub fn config_space(&self) -> [u8; CONFIG_SPACE_SIZE] {
         self.config.space(self.writeback())
+    }
+
+    /// Records a caught worker panic (a bug).
+    pub fn count_panic(&self) {
+        self.panics.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Worker panics caught since start.
+    pub fn panics(&self) -> u64 {
+        self.panics.load(Ordering::Relaxed)
     }
 
     /// The GET_ID answer.

@@ -101,6 +101,10 @@ pub struct QueueWorker {
     free: Vec<usize>,
     completed: Vec<Completion>,
     in_flight: usize,
+    /// io_uring operations queued and not yet reaped.
+    ring_ops: usize,
+    /// The slot being submitted by [`QueueWorker::start_async`], if any.
+    starting: Option<usize>,
     stats: Vec<QueueStats>,
 }
 
@@ -148,6 +152,8 @@ impl QueueWorker {
             free: Vec::new(),
             completed: Vec::new(),
             in_flight: 0,
+            ring_ops: 0,
+            starting: None,
             stats: Vec::new(),
         })
     }
@@ -325,6 +331,7 @@ impl QueueWorker {
             ticket,
         });
         self.in_flight += 1;
+        self.starting = Some(slot);
         let result = match &kind {
             RequestKind::In {
                 offset, buffers, ..
@@ -340,12 +347,54 @@ impl QueueWorker {
                 f.failed = true;
             }
         }
+        self.starting = None;
         let f = self.slots[slot].as_mut()?;
         f.pending -= 1;
         if f.pending == 0 {
             self.retire(slot)
         } else {
             None
+        }
+    }
+
+    /// Recovers after a panic in this worker (a bug): the request that was
+    /// being submitted fails once its queued I/O (if any) has finished, and
+    /// when no I/O is left in the ring, every request still in flight
+    /// fails instead of waiting for completions that will never come.
+    pub fn recover_after_panic(&mut self) {
+        if let Some(slot) = self.starting.take() {
+            if let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) {
+                f.failed = true;
+                f.pending = f.pending.saturating_sub(1);
+                if f.pending == 0 {
+                    if let Some(c) = self.retire(slot) {
+                        self.completed.push(c);
+                    }
+                }
+            }
+        }
+        self.fail_orphans();
+    }
+
+    /// Fails the requests in flight when the ring holds no I/O for them.
+    fn fail_orphans(&mut self) {
+        if self.ring_ops > 0 || self.in_flight == 0 {
+            return;
+        }
+        let orphans: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].is_some())
+            .collect();
+        warn!(
+            requests = orphans.len(),
+            "failing requests with no I/O left"
+        );
+        for slot in orphans {
+            if let Some(f) = self.slots[slot].as_mut() {
+                f.failed = true;
+            }
+            if let Some(c) = self.retire(slot) {
+                self.completed.push(c);
+            }
         }
     }
 
@@ -482,6 +531,7 @@ impl QueueWorker {
             self.ring.submit().map_err(ReadError::Io)?;
             self.reap();
         }
+        self.ring_ops += 1;
         if let Some(f) = self.slots[slot].as_mut() {
             f.pending += 1;
         }
@@ -503,6 +553,7 @@ impl QueueWorker {
     fn reap(&mut self) {
         let mut finished = Vec::new();
         for cqe in self.ring.completion() {
+            self.ring_ops = self.ring_ops.saturating_sub(1);
             let slot = (cqe.user_data() >> 32) as usize;
             let expected = cqe.user_data() & 0xffff_ffff;
             let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
@@ -585,6 +636,12 @@ impl QueueWorker {
     /// join [`QueueWorker::take_completions`].
     pub fn drain(&mut self) {
         while self.in_flight > 0 {
+            if self.ring_ops == 0 {
+                // Nothing left that could complete them (a bug): fail them
+                // rather than wait forever.
+                self.fail_orphans();
+                break;
+            }
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     warn!("io_uring wait: {e}");

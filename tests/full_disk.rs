@@ -1,0 +1,157 @@
+//! A full filesystem under the top image: the write that needs space fails
+//! with an I/O error, nothing else does, the image stays consistent
+//! (`qemu-img check` clean, no leaks) and writes work again once space is
+//! freed. Runs `sqcow2 serve` on a size-limited tmpfs (needs root, as CI
+//! has) and drives it with libblkio.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::vhost::{connect_retry, Daemon};
+use common::{qemu_img, qemu_io, qemu_raw, run_raw, s};
+
+const CLUSTER: usize = 65536;
+
+/// A tmpfs of `size` mounted at `dir`, unmounted on drop.
+struct SmallFs {
+    dir: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(dir: &Path, size: &str) -> SmallFs {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = run_raw(
+            Command::new("mount")
+                .args(["-t", "tmpfs", "-o"])
+                .arg(format!("size={size}"))
+                .arg("tmpfs")
+                .arg(dir),
+        );
+        assert!(
+            out.status.success(),
+            "mounting a tmpfs needs root (CI runs as root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs {
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+fn pattern(cluster: usize, round: u8) -> Vec<u8> {
+    (0..CLUSTER)
+        .map(|i| (i as u8) ^ (cluster as u8).wrapping_mul(31) ^ round.wrapping_mul(97))
+        .collect()
+}
+
+#[test]
+fn enospc_fails_only_the_write_that_needs_space_and_leaks_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x11 0 8M".to_string()]);
+
+    let fs = SmallFs::mount(&dir.join("small"), "2M");
+    let top = fs.dir.join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        s(&base),
+        "-F",
+        "qcow2",
+        s(&top),
+    ]);
+    // Space to give back later.
+    let ballast = fs.dir.join("ballast");
+    std::fs::write(&ballast, vec![0xeeu8; 512 << 10]).unwrap();
+
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x11);
+
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+
+    // Fill the disk with new clusters until a write fails.
+    let mut order: Vec<usize> = (0..512).collect();
+    fastrand::Rng::with_seed(8).shuffle(&mut order);
+    let mut written = Vec::new();
+    let mut next = order.into_iter();
+    let failed_at = loop {
+        let c = next.next().expect("the 2 MiB filesystem never filled up");
+        let data = pattern(c, 1);
+        match client.try_write((c * CLUSTER) as u64, &data) {
+            0 => {
+                expected[c * CLUSTER..(c + 1) * CLUSTER].copy_from_slice(&data);
+                written.push(c);
+            }
+            _ => break c,
+        }
+    };
+    assert!(
+        written.len() >= 8,
+        "only {} writes before ENOSPC",
+        written.len()
+    );
+    // Still full: more allocating writes fail, including a partial one
+    // that needs copy-on-write from the base.
+    for c in next.by_ref().take(3) {
+        assert_ne!(client.try_write((c * CLUSTER) as u64, &pattern(c, 2)), 0);
+    }
+    assert_ne!(client.try_write(7 << 20, &[0x77; 4096]), 0);
+    // Writes that need no space still succeed.
+    let again = written[0];
+    let data = pattern(again, 3);
+    client.write((again * CLUSTER) as u64, &data);
+    expected[again * CLUSTER..(again + 1) * CLUSTER].copy_from_slice(&data);
+    // Everything reads back as the model says, the failed cluster too.
+    for c in written
+        .iter()
+        .copied()
+        .chain([failed_at, (7 << 20) / CLUSTER])
+    {
+        let got = client.read((c * CLUSTER) as u64, CLUSTER);
+        assert!(
+            got == expected[c * CLUSTER..(c + 1) * CLUSTER],
+            "cluster {c} differs while the disk is full"
+        );
+    }
+    assert_eq!(client.try_flush(), 0, "flush on a full disk");
+    assert!(
+        daemon.log().contains("No space left on device"),
+        "the daemon log names ENOSPC:\n{}",
+        daemon.log()
+    );
+
+    // Space is freed: the same writes now succeed.
+    std::fs::remove_file(&ballast).unwrap();
+    for c in [failed_at].into_iter().chain(next.take(4)) {
+        let data = pattern(c, 4);
+        client.write((c * CLUSTER) as u64, &data);
+        expected[c * CLUSTER..(c + 1) * CLUSTER].copy_from_slice(&data);
+    }
+    client.flush();
+    drop(client);
+    daemon.stop();
+
+    let check = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && report.contains("No errors were found"),
+        "qemu-img check after ENOSPC:\n{report}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let out = tempfile::tempdir().unwrap();
+    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+}
