@@ -296,4 +296,5 @@ pub fn env_count<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+pub mod faulty_fs;
 pub mod vhost;

@@ -62,32 +62,38 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
 }
 
 /// A regular file, read with positioned reads.
+///
+/// Once an fsync fails, every later one fails too: the kernel may have
+/// dropped the dirty pages it could not write, so a later success would
+/// claim durability for data that is gone (as QEMU's file driver does).
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
+    sync_failed: std::sync::atomic::AtomicBool,
 }
 
 impl FileStorage {
     /// Opens `path` read-only.
     pub fn open_read_only(path: &Path) -> io::Result<Self> {
-        Ok(Self {
-            file: File::open(path)?,
-        })
+        Ok(Self::from_file(File::open(path)?))
     }
 
     /// Opens `path` for reading and writing.
     pub fn open_read_write(path: &Path) -> io::Result<Self> {
-        Ok(Self {
-            file: std::fs::OpenOptions::new()
+        Ok(Self::from_file(
+            std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(path)?,
-        })
+        ))
     }
 
     /// Wraps an open file.
     pub fn from_file(file: File) -> Self {
-        Self { file }
+        Self {
+            file,
+            sync_failed: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     /// The underlying file.
@@ -130,7 +136,16 @@ impl Storage for FileStorage {
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
+        use std::sync::atomic::Ordering;
+        if self.sync_failed.load(Ordering::SeqCst) {
+            return Err(io::Error::other(
+                "an earlier fsync of this file failed and written data may be lost; \
+                 reopen the image to go on",
+            ));
+        }
+        self.file.sync_data().inspect_err(|_| {
+            self.sync_failed.store(true, Ordering::SeqCst);
+        })
     }
 
     fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -150,7 +165,7 @@ impl Storage for FileStorage {
                 Some(libc::EINTR) => continue,
                 // Filesystems without fallocate: extend the size instead;
                 // space is then only claimed by the write itself.
-                Some(libc::EOPNOTSUPP) => {
+                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
                     let end = offset.saturating_add(len);
                     if end > self.len()? {
                         self.file.set_len(end)?;

@@ -1,0 +1,171 @@
+//! `EIO` from the files under a served chain: the request that met it
+//! fails, the data is never wrong (a failed read is not zeros or stale
+//! bytes, a failed write leaves the old data), nothing leaks, and I/O works
+//! again once the files do. The errors come from a FUSE filesystem
+//! (`common::faulty_fs`), so they reach the daemon as a real file's errors,
+//! through io_uring as well as through the engine.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::faulty_fs::FaultyFs;
+use common::vhost::{connect_retry, Daemon};
+use common::{qemu_img, qemu_io, qemu_raw, run_raw, s};
+
+const CLUSTER: usize = 65536;
+
+fn assert_check_clean(top: &Path) {
+    let check = run_raw(Command::new("qemu-img").args(["check", s(top)]));
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && report.contains("No errors were found"),
+        "qemu-img check:\n{report}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
+
+fn at(c: usize) -> u64 {
+    (c * CLUSTER) as u64
+}
+
+#[test]
+fn eio_reading_a_backing_file_fails_the_request_and_never_gives_wrong_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    let base_file = src.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base_file), "32M"]);
+    qemu_io(&base_file, &["write -P 0x22 0 8M".to_string()]);
+    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let top = dir.join("top.qcow2");
+    let base = fs.mountpoint.join("base.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        s(&base),
+        "-F",
+        "qcow2",
+        s(&top),
+    ]);
+
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    assert_eq!(client.read(at(3), CLUSTER), vec![0x22; CLUSTER]);
+    client.write(at(0), &[0x33; CLUSTER]);
+
+    fs.faults.set(true, false, false);
+    for c in [5, 6, 7] {
+        assert!(
+            client.try_read(at(c), CLUSTER).is_err(),
+            "read of cluster {c} succeeded while its file fails"
+        );
+    }
+    // Data the top owns is unaffected.
+    assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
+    // A partial write needs the base's data (copy-on-write): it fails.
+    assert_ne!(client.try_write(at(6) + 4096, &[0x44; 4096]), 0);
+
+    fs.faults.set(false, false, false);
+    assert_eq!(client.read(at(5), CLUSTER), vec![0x22; CLUSTER]);
+    assert_eq!(
+        client.read(at(6), CLUSTER),
+        vec![0x22; CLUSTER],
+        "a failed copy-on-write changed the data"
+    );
+    client.write(at(6) + 4096, &[0x44; 4096]);
+    client.flush();
+    drop(client);
+    daemon.stop();
+    assert!(
+        daemon.log().contains("Input/output error"),
+        "{}",
+        daemon.log()
+    );
+
+    assert_check_clean(&top);
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x22);
+    expected[..CLUSTER].fill(0x33);
+    expected[CLUSTER * 6 + 4096..CLUSTER * 6 + 8192].fill(0x44);
+    let out = tempfile::tempdir().unwrap();
+    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+}
+
+#[test]
+fn eio_writing_or_syncing_the_top_fails_the_request_and_leaks_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        s(&base),
+        "-F",
+        "qcow2",
+        s(&src.join("top.qcow2")),
+    ]);
+    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let top = fs.mountpoint.join("top.qcow2");
+
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(at(0), &[0x33; CLUSTER]);
+    client.flush();
+
+    fs.faults.set(false, true, false);
+    // An allocating write (through the engine) and an in-place one
+    // (io_uring from guest memory) both fail.
+    assert_ne!(client.try_write(at(1), &[0x55; CLUSTER]), 0);
+    assert_ne!(client.try_write(at(0), &[0x66; CLUSTER]), 0);
+    assert_ne!(client.try_write(at(2) + 512, &[0x77; 512]), 0);
+
+    fs.faults.set(false, false, true);
+    client.write(at(3), &[0x88; CLUSTER]);
+    assert_ne!(client.try_flush(), 0, "flush succeeded while fsync fails");
+    // The kernel may have dropped what it could not write: later flushes
+    // keep failing (no false durability) until the image is reopened.
+    fs.faults.set(false, false, false);
+    assert_ne!(
+        client.try_flush(),
+        0,
+        "flush succeeded after a failed fsync"
+    );
+    assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
+    assert_eq!(client.read(at(1), CLUSTER), vec![0x22; CLUSTER]);
+    assert_eq!(client.read(at(2), CLUSTER), vec![0x22; CLUSTER]);
+    drop(client);
+    let status = daemon.stop_with(libc::SIGTERM);
+    assert!(!status.success(), "the final flush cannot have succeeded");
+
+    // Reopened: the last successful flush's state, writable again.
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
+    client.write(at(1), &[0x55; CLUSTER]);
+    client.flush();
+    drop(client);
+    daemon.stop();
+    drop(fs);
+
+    let top = src.join("top.qcow2");
+    assert_check_clean(&top);
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x22);
+    expected[..CLUSTER].fill(0x33);
+    expected[CLUSTER..2 * CLUSTER].fill(0x55);
+    let out = tempfile::tempdir().unwrap();
+    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+}
