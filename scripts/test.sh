@@ -17,6 +17,7 @@ export SQCOW2_GUEST_KIT
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
+(cd fuzz && cargo fmt -- --check)
 echo "==> cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> cargo build"
@@ -24,3 +25,5 @@ echo "==> cargo build"
 cargo build --workspace --locked
 echo "==> cargo test"
 cargo test --workspace --locked "$@"
+echo "==> fuzzing (seeds, regressions, then ${SQCOW2_FUZZ_SECONDS:-15} s per target)"
+scripts/fuzz.sh "${SQCOW2_FUZZ_SECONDS:-15}"

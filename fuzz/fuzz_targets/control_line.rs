@@ -1,0 +1,81 @@
+//! The control protocol: any line sent to the control socket. Every line
+//! must get a JSON reply (typed error or result), never panic, and the
+//! Prometheus rendering of any stats reply must work.
+//!
+//! A `path` argument is confined to a scratch directory (its last
+//! component kept) so the target cannot create files elsewhere on the
+//! machine; the validation of everything else sees the raw input.
+
+#![no_main]
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::{Chain, ChainOptions};
+use sqcow2_vhost::control::{handle_line, prometheus, Shared};
+use sqcow2_vhost::ChainHandle;
+
+struct Harness {
+    dir: tempfile::TempDir,
+    shared: Shared,
+}
+
+fn harness() -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let image = dir.path().join("disk.qcow2");
+    create(
+        &image,
+        &CreateOptions {
+            size: 1 << 20,
+            ..CreateOptions::default()
+        },
+    )
+    .expect("create image");
+    let options = ChainOptions {
+        writable: true,
+        ..ChainOptions::default()
+    };
+    let chain = Chain::open(&image, &options).expect("open image");
+    let shared = Shared::new(Arc::new(ChainHandle::new(chain)), options);
+    Harness { dir, shared }
+}
+
+thread_local! {
+    static HARNESS: RefCell<Harness> = RefCell::new(harness());
+}
+
+/// Rewrites a string `path` argument to a name inside `dir`.
+fn confine(line: &str, dir: &std::path::Path) -> String {
+    let Ok(Value::Object(mut request)) = serde_json::from_str::<Value>(line) else {
+        return line.to_string();
+    };
+    if let Some(Value::String(p)) = request.get("path") {
+        let name = std::path::Path::new(p)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        // Always the same few names: snapshots mostly meet `exists`.
+        let name = format!("snap-{}", name.len() % 4);
+        let confined = dir.join(name).to_string_lossy().into_owned();
+        request.insert("path".into(), Value::String(confined));
+    }
+    Value::Object(request).to_string()
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(line) = std::str::from_utf8(data) else {
+        return;
+    };
+    HARNESS.with(|h| {
+        let h = h.borrow();
+        let line = confine(line, h.dir.path());
+        let reply = handle_line(&line, &h.shared);
+        assert!(reply.is_object(), "reply is not an object: {reply}");
+        if let Some(stats) = reply.get("result").filter(|r| r.get("queues").is_some()) {
+            let _ = prometheus(stats);
+        }
+    });
+});
