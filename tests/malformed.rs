@@ -933,3 +933,38 @@ malformed!(
     "img.qcow2",
     ErrorKind::BadMagic(0xffff_ffff)
 );
+
+#[test]
+fn l1_tables_of_a_chain_are_bounded_together() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    // 8 TiB disks with 64 KiB clusters: 128 KiB of L1 per layer.
+    let mut prev = d.join("l0.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&prev), "8T"]);
+    for i in 1..4 {
+        let p = d.join(format!("l{i}.qcow2"));
+        let b = prev.file_name().unwrap().to_str().unwrap().to_owned();
+        qemu_overlay(&p, &b, "qcow2", &[], None);
+        prev = p;
+    }
+    let tight = ChainOptions {
+        max_l1_bytes_total: 300 << 10,
+        ..ChainOptions::default()
+    };
+    let err = first_error(&prev, &tight);
+    assert!(
+        matches!(
+            err.kind,
+            ErrorKind::ChainMetadataTooLarge {
+                bytes: 393216,
+                limit: 307200
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.path.file_name().and_then(|n| n.to_str()),
+        Some("l1.qcow2")
+    );
+    Chain::open(&prev, &ChainOptions::default()).expect("within the default bound");
+}

@@ -59,7 +59,14 @@ pub struct ChainOptions {
     /// Backing files must lie inside this directory (symlinks resolved,
     /// on the opened file itself); `None`: anywhere.
     pub backing_root: Option<PathBuf>,
+    /// Most bytes the layers' L1 tables may take together (each is also
+    /// bounded by itself, as in QEMU).
+    pub max_l1_bytes_total: u64,
 }
+
+/// Default of [`ChainOptions::max_l1_bytes_total`]: 512 MiB, e.g. 1000
+/// layers of 32 TiB disks with 64 KiB clusters.
+pub const DEFAULT_MAX_L1_BYTES_TOTAL: u64 = 512 << 20;
 
 impl Default for ChainOptions {
     fn default() -> Self {
@@ -72,6 +79,7 @@ impl Default for ChainOptions {
             writable: false,
             top_storage: None,
             backing_root: None,
+            max_l1_bytes_total: DEFAULT_MAX_L1_BYTES_TOTAL,
         }
     }
 }
@@ -230,6 +238,7 @@ impl Chain {
     pub fn open(path: &Path, options: &ChainOptions) -> Result<Chain, Error> {
         let mut top_down: Vec<Layer> = Vec::new();
         let mut seen = HashSet::new();
+        let mut l1_bytes = 0u64;
         let mut next = Some((path.to_path_buf(), Expect::Top));
         while let Some((current, expect)) = next.take() {
             let referrer = top_down.last().map(|l| l.path().to_path_buf());
@@ -288,6 +297,16 @@ impl Chain {
                     };
                     next = Some((backing, expect));
                 }
+            }
+            l1_bytes += layer.header().map_or(0, |h| u64::from(h.l1_size) * 8);
+            if l1_bytes > options.max_l1_bytes_total {
+                return Err(Error::new(
+                    &current,
+                    ErrorKind::ChainMetadataTooLarge {
+                        bytes: l1_bytes,
+                        limit: options.max_l1_bytes_total,
+                    },
+                ));
             }
             debug!(path = %current.display(), format = layer.format_name(), "opened layer");
             top_down.push(layer);

@@ -254,6 +254,15 @@ pub enum ErrorKind {
         /// The allowed root.
         root: PathBuf,
     },
+    /// The L1 tables of a chain's layers, together, exceed the limit (a
+    /// chain of many huge tables would exhaust memory).
+    #[error("L1 tables of the chain take {bytes} bytes, more than the limit of {limit}")]
+    ChainMetadataTooLarge {
+        /// L1 bytes of the layers opened so far.
+        bytes: u64,
+        /// The configured limit.
+        limit: u64,
+    },
     /// A chain with more layers than the configured limit.
     #[error("backing chain longer than the limit of {limit} layers")]
     ChainTooDeep {
