@@ -4,7 +4,7 @@
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use tracing::{debug, error, warn};
+use tracing::{debug, error};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use vmm_sys_util::epoll::EventSet;
@@ -135,7 +135,7 @@ fn complete(slot: &mut WorkerSlot) {
             continue;
         };
         if let Err(e) = vring.add_used(c.head, c.len) {
-            warn!("used ring: {e}");
+            crate::limited_warn!("used ring: {e}");
         }
         touched[c.queue] = true;
     }
@@ -188,7 +188,7 @@ impl BlkBackend {
             match used {
                 Ok(true) => signal(vring),
                 Ok(false) => {}
-                Err(e) => warn!(queue = index, "queue unusable: {e}"),
+                Err(e) => crate::limited_warn!(queue = index, "queue unusable: {e}"),
             }
             // Reads of cached data often complete during the submission:
             // finish them now rather than after another epoll round.

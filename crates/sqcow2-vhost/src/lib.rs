@@ -16,6 +16,7 @@ pub mod control;
 pub mod device;
 pub mod fence;
 pub mod handle;
+pub mod ratelimit;
 pub mod request;
 pub mod server;
 pub mod worker;

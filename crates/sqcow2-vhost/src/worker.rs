@@ -342,7 +342,7 @@ impl QueueWorker {
             _ => Ok(()),
         };
         if let Err(e) = result {
-            warn!("{}: {e}", describe(&kind));
+            crate::limited_warn!("{}: {e}", describe(&kind));
             if let Some(f) = self.slots[slot].as_mut() {
                 f.failed = true;
             }
@@ -561,7 +561,7 @@ impl QueueWorker {
             };
             let res = cqe.result();
             if res < 0 {
-                warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
+                crate::limited_warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
                 f.failed = true;
             } else if (res as u64) < expected {
                 f.short = true;
@@ -673,7 +673,7 @@ impl QueueWorker {
             }
         }
         if let Err(e) = result.and_then(|()| bounce.write_out(&chain)) {
-            warn!("write at {offset}: {e}");
+            crate::limited_warn!("write at {offset}: {e}");
             return Outcome::ioerr();
         }
         self.after_write()
@@ -688,7 +688,7 @@ impl QueueWorker {
                 chain.discard(r.offset, r.len)
             };
             if let Err(e) = result {
-                warn!("discard/write-zeroes at {}: {e}", r.offset);
+                crate::limited_warn!("discard/write-zeroes at {}: {e}", r.offset);
                 return Outcome::ioerr();
             }
         }
@@ -712,7 +712,7 @@ impl QueueWorker {
         match self.device.chain().flush() {
             Ok(()) => Outcome::ok(0),
             Err(e) => {
-                warn!("flush: {e}");
+                crate::limited_warn!("flush: {e}");
                 Outcome::ioerr()
             }
         }
