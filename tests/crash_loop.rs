@@ -27,14 +27,9 @@ const DEPTH: usize = 8;
 /// Blocks the workload writes to (the first 64 MiB of the disk).
 const BLOCKS: u64 = 4096;
 
-/// Content of version `v` of `block` (v = 0: whatever the chain held).
+/// Content of version `v` of `block`.
 fn version_bytes(block: u64, v: u32) -> Vec<u8> {
-    let mut out = vec![0u8; BLOCK];
-    for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let word = (block << 40) ^ (u64::from(v) << 16) ^ i as u64 ^ 0x5bd1_e995;
-        chunk.copy_from_slice(&word.to_le_bytes());
-    }
-    out
+    common::tagged_block(block, v, BLOCK)
 }
 
 /// What each block may hold: the version last made durable by a flush,

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::vhost::{connect_retry, Daemon};
-use common::{qemu_img, qemu_io, qemu_raw, run_raw, s};
+use common::{qemu_img, qemu_io, qemu_overlay, qemu_raw, run_raw, s};
 
 const CLUSTER: usize = 65536;
 
@@ -62,17 +62,7 @@ fn enospc_fails_only_the_write_that_needs_space_and_leaks_nothing() {
 
     let fs = SmallFs::mount(&dir.join("small"), "2M");
     let top = fs.dir.join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    qemu_overlay(&top, s(&base), "qcow2", &[], None);
     // Space to give back later.
     let ballast = fs.dir.join("ballast");
     std::fs::write(&ballast, vec![0xeeu8; 512 << 10]).unwrap();

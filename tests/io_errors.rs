@@ -12,7 +12,7 @@ use std::process::Command;
 
 use common::faulty_fs::FaultyFs;
 use common::vhost::{connect_retry, Daemon};
-use common::{qemu_img, qemu_io, qemu_raw, run_raw, s};
+use common::{qemu_img, qemu_io, qemu_overlay, qemu_raw, run_raw, s};
 
 const CLUSTER: usize = 65536;
 
@@ -42,17 +42,7 @@ fn eio_reading_a_backing_file_fails_the_request_and_never_gives_wrong_data() {
     let fs = FaultyFs::mount(&src, &dir.join("mnt"));
     let top = dir.join("top.qcow2");
     let base = fs.mountpoint.join("base.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    qemu_overlay(&top, s(&base), "qcow2", &[], None);
 
     let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
     let mut client = connect_retry(&daemon, 1, false);
@@ -106,17 +96,7 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_leaks_nothing() {
     qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
     let src = dir.join("src");
     std::fs::create_dir(&src).unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "qcow2",
-        s(&src.join("top.qcow2")),
-    ]);
+    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
     let fs = FaultyFs::mount(&src, &dir.join("mnt"));
     let top = fs.mountpoint.join("top.qcow2");
 

@@ -24,14 +24,9 @@ const BLOCK: usize = 16 << 10;
 const QUEUES: usize = 4;
 const DEPTH: usize = 32;
 
-/// Content of version `v` (> 0) of `block`.
+/// Content of version `v` of `block`.
 fn version_bytes(block: u64, v: u32) -> Vec<u8> {
-    let mut out = vec![0u8; BLOCK];
-    for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let word = (block << 40) ^ (u64::from(v) << 16) ^ i as u64 ^ 0x9e37_79b9;
-        chunk.copy_from_slice(&word.to_le_bytes());
-    }
-    out
+    common::tagged_block(block, v, BLOCK)
 }
 
 fn rss_kib(pid: i32) -> (u64, u64) {

@@ -8,13 +8,14 @@
 
 #![no_main]
 
+#[path = "scratch.rs"]
+mod scratch;
+
 use std::cell::RefCell;
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use sqcow2_format::create::{create, CreateOptions};
-use sqcow2_format::{Chain, ChainOptions};
 use sqcow2_vhost::control::{handle_line, prometheus, Shared};
 use sqcow2_vhost::ChainHandle;
 
@@ -24,21 +25,7 @@ struct Harness {
 }
 
 fn harness() -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let image = dir.path().join("disk.qcow2");
-    create(
-        &image,
-        &CreateOptions {
-            size: 1 << 20,
-            ..CreateOptions::default()
-        },
-    )
-    .expect("create image");
-    let options = ChainOptions {
-        writable: true,
-        ..ChainOptions::default()
-    };
-    let chain = Chain::open(&image, &options).expect("open image");
+    let (dir, _, chain, options) = scratch::scratch_chain(1 << 20);
     let shared = Shared::new(Arc::new(ChainHandle::new(chain)), options);
     Harness { dir, shared }
 }

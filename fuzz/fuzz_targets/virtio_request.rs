@@ -11,12 +11,13 @@
 
 #![no_main]
 
+#[path = "scratch.rs"]
+mod scratch;
+
 use std::cell::RefCell;
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use sqcow2_format::create::{create, CreateOptions};
-use sqcow2_format::{Chain, ChainOptions};
 use sqcow2_vhost::{BlkDevice, ChainHandle, GuestMem, GuestMemAtomic, QueueWorker};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
@@ -36,24 +37,7 @@ struct Harness {
 }
 
 fn harness() -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let image = dir.path().join("disk.qcow2");
-    create(
-        &image,
-        &CreateOptions {
-            size: 4 << 20,
-            ..CreateOptions::default()
-        },
-    )
-    .expect("create image");
-    let chain = Chain::open(
-        &image,
-        &ChainOptions {
-            writable: true,
-            ..ChainOptions::default()
-        },
-    )
-    .expect("open image");
+    let (dir, _, chain, _) = scratch::scratch_chain(4 << 20);
     let device = Arc::new(BlkDevice::new(
         Arc::new(ChainHandle::new(chain)),
         1,

@@ -296,5 +296,16 @@ pub fn env_count<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// `len` bytes that identify `block` and its version `v`: what load tests
+/// write, so a read of the wrong block or version is recognised.
+pub fn tagged_block(block: u64, v: u32, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let word = (block << 40) ^ (u64::from(v) << 16) ^ i as u64 ^ 0x5bd1_e995;
+        chunk.copy_from_slice(&word.to_le_bytes());
+    }
+    out
+}
+
 pub mod faulty_fs;
 pub mod vhost;
