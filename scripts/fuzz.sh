@@ -13,6 +13,9 @@
 # to fuzz/regressions/<target>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/deps.sh
+# libFuzzer is C++, built by libfuzzer-sys.
+ensure_commands cc:gcc c++:g++
 seconds=${1:-15}
 shift || true
 targets=("$@")
