@@ -27,14 +27,14 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 cd fuzz
 echo "== building fuzz targets"
-cargo fuzz build --sanitizer none 2>&1 | tail -n 1
+cargo fuzz build --sanitizer none --debug-assertions 2>&1 | tail -n 1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 for t in "${targets[@]}"; do
     mkdir -p "corpus/$t" "regressions/$t"
     echo "== fuzzing $t for ${seconds}s"
     status=0
-    cargo fuzz run --sanitizer none "$t" "corpus/$t" "seeds/$t" "regressions/$t" -- \
+    cargo fuzz run --sanitizer none --debug-assertions "$t" "corpus/$t" "seeds/$t" "regressions/$t" -- \
         -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
         >"$log" 2>&1 || status=$?
     grep -E "^(Done|stat::number_of_executed_units|stat::new_units_added|stat::peak_rss_mb)|INITED|panicked|deadly signal|ERROR|Test unit written" "$log" || true
