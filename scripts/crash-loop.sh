@@ -12,4 +12,4 @@ export SQCOW2_CRASH_ITERATIONS=${1:-100}
 export SQCOW2_CRASH_SEED=${2:-$RANDOM}
 echo "crash loop: $SQCOW2_CRASH_ITERATIONS rounds, seed $SQCOW2_CRASH_SEED"
 cargo build --workspace --locked
-cargo test --locked --test crash_loop -- --nocapture 2>&1 | grep -E "^(round|crash loop|test result)|panicked|failed"
+cargo test --locked --test crash_loop -- --nocapture 2>&1 | tee "${SQCOW2_CRASH_LOG:-/dev/null}" | grep -E "^(round|crash loop|test result)|panicked|failed|after reopening"

@@ -237,7 +237,13 @@ fn check_after_crash(top: &Path, round: usize) -> (u64, String) {
     (leaks, state)
 }
 
-fn verify(client: &mut Client, model: &mut Model, original: &[u8], round: usize) -> usize {
+fn verify(
+    client: &mut Client,
+    daemon: &Daemon,
+    model: &mut Model,
+    original: &[u8],
+    round: usize,
+) -> usize {
     let mut blocks: Vec<u64> = model
         .durable
         .keys()
@@ -247,7 +253,14 @@ fn verify(client: &mut Client, model: &mut Model, original: &[u8], round: usize)
     blocks.sort_unstable();
     blocks.dedup();
     for &block in &blocks {
-        let got = client.read(block * BLOCK as u64, BLOCK);
+        let got = client
+            .try_read(block * BLOCK as u64, BLOCK)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "round {round}: reading block {block} after reopening: {e}\n{}",
+                    daemon.log()
+                )
+            });
         let at = block as usize * BLOCK;
         match model.check(block, &got, &original[at..at + BLOCK]) {
             // The reopened chain's files hold one version of the block: it
@@ -290,7 +303,7 @@ fn kill_9_during_writes_loses_nothing_flushed() {
         let mut daemon = Daemon::start(dir, &top, &[]);
         let mut client = connect_retry(&daemon, 1, false);
         // Verify what the previous crash left (the chain reopened).
-        blocks_verified = verify(&mut client, &mut model, &original, round);
+        blocks_verified = verify(&mut client, &daemon, &mut model, &original, round);
         let pid = daemon.pid();
         let delay = Duration::from_millis(rng.u64(20..1500));
         let killer = std::thread::spawn(move || {
@@ -327,7 +340,13 @@ fn kill_9_during_writes_loses_nothing_flushed() {
     // Final reopen and verification.
     let mut daemon = Daemon::start(dir, &top, &[]);
     let mut client = connect_retry(&daemon, 1, false);
-    blocks_verified = blocks_verified.max(verify(&mut client, &mut model, &original, iterations));
+    blocks_verified = blocks_verified.max(verify(
+        &mut client,
+        &daemon,
+        &mut model,
+        &original,
+        iterations,
+    ));
     drop(client);
     daemon.stop();
     eprintln!(
