@@ -256,8 +256,11 @@ fn verify(
         let got = client
             .try_read(block * BLOCK as u64, BLOCK)
             .unwrap_or_else(|e| {
+                let killed = std::fs::read_to_string(daemon.socket.with_file_name("killed.log"))
+                    .unwrap_or_default();
                 panic!(
-                    "round {round}: reading block {block} after reopening: {e}\n{}",
+                    "round {round}: reading block {block} after reopening: {e}\n\
+                     log of the reopened daemon:\n{}\nlog of the killed one:\n{killed}",
                     daemon.log()
                 )
             });
@@ -314,7 +317,16 @@ fn kill_9_during_writes_loses_nothing_flushed() {
         let r = workload(&mut client, &mut daemon, &mut model, &mut rng);
         killer.join().unwrap();
         drop(client);
-        let _ = daemon.stop_with(libc::SIGKILL);
+        let status = daemon.stop_with(libc::SIGKILL);
+        // The daemon must have died of our kill, not on its own before it.
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL),
+            "round {round}: the daemon ended with {status} before the kill:\n{}",
+            daemon.log()
+        );
+        // Kept for a failure found when the chain is reopened.
+        let _ = std::fs::write(dir.join("killed.log"), daemon.log());
         writes += r.writes;
         flushes += r.flushes;
         let (l, state) = check_after_crash(&top, round);
