@@ -10,10 +10,11 @@
 //! discards, write-zeroes and flushes go through the chain engine
 //! synchronously (metadata updates need its lock anyway).
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 use sqcow2_format::chain::ExtentKind;
 use sqcow2_format::{GuestOffset, LayerIndex};
 use tracing::{debug, warn};
@@ -101,8 +102,9 @@ pub struct QueueWorker {
     free: Vec<usize>,
     completed: Vec<Completion>,
     in_flight: usize,
-    /// io_uring operations queued and not yet reaped.
-    ring_ops: usize,
+    /// io_uring operations queued and not yet reaped, by user_data.
+    ring_ops: HashMap<u64, RingOp>,
+    next_op: u64,
     /// The slot being submitted by [`QueueWorker::start_async`], if any.
     starting: Option<usize>,
     stats: Vec<QueueStats>,
@@ -152,7 +154,8 @@ impl QueueWorker {
             free: Vec::new(),
             completed: Vec::new(),
             in_flight: 0,
-            ring_ops: 0,
+            ring_ops: HashMap::new(),
+            next_op: 0,
             starting: None,
             stats: Vec::new(),
         })
@@ -378,7 +381,7 @@ impl QueueWorker {
 
     /// Fails the requests in flight when the ring holds no I/O for them.
     fn fail_orphans(&mut self) {
-        if self.ring_ops > 0 || self.in_flight == 0 {
+        if !self.ring_ops.is_empty() || self.in_flight == 0 {
             return;
         }
         let orphans: Vec<usize> = (0..self.slots.len())
@@ -511,7 +514,8 @@ impl QueueWorker {
     ) -> Result<(), ReadError> {
         let len = buf.len() as u32;
         let ptr = buf.ptr_guard_mut().as_ptr();
-        let user_data = (slot as u64) << 32 | u64::from(len);
+        let user_data = self.next_op;
+        self.next_op = self.next_op.wrapping_add(1);
         let entry = match kind {
             IoKind::Read => opcode::Read::new(types::Fd(fd), ptr, len)
                 .offset(host)
@@ -521,19 +525,37 @@ impl QueueWorker {
                 .build(),
         }
         .user_data(user_data);
-        // SAFETY: `ptr..ptr + len` lies in a guest memory region whose
+        // The buffer's validity for the whole operation is what `push`
+        // relies on: `ptr..ptr + len` lies in a guest memory region whose
         // mapping the in-flight slot keeps alive (`InFlight::mem`) until the
-        // completion is reaped; the guest does not touch a buffer it handed
-        // to the device before the request completes (if it does, only its
-        // own data is garbled). `fd` belongs to the chain, which
-        // `self.device` keeps open.
-        while unsafe { self.ring.submission().push(&entry) }.is_err() {
-            self.ring.submit().map_err(ReadError::Io)?;
-            self.reap();
-        }
-        self.ring_ops += 1;
+        // completion is reaped (a resubmission included); the guest does
+        // not touch a buffer it handed to the device before the request
+        // completes (if it does, only its own data is garbled). `fd`
+        // belongs to the chain, which `self.device` keeps open.
+        self.push(&entry).map_err(ReadError::Io)?;
+        self.ring_ops.insert(
+            user_data,
+            RingOp {
+                slot,
+                len,
+                entry,
+                retries: 0,
+            },
+        );
         if let Some(f) = self.slots[slot].as_mut() {
             f.pending += 1;
+        }
+        Ok(())
+    }
+
+    /// Puts `entry` on the submission queue, making room if it is full.
+    fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
+        // SAFETY: every entry pushed is a read or write built by
+        // `queue_io`, whose buffer and file stay valid until its completion
+        // is reaped (see there).
+        while unsafe { self.ring.submission().push(entry) }.is_err() {
+            self.ring.submit()?;
+            self.reap();
         }
         Ok(())
     }
@@ -552,14 +574,22 @@ impl QueueWorker {
     /// Handles the completions in the ring.
     fn reap(&mut self) {
         let mut finished = Vec::new();
+        let mut again = Vec::new();
         for cqe in self.ring.completion() {
-            self.ring_ops = self.ring_ops.saturating_sub(1);
-            let slot = (cqe.user_data() >> 32) as usize;
-            let expected = cqe.user_data() & 0xffff_ffff;
-            let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+            let Some(mut op) = self.ring_ops.remove(&cqe.user_data()) else {
                 continue;
             };
             let res = cqe.result();
+            // Interrupted or not ready: the same I/O again (as QEMU does).
+            if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < MAX_RETRIES {
+                op.retries += 1;
+                again.push((cqe.user_data(), op));
+                continue;
+            }
+            let (slot, expected) = (op.slot, u64::from(op.len));
+            let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+                continue;
+            };
             if res < 0 {
                 crate::limited_warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
                 f.failed = true;
@@ -569,6 +599,25 @@ impl QueueWorker {
             f.pending -= 1;
             if f.pending == 0 {
                 finished.push(slot);
+            }
+        }
+        for (user_data, op) in again {
+            let pushed = self.push(&op.entry);
+            let slot = op.slot;
+            match pushed {
+                Ok(()) => {
+                    self.ring_ops.insert(user_data, op);
+                }
+                Err(e) => {
+                    crate::limited_warn!("resubmitting interrupted I/O: {e}");
+                    if let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) {
+                        f.failed = true;
+                        f.pending -= 1;
+                        if f.pending == 0 {
+                            finished.push(slot);
+                        }
+                    }
+                }
             }
         }
         for slot in finished {
@@ -636,7 +685,7 @@ impl QueueWorker {
     /// join [`QueueWorker::take_completions`].
     pub fn drain(&mut self) {
         while self.in_flight > 0 {
-            if self.ring_ops == 0 {
+            if self.ring_ops.is_empty() {
                 // Nothing left that could complete them (a bug): fail them
                 // rather than wait forever.
                 self.fail_orphans();
@@ -774,6 +823,17 @@ enum IoKind {
     Read,
     Write,
 }
+
+/// An io_uring operation in the ring: what to redo if it is interrupted.
+struct RingOp {
+    slot: usize,
+    len: u32,
+    entry: squeue::Entry,
+    retries: u8,
+}
+
+/// Resubmissions of one interrupted operation before it fails.
+const MAX_RETRIES: u8 = 16;
 
 fn describe(kind: &RequestKind) -> String {
     match kind {
