@@ -58,9 +58,25 @@ pub struct CheckReport {
     pub fragmented_clusters: u64,
     /// Compressed guest clusters.
     pub compressed_clusters: u64,
-    /// One line per problem found.
+    /// One line per problem found, the first [`MAX_MESSAGES`] of them
+    /// (then one line saying how many more).
     #[serde(skip)]
     pub messages: Vec<String>,
+}
+
+/// Problem lines kept in a report: a hostile image can have millions of
+/// problems, and their text must not exhaust memory.
+pub const MAX_MESSAGES: usize = 10_000;
+
+impl CheckReport {
+    /// Records a problem line, or counts it once [`MAX_MESSAGES`] are kept.
+    fn note(&mut self, line: String) {
+        match self.messages.len() {
+            n if n < MAX_MESSAGES => self.messages.push(line),
+            n if n == MAX_MESSAGES => self.messages.push("... and more problems".into()),
+            _ => {}
+        }
+    }
 }
 
 impl CheckReport {
@@ -93,7 +109,7 @@ struct Census {
 impl Census {
     fn corrupt(&mut self, msg: String) {
         self.report.corruptions += 1;
-        self.report.messages.push(format!("ERROR {msg}"));
+        self.report.note(format!("ERROR {msg}"));
     }
 
     fn add_cluster(&mut self, idx: u64, what: &str) {
@@ -106,14 +122,23 @@ impl Census {
         *self.counts.entry(idx).or_insert(0) += 1;
     }
 
+    /// Counts the clusters of `[offset, offset + len)`; a range reaching
+    /// past the end of the file is one problem (not one per cluster: a
+    /// hostile size must not drive the work or the report).
     fn add_range(&mut self, offset: u64, len: u64, what: &str) {
         if len == 0 {
             return;
         }
         let first = offset >> self.cluster_bits;
-        let last = (offset + len - 1) >> self.cluster_bits;
-        for c in first..=last {
-            self.add_cluster(c, what);
+        let last = offset.saturating_add(len - 1) >> self.cluster_bits;
+        let in_file = self.file_size.div_ceil(1 << self.cluster_bits);
+        if last >= in_file {
+            self.corrupt(format!(
+                "{what} at {offset:#x} ({len} bytes) extends beyond the end of the file"
+            ));
+        }
+        for c in first..=last.min(in_file.saturating_sub(1)) {
+            *self.counts.entry(c).or_insert(0) += 1;
         }
     }
 }
@@ -464,7 +489,7 @@ fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Chec
     for &(idx, v, expected) in &mismatches {
         if v > expected {
             census.report.leaks += 1;
-            census.report.messages.push(format!(
+            census.report.note(format!(
                 "Leaked cluster {idx} refcount={v} reference={expected}"
             ));
         } else {
