@@ -10,11 +10,11 @@
 //! discards, write-zeroes and flushes go through the chain engine
 //! synchronously (metadata updates need its lock anyway).
 
-use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
+use slab::Slab;
 use sqcow2_format::chain::ExtentKind;
 use sqcow2_format::{GuestOffset, LayerIndex};
 use tracing::{debug, warn};
@@ -98,13 +98,11 @@ pub struct QueueWorker {
     device: Arc<BlkDevice>,
     ring: IoUring,
     event: EventFd,
-    slots: Vec<Option<InFlight>>,
-    free: Vec<usize>,
+    /// Requests whose I/O is running, by slot.
+    slots: Slab<InFlight>,
     completed: Vec<Completion>,
-    in_flight: usize,
-    /// io_uring operations queued and not yet reaped, by user_data.
-    ring_ops: HashMap<u64, RingOp>,
-    next_op: u64,
+    /// io_uring operations queued and not yet reaped (key = user_data).
+    ring_ops: Slab<RingOp>,
     /// The slot being submitted by [`QueueWorker::start_async`], if any.
     starting: Option<usize>,
     stats: Vec<QueueStats>,
@@ -113,7 +111,7 @@ pub struct QueueWorker {
 impl std::fmt::Debug for QueueWorker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueueWorker")
-            .field("in_flight", &self.in_flight)
+            .field("in_flight", &self.slots.len())
             .finish()
     }
 }
@@ -150,12 +148,9 @@ impl QueueWorker {
             device,
             ring,
             event,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: Slab::new(),
             completed: Vec::new(),
-            in_flight: 0,
-            ring_ops: HashMap::new(),
-            next_op: 0,
+            ring_ops: Slab::new(),
             starting: None,
             stats: Vec::new(),
         })
@@ -168,7 +163,7 @@ impl QueueWorker {
 
     /// Requests whose I/O is still running.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.slots.len()
     }
 
     /// Takes every available request off `queue` and starts it; requests
@@ -315,13 +310,9 @@ impl QueueWorker {
         req: Request,
         mem: &Arc<GuestMem>,
     ) -> Option<Completion> {
-        let slot = self.free.pop().unwrap_or_else(|| {
-            self.slots.push(None);
-            self.slots.len() - 1
-        });
         let ticket = self.device.fence().begin();
         let kind = req.kind.clone();
-        self.slots[slot] = Some(InFlight {
+        let slot = self.slots.insert(InFlight {
             started: std::time::Instant::now(),
             queue,
             request: req,
@@ -333,7 +324,6 @@ impl QueueWorker {
             short: false,
             ticket,
         });
-        self.in_flight += 1;
         self.starting = Some(slot);
         let result = match &kind {
             RequestKind::In {
@@ -344,14 +334,18 @@ impl QueueWorker {
             } => self.submit_writes(slot, *offset, buffers, mem),
             _ => Ok(()),
         };
-        if let Err(e) = result {
+        if let Err(e) = &result {
             crate::limited_warn!("{}: {e}", describe(&kind));
-            if let Some(f) = self.slots[slot].as_mut() {
-                f.failed = true;
-            }
         }
         self.starting = None;
-        let f = self.slots[slot].as_mut()?;
+        self.piece_done(slot, result.is_err())
+    }
+
+    /// One piece of the request in `slot` has finished (the submission
+    /// counts as one); completes the request after its last piece.
+    fn piece_done(&mut self, slot: usize, failed: bool) -> Option<Completion> {
+        let f = self.slots.get_mut(slot)?;
+        f.failed |= failed;
         f.pending -= 1;
         if f.pending == 0 {
             self.retire(slot)
@@ -366,14 +360,8 @@ impl QueueWorker {
     /// fails instead of waiting for completions that will never come.
     pub fn recover_after_panic(&mut self) {
         if let Some(slot) = self.starting.take() {
-            if let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) {
-                f.failed = true;
-                f.pending = f.pending.saturating_sub(1);
-                if f.pending == 0 {
-                    if let Some(c) = self.retire(slot) {
-                        self.completed.push(c);
-                    }
-                }
+            if let Some(c) = self.piece_done(slot, true) {
+                self.completed.push(c);
             }
         }
         self.fail_orphans();
@@ -381,18 +369,16 @@ impl QueueWorker {
 
     /// Fails the requests in flight when the ring holds no I/O for them.
     fn fail_orphans(&mut self) {
-        if !self.ring_ops.is_empty() || self.in_flight == 0 {
+        if !self.ring_ops.is_empty() || self.slots.is_empty() {
             return;
         }
-        let orphans: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.slots[i].is_some())
-            .collect();
+        let orphans: Vec<usize> = self.slots.iter().map(|(slot, _)| slot).collect();
         warn!(
             requests = orphans.len(),
             "failing requests with no I/O left"
         );
         for slot in orphans {
-            if let Some(f) = self.slots[slot].as_mut() {
+            if let Some(f) = self.slots.get_mut(slot) {
                 f.failed = true;
             }
             if let Some(c) = self.retire(slot) {
@@ -514,8 +500,6 @@ impl QueueWorker {
     ) -> Result<(), ReadError> {
         let len = buf.len() as u32;
         let ptr = buf.ptr_guard_mut().as_ptr();
-        let user_data = self.next_op;
-        self.next_op = self.next_op.wrapping_add(1);
         let entry = match kind {
             IoKind::Read => opcode::Read::new(types::Fd(fd), ptr, len)
                 .offset(host)
@@ -523,8 +507,7 @@ impl QueueWorker {
             IoKind::Write => opcode::Write::new(types::Fd(fd), ptr, len)
                 .offset(host)
                 .build(),
-        }
-        .user_data(user_data);
+        };
         // The buffer's validity for the whole operation is what `push`
         // relies on: `ptr..ptr + len` lies in a guest memory region whose
         // mapping the in-flight slot keeps alive (`InFlight::mem`) until the
@@ -532,29 +515,34 @@ impl QueueWorker {
         // not touch a buffer it handed to the device before the request
         // completes (if it does, only its own data is garbled). `fd`
         // belongs to the chain, which `self.device` keeps open.
-        self.push(&entry).map_err(ReadError::Io)?;
-        self.ring_ops.insert(
-            user_data,
-            RingOp {
-                slot,
-                len,
-                entry,
-                retries: 0,
-            },
-        );
-        if let Some(f) = self.slots[slot].as_mut() {
+        let op = RingOp {
+            slot,
+            len,
+            entry,
+            retries: 0,
+        };
+        self.submit_op(op).map_err(ReadError::Io)?;
+        if let Some(f) = self.slots.get_mut(slot) {
             f.pending += 1;
         }
         Ok(())
     }
 
-    /// Puts `entry` on the submission queue, making room if it is full.
-    fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
-        // SAFETY: every entry pushed is a read or write built by
-        // `queue_io`, whose buffer and file stay valid until its completion
-        // is reaped (see there).
-        while unsafe { self.ring.submission().push(entry) }.is_err() {
-            self.ring.submit()?;
+    /// Puts `op` in the ring under a fresh user_data, making room in the
+    /// submission queue if it is full.
+    fn submit_op(&mut self, op: RingOp) -> io::Result<()> {
+        let entry = op.entry.clone();
+        let key = self.ring_ops.insert(op);
+        let entry = entry.user_data(key as u64);
+
+        // SAFETY: every entry is a read or write built by `queue_io`,
+        // whose buffer and file stay valid until its completion is reaped
+        // (see there).
+        while unsafe { self.ring.submission().push(&entry) }.is_err() {
+            if let Err(e) = self.ring.submit() {
+                self.ring_ops.remove(key);
+                return Err(e);
+            }
             self.reap();
         }
         Ok(())
@@ -573,55 +561,31 @@ impl QueueWorker {
 
     /// Handles the completions in the ring.
     fn reap(&mut self) {
-        let mut finished = Vec::new();
-        let mut again = Vec::new();
-        for cqe in self.ring.completion() {
-            let Some(mut op) = self.ring_ops.remove(&cqe.user_data()) else {
+        let done: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|cqe| (cqe.user_data(), cqe.result()))
+            .collect();
+        for (user_data, res) in done {
+            let Some(mut op) = self.ring_ops.try_remove(user_data as usize) else {
                 continue;
             };
-            let res = cqe.result();
+            let slot = op.slot;
             // Interrupted or not ready: the same I/O again (as QEMU does).
             if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < MAX_RETRIES {
                 op.retries += 1;
-                again.push((cqe.user_data(), op));
-                continue;
-            }
-            let (slot, expected) = (op.slot, u64::from(op.len));
-            let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
-                continue;
-            };
-            if res < 0 {
+                match self.submit_op(op) {
+                    Ok(()) => continue,
+                    Err(e) => crate::limited_warn!("resubmitting interrupted I/O: {e}"),
+                }
+            } else if res < 0 {
                 crate::limited_warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
-                f.failed = true;
-            } else if (res as u64) < expected {
-                f.short = true;
-            }
-            f.pending -= 1;
-            if f.pending == 0 {
-                finished.push(slot);
-            }
-        }
-        for (user_data, op) in again {
-            let pushed = self.push(&op.entry);
-            let slot = op.slot;
-            match pushed {
-                Ok(()) => {
-                    self.ring_ops.insert(user_data, op);
-                }
-                Err(e) => {
-                    crate::limited_warn!("resubmitting interrupted I/O: {e}");
-                    if let Some(f) = self.slots.get_mut(slot).and_then(Option::as_mut) {
-                        f.failed = true;
-                        f.pending -= 1;
-                        if f.pending == 0 {
-                            finished.push(slot);
-                        }
-                    }
+            } else if (res as u32) < op.len {
+                if let Some(f) = self.slots.get_mut(slot) {
+                    f.short = true;
                 }
             }
-        }
-        for slot in finished {
-            if let Some(c) = self.retire(slot) {
+            if let Some(c) = self.piece_done(slot, res < 0) {
                 self.completed.push(c);
             }
         }
@@ -629,9 +593,7 @@ impl QueueWorker {
 
     /// Completes the read in `slot` (its I/O is done).
     fn retire(&mut self, slot: usize) -> Option<Completion> {
-        let f = self.slots.get_mut(slot)?.take()?;
-        self.free.push(slot);
-        self.in_flight -= 1;
+        let f = self.slots.try_remove(slot)?;
         let outcome = match &f.request.kind {
             RequestKind::In {
                 offset,
@@ -684,7 +646,7 @@ impl QueueWorker {
     /// Waits for every read of this worker to finish; their completions
     /// join [`QueueWorker::take_completions`].
     pub fn drain(&mut self) {
-        while self.in_flight > 0 {
+        while !self.slots.is_empty() {
             if self.ring_ops.is_empty() {
                 // Nothing left that could complete them (a bug): fail them
                 // rather than wait forever.
