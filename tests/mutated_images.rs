@@ -1,7 +1,7 @@
 //! Random corruption of valid images: whatever bytes the metadata holds,
 //! opening, reading, writing and checking return errors or data, never
-//! panic or hang. (Coverage-guided fuzzing comes with the hardening work;
-//! this runs in every test run.)
+//! panic or hang. (fuzz/ has the coverage-guided targets, run by
+//! scripts/fuzz.sh; this runs in every test run.)
 
 mod common;
 
@@ -9,37 +9,11 @@ use std::sync::Arc;
 
 use common::{qemu_img, qemu_io, s};
 use sqcow2_format::check::{check_storage, Repair};
-use sqcow2_format::storage::{MemStorage, Storage};
+use sqcow2_format::storage::MemStorage;
 use sqcow2_format::{Chain, ChainOptions};
 
-/// In-memory storage that, like a small file system, refuses to grow past
-/// 256 MiB (so that a test of hostile images cannot exhaust memory).
-#[derive(Debug)]
-struct Bounded(MemStorage);
-
-impl Storage for Bounded {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.0.read_at(buf, offset)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        if offset.saturating_add(buf.len() as u64) > 256 << 20 {
-            return Err(std::io::Error::from_raw_os_error(27)); // EFBIG
-        }
-        self.0.write_at(buf, offset)
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        if len > 256 << 20 {
-            return Err(std::io::Error::from_raw_os_error(27));
-        }
-        self.0.set_len(len)
-    }
-}
-
 fn exercise(top: &std::path::Path, bytes: Vec<u8>, rng: &mut fastrand::Rng) {
-    let storage = Arc::new(Bounded(MemStorage::new(bytes)));
+    let storage = Arc::new(MemStorage::with_limit(bytes, 256 << 20));
     let writable = rng.bool();
     let opts = ChainOptions {
         writable,

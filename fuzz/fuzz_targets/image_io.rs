@@ -12,36 +12,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use sqcow2_format::storage::{MemStorage, Storage};
+use sqcow2_format::storage::MemStorage;
 use sqcow2_format::{Chain, ChainOptions};
 
-/// In-memory storage that refuses to grow past 64 MiB, like a small
-/// filesystem: a hostile image cannot make the target exhaust memory.
-#[derive(Debug)]
-struct Bounded(MemStorage);
-
+/// Most bytes the image may grow to: a hostile image cannot make the
+/// target exhaust memory.
 const LIMIT: u64 = 64 << 20;
-
-impl Storage for Bounded {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.0.read_at(buf, offset)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        if offset.saturating_add(buf.len() as u64) > LIMIT {
-            return Err(std::io::Error::from_raw_os_error(28));
-        }
-        self.0.write_at(buf, offset)
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        if len > LIMIT {
-            return Err(std::io::Error::from_raw_os_error(28));
-        }
-        self.0.set_len(len)
-    }
-}
 
 fuzz_target!(|data: &[u8]| {
     let [flags, n, rest @ ..] = data else {
@@ -53,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let (ops, image) = rest.split_at(ops_len);
     let writable = flags & 1 != 0;
-    let storage = Arc::new(Bounded(MemStorage::new(image.to_vec())));
+    let storage = Arc::new(MemStorage::with_limit(image.to_vec(), LIMIT));
     let options = ChainOptions {
         writable,
         // One layer: a backing file named by the image is refused here

@@ -205,6 +205,9 @@ impl Storage for FileStorage {
 #[derive(Debug, Default)]
 pub struct MemStorage {
     bytes: RwLock<Vec<u8>>,
+    /// Most bytes it may grow to (`ENOSPC` beyond), like a small
+    /// filesystem; `None`: unbounded.
+    limit: Option<u64>,
 }
 
 impl MemStorage {
@@ -212,6 +215,23 @@ impl MemStorage {
     pub fn new(bytes: Vec<u8>) -> Self {
         Self {
             bytes: RwLock::new(bytes),
+            limit: None,
+        }
+    }
+
+    /// Storage holding `bytes` that refuses to grow past `limit` bytes, so
+    /// that hostile images cannot make a test exhaust memory.
+    pub fn with_limit(bytes: Vec<u8>, limit: u64) -> Self {
+        Self {
+            bytes: RwLock::new(bytes),
+            limit: Some(limit),
+        }
+    }
+
+    fn check_limit(&self, end: u64) -> io::Result<()> {
+        match self.limit {
+            Some(limit) if end > limit => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
+            _ => Ok(()),
         }
     }
 
@@ -245,6 +265,7 @@ impl Storage for MemStorage {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.check_limit(offset.saturating_add(buf.len() as u64))?;
         let mut bytes = self
             .bytes
             .write()
@@ -259,6 +280,7 @@ impl Storage for MemStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
+        self.check_limit(len)?;
         let mut bytes = self
             .bytes
             .write()
