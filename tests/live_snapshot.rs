@@ -48,105 +48,98 @@ fn live_snapshots_under_write_load() {
     );
     let mut client = connect_retry(&daemon, 2, false);
     let stop = Arc::new(AtomicBool::new(false));
-    let base = client.region.addr;
-    let queues = std::mem::take(&mut client.queues);
-    let workers: Vec<_> = queues
-        .into_iter()
-        .enumerate()
-        .map(|(q, mut queue)| {
-            let model = model.clone();
-            let stop = stop.clone();
-            std::thread::spawn(move || -> (u64, u64) {
-                let blocks = size / BLOCK;
-                let mut rng = fastrand::Rng::with_seed(q as u64 + 11);
-                let slot_ptr = |k: usize| (base + (q * DEPTH + k) * BLOCK as usize) as *mut u8;
-                // Queue q owns the blocks with block % 2 == q.
-                let mut busy: HashSet<u64> = HashSet::new();
-                let mut slot_block = [0u64; DEPTH];
-                let mut slot_fill = [0u8; DEPTH];
-                let mut completions: Vec<MaybeUninit<Completion>> =
-                    (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
-                let (mut writes, mut errors) = (0u64, 0u64);
-                let mut round = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    round += 1;
-                    // DEPTH writes to distinct blocks.
-                    busy.clear();
-                    for k in 0..DEPTH {
-                        let block = loop {
-                            let b = rng.u64(0..blocks / 2) * 2 + q as u64;
-                            if busy.insert(b) {
-                                break b;
-                            }
-                        };
-                        let fill = rng.u8(1..);
-                        slot_block[k] = block;
-                        slot_fill[k] = fill;
-                        // SAFETY: slot k of queue q is BLOCK bytes of the
-                        // mapped region that only this thread uses.
-                        unsafe { std::ptr::write_bytes(slot_ptr(k), fill, BLOCK as usize) };
-                        queue.write(
-                            block * BLOCK,
-                            slot_ptr(k),
-                            BLOCK as usize,
-                            k,
-                            ReqFlags::empty(),
-                        );
-                    }
-                    let mut done = 0;
-                    while done < DEPTH {
-                        let n = queue
-                            .do_io(&mut completions[..DEPTH - done], 1, None, None)
-                            .expect("do_io");
-                        for c in &completions[..n] {
-                            // SAFETY: do_io initialised the first n entries.
-                            let c = unsafe { c.assume_init_ref() };
-                            if c.ret != 0 {
-                                errors += 1;
-                            } else {
-                                let k = c.user_data;
-                                let off = (slot_block[k] * BLOCK) as usize;
-                                model.lock().unwrap()[off..off + BLOCK as usize].fill(slot_fill[k]);
-                                writes += 1;
-                            }
+    let workers = client.spawn_per_queue({
+        let (model, stop) = (model.clone(), stop.clone());
+        move |q, mut queue, base| -> (u64, u64) {
+            let blocks = size / BLOCK;
+            let mut rng = fastrand::Rng::with_seed(q as u64 + 11);
+            let slot_ptr = |k: usize| (base + (q * DEPTH + k) * BLOCK as usize) as *mut u8;
+            // Queue q owns the blocks with block % 2 == q.
+            let mut busy: HashSet<u64> = HashSet::new();
+            let mut slot_block = [0u64; DEPTH];
+            let mut slot_fill = [0u8; DEPTH];
+            let mut completions: Vec<MaybeUninit<Completion>> =
+                (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
+            let (mut writes, mut errors) = (0u64, 0u64);
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                // DEPTH writes to distinct blocks.
+                busy.clear();
+                for k in 0..DEPTH {
+                    let block = loop {
+                        let b = rng.u64(0..blocks / 2) * 2 + q as u64;
+                        if busy.insert(b) {
+                            break b;
                         }
-                        done += n;
-                    }
-                    if round % 4 == 0 {
-                        queue.flush(0, ReqFlags::empty());
-                        let n = queue.do_io(&mut completions[..1], 1, None, None).unwrap();
-                        assert_eq!(n, 1);
-                        // SAFETY: as above.
-                        if unsafe { completions[0].assume_init_ref() }.ret != 0 {
-                            errors += 1;
-                        }
-                    }
-                    // Verify one block of ours (not in flight now).
-                    let block = rng.u64(0..blocks / 2) * 2 + q as u64;
-                    queue.read(
+                    };
+                    let fill = rng.u8(1..);
+                    slot_block[k] = block;
+                    slot_fill[k] = fill;
+                    // SAFETY: slot k of queue q is BLOCK bytes of the
+                    // mapped region that only this thread uses.
+                    unsafe { std::ptr::write_bytes(slot_ptr(k), fill, BLOCK as usize) };
+                    queue.write(
                         block * BLOCK,
-                        slot_ptr(0),
+                        slot_ptr(k),
                         BLOCK as usize,
-                        0,
+                        k,
                         ReqFlags::empty(),
                     );
+                }
+                let mut done = 0;
+                while done < DEPTH {
+                    let n = queue
+                        .do_io(&mut completions[..DEPTH - done], 1, None, None)
+                        .expect("do_io");
+                    for c in &completions[..n] {
+                        // SAFETY: do_io initialised the first n entries.
+                        let c = unsafe { c.assume_init_ref() };
+                        if c.ret != 0 {
+                            errors += 1;
+                        } else {
+                            let k = c.user_data;
+                            let off = (slot_block[k] * BLOCK) as usize;
+                            model.lock().unwrap()[off..off + BLOCK as usize].fill(slot_fill[k]);
+                            writes += 1;
+                        }
+                    }
+                    done += n;
+                }
+                if round % 4 == 0 {
+                    queue.flush(0, ReqFlags::empty());
                     let n = queue.do_io(&mut completions[..1], 1, None, None).unwrap();
                     assert_eq!(n, 1);
-                    // SAFETY: as above; the read into slot 0 completed.
-                    let got = unsafe { std::slice::from_raw_parts(slot_ptr(0), BLOCK as usize) };
-                    let off = (block * BLOCK) as usize;
-                    let want = model.lock().unwrap()[off..off + BLOCK as usize].to_vec();
-                    assert!(
-                        got == want.as_slice(),
-                        "queue {q}: block {block} differs during the run"
-                    );
+                    // SAFETY: as above.
+                    if unsafe { completions[0].assume_init_ref() }.ret != 0 {
+                        errors += 1;
+                    }
                 }
-                queue.flush(0, ReqFlags::empty());
-                let _ = queue.do_io(&mut completions[..1], 1, None, None);
-                (writes, errors)
-            })
-        })
-        .collect();
+                // Verify one block of ours (not in flight now).
+                let block = rng.u64(0..blocks / 2) * 2 + q as u64;
+                queue.read(
+                    block * BLOCK,
+                    slot_ptr(0),
+                    BLOCK as usize,
+                    0,
+                    ReqFlags::empty(),
+                );
+                let n = queue.do_io(&mut completions[..1], 1, None, None).unwrap();
+                assert_eq!(n, 1);
+                // SAFETY: as above; the read into slot 0 completed.
+                let got = unsafe { std::slice::from_raw_parts(slot_ptr(0), BLOCK as usize) };
+                let off = (block * BLOCK) as usize;
+                let want = model.lock().unwrap()[off..off + BLOCK as usize].to_vec();
+                assert!(
+                    got == want.as_slice(),
+                    "queue {q}: block {block} differs during the run"
+                );
+            }
+            queue.flush(0, ReqFlags::empty());
+            let _ = queue.do_io(&mut completions[..1], 1, None, None);
+            (writes, errors)
+        }
+    });
 
     let mut rng = fastrand::Rng::with_seed(99);
     let mut pauses = Vec::new();

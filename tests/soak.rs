@@ -176,17 +176,22 @@ fn soak_four_queues_depth_32_mixed_verified() {
     let mut daemon = Daemon::start(dir, &top, &["--num-queues", "4"]);
     let mut client = connect_retry(&daemon, QUEUES as i32, false);
     let pid = daemon.pid();
-    let region = client.region.addr as usize;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let workers: Vec<_> = std::mem::take(&mut client.queues)
-        .into_iter()
-        .enumerate()
-        .map(|(q, queue)| {
-            let (original, stop) = (original.clone(), stop.clone());
-            std::thread::spawn(move || run_queue(q, queue, region, blocks, original, stop, seed))
-        })
-        .collect();
+    let workers = client.spawn_per_queue({
+        let (original, stop) = (original.clone(), stop.clone());
+        move |q, queue, region| {
+            run_queue(
+                q,
+                queue,
+                region,
+                blocks,
+                original.clone(),
+                stop.clone(),
+                seed,
+            )
+        }
+    });
 
     let baseline_at = Duration::from_secs(60.min(seconds / 3));
     std::thread::sleep(baseline_at);

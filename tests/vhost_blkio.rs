@@ -168,77 +168,69 @@ fn four_queues_of_concurrent_io_on_two_threads() {
     // Queue q owns pieces q, q + 4, q + 8, ...: neighbours share clusters
     // and L2 tables, so the queues contend for the same metadata.
     let piece_offset = |q: u64, i: u64| (i * 4 + q) * PIECE * 3;
-    let base = client.region.addr;
-    let queues = std::mem::take(&mut client.queues);
-    let workers: Vec<_> = queues
-        .into_iter()
-        .enumerate()
-        .map(|(q, mut queue)| {
-            std::thread::spawn(move || {
-                let q = q as u64;
-                let slot = |k: usize| (base + (q as usize * DEPTH + k) * PIECE as usize) as *mut u8;
-                let fill = |i: u64| (i as u8).wrapping_mul(31) ^ (q as u8 + 1);
-                let mut completions: Vec<std::mem::MaybeUninit<blkio::Completion>> = (0..DEPTH)
-                    .map(|_| std::mem::MaybeUninit::uninit())
-                    .collect();
-                let mut wait_all = |queue: &mut blkio::Blkioq| {
-                    let mut done = 0;
-                    while done < DEPTH {
-                        let n = queue
-                            .do_io(&mut completions[..DEPTH - done], DEPTH - done, None, None)
-                            .expect("do_io");
-                        for c in &completions[..n] {
-                            // SAFETY: do_io initialised the first n entries.
-                            assert_eq!(unsafe { c.assume_init_ref() }.ret, 0, "queue {q}");
-                        }
-                        done += n;
-                    }
-                };
-                for round in 0..ROUNDS / DEPTH as u64 {
-                    for k in 0..DEPTH {
-                        let i = round * DEPTH as u64 + k as u64;
-                        // SAFETY: slot k of queue q is PIECE bytes of the
-                        // mapped region that only this thread touches.
-                        unsafe { std::ptr::write_bytes(slot(k), fill(i), PIECE as usize) };
-                        queue.write(
-                            piece_offset(q, i),
-                            slot(k),
-                            PIECE as usize,
-                            k,
-                            blkio::ReqFlags::empty(),
-                        );
-                    }
-                    wait_all(&mut queue);
+    let workers = client.spawn_per_queue(move |q, mut queue, base| {
+        let q = q as u64;
+        let slot = |k: usize| (base + (q as usize * DEPTH + k) * PIECE as usize) as *mut u8;
+        let fill = |i: u64| (i as u8).wrapping_mul(31) ^ (q as u8 + 1);
+        let mut completions: Vec<std::mem::MaybeUninit<blkio::Completion>> = (0..DEPTH)
+            .map(|_| std::mem::MaybeUninit::uninit())
+            .collect();
+        let mut wait_all = |queue: &mut blkio::Blkioq| {
+            let mut done = 0;
+            while done < DEPTH {
+                let n = queue
+                    .do_io(&mut completions[..DEPTH - done], DEPTH - done, None, None)
+                    .expect("do_io");
+                for c in &completions[..n] {
+                    // SAFETY: do_io initialised the first n entries.
+                    assert_eq!(unsafe { c.assume_init_ref() }.ret, 0, "queue {q}");
                 }
-                queue.flush(0, blkio::ReqFlags::empty());
-                let mut one = [std::mem::MaybeUninit::uninit()];
-                let n = queue.do_io(&mut one, 1, None, None).expect("flush");
-                assert_eq!(n, 1);
-                for round in 0..ROUNDS / DEPTH as u64 {
-                    for k in 0..DEPTH {
-                        let i = round * DEPTH as u64 + k as u64;
-                        queue.read(
-                            piece_offset(q, i),
-                            slot(k),
-                            PIECE as usize,
-                            k,
-                            blkio::ReqFlags::empty(),
-                        );
-                    }
-                    wait_all(&mut queue);
-                    for k in 0..DEPTH {
-                        let i = round * DEPTH as u64 + k as u64;
-                        // SAFETY: as above; the read into slot k completed.
-                        let got = unsafe { std::slice::from_raw_parts(slot(k), PIECE as usize) };
-                        assert!(
-                            got.iter().all(|&b| b == fill(i)),
-                            "queue {q} piece {i} differs"
-                        );
-                    }
-                }
-            })
-        })
-        .collect();
+                done += n;
+            }
+        };
+        for round in 0..ROUNDS / DEPTH as u64 {
+            for k in 0..DEPTH {
+                let i = round * DEPTH as u64 + k as u64;
+                // SAFETY: slot k of queue q is PIECE bytes of the
+                // mapped region that only this thread touches.
+                unsafe { std::ptr::write_bytes(slot(k), fill(i), PIECE as usize) };
+                queue.write(
+                    piece_offset(q, i),
+                    slot(k),
+                    PIECE as usize,
+                    k,
+                    blkio::ReqFlags::empty(),
+                );
+            }
+            wait_all(&mut queue);
+        }
+        queue.flush(0, blkio::ReqFlags::empty());
+        let mut one = [std::mem::MaybeUninit::uninit()];
+        let n = queue.do_io(&mut one, 1, None, None).expect("flush");
+        assert_eq!(n, 1);
+        for round in 0..ROUNDS / DEPTH as u64 {
+            for k in 0..DEPTH {
+                let i = round * DEPTH as u64 + k as u64;
+                queue.read(
+                    piece_offset(q, i),
+                    slot(k),
+                    PIECE as usize,
+                    k,
+                    blkio::ReqFlags::empty(),
+                );
+            }
+            wait_all(&mut queue);
+            for k in 0..DEPTH {
+                let i = round * DEPTH as u64 + k as u64;
+                // SAFETY: as above; the read into slot k completed.
+                let got = unsafe { std::slice::from_raw_parts(slot(k), PIECE as usize) };
+                assert!(
+                    got.iter().all(|&b| b == fill(i)),
+                    "queue {q} piece {i} differs"
+                );
+            }
+        }
+    });
     for w in workers {
         w.join().expect("queue thread");
     }

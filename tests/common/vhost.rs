@@ -160,6 +160,25 @@ impl Client {
         })
     }
 
+    /// Moves every queue to a thread of its own running
+    /// `work(q, queue, region)`, `region` being the address of the mapped
+    /// buffer region they share; the client keeps the connection.
+    pub fn spawn_per_queue<T, F>(&mut self, work: F) -> Vec<std::thread::JoinHandle<T>>
+    where
+        T: Send + 'static,
+        F: Fn(usize, Blkioq, usize) -> T + Clone + Send + 'static,
+    {
+        let region = self.region.addr;
+        std::mem::take(&mut self.queues)
+            .into_iter()
+            .enumerate()
+            .map(|(q, queue)| {
+                let work = work.clone();
+                std::thread::spawn(move || work(q, queue, region))
+            })
+            .collect()
+    }
+
     pub fn capacity(&self) -> u64 {
         self.blkio.get_u64("capacity").expect("capacity")
     }
