@@ -42,11 +42,7 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// if needed, so that later writes there cannot fail for lack of space
     /// (`ENOSPC` is reported here instead).
     fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
-        let end = offset.saturating_add(len);
-        if end > self.len()? {
-            self.set_len(end)?;
-        }
-        Ok(())
+        extend_to(self, offset.saturating_add(len))
     }
     /// The file descriptor behind this storage, for callers that submit
     /// their own I/O (io_uring); `None` when there is no file.
@@ -59,6 +55,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn allocation(&self, _offset: u64, _len: u64) -> Option<(bool, u64)> {
         None
     }
+}
+
+/// Extends `storage` with zeros to `end` bytes if it is shorter.
+fn extend_to<S: Storage + ?Sized>(storage: &S, end: u64) -> io::Result<()> {
+    if end > storage.len()? {
+        storage.set_len(end)?;
+    }
+    Ok(())
 }
 
 /// A regular file, read with positioned reads.
@@ -166,11 +170,7 @@ impl Storage for FileStorage {
                 // Filesystems without fallocate: extend the size instead;
                 // space is then only claimed by the write itself.
                 Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
-                    let end = offset.saturating_add(len);
-                    if end > self.len()? {
-                        self.file.set_len(end)?;
-                    }
-                    return Ok(());
+                    return extend_to(self, offset.saturating_add(len))
                 }
                 _ => return Err(err),
             }
