@@ -138,7 +138,7 @@ impl Census {
             ));
         }
         for c in first..=last.min(in_file.saturating_sub(1)) {
-            *self.counts.entry(c).or_insert(0) += 1;
+            self.add_cluster(c, what);
         }
     }
 }
