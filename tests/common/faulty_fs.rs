@@ -1,7 +1,9 @@
 //! A FUSE filesystem that passes a directory's files through and fails
 //! reads, writes or fsyncs with a real `EIO` on demand: the I/O error a
 //! dying disk gives, seen through an ordinary file descriptor (and so
-//! through io_uring too). Mounting needs root (CI runs as root).
+//! through io_uring too). It can also hold a write in flight until the
+//! test releases it (a slow disk, made deterministic). Mounting needs root
+//! (CI runs as root).
 
 #![allow(dead_code)]
 
@@ -10,20 +12,60 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use fuser::{
     consts::FOPEN_DIRECT_IO, FileAttr, FileType, Filesystem, MountOption, ReplyAttr, ReplyData,
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, TimeOrNow,
 };
 
-/// Which operations fail with `EIO` now.
+/// Which operations fail with `EIO` now, and which writes are held.
 #[derive(Debug, Default)]
 pub struct Faults {
     pub reads: AtomicBool,
     pub writes: AtomicBool,
     pub fsyncs: AtomicBool,
+    holds: Mutex<Holds>,
+}
+
+/// Requests to hold: the next `count` reads or writes overlapping
+/// `[start, end)`.
+#[derive(Default)]
+struct Holds {
+    writes: bool,
+    start: u64,
+    end: u64,
+    count: usize,
+    held: Vec<Held>,
+}
+
+impl std::fmt::Debug for Holds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Holds({}..{}, {} held)",
+            self.start,
+            self.end,
+            self.held.len()
+        )
+    }
+}
+
+/// A request that has not reached the file yet, nor been answered.
+enum Held {
+    Write {
+        file: File,
+        offset: u64,
+        data: Vec<u8>,
+        reply: ReplyWrite,
+    },
+    Read {
+        file: File,
+        offset: u64,
+        size: usize,
+        reply: ReplyData,
+    },
 }
 
 impl Faults {
@@ -32,6 +74,82 @@ impl Faults {
         self.writes.store(writes, Ordering::SeqCst);
         self.fsyncs.store(fsyncs, Ordering::SeqCst);
     }
+
+    /// Holds the next `count` writes (or reads) that overlap
+    /// `[start, end)` of any file: they neither reach the file nor
+    /// complete until [`Faults::release`]. Other requests go on meanwhile.
+    pub fn hold(&self, writes: bool, start: u64, end: u64, count: usize) {
+        let mut h = self.holds.lock().unwrap();
+        h.writes = writes;
+        h.start = start;
+        h.end = end;
+        h.count = count;
+    }
+
+    /// Waits (at most 30 s) until `n` requests are held.
+    pub fn wait_held(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.holds.lock().unwrap().held.len() < n {
+            assert!(Instant::now() < deadline, "no request was held within 30 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Carries out the held requests now and completes them.
+    pub fn release(&self) {
+        let held = std::mem::take(&mut self.holds.lock().unwrap().held);
+        for h in held {
+            match h {
+                Held::Write {
+                    file,
+                    offset,
+                    data,
+                    reply,
+                } => match file.write_all_at(&data, offset) {
+                    Ok(()) => reply.written(data.len() as u32),
+                    Err(_) => reply.error(libc::EIO),
+                },
+                Held::Read {
+                    file,
+                    offset,
+                    size,
+                    reply,
+                } => match read_fully(&file, offset, size) {
+                    Some(buf) => reply.data(&buf),
+                    None => reply.error(libc::EIO),
+                },
+            }
+        }
+    }
+
+    /// Whether a request of `len` bytes at `offset` is to be held now.
+    fn take_hold(&self, writes: bool, offset: u64, len: u64) -> bool {
+        let mut h = self.holds.lock().unwrap();
+        if h.count == 0 || h.writes != writes || offset + len <= h.start || offset >= h.end {
+            return false;
+        }
+        h.count -= 1;
+        true
+    }
+
+    fn keep(&self, held: Held) {
+        self.holds.lock().unwrap().held.push(held);
+    }
+}
+
+/// Up to `size` bytes of `file` at `offset` (fewer at the end of the file).
+fn read_fully(file: &File, offset: u64, size: usize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; size];
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(_) => return None,
+        }
+    }
+    buf.truncate(done);
+    Some(buf)
 }
 
 struct Passthrough {
@@ -152,16 +270,20 @@ impl Filesystem for Passthrough {
         let Some(f) = self.file(ino) else {
             return reply.error(libc::ENOENT);
         };
-        let mut buf = vec![0u8; size as usize];
-        let mut done = 0;
-        while done < buf.len() {
-            match f.read_at(&mut buf[done..], offset as u64 + done as u64) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(_) => return reply.error(libc::EIO),
+        if self.faults.take_hold(false, offset as u64, u64::from(size)) {
+            if let Ok(file) = f.try_clone() {
+                return self.faults.keep(Held::Read {
+                    file,
+                    offset: offset as u64,
+                    size: size as usize,
+                    reply,
+                });
             }
         }
-        reply.data(&buf[..done]);
+        match read_fully(f, offset as u64, size as usize) {
+            Some(buf) => reply.data(&buf),
+            None => reply.error(libc::EIO),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -179,6 +301,22 @@ impl Filesystem for Passthrough {
     ) {
         if self.faults.writes.load(Ordering::SeqCst) {
             return reply.error(libc::EIO);
+        }
+        let Some(f) = self.file(ino) else {
+            return reply.error(libc::ENOENT);
+        };
+        if self
+            .faults
+            .take_hold(true, offset as u64, data.len() as u64)
+        {
+            if let Ok(file) = f.try_clone() {
+                return self.faults.keep(Held::Write {
+                    file,
+                    offset: offset as u64,
+                    data: data.to_vec(),
+                    reply,
+                });
+            }
         }
         match self.file(ino).map(|f| f.write_all_at(data, offset as u64)) {
             Some(Ok(())) => reply.written(data.len() as u32),
@@ -276,6 +414,8 @@ impl FaultyFs {
 
 impl Drop for FaultyFs {
     fn drop(&mut self) {
+        // A held write would keep its writer (and the unmount) waiting.
+        self.faults.release();
         if let Some(s) = self.session.take() {
             s.join();
         }
