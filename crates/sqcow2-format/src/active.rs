@@ -81,6 +81,8 @@ pub struct ActiveState {
     slice_size: u64,
     cache_budget: u64,
     summary: Option<Arc<TopSummary>>,
+    /// Test hooks.
+    pub(crate) faults: crate::fault::Faults,
 }
 
 /// Where the top's clean L2 slices are cached.
@@ -140,6 +142,7 @@ impl ActiveState {
             slice_size: link.slice_size,
             cache_budget: link.budget,
             summary: link.summary,
+            faults: crate::fault::Faults::default(),
         })
     }
 
@@ -568,6 +571,7 @@ impl ActiveState {
             return Err(self.io(e));
         }
         self.release(entry, bitmap);
+        self.faults.hit(crate::fault::FaultPoint::MidMetadataUpdate);
         self.set_entry(
             l2,
             i,

@@ -1065,6 +1065,14 @@ impl Chain {
         lock(&active.state).in_place_target(offset, len)
     }
 
+    /// Test hook: the writable engine panics at the `nth` next hit of
+    /// `point` (cargo feature `fault-injection`; without it, nothing).
+    pub fn arm_fault(&self, point: crate::fault::FaultPoint, nth: u32) {
+        if let Some(a) = &self.active {
+            lock(&a.state).faults.arm(point, nth);
+        }
+    }
+
     /// Counts a data read from `layer` done by a caller that reads the
     /// host file itself (see [`Chain::data_reads_per_layer`]).
     pub fn count_data_read(&self, layer: LayerIndex) {

@@ -17,6 +17,7 @@ pub mod create;
 pub mod entry;
 pub mod error;
 pub mod extension;
+mod fault;
 pub mod features;
 pub mod gen;
 pub mod header;
@@ -32,6 +33,7 @@ pub mod types;
 
 pub use chain::{Chain, ChainOptions, Extent, ExtentKind};
 pub use error::{Error, ErrorKind, Feature, Table};
+pub use fault::FaultPoint;
 pub use header::{CompressionType, Header, Version};
 pub use layer::Layer;
 pub use types::{GuestOffset, HostOffset, LayerIndex};
