@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use sqcow2_cache::{CacheConfig, Policy, SliceCache, SliceKey};
+use sqcow2_cache::{CacheConfig, Policy, SliceCache, SliceKey, Source};
 
 const SLICE_ENTRIES: usize = 512; // a 4 KiB slice
 const SLICES: u64 = 50_000;
@@ -88,7 +88,7 @@ fn main() {
             });
             for &s in &t {
                 let key = SliceKey {
-                    source: 0,
+                    source: Source::Layer(0),
                     offset: s * 4096,
                 };
                 let _ = cache.get_or_load(key, || Ok::<_, ()>(slice.clone()));

@@ -23,19 +23,27 @@ pub use stats::{CacheStats, StatsSnapshot};
 /// Default byte budget: QEMU's default L2 cache size for one layer.
 pub const DEFAULT_BUDGET: u64 = 32 << 20;
 
-/// What identifies a slice: which metadata source (a layer, or the chain
-/// index) and the slice's byte offset in it.
+/// Where a cached slice comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SliceKey {
-    /// Layer number, or [`SliceKey::INDEX`] for the chain index.
-    pub source: u32,
-    /// Byte offset of the slice in its file.
-    pub offset: u64,
+pub enum Source {
+    /// An L2 table of the layer with this number (0 is the base).
+    Layer(u32),
+    /// The chain index.
+    Index,
+    /// Resolved slices (the top and the index combined), by guest slice
+    /// number.
+    Resolved,
 }
 
-impl SliceKey {
-    /// The source number of the chain index.
-    pub const INDEX: u32 = u32::MAX;
+/// What identifies a slice: its source and its place there (a byte
+/// offset in the file, or a guest slice number for resolved slices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SliceKey {
+    /// Where the slice comes from.
+    pub source: Source,
+    /// Byte offset of the slice in its file (guest slice number for
+    /// [`Source::Resolved`]).
+    pub offset: u64,
 }
 
 /// A cached slice: decoded big-endian table entries.
@@ -186,7 +194,7 @@ impl SliceCache {
     }
 
     /// Drops every slice of `source`.
-    pub fn remove_source(&self, source: u32) {
+    pub fn remove_source(&self, source: Source) {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             let keys: Vec<SliceKey> = shard
@@ -239,7 +247,7 @@ mod tests {
             for i in 0..10_000u64 {
                 cache.insert(
                     SliceKey {
-                        source: (i % 7) as u32,
+                        source: Source::Layer((i % 7) as u32),
                         offset: i * 4096,
                     },
                     slice(512, i),
@@ -255,7 +263,7 @@ mod tests {
     fn hits_return_what_was_inserted() {
         let cache = SliceCache::new(CacheConfig::default());
         let key = SliceKey {
-            source: 3,
+            source: Source::Layer(3),
             offset: 65536,
         };
         assert!(cache.get(key).is_none());
@@ -283,7 +291,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..20_000u64 {
                         let key = SliceKey {
-                            source: 0,
+                            source: Source::Layer(0),
                             offset: (i * 7 + t) % 4000,
                         };
                         let v = cache
@@ -317,7 +325,7 @@ mod churn_tests {
             });
             for i in 0..100_000u64 {
                 let key = SliceKey {
-                    source: 0,
+                    source: Source::Layer(0),
                     offset: i % 10,
                 };
                 cache.insert(key, vec![i; 4].into());

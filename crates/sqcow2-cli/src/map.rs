@@ -44,6 +44,8 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
             ExtentKind::Zero { host, allocated } => {
                 (allocated, true, false, false, host.map(|h| h.0))
             }
+            // A kind this version does not know: data, place not shown.
+            _ => (true, false, true, false, None),
         };
         entries.push((
             MapEntry {

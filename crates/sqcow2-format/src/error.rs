@@ -47,6 +47,7 @@ impl<T> WithPath<T> for Result<T, ErrorKind> {
 
 /// A qcow2 metadata table, named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Table {
     /// The active L1 table.
     L1,
@@ -74,6 +75,7 @@ impl fmt::Display for Table {
 
 /// What is wrong with a file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The operating system refused an operation.
     #[error("I/O error: {0}")]
@@ -269,6 +271,20 @@ pub enum ErrorKind {
         /// The configured limit.
         limit: usize,
     },
+    /// A write to a chain opened read-only.
+    #[error("image opened read-only")]
+    ReadOnly,
+    /// Writes are refused until the image is reopened: the metadata in
+    /// memory may be inconsistent (an internal error interrupted an
+    /// update). Nothing more is written back.
+    #[error("writes refused until the image is reopened: {reason}")]
+    EngineFailed {
+        /// What happened.
+        reason: String,
+    },
+    /// A transfer ticket issued by another chain (a bug in the caller).
+    #[error("transfer ticket of another chain")]
+    ForeignTicket,
     /// A read outside the virtual disk.
     #[error("request at {offset:#x} ({len} bytes) is beyond the virtual size {size}")]
     OutOfRange {
@@ -283,6 +299,7 @@ pub enum ErrorKind {
 
 /// A qcow2 feature that sqcow2 does not implement, named in errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Feature {
     /// AES encryption (crypt_method 1).
     AesEncryption,

@@ -22,6 +22,28 @@ pub const V3_MIN_HEADER_LEN: usize = 104;
 /// Incompatible bits sqcow2 knows.
 const KNOWN_INCOMPAT: u64 =
     INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
+/// Byte offsets of the header fields (qcow2 specification, "Header").
+pub(crate) mod field {
+    pub(crate) const MAGIC: usize = 0;
+    pub(crate) const VERSION: usize = 4;
+    pub(crate) const BACKING_FILE_OFFSET: usize = 8;
+    pub(crate) const BACKING_FILE_SIZE: usize = 16;
+    pub(crate) const CLUSTER_BITS: usize = 20;
+    pub(crate) const SIZE: usize = 24;
+    pub(crate) const CRYPT_METHOD: usize = 32;
+    pub(crate) const L1_SIZE: usize = 36;
+    pub(crate) const L1_TABLE_OFFSET: usize = 40;
+    pub(crate) const REFCOUNT_TABLE_OFFSET: usize = 48;
+    pub(crate) const REFCOUNT_TABLE_CLUSTERS: usize = 56;
+    pub(crate) const NB_SNAPSHOTS: usize = 60;
+    pub(crate) const SNAPSHOTS_OFFSET: usize = 64;
+    pub(crate) const INCOMPATIBLE_FEATURES: usize = 72;
+    pub(crate) const COMPATIBLE_FEATURES: usize = 80;
+    pub(crate) const AUTOCLEAR_FEATURES: usize = 88;
+    pub(crate) const REFCOUNT_ORDER: usize = 96;
+    pub(crate) const HEADER_LENGTH: usize = 100;
+}
+
 /// QEMU's limit on the active L1 table (bytes).
 pub const MAX_L1_BYTES: u64 = 32 << 20;
 /// QEMU's limit on the refcount table (bytes).
@@ -152,7 +174,7 @@ impl Header {
     /// sees the whole header cluster: the cluster size, once the first
     /// bytes have given `cluster_bits`.
     pub fn cluster_size_hint(first: &[u8]) -> Option<u64> {
-        let bits = be_u32(first, 20);
+        let bits = be_u32(first, field::CLUSTER_BITS);
         (9..=21).contains(&bits).then(|| 1u64 << bits)
     }
 
@@ -170,11 +192,11 @@ impl Header {
         if file_size < 8 || cluster.len() < 8 {
             return Err(truncated(V2_HEADER_LEN));
         }
-        let magic = be_u32(cluster, 0);
+        let magic = be_u32(cluster, field::MAGIC);
         if magic != QCOW2_MAGIC {
             return Err(ErrorKind::BadMagic(magic));
         }
-        let version = match be_u32(cluster, 4) {
+        let version = match be_u32(cluster, field::VERSION) {
             2 => Version::V2,
             3 => Version::V3,
             v => return Err(ErrorKind::UnsupportedVersion(v)),
@@ -186,7 +208,7 @@ impl Header {
         if file_size < min_len as u64 || cluster.len() < min_len {
             return Err(truncated(min_len));
         }
-        let cluster_bits = be_u32(cluster, 20);
+        let cluster_bits = be_u32(cluster, field::CLUSTER_BITS);
         if !(9..=21).contains(&cluster_bits) {
             return Err(ErrorKind::ClusterBits(cluster_bits));
         }
@@ -196,12 +218,12 @@ impl Header {
             Version::V2 => (FeatureBits::default(), 4, V2_HEADER_LEN as u32),
             Version::V3 => (
                 FeatureBits {
-                    incompatible: be_u64(cluster, 72),
-                    compatible: be_u64(cluster, 80),
-                    autoclear: be_u64(cluster, 88),
+                    incompatible: be_u64(cluster, field::INCOMPATIBLE_FEATURES),
+                    compatible: be_u64(cluster, field::COMPATIBLE_FEATURES),
+                    autoclear: be_u64(cluster, field::AUTOCLEAR_FEATURES),
                 },
-                be_u32(cluster, 96),
-                be_u32(cluster, 100),
+                be_u32(cluster, field::REFCOUNT_ORDER),
+                be_u32(cluster, field::HEADER_LENGTH),
             ),
         };
         if version == Version::V3 && (header_length as usize) < V3_MIN_HEADER_LEN {
@@ -220,8 +242,8 @@ impl Header {
             return Err(truncated(header_length as usize));
         }
 
-        let backing_file_offset = be_u64(cluster, 8);
-        let backing_file_size = be_u32(cluster, 16);
+        let backing_file_offset = be_u64(cluster, field::BACKING_FILE_OFFSET);
+        let backing_file_size = be_u32(cluster, field::BACKING_FILE_SIZE);
         if backing_file_offset > cluster_size {
             return Err(ErrorKind::InvalidBackingName(format!(
                 "offset {backing_file_offset:#x} lies beyond the first cluster"
@@ -290,7 +312,7 @@ impl Header {
                 format!("{refcount_order} is above 6"),
             ));
         }
-        let crypt_method = be_u32(cluster, 32);
+        let crypt_method = be_u32(cluster, field::CRYPT_METHOD);
         match crypt_method {
             0 => {}
             1 => return Err(ErrorKind::Unsupported(Feature::AesEncryption)),
@@ -298,8 +320,8 @@ impl Header {
             m => return Err(ErrorKind::Unsupported(Feature::UnknownEncryption(m))),
         }
 
-        let refcount_table_offset = be_u64(cluster, 48);
-        let refcount_table_clusters = be_u32(cluster, 56);
+        let refcount_table_offset = be_u64(cluster, field::REFCOUNT_TABLE_OFFSET);
+        let refcount_table_clusters = be_u32(cluster, field::REFCOUNT_TABLE_CLUSTERS);
         if refcount_table_clusters == 0 {
             return Err(invalid(
                 "refcount_table_clusters",
@@ -315,8 +337,8 @@ impl Header {
             cluster_size,
             file_size,
         )?;
-        let nb_snapshots = be_u32(cluster, 60);
-        let snapshots_offset = be_u64(cluster, 64);
+        let nb_snapshots = be_u32(cluster, field::NB_SNAPSHOTS);
+        let snapshots_offset = be_u64(cluster, field::SNAPSHOTS_OFFSET);
         validate_table(
             Table::Snapshots,
             snapshots_offset,
@@ -326,8 +348,8 @@ impl Header {
             cluster_size,
             file_size,
         )?;
-        let l1_size = be_u32(cluster, 36);
-        let l1_table_offset = be_u64(cluster, 40);
+        let l1_size = be_u32(cluster, field::L1_SIZE);
+        let l1_table_offset = be_u64(cluster, field::L1_TABLE_OFFSET);
         validate_table(
             Table::L1,
             l1_table_offset,
@@ -337,7 +359,7 @@ impl Header {
             cluster_size,
             file_size,
         )?;
-        let size = be_u64(cluster, 24);
+        let size = be_u64(cluster, field::SIZE);
         let needed = geometry.l1_entries_for(size);
         if size > i64::MAX as u64 || needed > i32::MAX as u64 {
             return Err(ErrorKind::SizeTooLarge(size));

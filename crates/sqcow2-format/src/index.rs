@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use sqcow2_cache::{Slice, SliceCache, SliceKey};
+use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use crate::bytes::{be_u32, be_u64};
 use crate::storage::Storage;
@@ -544,7 +544,7 @@ impl ChainIndex {
             return Some(None);
         }
         let key = SliceKey {
-            source: SliceKey::INDEX,
+            source: Source::Index,
             offset,
         };
         let words: Result<Slice, Stale> = cache.get_or_load(key, || {

@@ -10,7 +10,7 @@ use crate::error::{ErrorKind, Table};
 use crate::header::Header;
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
-use sqcow2_cache::{Slice, SliceCache, SliceKey};
+use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// What a layer says about a run of guest bytes.
@@ -154,7 +154,7 @@ impl Qcow2Layer {
         }
         let slice = L2Slice::locate(g, l2_offset, guest, slice_size);
         let key = SliceKey {
-            source: index.0 as u32,
+            source: Source::Layer(index.0 as u32),
             offset: slice.offset,
         };
         let words = cache.get_or_load(key, || {

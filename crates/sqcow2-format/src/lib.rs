@@ -7,7 +7,7 @@
 
 #![warn(missing_docs)]
 
-pub mod active;
+mod active;
 pub mod backing;
 mod bytes;
 pub mod chain;
@@ -19,6 +19,7 @@ pub mod error;
 pub mod extension;
 mod fault;
 pub mod features;
+mod fence;
 pub mod gen;
 pub mod header;
 pub mod index;
@@ -31,9 +32,10 @@ pub mod storage;
 pub mod summary;
 pub mod types;
 
-pub use chain::{Chain, ChainOptions, Extent, ExtentKind};
+pub use chain::{Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, ReadExtent};
 pub use error::{Error, ErrorKind, Feature, Table};
 pub use fault::FaultPoint;
+pub use fence::TransferTicket;
 pub use header::{CompressionType, Header, Version};
 pub use layer::Layer;
 pub use types::{GuestOffset, HostOffset, LayerIndex};

@@ -1,9 +1,10 @@
 //! Reference counts: the refcount table and blocks of a writable image,
 //! cluster allocation, and growth of the refcount structures.
 //!
-//! Changes stay in memory until [`Refcounts::write_blocks`] and
-//! [`Refcounts::write_table`] are called by the flush sequence, which
-//! orders them so that a crash leaves at worst leaked clusters.
+//! Changes stay in memory until the flush sequence writes them
+//! ([`Refcounts::dirty_snapshot`], written outside the metadata lock,
+//! then [`Refcounts::mark_written`]), in an order that leaves at worst
+//! leaked clusters after a crash.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -55,6 +56,23 @@ pub fn set_entry(block: &mut [u8], order: u32, i: usize, value: u64) {
     }
 }
 
+/// Reserves file space for clusters `idx .. idx + count` of
+/// `1 << cluster_bits` bytes.
+pub(crate) fn reserve_clusters(
+    storage: &dyn Storage,
+    cluster_bits: u32,
+    idx: u64,
+    count: u64,
+) -> Result<(), ErrorKind> {
+    let offset = idx
+        .checked_shl(cluster_bits)
+        .filter(|o| o >> cluster_bits == idx)
+        .ok_or(ErrorKind::Io(std::io::Error::from_raw_os_error(
+            libc::EFBIG,
+        )))?;
+    Ok(storage.reserve(offset, count << cluster_bits)?)
+}
+
 /// Largest refcount an entry of `1 << order` bits holds.
 pub fn max_refcount(order: u32) -> u64 {
     if order == 6 {
@@ -68,6 +86,67 @@ pub fn max_refcount(order: u32) -> u64 {
 struct Block {
     data: Vec<u8>,
     dirty: bool,
+    /// Bumped by every change, so that a write of an older copy does not
+    /// mark a newer change clean.
+    generation: u64,
+}
+
+impl Block {
+    fn new(data: Vec<u8>, dirty: bool) -> Self {
+        Block {
+            data,
+            dirty,
+            generation: 0,
+        }
+    }
+}
+
+/// A copy of the refcount structures that wait to be written, taken under
+/// the metadata lock and written outside it.
+#[derive(Debug, Default)]
+pub(crate) struct RefcountSnapshot {
+    /// Blocks: (block number, host offset, bytes, generation).
+    blocks: Vec<(u64, u64, Vec<u8>, u64)>,
+    /// The whole table when it moved: (offset, clusters, bytes, epoch).
+    moved_table: Option<(u64, u64, Vec<u8>, u64)>,
+    /// Changed table entries: (offset, value).
+    entries: Vec<(u64, u64)>,
+    /// Indices of the changed entries (to restore on failure).
+    entry_indices: Vec<usize>,
+}
+
+impl RefcountSnapshot {
+    /// Whether nothing waits to be written.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty() && self.moved_table.is_none() && self.entries.is_empty()
+    }
+
+    /// Writes the blocks; whether anything was written.
+    pub(crate) fn write_blocks(&self, storage: &dyn Storage) -> std::io::Result<bool> {
+        for (_, offset, data, _) in &self.blocks {
+            storage.write_at(data, *offset)?;
+        }
+        Ok(!self.blocks.is_empty())
+    }
+
+    /// Writes the table (whole if it moved, else the changed entries);
+    /// whether anything was written.
+    pub(crate) fn write_table(&self, storage: &dyn Storage) -> std::io::Result<bool> {
+        if let Some((offset, _, bytes, _)) = &self.moved_table {
+            storage.write_at(bytes, *offset)?;
+            return Ok(true);
+        }
+        for (offset, value) in &self.entries {
+            storage.write_at(&value.to_be_bytes(), *offset)?;
+        }
+        Ok(!self.entries.is_empty())
+    }
+
+    /// Where the header must point once the table is written, if it moved:
+    /// (offset, clusters).
+    pub(crate) fn moved_to(&self) -> Option<(u64, u64)> {
+        self.moved_table.as_ref().map(|(o, c, _, _)| (*o, *c))
+    }
 }
 
 /// The refcount structures of one writable image.
@@ -80,6 +159,8 @@ pub struct Refcounts {
     table_clusters: u64,
     dirty_entries: BTreeSet<usize>,
     table_moved: bool,
+    /// Bumped whenever the table moves.
+    table_epoch: u64,
     blocks: HashMap<u64, Block>,
     cursor: u64,
     pending_free: Vec<u64>,
@@ -106,6 +187,7 @@ impl Refcounts {
             table_clusters: u64::from(table_clusters),
             dirty_entries: BTreeSet::new(),
             table_moved: false,
+            table_epoch: 0,
             blocks: HashMap::new(),
             cursor: 0,
             pending_free: Vec::new(),
@@ -114,17 +196,6 @@ impl Refcounts {
 
     fn block_bits(&self) -> u32 {
         self.cluster_bits + 3 - self.order
-    }
-
-    /// Refcount table location: (offset, clusters).
-    pub fn table_location(&self) -> (u64, u64) {
-        (self.table_offset, self.table_clusters)
-    }
-
-    /// Whether the table moved since the last [`Refcounts::write_table`]
-    /// (the header must then be rewritten after the table).
-    pub fn table_moved(&self) -> bool {
-        self.table_moved
     }
 
     fn block(&mut self, storage: &dyn Storage, bi: u64) -> Result<Option<&mut Block>, ErrorKind> {
@@ -154,9 +225,29 @@ impl Refcounts {
             }
             let mut data = vec![0u8; cluster_size as usize];
             storage.read_at(&mut data, offset)?;
-            self.blocks.insert(bi, Block { data, dirty: false });
+            self.blocks.insert(bi, Block::new(data, false));
         }
         Ok(self.blocks.get_mut(&bi))
+    }
+
+    /// Refcount of host cluster `idx` if its block is in memory already
+    /// (`Some(0)` where no block covers it): a lookup that needs no write
+    /// access.
+    pub(crate) fn peek(&self, idx: u64) -> Option<u64> {
+        let bits = self.block_bits();
+        let bi = idx >> bits;
+        let Some(&entry) = usize::try_from(bi).ok().and_then(|i| self.table.get(i)) else {
+            return Some(0);
+        };
+        if entry & OFFSET_MASK == 0 {
+            return Some(0);
+        }
+        let block = self.blocks.get(&bi)?;
+        Some(get_entry(
+            &block.data,
+            self.order,
+            (idx & ((1 << bits) - 1)) as usize,
+        ))
     }
 
     /// Refcount of host cluster `idx` (0 where no block covers it).
@@ -189,6 +280,7 @@ impl Refcounts {
         };
         set_entry(&mut block.data, order, i, value);
         block.dirty = true;
+        block.generation += 1;
         Ok(())
     }
 
@@ -208,9 +300,9 @@ impl Refcounts {
         self.set(storage, idx, v + 1)
     }
 
-    /// Queues a decrement of cluster `idx`, applied by
-    /// [`Refcounts::apply_pending_frees`] once no metadata on disk
-    /// references the cluster through the old mapping.
+    /// Queues a decrement of cluster `idx`, applied by a flush once no
+    /// metadata on disk references the cluster through the old mapping and
+    /// no transfer that looked the old mapping up is still running.
     pub fn free_later(&mut self, idx: u64) {
         self.pending_free.push(idx);
     }
@@ -220,21 +312,6 @@ impl Refcounts {
         !self.pending_free.is_empty()
     }
 
-    /// Applies the queued decrements in memory; freed clusters become
-    /// available for allocation.
-    pub fn apply_pending_frees(&mut self, storage: &dyn Storage) -> Result<(), ErrorKind> {
-        for idx in std::mem::take(&mut self.pending_free) {
-            let v = self.get(storage, idx)?;
-            if v > 0 {
-                self.set(storage, idx, v - 1)?;
-                if v == 1 {
-                    self.cursor = self.cursor.min(idx);
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Allocates one cluster (refcount 0 -> 1) and returns its index.
     ///
     /// Every cluster handed out (and every refcount block or table cluster
@@ -242,6 +319,19 @@ impl Refcounts {
     /// full filesystem fails this call and leaves the counts unchanged,
     /// instead of failing a later write of data or metadata.
     pub fn alloc(&mut self, storage: &dyn Storage) -> Result<u64, ErrorKind> {
+        let idx = self.alloc_unreserved(storage)?;
+        if let Err(e) = self.reserve(storage, idx, 1) {
+            self.unalloc(storage, idx)?;
+            return Err(e);
+        }
+        Ok(idx)
+    }
+
+    /// [`Refcounts::alloc`] without reserving the returned cluster's space
+    /// (refcount blocks and tables placed on the way are reserved): the
+    /// caller reserves it with [`Refcounts::reserve_cluster`] outside the
+    /// metadata lock, and gives it back if that fails.
+    pub(crate) fn alloc_unreserved(&mut self, storage: &dyn Storage) -> Result<u64, ErrorKind> {
         loop {
             let idx = self.cursor;
             let bits = self.block_bits();
@@ -257,19 +347,13 @@ impl Refcounts {
                 let cluster_size = 1usize << self.cluster_bits;
                 self.table[bi as usize] = idx << self.cluster_bits;
                 self.dirty_entries.insert(bi as usize);
-                self.blocks.insert(
-                    bi,
-                    Block {
-                        data: vec![0; cluster_size],
-                        dirty: true,
-                    },
-                );
+                self.blocks
+                    .insert(bi, Block::new(vec![0; cluster_size], true));
                 self.set(storage, idx, 1)?;
                 self.cursor = idx + 1;
                 continue;
             }
             if self.get(storage, idx)? == 0 {
-                self.reserve(storage, idx, 1)?;
                 self.set(storage, idx, 1)?;
                 self.cursor = idx + 1;
                 return Ok(idx);
@@ -290,13 +374,7 @@ impl Refcounts {
 
     /// Reserves file space for clusters `idx .. idx + count`.
     fn reserve(&self, storage: &dyn Storage, idx: u64, count: u64) -> Result<(), ErrorKind> {
-        let offset = idx
-            .checked_shl(self.cluster_bits)
-            .filter(|o| o >> self.cluster_bits == idx)
-            .ok_or(ErrorKind::Io(std::io::Error::from_raw_os_error(
-                libc::EFBIG,
-            )))?;
-        Ok(storage.reserve(offset, count << self.cluster_bits)?)
+        reserve_clusters(storage, self.cluster_bits, idx, count)
     }
 
     /// Grows the refcount table so that it covers cluster `idx`, placing
@@ -334,10 +412,7 @@ impl Refcounts {
             table[(first_bi + k) as usize] = (idx + k) << self.cluster_bits;
             self.blocks.insert(
                 first_bi + k,
-                Block {
-                    data: vec![0; cluster_size as usize],
-                    dirty: true,
-                },
+                Block::new(vec![0; cluster_size as usize], true),
             );
         }
         self.table = table;
@@ -351,47 +426,105 @@ impl Refcounts {
         self.table_offset = (idx + blocks) << self.cluster_bits;
         self.table_clusters = table_clusters;
         self.table_moved = true;
+        self.table_epoch += 1;
         self.dirty_entries.clear();
         Ok(())
     }
 
-    /// Writes every modified refcount block in place.
+    /// Writes every modified refcount block in place (offline repairs,
+    /// which hold the image alone).
     pub fn write_blocks(&mut self, storage: &dyn Storage) -> Result<bool, ErrorKind> {
-        let mut wrote = false;
-        for (bi, block) in self.blocks.iter_mut() {
+        let snapshot = self.dirty_snapshot();
+        let wrote = snapshot.write_blocks(storage)?;
+        self.mark_written(&snapshot);
+        Ok(wrote)
+    }
+
+    /// A copy of everything that waits to be written. The copy is written
+    /// outside the metadata lock; [`Refcounts::mark_written`] afterwards
+    /// marks clean what has not changed since, and
+    /// [`Refcounts::restore`] puts back what a failed write left unwritten.
+    pub(crate) fn dirty_snapshot(&mut self) -> RefcountSnapshot {
+        let mut snap = RefcountSnapshot::default();
+        for (bi, block) in &self.blocks {
             if block.dirty {
-                let offset = self.table[*bi as usize] & OFFSET_MASK;
-                storage.write_at(&block.data, offset)?;
-                block.dirty = false;
-                wrote = true;
+                let offset = self.table.get(*bi as usize).map_or(0, |e| e & OFFSET_MASK);
+                snap.blocks
+                    .push((*bi, offset, block.data.clone(), block.generation));
             }
         }
-        Ok(wrote)
-    }
-
-    /// Writes the refcount table: whole if it moved, else the changed
-    /// entries. Returns whether anything was written.
-    pub fn write_table(&mut self, storage: &dyn Storage) -> Result<bool, ErrorKind> {
-        let wrote = if self.table_moved {
-            let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
-            storage.write_at(&bytes, self.table_offset)?;
-            true
+        if self.table_moved {
+            let bytes = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
+            snap.moved_table = Some((
+                self.table_offset,
+                self.table_clusters,
+                bytes,
+                self.table_epoch,
+            ));
+            snap.entry_indices = std::mem::take(&mut self.dirty_entries)
+                .into_iter()
+                .collect();
         } else {
-            for &i in &self.dirty_entries {
-                storage.write_at(
-                    &self.table[i].to_be_bytes(),
-                    self.table_offset + i as u64 * 8,
-                )?;
+            for i in std::mem::take(&mut self.dirty_entries) {
+                snap.entries
+                    .push((self.table_offset + i as u64 * 8, self.table[i]));
+                snap.entry_indices.push(i);
             }
-            !self.dirty_entries.is_empty()
-        };
-        self.dirty_entries.clear();
-        Ok(wrote)
+        }
+        snap
     }
 
-    /// Marks the header update for a moved table as done.
-    pub fn table_header_written(&mut self) {
-        self.table_moved = false;
+    /// Marks clean what `snapshot` wrote and has not changed since (the
+    /// header already points at a moved table).
+    pub(crate) fn mark_written(&mut self, snapshot: &RefcountSnapshot) {
+        for (bi, _, _, generation) in &snapshot.blocks {
+            if let Some(block) = self.blocks.get_mut(bi) {
+                if block.generation == *generation {
+                    block.dirty = false;
+                }
+            }
+        }
+        if let Some((_, _, _, epoch)) = snapshot.moved_table {
+            if epoch == self.table_epoch {
+                self.table_moved = false;
+            }
+        }
+    }
+
+    /// Puts back the table entries of a snapshot whose write failed, so
+    /// that the next flush writes them again (blocks stay dirty anyway).
+    pub(crate) fn restore(&mut self, snapshot: &RefcountSnapshot) {
+        self.dirty_entries
+            .extend(snapshot.entry_indices.iter().copied());
+    }
+
+    /// Takes the queued decrements for a flush to apply once it is safe.
+    pub(crate) fn take_pending_frees(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.pending_free)
+    }
+
+    /// Puts back decrements taken by a flush that failed.
+    pub(crate) fn return_pending_frees(&mut self, frees: Vec<u64>) {
+        self.pending_free.extend(frees);
+    }
+
+    /// Applies decrements taken by [`Refcounts::take_pending_frees`]: the
+    /// clusters that reach 0 become allocatable.
+    pub(crate) fn apply_frees(
+        &mut self,
+        storage: &dyn Storage,
+        frees: &[u64],
+    ) -> Result<(), ErrorKind> {
+        for &idx in frees {
+            let v = self.get(storage, idx)?;
+            if v > 0 {
+                self.set(storage, idx, v - 1)?;
+                if v == 1 {
+                    self.cursor = self.cursor.min(idx);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether anything waits to be written.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::extension::{HeaderExtension, EXT_BACKING_FORMAT, EXT_FEATURE_TABLE};
-use crate::header::{Header, Version};
+use crate::header::{field, Header, Version};
 use crate::index::{ChainIndex, LayerFingerprint, Stale, AUTOCLEAR_SQCOW2, EXT_SQCOW2};
 use crate::layer::Layer;
 use crate::storage::{FileStorage, Storage};
@@ -177,7 +177,7 @@ pub fn set_autoclear_bit(storage: &dyn Storage, header: &Header) -> std::io::Res
         return Ok(false);
     }
     let bits = header.features.autoclear | AUTOCLEAR_SQCOW2;
-    storage.write_at(&bits.to_be_bytes(), 88)?;
+    storage.write_at(&bits.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64)?;
     storage.sync()?;
     Ok(true)
 }

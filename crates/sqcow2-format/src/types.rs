@@ -113,3 +113,24 @@ impl Geometry {
         size.div_ceil(self.l2_coverage())
     }
 }
+
+/// A guest cluster: a guest offset divided by the cluster size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GuestCluster(pub u64);
+
+impl Geometry {
+    /// The guest cluster holding `guest`.
+    pub fn guest_cluster(&self, guest: GuestOffset) -> GuestCluster {
+        GuestCluster(guest.0 >> self.cluster_bits)
+    }
+
+    /// The first byte of the cluster holding `guest`.
+    pub fn cluster_start(&self, guest: GuestOffset) -> GuestOffset {
+        GuestOffset(guest.0 & !(self.cluster_size() - 1))
+    }
+
+    /// The host cluster number of a host offset.
+    pub fn host_cluster(&self, host: HostOffset) -> u64 {
+        host.0 >> self.cluster_bits
+    }
+}

@@ -90,7 +90,8 @@ struct InFlight {
     pending: u32,
     failed: bool,
     short: bool,
-    ticket: u64,
+    /// Held until the request's transfers have finished.
+    ticket: sqcow2_format::TransferTicket,
 }
 
 /// The engine of one worker thread.
@@ -310,7 +311,7 @@ impl QueueWorker {
         req: Request,
         mem: &Arc<GuestMem>,
     ) -> Option<Completion> {
-        let ticket = self.device.fence().begin();
+        let ticket = self.device.chain().begin_transfer();
         let kind = req.kind.clone();
         let slot = self.slots.insert(InFlight {
             started: std::time::Instant::now(),
@@ -408,9 +409,11 @@ impl QueueWorker {
             while done < piece.len() {
                 let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
                 let src = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
-                let target = match top_fd {
-                    Some(fd) => chain.in_place_target(pos, n as u64)?.map(|h| (fd, h)),
-                    None => None,
+                let target = match (top_fd, self.slots.get(slot)) {
+                    (Some(fd), Some(f)) => chain
+                        .in_place_target(&f.ticket, GuestOffset(pos), n as u64)?
+                        .map(|t| (fd, t.host.0)),
+                    _ => None,
                 };
                 match target {
                     Some((fd, host)) => {
@@ -447,7 +450,12 @@ impl QueueWorker {
             let mut done = 0usize;
             while done < piece.len() {
                 let want = (piece.len() - done) as u64;
-                let extent = chain.resolve(GuestOffset(pos), want, false)?;
+                let Some(f) = self.slots.get(slot) else {
+                    return Err(ReadError::Memory);
+                };
+                let extent = chain
+                    .resolve_for_read(&f.ticket, GuestOffset(pos), want)?
+                    .extent;
                 let n = extent.len.min(want) as usize;
                 let dst = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
                 match extent.kind {
@@ -455,7 +463,8 @@ impl QueueWorker {
                     ExtentKind::Data { host } => {
                         self.queue_read(slot, extent.layer, host.0, &dst, pos)?;
                     }
-                    ExtentKind::Compressed(_) => {
+                    // Compressed (and anything else): through the engine.
+                    _ => {
                         let mut tmp = vec![0u8; n];
                         chain.read_at(&mut tmp, pos)?;
                         dst.copy_from(&tmp);
@@ -479,7 +488,6 @@ impl QueueWorker {
     ) -> Result<(), ReadError> {
         let chain = self.device.chain();
         let storage = chain.layers()[layer.0].storage().clone();
-        chain.count_data_read(layer);
         let Some(fd) = storage.raw_fd() else {
             let mut tmp = vec![0u8; dst.len()];
             chain.read_at(&mut tmp, guest)?;
@@ -616,7 +624,7 @@ impl QueueWorker {
             _ if f.failed || f.short => Outcome::ioerr(),
             _ => Outcome::ok(0),
         };
-        self.device.fence().end(f.ticket);
+        drop(f.ticket);
         self.account(f.queue, &f.request, &outcome, f.started);
         Some(finish(f.queue, &f.request, outcome, &f.mem))
     }
@@ -719,7 +727,6 @@ impl QueueWorker {
         // Our own reads first (only this thread reaps them), then everyone
         // else's: a flush may make clusters freed by discards reusable.
         self.drain();
-        self.device.fence().wait_for_earlier();
         match self.device.chain().flush() {
             Ok(()) => Outcome::ok(0),
             Err(e) => {

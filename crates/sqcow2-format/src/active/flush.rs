@@ -1,0 +1,196 @@
+//! The ordered flush. What waits to be written is copied under the
+//! metadata lock ([`WriteBack`]) and written with no lock held, each step
+//! made durable before the next:
+//!
+//! 1. guest data;
+//! 2. refcount blocks, then the refcount table, then the header when the
+//!    table moved (new clusters are counted before anything points to
+//!    them);
+//! 3. L2 tables, then L1 entries;
+//! 4. decrements of clusters no longer referenced, which only then become
+//!    free for reuse, and only once every transfer that may still use them
+//!    has ended (the transfer fence).
+//!
+//! A crash at any point leaves at worst leaked clusters. With lazy
+//! refcounts step 2 and 4's writes are deferred to a clean close, and the
+//! dirty bit is set on disk before the first metadata write.
+
+use crate::error::Error;
+use crate::features::INCOMPAT_DIRTY;
+use crate::fence::FenceCut;
+use crate::header::field;
+use crate::refcount::RefcountSnapshot;
+
+use super::state::{ActiveState, TopFile};
+
+/// A copy of the metadata that waits to be written, taken at one instant.
+#[derive(Debug, Default)]
+pub(crate) struct WriteBack {
+    refcounts: RefcountSnapshot,
+    /// Dirty L2 tables: (offset, bytes, generation).
+    tables: Vec<(u64, Vec<u8>, u64)>,
+    /// Dirty L1 entries: (index, value).
+    l1: Vec<(usize, u64)>,
+    /// Releases queued before the copy, and the transfers that may still
+    /// use the released clusters (the tickets taken before the copy).
+    pub(crate) frees: Vec<u64>,
+    pub(crate) cut: Option<FenceCut>,
+    /// The dirty bit must be set on disk first (lazy refcounts).
+    set_dirty_bit: bool,
+}
+
+impl WriteBack {
+    /// Whether only a data sync is needed.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.refcounts.is_empty() && self.tables.is_empty() && self.l1.is_empty()
+    }
+}
+
+impl ActiveState {
+    /// Copies what waits to be written; with `frees`, also takes the queued
+    /// releases (applied by the flush after the fence, at `cut`).
+    pub(crate) fn take_write_back(&mut self, frees: Option<FenceCut>) -> WriteBack {
+        let lazy = self.top.lazy_refcounts;
+        let mut wb = WriteBack {
+            refcounts: if lazy {
+                RefcountSnapshot::default()
+            } else {
+                self.refcounts.dirty_snapshot()
+            },
+            ..WriteBack::default()
+        };
+        for (offset, slot) in &self.l2 {
+            if slot.dirty {
+                let bytes = slot.table.iter().flat_map(|e| e.to_be_bytes()).collect();
+                wb.tables.push((*offset, bytes, slot.generation));
+            }
+        }
+        wb.l1 = std::mem::take(&mut self.dirty_l1)
+            .into_iter()
+            .map(|i| (i, self.l1[i]))
+            .collect();
+        wb.set_dirty_bit = lazy && !self.dirty_bit_on_disk && !wb.is_empty();
+        if let Some(cut) = frees {
+            wb.frees = self.refcounts.take_pending_frees();
+            wb.cut = Some(cut);
+        }
+        wb
+    }
+
+    /// Marks clean what `wb` wrote and has not changed since; publishes
+    /// clean tables to the cache.
+    pub(crate) fn written(&mut self, wb: &WriteBack) {
+        self.refcounts_written(&wb.refcounts);
+        for (offset, _, generation) in &wb.tables {
+            if let Some(slot) = self.l2.get_mut(offset) {
+                if slot.generation == *generation {
+                    slot.dirty = false;
+                }
+            }
+        }
+        if wb.set_dirty_bit {
+            self.dirty_bit_on_disk = true;
+            self.header.features.incompatible |= INCOMPAT_DIRTY;
+        }
+        // Dirty tables past the budget are written by the caller's next
+        // write-back; this one just wrote what it could.
+        let _ = self.settle();
+    }
+
+    /// Marks clean what a refcount snapshot wrote.
+    pub(crate) fn refcounts_written(&mut self, rc: &RefcountSnapshot) {
+        self.refcounts.mark_written(rc);
+        if let Some((offset, clusters)) = rc.moved_to() {
+            self.header.refcount_table_offset = offset;
+            self.header.refcount_table_clusters = clusters as u32;
+        }
+    }
+
+    /// Puts back what a failed write-back took (it is written next time).
+    pub(crate) fn restore(&mut self, wb: WriteBack) {
+        self.refcounts.restore(&wb.refcounts);
+        self.dirty_l1.extend(wb.l1.iter().map(|(i, _)| *i));
+        if !wb.frees.is_empty() {
+            self.refcounts.return_pending_frees(wb.frees);
+        }
+    }
+}
+
+impl TopFile {
+    fn sync(&self) -> Result<(), Error> {
+        self.storage.sync().map_err(|e| self.io(e))
+    }
+
+    fn write_header_u64(&self, at: usize, value: u64) -> Result<(), Error> {
+        self.storage
+            .write_at(&value.to_be_bytes(), at as u64)
+            .map_err(|e| self.io(e))
+    }
+
+    /// Writes the dirty bit (set or cleared) durably.
+    pub(crate) fn write_dirty_bit(&self, incompatible: u64, dirty: bool) -> Result<(), Error> {
+        let mut bits = incompatible & !INCOMPAT_DIRTY;
+        if dirty {
+            bits |= INCOMPAT_DIRTY;
+        }
+        self.write_header_u64(field::INCOMPATIBLE_FEATURES, bits)?;
+        self.sync()
+    }
+
+    /// Writes refcount blocks, the table and (when it moved) the header
+    /// fields naming it, each step durable before the next.
+    pub(crate) fn write_refcounts(&self, rc: &RefcountSnapshot) -> Result<(), Error> {
+        let storage = &*self.storage;
+        if rc.write_blocks(storage).map_err(|e| self.io(e))? {
+            self.sync()?;
+        }
+        if rc.write_table(storage).map_err(|e| self.io(e))? {
+            self.sync()?;
+        }
+        if let Some((offset, clusters)) = rc.moved_to() {
+            let mut fields = [0u8; 12];
+            fields[..8].copy_from_slice(&offset.to_be_bytes());
+            fields[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
+            storage
+                .write_at(&fields, field::REFCOUNT_TABLE_OFFSET as u64)
+                .map_err(|e| self.io(e))?;
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Writes `wb` in the flush order; `incompatible` is the header's
+    /// incompatible feature word.
+    pub(crate) fn write_out(
+        &self,
+        wb: &WriteBack,
+        incompatible: u64,
+        l1_offset: u64,
+    ) -> Result<(), Error> {
+        if wb.set_dirty_bit {
+            self.write_dirty_bit(incompatible, true)?;
+        }
+        self.sync()?;
+        if wb.is_empty() {
+            return Ok(());
+        }
+        self.write_refcounts(&wb.refcounts)?;
+        for (offset, bytes, _) in &wb.tables {
+            self.storage
+                .write_at(bytes, *offset)
+                .map_err(|e| self.io(e))?;
+        }
+        if !wb.tables.is_empty() {
+            self.sync()?;
+        }
+        for (i, value) in &wb.l1 {
+            self.storage
+                .write_at(&value.to_be_bytes(), l1_offset + *i as u64 * 8)
+                .map_err(|e| self.io(e))?;
+        }
+        if !wb.l1.is_empty() {
+            self.sync()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,473 @@
+//! The active volume (top layer) opened for writing.
+//!
+//! Its metadata ([`state::ActiveState`]) lives behind one `RwLock`:
+//! lookups take it shared, changes exclusively, and no data moves while it
+//! is held. A write that needs a new mapping plans it under the lock
+//! (claiming the guest cluster and allocating the host cluster), writes the
+//! data with no lock held, and commits the mapping under the lock again;
+//! other changes to the same guest cluster wait for the claim. A flush
+//! copies what waits to be written under the lock and writes it outside
+//! (see [`flush`]); releases of clusters become allocations only once every
+//! transfer that may still use them has ended (the transfer fence).
+//!
+//! A panic while the lock is held (a bug) poisons it: from then on writes,
+//! discards and flushes fail with [`ErrorKind::EngineFailed`] and nothing is
+//! written back, so the image stays as the last flush left it; reads go on.
+
+mod claim;
+mod flush;
+mod open;
+mod plan;
+mod state;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::compressed::read_compressed_cluster;
+use crate::entry::CompressedDescriptor;
+use crate::error::{Error, ErrorKind};
+use crate::fence::TransferFence;
+use crate::layer::LayerStatus;
+use crate::refcount::reserve_clusters;
+use crate::types::{GuestOffset, HostOffset};
+
+pub(crate) use open::CacheLink;
+use plan::{Allocation, AllocationKind, WritePlan, ZeroOutcome, ALL_ALLOC};
+use state::{ActiveState, InPlace, TopFile};
+
+/// Reads the guest view of the layers below the top into a buffer.
+pub(crate) type BelowReader<'a> = dyn Fn(&mut [u8], GuestOffset) -> Result<(), Error> + 'a;
+
+/// Told which guest range's mapping changed, under the metadata lock (so
+/// that no cached view of the old mapping outlives the change).
+pub(crate) type MappingChanged<'a> = dyn Fn(GuestOffset, u64) + 'a;
+
+/// The writable top.
+#[derive(Debug)]
+pub(crate) struct Active {
+    top: Arc<TopFile>,
+    state: RwLock<ActiveState>,
+    /// Flushes (and early write-backs) run one at a time. Held across
+    /// their I/O on purpose: one flush's ordered steps must not interleave
+    /// with another's. Nothing that holds a transfer ticket waits for it.
+    flush_order: Mutex<()>,
+    /// Why the engine refuses writes, once it does.
+    failure: OnceLock<String>,
+    /// The top file's length as last seen; it only grows while open
+    /// (clusters are reserved before use), so a cluster below it exists.
+    known_len: AtomicU64,
+}
+
+impl Active {
+    fn with(top: Arc<TopFile>, state: ActiveState, len: u64) -> Self {
+        Active {
+            top,
+            state: RwLock::new(state),
+            flush_order: Mutex::new(()),
+            failure: OnceLock::new(),
+            known_len: AtomicU64::new(len),
+        }
+    }
+
+    /// Shared access for lookups. A poisoned lock still serves reads (the
+    /// engine refuses writes from then on).
+    fn read_state(&self) -> RwLockReadGuard<'_, ActiveState> {
+        self.state.read().unwrap_or_else(|p| {
+            self.fail("a panic interrupted a metadata update");
+            p.into_inner()
+        })
+    }
+
+    /// Exclusive access for a change; fails once the engine has failed.
+    fn write_state(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
+        self.check_failed()?;
+        match self.state.write() {
+            Ok(guard) => Ok(guard),
+            Err(_) => {
+                self.fail("a panic interrupted a metadata update");
+                self.check_failed().map(|()| unreachable!("just failed"))
+            }
+        }
+    }
+
+    /// Exclusive access to give back a claim, whatever happened before.
+    fn write_state_anyway(&self) -> RwLockWriteGuard<'_, ActiveState> {
+        self.state.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Refuses writes from now on (until the image is reopened), because
+    /// the metadata in memory may be inconsistent: `reason` says why.
+    pub(crate) fn fail(&self, reason: &str) {
+        if self.failure.set(reason.to_string()).is_ok() {
+            tracing::error!(
+                path = %self.top.path.display(),
+                reason,
+                "refusing writes until the image is reopened"
+            );
+        }
+    }
+
+    /// Why writes are refused, if they are.
+    pub(crate) fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+
+    fn check_failed(&self) -> Result<(), Error> {
+        match self.failure.get() {
+            Some(reason) => Err(self.top.err(ErrorKind::EngineFailed {
+                reason: reason.clone(),
+            })),
+            None => Ok(()),
+        }
+    }
+
+    /// Test hooks.
+    pub(crate) fn faults(&self) -> &crate::fault::Faults {
+        &self.top.faults
+    }
+
+    /// Virtual size of the disk.
+    pub(crate) fn size(&self) -> u64 {
+        self.read_state().size()
+    }
+
+    /// The mapping of `[guest, guest + max)` in the top.
+    pub(crate) fn status(&self, guest: GuestOffset, max: u64) -> Result<(LayerStatus, u64), Error> {
+        self.read_state().status(guest, max)
+    }
+
+    /// Where a write of `len` bytes at `guest` (within one cluster) may go
+    /// straight to the top's file: the host offset, or `None` when the
+    /// write needs the engine. The caller holds a transfer ticket taken
+    /// before this call, until its write has finished.
+    pub(crate) fn in_place_target(
+        &self,
+        guest: GuestOffset,
+        len: u64,
+    ) -> Result<Option<HostOffset>, Error> {
+        self.check_failed()?;
+        let known = self.known_len.load(Ordering::Relaxed);
+        match self.read_state().peek_in_place(guest, len, known)? {
+            InPlace::At(host) => return Ok(Some(host)),
+            InPlace::No => return Ok(None),
+            InPlace::Unknown => {}
+        }
+        let len_now = self.top.storage.len().map_err(|e| self.top.io(e))?;
+        self.known_len.fetch_max(len_now, Ordering::Relaxed);
+        let mut st = self.write_state()?;
+        st.load_for_in_place(guest)?;
+        Ok(match st.peek_in_place(guest, len, len_now)? {
+            InPlace::At(host) => Some(host),
+            InPlace::No | InPlace::Unknown => None,
+        })
+    }
+
+    /// Writes `data` at `guest` (within one cluster). The caller holds a
+    /// transfer ticket (for the in-place case).
+    pub(crate) fn write_cluster(
+        &self,
+        data: &[u8],
+        guest: GuestOffset,
+        below: &BelowReader,
+        changed: &MappingChanged,
+    ) -> Result<(), Error> {
+        loop {
+            let plan = self.write_state()?.plan_write(guest, data.len() as u64)?;
+            match plan {
+                WritePlan::InPlace(host) => {
+                    return self
+                        .top
+                        .storage
+                        .write_at(data, host.0)
+                        .map_err(|e| self.top.io(e));
+                }
+                WritePlan::Wait(cell) => cell.wait(),
+                WritePlan::Allocate(alloc) => {
+                    let claim = Claim {
+                        active: self,
+                        alloc,
+                        committed: false,
+                    };
+                    let bitmap = self.fill(&claim.alloc, data, guest, below)?;
+                    return claim.commit(bitmap, changed);
+                }
+            }
+        }
+    }
+
+    /// Writes the data of an allocation (no lock held); returns the new
+    /// subcluster bitmap.
+    fn fill(
+        &self,
+        alloc: &Allocation,
+        data: &[u8],
+        guest: GuestOffset,
+        below: &BelowReader,
+    ) -> Result<u64, Error> {
+        let top = &self.top;
+        let g = top.geometry;
+        let storage = &*top.storage;
+        let cluster_size = g.cluster_size();
+        let in_cluster = guest.0 - alloc.start.0;
+        let io = |e| top.io(e);
+        match alloc.kind {
+            AllocationKind::NewCluster { new, .. } => {
+                reserve_clusters(storage, g.cluster_bits, g.host_cluster(new), 1)
+                    .map_err(|k| top.err(k))?;
+                self.known_len
+                    .fetch_max(new.0 + cluster_size, Ordering::Relaxed);
+                let mut full = vec![0u8; cluster_size as usize];
+                if data.len() as u64 != cluster_size {
+                    self.read_view(below, &mut full, alloc.start)?;
+                }
+                full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
+                storage.write_at(&full, new.0).map_err(io)?;
+                Ok(if g.extended_l2 { ALL_ALLOC } else { 0 })
+            }
+            AllocationKind::FillZero { host } => {
+                let mut full = vec![0u8; cluster_size as usize];
+                full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
+                storage.write_at(&full, host.0).map_err(io)?;
+                Ok(0)
+            }
+            AllocationKind::Subclusters { host, bitmap } => {
+                let sc_size = g.subcluster_size();
+                let first = in_cluster / sc_size;
+                let last = (in_cluster + data.len() as u64 - 1) / sc_size;
+                let mut new_bitmap = bitmap;
+                for sc in first..=last {
+                    let sc_start = sc * sc_size;
+                    let lo = in_cluster.max(sc_start);
+                    let hi = (in_cluster + data.len() as u64).min(sc_start + sc_size);
+                    let part = &data[(lo - in_cluster) as usize..(hi - in_cluster) as usize];
+                    if bitmap & (1 << sc) != 0 {
+                        // Allocated: write only the new bytes, never rewrite
+                        // bytes a concurrent in-place write may be changing.
+                        storage.write_at(part, host.0 + lo).map_err(io)?;
+                    } else {
+                        let mut buf = vec![0u8; sc_size as usize];
+                        if bitmap & (1 << (sc + 32)) == 0 {
+                            self.read_view(below, &mut buf, alloc.start + sc_start)?;
+                        }
+                        buf[(lo - sc_start) as usize..(hi - sc_start) as usize]
+                            .copy_from_slice(part);
+                        storage.write_at(&buf, host.0 + sc_start).map_err(io)?;
+                    }
+                    new_bitmap = (new_bitmap | (1 << sc)) & !(1 << (sc + 32));
+                }
+                Ok(new_bitmap)
+            }
+        }
+    }
+
+    /// Reads the guest view of `[guest, guest + buf.len())`, which lies in
+    /// one claimed cluster (whose mapping therefore cannot change), through
+    /// the top and the layers below.
+    fn read_view(
+        &self,
+        below: &BelowReader,
+        buf: &mut [u8],
+        guest: GuestOffset,
+    ) -> Result<(), Error> {
+        let top = &self.top;
+        let size = self.size();
+        let mut pos = 0usize;
+        while pos < buf.len() {
+            let at = guest + pos as u64;
+            if at.0 >= size {
+                buf[pos..].fill(0);
+                break;
+            }
+            let want = ((buf.len() - pos) as u64).min(size - at.0);
+            let (st, n) = self.status(at, want)?;
+            let out = &mut buf[pos..pos + n as usize];
+            match st {
+                LayerStatus::Data { host } => {
+                    top.storage.read_at(out, host.0).map_err(|e| top.io(e))?
+                }
+                LayerStatus::Zero { .. } => out.fill(0),
+                LayerStatus::Unallocated { .. } => below(out, at)?,
+                LayerStatus::Compressed(d) => {
+                    let cluster = self.decompress_own(d)?;
+                    let from = top.geometry.offset_in_cluster(at.0) as usize;
+                    out.copy_from_slice(&cluster[from..from + out.len()]);
+                }
+            }
+            pos += n as usize;
+        }
+        Ok(())
+    }
+
+    fn decompress_own(&self, d: CompressedDescriptor) -> Result<Vec<u8>, Error> {
+        let compression = self.read_state().header.compression_type;
+        read_compressed_cluster(&*self.top.storage, compression, self.top.geometry, d)
+            .map_err(|k| self.top.err(k))
+    }
+
+    /// Makes the whole cluster at `guest` read as zeros without writing
+    /// data; `false` when the image cannot express it and zeros must be
+    /// written.
+    pub(crate) fn zero_cluster(
+        &self,
+        guest: GuestOffset,
+        unmap: bool,
+        changed: &MappingChanged,
+    ) -> Result<bool, Error> {
+        loop {
+            let mut st = self.write_state()?;
+            match st.zero_cluster(guest, unmap)? {
+                ZeroOutcome::Done => {
+                    let g = self.top.geometry;
+                    changed(g.cluster_start(guest), g.cluster_size());
+                    let early = st.settle();
+                    drop(st);
+                    if early {
+                        self.write_back_early();
+                    }
+                    return Ok(true);
+                }
+                ZeroOutcome::WriteZeros => return Ok(false),
+                ZeroOutcome::Wait(cell) => {
+                    drop(st);
+                    cell.wait();
+                }
+            }
+        }
+    }
+
+    /// Makes every completed write durable, metadata in crash-safe order;
+    /// releases queued before it become allocatable once every transfer
+    /// that may still use them (tickets of `fence` taken before) has ended.
+    pub(crate) fn flush(&self, fence: &TransferFence) -> Result<(), Error> {
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.check_failed()?;
+        let (wb, incompatible, l1_offset) = {
+            let mut st = self.write_state()?;
+            let wb = st.take_write_back(Some(fence.cut()));
+            let h = &st.header;
+            (wb, h.features.incompatible, h.l1_table_offset)
+        };
+        if let Err(e) = self.top.write_out(&wb, incompatible, l1_offset) {
+            self.write_state_anyway().restore(wb);
+            return Err(e);
+        }
+        self.write_state()?.written(&wb);
+        let (Some(cut), false) = (wb.cut, wb.frees.is_empty()) else {
+            return Ok(());
+        };
+        fence.wait_below(cut);
+        let rc = {
+            let mut st = self.write_state()?;
+            let storage = self.top.storage.clone();
+            st.refcounts
+                .apply_frees(&*storage, &wb.frees)
+                .map_err(|k| self.top.err(k))?;
+            (!self.top.lazy_refcounts).then(|| st.refcounts.dirty_snapshot())
+        };
+        if let Some(rc) = rc {
+            if let Err(e) = self.top.write_refcounts(&rc) {
+                self.write_state_anyway().refcounts.restore(&rc);
+                return Err(e);
+            }
+            self.write_state()?.refcounts_written(&rc);
+        }
+        Ok(())
+    }
+
+    /// Writes metadata back without applying releases, when dirty tables
+    /// take too much memory; skipped while a flush runs (it writes them).
+    fn write_back_early(&self) {
+        let Ok(_order) = self.flush_order.try_lock() else {
+            return;
+        };
+        let Ok(mut st) = self.write_state() else {
+            return;
+        };
+        let wb = st.take_write_back(None);
+        let (incompatible, l1_offset) =
+            (st.header.features.incompatible, st.header.l1_table_offset);
+        drop(st);
+        match self.top.write_out(&wb, incompatible, l1_offset) {
+            Ok(()) => {
+                if let Ok(mut st) = self.write_state() {
+                    st.written(&wb);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "early metadata write-back failed (the next flush retries)");
+                self.write_state_anyway().restore(wb);
+            }
+        }
+    }
+
+    /// Flushes and, with lazy refcounts, writes the refcounts and clears
+    /// the dirty bit: the image is then clean for any reader.
+    pub(crate) fn close(&self, fence: &TransferFence) -> Result<(), Error> {
+        self.flush(fence)?;
+        if !self.top.lazy_refcounts {
+            return Ok(());
+        }
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let rc = self.write_state()?.refcounts.dirty_snapshot();
+        if let Err(e) = self.top.write_refcounts(&rc) {
+            self.write_state_anyway().refcounts.restore(&rc);
+            return Err(e);
+        }
+        let mut st = self.write_state()?;
+        st.refcounts_written(&rc);
+        if st.dirty_bit_on_disk {
+            self.top
+                .write_dirty_bit(st.header.features.incompatible, false)?;
+            st.dirty_bit_on_disk = false;
+            st.header.features.incompatible &= !crate::features::INCOMPAT_DIRTY;
+        }
+        Ok(())
+    }
+}
+
+/// An allocation in flight: committed by [`Claim::commit`], given back
+/// (cluster returned, claim ended) when dropped otherwise, e.g. when its
+/// data write failed.
+#[must_use = "an allocation in flight must be committed or given back"]
+struct Claim<'a> {
+    active: &'a Active,
+    alloc: Allocation,
+    committed: bool,
+}
+
+impl Claim<'_> {
+    /// Links the written cluster into the mapping.
+    fn commit(mut self, bitmap: u64, changed: &MappingChanged) -> Result<(), Error> {
+        let active = self.active;
+        let mut st = active.write_state()?;
+        st.commit(&self.alloc, bitmap);
+        self.committed = true;
+        changed(self.alloc.start, active.top.geometry.cluster_size());
+        let early = st.settle();
+        drop(st);
+        self.alloc.cell.end();
+        if early {
+            active.write_back_early();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        if std::thread::panicking() {
+            self.active.fail("a panic interrupted an allocating write");
+        }
+        self.active.write_state_anyway().abort(&self.alloc);
+        self.alloc.cell.end();
+    }
+}

@@ -1,0 +1,227 @@
+//! Planning a write to one guest cluster under the metadata lock, and
+//! committing (or giving back) what the plan reserved.
+
+use std::sync::Arc;
+
+use crate::entry::{COMPRESSED, COPIED, OFFSET_MASK, ZERO};
+use crate::error::{Error, ErrorKind};
+use crate::header::Version;
+use crate::types::{GuestCluster, GuestOffset, HostOffset};
+
+use super::claim::ClaimCell;
+use super::state::ActiveState;
+
+/// Bitmap with every subcluster allocated.
+pub(crate) const ALL_ALLOC: u64 = 0x0000_0000_ffff_ffff;
+/// Bitmap with every subcluster reading as zeros.
+pub(crate) const ALL_ZERO: u64 = 0xffff_ffff_0000_0000;
+
+/// What a write to one cluster needs.
+#[derive(Debug)]
+pub(crate) enum WritePlan {
+    /// The cluster is the top's own data: write the bytes here.
+    InPlace(HostOffset),
+    /// Another write is allocating this cluster: wait for it, then plan
+    /// again.
+    Wait(Arc<ClaimCell>),
+    /// A new mapping: the data moves with no lock held, then
+    /// [`ActiveState::commit`].
+    Allocate(Allocation),
+}
+
+/// An allocation in flight for one guest cluster, claimed in the metadata.
+#[derive(Debug)]
+pub(crate) struct Allocation {
+    pub(crate) cluster: GuestCluster,
+    /// First byte of the guest cluster.
+    pub(crate) start: GuestOffset,
+    /// Offset of the (pinned) L2 table and the entry's index in it.
+    pub(crate) l2: u64,
+    pub(crate) index: usize,
+    pub(crate) kind: AllocationKind,
+    pub(crate) cell: Arc<ClaimCell>,
+}
+
+/// How an allocation fills its cluster.
+#[derive(Debug)]
+pub(crate) enum AllocationKind {
+    /// A new cluster for the whole guest cluster (copy-on-write); the old
+    /// entry's clusters are released at commit.
+    NewCluster { new: HostOffset, old_entry: u64 },
+    /// The top's own preallocated zero cluster, written whole.
+    FillZero { host: HostOffset },
+    /// Subclusters of the top's own cluster (extended L2): allocated ones
+    /// get the new bytes only, the others are written whole.
+    Subclusters { host: HostOffset, bitmap: u64 },
+}
+
+impl ActiveState {
+    /// Plans the write of `len` bytes at `guest` (within one cluster).
+    /// Metadata that needs no data write (the `COPIED` flag, a new L2
+    /// table) changes here.
+    pub(crate) fn plan_write(&mut self, guest: GuestOffset, len: u64) -> Result<WritePlan, Error> {
+        let g = self.top.geometry;
+        let cluster = g.guest_cluster(guest);
+        if let Some(cell) = self.claims.get(&cluster) {
+            return Ok(WritePlan::Wait(cell.clone()));
+        }
+        if let Some(s) = &self.top.summary {
+            s.mark(guest);
+        }
+        let l2 = self.l2_for_write(guest)?;
+        let (index, entry, bitmap) = self.entry_at(l2, guest);
+        let host = entry & OFFSET_MASK;
+        let in_cluster = g.offset_in_cluster(guest.0);
+        let kind = if entry & COMPRESSED == 0
+            && host != 0
+            && g.offset_in_cluster(host) == 0
+            && self.owned(HostOffset(host))?
+        {
+            let file_size = self.top.storage.len().map_err(|e| self.top.io(e))?;
+            if host + g.cluster_size() > file_size {
+                return Err(self.top.err(ErrorKind::ClusterBeyondEof {
+                    guest_offset: guest.0,
+                    host_offset: host,
+                    file_size,
+                }));
+            }
+            if !g.extended_l2 {
+                if entry & ZERO == 0 {
+                    if entry & COPIED == 0 {
+                        self.set_entry(l2, index, host | COPIED, 0);
+                    }
+                    return Ok(WritePlan::InPlace(HostOffset(host + in_cluster)));
+                }
+                AllocationKind::FillZero {
+                    host: HostOffset(host),
+                }
+            } else {
+                let sc = g.subcluster_size();
+                let all_alloc =
+                    (in_cluster / sc..=(in_cluster + len - 1) / sc).all(|i| bitmap & (1 << i) != 0);
+                if all_alloc && entry & COPIED != 0 {
+                    return Ok(WritePlan::InPlace(HostOffset(host + in_cluster)));
+                }
+                AllocationKind::Subclusters {
+                    host: HostOffset(host),
+                    bitmap,
+                }
+            }
+        } else {
+            // The data cluster's space is reserved by the caller, outside
+            // the lock.
+            let storage = self.top.storage.clone();
+            let new = self
+                .refcounts
+                .alloc_unreserved(&*storage)
+                .map_err(|k| self.top.err(k))?;
+            AllocationKind::NewCluster {
+                new: HostOffset(new << g.cluster_bits),
+                old_entry: entry,
+            }
+        };
+        let cell = Arc::new(ClaimCell::default());
+        self.claims.insert(cluster, cell.clone());
+        self.pin(l2);
+        Ok(WritePlan::Allocate(Allocation {
+            cluster,
+            start: g.cluster_start(guest),
+            l2,
+            index,
+            kind,
+            cell,
+        }))
+    }
+
+    /// Links the cluster of `alloc`, whose data is written, into the
+    /// mapping; `bitmap` is the new subcluster bitmap (extended L2).
+    pub(crate) fn commit(&mut self, alloc: &Allocation, bitmap: u64) {
+        let g = self.top.geometry;
+        match alloc.kind {
+            AllocationKind::NewCluster { new, old_entry } => {
+                self.release(old_entry);
+                self.top
+                    .faults
+                    .hit(crate::fault::FaultPoint::MidMetadataUpdate);
+                let bitmap = if g.extended_l2 { ALL_ALLOC } else { 0 };
+                self.set_entry(alloc.l2, alloc.index, new.0 | COPIED, bitmap);
+            }
+            AllocationKind::FillZero { host } => {
+                self.set_entry(alloc.l2, alloc.index, host.0 | COPIED, 0);
+            }
+            AllocationKind::Subclusters { host, .. } => {
+                self.set_entry(alloc.l2, alloc.index, host.0 | COPIED, bitmap);
+            }
+        }
+        self.end_claim(alloc);
+    }
+
+    /// Gives back what `alloc` reserved (its data could not be written).
+    pub(crate) fn abort(&mut self, alloc: &Allocation) {
+        if let AllocationKind::NewCluster { new, .. } = alloc.kind {
+            let storage = self.top.storage.clone();
+            let idx = new.0 >> self.top.geometry.cluster_bits;
+            // Nothing references the cluster: it is reusable at once.
+            if let Err(k) = self.refcounts.unalloc(&*storage, idx) {
+                tracing::warn!(error = %k, "could not return an unused cluster");
+            }
+        }
+        self.end_claim(alloc);
+    }
+
+    fn end_claim(&mut self, alloc: &Allocation) {
+        self.unpin(alloc.l2);
+        self.claims.remove(&alloc.cluster);
+    }
+
+    /// Makes the whole cluster at `guest` read as zeros without writing
+    /// data; `Ok(None)` when the image cannot express it (zeros must be
+    /// written), `Err` of a claim to wait for while the cluster is being
+    /// allocated.
+    pub(crate) fn zero_cluster(
+        &mut self,
+        guest: GuestOffset,
+        unmap: bool,
+    ) -> Result<ZeroOutcome, Error> {
+        let g = self.top.geometry;
+        if let Some(cell) = self.claims.get(&g.guest_cluster(guest)) {
+            return Ok(ZeroOutcome::Wait(cell.clone()));
+        }
+        let v2 = self.top.version == Version::V2;
+        if v2 && self.top.has_backing {
+            return Ok(ZeroOutcome::WriteZeros);
+        }
+        if let Some(s) = &self.top.summary {
+            s.mark(guest);
+        }
+        let l2 = self.l2_for_write(guest)?;
+        let (i, entry, _) = self.entry_at(l2, guest);
+        let host = entry & OFFSET_MASK;
+        let compressed = entry & COMPRESSED != 0;
+        let keep = !unmap && !v2 && !compressed && host != 0 && self.owned(HostOffset(host))?;
+        let (new_entry, new_bitmap) = match (g.extended_l2, v2, keep) {
+            (true, _, true) => (host | COPIED, ALL_ZERO),
+            (true, _, false) => (0, ALL_ZERO),
+            (false, false, true) => (host | ZERO | COPIED, 0),
+            (false, false, false) => (ZERO, 0),
+            // v2 without a backing file: unallocated reads as zeros.
+            (false, true, _) => (0, 0),
+        };
+        if !keep {
+            self.release(entry);
+        }
+        self.set_entry(l2, i, new_entry, new_bitmap);
+        Ok(ZeroOutcome::Done)
+    }
+}
+
+/// What [`ActiveState::zero_cluster`] did.
+#[derive(Debug)]
+pub(crate) enum ZeroOutcome {
+    /// The cluster reads as zeros now.
+    Done,
+    /// The image cannot express it: write zeros.
+    WriteZeros,
+    /// The cluster is being allocated: wait, then try again.
+    Wait(Arc<ClaimCell>),
+}

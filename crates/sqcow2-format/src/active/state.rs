@@ -1,0 +1,435 @@
+//! The writable top's metadata in memory: the L1 table, the L2 tables
+//! under modification, the refcounts and the allocations in flight. It
+//! lives behind [`super::Active`]'s lock; lookups need shared access only.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::entry::{CompressedDescriptor, COMPRESSED, COPIED, OFFSET_MASK, ZERO};
+use crate::error::{Error, ErrorKind};
+use crate::header::{Header, Version};
+use crate::layer::{clip_to_l2, read_l2_table, read_words, table_status, validate_l2_offset};
+use crate::layer::{L2Slice, LayerStatus};
+use crate::refcount::Refcounts;
+use crate::storage::Storage;
+use crate::summary::TopSummary;
+use crate::types::{Geometry, GuestCluster, GuestOffset, HostOffset};
+use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
+
+use super::claim::ClaimCell;
+
+/// Tables under modification stay in memory until a flush writes them; past
+/// this share of the cache budget, their metadata is written back early.
+const DIRTY_SHARE_OF_BUDGET: u64 = 4;
+
+/// What does not change while the top is open: its file, geometry and
+/// where its clean metadata is cached.
+#[derive(Debug)]
+pub(crate) struct TopFile {
+    pub(crate) path: PathBuf,
+    pub(crate) storage: Arc<dyn Storage>,
+    pub(crate) geometry: Geometry,
+    pub(crate) version: Version,
+    pub(crate) lazy_refcounts: bool,
+    pub(crate) has_backing: bool,
+    pub(crate) cache: Arc<SliceCache>,
+    /// The top's source in the cache.
+    pub(crate) source: Source,
+    pub(crate) slice_size: u64,
+    pub(crate) cache_budget: u64,
+    /// Regions of the top known to be empty (indexed mode), kept up to date.
+    pub(crate) summary: Option<Arc<TopSummary>>,
+    /// Test hooks.
+    pub(crate) faults: crate::fault::Faults,
+}
+
+impl TopFile {
+    pub(crate) fn err(&self, kind: ErrorKind) -> Error {
+        Error::new(&self.path, kind)
+    }
+
+    pub(crate) fn io(&self, e: std::io::Error) -> Error {
+        self.err(e.into())
+    }
+
+    /// 64-bit words per L2 entry.
+    pub(crate) fn words(&self) -> usize {
+        if self.geometry.extended_l2 {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// An L2 table taken out of the cache to be modified.
+#[derive(Debug)]
+pub(crate) struct L2Slot {
+    pub(crate) table: Vec<u64>,
+    pub(crate) dirty: bool,
+    /// Bumped by every change, so that writing an older copy does not mark
+    /// a newer change clean.
+    pub(crate) generation: u64,
+    /// Allocations in flight that will commit into this table: it stays
+    /// here until they have.
+    pub(crate) pins: u32,
+}
+
+/// Whether a write may go straight to the top's own cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InPlace {
+    /// Yes, at this host offset.
+    At(HostOffset),
+    /// No: the write needs the engine.
+    No,
+    /// Cannot tell without loading metadata (needs exclusive access).
+    Unknown,
+}
+
+/// Mutable metadata of the active volume.
+#[derive(Debug)]
+pub(crate) struct ActiveState {
+    pub(crate) top: Arc<TopFile>,
+    pub(crate) header: Header,
+    pub(crate) l1: Vec<u64>,
+    pub(crate) dirty_l1: BTreeSet<usize>,
+    pub(crate) l2: HashMap<u64, L2Slot>,
+    pub(crate) refcounts: Refcounts,
+    /// Guest clusters whose allocation is in flight.
+    pub(crate) claims: HashMap<GuestCluster, Arc<ClaimCell>>,
+    pub(crate) dirty_bit_on_disk: bool,
+}
+
+impl ActiveState {
+    /// Takes over an opened image for writing: reads its L1 table and
+    /// refcount table.
+    pub(crate) fn open(top: Arc<TopFile>, header: Header) -> Result<Self, Error> {
+        let mut raw = vec![0u8; header.l1_size as usize * 8];
+        top.storage
+            .read_at(&mut raw, header.l1_table_offset)
+            .map_err(|e| top.io(e))?;
+        let l1 = raw
+            .chunks_exact(8)
+            .map(|c| crate::bytes::be_u64(c, 0))
+            .collect();
+        let refcounts = Refcounts::load(
+            &*top.storage,
+            header.refcount_order,
+            header.geometry.cluster_bits,
+            header.refcount_table_offset,
+            header.refcount_table_clusters,
+        )
+        .map_err(|k| top.err(k))?;
+        Ok(Self {
+            dirty_bit_on_disk: header.is_dirty(),
+            header,
+            l1,
+            dirty_l1: BTreeSet::new(),
+            l2: HashMap::new(),
+            refcounts,
+            claims: HashMap::new(),
+            top,
+        })
+    }
+
+    fn g(&self) -> Geometry {
+        self.top.geometry
+    }
+
+    /// Virtual size of the disk.
+    pub(crate) fn size(&self) -> u64 {
+        self.header.size
+    }
+
+    pub(crate) fn l1_entry(&self, guest: GuestOffset) -> u64 {
+        usize::try_from(self.g().l1_index(guest))
+            .ok()
+            .and_then(|i| self.l1.get(i))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The cached slice of the (clean) table at `l2_offset` covering
+    /// `guest`; a miss reads it from the file (a metadata read under the
+    /// caller's lock, shared or not: the table cannot change meanwhile).
+    fn cached_slice(&self, l2_offset: u64, guest: GuestOffset) -> Result<(L2Slice, Slice), Error> {
+        let g = self.g();
+        let top = &self.top;
+        let slice = L2Slice::locate(g, l2_offset, guest, top.slice_size);
+        let key = SliceKey {
+            source: top.source,
+            offset: slice.offset,
+        };
+        let words = top
+            .cache
+            .get_or_load(key, || {
+                validate_l2_offset(g, l2_offset, top.storage.len()?)?;
+                read_words(&*top.storage, slice.offset, slice.words)
+            })
+            .map_err(|k| top.err(k))?;
+        Ok((slice, words))
+    }
+
+    /// The raw L2 entry and bitmap of the cluster at `guest` (`None` where
+    /// the L1 entry is empty).
+    pub(crate) fn raw_entry(&self, guest: GuestOffset) -> Result<Option<(u64, u64)>, Error> {
+        let g = self.g();
+        let l2_offset = self.l1_entry(guest) & OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok(None);
+        }
+        let per = self.top.words();
+        if let Some(slot) = self.l2.get(&l2_offset) {
+            let i = g.l2_index(guest) as usize * per;
+            let bitmap = if per == 2 { slot.table[i + 1] } else { 0 };
+            return Ok(Some((slot.table[i], bitmap)));
+        }
+        let (slice, words) = self.cached_slice(l2_offset, guest)?;
+        let i = (g.l2_index(guest) - slice.first_entry) as usize * per;
+        let bitmap = if per == 2 { words[i + 1] } else { 0 };
+        Ok(Some((words[i], bitmap)))
+    }
+
+    /// The mapping of `[guest, guest + max)` in the top, as for a read-only
+    /// layer.
+    pub(crate) fn status(&self, guest: GuestOffset, max: u64) -> Result<(LayerStatus, u64), Error> {
+        let g = self.g();
+        let max = clip_to_l2(g, guest, max);
+        let l2_offset = self.l1_entry(guest) & OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok((LayerStatus::Unallocated { host: None }, max));
+        }
+        if let Some(slot) = self.l2.get(&l2_offset) {
+            return table_status(g, &slot.table, guest, max).map_err(|k| self.top.err(k));
+        }
+        let (slice, words) = self.cached_slice(l2_offset, guest)?;
+        slice
+            .status(g, &words, guest, max)
+            .map_err(|k| self.top.err(k))
+    }
+
+    /// Whether a write of `len` bytes at `guest` (within one cluster) can
+    /// go straight to the top's own cluster, looking at loaded metadata
+    /// only (shared access).
+    pub(crate) fn peek_in_place(
+        &self,
+        guest: GuestOffset,
+        len: u64,
+        file_len: u64,
+    ) -> Result<InPlace, Error> {
+        let g = self.g();
+        let Some((entry, bitmap)) = self.raw_entry(guest)? else {
+            return Ok(InPlace::No);
+        };
+        let host = entry & OFFSET_MASK;
+        let plain = entry & (COMPRESSED | ZERO) == 0 && entry & COPIED != 0;
+        if !plain || host == 0 || g.offset_in_cluster(host) != 0 {
+            return Ok(InPlace::No);
+        }
+        let in_cluster = g.offset_in_cluster(guest.0);
+        if g.extended_l2 {
+            let sc = g.subcluster_size();
+            let all =
+                (in_cluster / sc..=(in_cluster + len - 1) / sc).all(|i| bitmap & (1 << i) != 0);
+            if !all {
+                return Ok(InPlace::No);
+            }
+        }
+        match self.refcounts.peek(host >> g.cluster_bits) {
+            None => return Ok(InPlace::Unknown),
+            Some(1) => {}
+            Some(_) => return Ok(InPlace::No),
+        }
+        if host + g.cluster_size() > file_len {
+            return Ok(InPlace::Unknown);
+        }
+        Ok(InPlace::At(HostOffset(host + in_cluster)))
+    }
+
+    /// Loads what [`ActiveState::peek_in_place`] needs to answer.
+    pub(crate) fn load_for_in_place(&mut self, guest: GuestOffset) -> Result<(), Error> {
+        if let Some((entry, _)) = self.raw_entry(guest)? {
+            let host = entry & OFFSET_MASK;
+            if host != 0 {
+                self.owned(HostOffset(host))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether host cluster `host` is referenced only by the top.
+    pub(crate) fn owned(&mut self, host: HostOffset) -> Result<bool, Error> {
+        let storage = self.top.storage.clone();
+        let rc = self
+            .refcounts
+            .get(&*storage, host.0 >> self.g().cluster_bits)
+            .map_err(|k| self.top.err(k))?;
+        Ok(rc == 1)
+    }
+
+    /// Takes the whole table at `offset` into the set under modification.
+    fn l2_loaded(&mut self, offset: u64) -> Result<(), Error> {
+        if self.l2.contains_key(&offset) {
+            return Ok(());
+        }
+        let top = &self.top;
+        let file_size = top.storage.len().map_err(|e| top.io(e))?;
+        let table = read_l2_table(top.geometry, &*top.storage, offset, file_size)
+            .map_err(|k| top.err(k))?;
+        self.l2.insert(
+            offset,
+            L2Slot {
+                table,
+                dirty: false,
+                generation: 0,
+                pins: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// The L2 table covering `guest`, owned by the top (allocated, or
+    /// copied from a shared one, as needed) and loaded; returns its offset.
+    pub(crate) fn l2_for_write(&mut self, guest: GuestOffset) -> Result<u64, Error> {
+        let g = self.g();
+        let l1_index = g.l1_index(guest) as usize;
+        let Some(&entry) = self.l1.get(l1_index) else {
+            return Err(self.top.err(ErrorKind::OutOfRange {
+                offset: guest.0,
+                len: 0,
+                size: self.size(),
+            }));
+        };
+        let offset = entry & OFFSET_MASK;
+        let storage = self.top.storage.clone();
+        if offset != 0 {
+            self.l2_loaded(offset)?;
+            if self.owned(HostOffset(offset))? {
+                if entry & COPIED == 0 {
+                    self.l1[l1_index] = offset | COPIED;
+                    self.dirty_l1.insert(l1_index);
+                }
+                return Ok(offset);
+            }
+        }
+        // Metadata clusters are reserved at once (rare; under the lock).
+        let new = self
+            .refcounts
+            .alloc(&*storage)
+            .map_err(|k| self.top.err(k))?
+            << g.cluster_bits;
+        let table = if offset != 0 {
+            self.refcounts.free_later(offset >> g.cluster_bits);
+            self.l2[&offset].table.clone()
+        } else {
+            vec![0u64; (g.cluster_size() / 8) as usize]
+        };
+        self.l2.insert(
+            new,
+            L2Slot {
+                table,
+                dirty: true,
+                generation: 1,
+                pins: 0,
+            },
+        );
+        self.l1[l1_index] = new | COPIED;
+        self.dirty_l1.insert(l1_index);
+        Ok(new)
+    }
+
+    /// Entry index, entry and bitmap of `guest` in the loaded table `l2`.
+    pub(crate) fn entry_at(&self, l2: u64, guest: GuestOffset) -> (usize, u64, u64) {
+        let i = self.g().l2_index(guest) as usize * self.top.words();
+        let table = &self.l2[&l2].table;
+        let bitmap = if self.top.words() == 2 {
+            table[i + 1]
+        } else {
+            0
+        };
+        (i, table[i], bitmap)
+    }
+
+    pub(crate) fn set_entry(&mut self, l2: u64, i: usize, entry: u64, bitmap: u64) {
+        let words = self.top.words();
+        if let Some(slot) = self.l2.get_mut(&l2) {
+            slot.table[i] = entry;
+            if words == 2 {
+                slot.table[i + 1] = bitmap;
+            }
+            slot.dirty = true;
+            slot.generation += 1;
+        }
+    }
+
+    pub(crate) fn pin(&mut self, l2: u64) {
+        if let Some(slot) = self.l2.get_mut(&l2) {
+            slot.pins += 1;
+        }
+    }
+
+    pub(crate) fn unpin(&mut self, l2: u64) {
+        if let Some(slot) = self.l2.get_mut(&l2) {
+            slot.pins = slot.pins.saturating_sub(1);
+        }
+    }
+
+    /// Host clusters (indices) that an entry holds a reference to.
+    fn referenced_clusters(&self, entry: u64) -> Vec<u64> {
+        let g = self.g();
+        if entry & COMPRESSED != 0 {
+            let d = CompressedDescriptor::decode(entry, g);
+            let first = d.offset.0 >> g.cluster_bits;
+            let last = (d.offset.0 + d.len - 1) >> g.cluster_bits;
+            return (first..=last).collect();
+        }
+        let host = entry & OFFSET_MASK;
+        if host == 0 {
+            Vec::new()
+        } else {
+            vec![host >> g.cluster_bits]
+        }
+    }
+
+    /// Queues the release of what `entry` references.
+    pub(crate) fn release(&mut self, entry: u64) {
+        for c in self.referenced_clusters(entry) {
+            self.refcounts.free_later(c);
+        }
+    }
+
+    /// Moves tables that are clean and not pinned out of the set under
+    /// modification; whether dirty tables take so much room that metadata
+    /// should be written back early.
+    pub(crate) fn settle(&mut self) -> bool {
+        let clean: Vec<u64> = self
+            .l2
+            .iter()
+            .filter(|(_, s)| !s.dirty && s.pins == 0)
+            .map(|(o, _)| *o)
+            .collect();
+        for offset in clean {
+            if let Some(slot) = self.l2.remove(&offset) {
+                self.publish(offset, &slot.table);
+            }
+        }
+        let dirty_bytes: u64 = self.l2.values().map(|s| s.table.len() as u64 * 8).sum();
+        dirty_bytes > self.top.cache_budget / DIRTY_SHARE_OF_BUDGET
+    }
+
+    /// Puts the slices of a clean table into the unified cache.
+    pub(crate) fn publish(&self, offset: u64, table: &[u64]) {
+        let g = self.g();
+        let top = &self.top;
+        let slice_bytes = top.slice_size.clamp(g.l2_entry_size(), g.cluster_size());
+        let words = (slice_bytes / 8) as usize;
+        for (i, chunk) in table.chunks(words).enumerate() {
+            let key = SliceKey {
+                source: top.source,
+                offset: offset + i as u64 * slice_bytes,
+            };
+            top.cache.insert(key, chunk.to_vec().into());
+        }
+    }
+}

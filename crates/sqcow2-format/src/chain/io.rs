@@ -1,0 +1,308 @@
+//! Reading and writing guest bytes, and the transfer API for callers that
+//! move data themselves (io_uring): every transfer holds a
+//! [`TransferTicket`] from before it looks a mapping up until its data has
+//! moved, and the lookups that give out host offsets take that ticket, so
+//! a flush cannot hand out a cluster a transfer still uses.
+
+use std::sync::Arc;
+
+use crate::compressed::read_compressed_cluster;
+use crate::entry::CompressedDescriptor;
+use crate::error::{Error, ErrorKind};
+use crate::fence::TransferTicket;
+use crate::layer::Layer;
+use crate::storage::Storage;
+use crate::types::{GuestOffset, HostOffset, LayerIndex};
+
+use super::{Chain, Extent, ExtentKind};
+
+/// A run of guest bytes to read, and where its data is.
+#[derive(Debug, Clone)]
+pub struct ReadExtent {
+    /// The mapping.
+    pub extent: Extent,
+    /// The file holding the data (for [`ExtentKind::Data`]); owned, so it
+    /// stays open for as long as a transfer uses it.
+    pub storage: Arc<dyn Storage>,
+}
+
+/// Where an in-place write goes: the top's own cluster.
+#[derive(Debug, Clone)]
+pub struct InPlaceTarget {
+    /// Host offset of the first byte.
+    pub host: HostOffset,
+    /// The top's file; owned, so it stays open for as long as a transfer
+    /// uses it.
+    pub storage: Arc<dyn Storage>,
+}
+
+impl Chain {
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), Error> {
+        let size = self.virtual_size();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::new(
+                self.top().path(),
+                ErrorKind::OutOfRange { offset, len, size },
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_ticket(&self, ticket: &TransferTicket) -> Result<(), Error> {
+        if ticket.is_from(&self.fence) {
+            Ok(())
+        } else {
+            Err(Error::new(self.top().path(), ErrorKind::ForeignTicket))
+        }
+    }
+
+    /// A ticket for a transfer about to look mappings up; hold it until the
+    /// transfer's data has moved.
+    pub fn begin_transfer(&self) -> TransferTicket {
+        self.fence.begin()
+    }
+
+    /// Transfers in flight (tickets held).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.fence.in_flight()
+    }
+
+    /// The first run of `[start, start + max)` with one mapping, for a read
+    /// transfer that holds `ticket`; counts a data read of the layer.
+    pub fn resolve_for_read(
+        &self,
+        ticket: &TransferTicket,
+        start: GuestOffset,
+        max: u64,
+    ) -> Result<ReadExtent, Error> {
+        self.check_ticket(ticket)?;
+        self.check_range(start.0, max)?;
+        let extent = self.resolve(start, max, false)?;
+        let layer = &self.layers[extent.layer.0];
+        if !matches!(extent.kind, ExtentKind::Zero { .. }) {
+            self.count_data_read(extent.layer);
+        }
+        Ok(ReadExtent {
+            extent,
+            storage: layer.storage().clone(),
+        })
+    }
+
+    /// Where a write of `len` bytes at guest `offset` (within one cluster)
+    /// may go straight to the top's file, for a transfer that holds
+    /// `ticket`: `None` when the write needs the engine (allocation,
+    /// copy-on-write, zero, compressed or shared cluster).
+    pub fn in_place_target(
+        &self,
+        ticket: &TransferTicket,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<Option<InPlaceTarget>, Error> {
+        self.check_ticket(ticket)?;
+        self.check_range(offset.0, len)?;
+        let active = self.active()?;
+        let cluster_size = self.cluster_size();
+        if len == 0 || offset.0 % cluster_size + len > cluster_size {
+            return Ok(None);
+        }
+        Ok(active
+            .in_place_target(offset, len)?
+            .map(|host| InPlaceTarget {
+                host,
+                storage: self.top().storage().clone(),
+            }))
+    }
+
+    /// Reads guest bytes at `offset` into `buf`.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+        self.check_range(offset, buf.len() as u64)?;
+        let _ticket = self.fence.begin();
+        self.read_from(self.top_index(), buf, offset)
+    }
+
+    /// Reads what layer `index` and the layers below it hold at `offset`;
+    /// zeros beyond that layer's virtual size. The caller holds a ticket.
+    fn read_from(&self, index: LayerIndex, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+        let size = self.layers[index.0].virtual_size();
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = GuestOffset(offset + done as u64);
+            if pos.0 >= size {
+                buf[done..].fill(0);
+                break;
+            }
+            let want = ((buf.len() - done) as u64).min(size - pos.0);
+            let extent = if index == self.top_index() {
+                self.resolve(pos, want, false)?
+            } else {
+                self.resolve_from(index, pos, want, false)?
+            };
+            let n = extent.len as usize;
+            let out = &mut buf[done..done + n];
+            let layer = &self.layers[extent.layer.0];
+            if !matches!(extent.kind, ExtentKind::Zero { .. }) {
+                self.count_data_read(extent.layer);
+            }
+            match extent.kind {
+                ExtentKind::Zero { .. } => out.fill(0),
+                ExtentKind::Data { host } => layer
+                    .storage()
+                    .read_at(out, host.0)
+                    .map_err(|e| Error::new(layer.path(), e.into()))?,
+                ExtentKind::Compressed(d) => self.read_compressed(layer, d, pos, out)?,
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads the guest view of the layers below the top (immutable while
+    /// the chain is open: no ticket needed).
+    fn read_below(&self, buf: &mut [u8], offset: GuestOffset) -> Result<(), Error> {
+        match self.top_index().0.checked_sub(1) {
+            Some(i) => self.read_from(LayerIndex(i), buf, offset.0),
+            None => {
+                buf.fill(0);
+                Ok(())
+            }
+        }
+    }
+
+    fn read_compressed(
+        &self,
+        layer: &Layer,
+        d: CompressedDescriptor,
+        pos: GuestOffset,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let Some(header) = layer.header() else {
+            return Err(Error::new(
+                layer.path(),
+                ErrorKind::Io(std::io::Error::other("compressed cluster in a raw file")),
+            ));
+        };
+        let g = header.geometry;
+        let cluster = read_compressed_cluster(&**layer.storage(), header.compression_type, g, d)
+            .map_err(|k| Error::new(layer.path(), k))?;
+        let from = g.offset_in_cluster(pos.0) as usize;
+        out.copy_from_slice(&cluster[from..from + out.len()]);
+        Ok(())
+    }
+
+    /// Calls `each(offset, len)` for every piece of `[offset, offset + len)`
+    /// that lies within one cluster of the top.
+    fn for_each_cluster(
+        &self,
+        offset: u64,
+        len: u64,
+        mut each: impl FnMut(GuestOffset, u64) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let cluster_size = self.cluster_size();
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let n = (cluster_size - pos % cluster_size).min(end - pos);
+            each(GuestOffset(pos), n)?;
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` at guest `offset` into the top.
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        self.check_range(offset, buf.len() as u64)?;
+        let active = self.active()?;
+        // In-place pieces are transfers to clusters a flush may release.
+        let _ticket = self.fence.begin();
+        let below = |b: &mut [u8], o: GuestOffset| self.read_below(b, o);
+        let changed = |o: GuestOffset, n: u64| self.mapping_changed(o, n);
+        self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
+            let data = &buf[(pos.0 - offset) as usize..(pos.0 - offset + n) as usize];
+            active.write_cluster(data, pos, &below, &changed)
+        })
+    }
+
+    /// Makes `[offset, offset + len)` read as zeros. Whole clusters become
+    /// zero clusters (with `unmap`, their space is released); partial ones
+    /// are written with zeros.
+    pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
+        self.zero_range(offset, len, unmap, true)
+    }
+
+    /// Discards `[offset, offset + len)`: whole clusters read as zeros
+    /// afterwards and their space is released; partial clusters are left
+    /// as they are (discard is advisory, as in QEMU).
+    pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
+        self.zero_range(offset, len, true, false)
+    }
+
+    /// Zeroes whole clusters as metadata (writing zeros where the image
+    /// cannot express them) and, if `partial`, writes zeros over the
+    /// partial clusters at the ends.
+    fn zero_range(&self, offset: u64, len: u64, unmap: bool, partial: bool) -> Result<(), Error> {
+        self.check_range(offset, len)?;
+        let active = self.active()?;
+        let cluster_size = self.cluster_size();
+        let size = self.virtual_size();
+        let zeros = vec![0u8; cluster_size as usize];
+        let changed = |o: GuestOffset, n: u64| self.mapping_changed(o, n);
+        self.for_each_cluster(offset, len, |pos, n| {
+            let whole = n == cluster_size || pos.0 + n == size && pos.0 % cluster_size == 0;
+            if !whole && !partial {
+                return Ok(());
+            }
+            if whole && active.zero_cluster(pos, unmap, &changed)? {
+                return Ok(());
+            }
+            self.write_at(&zeros[..n as usize], pos.0)
+        })
+    }
+
+    /// Makes every completed write durable, metadata in crash-safe order.
+    /// Clusters released before it become reusable once every transfer
+    /// that may still use them has ended: the flush waits for them itself.
+    pub fn flush(&self) -> Result<(), Error> {
+        match &self.active {
+            Some(active) => active.flush(&self.fence),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes like [`Chain::close`] (lazy refcounts written, dirty bit
+    /// cleared) but keeps the chain open: the image is clean for any reader
+    /// until the next write.
+    pub fn flush_clean(&self) -> Result<(), Error> {
+        match &self.active {
+            Some(active) => active.close(&self.fence),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes and leaves the image clean (clears the dirty bit of lazy
+    /// refcounts). Read-only chains close trivially.
+    pub fn close(mut self) -> Result<(), Error> {
+        match self.active.take() {
+            Some(active) => active.close(&self.fence),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Chain {
+    fn drop(&mut self) {
+        let Some(active) = self.active.take() else {
+            return;
+        };
+        if let Some(reason) = active.failure() {
+            tracing::warn!(
+                path = %self.top().path().display(),
+                reason,
+                "not writing metadata back: the engine failed"
+            );
+            return;
+        }
+        if let Err(e) = active.close(&self.fence) {
+            tracing::error!(path = %self.top().path().display(), error = %e, "closing the image failed");
+        }
+    }
+}

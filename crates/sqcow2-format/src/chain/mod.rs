@@ -1,0 +1,252 @@
+//! A backing chain: opened iteratively from the top ([`open`]), resolved
+//! layer by layer or through the chain index ([`walk`], [`resolved`]), read
+//! and written like QEMU reads and writes it ([`io`]).
+
+mod io;
+mod open;
+mod resolved;
+mod walk;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::active::Active;
+use crate::entry::CompressedDescriptor;
+use crate::error::{Error, ErrorKind};
+use crate::fence::TransferFence;
+use crate::index::ChainIndex;
+use crate::layer::Layer;
+use crate::sqcow2_ext::IndexState;
+use crate::storage::Storage;
+use crate::summary::TopSummary;
+use crate::types::{Geometry, HostOffset, LayerIndex};
+use sqcow2_cache::{Policy, SliceCache, StatsSnapshot};
+
+pub use io::{InPlaceTarget, ReadExtent};
+pub use walk::backing_path_of;
+
+/// Default limit on the number of layers in a chain.
+pub const DEFAULT_MAX_LAYERS: usize = 65535;
+/// Default byte budget of the unified metadata cache (QEMU's default for
+/// one layer; here for the whole chain).
+pub const DEFAULT_CACHE_SIZE: u64 = sqcow2_cache::DEFAULT_BUDGET;
+/// Default size of a cached metadata slice.
+pub const DEFAULT_SLICE_SIZE: u64 = 4096;
+/// Default of [`ChainOptions::max_l1_bytes_total`]: 512 MiB, e.g. 1000
+/// layers of 32 TiB disks with 64 KiB clusters.
+pub const DEFAULT_MAX_L1_BYTES_TOTAL: u64 = 512 << 20;
+
+/// How to open a chain.
+#[derive(Debug, Clone)]
+pub struct ChainOptions {
+    /// Most layers a chain may have, the top included.
+    pub max_layers: usize,
+    /// Byte budget of the unified metadata cache.
+    pub cache_size: u64,
+    /// Bytes per cached metadata slice (clamped to one cluster).
+    pub slice_size: u64,
+    /// Eviction policy of the cache.
+    pub cache_policy: Policy,
+    /// Use the chain index when the top names a valid one (otherwise walk
+    /// the chain, as QEMU does).
+    pub use_index: bool,
+    /// Open the top image for writing.
+    pub writable: bool,
+    /// Storage to use for the top image instead of opening its path (tests
+    /// inject faults this way); its path still anchors backing names.
+    pub top_storage: Option<Arc<dyn Storage>>,
+    /// Backing files must lie inside this directory (symlinks resolved,
+    /// on the opened file itself); `None`: anywhere.
+    pub backing_root: Option<PathBuf>,
+    /// Most bytes the layers' L1 tables may take together (each is also
+    /// bounded by itself, as in QEMU).
+    pub max_l1_bytes_total: u64,
+}
+
+impl Default for ChainOptions {
+    fn default() -> Self {
+        Self {
+            max_layers: DEFAULT_MAX_LAYERS,
+            cache_size: DEFAULT_CACHE_SIZE,
+            slice_size: DEFAULT_SLICE_SIZE,
+            cache_policy: Policy::S3Fifo,
+            use_index: true,
+            writable: false,
+            top_storage: None,
+            backing_root: None,
+            max_l1_bytes_total: DEFAULT_MAX_L1_BYTES_TOTAL,
+        }
+    }
+}
+
+/// What a run of guest bytes reads as, and which layer decides it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExtentKind {
+    /// Data stored uncompressed at a host offset of the deciding layer.
+    Data {
+        /// Host offset of the first byte.
+        host: HostOffset,
+    },
+    /// A compressed cluster of the deciding layer.
+    Compressed(CompressedDescriptor),
+    /// Zeros.
+    Zero {
+        /// Host offset, for preallocated zero clusters and raw holes.
+        host: Option<HostOffset>,
+        /// Whether a layer records the zeros (false: nothing is allocated,
+        /// or the range lies beyond the end of a backing file).
+        allocated: bool,
+    },
+}
+
+/// A run of guest bytes with one mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// First guest byte.
+    pub start: crate::types::GuestOffset,
+    /// Length in bytes.
+    pub len: u64,
+    /// The layer that decided the mapping (the last one looked at).
+    pub layer: LayerIndex,
+    /// The mapping.
+    pub kind: ExtentKind,
+}
+
+/// An opened chain; layer 0 is the base, the last layer the top.
+///
+/// Opened writable, the top takes writes; call [`Chain::close`] to flush
+/// and leave the image clean (dropping does it too, logging any error).
+#[derive(Debug)]
+pub struct Chain {
+    layers: Vec<Layer>,
+    cache: Arc<SliceCache>,
+    slice_size: u64,
+    /// The top's geometry (a raw-only chain has none; 64 KiB clusters are
+    /// assumed for splitting writes, which it refuses anyway).
+    top_geometry: Geometry,
+    data_reads: Vec<AtomicU64>,
+    active: Option<Active>,
+    /// Transfers in flight, which a flush waits for before it makes
+    /// released clusters reusable.
+    fence: Arc<TransferFence>,
+    index: Option<ChainIndex>,
+    index_state: IndexState,
+    /// Resolved slices (indexed mode).
+    resolved: resolved::ResolvedSlices,
+    /// Regions of the top that hold nothing (indexed mode only).
+    summary: Option<Arc<TopSummary>>,
+}
+
+impl Chain {
+    /// Statistics of the unified cache.
+    pub fn cache_stats(&self) -> StatsSnapshot {
+        self.cache.stats().snapshot()
+    }
+
+    /// Bytes held by per-layer structures and the index's tables, outside
+    /// the cache (whose bytes [`Chain::cache_stats`] reports).
+    pub fn metadata_structure_bytes(&self) -> u64 {
+        let layers: u64 = self.layers.iter().map(Layer::heap_bytes).sum();
+        let counters = self.data_reads.len() as u64 * 8;
+        let index = self.index.as_ref().map_or(0, |i| i.heap_bytes());
+        layers + counters + index
+    }
+
+    /// Empties the metadata cache (benchmarks of cold lookups).
+    pub fn clear_cache(&self) {
+        self.cache.clear();
+        self.resolved.forget_lookups();
+    }
+
+    /// Data reads served by each layer (base first).
+    pub fn data_reads_per_layer(&self) -> Vec<u64> {
+        self.data_reads
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Counts a data read from `layer` done by a caller that reads the
+    /// host file itself (see [`Chain::data_reads_per_layer`]).
+    pub(crate) fn count_data_read(&self, layer: LayerIndex) {
+        if let Some(counter) = self.data_reads.get(layer.0) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The layers, base first.
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The top layer (the active volume).
+    pub fn top(&self) -> &Layer {
+        // A chain always has at least its top layer.
+        &self.layers[self.layers.len() - 1]
+    }
+
+    /// Index of the top layer.
+    pub fn top_index(&self) -> LayerIndex {
+        LayerIndex(self.layers.len() - 1)
+    }
+
+    /// Cluster size of the top.
+    pub fn cluster_size(&self) -> u64 {
+        self.top_geometry.cluster_size()
+    }
+
+    /// Virtual size of the disk (the top's).
+    pub fn virtual_size(&self) -> u64 {
+        match &self.active {
+            Some(a) => a.size(),
+            None => self.top().virtual_size(),
+        }
+    }
+
+    /// Whether and why the chain index is (not) used.
+    pub fn index_state(&self) -> &IndexState {
+        &self.index_state
+    }
+
+    /// Whether lookups currently go through the chain index.
+    pub fn is_indexed(&self) -> bool {
+        self.index.as_ref().is_some_and(|i| i.usable())
+    }
+
+    /// Whether the chain takes writes.
+    pub fn is_writable(&self) -> bool {
+        self.active.is_some()
+    }
+
+    /// Why the chain refuses writes although opened writable (a panic
+    /// interrupted a metadata update, or [`Chain::fail`] was called); it
+    /// must be reopened to take writes again.
+    pub fn failure(&self) -> Option<&str> {
+        self.active.as_ref().and_then(Active::failure)
+    }
+
+    /// Refuses writes from now on, until the chain is reopened: for callers
+    /// that caught a panic (a bug) while using the chain. Nothing more is
+    /// written back; reads go on.
+    pub fn fail(&self, reason: &str) {
+        if let Some(a) = &self.active {
+            a.fail(reason);
+        }
+    }
+
+    /// Test hook: the writable engine panics at the `nth` next hit of
+    /// `point` (cargo feature `fault-injection`; without it, nothing).
+    pub fn arm_fault(&self, point: crate::fault::FaultPoint, nth: u32) {
+        if let Some(a) = &self.active {
+            a.faults().arm(point, nth);
+        }
+    }
+
+    fn active(&self) -> Result<&Active, Error> {
+        self.active
+            .as_ref()
+            .ok_or_else(|| Error::new(self.top().path(), ErrorKind::ReadOnly))
+    }
+}

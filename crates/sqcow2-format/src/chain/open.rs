@@ -1,0 +1,237 @@
+//! Opening a chain: the top first, then each backing file it names, with
+//! every bound checked before anything is trusted (chain depth, loops, the
+//! backing root, the L1 bytes of all layers together).
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use tracing::debug;
+
+use crate::active::{Active, CacheLink};
+use crate::backing::{resolve_backing_path, BackingFormat};
+use crate::error::{Error, ErrorKind, WithPath};
+use crate::fence::TransferFence;
+use crate::header::QCOW2_MAGIC;
+use crate::layer::{Layer, Qcow2Layer, RawLayer};
+use crate::sqcow2_ext::{open_index, IndexState};
+use crate::storage::{FileStorage, Storage};
+use crate::summary::TopSummary;
+use crate::types::Geometry;
+use sqcow2_cache::{CacheConfig, SliceCache, Source};
+
+use super::resolved::ResolvedSlices;
+use super::{Chain, ChainOptions};
+
+/// Which format to open the next file with.
+enum Expect {
+    /// The top image (must be qcow2).
+    Top,
+    /// A backing file with a recorded format.
+    Recorded(BackingFormat),
+    /// A backing file without a recorded format (qcow2 if its magic says so).
+    Probe,
+}
+
+fn open_layer(
+    path: &Path,
+    file: Option<File>,
+    expect: Expect,
+    options: &ChainOptions,
+) -> Result<Layer, ErrorKind> {
+    let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
+        (Expect::Top, Some(s), _) => s.clone(),
+        (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
+        (_, _, Some(file)) => Arc::new(FileStorage::from_file(file)),
+        (_, _, None) => Arc::new(FileStorage::open_read_only(path)?),
+    };
+    let is_qcow2 = || -> Result<bool, ErrorKind> {
+        let mut magic = [0u8; 4];
+        storage.read_at(&mut magic, 0)?;
+        Ok(storage.len()? >= 4 && u32::from_be_bytes(magic) == QCOW2_MAGIC)
+    };
+    match expect {
+        Expect::Top => Ok(Layer::Qcow2(Qcow2Layer::open(path, storage.clone())?)),
+        Expect::Recorded(BackingFormat::Raw) => Ok(Layer::Raw(RawLayer::open(path, storage)?)),
+        Expect::Recorded(BackingFormat::Qcow2) => {
+            if !is_qcow2()? {
+                return Err(ErrorKind::BackingNotQcow2(path.to_path_buf()));
+            }
+            Ok(Layer::Qcow2(Qcow2Layer::open(path, storage)?))
+        }
+        Expect::Probe => {
+            if !is_qcow2()? {
+                return Err(ErrorKind::UnknownBackingFormat(path.to_path_buf()));
+            }
+            Ok(Layer::Qcow2(Qcow2Layer::open(path, storage)?))
+        }
+    }
+}
+
+/// Refuses an opened backing file whose real location (read from the open
+/// descriptor, so a symlink swapped after the check cannot fool it) is
+/// outside `root`.
+fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), ErrorKind> {
+    use std::os::fd::AsRawFd;
+    let root = std::fs::canonicalize(root)?;
+    let resolved = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    if resolved.starts_with(&root) {
+        Ok(())
+    } else {
+        Err(ErrorKind::BackingOutsideRoot {
+            backing: named.to_path_buf(),
+            resolved,
+            root,
+        })
+    }
+}
+
+/// Opens the files of the chain whose top is `path`, top first.
+fn open_layers(path: &Path, options: &ChainOptions) -> Result<Vec<Layer>, Error> {
+    let mut top_down: Vec<Layer> = Vec::new();
+    let mut seen = HashSet::new();
+    let mut l1_bytes = 0u64;
+    let mut next = Some((path.to_path_buf(), Expect::Top));
+    while let Some((current, expect)) = next.take() {
+        let referrer = top_down.last().map(|l| l.path().to_path_buf());
+        let blame = referrer.clone().unwrap_or_else(|| current.clone());
+        if top_down.len() >= options.max_layers {
+            return Err(Error::new(
+                blame,
+                ErrorKind::ChainTooDeep {
+                    limit: options.max_layers,
+                },
+            ));
+        }
+        let injected = referrer.is_none() && options.top_storage.is_some();
+        let file = if injected {
+            None
+        } else {
+            let file = match File::open(&current) {
+                Ok(f) => f,
+                Err(source) if referrer.is_some() => {
+                    return Err(Error::new(
+                        blame,
+                        ErrorKind::MissingBacking {
+                            backing: current,
+                            source,
+                        },
+                    ))
+                }
+                Err(e) => return Err(Error::new(current, ErrorKind::Io(e))),
+            };
+            if let (Some(root), Some(_)) = (&options.backing_root, &referrer) {
+                check_inside_root(&file, &current, root).map_err(|k| Error::new(&blame, k))?;
+            }
+            let meta = file
+                .metadata()
+                .map_err(|e| Error::new(&current, e.into()))?;
+            if !seen.insert((meta.dev(), meta.ino())) {
+                return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
+            }
+            Some(file)
+        };
+        let layer = open_layer(&current, file, expect, options).map_err(|kind| match kind {
+            // The referring image records the wrong format: blame it.
+            ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
+                Error::new(&blame, kind)
+            }
+            kind => Error::new(&current, kind),
+        })?;
+        if let Some(header) = layer.header() {
+            if let Some(name) = &header.backing_file {
+                let backing = resolve_backing_path(&current, name).with_path(&current)?;
+                let format =
+                    BackingFormat::from_recorded(header.backing_format()).with_path(&current)?;
+                let expect = match format {
+                    Some(f) => Expect::Recorded(f),
+                    None => Expect::Probe,
+                };
+                next = Some((backing, expect));
+            }
+        }
+        l1_bytes += layer.header().map_or(0, |h| u64::from(h.l1_size) * 8);
+        if l1_bytes > options.max_l1_bytes_total {
+            return Err(Error::new(
+                &current,
+                ErrorKind::ChainMetadataTooLarge {
+                    bytes: l1_bytes,
+                    limit: options.max_l1_bytes_total,
+                },
+            ));
+        }
+        debug!(path = %current.display(), format = layer.format_name(), "opened layer");
+        top_down.push(layer);
+    }
+    top_down.reverse();
+    Ok(top_down)
+}
+
+impl Chain {
+    /// Opens the chain whose top image is `path`, following backing files
+    /// iteratively.
+    pub fn open(path: &Path, options: &ChainOptions) -> Result<Chain, Error> {
+        let layers = open_layers(path, options)?;
+        let (index, index_state) = if options.use_index {
+            open_index(&layers)
+        } else {
+            (None, IndexState::Disabled)
+        };
+        let top_header = layers.last().and_then(|l| l.header());
+        let top_geometry = top_header.map_or(
+            Geometry {
+                cluster_bits: 16,
+                extended_l2: false,
+            },
+            |h| h.geometry,
+        );
+        let resolved_bits = {
+            let top_bits = top_geometry.subcluster_size().trailing_zeros();
+            let index_bits = index
+                .as_ref()
+                .map_or(top_bits, |i| i.geometry().granularity_bits);
+            top_bits.min(index_bits)
+        };
+        let summary = match (&index, layers.last()) {
+            (Some(_), Some(Layer::Qcow2(q))) => {
+                TopSummary::build(q.header(), q.l1(), &**q.storage(), options.slice_size)
+                    .ok()
+                    .map(Arc::new)
+            }
+            _ => None,
+        };
+        let cache = Arc::new(SliceCache::new(CacheConfig {
+            budget: options.cache_size,
+            policy: options.cache_policy,
+            ..CacheConfig::default()
+        }));
+        let active = if options.writable {
+            let link = CacheLink {
+                cache: cache.clone(),
+                source: Source::Layer((layers.len() - 1) as u32),
+                slice_size: options.slice_size,
+                budget: options.cache_size,
+                summary: summary.clone(),
+            };
+            Some(Active::open(&layers, link)?)
+        } else {
+            None
+        };
+        Ok(Chain {
+            data_reads: layers.iter().map(|_| AtomicU64::new(0)).collect(),
+            layers,
+            cache,
+            slice_size: options.slice_size,
+            top_geometry,
+            active,
+            fence: Arc::new(TransferFence::default()),
+            resolved: ResolvedSlices::new(resolved_bits),
+            index,
+            index_state,
+            summary,
+        })
+    }
+}

@@ -1,0 +1,320 @@
+//! Resolution layer by layer (QEMU's block-status walk) and through the
+//! chain index; the whole-disk map.
+
+use std::path::PathBuf;
+
+use crate::backing::resolve_backing_path;
+use crate::entry::CompressedDescriptor;
+use crate::error::{Error, WithPath};
+use crate::index::{ChainIndex, IndexEntry, IndexGeometry};
+use crate::layer::{Layer, LayerStatus};
+use crate::sqcow2_ext::granularity_bits;
+use crate::types::{GuestOffset, HostOffset, LayerIndex};
+
+use super::{Chain, Extent, ExtentKind};
+
+impl Chain {
+    pub(super) fn layer_status(
+        &self,
+        index: LayerIndex,
+        guest: GuestOffset,
+        max: u64,
+        precise: bool,
+    ) -> Result<(LayerStatus, u64), Error> {
+        let layer = &self.layers[index.0];
+        if let (Some(summary), true) = (&self.summary, index == self.top_index()) {
+            if summary.is_empty(guest) {
+                let len = max.min(summary.region_end(guest) - guest.0);
+                return Ok((LayerStatus::Unallocated { host: None }, len));
+            }
+        }
+        if let (Some(active), true) = (&self.active, index == self.top_index()) {
+            return active.status(guest, max);
+        }
+        match layer {
+            Layer::Qcow2(q) => q
+                .status(index, guest, max, &self.cache, self.slice_size)
+                .with_path(layer.path()),
+            Layer::Raw(r) => Ok(r.status(guest, max, precise)),
+        }
+    }
+
+    /// Resolves the mapping of `[start, start + max)` (which must lie within
+    /// the virtual size): the first run with one mapping. `precise` asks
+    /// raw layers for their holes (for `map`; reads do not need it).
+    pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
+        if !precise && self.is_indexed() {
+            if let Some(extent) = self.resolved_extent(start, max)? {
+                return Ok(extent);
+            }
+        }
+        self.resolve_from(self.top_index(), start, max, precise)
+    }
+
+    /// [`Chain::resolve`] starting at layer `index` instead of the top
+    /// (`start` must lie within that layer's virtual size).
+    pub(super) fn resolve_from(
+        &self,
+        mut index: LayerIndex,
+        start: GuestOffset,
+        max: u64,
+        precise: bool,
+    ) -> Result<Extent, Error> {
+        let mut len = max;
+        loop {
+            let (status, n) = self.layer_status(index, start, len, precise)?;
+            len = n;
+            if index == self.top_index() && index.0 > 0 {
+                if let (LayerStatus::Unallocated { .. }, Some(ci)) = (&status, &self.index) {
+                    if let Some(extent) = self.index_extent(ci, start, len) {
+                        return Ok(extent);
+                    }
+                }
+            }
+            let kind = match status {
+                LayerStatus::Data { host } => ExtentKind::Data { host },
+                LayerStatus::Compressed(d) => ExtentKind::Compressed(d),
+                LayerStatus::Zero { host } => ExtentKind::Zero {
+                    host,
+                    allocated: true,
+                },
+                LayerStatus::Unallocated { host } => {
+                    let below = index.0.checked_sub(1).map(|i| &self.layers[i]);
+                    match below {
+                        Some(below) if start.0 < below.virtual_size() => {
+                            self.cache.stats().hit_unallocated();
+                            len = len.min(below.virtual_size() - start.0);
+                            index = LayerIndex(index.0 - 1);
+                            continue;
+                        }
+                        _ => ExtentKind::Zero {
+                            host,
+                            allocated: false,
+                        },
+                    }
+                }
+            };
+            return Ok(Extent {
+                start,
+                len,
+                layer: index,
+                kind,
+            });
+        }
+    }
+
+    /// The extent at `start` (at most `len` bytes) from the chain index;
+    /// `None` when the index cannot answer (split chunk, unusable index).
+    fn index_extent(&self, ci: &ChainIndex, start: GuestOffset, len: u64) -> Option<Extent> {
+        let g = ci.geometry();
+        let chunk = start.0 >> g.granularity_bits;
+        let chunk_start = chunk << g.granularity_bits;
+        let len = len.min(chunk_start + g.chunk_size() - start.0);
+        let below = LayerIndex(self.top_index().0 - 1);
+        let (layer, kind) = match ci.entry(chunk, &self.cache)? {
+            IndexEntry::Walk => return None,
+            IndexEntry::None => (
+                below,
+                ExtentKind::Zero {
+                    host: None,
+                    allocated: false,
+                },
+            ),
+            IndexEntry::Zero { layer } => (
+                LayerIndex(layer as usize),
+                ExtentKind::Zero {
+                    host: None,
+                    allocated: true,
+                },
+            ),
+            IndexEntry::Data { layer, host } => (
+                LayerIndex(layer as usize),
+                ExtentKind::Data {
+                    host: HostOffset(host + (start.0 - chunk_start)),
+                },
+            ),
+            IndexEntry::Compressed { layer, l2_entry } => {
+                let geometry = self.layers.get(layer as usize)?.header()?.geometry;
+                (
+                    LayerIndex(layer as usize),
+                    ExtentKind::Compressed(CompressedDescriptor::decode(l2_entry, geometry)),
+                )
+            }
+        };
+        if layer.0 >= self.top_index().0 {
+            return None;
+        }
+        Some(Extent {
+            start,
+            len,
+            layer,
+            kind,
+        })
+    }
+
+    /// The raw index entry of `chunk`, when an index is in use.
+    pub fn index_entry(&self, chunk: u64) -> Option<IndexEntry> {
+        self.index.as_ref()?.entry(chunk, &self.cache)
+    }
+
+    /// Index entries for every chunk of `[0, covered_size)` as layers
+    /// `0..=upto` resolve it (through this chain's index when `upto` is the
+    /// top), and the geometry to store them with. `progress(done, total)`
+    /// is called as chunks are resolved.
+    pub fn index_entries(
+        &self,
+        upto: LayerIndex,
+        covered_size: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(IndexGeometry, Vec<IndexEntry>), Error> {
+        let geometry = IndexGeometry {
+            granularity_bits: granularity_bits(&self.layers, upto.0),
+            covered_size,
+        };
+        let cs = geometry.chunk_size();
+        let chunks = geometry.chunks();
+        let size = self.layers[upto.0].virtual_size();
+        // Extending this chain's own index (a snapshot of the top): where
+        // the top holds nothing, the new entry is the old one.
+        let extending = upto == self.top_index()
+            && self.is_indexed()
+            && self
+                .index
+                .as_ref()
+                .is_some_and(|i| i.geometry() == geometry);
+        let mut entries = Vec::with_capacity(chunks as usize);
+        let mut chunk = 0u64;
+        while chunk < chunks {
+            let start = chunk * cs;
+            if start >= size {
+                entries.push(IndexEntry::None);
+                chunk += 1;
+                continue;
+            }
+            if extending {
+                let (status, n) =
+                    self.layer_status(upto, GuestOffset(start), size - start, false)?;
+                if matches!(status, LayerStatus::Unallocated { .. }) && n >= cs {
+                    let before = chunk;
+                    let end = (chunk + n / cs).min(chunks);
+                    while chunk < end {
+                        match self.index_entry(chunk) {
+                            Some(old) => entries.push(old),
+                            None => break,
+                        }
+                        chunk += 1;
+                    }
+                    if chunk > before {
+                        progress(chunk.min(chunks), chunks);
+                        continue;
+                    }
+                }
+            }
+            let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
+            let whole = extent.len / cs;
+            if whole == 0 {
+                // The mapping changes inside this chunk (a layer ends here).
+                entries.push(IndexEntry::Walk);
+                chunk += 1;
+                continue;
+            }
+            for k in 0..whole {
+                let delta = k * cs;
+                entries.push(match extent.kind {
+                    ExtentKind::Data { host } => IndexEntry::Data {
+                        layer: extent.layer.0 as u32,
+                        host: host.0 + delta,
+                    },
+                    ExtentKind::Compressed(_) => {
+                        // Re-read the layer's entry: the descriptor as stored.
+                        let layer = &self.layers[extent.layer.0];
+                        let l2_entry = match layer {
+                            Layer::Qcow2(q) => q
+                                .raw_l2_entry(
+                                    extent.layer,
+                                    extent.start.0 + delta,
+                                    &self.cache,
+                                    self.slice_size,
+                                )
+                                .with_path(layer.path())?,
+                            Layer::Raw(_) => 0,
+                        };
+                        IndexEntry::Compressed {
+                            layer: extent.layer.0 as u32,
+                            l2_entry,
+                        }
+                    }
+                    ExtentKind::Zero {
+                        allocated: true, ..
+                    } => IndexEntry::Zero {
+                        layer: extent.layer.0 as u32,
+                    },
+                    ExtentKind::Zero { .. } => IndexEntry::None,
+                });
+            }
+            chunk += whole;
+            progress(chunk.min(chunks), chunks);
+        }
+        entries.truncate(chunks as usize);
+        Ok((geometry, entries))
+    }
+
+    /// The whole disk as extents, merged the way `qemu-img map` merges them.
+    pub fn map(&self, mut each: impl FnMut(&Extent)) -> Result<(), Error> {
+        let size = self.virtual_size();
+        let mut pos = 0u64;
+        let mut pending: Option<Extent> = None;
+        while pos < size {
+            let e = self.resolve(GuestOffset(pos), size - pos, true)?;
+            pos += e.len;
+            match &mut pending {
+                Some(p) if mergeable(p, &e) => p.len += e.len,
+                _ => {
+                    if let Some(p) = pending.replace(e) {
+                        each(&p);
+                    }
+                }
+            }
+        }
+        if let Some(p) = pending {
+            each(&p);
+        }
+        Ok(())
+    }
+}
+
+/// Whether `next` directly continues `cur` with the same mapping.
+fn mergeable(cur: &Extent, next: &Extent) -> bool {
+    if cur.layer != next.layer {
+        return false;
+    }
+    match (cur.kind, next.kind) {
+        (ExtentKind::Data { host: a }, ExtentKind::Data { host: b }) => a.0 + cur.len == b.0,
+        (ExtentKind::Compressed(_), ExtentKind::Compressed(_)) => true,
+        (
+            ExtentKind::Zero {
+                host: a,
+                allocated: x,
+            },
+            ExtentKind::Zero {
+                host: b,
+                allocated: y,
+            },
+        ) => {
+            x == y
+                && match (a, b) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => a.0 + cur.len == b.0,
+                    _ => false,
+                }
+        }
+        _ => false,
+    }
+}
+
+/// The path of a layer's backing file as the image names it, resolved.
+pub fn backing_path_of(layer: &Layer) -> Option<PathBuf> {
+    let header = layer.header()?;
+    let name = header.backing_file.as_ref()?;
+    resolve_backing_path(layer.path(), name).ok()
+}
