@@ -257,6 +257,38 @@ fn upgraded_chain_is_clean_and_identical_for_qemu() {
     );
 }
 
+/// A script that upgrades every top of a host meets lone images too: they
+/// have nothing to index, which is not an error.
+#[test]
+fn upgrade_of_a_lone_image_says_there_is_nothing_to_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("lone.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&image), "16M"]);
+    let before = std::fs::read(&image).unwrap();
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["upgrade", s(&image)]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to index"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let json = run_raw(Command::new(common::sqcow2_bin()).args([
+        "upgrade",
+        "--output",
+        "json",
+        s(&image),
+    ]));
+    assert!(json.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["index"], serde_json::Value::Null, "{v}");
+    assert_eq!(std::fs::read(&image).unwrap(), before, "the image changed");
+    assert!(!tmp.path().join("lone.qcow2.sqidx").exists());
+}
+
 #[test]
 fn qemu_io_write_to_the_top_keeps_the_index() {
     let (_tmp, top) = fresh_chain();

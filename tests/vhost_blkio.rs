@@ -441,3 +441,32 @@ fn bench_load_drives_the_daemon_without_errors() {
     daemon.stop();
     assert_qemu_check_clean(&top);
 }
+
+/// Log lines written to a file carry no colour escapes; with
+/// `--log-format json` every line is one JSON object.
+#[test]
+fn log_lines_are_plain_in_files_and_json_on_request() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 2, "16M", "0.5");
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let client = connect_retry(&daemon, 1, false);
+    drop(client);
+    daemon.stop();
+    let text = daemon.log();
+    assert!(text.contains("ready for a vhost-user frontend"), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "colour escapes in a log file:\n{text}"
+    );
+
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--log-format", "json"]);
+    daemon.stop();
+    let text = daemon.log();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+    }
+}

@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use sqcow2_vhost::{BlkDevice, ChainHandle, GuestMem, GuestMemAtomic, QueueWorker};
+use sqcow2_vhost::{BlkDevice, ChainHandle, DeviceOptions, GuestMem, GuestMemAtomic, QueueWorker};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
@@ -38,11 +38,13 @@ struct Harness {
 
 fn harness() -> Harness {
     let (dir, _, chain, _) = scratch::scratch_chain(4 << 20);
-    let device = Arc::new(BlkDevice::new(
-        Arc::new(ChainHandle::new(chain)),
-        1,
-        QUEUE_SIZE,
-    ));
+    let device = Arc::new(
+        BlkDevice::new(
+            Arc::new(ChainHandle::new(chain)),
+            DeviceOptions::new(1, QUEUE_SIZE),
+        )
+        .expect("device"),
+    );
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).expect("memory");
     Harness {
         _dir: dir,

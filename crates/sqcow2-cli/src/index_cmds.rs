@@ -32,15 +32,22 @@ pub fn run_upgrade(top: &Path, progress: bool, output: OutputFormat) -> anyhow::
     let mut out = std::io::stdout().lock();
     match output {
         OutputFormat::Json => print_json(&mut out, &report)?,
-        OutputFormat::Human => writeln!(
-            out,
-            "indexed {} layers below {}: {} ({} chunks, {} bytes)",
-            report.layers,
-            top.display(),
-            report.index.display(),
-            report.chunks,
-            report.bytes
-        )?,
+        OutputFormat::Human => match &report.index {
+            Some(index) => writeln!(
+                out,
+                "indexed {} layers below {}: {} ({} chunks, {} bytes)",
+                report.layers,
+                top.display(),
+                index.display(),
+                report.chunks,
+                report.bytes
+            )?,
+            None => writeln!(
+                out,
+                "nothing to index: {} has no backing file",
+                top.display()
+            )?,
+        },
     }
     Ok(())
 }

@@ -7,40 +7,39 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use serde_json::{json, Value};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use sqcow2_vhost::control::protocol::{
+    Command, Info, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
+};
 
 use crate::output::OutputFormat;
 
-/// Sends one request; returns the `result` of a successful reply.
-pub fn request(control: &Path, mut req: Value) -> anyhow::Result<Value> {
+/// Sends one command; returns the result of a successful reply.
+pub fn request<T: DeserializeOwned>(control: &Path, command: Command) -> anyhow::Result<T> {
     let mut stream = UnixStream::connect(control)
         .with_context(|| format!("connecting to the control socket {}", control.display()))?;
-    req["id"] = json!(1);
-    let mut line = req.to_string();
+    let mut line = Request {
+        id: Value::from(1),
+        command,
+    }
+    .to_line();
     line.push('\n');
     stream.write_all(line.as_bytes())?;
     let mut reply = String::new();
     BufReader::new(stream).read_line(&mut reply)?;
-    let reply: Value = serde_json::from_str(&reply).context("reply is not JSON")?;
-    if reply["ok"] == json!(true) {
-        Ok(reply["result"].clone())
-    } else {
-        bail!(
-            "{}: {}",
-            reply["error"]["kind"].as_str().unwrap_or("error"),
-            reply["error"]["message"].as_str().unwrap_or("")
-        )
-    }
+    let reply: Reply = serde_json::from_str(&reply).context("the reply is not a control reply")?;
+    reply.into_result().map_err(anyhow::Error::msg)
 }
 
-fn print(value: &Value, output: OutputFormat) -> anyhow::Result<()> {
+fn print(value: &impl Serialize, output: OutputFormat) -> anyhow::Result<()> {
     match output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(value)?),
         OutputFormat::Human => {
-            if let Value::Object(map) = value {
+            if let Value::Object(map) = serde_json::to_value(value)? {
                 for (k, v) in map {
                     match v {
-                        Value::Object(_) | Value::Array(_) => println!("{k}: {v}"),
                         Value::String(s) => println!("{k}: {s}"),
                         other => println!("{k}: {other}"),
                     }
@@ -52,13 +51,14 @@ fn print(value: &Value, output: OutputFormat) -> anyhow::Result<()> {
 }
 
 pub fn snapshot(control: &Path, new: &Path, output: OutputFormat) -> anyhow::Result<()> {
-    let new = std::path::absolute(new)?;
-    let r = request(control, json!({"command": "snapshot", "path": new}))?;
+    let path = std::path::absolute(new)?;
+    let r: SnapshotResult = request(control, Command::Snapshot { path })?;
     print(&r, output)
 }
 
 pub fn info(control: &Path, output: OutputFormat) -> anyhow::Result<()> {
-    print(&request(control, json!({"command": "info"}))?, output)
+    let r: Info = request(control, Command::Info)?;
+    print(&r, output)
 }
 
 /// Arguments of `sqcow2 stats`.
@@ -76,22 +76,21 @@ pub struct StatsArgs {
 
 pub fn stats(args: &StatsArgs) -> anyhow::Result<()> {
     loop {
+        let json = Command::Stats {
+            format: StatsFormat::Json,
+        };
         match args.output.as_str() {
             "prometheus" => {
-                let r = request(
+                let r: PrometheusText = request(
                     &args.control,
-                    json!({"command": "stats", "format": "prometheus"}),
+                    Command::Stats {
+                        format: StatsFormat::Prometheus,
+                    },
                 )?;
-                print!("{}", r["text"].as_str().unwrap_or(""));
+                print!("{}", r.text);
             }
-            "json" => print(
-                &request(&args.control, json!({"command": "stats"}))?,
-                OutputFormat::Json,
-            )?,
-            "human" => print(
-                &request(&args.control, json!({"command": "stats"}))?,
-                OutputFormat::Human,
-            )?,
+            "json" => print(&request::<Stats>(&args.control, json)?, OutputFormat::Json)?,
+            "human" => print(&request::<Stats>(&args.control, json)?, OutputFormat::Human)?,
             other => bail!("unknown output format {other}"),
         }
         std::io::stdout().flush()?;

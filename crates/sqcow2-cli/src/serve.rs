@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// docs/control-api.md), created with --socket-mode.
     #[arg(long)]
     control: Option<PathBuf>,
+    /// Engine threads: allocating writes, discards and write-zeroes run
+    /// there, so that they never hold up the other requests of a queue.
+    #[arg(long, default_value_t = sqcow2_vhost::device::DEFAULT_ENGINE_THREADS)]
+    engine_threads: usize,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -51,6 +55,9 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     }
     if args.queues_per_thread == 0 {
         bail!("--queues-per-thread must be at least 1");
+    }
+    if !(1..=256).contains(&args.engine_threads) {
+        bail!("--engine-threads must be between 1 and 256");
     }
     let socket_mode = u32::from_str_radix(&args.socket_mode, 8)
         .ok()
@@ -77,6 +84,7 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         socket_mode,
         pidfile: args.pidfile.clone(),
         control: args.control.clone(),
+        engine_threads: args.engine_threads,
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

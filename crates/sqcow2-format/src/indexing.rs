@@ -86,8 +86,9 @@ fn mark_layers(chain: &Chain, upto: usize) -> Result<(), Error> {
 /// What `upgrade` did.
 #[derive(Debug, Clone, Serialize)]
 pub struct UpgradeReport {
-    /// Index file written.
-    pub index: PathBuf,
+    /// Index file written; `None` when the image has no backing file
+    /// (nothing to index).
+    pub index: Option<PathBuf>,
     /// Layers it covers.
     pub layers: usize,
     /// Chunks it describes.
@@ -107,10 +108,13 @@ pub fn upgrade(top: &Path, progress: Progress) -> Result<UpgradeReport, Error> {
     let chain = Chain::open(top, &options)?;
     let n = chain.layers().len();
     if n < 2 {
-        return Err(Error::new(
-            top,
-            ErrorKind::Io(std::io::Error::other("no backing chain to index")),
-        ));
+        // A lone image: every lookup is in the top already.
+        return Ok(UpgradeReport {
+            index: None,
+            layers: 0,
+            chunks: 0,
+            bytes: 0,
+        });
     }
     let upto = n - 2;
     let (geometry, entries) =
@@ -133,7 +137,7 @@ pub fn upgrade(top: &Path, progress: Progress) -> Result<UpgradeReport, Error> {
     let storage = FileStorage::open_read_write(top).map_err(io_err(top))?;
     write_index_extension(&storage, header, &name).map_err(io_err(top))?;
     Ok(UpgradeReport {
-        index: index_path,
+        index: Some(index_path),
         layers: upto + 1,
         chunks: geometry.chunks(),
         bytes: bytes.len() as u64,

@@ -13,7 +13,10 @@ use vmm_sys_util::event::{
 };
 
 use crate::config::{read_config, CONFIG_WRITEBACK_OFFSET};
+use crate::control::protocol::QueueCounters;
 use crate::device::BlkDevice;
+use crate::gate::PauseGuard;
+use crate::offload::panic_message;
 use crate::worker::{GuestMemAtomic, QueueWorker};
 
 /// One worker thread's state: its engine and the vrings it serves.
@@ -76,43 +79,69 @@ impl BlkBackend {
         &self.device
     }
 
-    /// The event id of worker completions in each worker's epoll set
+    /// The event id of io_uring completions in each worker's epoll set
     /// (ids up to `num_queues` belong to the queues and the exit event).
     pub fn completion_event_id(&self) -> u64 {
         self.num_queues() as u64 + 1
     }
 
-    /// The completion eventfd of worker thread `thread`.
+    /// The event id of engine results (and wake-ups after a pause) in each
+    /// worker's epoll set.
+    pub fn mailbox_event_id(&self) -> u64 {
+        self.num_queues() as u64 + 2
+    }
+
+    /// The io_uring completion eventfd of worker thread `thread`.
     pub fn completion_fd(&self, thread: usize) -> Option<std::os::fd::RawFd> {
         self.workers
             .get(thread)
             .map(|w| std::os::fd::AsRawFd::as_raw_fd(lock(w).worker.completion_fd()))
     }
 
-    /// Per-queue statistics (JSON objects with the queue number).
-    pub fn queue_stats(&self) -> Vec<serde_json::Value> {
+    /// The mailbox eventfd of worker thread `thread`.
+    pub fn mailbox_fd(&self, thread: usize) -> Option<std::os::fd::RawFd> {
+        self.workers
+            .get(thread)
+            .map(|w| std::os::fd::AsRawFd::as_raw_fd(lock(w).worker.mailbox_fd()))
+    }
+
+    /// Stops new requests from starting until the guard is dropped; the
+    /// workers go on completing those in flight.
+    pub fn pause(&self) -> PauseGuard {
+        self.device.gate().pause()
+    }
+
+    /// Waits (while paused) until no request is in flight, at most
+    /// `timeout`; whether that happened.
+    pub fn wait_idle(&self, timeout: std::time::Duration) -> bool {
+        self.device.gate().wait_idle(timeout)
+    }
+
+    /// Per-queue statistics.
+    pub fn queue_stats(&self) -> Vec<QueueCounters> {
         let mut out = Vec::new();
         for (thread, w) in self.workers.iter().enumerate() {
             let first = self.queues_per_thread[thread].trailing_zeros() as usize;
             let slot = lock(w);
             for (local, st) in slot.worker.stats().iter().enumerate() {
-                out.push(serde_json::json!({
-                    "queue": first + local,
-                    "requests": st.requests,
-                    "read_bytes": st.read_bytes,
-                    "write_bytes": st.write_bytes,
-                    "errors": st.errors,
-                    "latency_us_p50": st.latency_us.value_at_quantile(0.5),
-                    "latency_us_p99": st.latency_us.value_at_quantile(0.99),
-                    "latency_us_max": st.latency_us.max(),
-                }));
+                out.push(QueueCounters {
+                    queue: first + local,
+                    requests: st.requests,
+                    read_bytes: st.read_bytes,
+                    write_bytes: st.write_bytes,
+                    errors: st.errors,
+                    latency_us_p50: st.latency_us.value_at_quantile(0.5),
+                    latency_us_p99: st.latency_us.value_at_quantile(0.99),
+                    latency_us_max: st.latency_us.max(),
+                });
             }
         }
         out
     }
 
     /// Waits for every request in flight to finish and completes it to the
-    /// guest (if it is still there).
+    /// guest (if it is still there), running each worker's completions in
+    /// the calling thread: for when the worker threads have stopped.
     pub fn drain(&self) {
         for w in &self.workers {
             let mut slot = lock(w);
@@ -169,33 +198,45 @@ impl BlkBackend {
             slot.vrings = vrings.to_vec();
         }
         if let Some(vring) = vrings.get(index) {
-            let Some(mem) = self
-                .mem
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
-            else {
-                return;
-            };
-            let used = {
-                let mut state = vring.get_mut();
-                slot.worker
-                    .process_queue(index, state.get_queue_mut(), &mem)
-            };
-            // An error here means the guest's rings are unusable (e.g. the
-            // used ring lies outside guest memory). Returning it would end
-            // this worker thread and every queue on it, so log it instead.
-            match used {
-                Ok(true) => signal(vring),
-                Ok(false) => {}
-                Err(e) => crate::limited_warn!(queue = index, "queue unusable: {e}"),
-            }
-            // Reads of cached data often complete during the submission:
-            // finish them now rather than after another epoll round.
-            slot.worker.reap_ready();
+            self.process(slot, index, vring);
         } else if u64::from(device_event) == self.completion_event_id() {
             slot.worker.handle_completion_event();
+        } else if u64::from(device_event) == self.mailbox_event_id()
+            && slot.worker.handle_mailbox_event()
+        {
+            // A pause ended: start what the guest queued meanwhile.
+            for (index, vring) in vrings.iter().enumerate() {
+                self.process(slot, index, vring);
+            }
         }
+    }
+
+    /// Takes the requests of one queue.
+    fn process(&self, slot: &mut WorkerSlot, index: usize, vring: &VringRwLock) {
+        let Some(mem) = self
+            .mem
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        else {
+            return;
+        };
+        let used = {
+            let mut state = vring.get_mut();
+            slot.worker
+                .process_queue(index, state.get_queue_mut(), &mem)
+        };
+        // An error here means the guest's rings are unusable (e.g. the
+        // used ring lies outside guest memory). Returning it would end
+        // this worker thread and every queue on it, so log it instead.
+        match used {
+            Ok(true) => signal(vring),
+            Ok(false) => {}
+            Err(e) => crate::limited_warn!(queue = index, "queue unusable: {e}"),
+        }
+        // Reads of cached data often complete during the submission:
+        // finish them now rather than after another epoll round.
+        slot.worker.reap_ready();
     }
 }
 
@@ -270,26 +311,21 @@ impl VhostUserBackend for BlkBackend {
             return Ok(());
         };
         let index = usize::from(device_event);
-        // New requests start only while no live snapshot pauses the device
-        // (taken before the worker lock: the snapshot then drains the
-        // workers itself). Completions never wait for it: a flush on one
-        // worker may be waiting for another worker's reads to complete.
-        let _running = (index < vrings.len()).then(|| self.device.handle().running());
+        // Nothing here waits for another thread: requests start only with a
+        // permit of the device's gate (none while paused), and everything
+        // that may block runs on engine threads.
         let mut slot = lock(w);
         let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.handle_locked(&mut slot, index, device_event, vrings)
         }));
         if let Err(panic) = handled {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = panic_message(&*panic);
             error!(
                 thread = thread_id,
-                "worker panicked (a bug), failing its stuck requests: {what}"
+                "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
             );
-            self.device.count_panic();
+            self.device
+                .record_panic(&format!("a queue worker panicked: {what}"));
             slot.worker.recover_after_panic();
         }
         complete(&mut slot);

@@ -1,54 +1,81 @@
 //! The block device a chain becomes: what every queue worker shares.
 
+use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use sqcow2_format::Chain;
 
-use crate::handle::ChainHandle;
-
 use crate::config::{DeviceConfig, CONFIG_SPACE_SIZE, SECTOR_SIZE};
-use crate::fence::ReadFence;
+use crate::gate::RequestGate;
+use crate::handle::ChainHandle;
+use crate::offload::Offload;
 use crate::request::{RequestLimits, ID_SIZE};
+
+/// Default number of engine threads (allocating writes, discards,
+/// write-zeroes run there, off the queue workers).
+pub const DEFAULT_ENGINE_THREADS: usize = 4;
+
+/// The shape of an exported device.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceOptions {
+    /// Request queues offered.
+    pub num_queues: u16,
+    /// Largest queue the frontend may set up.
+    pub queue_size: u16,
+    /// Engine threads.
+    pub engine_threads: usize,
+}
+
+impl DeviceOptions {
+    /// `num_queues` queues of at most `queue_size` entries, default engine
+    /// threads.
+    pub fn new(num_queues: u16, queue_size: u16) -> Self {
+        DeviceOptions {
+            num_queues,
+            queue_size,
+            engine_threads: DEFAULT_ENGINE_THREADS,
+        }
+    }
+}
 
 /// A chain exported as a virtio-blk device.
 #[derive(Debug)]
 pub struct BlkDevice {
     chain: Arc<ChainHandle>,
     config: DeviceConfig,
-    fence: ReadFence,
+    gate: Arc<RequestGate>,
+    offload: Offload,
     writeback: AtomicBool,
     id: [u8; ID_SIZE],
-    panics: AtomicU64,
+    panics: Arc<AtomicU64>,
 }
 
 impl BlkDevice {
-    /// Exports the chain of `handle` with `num_queues` queues of at most
-    /// `queue_size` entries; read-only if the chain was opened read-only.
-    pub fn new(handle: Arc<ChainHandle>, num_queues: u16, queue_size: u16) -> Self {
+    /// Exports the chain of `handle`; read-only if the chain was opened
+    /// read-only. Starts the engine threads.
+    pub fn new(handle: Arc<ChainHandle>, options: DeviceOptions) -> io::Result<Self> {
         let chain = handle.get();
-        let cluster_size = chain
-            .top()
-            .header()
-            .map(|h| h.geometry.cluster_size())
-            .unwrap_or(65536);
         let config = DeviceConfig {
             capacity_sectors: chain.virtual_size() / SECTOR_SIZE,
-            num_queues,
-            queue_size,
+            num_queues: options.num_queues,
+            queue_size: options.queue_size,
             read_only: !chain.is_writable(),
-            cluster_size,
+            cluster_size: chain.cluster_size(),
         };
         let id = device_id(chain.top().path());
-        BlkDevice {
+        let panics = Arc::new(AtomicU64::new(0));
+        let offload = Offload::start(handle.clone(), options.engine_threads, panics.clone())?;
+        Ok(BlkDevice {
             chain: handle,
             config,
-            fence: ReadFence::default(),
+            gate: Arc::new(RequestGate::default()),
+            offload,
             writeback: AtomicBool::new(true),
             id,
-            panics: AtomicU64::new(0),
-        }
+            panics,
+        })
     }
 
     /// The chain behind the device now.
@@ -74,9 +101,14 @@ impl BlkDevice {
         }
     }
 
-    /// Reads in flight against flushes.
-    pub fn fence(&self) -> &ReadFence {
-        &self.fence
+    /// Which requests may start (pauses for live snapshots and stops).
+    pub fn gate(&self) -> &Arc<RequestGate> {
+        &self.gate
+    }
+
+    /// The engine threads and the flusher.
+    pub(crate) fn offload(&self) -> &Offload {
+        &self.offload
     }
 
     /// Whether the driver asked for a write-back cache (else every write
@@ -95,12 +127,14 @@ impl BlkDevice {
         self.config.space(self.writeback())
     }
 
-    /// Records a caught worker panic (a bug).
-    pub fn count_panic(&self) {
+    /// Records a caught panic (a bug); the chain refuses writes from now
+    /// on.
+    pub fn record_panic(&self, what: &str) {
         self.panics.fetch_add(1, Ordering::Relaxed);
+        self.chain.get().fail(what);
     }
 
-    /// Worker panics caught since start.
+    /// Panics caught since start (queue workers and engine threads).
     pub fn panics(&self) -> u64 {
         self.panics.load(Ordering::Relaxed)
     }

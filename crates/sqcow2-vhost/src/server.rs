@@ -23,12 +23,14 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::backend::BlkBackend;
 use crate::control::Shared;
-use crate::device::BlkDevice;
+use crate::device::{BlkDevice, DeviceOptions};
 use crate::handle::ChainHandle;
 use crate::worker::GuestMem;
 
 /// How often the accept loop looks at signals.
 const POLL_INTERVAL_MS: i32 = 100;
+/// Longest wait for requests in flight when stopping.
+const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How to serve a chain.
 #[derive(Debug, Clone)]
@@ -47,6 +49,8 @@ pub struct ServeOptions {
     pub pidfile: Option<PathBuf>,
     /// The control socket (JSON lines; `docs/control-api.md`).
     pub control: Option<PathBuf>,
+    /// Engine threads (allocating writes, discards, write-zeroes).
+    pub engine_threads: usize,
 }
 
 /// Why serving failed.
@@ -228,11 +232,17 @@ impl Server {
     /// Serves one frontend until it disconnects or a signal asks to stop.
     fn session(&mut self) -> Result<SessionEnd, ServeError> {
         let o = &self.options;
-        let device = Arc::new(BlkDevice::new(
-            self.shared.handle.clone(),
-            o.num_queues,
-            o.queue_size,
-        ));
+        let device = Arc::new(
+            BlkDevice::new(
+                self.shared.handle.clone(),
+                DeviceOptions {
+                    num_queues: o.num_queues,
+                    queue_size: o.queue_size,
+                    engine_threads: o.engine_threads,
+                },
+            )
+            .map_err(io_err("engine threads"))?,
+        );
         let backend = Arc::new(
             BlkBackend::new(device, o.queues_per_thread).map_err(io_err("io_uring worker"))?,
         );
@@ -245,6 +255,11 @@ impl Server {
                 handler
                     .register_listener(fd, EventSet::IN, backend.completion_event_id())
                     .map_err(io_err("registering io_uring eventfd"))?;
+            }
+            if let Some(fd) = backend.mailbox_fd(thread) {
+                handler
+                    .register_listener(fd, EventSet::IN, backend.mailbox_event_id())
+                    .map_err(io_err("registering the mailbox eventfd"))?;
             }
         }
         self.listener
@@ -269,9 +284,12 @@ impl Server {
         while !waiter.is_finished() {
             if self.stop_requested() {
                 end = SessionEnd::Stop;
-                // Finish what the guest asked for, make it durable, then
-                // hang up.
-                backend.drain();
+                // Finish what the guest asked for (no new request starts),
+                // make it durable, then hang up.
+                let _paused = backend.pause();
+                if !backend.wait_idle(STOP_DRAIN_TIMEOUT) {
+                    warn!("requests still in flight after {STOP_DRAIN_TIMEOUT:?}; stopping anyway");
+                }
                 if let Err(e) = self.shared.handle.get().flush_clean() {
                     warn!("flush: {e}");
                 }

@@ -1,41 +1,46 @@
-//! One queue worker: takes requests off its queues, reads data clusters
-//! with io_uring straight into guest memory, completes requests as their
-//! I/O finishes.
+//! One queue worker: takes requests off its queues and starts them without
+//! ever blocking on their I/O, completes them as their parts finish.
 //!
-//! Reads are asynchronous: each piece of a read that maps to a data
-//! cluster becomes one io_uring read into the guest buffer, and the
-//! request completes when its last piece does (the ring's eventfd wakes
-//! the worker). Zero and unallocated ranges are zero-filled in place;
-//! compressed clusters are decompressed through a bounce buffer. Writes,
-//! discards, write-zeroes and flushes go through the chain engine
-//! synchronously (metadata updates need its lock anyway).
+//! * Reads: each piece that maps to a data cluster becomes an io_uring
+//!   read into guest memory ([`crate::ring`]); zero ranges are zero-filled
+//!   in place, compressed clusters decompressed through a bounce buffer.
+//! * Writes: pieces landing in clusters the top owns become io_uring
+//!   writes from guest memory; the rest (allocation, copy-on-write) goes to
+//!   an engine thread from a bounce buffer.
+//! * Discards and write-zeroes run on an engine thread, flushes on the
+//!   flusher ([`crate::offload`]).
+//!
+//! A request starts with a [`RequestPermit`] (none is given while the
+//! device is paused) and holds it until it completes; its data transfers
+//! hold a transfer ticket from before their first lookup until the last of
+//! them has finished, so a flush never reuses a cluster they still touch.
 
 use std::io;
 use std::sync::Arc;
+use std::time::Instant;
 
-use io_uring::{opcode, squeue, types, IoUring};
 use slab::Slab;
-use sqcow2_format::chain::ExtentKind;
-use sqcow2_format::{GuestOffset, LayerIndex};
+use sqcow2_format::{ExtentKind, GuestOffset, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
     Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice,
 };
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::BlkDevice;
+use crate::gate::RequestPermit;
+use crate::offload::{Finished, JobResult, Mailbox};
 use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
+use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
+use crate::stats::{QueueStats, WorkerStats};
 
 /// Guest memory as the daemon maps it.
 pub type GuestMem = GuestMemoryMmap<()>;
 /// Guest memory that the frontend may remap at any time.
 pub type GuestMemAtomic = GuestMemoryAtomic<GuestMem>;
 
-/// Submission queue entries per worker ring.
-const RING_ENTRIES: u32 = 256;
-/// Largest bounce buffer for a write.
+/// Largest bounce buffer handed to one engine job.
 const WRITE_CHUNK: usize = 1 << 20;
 
 /// A request finished: `len` bytes written to the guest's buffers.
@@ -49,64 +54,44 @@ pub struct Completion {
     pub len: u32,
 }
 
-/// Counters and latencies of one queue.
-#[derive(Debug, Clone)]
-pub struct QueueStats {
-    /// Requests completed (rejected ones included).
-    pub requests: u64,
-    /// Bytes read by the guest.
-    pub read_bytes: u64,
-    /// Bytes written by the guest.
-    pub write_bytes: u64,
-    /// Requests completed with an error status.
-    pub errors: u64,
-    /// Latency from start to completion, microseconds.
-    pub latency_us: hdrhistogram::Histogram<u64>,
-}
-
-impl Default for QueueStats {
-    fn default() -> Self {
-        QueueStats {
-            requests: 0,
-            read_bytes: 0,
-            write_bytes: 0,
-            errors: 0,
-            // Two significant digits, auto-resizing: bounded and cheap.
-            latency_us: hdrhistogram::Histogram::new(2).unwrap_or_else(|_| {
-                hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
-                    .expect("valid histogram bounds")
-            }),
-        }
-    }
-}
-
-/// A read whose io_uring pieces are in flight.
+/// A request whose parts are running.
 struct InFlight {
-    started: std::time::Instant,
+    started: Instant,
     queue: usize,
     request: Request,
-    /// Keeps the guest mapping alive while the kernel writes into it.
+    /// Keeps the guest mapping alive while parts of the request use it.
     mem: Arc<GuestMem>,
-    pending: u32,
+    /// Counts the request as in flight for pauses.
+    _permit: RequestPermit,
+    /// Held while data transfers of the request may still run.
+    transfer: Option<TransferTicket>,
+    /// Parts still being set up (blocks completion while set).
+    submitting: bool,
+    ring_pending: u32,
+    jobs_pending: u32,
     failed: bool,
     short: bool,
-    /// Held until the request's transfers have finished.
-    ticket: sqcow2_format::TransferTicket,
+    /// Flush once the data is written (write-through cache mode).
+    flush_after: bool,
 }
 
 /// The engine of one worker thread.
 pub struct QueueWorker {
     device: Arc<BlkDevice>,
-    ring: IoUring,
-    event: EventFd,
-    /// Requests whose I/O is running, by slot.
+    ring: Ring,
+    mailbox: Mailbox,
+    /// Requests whose parts are running, by slot.
     slots: Slab<InFlight>,
     completed: Vec<Completion>,
-    /// io_uring operations queued and not yet reaped (key = user_data).
-    ring_ops: Slab<RingOp>,
-    /// The slot being submitted by [`QueueWorker::start_async`], if any.
+    /// Finished transfers not yet applied to their requests.
+    ring_done: Vec<RingCompletion>,
+    /// Jobs handed off and not yet answered.
+    jobs_outstanding: usize,
+    /// The slot being started, if any (failed if a panic interrupts it).
     starting: Option<usize>,
-    stats: Vec<QueueStats>,
+    /// Requests were left on a queue while the device was paused.
+    deferred: bool,
+    stats: WorkerStats,
 }
 
 impl std::fmt::Debug for QueueWorker {
@@ -117,7 +102,7 @@ impl std::fmt::Debug for QueueWorker {
     }
 }
 
-/// The status code and used length of a request finished here.
+/// The status code and used length of a finished request.
 struct Outcome {
     code: u32,
     data_len: u32,
@@ -138,28 +123,47 @@ impl Outcome {
     }
 }
 
+/// Why a transfer could not be set up.
+#[derive(Debug, thiserror::Error)]
+enum TransferError {
+    #[error("guest buffer outside guest memory")]
+    Memory,
+    #[error(transparent)]
+    Chain(#[from] sqcow2_format::Error),
+    #[error("io_uring: {0}")]
+    Ring(io::Error),
+    #[error("engine threads stopped")]
+    Offload,
+}
+
 impl QueueWorker {
-    /// A worker for `device` with its own io_uring and completion eventfd.
+    /// A worker for `device` with its own io_uring and mailbox.
     pub fn new(device: Arc<BlkDevice>) -> io::Result<Self> {
-        let ring = IoUring::new(RING_ENTRIES)?;
-        let event = EventFd::new(EFD_NONBLOCK)?;
-        ring.submitter()
-            .register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
+        let mailbox = Mailbox::new()?;
+        device.gate().add_waker(mailbox.wake_fd().clone());
         Ok(QueueWorker {
             device,
-            ring,
-            event,
+            ring: Ring::new()?,
+            mailbox,
             slots: Slab::new(),
             completed: Vec::new(),
-            ring_ops: Slab::new(),
+            ring_done: Vec::new(),
+            jobs_outstanding: 0,
             starting: None,
-            stats: Vec::new(),
+            deferred: false,
+            stats: WorkerStats::default(),
         })
     }
 
     /// The eventfd that becomes readable when io_uring completions wait.
-    pub fn completion_fd(&self) -> &EventFd {
-        &self.event
+    pub fn completion_fd(&self) -> &vmm_sys_util::eventfd::EventFd {
+        self.ring.event_fd()
+    }
+
+    /// The eventfd that becomes readable when engine results wait or the
+    /// device resumes after a pause.
+    pub fn mailbox_fd(&self) -> &vmm_sys_util::eventfd::EventFd {
+        self.mailbox.wake_fd()
     }
 
     /// Requests whose I/O is still running.
@@ -167,9 +171,21 @@ impl QueueWorker {
         self.slots.len()
     }
 
+    /// Statistics of this worker's queues, by worker-local queue index.
+    pub fn stats(&self) -> &[QueueStats] {
+        self.stats.queues()
+    }
+
+    /// Requests completed since the last call.
+    pub fn take_completions(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.completed)
+    }
+
     /// Takes every available request off `queue` and starts it; requests
     /// finished on the spot are put on the used ring at once. Returns
     /// whether any was. `queue_index` names the queue in [`Completion`]s.
+    /// While the device is paused requests stay on the queue; they are
+    /// taken once [`QueueWorker::handle_mailbox_event`] says so.
     pub fn process_queue(
         &mut self,
         queue_index: usize,
@@ -178,8 +194,9 @@ impl QueueWorker {
     ) -> io::Result<bool> {
         let mem = mem.memory().into_inner();
         let popped = self.pop_all(queue_index, queue, &mem);
-        // Reads queued so far go to the kernel even if the ring failed.
+        // Transfers queued so far go to the kernel even if the ring failed.
         let submitted = self.ring.submit();
+        self.apply_ring_completions();
         let used = popped?;
         submitted?;
         Ok(used)
@@ -200,21 +217,25 @@ impl QueueWorker {
                     .disable_notification(&**mem)
                     .map_err(io::Error::other)?;
             }
-            while let Some(chain) = queue.pop_descriptor_chain(&**mem) {
+            loop {
+                let Some(permit) = self.device.gate().try_start() else {
+                    self.deferred = true;
+                    break;
+                };
+                let Some(chain) = queue.pop_descriptor_chain(&**mem) else {
+                    break;
+                };
                 let done = match request::parse(chain, &limits) {
-                    Ok(req) => self.start(queue_index, req, mem),
+                    Ok(req) => self.start(queue_index, req, mem, permit),
                     Err(rejected) => {
-                        self.account_rejected(queue_index);
+                        self.stats.account_rejected(queue_index);
                         debug!(
                             reason = rejected.reason,
                             head = rejected.head,
                             "request rejected"
                         );
                         let len = match rejected.status {
-                            Some(addr) => {
-                                let _ = mem.write_obj(rejected.code, addr);
-                                1
-                            }
+                            Some(addr) => u32::from(mem.write_obj(rejected.code, addr).is_ok()),
                             None => 0,
                         };
                         Some(Completion {
@@ -231,100 +252,81 @@ impl QueueWorker {
                     used = true;
                 }
             }
-            if !event_idx
-                || !queue
+            let more = event_idx
+                && queue
                     .enable_notification(&**mem)
-                    .map_err(io::Error::other)?
-            {
+                    .map_err(io::Error::other)?;
+            if !more || self.deferred {
                 return Ok(used);
             }
         }
     }
 
     /// Starts one request; returns its completion if it finished already.
-    fn start(&mut self, queue: usize, req: Request, mem: &Arc<GuestMem>) -> Option<Completion> {
-        let started = std::time::Instant::now();
-        let outcome = match &req.kind {
-            RequestKind::In { .. } => return self.start_async(queue, req, mem),
-            RequestKind::Out { .. } if self.device.writeback() => {
-                return self.start_async(queue, req, mem)
-            }
-            RequestKind::Out {
-                offset, buffers, ..
-            } => self.write(*offset, buffers, mem),
-            RequestKind::Flush => self.flush(),
-            RequestKind::GetId { buffers } => self.get_id(buffers, mem),
-            RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
-                let write_zeroes = matches!(req.kind, RequestKind::WriteZeroes(_));
-                self.zero(ranges, write_zeroes)
-            }
-        };
-        self.account(queue, &req, &outcome, started);
-        Some(finish(queue, &req, outcome, mem))
-    }
-
-    /// Counts a finished request in its queue's statistics.
-    fn account(
-        &mut self,
-        queue: usize,
-        req: &Request,
-        outcome: &Outcome,
-        started: std::time::Instant,
-    ) {
-        if self.stats.len() <= queue {
-            self.stats.resize_with(queue + 1, QueueStats::default);
-        }
-        let st = &mut self.stats[queue];
-        st.requests += 1;
-        if outcome.code != VIRTIO_BLK_S_OK {
-            st.errors += 1;
-        } else {
-            match &req.kind {
-                RequestKind::In { len, .. } => st.read_bytes += len,
-                RequestKind::Out { len, .. } => st.write_bytes += len,
-                _ => {}
-            }
-        }
-        let us = started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
-        let _ = st.latency_us.record(us.max(1));
-    }
-
-    /// Counts a request rejected before it started.
-    fn account_rejected(&mut self, queue: usize) {
-        if self.stats.len() <= queue {
-            self.stats.resize_with(queue + 1, QueueStats::default);
-        }
-        self.stats[queue].requests += 1;
-        self.stats[queue].errors += 1;
-    }
-
-    /// Statistics of this worker's queues, by worker-local queue index.
-    pub fn stats(&self) -> &[QueueStats] {
-        &self.stats
-    }
-
-    /// Starts a read or a write-back write whose data moves between the
-    /// image files and guest memory with io_uring.
-    fn start_async(
+    fn start(
         &mut self,
         queue: usize,
         req: Request,
         mem: &Arc<GuestMem>,
+        permit: RequestPermit,
+    ) -> Option<Completion> {
+        let started = Instant::now();
+        let outcome = match &req.kind {
+            RequestKind::In { .. } | RequestKind::Out { .. } => {
+                return self.start_transfer(queue, req, mem, permit, started)
+            }
+            RequestKind::Flush | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
+                return self.start_offloaded(queue, req, mem, permit, started)
+            }
+            RequestKind::GetId { buffers } => self.get_id(buffers, mem),
+        };
+        self.stats.account(queue, &req, outcome.code, started);
+        Some(finish(queue, &req, outcome, mem))
+    }
+
+    fn new_slot(
+        &mut self,
+        queue: usize,
+        request: Request,
+        mem: &Arc<GuestMem>,
+        permit: RequestPermit,
+        started: Instant,
+        transfer: Option<TransferTicket>,
+    ) -> usize {
+        let flush_after = !self.device.writeback()
+            && matches!(
+                request.kind,
+                RequestKind::Out { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_)
+            );
+        self.slots.insert(InFlight {
+            started,
+            queue,
+            request,
+            mem: mem.clone(),
+            _permit: permit,
+            transfer,
+            submitting: true,
+            ring_pending: 0,
+            jobs_pending: 0,
+            failed: false,
+            short: false,
+            flush_after,
+        })
+    }
+
+    /// Starts a read or a write whose data moves between the image files
+    /// and guest memory.
+    fn start_transfer(
+        &mut self,
+        queue: usize,
+        req: Request,
+        mem: &Arc<GuestMem>,
+        permit: RequestPermit,
+        started: Instant,
     ) -> Option<Completion> {
         let ticket = self.device.chain().begin_transfer();
         let kind = req.kind.clone();
-        let slot = self.slots.insert(InFlight {
-            started: std::time::Instant::now(),
-            queue,
-            request: req,
-            mem: mem.clone(),
-            // One for the submission itself: the slot cannot retire while
-            // its pieces are still being queued.
-            pending: 1,
-            failed: false,
-            short: false,
-            ticket,
-        });
+        let slot = self.new_slot(queue, req, mem, permit, started, Some(ticket));
         self.starting = Some(slot);
         let result = match &kind {
             RequestKind::In {
@@ -339,68 +341,114 @@ impl QueueWorker {
             crate::limited_warn!("{}: {e}", describe(&kind));
         }
         self.starting = None;
-        self.piece_done(slot, result.is_err())
+        self.submitted(slot, result.is_err())
     }
 
-    /// One piece of the request in `slot` has finished (the submission
-    /// counts as one); completes the request after its last piece.
-    fn piece_done(&mut self, slot: usize, failed: bool) -> Option<Completion> {
+    /// Starts a flush, discard or write-zeroes on the engine side.
+    fn start_offloaded(
+        &mut self,
+        queue: usize,
+        req: Request,
+        mem: &Arc<GuestMem>,
+        permit: RequestPermit,
+        started: Instant,
+    ) -> Option<Completion> {
+        let kind = req.kind.clone();
+        let slot = self.new_slot(queue, req, mem, permit, started, None);
+        let sent = match kind {
+            RequestKind::Flush => {
+                if let Some(f) = self.slots.get_mut(slot) {
+                    // The flush is the request itself.
+                    f.flush_after = false;
+                }
+                self.send_flush(slot)
+            }
+            RequestKind::Discard(ranges) => {
+                self.send_job(slot, zero_job(&self.device, ranges, false))
+            }
+            RequestKind::WriteZeroes(ranges) => {
+                self.send_job(slot, zero_job(&self.device, ranges, true))
+            }
+            _ => Ok(()),
+        };
+        if let Err(e) = &sent {
+            crate::limited_warn!("{}: {e}", describe(&kind_of(&self.slots, slot)));
+        }
+        self.submitted(slot, sent.is_err())
+    }
+
+    fn send_job(
+        &mut self,
+        slot: usize,
+        work: impl FnOnce() -> JobResult + Send + 'static,
+    ) -> Result<(), TransferError> {
+        self.device
+            .offload()
+            .run(self.mailbox.address(slot), work)
+            .map_err(|_| TransferError::Offload)?;
+        self.jobs_outstanding += 1;
+        if let Some(f) = self.slots.get_mut(slot) {
+            f.jobs_pending += 1;
+        }
+        Ok(())
+    }
+
+    fn send_flush(&mut self, slot: usize) -> Result<(), TransferError> {
+        self.device
+            .offload()
+            .flush(self.mailbox.address(slot))
+            .map_err(|_| TransferError::Offload)?;
+        self.jobs_outstanding += 1;
+        if let Some(f) = self.slots.get_mut(slot) {
+            f.jobs_pending += 1;
+        }
+        Ok(())
+    }
+
+    /// The request in `slot` has all its parts set up.
+    fn submitted(&mut self, slot: usize, failed: bool) -> Option<Completion> {
         let f = self.slots.get_mut(slot)?;
+        f.submitting = false;
         f.failed |= failed;
-        f.pending -= 1;
-        if f.pending == 0 {
-            self.retire(slot)
-        } else {
-            None
-        }
+        self.progress(slot)
     }
 
-    /// Recovers after a panic in this worker (a bug): the request that was
-    /// being submitted fails once its queued I/O (if any) has finished, and
-    /// when no I/O is left in the ring, every request still in flight
-    /// fails instead of waiting for completions that will never come.
-    pub fn recover_after_panic(&mut self) {
-        if let Some(slot) = self.starting.take() {
-            if let Some(c) = self.piece_done(slot, true) {
-                self.completed.push(c);
+    /// Moves the request in `slot` on once its running parts are done:
+    /// drops its transfer ticket, flushes (write-through), completes.
+    fn progress(&mut self, slot: usize) -> Option<Completion> {
+        let f = self.slots.get_mut(slot)?;
+        if f.submitting || f.ring_pending > 0 || f.jobs_pending > 0 {
+            return None;
+        }
+        // No transfer of the request runs any more.
+        f.transfer = None;
+        if f.flush_after && !f.failed {
+            f.flush_after = false;
+            match self.send_flush(slot) {
+                Ok(()) => return None,
+                Err(e) => {
+                    crate::limited_warn!("write-through flush: {e}");
+                    if let Some(f) = self.slots.get_mut(slot) {
+                        f.failed = true;
+                    }
+                }
             }
         }
-        self.fail_orphans();
-    }
-
-    /// Fails the requests in flight when the ring holds no I/O for them.
-    fn fail_orphans(&mut self) {
-        if !self.ring_ops.is_empty() || self.slots.is_empty() {
-            return;
-        }
-        let orphans: Vec<usize> = self.slots.iter().map(|(slot, _)| slot).collect();
-        warn!(
-            requests = orphans.len(),
-            "failing requests with no I/O left"
-        );
-        for slot in orphans {
-            if let Some(f) = self.slots.get_mut(slot) {
-                f.failed = true;
-            }
-            if let Some(c) = self.retire(slot) {
-                self.completed.push(c);
-            }
-        }
+        self.retire(slot)
     }
 
     /// Queues io_uring writes for the pieces of `[offset, ..)` that land
     /// in clusters the top owns; the rest (allocation, copy-on-write) goes
-    /// through the engine from a bounce buffer.
+    /// to engine threads from bounce buffers.
     fn submit_writes(
         &mut self,
         slot: usize,
         offset: u64,
         buffers: &[GuestBuffer],
-        mem: &GuestMem,
-    ) -> Result<(), ReadError> {
+        mem: &Arc<GuestMem>,
+    ) -> Result<(), TransferError> {
         let chain = self.device.chain();
-        let cluster = self.device.config().cluster_size;
-        let top_fd = chain.top().storage().raw_fd();
+        let cluster = chain.cluster_size();
         let mut bounce = Bounce::default();
         let mut pos = offset;
         for piece in host_slices(mem, buffers) {
@@ -408,22 +456,32 @@ impl QueueWorker {
             let mut done = 0usize;
             while done < piece.len() {
                 let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
-                let src = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
-                let target = match (top_fd, self.slots.get(slot)) {
-                    (Some(fd), Some(f)) => chain
-                        .in_place_target(&f.ticket, GuestOffset(pos), n as u64)?
-                        .map(|t| (fd, t.host.0)),
-                    _ => None,
+                let src = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
+                let target = match self.slots.get(slot).and_then(|f| f.transfer.as_ref()) {
+                    Some(ticket) => chain.in_place_target(ticket, GuestOffset(pos), n as u64)?,
+                    None => None,
                 };
-                match target {
-                    Some((fd, host)) => {
-                        bounce.write_out(&chain)?;
-                        self.queue_io(slot, IoKind::Write, fd, host, &src)?;
+                match target.filter(|t| t.storage.raw_fd().is_some()) {
+                    Some(t) => {
+                        // The bounce buffer holds one contiguous range.
+                        self.write_through_engine(slot, &mut bounce)?;
+                        self.ring
+                            .queue(
+                                slot,
+                                Direction::Write,
+                                &t.storage,
+                                t.host.0,
+                                &src,
+                                mem,
+                                &mut self.ring_done,
+                            )
+                            .map_err(TransferError::Ring)?;
+                        self.ring_queued(slot);
                     }
                     None => {
                         bounce.append(pos, &src);
                         if bounce.data.len() >= WRITE_CHUNK {
-                            bounce.write_out(&chain)?;
+                            self.write_through_engine(slot, &mut bounce)?;
                         }
                     }
                 }
@@ -431,7 +489,27 @@ impl QueueWorker {
                 pos += n as u64;
             }
         }
-        bounce.write_out(&chain)
+        self.write_through_engine(slot, &mut bounce)
+    }
+
+    /// Hands the bounce buffer's data to an engine thread.
+    fn write_through_engine(
+        &mut self,
+        slot: usize,
+        bounce: &mut Bounce,
+    ) -> Result<(), TransferError> {
+        if bounce.data.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::take(&mut bounce.data);
+        let start = bounce.start;
+        let handle = self.device.handle().clone();
+        self.send_job(slot, move || {
+            handle
+                .get()
+                .write_at(&data, start)
+                .map_err(|e| format!("write at {start}: {e}"))
+        })
     }
 
     /// Queues the io_uring reads of `[offset, ..)` into `buffers`; fills
@@ -441,8 +519,8 @@ impl QueueWorker {
         slot: usize,
         offset: u64,
         buffers: &[GuestBuffer],
-        mem: &GuestMem,
-    ) -> Result<(), ReadError> {
+        mem: &Arc<GuestMem>,
+    ) -> Result<(), TransferError> {
         let chain = self.device.chain();
         let mut pos = offset;
         for piece in host_slices(mem, buffers) {
@@ -450,20 +528,30 @@ impl QueueWorker {
             let mut done = 0usize;
             while done < piece.len() {
                 let want = (piece.len() - done) as u64;
-                let Some(f) = self.slots.get(slot) else {
-                    return Err(ReadError::Memory);
+                let Some(ticket) = self.slots.get(slot).and_then(|f| f.transfer.as_ref()) else {
+                    return Err(TransferError::Memory);
                 };
-                let extent = chain
-                    .resolve_for_read(&f.ticket, GuestOffset(pos), want)?
-                    .extent;
-                let n = extent.len.min(want) as usize;
-                let dst = piece.subslice(done, n).map_err(|_| ReadError::Memory)?;
-                match extent.kind {
+                let read = chain.resolve_for_read(ticket, GuestOffset(pos), want)?;
+                let n = read.extent.len.min(want) as usize;
+                let dst = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
+                match read.extent.kind {
                     ExtentKind::Zero { .. } => fill_zero(&dst),
-                    ExtentKind::Data { host } => {
-                        self.queue_read(slot, extent.layer, host.0, &dst, pos)?;
+                    ExtentKind::Data { host } if read.storage.raw_fd().is_some() => {
+                        self.ring
+                            .queue(
+                                slot,
+                                Direction::Read,
+                                &read.storage,
+                                host.0,
+                                &dst,
+                                mem,
+                                &mut self.ring_done,
+                            )
+                            .map_err(TransferError::Ring)?;
+                        self.ring_queued(slot);
                     }
-                    // Compressed (and anything else): through the engine.
+                    // Compressed clusters, storage without a file: through
+                    // the engine.
                     _ => {
                         let mut tmp = vec![0u8; n];
                         chain.read_at(&mut tmp, pos)?;
@@ -477,129 +565,107 @@ impl QueueWorker {
         Ok(())
     }
 
-    /// One io_uring read of `dst.len()` bytes of `layer` at `host`.
-    fn queue_read(
-        &mut self,
-        slot: usize,
-        layer: LayerIndex,
-        host: u64,
-        dst: &VolatileSlice<'_, ()>,
-        guest: u64,
-    ) -> Result<(), ReadError> {
-        let chain = self.device.chain();
-        let storage = chain.layers()[layer.0].storage().clone();
-        let Some(fd) = storage.raw_fd() else {
-            let mut tmp = vec![0u8; dst.len()];
-            chain.read_at(&mut tmp, guest)?;
-            dst.copy_from(&tmp);
-            return Ok(());
-        };
-        self.queue_io(slot, IoKind::Read, fd, host, dst)
-    }
-
-    /// One io_uring read into (or write from) the guest memory `buf`.
-    fn queue_io(
-        &mut self,
-        slot: usize,
-        kind: IoKind,
-        fd: std::os::fd::RawFd,
-        host: u64,
-        buf: &VolatileSlice<'_, ()>,
-    ) -> Result<(), ReadError> {
-        let len = buf.len() as u32;
-        let ptr = buf.ptr_guard_mut().as_ptr();
-        let entry = match kind {
-            IoKind::Read => opcode::Read::new(types::Fd(fd), ptr, len)
-                .offset(host)
-                .build(),
-            IoKind::Write => opcode::Write::new(types::Fd(fd), ptr, len)
-                .offset(host)
-                .build(),
-        };
-        // The buffer's validity for the whole operation is what `push`
-        // relies on: `ptr..ptr + len` lies in a guest memory region whose
-        // mapping the in-flight slot keeps alive (`InFlight::mem`) until the
-        // completion is reaped (a resubmission included); the guest does
-        // not touch a buffer it handed to the device before the request
-        // completes (if it does, only its own data is garbled). `fd`
-        // belongs to the chain, which `self.device` keeps open.
-        let op = RingOp {
-            slot,
-            len,
-            entry,
-            retries: 0,
-        };
-        self.submit_op(op).map_err(ReadError::Io)?;
+    fn ring_queued(&mut self, slot: usize) {
         if let Some(f) = self.slots.get_mut(slot) {
-            f.pending += 1;
+            f.ring_pending += 1;
         }
-        Ok(())
-    }
-
-    /// Puts `op` in the ring under a fresh user_data, making room in the
-    /// submission queue if it is full.
-    fn submit_op(&mut self, op: RingOp) -> io::Result<()> {
-        let entry = op.entry.clone();
-        let key = self.ring_ops.insert(op);
-        let entry = entry.user_data(key as u64);
-
-        // SAFETY: every entry is a read or write built by `queue_io`,
-        // whose buffer and file stay valid until its completion is reaped
-        // (see there).
-        while unsafe { self.ring.submission().push(&entry) }.is_err() {
-            if let Err(e) = self.ring.submit() {
-                self.ring_ops.remove(key);
-                return Err(e);
-            }
-            self.reap();
-        }
-        Ok(())
     }
 
     /// Clears the completion eventfd and handles every completion waiting.
     pub fn handle_completion_event(&mut self) {
-        let _ = self.event.read();
-        self.reap();
+        self.ring.clear_event();
+        self.reap_ready();
     }
 
     /// Handles the completions already in the ring, without waiting.
     pub fn reap_ready(&mut self) {
-        self.reap();
+        self.ring.reap(&mut self.ring_done);
+        self.apply_ring_completions();
     }
 
-    /// Handles the completions in the ring.
-    fn reap(&mut self) {
-        let done: Vec<(u64, i32)> = self
-            .ring
-            .completion()
-            .map(|cqe| (cqe.user_data(), cqe.result()))
-            .collect();
-        for (user_data, res) in done {
-            let Some(mut op) = self.ring_ops.try_remove(user_data as usize) else {
-                continue;
-            };
-            let slot = op.slot;
-            // Interrupted or not ready: the same I/O again (as QEMU does).
-            if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < MAX_RETRIES {
-                op.retries += 1;
-                match self.submit_op(op) {
-                    Ok(()) => continue,
-                    Err(e) => crate::limited_warn!("resubmitting interrupted I/O: {e}"),
-                }
-            } else if res < 0 {
-                crate::limited_warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
-            } else if (res as u32) < op.len {
-                if let Some(f) = self.slots.get_mut(slot) {
-                    f.short = true;
+    fn apply_ring_completions(&mut self) {
+        for c in std::mem::take(&mut self.ring_done) {
+            if let Some(f) = self.slots.get_mut(c.slot) {
+                f.ring_pending = f.ring_pending.saturating_sub(1);
+                match c.end {
+                    TransferEnd::Done => {}
+                    TransferEnd::Short => f.short = true,
+                    TransferEnd::Failed => f.failed = true,
                 }
             }
-            if let Some(c) = self.piece_done(slot, res < 0) {
+            if let Some(done) = self.progress(c.slot) {
+                self.completed.push(done);
+            }
+        }
+    }
+
+    /// Handles the results of handed-off jobs; returns whether the queues
+    /// must be looked at again (requests were left there during a pause
+    /// that has ended).
+    pub fn handle_mailbox_event(&mut self) -> bool {
+        for finished in self.mailbox.take() {
+            self.job_done(finished);
+        }
+        if self.deferred && !self.device.gate().is_paused() {
+            self.deferred = false;
+            return true;
+        }
+        false
+    }
+
+    fn job_done(&mut self, finished: Finished) {
+        self.jobs_outstanding = self.jobs_outstanding.saturating_sub(1);
+        let Finished { slot, result } = finished;
+        if let Some(f) = self.slots.get_mut(slot) {
+            f.jobs_pending = f.jobs_pending.saturating_sub(1);
+            if let Err(e) = result {
+                crate::limited_warn!("{}: {e}", describe(&f.request.kind));
+                f.failed = true;
+            }
+        }
+        if let Some(done) = self.progress(slot) {
+            self.completed.push(done);
+        }
+    }
+
+    /// Recovers after a panic in this worker (a bug): the request being
+    /// started fails once its running parts have finished; requests whose
+    /// parts can no longer finish fail now.
+    pub fn recover_after_panic(&mut self) {
+        if let Some(slot) = self.starting.take() {
+            if let Some(c) = self.submitted(slot, true) {
+                self.completed.push(c);
+            }
+        }
+        self.fail_orphans();
+    }
+
+    /// Fails the requests in flight when nothing is left that could
+    /// complete them (no transfer in the ring, no job handed off).
+    fn fail_orphans(&mut self) {
+        if !self.ring.is_empty() || self.jobs_outstanding > 0 || self.slots.is_empty() {
+            return;
+        }
+        let orphans: Vec<usize> = self.slots.iter().map(|(slot, _)| slot).collect();
+        warn!(
+            requests = orphans.len(),
+            "failing requests with no I/O left"
+        );
+        for slot in orphans {
+            if let Some(f) = self.slots.get_mut(slot) {
+                f.failed = true;
+                f.submitting = false;
+                f.ring_pending = 0;
+                f.jobs_pending = 0;
+                f.flush_after = false;
+            }
+            if let Some(c) = self.retire(slot) {
                 self.completed.push(c);
             }
         }
     }
 
-    /// Completes the read in `slot` (its I/O is done).
+    /// Completes the request in `slot` (its parts are done).
     fn retire(&mut self, slot: usize) -> Option<Completion> {
         let f = self.slots.try_remove(slot)?;
         let outcome = match &f.request.kind {
@@ -624,8 +690,8 @@ impl QueueWorker {
             _ if f.failed || f.short => Outcome::ioerr(),
             _ => Outcome::ok(0),
         };
-        drop(f.ticket);
-        self.account(f.queue, &f.request, &outcome, f.started);
+        self.stats
+            .account(f.queue, &f.request, outcome.code, f.started);
         Some(finish(f.queue, &f.request, outcome, &f.mem))
     }
 
@@ -634,104 +700,43 @@ impl QueueWorker {
         offset: u64,
         buffers: &[GuestBuffer],
         mem: &GuestMem,
-    ) -> Result<(), ReadError> {
+    ) -> Result<(), TransferError> {
         let mut pos = offset;
         for b in buffers {
             let mut tmp = vec![0u8; b.len as usize];
             self.device.chain().read_at(&mut tmp, pos)?;
             mem.write_slice(&tmp, b.addr)
-                .map_err(|_| ReadError::Memory)?;
+                .map_err(|_| TransferError::Memory)?;
             pos += u64::from(b.len);
         }
         Ok(())
     }
 
-    /// Requests completed since the last call.
-    pub fn take_completions(&mut self) -> Vec<Completion> {
-        std::mem::take(&mut self.completed)
-    }
-
-    /// Waits for every read of this worker to finish; their completions
+    /// Waits for every request of this worker to finish (from any thread,
+    /// once the worker's own thread no longer runs it); their completions
     /// join [`QueueWorker::take_completions`].
     pub fn drain(&mut self) {
         while !self.slots.is_empty() {
-            if self.ring_ops.is_empty() {
+            if self.ring.is_empty() && self.jobs_outstanding == 0 {
                 // Nothing left that could complete them (a bug): fail them
                 // rather than wait forever.
                 self.fail_orphans();
                 break;
             }
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                if e.kind() != io::ErrorKind::Interrupted {
-                    warn!("io_uring wait: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+            if !self.ring.is_empty() {
+                if let Err(e) = self.ring.submit_and_wait() {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        warn!("io_uring wait: {e}");
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
                 }
+                self.reap_ready();
+            } else if let Some(finished) = self.mailbox.wait(std::time::Duration::from_millis(100))
+            {
+                self.job_done(finished);
             }
-            self.reap();
-        }
-    }
-
-    /// A write-through write: through the engine, flushed before it
-    /// completes.
-    fn write(&mut self, offset: u64, buffers: &[GuestBuffer], mem: &GuestMem) -> Outcome {
-        let chain = self.device.chain();
-        let mut bounce = Bounce::default();
-        let mut pos = offset;
-        let mut result = Ok(());
-        for piece in host_slices(mem, buffers) {
-            result = piece.and_then(|piece| {
-                bounce.append(pos, &piece);
-                pos += piece.len() as u64;
-                if bounce.data.len() >= WRITE_CHUNK {
-                    bounce.write_out(&chain)?;
-                }
-                Ok(())
-            });
-            if result.is_err() {
-                break;
-            }
-        }
-        if let Err(e) = result.and_then(|()| bounce.write_out(&chain)) {
-            crate::limited_warn!("write at {offset}: {e}");
-            return Outcome::ioerr();
-        }
-        self.after_write()
-    }
-
-    fn zero(&mut self, ranges: &[ZeroRange], write_zeroes: bool) -> Outcome {
-        let chain = self.device.chain();
-        for r in ranges {
-            let result = if write_zeroes {
-                chain.write_zeroes(r.offset, r.len, r.unmap)
-            } else {
-                chain.discard(r.offset, r.len)
-            };
-            if let Err(e) = result {
-                crate::limited_warn!("discard/write-zeroes at {}: {e}", r.offset);
-                return Outcome::ioerr();
-            }
-        }
-        self.after_write()
-    }
-
-    /// In write-through mode a write completes only once durable.
-    fn after_write(&mut self) -> Outcome {
-        if self.device.writeback() {
-            Outcome::ok(0)
-        } else {
-            self.flush()
-        }
-    }
-
-    fn flush(&mut self) -> Outcome {
-        // Our own reads first (only this thread reaps them), then everyone
-        // else's: a flush may make clusters freed by discards reusable.
-        self.drain();
-        match self.device.chain().flush() {
-            Ok(()) => Outcome::ok(0),
-            Err(e) => {
-                crate::limited_warn!("flush: {e}");
-                Outcome::ioerr()
+            for finished in self.mailbox.take() {
+                self.job_done(finished);
             }
         }
     }
@@ -748,6 +753,33 @@ impl QueueWorker {
         }
         Outcome::ok(done as u32)
     }
+}
+
+/// The engine work of a discard or write-zeroes request.
+fn zero_job(
+    device: &BlkDevice,
+    ranges: Vec<ZeroRange>,
+    write_zeroes: bool,
+) -> impl FnOnce() -> JobResult + Send + 'static {
+    let handle = device.handle().clone();
+    move || {
+        let chain = handle.get();
+        for r in ranges {
+            let result = if write_zeroes {
+                chain.write_zeroes(r.offset, r.len, r.unmap)
+            } else {
+                chain.discard(r.offset, r.len)
+            };
+            result.map_err(|e| format!("at {}: {e}", r.offset))?;
+        }
+        Ok(())
+    }
+}
+
+fn kind_of(slots: &Slab<InFlight>, slot: usize) -> RequestKind {
+    slots
+        .get(slot)
+        .map_or(RequestKind::Flush, |f| f.request.kind.clone())
 }
 
 /// Writes the status byte; the completion to put on the used ring.
@@ -775,40 +807,14 @@ fn fill_zero(dst: &VolatileSlice<'_, ()>) {
     }
 }
 
-/// Why a transfer could not be set up.
-#[derive(Debug, thiserror::Error)]
-enum ReadError {
-    #[error("guest buffer outside guest memory")]
-    Memory,
-    #[error(transparent)]
-    Chain(#[from] sqcow2_format::Error),
-    #[error("io_uring: {0}")]
-    Io(io::Error),
-}
-
-/// Direction of one io_uring data transfer.
-#[derive(Debug, Clone, Copy)]
-enum IoKind {
-    Read,
-    Write,
-}
-
-/// An io_uring operation in the ring: what to redo if it is interrupted.
-struct RingOp {
-    slot: usize,
-    len: u32,
-    entry: squeue::Entry,
-    retries: u8,
-}
-
-/// Resubmissions of one interrupted operation before it fails.
-const MAX_RETRIES: u8 = 16;
-
 fn describe(kind: &RequestKind) -> String {
     match kind {
         RequestKind::In { offset, len, .. } => format!("read of {len} bytes at {offset}"),
         RequestKind::Out { offset, len, .. } => format!("write of {len} bytes at {offset}"),
-        other => format!("{other:?}"),
+        RequestKind::Flush => "flush".into(),
+        RequestKind::Discard(_) => "discard".into(),
+        RequestKind::WriteZeroes(_) => "write-zeroes".into(),
+        RequestKind::GetId { .. } => "get-id".into(),
     }
 }
 
@@ -828,23 +834,15 @@ impl Bounce {
         self.data.resize(at + src.len(), 0);
         src.copy_to(&mut self.data[at..]);
     }
-
-    fn write_out(&mut self, chain: &sqcow2_format::Chain) -> Result<(), ReadError> {
-        if !self.data.is_empty() {
-            chain.write_at(&self.data, self.start)?;
-            self.data.clear();
-        }
-        Ok(())
-    }
 }
 
 /// The host-contiguous pieces of `buffers`, in order.
 fn host_slices<'m>(
     mem: &'m GuestMem,
     buffers: &'m [GuestBuffer],
-) -> impl Iterator<Item = Result<VolatileSlice<'m, ()>, ReadError>> + 'm {
+) -> impl Iterator<Item = Result<VolatileSlice<'m, ()>, TransferError>> + 'm {
     buffers.iter().flat_map(move |b| {
         GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize)
-            .map(|piece| piece.map_err(|_| ReadError::Memory))
+            .map(|piece| piece.map_err(|_| TransferError::Memory))
     })
 }

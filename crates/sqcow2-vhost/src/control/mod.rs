@@ -1,0 +1,331 @@
+//! The control socket (`sqcow2 serve --control PATH`): one JSON object per
+//! line each way ([`protocol`]); see `docs/control-api.md`.
+
+pub mod prometheus;
+pub mod protocol;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sqcow2_format::{Chain, ChainOptions};
+use tracing::{info, warn};
+
+use crate::backend::BlkBackend;
+use crate::handle::ChainHandle;
+use protocol::{
+    CacheCounters, Command, Failure, FailureKind, IndexMode, Info, PrometheusText, QueueCounters,
+    Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps, Stats, StatsFormat,
+};
+
+/// Longest request line accepted.
+const MAX_LINE: usize = 64 * 1024;
+/// Longest wait for requests in flight before a live snapshot.
+const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the control socket and the vhost-user side share.
+#[derive(Debug)]
+pub struct Shared {
+    /// The served chain.
+    pub handle: Arc<ChainHandle>,
+    /// How the chain is opened (a live snapshot reopens it so).
+    pub options: ChainOptions,
+    /// The backend of the connected frontend, if any.
+    pub session: Mutex<Option<Arc<BlkBackend>>>,
+    /// Held by a running snapshot.
+    snapshot_running: Mutex<()>,
+    /// Pause of every live snapshot, in milliseconds.
+    pauses_ms: Mutex<Vec<f64>>,
+    started: Instant,
+}
+
+impl Shared {
+    /// State for serving `handle`.
+    pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
+        Shared {
+            handle,
+            options,
+            session: Mutex::new(None),
+            snapshot_running: Mutex::new(()),
+            pauses_ms: Mutex::new(Vec::new()),
+            started: Instant::now(),
+        }
+    }
+
+    fn session(&self) -> Option<Arc<BlkBackend>> {
+        self.session
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
+    Failure::new(kind, message)
+}
+
+/// Serves the control socket at `listener` until the process ends.
+pub fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                match stream {
+                    Ok(stream) => {
+                        let shared = shared.clone();
+                        let _ = std::thread::Builder::new()
+                            .name("control-conn".into())
+                            .spawn(move || connection(stream, &shared));
+                    }
+                    Err(e) => warn!("control socket: {e}"),
+                }
+            }
+        })
+        .map(|_| ())
+}
+
+fn connection(stream: UnixStream, shared: &Shared) {
+    let Ok(mut out) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match (&mut reader).take(MAX_LINE as u64 + 1).read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let too_long = line.len() > MAX_LINE;
+        let reply = if too_long {
+            Reply::failure(Value::Null, fail(FailureKind::BadRequest, "line too long"))
+        } else {
+            handle_line(line.trim(), shared)
+        };
+        let mut text = serde_json::to_string(&reply).unwrap_or_else(|e| {
+            format!("{{\"id\":null,\"ok\":false,\"error\":{{\"kind\":\"io-error\",\"message\":\"{e}\"}}}}")
+        });
+        text.push('\n');
+        if out.write_all(text.as_bytes()).is_err() || too_long {
+            return;
+        }
+    }
+}
+
+/// Answers one request line.
+pub fn handle_line(line: &str, shared: &Shared) -> Reply {
+    let request = match Request::parse(line) {
+        Ok(r) => r,
+        Err((id, failure)) => return Reply::failure(id, failure),
+    };
+    let id = request.id;
+    let result = match request.command {
+        Command::Snapshot { path } => {
+            live_snapshot(shared, &path).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::Flush => {
+            flush(shared).map(|()| Reply::success(id.clone(), &serde_json::json!({})))
+        }
+        Command::Info => Ok(Reply::success(id.clone(), &info_of(shared))),
+        Command::Stats {
+            format: StatsFormat::Json,
+        } => Ok(Reply::success(id.clone(), &stats(shared))),
+        Command::Stats {
+            format: StatsFormat::Prometheus,
+        } => Ok(Reply::success(
+            id.clone(),
+            &PrometheusText {
+                text: prometheus::render(&stats(shared)),
+            },
+        )),
+    };
+    result.unwrap_or_else(|f| Reply::failure(id, f))
+}
+
+/// Makes every completed write durable (waits itself for transfers that
+/// may still use released clusters).
+fn flush(shared: &Shared) -> Result<(), Failure> {
+    shared
+        .handle
+        .get()
+        .flush()
+        .map_err(|e| fail(FailureKind::IoError, e.to_string()))
+}
+
+/// Quiesce, flush, create the new active volume and its index, switch.
+fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
+    let Ok(_running) = shared.snapshot_running.try_lock() else {
+        return Err(fail(FailureKind::Busy, "another snapshot is running"));
+    };
+    if new.exists() {
+        return Err(fail(
+            FailureKind::Exists,
+            format!("{} exists", new.display()),
+        ));
+    }
+    // Write most dirty metadata back while the guest still runs: the
+    // flush inside the pause then has little left to do.
+    shared.handle.get().flush().map_err(|e| {
+        fail(
+            FailureKind::IoError,
+            format!("flush before the snapshot: {e}"),
+        )
+    })?;
+    let start = Instant::now();
+    let session = shared.session();
+    // No new request starts; those in flight complete (the workers keep
+    // running, nothing they do waits for this thread).
+    let pause = session.as_ref().map(|b| b.pause());
+    if let Some(backend) = &session {
+        if !backend.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+            return Err(fail(
+                FailureKind::SnapshotFailed,
+                format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+            ));
+        }
+    }
+    let drained = start.elapsed();
+    let old = shared.handle.get();
+    old.flush_clean().map_err(|e| {
+        fail(
+            FailureKind::IoError,
+            format!("flush before the snapshot: {e}"),
+        )
+    })?;
+    let flushed = start.elapsed();
+    let top = old.top().path().to_path_buf();
+    sqcow2_format::indexing::snapshot(&top, new, &mut |_, _| {})
+        .map_err(|e| fail(FailureKind::SnapshotFailed, e.to_string()))?;
+    let created = start.elapsed();
+    let chain = match Chain::open(new, &shared.options) {
+        Ok(c) => c,
+        Err(e) => {
+            // Keep serving the old top; the new file would go stale.
+            let _ = std::fs::remove_file(new);
+            let _ = std::fs::remove_file(sqcow2_format::indexing::index_path_of(new));
+            return Err(fail(
+                FailureKind::SnapshotFailed,
+                format!("opening the new top: {e}"),
+            ));
+        }
+    };
+    let layers = chain.layers().len();
+    let indexed = chain.is_indexed();
+    let old = {
+        drop(old);
+        shared.handle.replace(chain)
+    };
+    drop(pause);
+    let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
+    drop(old);
+    shared
+        .pauses_ms
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(pause_ms);
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let steps = SnapshotSteps {
+        drain_ms: ms(drained),
+        flush_ms: ms(flushed - drained),
+        create_ms: ms(created - flushed),
+        open_ms: pause_ms - ms(created),
+    };
+    info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
+    Ok(SnapshotResult {
+        path: new.to_path_buf(),
+        layers,
+        indexed,
+        pause_ms,
+        steps,
+    })
+}
+
+fn info_of(shared: &Shared) -> Info {
+    let chain = shared.handle.get();
+    let layers: Vec<_> = chain
+        .layers()
+        .iter()
+        .map(|l| l.path().to_path_buf())
+        .collect();
+    Info {
+        top: chain.top().path().to_path_buf(),
+        layers: layers.len(),
+        chain: layers,
+        virtual_size: chain.virtual_size(),
+        indexed: chain.is_indexed(),
+        writable: chain.is_writable(),
+        write_failure: chain.failure().map(str::to_owned),
+        frontend_connected: shared.session().is_some(),
+    }
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn stats(shared: &Shared) -> Stats {
+    let chain = shared.handle.get();
+    let c = chain.cache_stats();
+    let mut pauses = shared
+        .pauses_ms
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    pauses.sort_by(f64::total_cmp);
+    let session = shared.session();
+    let queues: Vec<QueueCounters> = session
+        .as_ref()
+        .map(|b| b.queue_stats())
+        .unwrap_or_default();
+    Stats {
+        uptime_s: shared.started.elapsed().as_secs_f64(),
+        index_mode: if chain.is_indexed() {
+            IndexMode::Indexed
+        } else {
+            IndexMode::Walk
+        },
+        layers: chain.layers().len(),
+        cache: CacheCounters {
+            hits: c.hits,
+            misses: c.misses,
+            loads: c.loads,
+            hit_unallocated: c.hit_unallocated,
+            evictions: c.evictions,
+            bytes: c.bytes,
+        },
+        data_reads_per_layer: chain.data_reads_per_layer(),
+        snapshots: SnapshotCounters {
+            count: pauses.len() as u64,
+            pause_ms_p50: quantile(&pauses, 0.5),
+            pause_ms_p99: quantile(&pauses, 0.99),
+            pause_ms_max: pauses.last().copied().unwrap_or(0.0),
+        },
+        queues,
+        requests_in_flight: session
+            .as_ref()
+            .map_or(0, |b| b.device().gate().in_flight()),
+        worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
+        write_failure: chain.failure().map(str::to_owned),
+    }
+}
+
+/// Binds the control socket with `mode`, like the vhost-user socket.
+pub fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() || UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} is in use", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    crate::server::with_umask(mode, || UnixListener::bind(path))
+}

@@ -1,0 +1,422 @@
+//! The control protocol's messages (`docs/control-api.md`): one JSON
+//! object per line each way. Requests are parsed into [`Command`]s,
+//! replies built from the typed results below; the Prometheus text is
+//! rendered from the same [`Stats`] value, so a renamed field cannot
+//! silently export zeros.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// A request line: its `id` (echoed) and its command.
+#[derive(Debug)]
+pub struct Request {
+    /// Any JSON value; `null` when absent.
+    pub id: Value,
+    /// What to do.
+    pub command: Command,
+}
+
+/// A control command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Live snapshot: a new active volume at `path`.
+    Snapshot {
+        /// The new active volume.
+        path: PathBuf,
+    },
+    /// Make every completed write durable.
+    Flush,
+    /// The served chain.
+    Info,
+    /// Counters, as JSON or Prometheus text.
+    Stats {
+        /// Output format.
+        format: StatsFormat,
+    },
+}
+
+/// How `stats` answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StatsFormat {
+    /// A [`Stats`] object.
+    #[default]
+    Json,
+    /// `{"text": ...}` in Prometheus' text exposition format.
+    Prometheus,
+}
+
+#[derive(Deserialize)]
+struct SnapshotArgs {
+    path: PathBuf,
+}
+
+#[derive(Deserialize)]
+struct StatsArgs {
+    #[serde(default)]
+    format: StatsFormat,
+}
+
+/// Why a request failed (the reply's `error.kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// Invalid JSON, not an object, a missing or wrong field, a line too
+    /// long.
+    BadRequest,
+    /// A command this daemon does not know.
+    UnknownCommand,
+    /// Another snapshot is running.
+    Busy,
+    /// The snapshot target exists.
+    Exists,
+    /// The new volume could not be created or opened.
+    SnapshotFailed,
+    /// A flush failed.
+    IoError,
+}
+
+/// A failed request: its kind and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// What happened.
+    pub message: String,
+}
+
+impl Failure {
+    /// A failure of `kind`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Failure {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = serde_json::to_value(self.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        write!(f, "{kind}: {}", self.message)
+    }
+}
+
+/// A reply line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Reply {
+    /// The request's `id`.
+    pub id: Value,
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// The result (on success).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// The failure (otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Failure>,
+}
+
+impl Reply {
+    /// A success carrying `result`.
+    pub fn success(id: Value, result: &impl Serialize) -> Reply {
+        match serde_json::to_value(result) {
+            Ok(v) => Reply {
+                id,
+                ok: true,
+                result: Some(v),
+                error: None,
+            },
+            Err(e) => Reply::failure(
+                id,
+                Failure::new(FailureKind::IoError, format!("encoding the result: {e}")),
+            ),
+        }
+    }
+
+    /// A failure.
+    pub fn failure(id: Value, failure: Failure) -> Reply {
+        Reply {
+            id,
+            ok: false,
+            result: None,
+            error: Some(failure),
+        }
+    }
+
+    /// The result as `T`, or the failure.
+    pub fn into_result<T: serde::de::DeserializeOwned>(self) -> Result<T, Failure> {
+        match (self.ok, self.result, self.error) {
+            (true, Some(v), _) => serde_json::from_value(v).map_err(|e| {
+                Failure::new(FailureKind::BadRequest, format!("unexpected result: {e}"))
+            }),
+            (_, _, Some(f)) => Err(f),
+            _ => Err(Failure::new(
+                FailureKind::BadRequest,
+                "reply without a result",
+            )),
+        }
+    }
+}
+
+impl Request {
+    /// Parses a request line; on failure, the reply's `id` (when the line
+    /// had one) and why.
+    pub fn parse(line: &str) -> Result<Request, (Value, Failure)> {
+        let bad = |m: String| Failure::new(FailureKind::BadRequest, m);
+        let mut object: Map<String, Value> = match serde_json::from_str(line) {
+            Ok(Value::Object(o)) => o,
+            Ok(_) => return Err((Value::Null, bad("a request is a JSON object".into()))),
+            Err(e) => return Err((Value::Null, bad(format!("invalid JSON: {e}")))),
+        };
+        let id = object.remove("id").unwrap_or(Value::Null);
+        let name = match object.remove("command") {
+            Some(Value::String(s)) => s,
+            Some(_) => return Err((id, bad("\"command\" must be a string".into()))),
+            None => return Err((id, bad("missing \"command\"".into()))),
+        };
+        let args = Value::Object(object);
+        let command = match name.as_str() {
+            "snapshot" => match serde_json::from_value::<SnapshotArgs>(args) {
+                Ok(a) => Command::Snapshot { path: a.path },
+                Err(e) => return Err((id, bad(format!("snapshot needs \"path\": {e}")))),
+            },
+            "flush" => Command::Flush,
+            "info" => Command::Info,
+            "stats" => match serde_json::from_value::<StatsArgs>(args) {
+                Ok(a) => Command::Stats { format: a.format },
+                Err(e) => return Err((id, bad(format!("stats: {e}")))),
+            },
+            other => {
+                return Err((
+                    id,
+                    Failure::new(
+                        FailureKind::UnknownCommand,
+                        format!("unknown command {other:?}"),
+                    ),
+                ))
+            }
+        };
+        Ok(Request { id, command })
+    }
+
+    /// The line sending this request (with its `id`).
+    pub fn to_line(&self) -> String {
+        let mut o = Map::new();
+        o.insert("id".into(), self.id.clone());
+        let (name, args): (&str, Vec<(&str, Value)>) = match &self.command {
+            Command::Snapshot { path } => (
+                "snapshot",
+                vec![("path", Value::String(path.to_string_lossy().into_owned()))],
+            ),
+            Command::Flush => ("flush", vec![]),
+            Command::Info => ("info", vec![]),
+            Command::Stats { format } => (
+                "stats",
+                vec![(
+                    "format",
+                    Value::String(match format {
+                        StatsFormat::Json => "json".into(),
+                        StatsFormat::Prometheus => "prometheus".into(),
+                    }),
+                )],
+            ),
+        };
+        o.insert("command".into(), Value::String(name.into()));
+        for (k, v) in args {
+            o.insert(k.into(), v);
+        }
+        Value::Object(o).to_string()
+    }
+}
+
+/// Time of each step of a live snapshot, in milliseconds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotSteps {
+    /// Waiting for requests in flight.
+    pub drain_ms: f64,
+    /// Flushing the old top.
+    pub flush_ms: f64,
+    /// Creating the new top and its index.
+    pub create_ms: f64,
+    /// Opening the new chain and switching to it.
+    pub open_ms: f64,
+}
+
+/// The result of `snapshot`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotResult {
+    /// The new active volume.
+    pub path: PathBuf,
+    /// Layers of the chain now.
+    pub layers: usize,
+    /// Whether lookups go through the chain index.
+    pub indexed: bool,
+    /// How long new requests waited.
+    pub pause_ms: f64,
+    /// The pause, step by step.
+    pub steps: SnapshotSteps,
+}
+
+/// The result of `info`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Info {
+    /// The active volume.
+    pub top: PathBuf,
+    /// Number of layers.
+    pub layers: usize,
+    /// Their paths, base first.
+    pub chain: Vec<PathBuf>,
+    /// Virtual size in bytes.
+    pub virtual_size: u64,
+    /// Whether lookups go through the chain index.
+    pub indexed: bool,
+    /// Whether the chain takes writes.
+    pub writable: bool,
+    /// Why writes are refused although the chain was opened writable.
+    pub write_failure: Option<String>,
+    /// Whether a vhost-user frontend is connected.
+    pub frontend_connected: bool,
+}
+
+/// How lookups are resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IndexMode {
+    /// Through the chain index.
+    Indexed,
+    /// Layer by layer.
+    Walk,
+}
+
+/// Counters of the unified metadata cache.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheCounters {
+    /// Lookups served from the cache.
+    pub hits: u64,
+    /// Lookups not in the cache.
+    pub misses: u64,
+    /// Slices read from files.
+    pub loads: u64,
+    /// Cached entries that sent a walk further down.
+    pub hit_unallocated: u64,
+    /// Slices evicted.
+    pub evictions: u64,
+    /// Bytes held now.
+    pub bytes: u64,
+}
+
+/// Live snapshots taken.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotCounters {
+    /// How many.
+    pub count: u64,
+    /// Median pause.
+    pub pause_ms_p50: f64,
+    /// 99th percentile pause.
+    pub pause_ms_p99: f64,
+    /// Longest pause.
+    pub pause_ms_max: f64,
+}
+
+/// Counters of one queue.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QueueCounters {
+    /// Queue number.
+    pub queue: usize,
+    /// Requests completed.
+    pub requests: u64,
+    /// Bytes read by the guest.
+    pub read_bytes: u64,
+    /// Bytes written by the guest.
+    pub write_bytes: u64,
+    /// Requests completed with an error status.
+    pub errors: u64,
+    /// Median latency.
+    pub latency_us_p50: u64,
+    /// 99th percentile latency.
+    pub latency_us_p99: u64,
+    /// Longest latency.
+    pub latency_us_max: u64,
+}
+
+/// The result of `stats`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Stats {
+    /// Seconds since the daemon started.
+    pub uptime_s: f64,
+    /// How lookups are resolved.
+    pub index_mode: IndexMode,
+    /// Layers of the chain.
+    pub layers: usize,
+    /// The unified metadata cache.
+    pub cache: CacheCounters,
+    /// Data reads served by each layer, base first.
+    pub data_reads_per_layer: Vec<u64>,
+    /// Live snapshots.
+    pub snapshots: SnapshotCounters,
+    /// Per queue, while a frontend is connected.
+    pub queues: Vec<QueueCounters>,
+    /// Requests in flight now.
+    pub requests_in_flight: usize,
+    /// Panics caught in queue workers and engine threads (bugs: their
+    /// requests failed, and the chain refuses writes since).
+    pub worker_panics: u64,
+    /// Why writes are refused although the chain was opened writable.
+    pub write_failure: Option<String>,
+}
+
+/// The result of `stats` in Prometheus format.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrometheusText {
+    /// The exposition text.
+    pub text: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_errors_are_typed() {
+        for command in [
+            Command::Snapshot {
+                path: "/a/b.qcow2".into(),
+            },
+            Command::Flush,
+            Command::Info,
+            Command::Stats {
+                format: StatsFormat::Prometheus,
+            },
+        ] {
+            let line = Request {
+                id: Value::from(3),
+                command: command.clone(),
+            }
+            .to_line();
+            let parsed = Request::parse(&line).unwrap();
+            assert_eq!(parsed.command, command);
+            assert_eq!(parsed.id, Value::from(3));
+        }
+        let kind = |line: &str| Request::parse(line).unwrap_err().1.kind;
+        assert_eq!(kind("{x"), FailureKind::BadRequest);
+        assert_eq!(kind("[1]"), FailureKind::BadRequest);
+        assert_eq!(kind("{\"id\":1}"), FailureKind::BadRequest);
+        assert_eq!(kind("{\"command\":\"nope\"}"), FailureKind::UnknownCommand);
+        assert_eq!(kind("{\"command\":\"snapshot\"}"), FailureKind::BadRequest);
+        assert_eq!(
+            kind("{\"command\":\"stats\",\"format\":\"xml\"}"),
+            FailureKind::BadRequest
+        );
+        assert_eq!(
+            Request::parse("{\"id\":9,\"command\":7}").unwrap_err().0,
+            Value::from(9)
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! Work a queue worker hands off so that it never blocks on it: engine
+//! operations (allocating writes, discards, write-zeroes) run on a pool of
+//! engine threads, flushes on one flusher thread, which batches the
+//! flushes queued meanwhile into one. Each result goes back to the worker
+//! that asked, through its [`Mailbox`] (a channel and an eventfd in the
+//! worker's epoll set).
+//!
+//! Waiting rules that keep this free of deadlocks: only the flusher (and
+//! the control socket) wait for the transfer fence; engine jobs never wait
+//! for a flush; a request's transfer ticket never waits for the flusher.
+
+use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use tracing::{error, warn};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::handle::ChainHandle;
+
+/// What an offloaded operation says when it is done: `Ok`, or why it
+/// failed (for the log).
+pub(crate) type JobResult = Result<(), String>;
+
+/// A finished job: the worker's request slot it belongs to.
+#[derive(Debug)]
+pub(crate) struct Finished {
+    pub(crate) slot: usize,
+    pub(crate) result: JobResult,
+}
+
+/// Where a worker receives the results of the jobs it handed off.
+#[derive(Debug)]
+pub(crate) struct Mailbox {
+    tx: Sender<Finished>,
+    rx: Receiver<Finished>,
+    wake: Arc<EventFd>,
+}
+
+/// The address a job's result goes to.
+#[derive(Debug, Clone)]
+pub(crate) struct ReturnAddress {
+    tx: Sender<Finished>,
+    wake: Arc<EventFd>,
+    slot: usize,
+}
+
+impl ReturnAddress {
+    fn send(&self, result: JobResult) {
+        // A worker that is gone takes no results: nothing to do.
+        if self
+            .tx
+            .send(Finished {
+                slot: self.slot,
+                result,
+            })
+            .is_ok()
+        {
+            if let Err(e) = self.wake.write(1) {
+                warn!("waking a worker: {e}");
+            }
+        }
+    }
+}
+
+impl Mailbox {
+    pub(crate) fn new() -> io::Result<Self> {
+        let (tx, rx) = channel();
+        Ok(Mailbox {
+            tx,
+            rx,
+            wake: Arc::new(EventFd::new(EFD_NONBLOCK)?),
+        })
+    }
+
+    /// The eventfd that becomes readable when results (or a wake-up after
+    /// a pause) wait.
+    pub(crate) fn wake_fd(&self) -> &Arc<EventFd> {
+        &self.wake
+    }
+
+    /// The return address for request `slot`.
+    pub(crate) fn address(&self, slot: usize) -> ReturnAddress {
+        ReturnAddress {
+            tx: self.tx.clone(),
+            wake: self.wake.clone(),
+            slot,
+        }
+    }
+
+    /// Clears the eventfd and takes every result waiting.
+    pub(crate) fn take(&self) -> Vec<Finished> {
+        let _ = self.wake.read();
+        let mut out = Vec::new();
+        loop {
+            match self.rx.try_recv() {
+                Ok(f) => out.push(f),
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for a result.
+    pub(crate) fn wait(&self, timeout: std::time::Duration) -> Option<Finished> {
+        self.rx.recv_timeout(timeout).ok()
+    }
+}
+
+type Work = Box<dyn FnOnce() -> JobResult + Send>;
+
+struct Job {
+    work: Work,
+    reply: ReturnAddress,
+}
+
+/// The engine threads and the flusher of one device.
+pub(crate) struct Offload {
+    jobs: Option<Sender<Job>>,
+    flushes: Option<Sender<ReturnAddress>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Offload")
+            .field("threads", &self.threads.len())
+            .finish()
+    }
+}
+
+/// Runs `work`, turning a panic into a failed job and a failed chain.
+fn run_guarded(work: Work, chain: &ChainHandle, panics: &AtomicU64) -> JobResult {
+    match catch_unwind(AssertUnwindSafe(work)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic_message(&*panic);
+            error!("engine thread panicked (a bug): {what}");
+            panics.fetch_add(1, Ordering::Relaxed);
+            chain
+                .get()
+                .fail(&format!("an engine thread panicked: {what}"));
+            Err(format!("panic: {what}"))
+        }
+    }
+}
+
+/// The text of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
+impl Offload {
+    /// Starts `engine_threads` engine threads and the flusher for the
+    /// chain of `handle`; panics are counted in `panics`.
+    pub(crate) fn start(
+        handle: Arc<ChainHandle>,
+        engine_threads: usize,
+        panics: Arc<AtomicU64>,
+    ) -> io::Result<Self> {
+        let (jobs, job_rx) = channel::<Job>();
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let mut threads = Vec::new();
+        for i in 0..engine_threads.max(1) {
+            let rx = job_rx.clone();
+            let (handle, panics) = (handle.clone(), panics.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("engine-{i}"))
+                    .spawn(move || loop {
+                        let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                        let Ok(job) = job else {
+                            return;
+                        };
+                        let result = run_guarded(job.work, &handle, &panics);
+                        job.reply.send(result);
+                    })?,
+            );
+        }
+        let (flushes, flush_rx) = channel::<ReturnAddress>();
+        threads.push(
+            std::thread::Builder::new()
+                .name("flusher".into())
+                .spawn(move || flusher(flush_rx, handle, panics))?,
+        );
+        Ok(Offload {
+            jobs: Some(jobs),
+            flushes: Some(flushes),
+            threads,
+        })
+    }
+
+    /// Runs `work` on an engine thread; its result goes to `reply`.
+    pub(crate) fn run(
+        &self,
+        reply: ReturnAddress,
+        work: impl FnOnce() -> JobResult + Send + 'static,
+    ) -> Result<(), ReturnAddress> {
+        let Some(jobs) = &self.jobs else {
+            return Err(reply);
+        };
+        jobs.send(Job {
+            work: Box::new(work),
+            reply,
+        })
+        .map_err(|e| e.0.reply)
+    }
+
+    /// Flushes the chain; the result goes to `reply` (flushes queued while
+    /// one runs are served by the next, together).
+    pub(crate) fn flush(&self, reply: ReturnAddress) -> Result<(), ReturnAddress> {
+        match &self.flushes {
+            Some(f) => f.send(reply).map_err(|e| e.0),
+            None => Err(reply),
+        }
+    }
+}
+
+/// The flusher: one flush for every batch of flush requests.
+fn flusher(rx: Receiver<ReturnAddress>, handle: Arc<ChainHandle>, panics: Arc<AtomicU64>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while let Ok(more) = rx.try_recv() {
+            batch.push(more);
+        }
+        let chain = handle.get();
+        let work: Work = Box::new(move || chain.flush().map_err(|e| e.to_string()));
+        let result = run_guarded(work, &handle, &panics);
+        for reply in batch {
+            reply.send(result.clone());
+        }
+    }
+}
+
+impl Drop for Offload {
+    fn drop(&mut self) {
+        // Closing the channels ends the threads once their queues are done.
+        self.jobs.take();
+        self.flushes.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! One worker's io_uring: data transfers between image files and guest
+//! memory. Each operation owns what its buffer and file descriptor rest
+//! on (the guest memory mapping and the image file, both `Arc`s) until its
+//! completion has been reaped; interrupted operations are resubmitted.
+
+use std::io;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+use slab::Slab;
+use sqcow2_format::storage::Storage;
+use vm_memory::VolatileSlice;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::worker::GuestMem;
+
+/// Submission queue entries per ring.
+const RING_ENTRIES: u32 = 256;
+/// Resubmissions of one interrupted operation before it fails.
+const MAX_RETRIES: u8 = 16;
+
+/// Direction of one transfer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Direction {
+    /// File to guest memory.
+    Read,
+    /// Guest memory to file.
+    Write,
+}
+
+/// How a transfer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TransferEnd {
+    /// All bytes moved.
+    Done,
+    /// Fewer bytes than asked (end of file).
+    Short,
+    /// The kernel reported an error.
+    Failed,
+}
+
+/// A finished transfer of the request in `slot`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RingCompletion {
+    pub(crate) slot: usize,
+    pub(crate) end: TransferEnd,
+}
+
+/// An operation in the ring: what to redo if it is interrupted, and what
+/// keeps its buffer and file valid.
+struct RingOp {
+    slot: usize,
+    len: u32,
+    entry: squeue::Entry,
+    retries: u8,
+    /// The image file whose descriptor the entry uses.
+    _file: Arc<dyn Storage>,
+    /// The guest memory mapping the entry's buffer lies in.
+    _mem: Arc<GuestMem>,
+}
+
+/// A worker's ring and the eventfd its completions signal.
+pub(crate) struct Ring {
+    ring: IoUring,
+    event: EventFd,
+    ops: Slab<RingOp>,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("ops", &self.ops.len())
+            .finish()
+    }
+}
+
+impl Ring {
+    pub(crate) fn new() -> io::Result<Self> {
+        let ring = IoUring::new(RING_ENTRIES)?;
+        let event = EventFd::new(EFD_NONBLOCK)?;
+        ring.submitter()
+            .register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
+        Ok(Ring {
+            ring,
+            event,
+            ops: Slab::new(),
+        })
+    }
+
+    /// Becomes readable when completions wait.
+    pub(crate) fn event_fd(&self) -> &EventFd {
+        &self.event
+    }
+
+    /// Whether no operation is in the ring.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Queues one transfer of `buf` (in `mem`) from or to `file` at
+    /// `host`, for the request in `slot`. Completions reaped to make room
+    /// go to `done`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn queue(
+        &mut self,
+        slot: usize,
+        direction: Direction,
+        file: &Arc<dyn Storage>,
+        host: u64,
+        buf: &VolatileSlice<'_, ()>,
+        mem: &Arc<GuestMem>,
+        done: &mut Vec<RingCompletion>,
+    ) -> io::Result<()> {
+        let Some(fd) = file.raw_fd() else {
+            return Err(io::Error::other("storage without a file descriptor"));
+        };
+        let len = u32::try_from(buf.len()).map_err(io::Error::other)?;
+        let ptr = buf.ptr_guard_mut().as_ptr();
+        let entry = match direction {
+            Direction::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+                .offset(host)
+                .build(),
+            Direction::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+                .offset(host)
+                .build(),
+        };
+        let op = RingOp {
+            slot,
+            len,
+            entry,
+            retries: 0,
+            _file: file.clone(),
+            _mem: mem.clone(),
+        };
+        self.push(op, done)
+    }
+
+    /// Puts `op` in the submission queue under a fresh key, making room if
+    /// it is full.
+    fn push(&mut self, op: RingOp, done: &mut Vec<RingCompletion>) -> io::Result<()> {
+        let entry = op.entry.clone();
+        let key = self.ops.insert(op);
+        let entry = entry.user_data(key as u64);
+        // SAFETY: the entry reads or writes `len` bytes at `ptr` of the
+        // file `fd`. The operation kept in `self.ops[key]` owns an `Arc` of
+        // the guest memory mapping that holds `ptr..ptr + len` (checked
+        // when the slice was taken from it) and an `Arc` of the file that
+        // owns `fd`; it is removed only when its completion is reaped, so
+        // both stay valid for as long as the kernel may use them. The guest
+        // does not touch a buffer it handed over before the request
+        // completes (if it does, only its own data is garbled).
+        while unsafe { self.ring.submission().push(&entry) }.is_err() {
+            if let Err(e) = self.ring.submit() {
+                self.ops.remove(key);
+                return Err(e);
+            }
+            self.reap(done);
+        }
+        Ok(())
+    }
+
+    /// Hands the queued entries to the kernel.
+    pub(crate) fn submit(&mut self) -> io::Result<usize> {
+        self.ring.submit()
+    }
+
+    /// Submits and waits for at least one completion.
+    pub(crate) fn submit_and_wait(&mut self) -> io::Result<usize> {
+        self.ring.submit_and_wait(1)
+    }
+
+    /// Clears the eventfd.
+    pub(crate) fn clear_event(&self) {
+        let _ = self.event.read();
+    }
+
+    /// Handles the completions in the ring, without waiting; finished
+    /// transfers go to `done`.
+    pub(crate) fn reap(&mut self, done: &mut Vec<RingCompletion>) {
+        let cqes: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|cqe| (cqe.user_data(), cqe.result()))
+            .collect();
+        for (user_data, res) in cqes {
+            let Some(mut op) = self.ops.try_remove(user_data as usize) else {
+                continue;
+            };
+            let (slot, len) = (op.slot, op.len);
+            // Interrupted or not ready: the same I/O again (as QEMU does).
+            if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < MAX_RETRIES {
+                op.retries += 1;
+                match self.push(op, done) {
+                    Ok(()) => continue,
+                    Err(e) => crate::limited_warn!("resubmitting interrupted I/O: {e}"),
+                }
+            } else if res < 0 {
+                crate::limited_warn!("data I/O failed: {}", io::Error::from_raw_os_error(-res));
+            }
+            let end = if res < 0 {
+                TransferEnd::Failed
+            } else if (res as u32) < len {
+                TransferEnd::Short
+            } else {
+                TransferEnd::Done
+            };
+            done.push(RingCompletion { slot, end });
+        }
+    }
+}

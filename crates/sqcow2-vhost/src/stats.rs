@@ -1,0 +1,81 @@
+//! Per-queue request statistics.
+
+use std::time::Instant;
+
+use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
+
+use crate::request::{Request, RequestKind};
+
+/// Counters and latencies of one queue.
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Requests completed (rejected ones included).
+    pub requests: u64,
+    /// Bytes read by the guest.
+    pub read_bytes: u64,
+    /// Bytes written by the guest.
+    pub write_bytes: u64,
+    /// Requests completed with an error status.
+    pub errors: u64,
+    /// Latency from start to completion, microseconds.
+    pub latency_us: hdrhistogram::Histogram<u64>,
+}
+
+impl Default for QueueStats {
+    fn default() -> Self {
+        QueueStats {
+            requests: 0,
+            read_bytes: 0,
+            write_bytes: 0,
+            errors: 0,
+            // Two significant digits, auto-resizing: bounded and cheap.
+            latency_us: hdrhistogram::Histogram::new(2).unwrap_or_else(|_| {
+                hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
+                    .expect("valid histogram bounds")
+            }),
+        }
+    }
+}
+
+/// The statistics of a worker's queues, by worker-local queue index.
+#[derive(Debug, Default)]
+pub(crate) struct WorkerStats {
+    queues: Vec<QueueStats>,
+}
+
+impl WorkerStats {
+    fn queue(&mut self, queue: usize) -> &mut QueueStats {
+        if self.queues.len() <= queue {
+            self.queues.resize_with(queue + 1, QueueStats::default);
+        }
+        &mut self.queues[queue]
+    }
+
+    /// Counts a finished request with virtio status `code`.
+    pub(crate) fn account(&mut self, queue: usize, req: &Request, code: u32, started: Instant) {
+        let st = self.queue(queue);
+        st.requests += 1;
+        if code != VIRTIO_BLK_S_OK {
+            st.errors += 1;
+        } else {
+            match &req.kind {
+                RequestKind::In { len, .. } => st.read_bytes += len,
+                RequestKind::Out { len, .. } => st.write_bytes += len,
+                _ => {}
+            }
+        }
+        let us = started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        let _ = st.latency_us.record(us.max(1));
+    }
+
+    /// Counts a request rejected before it started.
+    pub(crate) fn account_rejected(&mut self, queue: usize) {
+        let st = self.queue(queue);
+        st.requests += 1;
+        st.errors += 1;
+    }
+
+    pub(crate) fn queues(&self) -> &[QueueStats] {
+        &self.queues
+    }
+}
