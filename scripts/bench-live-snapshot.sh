@@ -10,13 +10,14 @@ cd "$(dirname "$0")/.."
 size=${1:-10G}
 n=${2:-20}
 dir=${3:-/tmp/sqcow2-live}
-cargo build --release --locked -p sqcow2-cli >&2
+cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
 bin=$PWD/target/release/sqcow2
+bench=$PWD/target/release/sqcow2-bench
 rm -rf "$dir" && mkdir -p "$dir" && cd "$dir"
 top=$("$bin" gen-chain --layers 10 --size "$size" --fill 0.02 .)
 "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
 while [ ! -f serve.pid ]; do sleep 0.1; done
-"$bin" bench load --socket v.sock --pattern rand-write --iodepth 16 --duration $((n / 2 + 5)) > load.txt &
+"$bench" load --socket v.sock --pattern rand-write --iodepth 16 --duration $((n / 2 + 5)) > load.txt &
 sleep 1
 for i in $(seq 1 "$n"); do
   "$bin" snapshot --live c.sock "live$i.qcow2" --output json | tr -d '\n ' | tee -a replies.jsonl

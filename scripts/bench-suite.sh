@@ -6,7 +6,7 @@
 # Writes bench-results/results.json, plots (PNG, SVG) and the README's
 # benchmark section.
 #
-#   scripts/bench-suite.sh [--quick] [sqcow2 bench suite options]
+#   scripts/bench-suite.sh [--quick] [sqcow2-bench suite options]
 #
 # --quick: lengths 1, 100, 1000 on 256 MiB, one repetition (< 3 minutes);
 # default: lengths 1, 50, 100, 500, 1000 on 1 GiB, 3 repetitions (< 30
@@ -24,6 +24,6 @@ ensure_commands cc:gcc qemu-img:qemu-utils
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fonts-dejavu-core >&2
 }
 
-echo "==> building sqcow2 (release)"
-cargo build --release --locked -p sqcow2-cli
-exec target/release/sqcow2 bench suite --out bench-results --readme README.md "$@"
+echo "==> building sqcow2 and sqcow2-bench (release)"
+cargo build --release --locked -p sqcow2-cli -p sqcow2-bench
+exec target/release/sqcow2-bench suite --out bench-results --readme README.md "$@"

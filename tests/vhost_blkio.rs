@@ -417,22 +417,23 @@ fn bench_load_drives_the_daemon_without_errors() {
     let top = gen_chain(tmp.path(), 10, "16M", "0.6");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--num-queues", "2"]);
     for pattern in ["rand-read", "mixed", "seq-read"] {
-        let out = common::run(std::process::Command::new(common::sqcow2_bin()).args([
-            "bench",
-            "load",
-            "--socket",
-            s(&daemon.socket),
-            "--pattern",
-            pattern,
-            "--queues",
-            "2",
-            "--iodepth",
-            "4",
-            "--duration",
-            "0.5",
-            "--output",
-            "json",
-        ]));
+        let out = common::run(
+            std::process::Command::new(common::sqcow2_bench_bin()).args([
+                "load",
+                "--socket",
+                s(&daemon.socket),
+                "--pattern",
+                pattern,
+                "--queues",
+                "2",
+                "--iodepth",
+                "4",
+                "--duration",
+                "0.5",
+                "--output",
+                "json",
+            ]),
+        );
         let json: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert_eq!(json["errors"], 0, "{out}");
         assert!(json["ios"].as_u64().unwrap() > 0, "{out}");

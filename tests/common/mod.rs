@@ -59,6 +59,17 @@ pub fn sqcow2_bin() -> PathBuf {
     bin
 }
 
+/// The `sqcow2-bench` binary of this build (beside `sqcow2`).
+pub fn sqcow2_bench_bin() -> PathBuf {
+    let bin = sqcow2_bin().with_file_name("sqcow2-bench");
+    assert!(
+        bin.exists(),
+        "{} missing: run `cargo build --workspace` first",
+        bin.display()
+    );
+    bin
+}
+
 /// Runs a command, returning its output whatever the exit status.
 pub fn run_raw(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| {

@@ -1,7 +1,6 @@
 //! `sqcow2`: read-outs, conversion and maintenance of qcow2 / sQcow2 chains,
 //! in the spirit of `qemu-img`.
 
-mod bench;
 mod check;
 mod convert;
 mod create;
@@ -63,10 +62,6 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Statistics of a running `sqcow2 serve` (through its control socket).
     Stats(live::StatsArgs),
-    /// Benchmarks: a vhost-user-blk load generator and the suite that
-    /// compares sqcow2 with QEMU on the same chains.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
     /// Show an image's format, size, backing file and features.
     Info {
         /// Also show every layer of the backing chain.
@@ -239,7 +234,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
-        Command::Bench(cmd) => bench::run(&cmd).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }
 }

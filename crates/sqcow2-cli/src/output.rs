@@ -50,49 +50,8 @@ mod tests {
     }
 }
 
-/// Parses a size like qemu-img and qemu-io: bytes, or with a suffix
-/// `k`/`K`, `M`, `G`, `T`, `P`, `E` (powers of 1024), optionally `B`/`b`
-/// for bytes.
+/// Parses a size like qemu-img and qemu-io (see
+/// [`sqcow2_format::parse_size`]).
 pub fn parse_size(s: &str) -> anyhow::Result<u64> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
-        Some('t' | 'T') => (&t[..t.len() - 1], 1 << 40),
-        Some('p' | 'P') => (&t[..t.len() - 1], 1 << 50),
-        Some('e' | 'E') => (&t[..t.len() - 1], 1 << 60),
-        Some('b' | 'B') => (&t[..t.len() - 1], 1),
-        _ => (t, 1),
-    };
-    let value: u64 = if let Some(hex) = num.strip_prefix("0x") {
-        u64::from_str_radix(hex, 16)?
-    } else if num.contains('.') {
-        let f: f64 = num.parse()?;
-        anyhow::ensure!(f >= 0.0, "negative size {s:?}");
-        return Ok((f * mult as f64) as u64);
-    } else {
-        num.parse()
-            .map_err(|_| anyhow::anyhow!("invalid size {s:?}"))?
-    };
-    value
-        .checked_mul(mult)
-        .ok_or_else(|| anyhow::anyhow!("size {s:?} too large"))
-}
-
-#[cfg(test)]
-mod size_tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_with_suffixes() {
-        assert_eq!(parse_size("512").unwrap(), 512);
-        assert_eq!(parse_size("64k").unwrap(), 65536);
-        assert_eq!(parse_size("1M").unwrap(), 1 << 20);
-        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_size("0x200").unwrap(), 512);
-        assert!(parse_size("-1").is_err());
-        assert!(parse_size("abc").is_err());
-        assert!(parse_size("99999999999E").is_err());
-    }
+    Ok(sqcow2_format::parse_size(s)?)
 }

@@ -26,6 +26,7 @@ pub mod index;
 pub mod indexing;
 pub mod layer;
 pub mod refcount;
+mod size;
 pub mod snapshot;
 pub mod sqcow2_ext;
 pub mod storage;
@@ -38,6 +39,7 @@ pub use fault::FaultPoint;
 pub use fence::TransferTicket;
 pub use header::{CompressionType, Header, Version};
 pub use layer::Layer;
+pub use size::{parse_size, SizeError};
 pub use types::{GuestOffset, HostOffset, LayerIndex};
 
 #[cfg(test)]

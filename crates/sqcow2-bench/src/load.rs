@@ -342,7 +342,7 @@ pub struct LoadArgs {
     duration: f64,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
-    output: crate::output::OutputFormat,
+    output: crate::OutputFormat,
 }
 
 pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
@@ -363,7 +363,7 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
     let spec = LoadSpec {
         target,
         pattern: args.pattern,
-        block_size: crate::output::parse_size(&args.bs)? as usize,
+        block_size: crate::parse_size(&args.bs)? as usize,
         iodepth: args.iodepth,
         queues: args.queues,
         duration: Duration::from_secs_f64(args.duration),
@@ -371,10 +371,10 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
     };
     let r = run(&spec)?;
     match args.output {
-        crate::output::OutputFormat::Json => {
+        crate::OutputFormat::Json => {
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
-        crate::output::OutputFormat::Human => {
+        crate::OutputFormat::Human => {
             println!(
                 "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, {} errors",
                 r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.errors

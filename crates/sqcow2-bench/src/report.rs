@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::Context;
 
-use super::load::LoadResult;
-use super::suite::{Results, Run};
+use crate::load::LoadResult;
+use crate::suite::{Results, Run};
 
 const START: &str = "<!-- bench-suite:start -->";
 const END: &str = "<!-- bench-suite:end -->";

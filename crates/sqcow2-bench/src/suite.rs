@@ -10,8 +10,8 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
 
-use super::load::{self, LoadResult, LoadSpec, Pattern, Target};
-use super::servers::{self, ChainFiles, Server};
+use crate::load::{self, LoadResult, LoadSpec, Pattern, Target};
+use crate::servers::{self, ChainFiles, Server};
 
 /// Arguments of `sqcow2 bench suite`.
 #[derive(Debug, clap::Args)]
@@ -129,14 +129,15 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     } else {
         vec![1, 50, 100, 500, 1000]
     };
-    let size = crate::output::parse_size(args.size.as_deref().unwrap_or(if args.quick {
-        "256M"
-    } else {
-        "1G"
-    }))?;
+    let size =
+        crate::parse_size(
+            args.size
+                .as_deref()
+                .unwrap_or(if args.quick { "256M" } else { "1G" }),
+        )?;
     let repeat = args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     let seconds = args.seconds.unwrap_or(if args.quick { 1.5 } else { 4.0 });
-    let cache_bytes = crate::output::parse_size(&args.cache)?;
+    let cache_bytes = crate::parse_size(&args.cache)?;
     let startup_limit = Duration::from_secs(if args.quick { 30 } else { 60 });
     let servers: Vec<Server> = if args.servers.is_empty() {
         Server::ALL.to_vec()
@@ -151,7 +152,15 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<_>>()?
     };
-    let sqcow2 = std::env::current_exe().context("own path")?;
+    // The daemon under test: the `sqcow2` built beside this binary.
+    let sqcow2 = std::env::current_exe()
+        .context("own path")?
+        .with_file_name("sqcow2");
+    anyhow::ensure!(
+        sqcow2.exists(),
+        "{} missing: build it first (cargo build --release -p sqcow2-cli)",
+        sqcow2.display()
+    );
     std::fs::create_dir_all(&args.out)?;
     let out = args.out.canonicalize()?;
     let mut results = Results {
@@ -231,12 +240,12 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
 
 /// Plots, `summary.md` and (optionally) the README section of `results`.
 fn report_outputs(results: &Results, out: &Path, readme: Option<&Path>) -> anyhow::Result<()> {
-    let summary = super::report::Summary::new(results);
-    super::plot::plots(&summary, out)?;
-    let section = super::report::markdown(results, &summary, out);
+    let summary = crate::report::Summary::new(results);
+    crate::plot::plots(&summary, out)?;
+    let section = crate::report::markdown(results, &summary, out);
     std::fs::write(out.join("summary.md"), &section)?;
     if let Some(readme) = readme {
-        super::report::replace_section(readme, &section)?;
+        crate::report::replace_section(readme, &section)?;
     }
     println!("{section}");
     Ok(())

@@ -6,7 +6,7 @@ use anyhow::{anyhow, Context};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::report::{Cell, Summary};
+use crate::report::{Cell, Summary};
 
 /// Where the plots' font comes from (Debian's fonts-dejavu-core).
 const FONT_PATHS: [&str; 2] = [
