@@ -35,7 +35,7 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     }
     if num.contains('.') {
         let f: f64 = num.parse().map_err(|_| invalid())?;
-        if !(f >= 0.0) {
+        if f.is_nan() || f < 0.0 {
             return Err(invalid());
         }
         let bytes = f * mult as f64;
