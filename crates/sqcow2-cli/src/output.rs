@@ -37,6 +37,12 @@ pub fn human_size(bytes: u64) -> String {
     }
 }
 
+/// Parses a size like qemu-img and qemu-io (see
+/// [`sqcow2_format::parse_size`]).
+pub fn parse_size(s: &str) -> anyhow::Result<u64> {
+    Ok(sqcow2_format::parse_size(s)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -50,8 +56,3 @@ mod tests {
     }
 }
 
-/// Parses a size like qemu-img and qemu-io (see
-/// [`sqcow2_format::parse_size`]).
-pub fn parse_size(s: &str) -> anyhow::Result<u64> {
-    Ok(sqcow2_format::parse_size(s)?)
-}
