@@ -11,7 +11,7 @@ use std::process::Command;
 
 use common::{assert_same_as_qemu, qemu_img, qemu_io, qemu_overlay, run_raw, s, sqcow2};
 use sqcow2_format::gen::{generate, owners, parse_tag, plan, Distribution, GenOptions, TAG_STRIDE};
-use sqcow2_format::sqcow2_ext::IndexState;
+use sqcow2_format::IndexState;
 use sqcow2_format::{Chain, ChainOptions};
 
 const MIB: u64 = 1 << 20;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{assert_full_map_equal, assert_same_as_qemu, qemu_img, qemu_io, run, s, sqcow2};
-use sqcow2_format::extension::HeaderExtension;
+use sqcow2_format::HeaderExtension;
 use sqcow2_format::{Chain, ChainOptions};
 
 fn image(dir: &Path, opts: &str) -> PathBuf {

@@ -1,6 +1,7 @@
 //! The control protocol: any line sent to the control socket. Every line
-//! must get a JSON reply (typed error or result), never panic, and the
-//! Prometheus rendering of any stats reply must work.
+//! must get a reply (typed error or result) that serialises to a JSON
+//! object, never panic, and the Prometheus rendering of any stats reply
+//! must work.
 //!
 //! A `path` argument is confined to a scratch directory (its last
 //! component kept) so the target cannot create files elsewhere on the
@@ -16,6 +17,7 @@ use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
+use sqcow2_vhost::control::protocol::Stats;
 use sqcow2_vhost::control::{handle_line, prometheus, Shared};
 use sqcow2_vhost::ChainHandle;
 
@@ -60,9 +62,14 @@ fuzz_target!(|data: &[u8]| {
         let h = h.borrow();
         let line = confine(line, h.dir.path());
         let reply = handle_line(&line, &h.shared);
-        assert!(reply.is_object(), "reply is not an object: {reply}");
-        if let Some(stats) = reply.get("result").filter(|r| r.get("queues").is_some()) {
-            let _ = prometheus(stats);
+        let json = serde_json::to_value(&reply).expect("a reply serialises");
+        assert!(json.is_object(), "reply is not an object: {json}");
+        assert_eq!(reply.ok, reply.error.is_none(), "{json}");
+        if let Some(stats) = reply
+            .result
+            .and_then(|r| serde_json::from_value::<Stats>(r).ok())
+        {
+            let _ = prometheus::render(&stats);
         }
     });
 });

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
 use sqcow2_format::indexing::verify_index;
-use sqcow2_format::sqcow2_ext::IndexState;
+use sqcow2_format::IndexState;
 
 use crate::output::{print_json, OutputFormat};
 

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use sqcow2_format::backing::resolve_backing_path;
 use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::resolve_backing_path;
 use sqcow2_format::{Chain, ChainOptions, CompressionType, Version};
 
 use crate::output::parse_size;

@@ -7,9 +7,9 @@ use std::path::Path;
 
 use anyhow::Context;
 use serde::Serialize;
-use sqcow2_format::chain::backing_path_of;
-use sqcow2_format::features::SetFeature;
-use sqcow2_format::sqcow2_ext::IndexState;
+use sqcow2_format::backing_path_of;
+use sqcow2_format::IndexState;
+use sqcow2_format::SetFeature;
 use sqcow2_format::{Chain, ChainOptions, Layer, Version};
 
 use crate::output::{human_size, print_json, OutputFormat};
@@ -93,7 +93,7 @@ fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
             unknown_extensions: h
                 .extensions
                 .iter()
-                .filter(|e| matches!(e, sqcow2_format::extension::HeaderExtension::Unknown { .. }))
+                .filter(|e| matches!(e, sqcow2_format::HeaderExtension::Unknown { .. }))
                 .map(|e| format!("{:#010x}", e.ext_type()))
                 .collect(),
         }),

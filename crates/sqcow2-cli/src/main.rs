@@ -26,7 +26,7 @@ use crate::output::OutputFormat;
 #[command(name = "sqcow2", version, about)]
 struct Cli {
     /// Most layers a chain may have before it is refused.
-    #[arg(long, global = true, default_value_t = sqcow2_format::chain::DEFAULT_MAX_LAYERS)]
+    #[arg(long, global = true, default_value_t = sqcow2_format::DEFAULT_MAX_LAYERS)]
     max_layers: usize,
     /// Byte budget of the unified metadata cache (whole chain).
     #[arg(long, global = true, default_value = "32M")]

@@ -55,4 +55,3 @@ mod tests {
         assert_eq!(human_size(1536), "1.5 KiB");
     }
 }
-

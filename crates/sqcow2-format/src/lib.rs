@@ -3,44 +3,61 @@
 //! [`Chain::open`] opens a backing chain from its top image, validating
 //! every header and following backing files iteratively; [`Chain::read_at`]
 //! returns the bytes QEMU returns, and [`Chain::map`] the extents
-//! `qemu-img map` reports.
+//! `qemu-img map` reports. Opened writable, [`Chain::write_at`],
+//! [`Chain::discard`], [`Chain::write_zeroes`] and [`Chain::flush`] change
+//! the top as QEMU would; callers that move data themselves (io_uring)
+//! look mappings up with a [`TransferTicket`] ([`Chain::resolve_for_read`],
+//! [`Chain::in_place_target`]).
+//!
+//! Public modules are the tools around the engine: [`check`] (like
+//! `qemu-img check`), [`create`], [`indexing`] (upgrade, snapshot,
+//! verify), [`gen`] (test chains), [`index`] (the chain index format) and
+//! [`storage`]. Everything else is reached through the re-exports below.
 
 #![warn(missing_docs)]
 
 mod active;
-pub mod backing;
+mod backing;
 mod bytes;
-pub mod chain;
+mod chain;
 pub mod check;
-pub mod compressed;
+mod compressed;
 pub mod create;
-pub mod entry;
-pub mod error;
-pub mod extension;
+mod entry;
+mod error;
+mod extension;
 mod fault;
-pub mod features;
+mod features;
 mod fence;
 pub mod gen;
-pub mod header;
+mod header;
 pub mod index;
 pub mod indexing;
-pub mod layer;
-pub mod refcount;
+mod layer;
+mod refcount;
 mod size;
-pub mod snapshot;
-pub mod sqcow2_ext;
+mod snapshot;
+mod sqcow2_ext;
 pub mod storage;
-pub mod summary;
-pub mod types;
+mod summary;
+mod types;
 
-pub use chain::{Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, ReadExtent};
+pub use backing::resolve_backing_path;
+pub use chain::{
+    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, ReadExtent,
+    DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,
+};
+pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};
+pub use extension::HeaderExtension;
 pub use fault::FaultPoint;
+pub use features::{FeatureBits, SetFeature};
 pub use fence::TransferTicket;
 pub use header::{CompressionType, Header, Version};
-pub use layer::Layer;
+pub use layer::{Layer, Qcow2Layer, RawLayer};
 pub use size::{parse_size, SizeError};
-pub use types::{GuestOffset, HostOffset, LayerIndex};
+pub use sqcow2_ext::IndexState;
+pub use types::{Geometry, GuestCluster, GuestOffset, HostOffset, LayerIndex};
 
 #[cfg(test)]
 mod tests {

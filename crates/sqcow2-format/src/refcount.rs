@@ -294,22 +294,11 @@ impl Refcounts {
         self.set(storage, idx, value)
     }
 
-    /// Adds `delta` to the refcount of cluster `idx` (whose block exists).
-    pub fn increment(&mut self, storage: &dyn Storage, idx: u64) -> Result<(), ErrorKind> {
-        let v = self.get(storage, idx)?;
-        self.set(storage, idx, v + 1)
-    }
-
     /// Queues a decrement of cluster `idx`, applied by a flush once no
     /// metadata on disk references the cluster through the old mapping and
     /// no transfer that looked the old mapping up is still running.
     pub fn free_later(&mut self, idx: u64) {
         self.pending_free.push(idx);
-    }
-
-    /// Whether decrements wait to be applied.
-    pub fn has_pending_frees(&self) -> bool {
-        !self.pending_free.is_empty()
     }
 
     /// Allocates one cluster (refcount 0 -> 1) and returns its index.
@@ -525,11 +514,6 @@ impl Refcounts {
             }
         }
         Ok(())
-    }
-
-    /// Whether anything waits to be written.
-    pub fn is_dirty(&self) -> bool {
-        self.table_moved || !self.dirty_entries.is_empty() || self.blocks.values().any(|b| b.dirty)
     }
 }
 
