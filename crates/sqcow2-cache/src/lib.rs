@@ -167,8 +167,25 @@ impl SliceCache {
     /// Caches `slice` under `key` (replacing any older one), evicting by
     /// the policy until the shard fits its budget.
     pub fn insert(&self, key: SliceKey, slice: Slice) {
+        self.insert_if(key, slice, || true);
+    }
+
+    /// [`SliceCache::insert`] if `still_valid()` holds, evaluated under the
+    /// lock that [`SliceCache::remove`] of the same key takes: a caller that
+    /// invalidates (a counter) before it removes the key can never have a
+    /// slice built before the invalidation inserted after the removal.
+    /// Returns whether the slice was inserted.
+    pub fn insert_if(
+        &self,
+        key: SliceKey,
+        slice: Slice,
+        still_valid: impl FnOnce() -> bool,
+    ) -> bool {
         let w = weight(&slice);
         let mut shard = self.shard(&key);
+        if !still_valid() {
+            return false;
+        }
         let shard = &mut *shard;
         shard.take(&key, &self.stats);
         let meta = shard.queues.admit(key, w);
@@ -186,6 +203,7 @@ impl SliceCache {
                 self.stats.evicted();
             }
         }
+        true
     }
 
     /// Drops the slice cached under `key`, if any.
@@ -339,5 +357,18 @@ mod churn_tests {
                 shard.queues.len()
             );
         }
+    }
+
+    #[test]
+    fn insert_if_checks_under_the_shard_lock() {
+        let cache = SliceCache::new(CacheConfig::default());
+        let key = SliceKey {
+            source: Source::Layer(1),
+            offset: 0,
+        };
+        assert!(!cache.insert_if(key, vec![1u64; 8].into(), || false));
+        assert!(cache.get(key).is_none());
+        assert!(cache.insert_if(key, vec![2u64; 8].into(), || true));
+        assert_eq!(cache.get(key).unwrap()[0], 2);
     }
 }

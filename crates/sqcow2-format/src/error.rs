@@ -282,6 +282,16 @@ pub enum ErrorKind {
         /// What happened.
         reason: String,
     },
+    /// An L2 entry of the top points at the top's own metadata (header,
+    /// tables, refcount blocks): the image is corrupt, and writing there
+    /// would destroy it.
+    #[error("the mapping of guest offset {guest_offset:#x} points at the image's own metadata (host offset {host_offset:#x}): the image is corrupt ('qemu-img check -r all' repairs it)")]
+    MetadataOverlap {
+        /// The guest offset being written.
+        guest_offset: u64,
+        /// The host offset its entry names.
+        host_offset: u64,
+    },
     /// A transfer ticket issued by another chain (a bug in the caller).
     #[error("transfer ticket of another chain")]
     ForeignTicket,

@@ -161,6 +161,9 @@ pub struct Refcounts {
     table_moved: bool,
     /// Bumped whenever the table moves.
     table_epoch: u64,
+    /// Clusters placed for the refcount structures themselves (new blocks,
+    /// a moved table) since the last [`Refcounts::take_placed`].
+    placed: Vec<u64>,
     blocks: HashMap<u64, Block>,
     cursor: u64,
     pending_free: Vec<u64>,
@@ -188,6 +191,7 @@ impl Refcounts {
             dirty_entries: BTreeSet::new(),
             table_moved: false,
             table_epoch: 0,
+            placed: Vec::new(),
             blocks: HashMap::new(),
             cursor: 0,
             pending_free: Vec::new(),
@@ -335,6 +339,7 @@ impl Refcounts {
                 self.reserve(storage, idx, 1)?;
                 let cluster_size = 1usize << self.cluster_bits;
                 self.table[bi as usize] = idx << self.cluster_bits;
+                self.placed.push(idx);
                 self.dirty_entries.insert(bi as usize);
                 self.blocks
                     .insert(bi, Block::new(vec![0; cluster_size], true));
@@ -407,6 +412,7 @@ impl Refcounts {
         self.table = table;
         for c in idx..idx + blocks + table_clusters {
             self.set(storage, c, 1)?;
+            self.placed.push(c);
         }
         let old_first = self.table_offset >> self.cluster_bits;
         for c in old_first..old_first + self.table_clusters {
@@ -480,6 +486,11 @@ impl Refcounts {
         }
     }
 
+    /// Whether the table moved since the header last named it.
+    pub(crate) fn table_moved(&self) -> bool {
+        self.table_moved
+    }
+
     /// Puts back the table entries of a snapshot whose write failed, so
     /// that the next flush writes them again (blocks stay dirty anyway).
     pub(crate) fn restore(&mut self, snapshot: &RefcountSnapshot) {
@@ -499,21 +510,34 @@ impl Refcounts {
 
     /// Applies decrements taken by [`Refcounts::take_pending_frees`]: the
     /// clusters that reach 0 become allocatable.
+    /// Returns the clusters that became free.
     pub(crate) fn apply_frees(
         &mut self,
         storage: &dyn Storage,
         frees: &[u64],
-    ) -> Result<(), ErrorKind> {
+    ) -> Result<Vec<u64>, ErrorKind> {
+        let mut freed = Vec::new();
         for &idx in frees {
             let v = self.get(storage, idx)?;
             if v > 0 {
                 self.set(storage, idx, v - 1)?;
                 if v == 1 {
                     self.cursor = self.cursor.min(idx);
+                    freed.push(idx);
                 }
             }
         }
-        Ok(())
+        Ok(freed)
+    }
+
+    /// Clusters placed for refcount blocks and tables since the last call.
+    pub(crate) fn take_placed(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.placed)
+    }
+
+    /// The refcount table's entries.
+    pub(crate) fn table_entries(&self) -> &[u64] {
+        &self.table
     }
 }
 

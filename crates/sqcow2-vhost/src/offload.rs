@@ -5,9 +5,10 @@
 //! that asked, through its [`Mailbox`] (a channel and an eventfd in the
 //! worker's epoll set).
 //!
-//! Waiting rules that keep this free of deadlocks: only the flusher (and
-//! the control socket) wait for the transfer fence; engine jobs never wait
-//! for a flush; a request's transfer ticket never waits for the flusher.
+//! Nothing here waits for a request in flight: engine jobs wait only for
+//! other jobs' claims on the same cluster (which those release without
+//! waiting for anything), and a flush never waits for transfers (released
+//! clusters it cannot hand out yet wait for a later flush).
 
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -9,7 +9,8 @@
 //! 3. L2 tables, then L1 entries;
 //! 4. decrements of clusters no longer referenced, which only then become
 //!    free for reuse, and only once every transfer that may still use them
-//!    has ended (the transfer fence).
+//!    has ended (the transfer fence): at this flush if they have, else at a
+//!    later one.
 //!
 //! A crash at any point leaves at worst leaked clusters. With lazy
 //! refcounts step 2 and 4's writes are deferred to a clean close, and the
@@ -17,7 +18,7 @@
 
 use crate::error::Error;
 use crate::features::INCOMPAT_DIRTY;
-use crate::fence::FenceCut;
+use crate::fence::{FenceCut, TransferFence};
 use crate::header::field;
 use crate::refcount::RefcountSnapshot;
 
@@ -33,8 +34,8 @@ pub(crate) struct WriteBack {
     l1: Vec<(usize, u64)>,
     /// Releases queued before the copy, and the transfers that may still
     /// use the released clusters (the tickets taken before the copy).
-    pub(crate) frees: Vec<u64>,
-    pub(crate) cut: Option<FenceCut>,
+    frees: Vec<u64>,
+    cut: Option<FenceCut>,
     /// The dirty bit must be set on disk first (lazy refcounts).
     set_dirty_bit: bool,
 }
@@ -51,12 +52,17 @@ impl ActiveState {
     /// releases (applied by the flush after the fence, at `cut`).
     pub(crate) fn take_write_back(&mut self, frees: Option<FenceCut>) -> WriteBack {
         let lazy = self.top.lazy_refcounts;
+        // Lazy refcounts are written at a clean close, except when the
+        // table moved: the old table's clusters are released with this
+        // flush, so the header must name the new table (and the table its
+        // blocks) first.
+        let refcounts = if lazy && !self.refcounts.table_moved() {
+            RefcountSnapshot::default()
+        } else {
+            self.refcounts.dirty_snapshot()
+        };
         let mut wb = WriteBack {
-            refcounts: if lazy {
-                RefcountSnapshot::default()
-            } else {
-                self.refcounts.dirty_snapshot()
-            },
+            refcounts,
             ..WriteBack::default()
         };
         for (offset, slot) in &self.l2 {
@@ -78,8 +84,9 @@ impl ActiveState {
     }
 
     /// Marks clean what `wb` wrote and has not changed since; publishes
-    /// clean tables to the cache.
-    pub(crate) fn written(&mut self, wb: &WriteBack) {
+    /// clean tables to the cache; keeps its releases until the transfers
+    /// before its cut have ended.
+    pub(crate) fn written(&mut self, wb: WriteBack) {
         self.refcounts_written(&wb.refcounts);
         for (offset, _, generation) in &wb.tables {
             if let Some(slot) = self.l2.get_mut(offset) {
@@ -92,9 +99,29 @@ impl ActiveState {
             self.dirty_bit_on_disk = true;
             self.header.features.incompatible |= INCOMPAT_DIRTY;
         }
+        if let (Some(cut), false) = (wb.cut, wb.frees.is_empty()) {
+            self.deferred_frees.push_back((cut, wb.frees));
+        }
         // Dirty tables past the budget are written by the caller's next
         // write-back; this one just wrote what it could.
         let _ = self.settle();
+    }
+
+    /// Applies the releases whose transfers have all ended (in cut order);
+    /// whether any was.
+    pub(crate) fn apply_passed_frees(&mut self, fence: &TransferFence) -> Result<bool, Error> {
+        let mut applied = false;
+        while let Some((cut, _)) = self.deferred_frees.front() {
+            if !fence.passed(*cut) {
+                break;
+            }
+            let Some((_, frees)) = self.deferred_frees.pop_front() else {
+                break;
+            };
+            self.apply_frees(&frees)?;
+            applied = true;
+        }
+        Ok(applied)
     }
 
     /// Marks clean what a refcount snapshot wrote.

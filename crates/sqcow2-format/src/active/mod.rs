@@ -7,8 +7,10 @@
 //! data with no lock held, and commits the mapping under the lock again;
 //! other changes to the same guest cluster wait for the claim. A flush
 //! copies what waits to be written under the lock and writes it outside
-//! (see [`flush`]); releases of clusters become allocations only once every
-//! transfer that may still use them has ended (the transfer fence).
+//! (see [`flush`]); released clusters become allocatable only once every
+//! transfer that may still use them has ended (the transfer fence), which
+//! nothing waits for: a flush applies the releases whose transfers are
+//! done and leaves the others to a later flush.
 //!
 //! A panic while the lock is held (a bug) poisons it: from then on writes,
 //! discards and flushes fail with [`ErrorKind::EngineFailed`] and nothing is
@@ -17,6 +19,7 @@
 mod claim;
 mod flush;
 mod open;
+mod overlap;
 mod plan;
 mod state;
 
@@ -49,7 +52,7 @@ pub(crate) struct Active {
     state: RwLock<ActiveState>,
     /// Flushes (and early write-backs) run one at a time. Held across
     /// their I/O on purpose: one flush's ordered steps must not interleave
-    /// with another's. Nothing that holds a transfer ticket waits for it.
+    /// with another's.
     flush_order: Mutex<()>,
     /// Why the engine refuses writes, once it does.
     failure: OnceLock<String>,
@@ -112,6 +115,15 @@ impl Active {
         self.failure.get().map(String::as_str)
     }
 
+    /// Fails the engine on corruption found on the way (a mapping that
+    /// points at metadata): nothing more is written to the image.
+    fn on_error(&self, e: Error) -> Error {
+        if matches!(e.kind, ErrorKind::MetadataOverlap { .. }) {
+            self.fail(&e.to_string());
+        }
+        e
+    }
+
     fn check_failed(&self) -> Result<(), Error> {
         match self.failure.get() {
             Some(reason) => Err(self.top.err(ErrorKind::EngineFailed {
@@ -172,7 +184,10 @@ impl Active {
         changed: &MappingChanged,
     ) -> Result<(), Error> {
         loop {
-            let plan = self.write_state()?.plan_write(guest, data.len() as u64)?;
+            let plan = self
+                .write_state()?
+                .plan_write(guest, data.len() as u64)
+                .map_err(|e| self.on_error(e))?;
             match plan {
                 WritePlan::InPlace(host) => {
                     return self
@@ -315,7 +330,10 @@ impl Active {
     ) -> Result<bool, Error> {
         loop {
             let mut st = self.write_state()?;
-            match st.zero_cluster(guest, unmap)? {
+            match st
+                .zero_cluster(guest, unmap)
+                .map_err(|e| self.on_error(e))?
+            {
                 ZeroOutcome::Done => {
                     let g = self.top.geometry;
                     changed(g.cluster_start(guest), g.cluster_size());
@@ -335,9 +353,11 @@ impl Active {
         }
     }
 
-    /// Makes every completed write durable, metadata in crash-safe order;
-    /// releases queued before it become allocatable once every transfer
-    /// that may still use them (tickets of `fence` taken before) has ended.
+    /// Makes every completed write durable, metadata in crash-safe order.
+    /// Releases queued before it become allocatable once every transfer
+    /// that may still use them (tickets of `fence` taken before) has ended:
+    /// now if they have, else at a later flush. It never waits for a
+    /// transfer.
     pub(crate) fn flush(&self, fence: &TransferFence) -> Result<(), Error> {
         let _order = self
             .flush_order
@@ -354,18 +374,11 @@ impl Active {
             self.write_state_anyway().restore(wb);
             return Err(e);
         }
-        self.write_state()?.written(&wb);
-        let (Some(cut), false) = (wb.cut, wb.frees.is_empty()) else {
-            return Ok(());
-        };
-        fence.wait_below(cut);
         let rc = {
             let mut st = self.write_state()?;
-            let storage = self.top.storage.clone();
-            st.refcounts
-                .apply_frees(&*storage, &wb.frees)
-                .map_err(|k| self.top.err(k))?;
-            (!self.top.lazy_refcounts).then(|| st.refcounts.dirty_snapshot())
+            st.written(wb);
+            let applied = st.apply_passed_frees(fence)?;
+            (applied && !self.top.lazy_refcounts).then(|| st.refcounts.dirty_snapshot())
         };
         if let Some(rc) = rc {
             if let Err(e) = self.top.write_refcounts(&rc) {
@@ -377,7 +390,7 @@ impl Active {
         Ok(())
     }
 
-    /// Writes metadata back without applying releases, when dirty tables
+    /// Writes metadata back without taking releases, when dirty tables
     /// take too much memory; skipped while a flush runs (it writes them).
     fn write_back_early(&self) {
         let Ok(_order) = self.flush_order.try_lock() else {
@@ -393,7 +406,7 @@ impl Active {
         match self.top.write_out(&wb, incompatible, l1_offset) {
             Ok(()) => {
                 if let Ok(mut st) = self.write_state() {
-                    st.written(&wb);
+                    st.written(wb);
                 }
             }
             Err(e) => {
@@ -407,23 +420,41 @@ impl Active {
     /// the dirty bit: the image is then clean for any reader.
     pub(crate) fn close(&self, fence: &TransferFence) -> Result<(), Error> {
         self.flush(fence)?;
-        if !self.top.lazy_refcounts {
-            return Ok(());
-        }
         let _order = self
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let rc = self.write_state()?.refcounts.dirty_snapshot();
+        let (rc, left) = {
+            let mut st = self.write_state()?;
+            let left: usize = st.deferred_frees.iter().map(|(_, f)| f.len()).sum();
+            let rc = self
+                .top
+                .lazy_refcounts
+                .then(|| st.refcounts.dirty_snapshot());
+            (rc, left)
+        };
+        if left > 0 {
+            tracing::warn!(
+                path = %self.top.path.display(),
+                clusters = left,
+                "transfers still in flight at close: their released clusters stay allocated (leaked)"
+            );
+        }
+        let Some(rc) = rc else {
+            return Ok(());
+        };
         if let Err(e) = self.top.write_refcounts(&rc) {
             self.write_state_anyway().refcounts.restore(&rc);
             return Err(e);
         }
-        let mut st = self.write_state()?;
-        st.refcounts_written(&rc);
-        if st.dirty_bit_on_disk {
-            self.top
-                .write_dirty_bit(st.header.features.incompatible, false)?;
+        let (dirty, incompatible) = {
+            let mut st = self.write_state()?;
+            st.refcounts_written(&rc);
+            (st.dirty_bit_on_disk, st.header.features.incompatible)
+        };
+        if dirty {
+            self.top.write_dirty_bit(incompatible, false)?;
+            let mut st = self.write_state()?;
             st.dirty_bit_on_disk = false;
             st.header.features.incompatible &= !crate::features::INCOMPAT_DIRTY;
         }
@@ -446,7 +477,8 @@ impl Claim<'_> {
     fn commit(mut self, bitmap: u64, changed: &MappingChanged) -> Result<(), Error> {
         let active = self.active;
         let mut st = active.write_state()?;
-        st.commit(&self.alloc, bitmap);
+        st.commit(&self.alloc, bitmap)
+            .map_err(|e| active.on_error(e))?;
         self.committed = true;
         changed(self.alloc.start, active.top.geometry.cluster_size());
         let early = st.settle();

@@ -77,6 +77,7 @@ impl ActiveState {
             && g.offset_in_cluster(host) == 0
             && self.owned(HostOffset(host))?
         {
+            self.check_data_cluster(guest, host)?;
             let file_size = self.top.storage.len().map_err(|e| self.top.io(e))?;
             if host + g.cluster_size() > file_size {
                 return Err(self.top.err(ErrorKind::ClusterBeyondEof {
@@ -108,13 +109,12 @@ impl ActiveState {
                 }
             }
         } else {
+            // The old mapping must be releasable (not metadata) before
+            // anything is allocated for the new one.
+            self.check_releasable(guest, entry)?;
             // The data cluster's space is reserved by the caller, outside
             // the lock.
-            let storage = self.top.storage.clone();
-            let new = self
-                .refcounts
-                .alloc_unreserved(&*storage)
-                .map_err(|k| self.top.err(k))?;
+            let new = self.alloc(false)?;
             AllocationKind::NewCluster {
                 new: HostOffset(new << g.cluster_bits),
                 old_entry: entry,
@@ -135,11 +135,11 @@ impl ActiveState {
 
     /// Links the cluster of `alloc`, whose data is written, into the
     /// mapping; `bitmap` is the new subcluster bitmap (extended L2).
-    pub(crate) fn commit(&mut self, alloc: &Allocation, bitmap: u64) {
+    pub(crate) fn commit(&mut self, alloc: &Allocation, bitmap: u64) -> Result<(), Error> {
         let g = self.top.geometry;
         match alloc.kind {
             AllocationKind::NewCluster { new, old_entry } => {
-                self.release(old_entry);
+                self.release(alloc.start, old_entry)?;
                 self.top
                     .faults
                     .hit(crate::fault::FaultPoint::MidMetadataUpdate);
@@ -154,6 +154,7 @@ impl ActiveState {
             }
         }
         self.end_claim(alloc);
+        Ok(())
     }
 
     /// Gives back what `alloc` reserved (its data could not be written).
@@ -208,7 +209,7 @@ impl ActiveState {
             (false, true, _) => (0, 0),
         };
         if !keep {
-            self.release(entry);
+            self.release(guest, entry)?;
         }
         self.set_entry(l2, i, new_entry, new_bitmap);
         Ok(ZeroOutcome::Done)

@@ -2,12 +2,13 @@
 //! under modification, the refcounts and the allocations in flight. It
 //! lives behind [`super::Active`]'s lock; lookups need shared access only.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::entry::{CompressedDescriptor, COMPRESSED, COPIED, OFFSET_MASK, ZERO};
 use crate::error::{Error, ErrorKind};
+use crate::fence::FenceCut;
 use crate::header::{Header, Version};
 use crate::layer::{clip_to_l2, read_l2_table, read_words, table_status, validate_l2_offset};
 use crate::layer::{L2Slice, LayerStatus};
@@ -18,6 +19,7 @@ use crate::types::{Geometry, GuestCluster, GuestOffset, HostOffset};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use super::claim::ClaimCell;
+use super::overlap::MetadataClusters;
 
 /// Tables under modification stay in memory until a flush writes them; past
 /// this share of the cache budget, their metadata is written back early.
@@ -98,6 +100,11 @@ pub(crate) struct ActiveState {
     pub(crate) refcounts: Refcounts,
     /// Guest clusters whose allocation is in flight.
     pub(crate) claims: HashMap<GuestCluster, Arc<ClaimCell>>,
+    /// Releases written out by a flush, waiting for the transfers that
+    /// may still use their clusters (in cut order).
+    pub(crate) deferred_frees: VecDeque<(FenceCut, Vec<u64>)>,
+    /// Clusters holding the top's own metadata.
+    metadata: MetadataClusters,
     pub(crate) dirty_bit_on_disk: bool,
 }
 
@@ -109,7 +116,7 @@ impl ActiveState {
         top.storage
             .read_at(&mut raw, header.l1_table_offset)
             .map_err(|e| top.io(e))?;
-        let l1 = raw
+        let l1: Vec<u64> = raw
             .chunks_exact(8)
             .map(|c| crate::bytes::be_u64(c, 0))
             .collect();
@@ -121,7 +128,11 @@ impl ActiveState {
             header.refcount_table_clusters,
         )
         .map_err(|k| top.err(k))?;
+        let metadata =
+            MetadataClusters::build(&header, &l1, refcounts.table_entries(), &*top.storage)
+                .map_err(|k| top.err(k))?;
         Ok(Self {
+            metadata,
             dirty_bit_on_disk: header.is_dirty(),
             header,
             l1,
@@ -129,6 +140,7 @@ impl ActiveState {
             l2: HashMap::new(),
             refcounts,
             claims: HashMap::new(),
+            deferred_frees: VecDeque::new(),
             top,
         })
     }
@@ -236,6 +248,10 @@ impl ActiveState {
                 return Ok(InPlace::No);
             }
         }
+        if self.metadata.contains(host >> g.cluster_bits) {
+            // Let the planning under the write lock report the corruption.
+            return Ok(InPlace::Unknown);
+        }
         match self.refcounts.peek(host >> g.cluster_bits) {
             None => return Ok(InPlace::Unknown),
             Some(1) => {}
@@ -302,7 +318,6 @@ impl ActiveState {
             }));
         };
         let offset = entry & OFFSET_MASK;
-        let storage = self.top.storage.clone();
         if offset != 0 {
             self.l2_loaded(offset)?;
             if self.owned(HostOffset(offset))? {
@@ -314,11 +329,8 @@ impl ActiveState {
             }
         }
         // Metadata clusters are reserved at once (rare; under the lock).
-        let new = self
-            .refcounts
-            .alloc(&*storage)
-            .map_err(|k| self.top.err(k))?
-            << g.cluster_bits;
+        let new = self.alloc(true)? << g.cluster_bits;
+        self.metadata.insert(new >> g.cluster_bits);
         let table = if offset != 0 {
             self.refcounts.free_later(offset >> g.cluster_bits);
             self.l2[&offset].table.clone()
@@ -339,6 +351,59 @@ impl ActiveState {
         Ok(new)
     }
 
+    /// Allocates a cluster (its space reserved now if `reserve`, else by
+    /// the caller outside the lock); never one holding metadata, whatever
+    /// a hostile image's refcounts say.
+    pub(crate) fn alloc(&mut self, reserve: bool) -> Result<u64, Error> {
+        let storage = self.top.storage.clone();
+        loop {
+            let idx = if reserve {
+                self.refcounts.alloc(&*storage)
+            } else {
+                self.refcounts.alloc_unreserved(&*storage)
+            }
+            .map_err(|k| self.top.err(k))?;
+            for placed in self.refcounts.take_placed() {
+                self.metadata.insert(placed);
+            }
+            if !self.metadata.contains(idx) {
+                return Ok(idx);
+            }
+            // A metadata cluster counted as free: it keeps the count of 1
+            // it has now, which is right.
+            tracing::warn!(
+                path = %self.top.path.display(),
+                cluster = idx,
+                "a metadata cluster had a refcount of 0; not handing it out"
+            );
+        }
+    }
+
+    /// Applies releases; clusters that became free no longer hold
+    /// metadata.
+    pub(crate) fn apply_frees(&mut self, frees: &[u64]) -> Result<(), Error> {
+        let storage = self.top.storage.clone();
+        let freed = self
+            .refcounts
+            .apply_frees(&*storage, frees)
+            .map_err(|k| self.top.err(k))?;
+        for c in freed {
+            self.metadata.remove(c);
+        }
+        Ok(())
+    }
+
+    /// Refuses `host` as a data cluster for `guest` if it holds metadata.
+    pub(crate) fn check_data_cluster(&self, guest: GuestOffset, host: u64) -> Result<(), Error> {
+        if self.metadata.contains(host >> self.g().cluster_bits) {
+            return Err(self.top.err(ErrorKind::MetadataOverlap {
+                guest_offset: guest.0,
+                host_offset: host,
+            }));
+        }
+        Ok(())
+    }
+
     /// Entry index, entry and bitmap of `guest` in the loaded table `l2`.
     pub(crate) fn entry_at(&self, l2: u64, guest: GuestOffset) -> (usize, u64, u64) {
         let i = self.g().l2_index(guest) as usize * self.top.words();
@@ -351,16 +416,24 @@ impl ActiveState {
         (i, table[i], bitmap)
     }
 
+    /// Sets entry `i` of the loaded (or pinned) table `l2`.
+    ///
+    /// # Panics
+    ///
+    /// If the table is not loaded: a bug, which must not pass as a lost
+    /// write. The panic poisons the metadata lock, and the engine refuses
+    /// writes from then on.
     pub(crate) fn set_entry(&mut self, l2: u64, i: usize, entry: u64, bitmap: u64) {
         let words = self.top.words();
-        if let Some(slot) = self.l2.get_mut(&l2) {
-            slot.table[i] = entry;
-            if words == 2 {
-                slot.table[i + 1] = bitmap;
-            }
-            slot.dirty = true;
-            slot.generation += 1;
+        let Some(slot) = self.l2.get_mut(&l2) else {
+            panic!("L2 table {l2:#x} is not loaded for a change (a bug)");
+        };
+        slot.table[i] = entry;
+        if words == 2 {
+            slot.table[i + 1] = bitmap;
         }
+        slot.dirty = true;
+        slot.generation += 1;
     }
 
     pub(crate) fn pin(&mut self, l2: u64) {
@@ -392,11 +465,30 @@ impl ActiveState {
         }
     }
 
-    /// Queues the release of what `entry` references.
-    pub(crate) fn release(&mut self, entry: u64) {
+    /// Refuses the release of what `entry` (the mapping of `guest`)
+    /// references if that is metadata.
+    pub(crate) fn check_releasable(&self, guest: GuestOffset, entry: u64) -> Result<(), Error> {
+        match self
+            .referenced_clusters(entry)
+            .into_iter()
+            .find(|&c| self.metadata.contains(c))
+        {
+            Some(c) => Err(self.top.err(ErrorKind::MetadataOverlap {
+                guest_offset: guest.0,
+                host_offset: c << self.g().cluster_bits,
+            })),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues the release of what `entry` (the mapping of `guest`)
+    /// references; refuses to release metadata.
+    pub(crate) fn release(&mut self, guest: GuestOffset, entry: u64) -> Result<(), Error> {
+        self.check_releasable(guest, entry)?;
         for c in self.referenced_clusters(entry) {
             self.refcounts.free_later(c);
         }
+        Ok(())
     }
 
     /// Moves tables that are clean and not pinned out of the set under

@@ -260,7 +260,9 @@ impl Chain {
 
     /// Makes every completed write durable, metadata in crash-safe order.
     /// Clusters released before it become reusable once every transfer
-    /// that may still use them has ended: the flush waits for them itself.
+    /// that may still use them has ended (now, or at a later flush); it
+    /// never waits for a transfer, so it may be called from anywhere, a
+    /// ticket holder included.
     pub fn flush(&self) -> Result<(), Error> {
         match &self.active {
             Some(active) => active.flush(&self.fence),

@@ -4,9 +4,11 @@
 //! the unified cache. A cached lookup is one cache access, whatever the
 //! chain length.
 //!
-//! A change of the top's mapping bumps a generation counter and drops the
-//! slices it covers, under the metadata lock; a slice built across such a
-//! change is dropped after insertion, so a stale mapping is never kept.
+//! A change of the top's mapping bumps a generation counter and then drops
+//! the slices it covers, under the metadata lock; a slice built across such
+//! a change is never inserted (the generation is checked under the cache
+//! shard's lock), so a lookup that starts after a change completed never
+//! finds the old mapping.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -98,10 +100,13 @@ impl Chain {
             None => {
                 let generation = self.resolved.generation.load(Ordering::SeqCst);
                 let built = self.build_resolved(slice_no)?;
-                self.cache.insert(key, built.clone());
-                if self.resolved.generation.load(Ordering::SeqCst) != generation {
-                    self.cache.remove(key);
-                }
+                // Kept only if no mapping changed meanwhile: checked under
+                // the shard lock that `mapping_changed`'s removal takes
+                // after bumping the generation. (This lookup itself may use
+                // the slice: it began before the change completed.)
+                self.cache.insert_if(key, built.clone(), || {
+                    self.resolved.generation.load(Ordering::SeqCst) == generation
+                });
                 built
             }
         };
