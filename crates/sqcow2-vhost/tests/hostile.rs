@@ -58,6 +58,7 @@ struct Guest {
     mem: GuestMem,
     atomic: GuestMemAtomic,
     worker: QueueWorker,
+    device: Arc<BlkDevice>,
     next_desc: u16,
 }
 
@@ -96,7 +97,8 @@ impl Guest {
             _dir: dir,
             mem,
             atomic,
-            worker: QueueWorker::new(device).unwrap(),
+            worker: QueueWorker::new(device.clone()).unwrap(),
+            device,
             next_desc: 0,
         }
     }
@@ -627,5 +629,51 @@ fn a_used_ring_outside_memory_is_an_error_not_a_crash() {
     queue.set_used_ring_address(Some(far as u32), Some((far >> 32) as u32));
     assert!(g.worker.process_queue(0, &mut queue, &g.atomic).is_err());
     g.next_desc = 2;
+    g.assert_still_serving();
+}
+
+/// A panic on an engine thread in the middle of a metadata update (a
+/// bug, made to happen by a test hook): the request fails with IOERR, the
+/// panic is counted, the chain refuses writes from then on (in place or
+/// not) and says why, and reads go on.
+#[test]
+fn a_panic_mid_update_fails_writes_from_then_on_and_reads_go_on() {
+    let mut g = Guest::new(false);
+    // Discard cluster 2, so that the next write there allocates.
+    g.mem
+        .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_DISCARD, 0);
+    let (_, status) = g.submit(&[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)]);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.device
+        .chain()
+        .arm_fault(sqcow2_format::FaultPoint::MidMetadataUpdate, 1);
+    let write = |g: &mut Guest, sector: u64| {
+        g.mem
+            .write_slice(&[0x42u8; 4096], GuestAddress(DATA))
+            .unwrap();
+        g.header(VIRTIO_BLK_T_OUT, sector);
+        let (_, status) = g.submit(&[r(HEADER, 16), r(DATA, 4096), w(STATUS, 1)]);
+        u32::from(status)
+    };
+    assert_eq!(write(&mut g, 256), IOERR, "the write that panicked");
+    assert_eq!(g.device.panics(), 1);
+    let failure = g.device.chain().failure().map(str::to_owned);
+    assert!(
+        failure.as_deref().is_some_and(|f| f.contains("panic")),
+        "{failure:?}"
+    );
+    // Allocating and in-place writes are refused now.
+    assert_eq!(
+        write(&mut g, 512),
+        IOERR,
+        "allocating write after the panic"
+    );
+    assert_eq!(write(&mut g, 8), IOERR, "in-place write after the panic");
+    g.header(VIRTIO_BLK_T_FLUSH, 0);
+    let (_, status) = g.submit(&[r(HEADER, 16), w(STATUS, 1)]);
+    assert_eq!(u32::from(status), IOERR, "flush after the panic");
+    g.next_desc = 0;
     g.assert_still_serving();
 }

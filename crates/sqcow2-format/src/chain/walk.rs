@@ -42,6 +42,11 @@ impl Chain {
     /// Resolves the mapping of `[start, start + max)` (which must lie within
     /// the virtual size): the first run with one mapping. `precise` asks
     /// raw layers for their holes (for `map`; reads do not need it).
+    ///
+    /// For read-outs (map, convert's hole detection, lookup benchmarks).
+    /// A caller that moves data at the host offsets itself must hold a
+    /// [`crate::TransferTicket`] from before the lookup: use
+    /// [`Chain::resolve_for_read`], which takes it.
     pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
         if !precise && self.is_indexed() {
             if let Some(extent) = self.resolved_extent(start, max)? {
