@@ -12,7 +12,10 @@
 #   overwrite-32    writes at depth 32 into a fully allocated 1 GiB top
 #   read-32, read-1 reads at depth 32 and 1 of a 1 GiB one-layer image
 #   drain-under-writes  live snapshots (10) under allocating writes at
-#                   depth 32: the drain step of each (ms)
+#                   depth 32 into a fresh overlay of a 4 GiB base: the
+#                   drain step of each (ms; median over the snapshots)
+# Within a round the order of the two servers alternates, so that neither
+# always runs first.
 # Prints a table of medians and after/before ratios; raw results in
 # $OUT (default /tmp/sqcow2-bench-write-path).
 set -euo pipefail
@@ -49,8 +52,9 @@ before=$base_tree/target/release/sqcow2
 rm -rf "$out" && mkdir -p "$out/img"
 cd "$out/img"
 echo "==> images" >&2
-mkdir big full ro
+mkdir big small full ro
 big=$("$after" gen-chain --layers 1 --size 32G --fill 0.02 big)
+base4=$("$after" gen-chain --layers 1 --size 4G --fill 0.02 small)
 full=$("$after" gen-chain --layers 1 --size 1G --fill 1.0 full)
 small=$("$after" gen-chain --layers 1 --size 1G --fill 1.0 ro)
 
@@ -80,17 +84,19 @@ measure() { # who bin load
       "${load[@]}" --socket v.sock --pattern rand-read --bs 4096 --iodepth "${name#read-}" --duration "$secs" --output json >r.json ;;
     drain-under-writes)
       rm -f over.qcow2 over.qcow2.sqidx live*.qcow2 live*.sqidx
-      qemu-img create -q -f qcow2 -b "$big" -F qcow2 over.qcow2
+      qemu-img create -q -f qcow2 -b "$base4" -F qcow2 over.qcow2
       serve "$bin" over.qcow2 --control c.sock
-      "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth 32 --duration $((secs + 4)) --output json >r.json &
+      "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth 32 --duration 30 --output json >load.json &
       local lp=$! drains=()
       sleep 1
       for i in $(seq 1 10); do
         d=$("$after" snapshot --live c.sock "live$i.qcow2" --output json 2>/dev/null \
           | python3 -c 'import json,sys; print(json.load(sys.stdin)["steps"]["drain_ms"])' || echo nan)
         drains+=("$d")
-        sleep 0.3
+        sleep 0.5
+        kill -0 $lp 2>/dev/null || break
       done
+      kill -INT $lp 2>/dev/null || true
       wait $lp || true
       printf '{"drain_ms": [%s]}\n' "$(IFS=,; echo "${drains[*]}")" >r.json ;;
   esac
@@ -111,8 +117,10 @@ PY
 
 loads=(alloc-write-32 overwrite-32 read-32 read-1 drain-under-writes)
 for r in $(seq 1 "$rounds"); do
+  order=(before after)
+  [ $((r % 2)) -eq 0 ] && order=(after before)
   for name in "${loads[@]}"; do
-    for who in before after; do
+    for who in "${order[@]}"; do
       if [ "$who" = before ]; then bin=$before; else bin=$after; fi
       echo "==> round $r: $name ($who)" >&2
       measure "$who" "$bin" "$name"

@@ -44,6 +44,12 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
         extend_to(self, offset.saturating_add(len))
     }
+    /// Makes `[offset, offset + len)` read as zeros (the range lies within
+    /// the storage): by default by writing zeros; files ask the filesystem
+    /// to do it without writing data.
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        write_zero_bytes(self, offset, len)
+    }
     /// The file descriptor behind this storage, for callers that submit
     /// their own I/O (io_uring); `None` when there is no file.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -55,6 +61,18 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn allocation(&self, _offset: u64, _len: u64) -> Option<(bool, u64)> {
         None
     }
+}
+
+/// Writes `len` zero bytes at `offset`.
+fn write_zero_bytes<S: Storage + ?Sized>(storage: &S, offset: u64, len: u64) -> io::Result<()> {
+    const ZEROS: [u8; 65536] = [0; 65536];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(ZEROS.len() as u64);
+        storage.write_at(&ZEROS[..n as usize], offset + done)?;
+        done += n;
+    }
+    Ok(())
 }
 
 /// Extends `storage` with zeros to `end` bytes if it is shorter.
@@ -171,6 +189,37 @@ impl Storage for FileStorage {
                 // space is then only claimed by the write itself.
                 Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
                     return extend_to(self, offset.saturating_add(len))
+                }
+                _ => return Err(err),
+            }
+        }
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let (Ok(start), Ok(size)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from_raw_os_error(libc::EFBIG));
+        };
+        loop {
+            // SAFETY: fallocate on a file descriptor we own; ZERO_RANGE with
+            // KEEP_SIZE only makes the range read as zeros.
+            let r = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    start,
+                    size,
+                )
+            };
+            if r == 0 {
+                return Ok(());
+            }
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // Filesystems without it (tmpfs, FUSE): write the zeros.
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => {
+                    return write_zero_bytes(self, offset, len)
                 }
                 _ => return Err(err),
             }

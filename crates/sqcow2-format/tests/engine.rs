@@ -437,3 +437,46 @@ fn mappings_onto_metadata_never_overwrite_it() {
         assert_eq!(read(&chain, 0, 4096), vec![1; 4096], "{what}");
     }
 }
+
+/// A new cluster is written sparsely (only its non-zero blocks); one that
+/// reuses a freed cluster must not show the old cluster's bytes.
+#[test]
+fn a_reused_cluster_never_shows_old_bytes() {
+    let storage = image(16 * MIB, |_| {});
+    let chain = open(&storage, true);
+    chain.write_at(&vec![0xff; CLUSTER as usize], 0).unwrap();
+    chain.flush().unwrap();
+    let old = host_of(&chain, 0);
+    chain.discard(0, CLUSTER).unwrap();
+    chain.flush().unwrap();
+    chain.write_at(&[0x42; 4096], 7 * CLUSTER + 8192).unwrap();
+    assert_eq!(
+        host_of(&chain, 7 * CLUSTER),
+        old,
+        "the freed cluster was reused"
+    );
+    let got = read(&chain, 7 * CLUSTER, CLUSTER as usize);
+    assert_eq!(got[8192..12288], [0x42; 4096]);
+    assert!(
+        got[..8192].iter().chain(&got[12288..]).all(|&b| b == 0),
+        "old bytes of a reused cluster show through"
+    );
+    // A fresh cluster written with 4 KiB: the file does not get the rest.
+    let before = storage.log().len();
+    chain.write_at(&[0x43; 4096], 9 * CLUSTER).unwrap();
+    let written: usize = storage.log()[before..]
+        .iter()
+        .map(|op| match op {
+            Op::Write { data, .. } => data.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(
+        written, 4096,
+        "a 4 KiB write into a fresh cluster wrote more"
+    );
+    chain.close().unwrap();
+    assert_clean(&storage);
+    let chain = open(&storage, false);
+    assert_eq!(read(&chain, 9 * CLUSTER + 4096, 4096), vec![0; 4096]);
+}

@@ -226,7 +226,7 @@ impl Active {
         let in_cluster = guest.0 - alloc.start.0;
         let io = |e| top.io(e);
         match alloc.kind {
-            AllocationKind::NewCluster { new, .. } => {
+            AllocationKind::NewCluster { new, fresh, .. } => {
                 reserve_clusters(storage, g.cluster_bits, g.host_cluster(new), 1)
                     .map_err(|k| top.err(k))?;
                 self.known_len
@@ -236,7 +236,7 @@ impl Active {
                     self.read_view(below, &mut full, alloc.start)?;
                 }
                 full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
-                storage.write_at(&full, new.0).map_err(io)?;
+                write_sparse(storage, new, &full, fresh).map_err(io)?;
                 Ok(if g.extended_l2 { ALL_ALLOC } else { 0 })
             }
             AllocationKind::FillZero { host } => {
@@ -460,6 +460,45 @@ impl Active {
         }
         Ok(())
     }
+}
+
+/// Granule of the zero detection of new clusters.
+const ZERO_BLOCK: usize = 4096;
+
+/// Writes a new cluster's bytes at `at`. Blocks of zeros (the unwritten
+/// rest of a cluster over an empty backing range) are not written: a
+/// `fresh` cluster (past the old end of the file) reads as zeros already,
+/// another one is zeroed by the filesystem first (QEMU skips zero
+/// copy-on-write areas the same way). A 4 KiB write into a new 64 KiB
+/// cluster then writes 4 KiB, not 64.
+fn write_sparse(
+    storage: &dyn crate::storage::Storage,
+    at: HostOffset,
+    full: &[u8],
+    fresh: bool,
+) -> std::io::Result<()> {
+    let zero = |b: &[u8]| b.iter().all(|&x| x == 0);
+    let blocks: Vec<bool> = full.chunks(ZERO_BLOCK).map(zero).collect();
+    if !blocks.iter().any(|z| *z) {
+        return storage.write_at(full, at.0);
+    }
+    if !fresh {
+        storage.write_zeroes(at.0, full.len() as u64)?;
+    }
+    let mut i = 0;
+    while i < blocks.len() {
+        if blocks[i] {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < blocks.len() && !blocks[i] {
+            i += 1;
+        }
+        let (lo, hi) = (start * ZERO_BLOCK, (i * ZERO_BLOCK).min(full.len()));
+        storage.write_at(&full[lo..hi], at.0 + lo as u64)?;
+    }
+    Ok(())
 }
 
 /// An allocation in flight: committed by [`Claim::commit`], given back

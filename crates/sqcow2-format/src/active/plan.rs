@@ -46,8 +46,13 @@ pub(crate) struct Allocation {
 #[derive(Debug)]
 pub(crate) enum AllocationKind {
     /// A new cluster for the whole guest cluster (copy-on-write); the old
-    /// entry's clusters are released at commit.
-    NewCluster { new: HostOffset, old_entry: u64 },
+    /// entry's clusters are released at commit. `fresh`: it lies past the
+    /// end of the file, so it reads as zeros before anything is written.
+    NewCluster {
+        new: HostOffset,
+        old_entry: u64,
+        fresh: bool,
+    },
     /// The top's own preallocated zero cluster, written whole.
     FillZero { host: HostOffset },
     /// Subclusters of the top's own cluster (extended L2): allocated ones
@@ -115,9 +120,12 @@ impl ActiveState {
             // The data cluster's space is reserved by the caller, outside
             // the lock.
             let new = self.alloc(false)?;
+            let file_size = self.top.storage.len().map_err(|e| self.top.io(e))?;
+            let new = HostOffset(new << g.cluster_bits);
             AllocationKind::NewCluster {
-                new: HostOffset(new << g.cluster_bits),
+                new,
                 old_entry: entry,
+                fresh: new.0 >= file_size,
             }
         };
         let cell = Arc::new(ClaimCell::default());
@@ -138,7 +146,7 @@ impl ActiveState {
     pub(crate) fn commit(&mut self, alloc: &Allocation, bitmap: u64) -> Result<(), Error> {
         let g = self.top.geometry;
         match alloc.kind {
-            AllocationKind::NewCluster { new, old_entry } => {
+            AllocationKind::NewCluster { new, old_entry, .. } => {
                 self.release(alloc.start, old_entry)?;
                 self.top
                     .faults
