@@ -65,7 +65,7 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
 
 /// Writes `len` zero bytes at `offset`.
 fn write_zero_bytes<S: Storage + ?Sized>(storage: &S, offset: u64, len: u64) -> io::Result<()> {
-    const ZEROS: [u8; 65536] = [0; 65536];
+    static ZEROS: [u8; 65536] = [0; 65536];
     let mut done = 0u64;
     while done < len {
         let n = (len - done).min(ZEROS.len() as u64);
