@@ -10,9 +10,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::mem::MaybeUninit;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -20,25 +18,11 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkioq, Completion, ReqFlags};
 use common::faulty_fs::FaultyFs;
-use common::vhost::{connect_retry, Daemon};
-use common::{gen_chain, qemu_img, qemu_io, run_raw, s};
+use common::vhost::{connect_retry, control_within, Daemon};
+use common::{assert_check_clean, gen_chain, qemu_img, qemu_io, s};
 use serde_json::{json, Value};
 
 const CLUSTER: u64 = 65536;
-
-/// One control request; `None` if no reply comes within `timeout`.
-fn control_within(path: &Path, req: Value, timeout: Duration) -> Option<Value> {
-    let mut stream = UnixStream::connect(path).expect("control socket");
-    stream.set_read_timeout(Some(timeout)).unwrap();
-    let mut line = req.to_string();
-    line.push('\n');
-    stream.write_all(line.as_bytes()).unwrap();
-    let mut reply = String::new();
-    match BufReader::new(stream).read_line(&mut reply) {
-        Ok(n) if n > 0 => Some(serde_json::from_str(&reply).expect("reply is JSON")),
-        _ => None,
-    }
-}
 
 /// Waits for one completion on `queue` (at most `secs` seconds); its
 /// result, or `None` on timeout.
@@ -52,17 +36,6 @@ fn wait_one(queue: &mut Blkioq, secs: u64) -> Option<(usize, i32)> {
     // SAFETY: do_io initialised the first entry.
     let c = unsafe { c[0].assume_init_ref() };
     Some((c.user_data, c.ret))
-}
-
-fn assert_check_clean(image: &Path) {
-    let out = run_raw(std::process::Command::new("qemu-img").args(["check", s(image)]));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("No errors were found"),
-        "qemu-img check {}:\n{text}{}",
-        image.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Host offset of guest offset 0's cluster, from `qemu-img map`.

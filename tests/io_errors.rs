@@ -7,24 +7,11 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
 use common::faulty_fs::FaultyFs;
 use common::vhost::{connect_retry, Daemon};
-use common::{qemu_img, qemu_io, qemu_overlay, qemu_raw, run_raw, s};
+use common::{assert_check_clean, qemu_img, qemu_io, qemu_overlay, qemu_raw, s};
 
 const CLUSTER: usize = 65536;
-
-fn assert_check_clean(top: &Path) {
-    let check = run_raw(Command::new("qemu-img").args(["check", s(top)]));
-    let report = String::from_utf8_lossy(&check.stdout);
-    assert!(
-        check.status.success() && report.contains("No errors were found"),
-        "qemu-img check:\n{report}{}",
-        String::from_utf8_lossy(&check.stderr)
-    );
-}
 
 fn at(c: usize) -> u64 {
     (c * CLUSTER) as u64

@@ -9,28 +9,18 @@ use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blkio::{Completion, ReqFlags};
-use common::vhost::{connect_retry, Daemon};
+use common::vhost::{connect_retry, control, Daemon};
 use common::{env_count, gen_chain, qemu_img, run_raw, s, sqcow2};
 use serde_json::{json, Value};
 
 const BLOCK: u64 = 16 << 10;
 const DEPTH: usize = 16;
-
-fn control(path: &Path, req: Value) -> Value {
-    let mut stream = UnixStream::connect(path).expect("control socket");
-    let mut line = req.to_string();
-    line.push('\n');
-    stream.write_all(line.as_bytes()).unwrap();
-    let mut reply = String::new();
-    BufReader::new(stream).read_line(&mut reply).unwrap();
-    serde_json::from_str(&reply).expect("reply is JSON")
-}
 
 #[test]
 fn live_snapshots_under_write_load() {

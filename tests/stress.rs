@@ -18,37 +18,20 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::mem::MaybeUninit;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blkio::{Blkioq, Completion, ReqFlags};
-use common::vhost::{connect_retry, Daemon};
-use common::{env_count, gen_chain, qemu_img, run_raw, s, tagged_block};
-use serde_json::{json, Value};
+use common::vhost::{connect_retry, control, Daemon};
+use common::{assert_check_clean, env_count, gen_chain, qcow2_files, qemu_img, s, tagged_block};
+use serde_json::json;
 
 const BLOCK: u64 = 4096;
 const CLUSTER: u64 = 65536;
 const DEPTH: usize = 16;
-
-fn control(path: &Path, req: Value) -> Value {
-    let mut stream = UnixStream::connect(path).expect("control socket");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let mut line = req.to_string();
-    line.push('\n');
-    stream.write_all(line.as_bytes()).unwrap();
-    let mut reply = String::new();
-    BufReader::new(stream)
-        .read_line(&mut reply)
-        .expect("control reply within 60 s");
-    serde_json::from_str(&reply).expect("reply is JSON")
-}
 
 /// Waits for `want` completions; (user_data, ret) each.
 fn complete(queue: &mut Blkioq, want: usize) -> Vec<(usize, i32)> {
@@ -249,25 +232,8 @@ fn snapshots_flushes_discards_and_in_place_writes_racing() {
             "block {b} holds neither zeros, its old data nor a version written to it"
         );
     }
-    let mut layers: Vec<PathBuf> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "qcow2"))
-        .collect();
-    layers.sort();
-    for layer in &layers {
-        let out = run_raw(std::process::Command::new("qemu-img").args([
-            "check",
-            "--output=json",
-            s(layer),
-        ]));
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "qemu-img check {}: {text}",
-            layer.display()
-        );
+    for layer in qcow2_files(tmp.path()) {
+        assert_check_clean(&layer);
     }
     let final_top = snapshots.last().cloned().unwrap_or(top);
     let after = tmp.path().join("after.raw");

@@ -318,5 +318,29 @@ pub fn tagged_block(block: u64, v: u32, len: usize) -> Vec<u8> {
     out
 }
 
+/// Asserts that `qemu-img check` finds no error and no leak in `image`.
+pub fn assert_check_clean(image: &Path) {
+    let out = run_raw(Command::new("qemu-img").args(["check", s(image)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("No errors were found"),
+        "qemu-img check {}:\n{text}{}",
+        image.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The qcow2 files of `dir`, sorted.
+pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("read dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "qcow2"))
+        .collect();
+    files.sort();
+    files
+}
+
 pub mod faulty_fs;
 pub mod vhost;

@@ -12,6 +12,31 @@ use blkio::{Blkio, Blkioq, MemoryRegion, ReqFlags};
 
 use super::sqcow2_bin;
 
+/// One request on a control socket; `None` if no reply comes within
+/// `timeout`.
+pub fn control_within(
+    path: &Path,
+    req: serde_json::Value,
+    timeout: Duration,
+) -> Option<serde_json::Value> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(path).expect("control socket");
+    stream.set_read_timeout(Some(timeout)).expect("timeout");
+    let mut line = req.to_string();
+    line.push('\n');
+    stream.write_all(line.as_bytes()).expect("request");
+    let mut reply = String::new();
+    match BufReader::new(stream).read_line(&mut reply) {
+        Ok(n) if n > 0 => Some(serde_json::from_str(&reply).expect("reply is JSON")),
+        _ => None,
+    }
+}
+
+/// One request on a control socket; its reply (within 60 s).
+pub fn control(path: &Path, req: serde_json::Value) -> serde_json::Value {
+    control_within(path, req, Duration::from_secs(60)).expect("control reply within 60 s")
+}
+
 /// A running `sqcow2 serve`.
 pub struct Daemon {
     child: Option<Child>,
