@@ -302,7 +302,7 @@ fn run_seed(seed: u64) -> usize {
                 matches!(code, Some(0 | 3)),
                 "{here}: qemu-img check after reopening:\n{out}"
             );
-            let report = check(&top, Repair::Leaks).unwrap();
+            let report = check(&top, Repair::Leaks, sqcow2_format::Locking::Auto, false).unwrap();
             assert_eq!(
                 (report.leaks, report.corruptions),
                 (0, 0),

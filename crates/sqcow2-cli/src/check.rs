@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
 use sqcow2_format::indexing::verify_index;
-use sqcow2_format::IndexState;
+use sqcow2_format::{IndexState, Locking};
 
 use crate::output::{print_json, OutputFormat};
 
@@ -24,15 +24,17 @@ pub fn run(
     image: &Path,
     repair: Option<RepairArg>,
     output: OutputFormat,
+    locking: Locking,
+    force_share: bool,
 ) -> anyhow::Result<ExitCode> {
     let repair = match repair {
         None => Repair::None,
         Some(RepairArg::Leaks) => Repair::Leaks,
         Some(RepairArg::All) => Repair::All,
     };
-    let mut report = check(image, repair)?;
+    let mut report = check(image, repair, locking, force_share)?;
     // An index the chain trusts must agree with a fresh walk.
-    let index = match verify_index(image) {
+    let index = match verify_index(image, locking, force_share) {
         Ok(v) => v,
         Err(e) => {
             report

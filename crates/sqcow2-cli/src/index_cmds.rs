@@ -5,6 +5,7 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sqcow2_format::indexing::{snapshot, upgrade};
+use sqcow2_format::Locking;
 
 use crate::output::{print_json, OutputFormat};
 
@@ -21,10 +22,15 @@ fn bar(forced: bool) -> ProgressBar {
 }
 
 /// Runs `sqcow2 upgrade TOP`.
-pub fn run_upgrade(top: &Path, progress: bool, output: OutputFormat) -> anyhow::Result<()> {
+pub fn run_upgrade(
+    top: &Path,
+    progress: bool,
+    output: OutputFormat,
+    locking: Locking,
+) -> anyhow::Result<()> {
     let pb = bar(progress);
     pb.set_message("indexing");
-    let report = upgrade(top, &mut |done, total| {
+    let report = upgrade(top, locking, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     })?;
@@ -58,11 +64,12 @@ pub fn run_snapshot(
     new: &Path,
     progress: bool,
     output: OutputFormat,
+    locking: Locking,
 ) -> anyhow::Result<()> {
     let pb = bar(progress);
     pb.set_message("indexing");
     let start = std::time::Instant::now();
-    let report = snapshot(top, new, &mut |done, total| {
+    let report = snapshot(top, new, locking, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     })?;

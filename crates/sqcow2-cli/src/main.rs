@@ -37,6 +37,12 @@ struct Cli {
     /// Walk the chain even when the top has a valid chain index.
     #[arg(long, global = true)]
     walk: bool,
+    /// Image locking as QEMU does it (byte-range locks on every file
+    /// opened, seen by QEMU and sqcow2 alike): auto (lock where the
+    /// filesystem can, warn once where it cannot), on (refuse where it
+    /// cannot), off.
+    #[arg(long, global = true, value_enum, default_value_t = LockingArg::Auto)]
+    locking: LockingArg,
     /// Log line format on standard error (level from RUST_LOG): text
     /// (coloured only on a terminal) or json (one object per line, for
     /// log collectors).
@@ -44,6 +50,27 @@ struct Cli {
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--locking` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LockingArg {
+    /// Lock where the filesystem can.
+    Auto,
+    /// Always lock; refuse where the filesystem cannot.
+    On,
+    /// Never lock.
+    Off,
+}
+
+impl From<LockingArg> for sqcow2_format::Locking {
+    fn from(l: LockingArg) -> Self {
+        match l {
+            LockingArg::Auto => sqcow2_format::Locking::Auto,
+            LockingArg::On => sqcow2_format::Locking::On,
+            LockingArg::Off => sqcow2_format::Locking::Off,
+        }
+    }
 }
 
 /// How log lines are written.
@@ -71,6 +98,11 @@ enum Command {
         /// instead of reading IMAGE.
         #[arg(long, value_name = "CONTROL", conflicts_with = "image")]
         live: Option<PathBuf>,
+        /// Read even while another process writes the image (qemu-img's
+        /// -U): nothing is locked against writers; the data may be
+        /// inconsistent.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
         /// Output format.
         #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
         output: OutputFormat,
@@ -80,6 +112,11 @@ enum Command {
     },
     /// Show which layer maps each range of the virtual disk, like `qemu-img map`.
     Map {
+        /// Read even while another process writes the image (qemu-img's
+        /// -U): nothing is locked against writers; the data may be
+        /// inconsistent.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
         /// Output format.
         #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
         output: OutputFormat,
@@ -112,6 +149,11 @@ enum Command {
         /// Repair leaks, or everything.
         #[arg(short = 'r', value_enum)]
         repair: Option<check::RepairArg>,
+        /// Read even while another process writes the image (qemu-img's
+        /// -U): nothing is locked against writers; the data may be
+        /// inconsistent.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
         /// Output format.
         #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
         output: OutputFormat,
@@ -126,6 +168,11 @@ enum Command {
         /// Open read-only.
         #[arg(short = 'r')]
         read_only: bool,
+        /// Read even while another process writes the image (qemu-img's
+        /// -U): nothing is locked against writers; the data may be
+        /// inconsistent.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
         /// Format (only qcow2).
         #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
         format: String,
@@ -170,6 +217,11 @@ enum Command {
         /// Show a progress bar even when standard error is not a terminal.
         #[arg(short = 'p')]
         progress: bool,
+        /// Read even while another process writes the image (qemu-img's
+        /// -U): nothing is locked against writers; the data may be
+        /// inconsistent.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
         /// Top image of the source chain.
         src: PathBuf,
         /// Raw file to write.
@@ -183,7 +235,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         cache_size: output::parse_size(&cli.cache_size)?,
         slice_size: output::parse_size(&cli.slice_size)?,
         use_index: !cli.walk,
+        locking: cli.locking.into(),
         ..ChainOptions::default()
+    };
+    let locking = options.locking;
+    let sharing = |force_share: bool| ChainOptions {
+        force_share,
+        ..options.clone()
     };
     match cli.command {
         Command::Create {
@@ -203,20 +261,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         .map(|()| ExitCode::SUCCESS),
         Command::Check {
             repair,
+            force_share,
             output,
             image,
-        } => check::run(&image, repair, output),
+        } => check::run(&image, repair, output, locking, force_share),
         Command::Io {
             commands,
             read_only,
+            force_share,
             image,
             ..
-        } => io::run(&image, &commands, read_only, &options),
+        } => io::run(&image, &commands, read_only, &sharing(force_share)),
         Command::Upgrade {
             progress,
             output,
             top,
-        } => index_cmds::run_upgrade(&top, progress, output).map(|()| ExitCode::SUCCESS),
+        } => index_cmds::run_upgrade(&top, progress, output, locking).map(|()| ExitCode::SUCCESS),
         Command::Snapshot {
             live: true,
             output,
@@ -230,7 +290,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             top,
             new,
             ..
-        } => index_cmds::run_snapshot(&top, &new, progress, output).map(|()| ExitCode::SUCCESS),
+        } => index_cmds::run_snapshot(&top, &new, progress, output, locking)
+            .map(|()| ExitCode::SUCCESS),
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
@@ -247,17 +308,47 @@ fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<Exit
         } => live::info(&control, output),
         Command::Info {
             backing_chain,
+            force_share,
             output,
             image: Some(image),
             ..
-        } => info::run(&image, backing_chain, output, options),
-        Command::Map { output, image } => map::run(&image, output, options),
+        } => {
+            // Headers only, as qemu-img info: nothing held on the data.
+            let options = ChainOptions {
+                force_share,
+                inspect_only: true,
+                ..options.clone()
+            };
+            info::run(&image, backing_chain, output, &options)
+        }
+        Command::Map {
+            force_share,
+            output,
+            image,
+        } => map::run(
+            &image,
+            output,
+            &ChainOptions {
+                force_share,
+                ..options.clone()
+            },
+        ),
         Command::Convert {
             output_format,
             progress,
+            force_share,
             src,
             dst,
-        } => convert::run(&src, &dst, output_format, progress, options),
+        } => convert::run(
+            &src,
+            &dst,
+            output_format,
+            progress,
+            &ChainOptions {
+                force_share,
+                ..options.clone()
+            },
+        ),
         _ => unreachable!("handled by run"),
     }
     .map(|()| ExitCode::SUCCESS)

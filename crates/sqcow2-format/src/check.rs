@@ -15,6 +15,7 @@ use crate::entry::{
 use crate::error::{Error, ErrorKind};
 use crate::extension::HeaderExtension;
 use crate::header::Header;
+use crate::lock::{LockRequest, Locking};
 use crate::refcount::{get_entry, max_refcount, set_entry, Refcounts};
 use crate::snapshot::read_snapshot_table;
 use crate::storage::{FileStorage, Storage};
@@ -400,14 +401,32 @@ fn count_refcount_structures(
 }
 
 /// Checks (and repairs) the image at `path`.
-pub fn check(path: &Path, repair: Repair) -> Result<CheckReport, Error> {
+/// Image locks are taken as QEMU's `qemu-img check` takes them: a reader's
+/// (a writer's with a repair); `force_share` only without one.
+pub fn check(
+    path: &Path,
+    repair: Repair,
+    locking: Locking,
+    force_share: bool,
+) -> Result<CheckReport, Error> {
     let e = |k: ErrorKind| Error::new(path, k);
-    let storage: Arc<dyn Storage> = if repair == Repair::None {
-        Arc::new(FileStorage::open_read_only(path).map_err(|io| e(io.into()))?)
+    let (storage, lock) = if repair == Repair::None {
+        let s = FileStorage::open_read_only(path).map_err(|io| e(io.into()))?;
+        let lock = if force_share {
+            LockRequest::READER.sharing_all()
+        } else {
+            LockRequest::READER
+        };
+        (s, lock)
     } else {
-        Arc::new(FileStorage::open_read_write(path).map_err(|io| e(io.into()))?)
+        if force_share {
+            return Err(e(ErrorKind::ForceShareWritable));
+        }
+        let s = FileStorage::open_read_write(path).map_err(|io| e(io.into()))?;
+        (s, LockRequest::WRITER)
     };
-    check_storage(path, storage, repair)
+    storage.lock(lock, locking).map_err(e)?;
+    check_storage(path, Arc::new(storage), repair)
 }
 
 /// Reads and validates the header of an image in `storage`.

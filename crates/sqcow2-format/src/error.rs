@@ -292,6 +292,22 @@ pub enum ErrorKind {
         /// The host offset its entry names.
         host_offset: u64,
     },
+    /// Another process (or another open of the file) holds a permission
+    /// this open conflicts with (QEMU's image locks).
+    #[error("failed to get {}\"{permission}\" lock: another process is using the image (read-outs take -U / --force-share to read it anyway)", if *shared { "shared " } else { "" })]
+    Locked {
+        /// The permission, as QEMU names it ("write", "consistent read", ...).
+        permission: &'static str,
+        /// Whether the conflict is on a permission this open does not
+        /// share (someone holds it) rather than one it wants.
+        shared: bool,
+    },
+    /// `--force-share` asked for an image opened for writing.
+    #[error("force-share can only be used with read-only images")]
+    ForceShareWritable,
+    /// `--locking on` where the filesystem cannot lock.
+    #[error("image locking is not supported here ({0}); --locking auto or off goes without")]
+    LockingUnsupported(io::Error),
     /// A transfer ticket issued by another chain (a bug in the caller).
     #[error("transfer ticket of another chain")]
     ForeignTicket,

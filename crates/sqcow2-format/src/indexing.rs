@@ -14,6 +14,7 @@ use crate::error::{Error, ErrorKind};
 use crate::header::Version;
 use crate::index::{encode_index, IndexEntry};
 use crate::layer::Layer;
+use crate::lock::{LockRequest, Locking};
 use crate::sqcow2_ext::{fingerprints, set_autoclear_bit, write_index_extension, IndexState};
 use crate::storage::FileStorage;
 use crate::types::LayerIndex;
@@ -60,14 +61,20 @@ pub fn index_path_of(image: &Path) -> PathBuf {
     image.with_file_name(index_file_name(image))
 }
 
-/// Sets the sQcow2 autoclear bit on layers `0..=upto` that lack it.
-fn mark_layers(chain: &Chain, upto: usize) -> Result<(), Error> {
+/// Sets the sQcow2 autoclear bit on layers `0..=upto` that lack it; each
+/// one written is locked as a writer first (an image another process
+/// reads or writes is not touched).
+fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error> {
     for layer in &chain.layers()[..=upto] {
         let Layer::Qcow2(q) = layer else { continue };
         let header = q.header();
         if header.version == Version::V3
             && header.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
         {
+            layer
+                .storage()
+                .lock(LockRequest::WRITER, locking)
+                .map_err(|k| Error::new(layer.path(), k))?;
             let storage = FileStorage::open_read_write(layer.path()).map_err(|e| {
                 Error::new(
                     layer.path(),
@@ -99,10 +106,12 @@ pub struct UpgradeReport {
 
 /// Indexes the chain under `top` in place: writes `<top>.sqidx`, marks the
 /// covered layers, then names the index in the top's header (last, so that a
-/// crash leaves the chain vanilla).
-pub fn upgrade(top: &Path, progress: Progress) -> Result<UpgradeReport, Error> {
+/// crash leaves the chain vanilla). Every file written is locked as a
+/// writer first.
+pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<UpgradeReport, Error> {
     let options = ChainOptions {
         use_index: false,
+        locking,
         ..ChainOptions::default()
     };
     let chain = Chain::open(top, &options)?;
@@ -132,8 +141,12 @@ pub fn upgrade(top: &Path, progress: Progress) -> Result<UpgradeReport, Error> {
     let bytes = encode_index(geometry, &fps, &entries);
     let name = index_file_name(top);
     let index_path = top.with_file_name(&name);
+    top_layer
+        .storage()
+        .lock(LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(top, k))?;
     write_atomically(&index_path, &bytes)?;
-    mark_layers(&chain, upto)?;
+    mark_layers(&chain, upto, locking)?;
     let storage = FileStorage::open_read_write(top).map_err(io_err(top))?;
     write_index_extension(&storage, header, &name).map_err(io_err(top))?;
     Ok(UpgradeReport {
@@ -185,8 +198,15 @@ pub struct SnapshotReport {
 
 /// Creates `new` over `top` exactly as `qemu-img create -b TOP -F qcow2
 /// NEW` would (same size and cluster size as the top), plus its index.
-/// Atomic: `new` appears (by rename) only once complete.
-pub fn snapshot(top: &Path, new: &Path, progress: Progress) -> Result<SnapshotReport, Error> {
+/// Atomic: `new` appears (by rename) only once complete. The chain is
+/// locked as a reader, and a layer whose header gains the index bit as a
+/// writer (`Locking::Off` for a caller that holds the locks itself).
+pub fn snapshot(
+    top: &Path,
+    new: &Path,
+    locking: Locking,
+    progress: Progress,
+) -> Result<SnapshotReport, Error> {
     if new.exists() {
         return Err(Error::new(
             new,
@@ -196,7 +216,13 @@ pub fn snapshot(top: &Path, new: &Path, progress: Progress) -> Result<SnapshotRe
             )),
         ));
     }
-    let chain = Chain::open(top, &ChainOptions::default())?;
+    let chain = Chain::open(
+        top,
+        &ChainOptions {
+            locking,
+            ..ChainOptions::default()
+        },
+    )?;
     let incremental = chain.is_indexed() || chain.layers().len() == 1;
     let top_index = chain.top_index();
     let Some(top_header) = chain.top().header() else {
@@ -215,7 +241,7 @@ pub fn snapshot(top: &Path, new: &Path, progress: Progress) -> Result<SnapshotRe
     let name = index_file_name(new);
     let index_path = new.with_file_name(&name);
     write_atomically(&index_path, &bytes)?;
-    mark_layers(&chain, top_index.0)?;
+    mark_layers(&chain, top_index.0, locking)?;
 
     let tmp = new.with_extension("qcow2.tmp");
     let opts = CreateOptions {
@@ -261,9 +287,19 @@ pub struct IndexVerification {
     pub examples: Vec<String>,
 }
 
-/// Compares the top's index, if valid, with what walking the chain gives.
-pub fn verify_index(top: &Path) -> Result<IndexVerification, Error> {
-    let indexed = Chain::open(top, &ChainOptions::default())?;
+/// Compares the top's index, if valid, with what walking the chain gives
+/// (the chain locked as a reader, or sharing all with `force_share`).
+pub fn verify_index(
+    top: &Path,
+    locking: Locking,
+    force_share: bool,
+) -> Result<IndexVerification, Error> {
+    let options = ChainOptions {
+        locking,
+        force_share,
+        ..ChainOptions::default()
+    };
+    let indexed = Chain::open(top, &options)?;
     let state = indexed.index_state().clone();
     if !indexed.is_indexed() {
         return Ok(IndexVerification {
@@ -277,7 +313,7 @@ pub fn verify_index(top: &Path) -> Result<IndexVerification, Error> {
         top,
         &ChainOptions {
             use_index: false,
-            ..ChainOptions::default()
+            ..options
         },
     )?;
     let upto = LayerIndex(walked.top_index().0 - 1);

@@ -4,7 +4,10 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::RwLock;
+use std::sync::{Mutex, PoisonError, RwLock};
+
+use crate::error::ErrorKind;
+use crate::lock::{FileLock, LockRequest, Locking};
 
 /// Byte-addressed storage of one layer.
 ///
@@ -50,6 +53,22 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
         write_zero_bytes(self, offset, len)
     }
+    /// Takes or changes this file's image locks (QEMU's lock bytes): fails
+    /// with [`ErrorKind::Locked`] when another user's permissions
+    /// conflict, and then changes nothing. Storage without a file has no
+    /// locks.
+    fn lock(&self, _want: LockRequest, _mode: Locking) -> Result<(), ErrorKind> {
+        Ok(())
+    }
+    /// The image locks held now (`None`: none).
+    fn locks(&self) -> Option<LockRequest> {
+        None
+    }
+    /// The file's identity (device and inode), for storage that is a
+    /// file.
+    fn file_id(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// The file descriptor behind this storage, for callers that submit
     /// their own I/O (io_uring); `None` when there is no file.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -92,6 +111,7 @@ fn extend_to<S: Storage + ?Sized>(storage: &S, end: u64) -> io::Result<()> {
 pub struct FileStorage {
     file: File,
     sync_failed: std::sync::atomic::AtomicBool,
+    lock: Mutex<FileLock>,
 }
 
 impl FileStorage {
@@ -115,6 +135,7 @@ impl FileStorage {
         Self {
             file,
             sync_failed: std::sync::atomic::AtomicBool::new(false),
+            lock: Mutex::new(FileLock::default()),
         }
     }
 
@@ -125,6 +146,26 @@ impl FileStorage {
 }
 
 impl Storage for FileStorage {
+    fn lock(&self, want: LockRequest, mode: Locking) -> Result<(), ErrorKind> {
+        self.lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .change(&self.file, want, mode)
+    }
+
+    fn locks(&self) -> Option<LockRequest> {
+        self.lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .current()
+    }
+
+    fn file_id(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.file.metadata().ok()?;
+        Some((meta.dev(), meta.ino()))
+    }
+
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
         Some(std::os::fd::AsRawFd::as_raw_fd(&self.file))
     }

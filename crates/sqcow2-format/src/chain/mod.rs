@@ -17,6 +17,7 @@ use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
 use crate::index::ChainIndex;
 use crate::layer::Layer;
+use crate::lock::{LockRequest, Locking};
 use crate::sqcow2_ext::IndexState;
 use crate::storage::Storage;
 use crate::summary::TopSummary;
@@ -62,6 +63,15 @@ pub struct ChainOptions {
     /// Most bytes the layers' L1 tables may take together (each is also
     /// bounded by itself, as in QEMU).
     pub max_l1_bytes_total: u64,
+    /// Whether to take QEMU's image locks on the files opened.
+    pub locking: Locking,
+    /// Share every permission with other users (`qemu-img -U`): read
+    /// while another process writes, at the risk of inconsistent data.
+    /// Only for read-only opens.
+    pub force_share: bool,
+    /// Only headers are looked at (`info`): no permission is held on the
+    /// data (QEMU's `qemu-img info`).
+    pub inspect_only: bool,
 }
 
 impl Default for ChainOptions {
@@ -76,6 +86,9 @@ impl Default for ChainOptions {
             top_storage: None,
             backing_root: None,
             max_l1_bytes_total: DEFAULT_MAX_L1_BYTES_TOTAL,
+            locking: Locking::Auto,
+            force_share: false,
+            inspect_only: false,
         }
     }
 }
@@ -137,6 +150,25 @@ pub struct Chain {
     resolved: resolved::ResolvedSlices,
     /// Regions of the top that hold nothing (indexed mode only).
     summary: Option<Arc<TopSummary>>,
+}
+
+impl ChainOptions {
+    /// The image locks a layer takes: the top (`top`) written or read,
+    /// backing layers read.
+    pub(crate) fn lock_request(&self, top: bool) -> LockRequest {
+        let base = if top && self.writable {
+            LockRequest::WRITER
+        } else if self.inspect_only {
+            LockRequest::INSPECTOR
+        } else {
+            LockRequest::READER
+        };
+        if self.force_share {
+            base.sharing_all()
+        } else {
+            base
+        }
+    }
 }
 
 impl Chain {

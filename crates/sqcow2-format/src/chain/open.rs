@@ -36,18 +36,28 @@ enum Expect {
     Probe,
 }
 
+/// An opened file, or storage this process has open already.
+enum Opened {
+    File(File),
+    Reused(Arc<dyn Storage>),
+}
+
 fn open_layer(
     path: &Path,
-    file: Option<File>,
+    file: Option<Opened>,
     expect: Expect,
     options: &ChainOptions,
 ) -> Result<Layer, ErrorKind> {
+    let top = matches!(expect, Expect::Top);
     let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
         (Expect::Top, Some(s), _) => s.clone(),
+        (_, _, Some(Opened::Reused(s))) => s,
         (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
-        (_, _, Some(file)) => Arc::new(FileStorage::from_file(file)),
+        (_, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
         (_, _, None) => Arc::new(FileStorage::open_read_only(path)?),
     };
+    // QEMU's image locks, before anything is read.
+    storage.lock(options.lock_request(top), options.locking)?;
     let is_qcow2 = || -> Result<bool, ErrorKind> {
         let mut magic = [0u8; 4];
         storage.read_at(&mut magic, 0)?;
@@ -89,8 +99,14 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
     }
 }
 
-/// Opens the files of the chain whose top is `path`, top first.
-fn open_layers(path: &Path, options: &ChainOptions) -> Result<Vec<Layer>, Error> {
+/// Opens the files of the chain whose top is `path`, top first. A file
+/// that one of `reuse` has open already is not opened again: its storage
+/// (and its open file description, which holds the image locks) serves.
+fn open_layers(
+    path: &Path,
+    options: &ChainOptions,
+    reuse: &[Arc<dyn Storage>],
+) -> Result<Vec<Layer>, Error> {
     let mut top_down: Vec<Layer> = Vec::new();
     let mut seen = HashSet::new();
     let mut l1_bytes = 0u64;
@@ -132,7 +148,13 @@ fn open_layers(path: &Path, options: &ChainOptions) -> Result<Vec<Layer>, Error>
             if !seen.insert((meta.dev(), meta.ino())) {
                 return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
             }
-            Some(file)
+            let open = reuse
+                .iter()
+                .find(|s| s.file_id() == Some((meta.dev(), meta.ino())));
+            match open {
+                Some(s) => Some(Opened::Reused(s.clone())),
+                None => Some(Opened::File(file)),
+            }
         };
         let layer = open_layer(&current, file, expect, options).map_err(|kind| match kind {
             // The referring image records the wrong format: blame it.
@@ -172,9 +194,25 @@ fn open_layers(path: &Path, options: &ChainOptions) -> Result<Vec<Layer>, Error>
 
 impl Chain {
     /// Opens the chain whose top image is `path`, following backing files
-    /// iteratively.
+    /// iteratively, each file locked as QEMU would lock it.
     pub fn open(path: &Path, options: &ChainOptions) -> Result<Chain, Error> {
-        let layers = open_layers(path, options)?;
+        Chain::open_reusing(path, options, &[])
+    }
+
+    /// [`Chain::open`], where files that `reuse` has open already (the
+    /// layers of a chain this one replaces, at a live snapshot) are used
+    /// through that storage: the same open file description keeps its
+    /// image locks, changed to what this chain needs, instead of a second
+    /// open conflicting with the first.
+    pub fn open_reusing(
+        path: &Path,
+        options: &ChainOptions,
+        reuse: &[Arc<dyn Storage>],
+    ) -> Result<Chain, Error> {
+        if options.force_share && options.writable {
+            return Err(Error::new(path, ErrorKind::ForceShareWritable));
+        }
+        let layers = open_layers(path, options, reuse)?;
         let (index, index_state) = if options.use_index {
             open_index(&layers)
         } else {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sqcow2_format::{Chain, ChainOptions};
+use sqcow2_format::{Chain, ChainOptions, Locking};
 use tracing::{info, warn};
 
 use crate::backend::BlkBackend;
@@ -197,10 +197,16 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     })?;
     let flushed = start.elapsed();
     let top = old.top().path().to_path_buf();
-    sqcow2_format::indexing::snapshot(&top, new, &mut |_, _| {})
+    // The daemon holds the chain's image locks itself: the snapshot's own
+    // opens take none.
+    sqcow2_format::indexing::snapshot(&top, new, Locking::Off, &mut |_, _| {})
         .map_err(|e| fail(FailureKind::SnapshotFailed, e.to_string()))?;
     let created = start.elapsed();
-    let chain = match Chain::open(new, &shared.options) {
+    // The new top is locked as the writer before the switch; the old
+    // layers are used through the files (and locks) already open, the old
+    // top's locks lowered to a backing layer's.
+    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
+    let chain = match Chain::open_reusing(new, &shared.options, &reuse) {
         Ok(c) => c,
         Err(e) => {
             // Keep serving the old top; the new file would go stale.
