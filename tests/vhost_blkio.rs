@@ -332,8 +332,11 @@ fn lifecycle_socket_mode_pidfile_signals() {
         .unwrap();
     assert_eq!(pid, daemon.pid());
 
-    // A second daemon on the same socket is refused, the first keeps it.
+    // A second daemon on the same socket is refused, the first keeps it
+    // (locking off: the image locks would refuse it first, tests/locking.rs).
     let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args([
+        "--locking",
+        "off",
         "serve",
         "--socket",
         s(&daemon.socket),

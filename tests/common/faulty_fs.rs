@@ -155,6 +155,9 @@ fn read_fully(file: &File, offset: u64, size: usize) -> Option<Vec<u8>> {
 struct Passthrough {
     files: Vec<(String, File)>,
     faults: Arc<Faults>,
+    /// Take over byte-range locks and refuse them (ENOLCK), like a
+    /// network filesystem mounted without lock support.
+    refuse_locks: bool,
 }
 
 const ROOT: u64 = 1;
@@ -197,6 +200,51 @@ impl Passthrough {
 }
 
 impl Filesystem for Passthrough {
+    fn init(
+        &mut self,
+        _req: &Request<'_>,
+        config: &mut fuser::KernelConfig,
+    ) -> Result<(), libc::c_int> {
+        if self.refuse_locks {
+            // Locks go to this filesystem (not handled by the kernel).
+            let _ = config.add_capabilities(fuser::consts::FUSE_POSIX_LOCKS);
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn getlk(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        _fh: u64,
+        _lock_owner: u64,
+        _start: u64,
+        _end: u64,
+        _typ: i32,
+        _pid: u32,
+        reply: fuser::ReplyLock,
+    ) {
+        reply.error(libc::ENOLCK);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn setlk(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        _fh: u64,
+        _lock_owner: u64,
+        _start: u64,
+        _end: u64,
+        _typ: i32,
+        _pid: u32,
+        _sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(libc::ENOLCK);
+    }
+
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         let found = (parent == ROOT)
             .then(|| self.files.iter().position(|(n, _)| OsStr::new(n) == name))
@@ -380,6 +428,16 @@ pub struct FaultyFs {
 
 impl FaultyFs {
     pub fn mount(source: &Path, mountpoint: &Path) -> FaultyFs {
+        FaultyFs::mount_with(source, mountpoint, false)
+    }
+
+    /// [`FaultyFs::mount`] on a filesystem that refuses byte-range locks
+    /// (ENOLCK), like NFS mounted with `nolock` and no local locking.
+    pub fn mount_without_locks(source: &Path, mountpoint: &Path) -> FaultyFs {
+        FaultyFs::mount_with(source, mountpoint, true)
+    }
+
+    fn mount_with(source: &Path, mountpoint: &Path, refuse_locks: bool) -> FaultyFs {
         std::fs::create_dir_all(mountpoint).unwrap();
         let mut files = Vec::new();
         for entry in std::fs::read_dir(source).unwrap() {
@@ -397,6 +455,7 @@ impl FaultyFs {
         let fs = Passthrough {
             files,
             faults: faults.clone(),
+            refuse_locks,
         };
         let session = fuser::spawn_mount2(
             fs,

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use sqcow2_vhost::control::protocol::{
-    Command, Info, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
+    Activity, Command, Info, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
 };
 
 use crate::output::OutputFormat;
@@ -53,6 +53,17 @@ fn print(value: &impl Serialize, output: OutputFormat) -> anyhow::Result<()> {
 pub fn snapshot(control: &Path, new: &Path, output: OutputFormat) -> anyhow::Result<()> {
     let path = std::path::absolute(new)?;
     let r: SnapshotResult = request(control, Command::Snapshot { path })?;
+    print(&r, output)
+}
+
+/// `sqcow2 activate CONTROL` / `sqcow2 inactivate CONTROL`.
+pub fn set_active(control: &Path, active: bool, output: OutputFormat) -> anyhow::Result<()> {
+    let command = if active {
+        Command::Activate
+    } else {
+        Command::Inactivate
+    };
+    let r: Activity = request(control, command)?;
     print(&r, output)
 }
 

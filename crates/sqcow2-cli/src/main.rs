@@ -89,6 +89,26 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Statistics of a running `sqcow2 serve` (through its control socket).
     Stats(live::StatsArgs),
+    /// Make a `sqcow2 serve` active: take the image locks, reload the
+    /// chain, serve (the destination of a handover; fails while another
+    /// process holds the chain).
+    Activate {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// The daemon's control socket.
+        control: PathBuf,
+    },
+    /// Make a `sqcow2 serve` inactive: finish requests in flight, flush,
+    /// release the image locks (the source of a handover); requests then
+    /// wait until it is activated again.
+    Inactivate {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// The daemon's control socket.
+        control: PathBuf,
+    },
     /// Show an image's format, size, backing file and features.
     Info {
         /// Also show every layer of the backing chain.
@@ -293,6 +313,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => index_cmds::run_snapshot(&top, &new, progress, output, locking)
             .map(|()| ExitCode::SUCCESS),
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
+        Command::Activate { output, control } => {
+            live::set_active(&control, true, output).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Inactivate { output, control } => {
+            live::set_active(&control, false, output).map(|()| ExitCode::SUCCESS)
+        }
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),

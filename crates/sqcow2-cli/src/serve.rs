@@ -42,6 +42,15 @@ pub struct ServeArgs {
     /// there, so that they never hold up the other requests of a queue.
     #[arg(long, default_value_t = sqcow2_vhost::device::DEFAULT_ENGINE_THREADS)]
     engine_threads: usize,
+    /// Start inactive, for a disk another daemon still serves (a live
+    /// migration's destination): no image lock is taken and requests wait
+    /// until `sqcow2 activate CONTROL`.
+    #[arg(long, requires = "control")]
+    inactive: bool,
+    /// Seconds requests wait while the daemon is inactive before they
+    /// fail with an I/O error.
+    #[arg(long, default_value_t = 60.0)]
+    inactive_timeout: f64,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -75,7 +84,20 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         backing_root: Some(backing_root),
         ..options.clone()
     };
-    let chain = Chain::open(&args.image, &chain_options)?;
+    let opened = if args.inactive {
+        ChainOptions {
+            writable: false,
+            inactive: true,
+            ..chain_options.clone()
+        }
+    } else {
+        chain_options.clone()
+    };
+    let chain = Chain::open(&args.image, &opened)?;
+    anyhow::ensure!(
+        args.inactive_timeout.is_finite() && args.inactive_timeout >= 0.0,
+        "--inactive-timeout must be a number of seconds"
+    );
     let serve = ServeOptions {
         socket: args.socket.clone(),
         num_queues: args.num_queues,
@@ -85,6 +107,8 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         pidfile: args.pidfile.clone(),
         control: args.control.clone(),
         engine_threads: args.engine_threads,
+        inactive: args.inactive,
+        inactive_timeout: std::time::Duration::from_secs_f64(args.inactive_timeout),
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

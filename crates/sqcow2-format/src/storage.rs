@@ -69,6 +69,10 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn file_id(&self) -> Option<(u64, u64)> {
         None
     }
+    /// Whether writes are possible (a file opened for writing).
+    fn is_writable(&self) -> bool {
+        false
+    }
     /// The file descriptor behind this storage, for callers that submit
     /// their own I/O (io_uring); `None` when there is no file.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -110,6 +114,7 @@ fn extend_to<S: Storage + ?Sized>(storage: &S, end: u64) -> io::Result<()> {
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
+    writable: bool,
     sync_failed: std::sync::atomic::AtomicBool,
     lock: Mutex<FileLock>,
 }
@@ -122,18 +127,21 @@ impl FileStorage {
 
     /// Opens `path` for reading and writing.
     pub fn open_read_write(path: &Path) -> io::Result<Self> {
-        Ok(Self::from_file(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(path)?,
-        ))
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        Ok(Self {
+            writable: true,
+            ..Self::from_file(file)
+        })
     }
 
-    /// Wraps an open file.
+    /// Wraps a file opened read-only.
     pub fn from_file(file: File) -> Self {
         Self {
             file,
+            writable: false,
             sync_failed: std::sync::atomic::AtomicBool::new(false),
             lock: Mutex::new(FileLock::default()),
         }
@@ -158,6 +166,10 @@ impl Storage for FileStorage {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .current()
+    }
+
+    fn is_writable(&self) -> bool {
+        self.writable
     }
 
     fn file_id(&self) -> Option<(u64, u64)> {
@@ -332,6 +344,10 @@ impl MemStorage {
 }
 
 impl Storage for MemStorage {
+    fn is_writable(&self) -> bool {
+        true
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let bytes = self
             .bytes

@@ -18,7 +18,7 @@ use crate::request::{RequestLimits, ID_SIZE};
 pub const DEFAULT_ENGINE_THREADS: usize = 4;
 
 /// The shape of an exported device.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct DeviceOptions {
     /// Request queues offered.
     pub num_queues: u16,
@@ -26,6 +26,13 @@ pub struct DeviceOptions {
     pub queue_size: u16,
     /// Engine threads.
     pub engine_threads: usize,
+    /// Export read-only; `None`: as the chain is opened (an inactive chain
+    /// is opened read-only, yet its export takes writes once active).
+    pub read_only: Option<bool>,
+    /// The gate requests start through (shared by the sessions of a
+    /// server, so that an inactive state outlives a frontend); `None`: a
+    /// gate of the device's own.
+    pub gate: Option<Arc<RequestGate>>,
 }
 
 impl DeviceOptions {
@@ -36,6 +43,8 @@ impl DeviceOptions {
             num_queues,
             queue_size,
             engine_threads: DEFAULT_ENGINE_THREADS,
+            read_only: None,
+            gate: None,
         }
     }
 }
@@ -61,7 +70,7 @@ impl BlkDevice {
             capacity_sectors: chain.virtual_size() / SECTOR_SIZE,
             num_queues: options.num_queues,
             queue_size: options.queue_size,
-            read_only: !chain.is_writable(),
+            read_only: options.read_only.unwrap_or(!chain.is_writable()),
             cluster_size: chain.cluster_size(),
         };
         let id = device_id(chain.top().path());
@@ -70,7 +79,7 @@ impl BlkDevice {
         Ok(BlkDevice {
             chain: handle,
             config,
-            gate: Arc::new(RequestGate::default()),
+            gate: options.gate.unwrap_or_default(),
             offload,
             writeback: AtomicBool::new(true),
             id,

@@ -1,9 +1,12 @@
 //! Which requests may start: a request starts only with a
 //! [`RequestPermit`], which it holds until it has completed. A pause (a
-//! live snapshot, a stop) makes new permits fail and lets its holder wait
+//! live snapshot, a stop) makes new requests wait and lets its holder wait
 //! until every permit has been returned, while the workers go on
 //! completing what they started: nothing that completes a request ever
 //! waits for the gate, so a pause cannot deadlock with a request in flight.
+//! While the daemon is inactive (a disk handed over to another daemon)
+//! requests wait too, and once it has been inactive too long they are
+//! refused (IOERR) instead.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -15,6 +18,8 @@ use vmm_sys_util::eventfd::EventFd;
 #[derive(Debug, Default)]
 pub struct RequestGate {
     paused: AtomicBool,
+    inactive: AtomicBool,
+    refusing: AtomicBool,
     in_flight: AtomicUsize,
     idle_lock: Mutex<()>,
     idle: Condvar,
@@ -46,33 +51,82 @@ pub struct PauseGuard {
 impl Drop for PauseGuard {
     fn drop(&mut self) {
         self.gate.paused.store(false, Ordering::SeqCst);
-        let wakers = self
-            .gate
-            .wakers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        for w in wakers.iter() {
-            if let Err(e) = w.write(1) {
-                tracing::warn!("waking a worker after a pause: {e}");
-            }
-        }
+        self.gate.wake();
     }
 }
 
+/// Whether a request may start now.
+#[derive(Debug)]
+pub enum Admission {
+    /// Yes: it holds this permit until it completes.
+    Start(RequestPermit),
+    /// Not yet: leave it on its queue (the workers are woken when it may).
+    Wait,
+    /// No: complete it with IOERR (the daemon has been inactive too long).
+    Refuse,
+}
+
 impl RequestGate {
-    /// A permit to start a request, unless the device is paused.
-    pub fn try_start(self: &Arc<Self>) -> Option<RequestPermit> {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if self.paused.load(Ordering::SeqCst) {
-            self.release();
-            return None;
+    /// Whether a request may start now.
+    pub fn try_start(self: &Arc<Self>) -> Admission {
+        if self.refusing.load(Ordering::SeqCst) {
+            return Admission::Refuse;
         }
-        Some(RequestPermit { gate: self.clone() })
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.waiting() {
+            self.release();
+            return Admission::Wait;
+        }
+        Admission::Start(RequestPermit { gate: self.clone() })
+    }
+
+    fn waiting(&self) -> bool {
+        self.paused.load(Ordering::SeqCst) || self.inactive.load(Ordering::SeqCst)
+    }
+
+    /// Wakes every worker (requests may have waited on their queues).
+    fn wake(&self) {
+        let wakers = self.wakers.lock().unwrap_or_else(PoisonError::into_inner);
+        for w in wakers.iter() {
+            if let Err(e) = w.write(1) {
+                tracing::warn!("waking a worker: {e}");
+            }
+        }
+    }
+
+    /// Makes new requests wait (inactive) or start again (active).
+    pub fn set_inactive(&self, inactive: bool) {
+        self.inactive.store(inactive, Ordering::SeqCst);
+        if !inactive {
+            self.refusing.store(false, Ordering::SeqCst);
+            self.wake();
+        }
+    }
+
+    /// Whether the daemon is inactive.
+    pub fn is_inactive(&self) -> bool {
+        self.inactive.load(Ordering::SeqCst)
+    }
+
+    /// While inactive: refuses the waiting requests and the next ones
+    /// (IOERR) until activated again.
+    pub fn refuse_while_inactive(&self) {
+        if self.is_inactive() && !self.refusing.swap(true, Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
+    /// Forgets the wake-ups of a session that ended.
+    pub fn clear_wakers(&self) {
+        self.wakers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 
     fn release(&self) {
         let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        if before == 1 && self.paused.load(Ordering::SeqCst) {
+        if before == 1 && self.waiting() {
             let _lock = self
                 .idle_lock
                 .lock()
@@ -87,9 +141,14 @@ impl RequestGate {
         PauseGuard { gate: self.clone() }
     }
 
-    /// Whether new requests wait.
+    /// Whether new requests wait (a pause, or inactive).
     pub fn is_paused(&self) -> bool {
-        self.paused.load(Ordering::SeqCst)
+        self.waiting()
+    }
+
+    /// Whether new requests are refused.
+    pub fn is_refusing(&self) -> bool {
+        self.refusing.load(Ordering::SeqCst)
     }
 
     /// Requests in flight.
@@ -135,15 +194,26 @@ mod tests {
     #[test]
     fn a_pause_refuses_new_requests_and_waits_for_those_in_flight() {
         let gate = Arc::new(RequestGate::default());
-        let running = gate.try_start().expect("not paused");
+        let Admission::Start(running) = gate.try_start() else {
+            panic!("not paused, yet not admitted");
+        };
         let pause = gate.pause();
-        assert!(gate.try_start().is_none(), "started while paused");
+        assert!(
+            matches!(gate.try_start(), Admission::Wait),
+            "started while paused"
+        );
         assert!(!gate.wait_idle(Duration::from_millis(20)));
         let g = gate.clone();
         let waiter = std::thread::spawn(move || g.wait_idle(Duration::from_secs(30)));
         drop(running);
         assert!(waiter.join().unwrap());
         drop(pause);
-        assert!(gate.try_start().is_some());
+        assert!(matches!(gate.try_start(), Admission::Start(_)));
+        gate.set_inactive(true);
+        assert!(matches!(gate.try_start(), Admission::Wait));
+        gate.refuse_while_inactive();
+        assert!(matches!(gate.try_start(), Admission::Refuse));
+        gate.set_inactive(false);
+        assert!(matches!(gate.try_start(), Admission::Start(_)));
     }
 }

@@ -51,6 +51,12 @@ pub struct ServeOptions {
     pub control: Option<PathBuf>,
     /// Engine threads (allocating writes, discards, write-zeroes).
     pub engine_threads: usize,
+    /// Start inactive (the chain handed over by another daemon): no image
+    /// locks, requests wait until `activate` (at most `inactive_timeout`,
+    /// then they fail).
+    pub inactive: bool,
+    /// How long requests wait while inactive.
+    pub inactive_timeout: Duration,
 }
 
 /// Why serving failed.
@@ -131,18 +137,23 @@ struct Server {
     signals: Signals,
 }
 
-/// Serves `chain` (opened with `chain_options`, which a live snapshot
-/// reuses for the new top) until SIGTERM or SIGINT; flushes it then.
+/// Serves `chain` until SIGTERM or SIGINT; flushes it then.
+/// `chain_options` are how the chain is opened while active (a live
+/// snapshot and an activation reuse them); with `options.inactive`, `chain`
+/// was opened inactive (read-only, no locks).
 pub fn serve(
     chain: Chain,
     chain_options: ChainOptions,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
     let listener = bind(&options.socket, options.socket_mode)?;
-    let shared = Arc::new(Shared::new(
-        Arc::new(ChainHandle::new(chain)),
-        chain_options,
-    ));
+    let handle = Arc::new(ChainHandle::new(chain));
+    let shared = if options.inactive {
+        Shared::new_inactive(handle, chain_options)
+    } else {
+        Shared::new(handle, chain_options)
+    };
+    let shared = Arc::new(shared.with_inactive_timeout(options.inactive_timeout));
     if let Some(path) = &options.control {
         let control = crate::control::bind(path, options.socket_mode)
             .map_err(io_err(format!("control socket {}", path.display())))?;
@@ -239,6 +250,8 @@ impl Server {
                     num_queues: o.num_queues,
                     queue_size: o.queue_size,
                     engine_threads: o.engine_threads,
+                    read_only: Some(!self.shared.options.writable),
+                    gate: Some(self.shared.gate.clone()),
                 },
             )
             .map_err(io_err("engine threads"))?,
@@ -282,6 +295,7 @@ impl Server {
 
         let mut end = SessionEnd::Disconnected;
         while !waiter.is_finished() {
+            self.shared.tick();
             if self.stop_requested() {
                 end = SessionEnd::Stop;
                 // Finish what the guest asked for (no new request starts),
@@ -315,6 +329,7 @@ impl Server {
         }
         *self.session_slot() = None;
         backend.drain();
+        self.shared.gate.clear_wakers();
         drop(daemon);
         match result {
             Err(vhost_user_backend::Error::HandleRequest(

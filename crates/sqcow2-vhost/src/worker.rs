@@ -29,7 +29,7 @@ use vm_memory::{
 };
 
 use crate::device::BlkDevice;
-use crate::gate::RequestPermit;
+use crate::gate::{Admission, RequestPermit};
 use crate::offload::{Finished, JobResult, Mailbox};
 use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
 use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
@@ -218,16 +218,25 @@ impl QueueWorker {
                     .map_err(io::Error::other)?;
             }
             loop {
-                let Some(permit) = self.device.gate().try_start() else {
+                let admission = self.device.gate().try_start();
+                if let Admission::Wait = admission {
                     self.deferred = true;
                     break;
-                };
+                }
                 let Some(chain) = queue.pop_descriptor_chain(&**mem) else {
                     break;
                 };
-                let done = match request::parse(chain, &limits) {
-                    Ok(req) => self.start(queue_index, req, mem, permit),
-                    Err(rejected) => {
+                let done = match (request::parse(chain, &limits), admission) {
+                    (Ok(req), Admission::Start(permit)) => {
+                        self.start(queue_index, req, mem, permit)
+                    }
+                    (Ok(req), _) => {
+                        // Inactive too long: the request fails.
+                        self.stats
+                            .account(queue_index, &req, VIRTIO_BLK_S_IOERR, Instant::now());
+                        Some(finish(queue_index, &req, Outcome::ioerr(), mem))
+                    }
+                    (Err(rejected), _) => {
                         self.stats.account_rejected(queue_index);
                         debug!(
                             reason = rejected.reason,
@@ -606,7 +615,8 @@ impl QueueWorker {
         for finished in self.mailbox.take() {
             self.job_done(finished);
         }
-        if self.deferred && !self.device.gate().is_paused() {
+        let gate = self.device.gate();
+        if self.deferred && (!gate.is_paused() || gate.is_refusing()) {
             self.deferred = false;
             return true;
         }

@@ -72,6 +72,9 @@ pub struct ChainOptions {
     /// Only headers are looked at (`info`): no permission is held on the
     /// data (QEMU's `qemu-img info`).
     pub inspect_only: bool,
+    /// Inactive (handed over to another process, like QEMU's inactive
+    /// nodes during migration): read-only, no image lock held at all.
+    pub inactive: bool,
 }
 
 impl Default for ChainOptions {
@@ -89,6 +92,7 @@ impl Default for ChainOptions {
             locking: Locking::Auto,
             force_share: false,
             inspect_only: false,
+            inactive: false,
         }
     }
 }
@@ -156,6 +160,9 @@ impl ChainOptions {
     /// The image locks a layer takes: the top (`top`) written or read,
     /// backing layers read.
     pub(crate) fn lock_request(&self, top: bool) -> LockRequest {
+        if self.inactive {
+            return LockRequest::NONE;
+        }
         let base = if top && self.writable {
             LockRequest::WRITER
         } else if self.inspect_only {

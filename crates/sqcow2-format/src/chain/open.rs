@@ -51,6 +51,11 @@ fn open_layer(
     let top = matches!(expect, Expect::Top);
     let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
         (Expect::Top, Some(s), _) => s.clone(),
+        // A top to write that was open read-only (an inactive chain, which
+        // holds no lock): opened again for writing.
+        (Expect::Top, None, Some(Opened::Reused(s))) if options.writable && !s.is_writable() => {
+            Arc::new(FileStorage::open_read_write(path)?)
+        }
         (_, _, Some(Opened::Reused(s))) => s,
         (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
         (_, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
@@ -211,6 +216,9 @@ impl Chain {
     ) -> Result<Chain, Error> {
         if options.force_share && options.writable {
             return Err(Error::new(path, ErrorKind::ForceShareWritable));
+        }
+        if options.inactive && options.writable {
+            return Err(Error::new(path, ErrorKind::ReadOnly));
         }
         let layers = open_layers(path, options, reuse)?;
         let (index, index_state) = if options.use_index {

@@ -15,10 +15,12 @@ use sqcow2_format::{Chain, ChainOptions, Locking};
 use tracing::{info, warn};
 
 use crate::backend::BlkBackend;
+use crate::gate::RequestGate;
 use crate::handle::ChainHandle;
 use protocol::{
-    CacheCounters, Command, Failure, FailureKind, IndexMode, Info, PrometheusText, QueueCounters,
-    Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps, Stats, StatsFormat,
+    Activity, CacheCounters, Command, Failure, FailureKind, IndexMode, Info, PrometheusText,
+    QueueCounters, Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps, Stats,
+    StatsFormat,
 };
 
 /// Longest request line accepted.
@@ -31,11 +33,18 @@ const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Shared {
     /// The served chain.
     pub handle: Arc<ChainHandle>,
-    /// How the chain is opened (a live snapshot reopens it so).
+    /// How the chain is opened while active (a live snapshot and an
+    /// activation open it so).
     pub options: ChainOptions,
     /// The backend of the connected frontend, if any.
     pub session: Mutex<Option<Arc<BlkBackend>>>,
-    /// Held by a running snapshot.
+    /// Which requests may start, across frontend sessions.
+    pub gate: Arc<RequestGate>,
+    /// Since when the daemon is inactive, if it is.
+    inactive_since: Mutex<Option<Instant>>,
+    /// How long requests wait while inactive before they fail.
+    inactive_timeout: Duration,
+    /// Held by a running snapshot, activation or inactivation.
     snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
@@ -43,15 +52,57 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// State for serving `handle`.
+    /// State for serving `handle` (active), the chain opened with `options`.
     pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         Shared {
             handle,
             options,
             session: Mutex::new(None),
+            gate: Arc::new(RequestGate::default()),
+            inactive_since: Mutex::new(None),
+            inactive_timeout: Duration::from_secs(60),
             snapshot_running: Mutex::new(()),
             pauses_ms: Mutex::new(Vec::new()),
             started: Instant::now(),
+        }
+    }
+
+    /// How long requests wait while the daemon is inactive (default 60 s).
+    pub fn with_inactive_timeout(self, timeout: Duration) -> Self {
+        Shared {
+            inactive_timeout: timeout,
+            ..self
+        }
+    }
+
+    /// State for serving `handle`, opened inactive: requests wait for an
+    /// activation (which opens the chain with `options`), for at most the
+    /// inactive timeout, then fail.
+    pub fn new_inactive(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
+        let shared = Shared::new(handle, options);
+        shared.gate.set_inactive(true);
+        *shared.lock_inactive() = Some(Instant::now());
+        shared
+    }
+
+    fn lock_inactive(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.inactive_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the daemon is active (holds its image locks, serves).
+    pub fn is_active(&self) -> bool {
+        self.lock_inactive().is_none()
+    }
+
+    /// Called now and then: once inactive longer than the timeout,
+    /// waiting requests fail (IOERR) and new ones fail at once.
+    pub fn tick(&self) {
+        if let Some(since) = *self.lock_inactive() {
+            if since.elapsed() >= self.inactive_timeout {
+                self.gate.refuse_while_inactive();
+            }
         }
     }
 
@@ -129,6 +180,8 @@ pub fn handle_line(line: &str, shared: &Shared) -> Reply {
         Command::Flush => {
             flush(shared).map(|()| Reply::success(id.clone(), &serde_json::json!({})))
         }
+        Command::Activate => activate(shared).map(|r| Reply::success(id.clone(), &r)),
+        Command::Inactivate => inactivate(shared).map(|r| Reply::success(id.clone(), &r)),
         Command::Info => Ok(Reply::success(id.clone(), &info_of(shared))),
         Command::Stats {
             format: StatsFormat::Json,
@@ -160,6 +213,12 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let Ok(_running) = shared.snapshot_running.try_lock() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
     };
+    if !shared.is_active() {
+        return Err(fail(
+            FailureKind::Inactive,
+            "the daemon is inactive: activate it first",
+        ));
+    }
     if new.exists() {
         return Err(fail(
             FailureKind::Exists,
@@ -175,17 +234,14 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         )
     })?;
     let start = Instant::now();
-    let session = shared.session();
     // No new request starts; those in flight complete (the workers keep
     // running, nothing they do waits for this thread).
-    let pause = session.as_ref().map(|b| b.pause());
-    if let Some(backend) = &session {
-        if !backend.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
-            return Err(fail(
-                FailureKind::SnapshotFailed,
-                format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
-            ));
-        }
+    let pause = shared.gate.pause();
+    if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        return Err(fail(
+            FailureKind::SnapshotFailed,
+            format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+        ));
     }
     let drained = start.elapsed();
     let old = shared.handle.get();
@@ -249,6 +305,74 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     })
 }
 
+/// Hands the disk over to this daemon: takes the image locks (refused if
+/// another process holds the chain), opens the chain afresh (metadata and
+/// index reloaded and checked), lets requests start.
+fn activate(shared: &Shared) -> Result<Activity, Failure> {
+    let Ok(_busy) = shared.snapshot_running.try_lock() else {
+        return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
+    };
+    if shared.is_active() {
+        return Ok(Activity { active: true });
+    }
+    let old = shared.handle.get();
+    let top = old.top().path().to_path_buf();
+    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
+    let chain = Chain::open_reusing(&top, &shared.options, &reuse).map_err(|e| {
+        let kind = match e.kind {
+            sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
+            _ => FailureKind::IoError,
+        };
+        fail(kind, e.to_string())
+    })?;
+    drop(old);
+    drop(shared.handle.replace(chain));
+    *shared.lock_inactive() = None;
+    shared.gate.set_inactive(false);
+    info!(top = %top.display(), "activated");
+    Ok(Activity { active: true })
+}
+
+/// Hands the disk over to another daemon: new requests wait, those in
+/// flight complete, the chain is flushed and left clean, its metadata
+/// dropped and every image lock released.
+fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
+    let Ok(_busy) = shared.snapshot_running.try_lock() else {
+        return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
+    };
+    if !shared.is_active() {
+        return Ok(Activity { active: false });
+    }
+    shared.gate.set_inactive(true);
+    let undo = |f: Failure| {
+        shared.gate.set_inactive(false);
+        f
+    };
+    if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        return Err(undo(fail(
+            FailureKind::IoError,
+            format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+        )));
+    }
+    let old = shared.handle.get();
+    old.flush_clean()
+        .map_err(|e| undo(fail(FailureKind::IoError, format!("flush: {e}"))))?;
+    let top = old.top().path().to_path_buf();
+    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
+    let options = ChainOptions {
+        writable: false,
+        inactive: true,
+        ..shared.options.clone()
+    };
+    let chain = Chain::open_reusing(&top, &options, &reuse)
+        .map_err(|e| undo(fail(FailureKind::IoError, e.to_string())))?;
+    drop(old);
+    drop(shared.handle.replace(chain));
+    *shared.lock_inactive() = Some(Instant::now());
+    info!(top = %top.display(), "inactivated: image locks released");
+    Ok(Activity { active: false })
+}
+
 fn info_of(shared: &Shared) -> Info {
     let chain = shared.handle.get();
     let layers: Vec<_> = chain
@@ -263,6 +387,7 @@ fn info_of(shared: &Shared) -> Info {
         virtual_size: chain.virtual_size(),
         indexed: chain.is_indexed(),
         writable: chain.is_writable(),
+        active: shared.is_active(),
         write_failure: chain.failure().map(str::to_owned),
         frontend_connected: shared.session().is_some(),
     }
@@ -313,9 +438,8 @@ fn stats(shared: &Shared) -> Stats {
             pause_ms_max: pauses.last().copied().unwrap_or(0.0),
         },
         queues,
-        requests_in_flight: session
-            .as_ref()
-            .map_or(0, |b| b.device().gate().in_flight()),
+        requests_in_flight: shared.gate.in_flight(),
+        active: shared.is_active(),
         worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
         write_failure: chain.failure().map(str::to_owned),
     }

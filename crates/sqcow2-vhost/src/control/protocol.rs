@@ -35,6 +35,10 @@ pub enum Command {
         /// Output format.
         format: StatsFormat,
     },
+    /// Take the disk over: lock, reload, serve.
+    Activate,
+    /// Hand the disk over: quiesce, flush, release the locks.
+    Inactivate,
 }
 
 /// How `stats` answers.
@@ -77,6 +81,10 @@ pub enum FailureKind {
     SnapshotFailed,
     /// A flush failed.
     IoError,
+    /// Another process holds the chain (image locks).
+    Locked,
+    /// The daemon is inactive (the disk is handed over).
+    Inactive,
 }
 
 /// A failed request: its kind and a message for people.
@@ -189,6 +197,8 @@ impl Request {
             },
             "flush" => Command::Flush,
             "info" => Command::Info,
+            "activate" => Command::Activate,
+            "inactivate" => Command::Inactivate,
             "stats" => match serde_json::from_value::<StatsArgs>(args) {
                 Ok(a) => Command::Stats { format: a.format },
                 Err(e) => return Err((id, bad(format!("stats: {e}")))),
@@ -217,6 +227,8 @@ impl Request {
             ),
             Command::Flush => ("flush", vec![]),
             Command::Info => ("info", vec![]),
+            Command::Activate => ("activate", vec![]),
+            Command::Inactivate => ("inactivate", vec![]),
             Command::Stats { format } => (
                 "stats",
                 vec![(
@@ -234,6 +246,13 @@ impl Request {
         }
         Value::Object(o).to_string()
     }
+}
+
+/// The result of `activate` and `inactivate`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Activity {
+    /// Whether the daemon is active now.
+    pub active: bool,
 }
 
 /// Time of each step of a live snapshot, in milliseconds.
@@ -279,6 +298,8 @@ pub struct Info {
     pub indexed: bool,
     /// Whether the chain takes writes.
     pub writable: bool,
+    /// Whether the daemon is active (holds its image locks and serves).
+    pub active: bool,
     /// Why writes are refused although the chain was opened writable.
     pub write_failure: Option<String>,
     /// Whether a vhost-user frontend is connected.
@@ -365,6 +386,8 @@ pub struct Stats {
     pub queues: Vec<QueueCounters>,
     /// Requests in flight now.
     pub requests_in_flight: usize,
+    /// Whether the daemon is active (holds its image locks and serves).
+    pub active: bool,
     /// Panics caught in queue workers and engine threads (bugs: their
     /// requests failed, and the chain refuses writes since).
     pub worker_panics: u64,
@@ -391,6 +414,8 @@ mod tests {
             },
             Command::Flush,
             Command::Info,
+            Command::Activate,
+            Command::Inactivate,
             Command::Stats {
                 format: StatsFormat::Prometheus,
             },
