@@ -268,10 +268,11 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
             // Keep serving the old top; the new file would go stale.
             let _ = std::fs::remove_file(new);
             let _ = std::fs::remove_file(sqcow2_format::indexing::index_path_of(new));
-            return Err(fail(
-                FailureKind::SnapshotFailed,
-                format!("opening the new top: {e}"),
-            ));
+            let kind = match e.kind {
+                sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
+                _ => FailureKind::SnapshotFailed,
+            };
+            return Err(fail(kind, format!("opening the new top: {e}")));
         }
     };
     let layers = chain.layers().len();
