@@ -278,11 +278,14 @@ fn lazy_refcounts_dirty_bit_and_repair() {
     );
     assert_eq!(qemu_check(&img).0, Some(0));
 
-    // A crash after a flush: the image stays dirty with stale refcounts.
+    // A crash after a flush: the image stays dirty with stale refcounts
+    // (a failed engine writes nothing more back; dropping it closes the
+    // file as a crash would).
     let chain = rw(&img);
     chain.write_at(&[8u8; 300_000], 2 << 20).unwrap();
     chain.flush().unwrap();
-    std::mem::forget(chain);
+    chain.fail("simulated crash");
+    drop(chain);
     assert_eq!(incompatible_bits(&img) & 1, 1);
     let info: serde_json::Value =
         serde_json::from_str(&sqcow2(&["info", "--output", "json", s(&img)])).unwrap();
@@ -329,6 +332,8 @@ fn read_only_and_bitmap_images_refuse_writes() {
     let ro = Chain::open(&img, &ChainOptions::default()).unwrap();
     assert!(ro.write_at(&[1], 0).is_err());
     assert!(ro.write_at(&[1], 16 << 20).is_err());
+    // (A reader holds the image locks: qemu-img could not write it.)
+    drop(ro);
     qemu_img(&["bitmap", "--add", s(&img), "b0"]);
     let err = Chain::open(
         &img,
