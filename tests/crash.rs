@@ -5,6 +5,12 @@
 //! has no errors for `qemu-img check` (leaks allowed), reopens,
 //! `check -r leaks` leaves no leak, and every write completed before the
 //! last completed flush reads back.
+//!
+//! Seeds also publish (`Chain::publish`: completed writes' mappings written
+//! to the file without a sync) after every write, or after some: a power
+//! loss must still leave only leaks, and a process death right after the
+//! last operation (the file as the kernel's page cache holds it) must read
+//! back every published write.
 
 mod common;
 
@@ -158,6 +164,68 @@ fn workload(rng: &mut fastrand::Rng, cluster: u64, n: usize) -> Vec<GuestOp> {
         .collect()
 }
 
+/// When a seed publishes the mappings of completed writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Publish {
+    Never,
+    Always,
+    Sometimes,
+}
+
+impl Publish {
+    fn of_seed(seed: u64) -> Self {
+        match seed % 3 {
+            0 => Publish::Never,
+            1 => Publish::Always,
+            _ => Publish::Sometimes,
+        }
+    }
+}
+
+/// The process died after the last operation, every write published: the
+/// file as the page cache holds it (`live`) is consistent and reads back
+/// the model exactly, before and after a reopen for writing.
+fn process_death(top: &Path, live: &[u8], model: &[u8], lazy: bool, ctx: &str) {
+    std::fs::write(top, live).unwrap();
+    let here = format!("{ctx} process death");
+    if !lazy {
+        let (code, out) = qemu_check_code(top);
+        assert!(
+            matches!(code, Some(0 | 3)),
+            "{here}: qemu-img check:\n{out}"
+        );
+    }
+    let read_back = |when: &str| {
+        let chain = Chain::open(top, &ChainOptions::default())
+            .unwrap_or_else(|e| panic!("{here}: open {when}: {e}"));
+        let mut actual = vec![0u8; SIZE as usize];
+        chain.read_at(&mut actual, 0).unwrap();
+        if let Some(b) = actual.iter().zip(model).position(|(a, m)| a != m) {
+            panic!(
+                "{here}: {when}, byte {b} reads {:#x}, the last completed write left {:#x}",
+                actual[b], model[b]
+            );
+        }
+    };
+    if !lazy {
+        read_back("as left");
+    }
+    let rw = ChainOptions {
+        writable: true,
+        ..ChainOptions::default()
+    };
+    Chain::open(top, &rw)
+        .unwrap_or_else(|e| panic!("{here}: reopen: {e}"))
+        .close()
+        .unwrap_or_else(|e| panic!("{here}: close: {e}"));
+    let (code, out) = qemu_check_code(top);
+    assert!(
+        matches!(code, Some(0 | 3)),
+        "{here}: qemu-img check after reopening:\n{out}"
+    );
+    read_back("after a reopen");
+}
+
 fn qemu_check_code(top: &Path) -> (Option<i32>, String) {
     let out = run_raw(Command::new("qemu-img").args(["check", s(top)]));
     (
@@ -185,7 +253,7 @@ fn run_seed(seed: u64) -> usize {
         lazy: cfg.lazy && !cfg.v2,
         ..cfg
     };
-    let ctx = format!("seed {seed} {cfg:?}");
+    let ctx = format!("seed {seed} {cfg:?} {:?}", Publish::of_seed(seed));
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let initial = prepare(dir, &cfg);
@@ -210,6 +278,7 @@ fn run_seed(seed: u64) -> usize {
         ..ChainOptions::default()
     };
     let ops = workload(&mut rng, cfg.cluster, 50);
+    let publish = Publish::of_seed(seed);
     // (op index, log length when the op completed, model after the op)
     let mut completed: Vec<(usize, usize, Option<Vec<u8>>)> = Vec::new();
     {
@@ -226,6 +295,16 @@ fn run_seed(seed: u64) -> usize {
                 }
                 GuestOp::Flush => chain.flush().unwrap(),
             }
+            let published = match publish {
+                Publish::Never => false,
+                Publish::Always => true,
+                Publish::Sometimes => rng.bool(),
+            };
+            if published && !matches!(op, GuestOp::Flush) {
+                chain
+                    .publish()
+                    .unwrap_or_else(|e| panic!("{ctx}: publish: {e}"));
+            }
             let log_len = storage.log.lock().unwrap().len();
             let snapshot = matches!(op, GuestOp::Flush).then(|| model.clone());
             completed.push((i, log_len, snapshot));
@@ -235,6 +314,10 @@ fn run_seed(seed: u64) -> usize {
     }
     let log = storage.log.lock().unwrap().clone();
     let initial_model = std::fs::read(&raw).unwrap();
+    if publish == Publish::Always {
+        let live = storage.live.lock().unwrap().clone();
+        process_death(&top, &live, &model, cfg.lazy, &ctx);
+    }
 
     let mut points = 0;
     let mut durable = initial.clone();

@@ -28,7 +28,10 @@ fn assert_clean(storage: &Arc<TestStorage>) -> CheckReport {
 }
 
 /// Host offset of the top's own cluster at `guest`, if it is one.
+/// Where a write to `guest` would go in place (mappings not yet published
+/// to the file never go in place: publish first).
 fn host_of(chain: &Chain, guest: u64) -> Option<u64> {
+    chain.publish().expect("publish");
     let ticket = chain.begin_transfer();
     chain
         .in_place_target(&ticket, GuestOffset(guest), 512)

@@ -1,7 +1,10 @@
 //! Work a queue worker hands off so that it never blocks on it: engine
 //! operations (allocating writes, discards, write-zeroes) run on a pool of
-//! engine threads, flushes on one flusher thread, which batches the
-//! flushes queued meanwhile into one. Each result goes back to the worker
+//! engine threads, flushes and publishes (the mappings of completed
+//! changes written to the files before the guest is told, see
+//! [`sqcow2_format::Chain::publish`]) on one flusher thread, which serves
+//! all those queued meanwhile with one flush, or one publish if none asked
+//! for a flush. Each result goes back to the worker
 //! that asked, through its [`Mailbox`] (a channel and an eventfd in the
 //! worker's epoll set).
 //!
@@ -112,6 +115,16 @@ impl Mailbox {
 
 type Work = Box<dyn FnOnce() -> JobResult + Send>;
 
+/// What a request asks of the flusher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Persist {
+    /// Make every completed write durable (a guest flush).
+    Flush,
+    /// Write the mappings of completed changes to the files (before a
+    /// write, discard or write-zeroes is completed to the guest).
+    Publish,
+}
+
 struct Job {
     work: Work,
     reply: ReturnAddress,
@@ -120,7 +133,7 @@ struct Job {
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
     jobs: Option<Sender<Job>>,
-    flushes: Option<Sender<ReturnAddress>>,
+    flushes: Option<Sender<(ReturnAddress, Persist)>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -184,7 +197,7 @@ impl Offload {
                     })?,
             );
         }
-        let (flushes, flush_rx) = channel::<ReturnAddress>();
+        let (flushes, flush_rx) = channel::<(ReturnAddress, Persist)>();
         threads.push(
             std::thread::Builder::new()
                 .name("flusher".into())
@@ -213,27 +226,40 @@ impl Offload {
         .map_err(|e| e.0.reply)
     }
 
-    /// Flushes the chain; the result goes to `reply` (flushes queued while
-    /// one runs are served by the next, together).
-    pub(crate) fn flush(&self, reply: ReturnAddress) -> Result<(), ReturnAddress> {
+    /// Flushes or publishes the chain; the result goes to `reply` (those
+    /// queued while one runs are served by the next, together).
+    pub(crate) fn persist(&self, reply: ReturnAddress, what: Persist) -> Result<(), ReturnAddress> {
         match &self.flushes {
-            Some(f) => f.send(reply).map_err(|e| e.0),
+            Some(f) => f.send((reply, what)).map_err(|e| e.0 .0),
             None => Err(reply),
         }
     }
 }
 
-/// The flusher: one flush for every batch of flush requests.
-fn flusher(rx: Receiver<ReturnAddress>, handle: Arc<ChainHandle>, panics: Arc<AtomicU64>) {
+/// The flusher: one flush (or publish, if no request of the batch asked
+/// for a flush, which includes it) for every batch of requests.
+fn flusher(
+    rx: Receiver<(ReturnAddress, Persist)>,
+    handle: Arc<ChainHandle>,
+    panics: Arc<AtomicU64>,
+) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while let Ok(more) = rx.try_recv() {
             batch.push(more);
         }
+        let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
         let chain = handle.get();
-        let work: Work = Box::new(move || chain.flush().map_err(|e| e.to_string()));
+        let work: Work = Box::new(move || {
+            let done = if flush {
+                chain.flush()
+            } else {
+                chain.publish()
+            };
+            done.map_err(|e| e.to_string())
+        });
         let result = run_guarded(work, &handle, &panics);
-        for reply in batch {
+        for (reply, _) in batch {
             reply.send(result.clone());
         }
     }

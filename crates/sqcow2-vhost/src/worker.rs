@@ -30,7 +30,7 @@ use vm_memory::{
 
 use crate::device::BlkDevice;
 use crate::gate::{Admission, RequestPermit};
-use crate::offload::{Finished, JobResult, Mailbox};
+use crate::offload::{Finished, JobResult, Mailbox, Persist};
 use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
 use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
 use crate::stats::{QueueStats, WorkerStats};
@@ -73,6 +73,9 @@ struct InFlight {
     short: bool,
     /// Flush once the data is written (write-through cache mode).
     flush_after: bool,
+    /// Publish once the engine has changed mappings for the request, so
+    /// that its completion survives a death of the daemon.
+    publish_after: bool,
 }
 
 /// The engine of one worker thread.
@@ -320,6 +323,7 @@ impl QueueWorker {
             failed: false,
             short: false,
             flush_after,
+            publish_after: false,
         })
     }
 
@@ -373,10 +377,10 @@ impl QueueWorker {
                 self.send_flush(slot)
             }
             RequestKind::Discard(ranges) => {
-                self.send_job(slot, zero_job(&self.device, ranges, false))
+                self.send_mapping_job(slot, zero_job(&self.device, ranges, false))
             }
             RequestKind::WriteZeroes(ranges) => {
-                self.send_job(slot, zero_job(&self.device, ranges, true))
+                self.send_mapping_job(slot, zero_job(&self.device, ranges, true))
             }
             _ => Ok(()),
         };
@@ -402,10 +406,27 @@ impl QueueWorker {
         Ok(())
     }
 
+    /// Hands off a job that may change mappings: the request is published
+    /// before it completes.
+    fn send_mapping_job(
+        &mut self,
+        slot: usize,
+        work: impl FnOnce() -> JobResult + Send + 'static,
+    ) -> Result<(), TransferError> {
+        if let Some(f) = self.slots.get_mut(slot) {
+            f.publish_after = true;
+        }
+        self.send_job(slot, work)
+    }
+
     fn send_flush(&mut self, slot: usize) -> Result<(), TransferError> {
+        self.send_persist(slot, Persist::Flush)
+    }
+
+    fn send_persist(&mut self, slot: usize, what: Persist) -> Result<(), TransferError> {
         self.device
             .offload()
-            .flush(self.mailbox.address(slot))
+            .persist(self.mailbox.address(slot), what)
             .map_err(|_| TransferError::Offload)?;
         self.jobs_outstanding += 1;
         if let Some(f) = self.slots.get_mut(slot) {
@@ -423,7 +444,8 @@ impl QueueWorker {
     }
 
     /// Moves the request in `slot` on once its running parts are done:
-    /// drops its transfer ticket, flushes (write-through), completes.
+    /// drops its transfer ticket, flushes (write-through) or publishes its
+    /// mappings, completes.
     fn progress(&mut self, slot: usize) -> Option<Completion> {
         let f = self.slots.get_mut(slot)?;
         if f.submitting || f.ring_pending > 0 || f.jobs_pending > 0 {
@@ -431,12 +453,18 @@ impl QueueWorker {
         }
         // No transfer of the request runs any more.
         f.transfer = None;
-        if f.flush_after && !f.failed {
-            f.flush_after = false;
-            match self.send_flush(slot) {
+        let persist = match (f.failed, f.flush_after, f.publish_after) {
+            (true, ..) | (false, false, false) => None,
+            (false, true, _) => Some(Persist::Flush),
+            (false, false, true) => Some(Persist::Publish),
+        };
+        f.flush_after = false;
+        f.publish_after = false;
+        if let Some(what) = persist {
+            match self.send_persist(slot, what) {
                 Ok(()) => return None,
                 Err(e) => {
-                    crate::limited_warn!("write-through flush: {e}");
+                    crate::limited_warn!("{what:?} before completing: {e}");
                     if let Some(f) = self.slots.get_mut(slot) {
                         f.failed = true;
                     }
@@ -513,7 +541,7 @@ impl QueueWorker {
         let data = std::mem::take(&mut bounce.data);
         let start = bounce.start;
         let handle = self.device.handle().clone();
-        self.send_job(slot, move || {
+        self.send_mapping_job(slot, move || {
             handle
                 .get()
                 .write_at(&data, start)
@@ -668,6 +696,7 @@ impl QueueWorker {
                 f.ring_pending = 0;
                 f.jobs_pending = 0;
                 f.flush_after = false;
+                f.publish_after = false;
             }
             if let Some(c) = self.retire(slot) {
                 self.completed.push(c);

@@ -1,20 +1,27 @@
-//! The ordered flush. What waits to be written is copied under the
-//! metadata lock ([`WriteBack`]) and written with no lock held, each step
-//! made durable before the next:
+//! Writing metadata back. What waits to be written is copied under the
+//! metadata lock ([`WriteBack`]) and written with no lock held, in an order
+//! that leaves the file consistent for a reader at every moment and after a
+//! power loss at any point:
 //!
-//! 1. guest data;
-//! 2. refcount blocks, then the refcount table, then the header when the
-//!    table moved (new clusters are counted before anything points to
-//!    them);
-//! 3. L2 tables, then L1 entries;
-//! 4. decrements of clusters no longer referenced, which only then become
+//! 1. guest data and refcount blocks, then one sync (new clusters are
+//!    counted, and hold their data, before anything points to them); then
+//!    the refcount table and the header when they changed, each synced;
+//! 2. the changed parts of L2 tables; then, if L1 entries changed, a sync
+//!    (the tables they point to are complete) and the L1 entries;
+//! 3. for a flush only ([`Durability::Durable`]): a final sync, then the
+//!    decrements of clusters no longer referenced, which only then become
 //!    free for reuse, and only once every transfer that may still use them
 //!    has ended (the transfer fence): at this flush if they have, else at a
 //!    later one.
 //!
-//! A crash at any point leaves at worst leaked clusters. With lazy
-//! refcounts step 2 and 4's writes are deferred to a clean close, and the
-//! dirty bit is set on disk before the first metadata write.
+//! A *publish* ([`Durability::Published`]) stops after step 2: the mappings
+//! of completed writes are in the files (the kernel's page cache), so a
+//! process death loses none of them, and since the data and refcounts they
+//! point to are already durable, whatever the kernel writes back before
+//! the next flush leaves at worst leaked clusters after a power loss.
+//!
+//! With lazy refcounts the refcount writes are deferred to a clean close,
+//! and the dirty bit is set on disk before the first metadata write.
 
 use crate::error::Error;
 use crate::features::INCOMPAT_DIRTY;
@@ -28,8 +35,8 @@ use super::state::{ActiveState, TopFile};
 #[derive(Debug, Default)]
 pub(crate) struct WriteBack {
     refcounts: RefcountSnapshot,
-    /// Dirty L2 tables: (offset, bytes, generation).
-    tables: Vec<(u64, Vec<u8>, u64)>,
+    /// Dirty L2 tables.
+    tables: Vec<DirtyTable>,
     /// Dirty L1 entries: (index, value).
     l1: Vec<(usize, u64)>,
     /// Releases queued before the copy, and the transfers that may still
@@ -40,10 +47,33 @@ pub(crate) struct WriteBack {
     set_dirty_bit: bool,
 }
 
+/// The changed parts of one L2 table, copied.
+#[derive(Debug)]
+pub(crate) struct DirtyTable {
+    offset: u64,
+    /// (file offset, bytes) of each changed part.
+    parts: Vec<(u64, Vec<u8>)>,
+    generation: u64,
+}
+
+/// How far a write-back goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// A flush: everything synced.
+    Durable,
+    /// A publish: the mappings in the files (page cache), not synced.
+    Published,
+}
+
 impl WriteBack {
     /// Whether only a data sync is needed.
     pub(crate) fn is_empty(&self) -> bool {
         self.refcounts.is_empty() && self.tables.is_empty() && self.l1.is_empty()
+    }
+
+    /// Whether the dirty bit is to be set on disk first.
+    pub(crate) fn sets_dirty_bit(&self) -> bool {
+        self.set_dirty_bit
     }
 }
 
@@ -66,10 +96,24 @@ impl ActiveState {
             ..WriteBack::default()
         };
         for (offset, slot) in &self.l2 {
-            if slot.dirty {
-                let bytes = slot.table.iter().flat_map(|e| e.to_be_bytes()).collect();
-                wb.tables.push((*offset, bytes, slot.generation));
+            if !slot.dirty.any() {
+                continue;
             }
+            let parts = slot
+                .dirty
+                .ranges(slot.table.len())
+                .into_iter()
+                .map(|r| {
+                    let at = *offset + r.start as u64 * 8;
+                    let bytes = slot.table[r].iter().flat_map(|e| e.to_be_bytes()).collect();
+                    (at, bytes)
+                })
+                .collect();
+            wb.tables.push(DirtyTable {
+                offset: *offset,
+                parts,
+                generation: slot.generation,
+            });
         }
         wb.l1 = std::mem::take(&mut self.dirty_l1)
             .into_iter()
@@ -88,10 +132,10 @@ impl ActiveState {
     /// before its cut have ended.
     pub(crate) fn written(&mut self, wb: WriteBack) {
         self.refcounts_written(&wb.refcounts);
-        for (offset, _, generation) in &wb.tables {
-            if let Some(slot) = self.l2.get_mut(offset) {
-                if slot.generation == *generation {
-                    slot.dirty = false;
+        for t in &wb.tables {
+            if let Some(slot) = self.l2.get_mut(&t.offset) {
+                if slot.generation == t.generation {
+                    slot.dirty.clear();
                 }
             }
         }
@@ -175,49 +219,69 @@ impl TopFile {
             self.sync()?;
         }
         if let Some((offset, clusters)) = rc.moved_to() {
-            let mut fields = [0u8; 12];
-            fields[..8].copy_from_slice(&offset.to_be_bytes());
-            fields[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
-            storage
-                .write_at(&fields, field::REFCOUNT_TABLE_OFFSET as u64)
-                .map_err(|e| self.io(e))?;
-            self.sync()?;
+            self.write_table_location(offset, clusters)?;
         }
         Ok(())
     }
 
-    /// Writes `wb` in the flush order; `incompatible` is the header's
-    /// incompatible feature word.
+    /// Points the header at a moved refcount table, durably.
+    fn write_table_location(&self, offset: u64, clusters: u64) -> Result<(), Error> {
+        let mut fields = [0u8; 12];
+        fields[..8].copy_from_slice(&offset.to_be_bytes());
+        fields[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
+        self.storage
+            .write_at(&fields, field::REFCOUNT_TABLE_OFFSET as u64)
+            .map_err(|e| self.io(e))?;
+        self.sync()
+    }
+
+    /// Writes `wb` in the order of the module's doc; `incompatible` is the
+    /// header's incompatible feature word.
     pub(crate) fn write_out(
         &self,
         wb: &WriteBack,
         incompatible: u64,
         l1_offset: u64,
+        durability: Durability,
     ) -> Result<(), Error> {
         if wb.set_dirty_bit {
             self.write_dirty_bit(incompatible, true)?;
         }
-        self.sync()?;
         if wb.is_empty() {
-            return Ok(());
+            // Data written in place needs no mapping: a flush syncs it.
+            return match durability {
+                Durability::Durable => self.sync(),
+                Durability::Published => Ok(()),
+            };
         }
-        self.write_refcounts(&wb.refcounts)?;
-        for (offset, bytes, _) in &wb.tables {
-            self.storage
-                .write_at(bytes, *offset)
-                .map_err(|e| self.io(e))?;
-        }
-        if !wb.tables.is_empty() {
+        let storage = &*self.storage;
+        let rc = &wb.refcounts;
+        rc.write_blocks(storage).map_err(|e| self.io(e))?;
+        self.sync()?;
+        if rc.write_table(storage).map_err(|e| self.io(e))? {
             self.sync()?;
         }
-        for (i, value) in &wb.l1 {
-            self.storage
-                .write_at(&value.to_be_bytes(), l1_offset + *i as u64 * 8)
-                .map_err(|e| self.io(e))?;
+        if let Some((offset, clusters)) = rc.moved_to() {
+            self.write_table_location(offset, clusters)?;
+        }
+        for t in &wb.tables {
+            for (at, bytes) in &t.parts {
+                storage.write_at(bytes, *at).map_err(|e| self.io(e))?;
+            }
         }
         if !wb.l1.is_empty() {
-            self.sync()?;
+            if !wb.tables.is_empty() {
+                self.sync()?;
+            }
+            for (i, value) in &wb.l1 {
+                storage
+                    .write_at(&value.to_be_bytes(), l1_offset + *i as u64 * 8)
+                    .map_err(|e| self.io(e))?;
+            }
         }
-        Ok(())
+        match durability {
+            Durability::Durable => self.sync(),
+            Durability::Published => Ok(()),
+        }
     }
 }

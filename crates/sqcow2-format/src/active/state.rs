@@ -69,13 +69,82 @@ impl TopFile {
 #[derive(Debug)]
 pub(crate) struct L2Slot {
     pub(crate) table: Vec<u64>,
-    pub(crate) dirty: bool,
+    /// The parts of the table changed since it was last written.
+    pub(crate) dirty: DirtyChunks,
     /// Bumped by every change, so that writing an older copy does not mark
     /// a newer change clean.
     pub(crate) generation: u64,
     /// Allocations in flight that will commit into this table: it stays
     /// here until they have.
     pub(crate) pins: u32,
+}
+
+/// Words of an L2 table written back together (4 KiB, a page).
+pub(crate) const CHUNK_WORDS: usize = 512;
+
+/// Which chunks of [`CHUNK_WORDS`] words of an L2 table changed since it
+/// was last written: a write-back writes those, not the whole table.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct DirtyChunks(Vec<u64>);
+
+impl DirtyChunks {
+    /// Every chunk of a table of `words` words.
+    fn all(words: usize) -> Self {
+        let mut d = DirtyChunks::default();
+        for i in (0..words).step_by(CHUNK_WORDS) {
+            d.mark(i);
+        }
+        d
+    }
+
+    /// Marks the chunk of word `i`.
+    fn mark(&mut self, i: usize) {
+        let chunk = i / CHUNK_WORDS;
+        if self.0.len() <= chunk / 64 {
+            self.0.resize(chunk / 64 + 1, 0);
+        }
+        self.0[chunk / 64] |= 1 << (chunk % 64);
+    }
+
+    /// Whether the chunk of word `i` changed.
+    fn contains(&self, i: usize) -> bool {
+        let chunk = i / CHUNK_WORDS;
+        self.0
+            .get(chunk / 64)
+            .is_some_and(|w| w & (1 << (chunk % 64)) != 0)
+    }
+
+    /// Whether any chunk changed.
+    pub(crate) fn any(&self) -> bool {
+        self.0.iter().any(|w| *w != 0)
+    }
+
+    /// The changed chunks' word ranges, adjacent ones merged.
+    pub(crate) fn ranges(&self, words: usize) -> Vec<std::ops::Range<usize>> {
+        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+        for (w, bits) in self.0.iter().enumerate() {
+            for b in 0..64 {
+                if bits & (1 << b) == 0 {
+                    continue;
+                }
+                let lo = (w * 64 + b) * CHUNK_WORDS;
+                let hi = (lo + CHUNK_WORDS).min(words);
+                if lo >= hi {
+                    continue;
+                }
+                match out.last_mut() {
+                    Some(r) if r.end == lo => r.end = hi,
+                    _ => out.push(lo..hi),
+                }
+            }
+        }
+        out
+    }
+
+    /// Marks everything written.
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
 }
 
 /// Whether a write may go straight to the top's own cluster.
@@ -203,6 +272,15 @@ impl ActiveState {
         Ok(Some((words[i], bitmap)))
     }
 
+    /// Whether the mapping of `guest` changed since the metadata was last
+    /// written to the file.
+    fn unpublished(&self, guest: GuestOffset) -> bool {
+        let g = self.g();
+        let l2_offset = self.l1_entry(guest) & OFFSET_MASK;
+        let i = g.l2_index(guest) as usize * self.top.words();
+        self.l2.get(&l2_offset).is_some_and(|s| s.dirty.contains(i))
+    }
+
     /// The mapping of `[guest, guest + max)` in the top, as for a read-only
     /// layer.
     pub(crate) fn status(&self, guest: GuestOffset, max: u64) -> Result<(LayerStatus, u64), Error> {
@@ -236,7 +314,9 @@ impl ActiveState {
         };
         let host = entry & OFFSET_MASK;
         let plain = entry & (COMPRESSED | ZERO) == 0 && entry & COPIED != 0;
-        if !plain || host == 0 || g.offset_in_cluster(host) != 0 {
+        if !plain || host == 0 || g.offset_in_cluster(host) != 0 || self.unpublished(guest) {
+            // A mapping not yet in the file goes through the engine, whose
+            // writes are published before they complete.
             return Ok(InPlace::No);
         }
         let in_cluster = g.offset_in_cluster(guest.0);
@@ -297,7 +377,7 @@ impl ActiveState {
             offset,
             L2Slot {
                 table,
-                dirty: false,
+                dirty: DirtyChunks::default(),
                 generation: 0,
                 pins: 0,
             },
@@ -340,8 +420,8 @@ impl ActiveState {
         self.l2.insert(
             new,
             L2Slot {
+                dirty: DirtyChunks::all(table.len()),
                 table,
-                dirty: true,
                 generation: 1,
                 pins: 0,
             },
@@ -432,7 +512,7 @@ impl ActiveState {
         if words == 2 {
             slot.table[i + 1] = bitmap;
         }
-        slot.dirty = true;
+        slot.dirty.mark(i);
         slot.generation += 1;
     }
 
@@ -498,7 +578,7 @@ impl ActiveState {
         let clean: Vec<u64> = self
             .l2
             .iter()
-            .filter(|(_, s)| !s.dirty && s.pins == 0)
+            .filter(|(_, s)| !s.dirty.any() && s.pins == 0)
             .map(|(o, _)| *o)
             .collect();
         for offset in clean {

@@ -258,6 +258,22 @@ impl Chain {
         })
     }
 
+    /// Writes the metadata of every completed write, discard and
+    /// write-zeroes to the top's file (the kernel's page cache), without
+    /// the final sync of a flush: once it returns, a death of this process
+    /// (`kill -9`, a crash, an upgrade) loses none of them, and every file
+    /// is consistent for a reader. The data and refcounts the new mappings
+    /// point to are synced first, so a power loss before the next
+    /// [`Chain::flush`] leaves at worst leaked clusters, as always. Cheap
+    /// when nothing changed. A daemon calls it before it completes a write
+    /// (concurrent calls are served in turn; batch them).
+    pub fn publish(&self) -> Result<(), Error> {
+        match &self.active {
+            Some(active) => active.publish(),
+            None => Ok(()),
+        }
+    }
+
     /// Makes every completed write durable, metadata in crash-safe order.
     /// Clusters released before it become reusable once every transfer
     /// that may still use them has ended (now, or at a later flush); it
