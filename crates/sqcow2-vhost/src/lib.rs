@@ -16,6 +16,7 @@ pub mod control;
 pub mod device;
 pub mod gate;
 pub mod handle;
+pub mod inflight;
 mod offload;
 pub mod ratelimit;
 pub mod request;
