@@ -13,6 +13,7 @@
 pub mod backend;
 pub mod config;
 pub mod control;
+mod descriptors;
 pub mod device;
 pub mod gate;
 pub mod handle;

@@ -110,17 +110,25 @@ struct Buffers {
 }
 
 fn collect<M: Deref<Target = GuestMem>>(chain: DescriptorChain<M>) -> Buffers {
+    split(chain.map(|desc| {
+        let buf = GuestBuffer {
+            addr: desc.addr(),
+            len: desc.len(),
+        };
+        (buf, desc.is_write_only())
+    }))
+}
+
+/// Splits a chain's buffers (with whether each is device-writable) by
+/// direction.
+fn split(descs: impl Iterator<Item = (GuestBuffer, bool)>) -> Buffers {
     let mut b = Buffers {
         readable: Vec::new(),
         writable: Vec::new(),
         misordered: false,
     };
-    for desc in chain {
-        let buf = GuestBuffer {
-            addr: desc.addr(),
-            len: desc.len(),
-        };
-        if desc.is_write_only() {
+    for (buf, write_only) in descs {
+        if write_only {
             b.writable.push(buf);
         } else {
             if !b.writable.is_empty() {
@@ -271,8 +279,39 @@ where
 {
     let head = chain.head_index();
     let buffers = collect(chain.clone());
-    let mem: &GuestMem = chain.memory();
+    parse_buffers(head, buffers, chain.memory(), limits)
+}
 
+/// Parses the request whose chain starts at descriptor `head` of the
+/// table at `desc_table` (of a queue of `queue_size`): a request taken
+/// before a restart, which is no longer on the available ring.
+pub fn parse_head(
+    mem: &GuestMem,
+    desc_table: GuestAddress,
+    queue_size: u16,
+    head: u16,
+    limits: &RequestLimits,
+) -> Result<Request, Rejected> {
+    let buffers = match crate::descriptors::walk(mem, desc_table, queue_size, head) {
+        Ok(descs) => split(descs.into_iter().map(|d| (d.buffer, d.write_only))),
+        Err(reason) => {
+            return Err(Rejected {
+                head,
+                status: None,
+                code: VIRTIO_BLK_S_IOERR as u8,
+                reason,
+            })
+        }
+    };
+    parse_buffers(head, buffers, mem, limits)
+}
+
+fn parse_buffers(
+    head: u16,
+    buffers: Buffers,
+    mem: &GuestMem,
+    limits: &RequestLimits,
+) -> Result<Request, Rejected> {
     // The status byte: the last byte of the last writable buffer.
     let status = buffers
         .writable
