@@ -1,38 +1,39 @@
-//! The vhost-user side: [`BlkBackend`] plugs queue workers into
-//! vhost-user-backend's daemon (one per frontend connection).
+//! The device side of a frontend connection: [`BlkBackend`] owns the
+//! virtqueues and one queue worker per worker thread; the worker threads
+//! ([`WorkerThreads`]) wait on the queues' kick eventfds, io_uring
+//! completions and engine results, and call it.
 
 use std::io;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use tracing::{debug, error};
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
-use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use tracing::error;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::config::{read_config, CONFIG_WRITEBACK_OFFSET};
 use crate::control::protocol::QueueCounters;
 use crate::device::BlkDevice;
 use crate::gate::PauseGuard;
 use crate::offload::panic_message;
-use crate::worker::{GuestMemAtomic, QueueWorker};
+use crate::vring::{SharedMem, Vring};
+use crate::worker::{GuestMem, QueueWorker};
 
-/// One worker thread's state: its engine and the vrings it serves.
+/// One worker thread's state.
 struct WorkerSlot {
     worker: QueueWorker,
-    /// The thread's vrings, kept to complete requests when draining from
-    /// another thread.
-    vrings: Vec<VringRwLock>,
 }
 
-/// A vhost-user-blk backend for one frontend connection.
+/// A vhost-user-blk device for one frontend connection.
 pub struct BlkBackend {
     device: Arc<BlkDevice>,
     workers: Vec<Mutex<WorkerSlot>>,
+    /// The queues of each worker thread, as a bit mask.
     queues_per_thread: Vec<u64>,
-    mem: RwLock<Option<GuestMemAtomic>>,
+    vrings: Vec<Vring>,
+    mem: SharedMem,
 }
 
 impl std::fmt::Debug for BlkBackend {
@@ -41,6 +42,30 @@ impl std::fmt::Debug for BlkBackend {
             .field("threads", &self.workers.len())
             .field("queues_per_thread", &self.queues_per_thread)
             .finish()
+    }
+}
+
+/// What woke a worker thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    Kick(usize),
+    Completion,
+    Mailbox,
+    Exit,
+}
+
+const EV_COMPLETION: u64 = u64::MAX - 2;
+const EV_MAILBOX: u64 = u64::MAX - 1;
+const EV_EXIT: u64 = u64::MAX;
+
+impl Wake {
+    fn of(data: u64) -> Self {
+        match data {
+            EV_COMPLETION => Wake::Completion,
+            EV_MAILBOX => Wake::Mailbox,
+            EV_EXIT => Wake::Exit,
+            q => Wake::Kick(q as usize),
+        }
     }
 }
 
@@ -62,15 +87,17 @@ impl BlkBackend {
             .map(|_| {
                 Ok(Mutex::new(WorkerSlot {
                     worker: QueueWorker::new(device.clone())?,
-                    vrings: Vec::new(),
                 }))
             })
             .collect::<io::Result<_>>()?;
+        let max = device.config().queue_size;
+        let vrings = (0..num_queues).map(|_| Vring::new(max)).collect();
         Ok(BlkBackend {
             device,
             workers,
             queues_per_thread: masks,
-            mem: RwLock::new(None),
+            vrings,
+            mem: GuestMemoryAtomic::new(GuestMem::new()),
         })
     }
 
@@ -79,30 +106,30 @@ impl BlkBackend {
         &self.device
     }
 
-    /// The event id of io_uring completions in each worker's epoll set
-    /// (ids up to `num_queues` belong to the queues and the exit event).
-    pub fn completion_event_id(&self) -> u64 {
-        self.num_queues() as u64 + 1
+    /// Queues offered.
+    pub fn num_queues(&self) -> usize {
+        self.vrings.len()
     }
 
-    /// The event id of engine results (and wake-ups after a pause) in each
-    /// worker's epoll set.
-    pub fn mailbox_event_id(&self) -> u64 {
-        self.num_queues() as u64 + 2
+    pub(crate) fn vring(&self, queue: usize) -> Option<&Vring> {
+        self.vrings.get(queue)
     }
 
-    /// The io_uring completion eventfd of worker thread `thread`.
-    pub fn completion_fd(&self, thread: usize) -> Option<std::os::fd::RawFd> {
-        self.workers
-            .get(thread)
-            .map(|w| std::os::fd::AsRawFd::as_raw_fd(lock(w).worker.completion_fd()))
+    pub(crate) fn mem(&self) -> &SharedMem {
+        &self.mem
     }
 
-    /// The mailbox eventfd of worker thread `thread`.
-    pub fn mailbox_fd(&self, thread: usize) -> Option<std::os::fd::RawFd> {
-        self.workers
-            .get(thread)
-            .map(|w| std::os::fd::AsRawFd::as_raw_fd(lock(w).worker.mailbox_fd()))
+    /// The worker thread serving `queue`.
+    pub(crate) fn thread_of(&self, queue: usize) -> Option<usize> {
+        self.queues_per_thread
+            .iter()
+            .position(|m| queue < 64 && m & (1 << queue) != 0)
+    }
+
+    /// The queues of worker thread `thread`, in worker-local order.
+    fn queues_of(&self, thread: usize) -> Vec<usize> {
+        let mask = self.queues_per_thread.get(thread).copied().unwrap_or(0);
+        (0..64).filter(|q| mask & (1 << q) != 0).collect()
     }
 
     /// Stops new requests from starting until the guard is dropped; the
@@ -113,19 +140,37 @@ impl BlkBackend {
 
     /// Waits (while paused) until no request is in flight, at most
     /// `timeout`; whether that happened.
-    pub fn wait_idle(&self, timeout: std::time::Duration) -> bool {
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
         self.device.gate().wait_idle(timeout)
+    }
+
+    /// Waits until the worker thread of `queue` has no request in flight,
+    /// at most `timeout`; whether that happened.
+    pub(crate) fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool {
+        let Some(w) = self.thread_of(queue).and_then(|t| self.workers.get(t)) else {
+            return true;
+        };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if lock(w).worker.in_flight() == 0 {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Per-queue statistics.
     pub fn queue_stats(&self) -> Vec<QueueCounters> {
         let mut out = Vec::new();
         for (thread, w) in self.workers.iter().enumerate() {
-            let first = self.queues_per_thread[thread].trailing_zeros() as usize;
+            let queues = self.queues_of(thread);
             let slot = lock(w);
             for (local, st) in slot.worker.stats().iter().enumerate() {
                 out.push(QueueCounters {
-                    queue: first + local,
+                    queue: queues.get(local).copied().unwrap_or(local),
                     requests: st.requests,
                     read_bytes: st.read_bytes,
                     write_bytes: st.write_bytes,
@@ -140,13 +185,130 @@ impl BlkBackend {
     }
 
     /// Waits for every request in flight to finish and completes it to the
-    /// guest (if it is still there), running each worker's completions in
-    /// the calling thread: for when the worker threads have stopped.
+    /// guest (if its ring is still live), running each worker's completions
+    /// in the calling thread: for when the worker threads have stopped.
     pub fn drain(&self) {
-        for w in &self.workers {
+        for (thread, w) in self.workers.iter().enumerate() {
             let mut slot = lock(w);
             slot.worker.drain();
-            complete(&mut slot);
+            self.complete(&mut slot, thread);
+        }
+    }
+
+    /// Puts the worker's finished requests on their used rings and notifies
+    /// the driver where it asked to be.
+    fn complete(&self, slot: &mut WorkerSlot, thread: usize) {
+        let completions = slot.worker.take_completions();
+        if completions.is_empty() {
+            return;
+        }
+        let queues = self.queues_of(thread);
+        let mem = self.mem.memory();
+        let mut touched = vec![false; queues.len()];
+        for c in completions {
+            let Some(vring) = queues.get(c.queue).and_then(|q| self.vrings.get(*q)) else {
+                continue;
+            };
+            if vring.lock().put_used(&mem, c.head, c.len) {
+                touched[c.queue] = true;
+            }
+        }
+        for (local, _) in touched.iter().enumerate().filter(|(_, t)| **t) {
+            if let Some(vring) = self.vrings.get(queues[local]) {
+                vring.lock().signal(&mem);
+            }
+        }
+    }
+
+    /// Takes the requests of queue `queue` (worker-local `local`).
+    fn process(&self, slot: &mut WorkerSlot, local: usize, queue: usize) {
+        let Some(vring) = self.vrings.get(queue) else {
+            return;
+        };
+        let mem = self.mem.memory();
+        let mut st = vring.lock();
+        if !st.is_live() {
+            return;
+        }
+        let state = &mut *st;
+        let used =
+            slot.worker
+                .process_tracked(local, &mut state.queue, state.tracker.as_mut(), &self.mem);
+        // An error here means the guest's rings are unusable (e.g. the
+        // used ring lies outside guest memory). Returning it would end
+        // this worker thread and every queue on it, so log it instead.
+        match used {
+            Ok(true) => st.signal(&mem),
+            Ok(false) => {}
+            Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
+        }
+        drop(st);
+        // Reads of cached data often complete during the submission:
+        // finish them now rather than after another epoll round.
+        slot.worker.reap_ready();
+    }
+
+    /// One wake-up of worker thread `thread`.
+    fn handle(&self, thread: usize, wake: Wake) {
+        let Some(w) = self.workers.get(thread) else {
+            return;
+        };
+        let queues = self.queues_of(thread);
+        // Nothing here waits for another thread: requests start only with a
+        // permit of the device's gate (none while paused), and everything
+        // that may block runs on engine threads.
+        let mut slot = lock(w);
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match wake {
+            Wake::Kick(queue) => {
+                if let Some(local) = queues.iter().position(|q| *q == queue) {
+                    if let Some(vring) = self.vrings.get(queue) {
+                        if let Some(kick) = &vring.lock().kick {
+                            // Readable (epoll said so): clears it without
+                            // blocking.
+                            let _ = kick.read();
+                        }
+                    }
+                    self.process(&mut slot, local, queue);
+                }
+            }
+            Wake::Completion => slot.worker.handle_completion_event(),
+            Wake::Mailbox => {
+                if slot.worker.handle_mailbox_event() {
+                    // A pause ended: start what the guest queued meanwhile.
+                    for (local, queue) in queues.iter().enumerate() {
+                        self.process(&mut slot, local, *queue);
+                    }
+                }
+            }
+            Wake::Exit => {}
+        }));
+        if let Err(panic) = handled {
+            let what = panic_message(&*panic);
+            error!(
+                thread,
+                "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
+            );
+            self.device
+                .record_panic(&format!("a queue worker panicked: {what}"));
+            slot.worker.recover_after_panic();
+        }
+        self.complete(&mut slot, thread);
+    }
+
+    /// Starts queue `queue` after a (re)start of its ring: what it holds
+    /// is taken as if it had been kicked.
+    pub(crate) fn kick_now(&self, queue: usize) {
+        let Some(thread) = self.thread_of(queue) else {
+            return;
+        };
+        let queues = self.queues_of(thread);
+        if let (Some(w), Some(local)) = (
+            self.workers.get(thread),
+            queues.iter().position(|q| *q == queue),
+        ) {
+            let mut slot = lock(w);
+            self.process(&mut slot, local, queue);
+            self.complete(&mut slot, thread);
         }
     }
 }
@@ -155,180 +317,106 @@ fn lock(w: &Mutex<WorkerSlot>) -> MutexGuard<'_, WorkerSlot> {
     w.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Puts the worker's finished requests on their used rings and notifies
-/// the driver where it asked to be.
-fn complete(slot: &mut WorkerSlot) {
-    let mut touched = vec![false; slot.vrings.len()];
-    for c in slot.worker.take_completions() {
-        let Some(vring) = slot.vrings.get(c.queue) else {
-            continue;
-        };
-        if let Err(e) = vring.add_used(c.head, c.len) {
-            crate::limited_warn!("used ring: {e}");
-        }
-        touched[c.queue] = true;
-    }
-    for (vring, _) in slot.vrings.iter().zip(touched).filter(|(_, t)| *t) {
-        signal(vring);
-    }
+/// The worker threads of a backend: each waits on its queues' kick
+/// eventfds (registered by the protocol side as rings start and stop), its
+/// io_uring completions, its engine results and an exit event.
+#[derive(Debug)]
+pub(crate) struct WorkerThreads {
+    epolls: Vec<Arc<Epoll>>,
+    exits: Vec<EventFd>,
+    handles: Vec<JoinHandle<()>>,
 }
 
-fn signal(vring: &VringRwLock) {
-    match vring.needs_notification() {
-        Ok(true) => {
-            if let Err(e) = vring.signal_used_queue() {
-                debug!("signal used queue: {e}");
-            }
-        }
-        Ok(false) => {}
-        Err(e) => debug!("used event: {e}"),
-    }
-}
-
-impl BlkBackend {
-    /// One event of a worker thread, its slot locked.
-    fn handle_locked(
-        &self,
-        slot: &mut WorkerSlot,
-        index: usize,
-        device_event: u16,
-        vrings: &[VringRwLock],
-    ) {
-        if slot.vrings.len() != vrings.len() {
-            slot.vrings = vrings.to_vec();
-        }
-        if let Some(vring) = vrings.get(index) {
-            self.process(slot, index, vring);
-        } else if u64::from(device_event) == self.completion_event_id() {
-            slot.worker.handle_completion_event();
-        } else if u64::from(device_event) == self.mailbox_event_id()
-            && slot.worker.handle_mailbox_event()
-        {
-            // A pause ended: start what the guest queued meanwhile.
-            for (index, vring) in vrings.iter().enumerate() {
-                self.process(slot, index, vring);
-            }
-        }
-    }
-
-    /// Takes the requests of one queue.
-    fn process(&self, slot: &mut WorkerSlot, index: usize, vring: &VringRwLock) {
-        let Some(mem) = self
-            .mem
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-        else {
-            return;
+impl WorkerThreads {
+    /// Starts one thread per queue group of `backend`.
+    pub(crate) fn start(backend: &Arc<BlkBackend>) -> io::Result<Self> {
+        let mut threads = WorkerThreads {
+            epolls: Vec::new(),
+            exits: Vec::new(),
+            handles: Vec::new(),
         };
-        let used = {
-            let mut state = vring.get_mut();
-            slot.worker
-                .process_queue(index, state.get_queue_mut(), &mem)
-        };
-        // An error here means the guest's rings are unusable (e.g. the
-        // used ring lies outside guest memory). Returning it would end
-        // this worker thread and every queue on it, so log it instead.
-        match used {
-            Ok(true) => signal(vring),
-            Ok(false) => {}
-            Err(e) => crate::limited_warn!(queue = index, "queue unusable: {e}"),
-        }
-        // Reads of cached data often complete during the submission:
-        // finish them now rather than after another epoll round.
-        slot.worker.reap_ready();
-    }
-}
-
-impl VhostUserBackend for BlkBackend {
-    type Bitmap = ();
-    type Vring = VringRwLock;
-
-    fn num_queues(&self) -> usize {
-        usize::from(self.device.config().num_queues)
-    }
-
-    fn max_queue_size(&self) -> usize {
-        usize::from(self.device.config().queue_size)
-    }
-
-    fn features(&self) -> u64 {
-        self.device.config().features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
-    }
-
-    fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::CONFIG
-            | VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-    }
-
-    fn set_event_idx(&self, _enabled: bool) {
-        // The vrings carry the flag; workers read it from the queue.
-    }
-
-    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        read_config(&self.device.config_space(), offset, size)
-    }
-
-    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
-        match (offset, buf) {
-            (CONFIG_WRITEBACK_OFFSET, [mode]) => {
-                debug!(writeback = *mode != 0, "cache mode set by driver");
-                self.device.set_writeback(*mode != 0);
-                Ok(())
+        for (thread, w) in backend.workers.iter().enumerate() {
+            let epoll = Arc::new(Epoll::new()?);
+            let exit = EventFd::new(EFD_NONBLOCK)?;
+            let (completion, mailbox) = {
+                let slot = lock(w);
+                (
+                    slot.worker.completion_fd().as_raw_fd(),
+                    slot.worker.mailbox_fd().as_raw_fd(),
+                )
+            };
+            for (fd, id) in [
+                (completion, EV_COMPLETION),
+                (mailbox, EV_MAILBOX),
+                (exit.as_raw_fd(), EV_EXIT),
+            ] {
+                epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))?;
             }
-            _ => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("config write at {offset} ({} bytes) not allowed", buf.len()),
-            )),
+            let (b, e) = (backend.clone(), epoll.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("queue-worker-{thread}"))
+                .spawn(move || run(&b, &e, thread))?;
+            threads.epolls.push(epoll);
+            threads.exits.push(exit);
+            threads.handles.push(handle);
         }
+        Ok(threads)
     }
 
-    fn update_memory(&self, mem: GuestMemAtomic) -> io::Result<()> {
-        *self.mem.write().unwrap_or_else(PoisonError::into_inner) = Some(mem);
-        Ok(())
-    }
-
-    fn queues_per_thread(&self) -> Vec<u64> {
-        self.queues_per_thread.clone()
-    }
-
-    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
-    }
-
-    fn handle_event(
-        &self,
-        device_event: u16,
-        _evset: EventSet,
-        vrings: &[VringRwLock],
-        thread_id: usize,
-    ) -> io::Result<()> {
-        // Never returns an error: vhost-user-backend ends the worker thread
-        // on one.
-        let Some(w) = self.workers.get(thread_id) else {
+    /// Wakes `thread` on `fd` (the kick eventfd of `queue`).
+    pub(crate) fn watch_kick(&self, thread: usize, fd: RawFd, queue: usize) -> io::Result<()> {
+        let Some(epoll) = self.epolls.get(thread) else {
             return Ok(());
         };
-        let index = usize::from(device_event);
-        // Nothing here waits for another thread: requests start only with a
-        // permit of the device's gate (none while paused), and everything
-        // that may block runs on engine threads.
-        let mut slot = lock(w);
-        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.handle_locked(&mut slot, index, device_event, vrings)
-        }));
-        if let Err(panic) = handled {
-            let what = panic_message(&*panic);
-            error!(
-                thread = thread_id,
-                "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
-            );
-            self.device
-                .record_panic(&format!("a queue worker panicked: {what}"));
-            slot.worker.recover_after_panic();
+        let ev = EpollEvent::new(EventSet::IN, queue as u64);
+        match epoll.ctl(ControlOperation::Add, fd, ev) {
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+            other => other,
         }
-        complete(&mut slot);
-        Ok(())
+    }
+
+    /// Stops waking `thread` on `fd`.
+    pub(crate) fn unwatch_kick(&self, thread: usize, fd: RawFd) {
+        if let Some(epoll) = self.epolls.get(thread) {
+            let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        }
+    }
+
+    /// Ends the threads and waits for them.
+    pub(crate) fn stop(&mut self) {
+        for exit in &self.exits {
+            let _ = exit.write(1);
+        }
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for WorkerThreads {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A worker thread's loop.
+fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize) {
+    let mut events = vec![EpollEvent::default(); 64];
+    loop {
+        let n = match epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                error!(thread, "epoll: {e}");
+                return;
+            }
+        };
+        for ev in &events[..n] {
+            let wake = Wake::of(ev.data());
+            if wake == Wake::Exit {
+                return;
+            }
+            backend.handle(thread, wake);
+        }
     }
 }

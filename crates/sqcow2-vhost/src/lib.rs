@@ -15,6 +15,7 @@ pub mod config;
 pub mod control;
 mod descriptors;
 pub mod device;
+mod frontend;
 pub mod gate;
 pub mod handle;
 pub mod inflight;
@@ -24,6 +25,7 @@ pub mod request;
 mod ring;
 pub mod server;
 mod stats;
+mod vring;
 pub mod worker;
 
 pub use backend::BlkBackend;

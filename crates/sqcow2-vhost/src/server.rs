@@ -15,17 +15,17 @@ use std::time::{Duration, Instant};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use sqcow2_format::{Chain, ChainOptions};
-use tracing::{info, warn};
-use vhost::vhost_user::Listener;
-use vhost_user_backend::VhostUserDaemon;
-use vm_memory::GuestMemoryAtomic;
+use std::sync::Mutex;
+
+use tracing::{debug, info, warn};
+use vhost::vhost_user::{BackendReqHandler, Listener};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::backend::BlkBackend;
+use crate::backend::{BlkBackend, WorkerThreads};
 use crate::control::Shared;
 use crate::device::{BlkDevice, DeviceOptions};
+use crate::frontend::FrontendHandler;
 use crate::handle::ChainHandle;
-use crate::worker::GuestMem;
 
 /// How often the accept loop looks at signals.
 const POLL_INTERVAL_MS: i32 = 100;
@@ -125,6 +125,10 @@ fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
         })?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
         .map_err(io_err(format!("chmod {}", path.display())))?;
+    // Accepted only when epoll says a connection waits; never blocks.
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ServeError::Daemon(e.to_string()))?;
     Ok(listener)
 }
 
@@ -259,39 +263,30 @@ impl Server {
         let backend = Arc::new(
             BlkBackend::new(device, o.queues_per_thread).map_err(io_err("io_uring worker"))?,
         );
-        let mem = GuestMemoryAtomic::new(GuestMem::new());
-        let daemon_err = |e: vhost_user_backend::Error| ServeError::Daemon(e.to_string());
-        let mut daemon =
-            VhostUserDaemon::new("sqcow2".into(), backend.clone(), mem).map_err(daemon_err)?;
-        for (thread, handler) in daemon.get_epoll_handlers().iter().enumerate() {
-            if let Some(fd) = backend.completion_fd(thread) {
-                handler
-                    .register_listener(fd, EventSet::IN, backend.completion_event_id())
-                    .map_err(io_err("registering io_uring eventfd"))?;
-            }
-            if let Some(fd) = backend.mailbox_fd(thread) {
-                handler
-                    .register_listener(fd, EventSet::IN, backend.mailbox_event_id())
-                    .map_err(io_err("registering the mailbox eventfd"))?;
-            }
-        }
-        self.listener
+        let Some(stream) = self
+            .listener
+            .accept()
+            .map_err(|e| ServeError::Daemon(e.to_string()))?
+        else {
+            return Ok(SessionEnd::Disconnected);
+        };
+        stream
             .set_nonblocking(false)
-            .map_err(|e| ServeError::Daemon(e.to_string()))?;
-        daemon.start(&mut self.listener).map_err(daemon_err)?;
+            .map_err(io_err("frontend socket"))?;
+        let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
+        let threads = Arc::new(WorkerThreads::start(&backend).map_err(io_err("worker threads"))?);
+        let handler = FrontendHandler::new(backend.clone(), threads.clone());
+        let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
         *self.session_slot() = Some(backend.clone());
-        let shutdown = daemon.shutdown_handle();
         let waiter = thread::Builder::new()
             .name("vhost-user".into())
-            .spawn(move || {
-                let result = daemon.wait();
-                (daemon, result)
+            .spawn(move || loop {
+                if let Err(e) = requests.handle_request() {
+                    return e;
+                }
             })
             .map_err(io_err("spawning the vhost-user thread"))?;
-        self.listener
-            .set_nonblocking(true)
-            .map_err(|e| ServeError::Daemon(e.to_string()))?;
 
         let mut end = SessionEnd::Disconnected;
         while !waiter.is_finished() {
@@ -307,9 +302,7 @@ impl Server {
                 if let Err(e) = self.shared.handle.get().flush_clean() {
                     warn!("flush: {e}");
                 }
-                if let Some(handle) = &shutdown {
-                    handle.shutdown();
-                }
+                let _ = hangup.shutdown(std::net::Shutdown::Both);
                 break;
             }
             if self.connection_waiting()? {
@@ -321,22 +314,21 @@ impl Server {
                 self.refuse_extra_frontends();
             }
         }
-        let (daemon, result) = waiter
+        let ended = waiter
             .join()
             .map_err(|_| ServeError::Daemon("vhost-user thread panicked".into()))?;
-        for handler in daemon.get_epoll_handlers() {
-            handler.send_exit_event();
-        }
+        let _ = hangup.shutdown(std::net::Shutdown::Both);
         *self.session_slot() = None;
+        match Arc::try_unwrap(threads) {
+            Ok(mut threads) => threads.stop(),
+            Err(_) => warn!("worker threads still referenced at the end of a session"),
+        }
         backend.drain();
         self.shared.gate.clear_wakers();
-        drop(daemon);
-        match result {
-            Err(vhost_user_backend::Error::HandleRequest(
-                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-            ))
-            | Ok(()) => {}
-            Err(e) => warn!("frontend connection ended: {e}"),
+        match ended {
+            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage => {}
+            e if end == SessionEnd::Stop => debug!("frontend connection ended: {e}"),
+            e => warn!("frontend connection ended: {e}"),
         }
         // A failed flush (full disk, I/O error) is the guest's and the
         // operator's to see, not a reason to stop serving: the next

@@ -34,6 +34,7 @@ use crate::offload::{Finished, JobResult, Mailbox, Persist};
 use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
 use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
 use crate::stats::{QueueStats, WorkerStats};
+use crate::vring::{add_used_tracked, Tracker};
 
 /// Guest memory as the daemon maps it.
 pub type GuestMem = GuestMemoryMmap<()>;
@@ -195,8 +196,26 @@ impl QueueWorker {
         queue: &mut Queue,
         mem: &GuestMemAtomic,
     ) -> io::Result<bool> {
+        self.process_tracked(queue_index, queue, None, mem)
+    }
+
+    /// [`QueueWorker::process_queue`] with the queue's inflight tracking:
+    /// requests to resubmit first, every request taken recorded.
+    pub(crate) fn process_tracked(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        mut tracker: Option<&mut Tracker>,
+        mem: &GuestMemAtomic,
+    ) -> io::Result<bool> {
         let mem = mem.memory().into_inner();
-        let popped = self.pop_all(queue_index, queue, &mem);
+        let mut used = false;
+        if let Some(t) = tracker.as_deref_mut() {
+            used = self.resubmit(queue_index, queue, t, &mem)?;
+        }
+        let popped = self
+            .pop_all(queue_index, queue, tracker, &mem)
+            .map(|u| u || used);
         // Transfers queued so far go to the kernel even if the ring failed.
         let submitted = self.ring.submit();
         self.apply_ring_completions();
@@ -205,10 +224,81 @@ impl QueueWorker {
         Ok(used)
     }
 
+    /// Starts the requests a previous backend took and never completed,
+    /// in the order it took them; whether any completed at once.
+    fn resubmit(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        tracker: &mut Tracker,
+        mem: &Arc<GuestMem>,
+    ) -> io::Result<bool> {
+        let limits = self.device.limits();
+        let mut used = false;
+        while let Some(head) = tracker.resubmit.front().copied() {
+            let admission = self.device.gate().try_start();
+            if let Admission::Wait = admission {
+                self.deferred = true;
+                break;
+            }
+            tracker.resubmit.pop_front();
+            let table = vm_memory::GuestAddress(queue.desc_table());
+            let parsed = request::parse_head(mem, table, queue.size(), head, &limits);
+            debug!(
+                queue = queue_index,
+                head, "resubmitting a request taken before a restart"
+            );
+            if let Some(c) = self.admit(queue_index, parsed, admission, mem) {
+                add_used_tracked(queue, Some(tracker), mem, c.head, c.len)
+                    .map_err(io::Error::other)?;
+                used = true;
+            }
+        }
+        Ok(used)
+    }
+
+    /// Starts a parsed request, or answers it at once; its completion if
+    /// it finished already.
+    fn admit(
+        &mut self,
+        queue_index: usize,
+        parsed: Result<Request, request::Rejected>,
+        admission: Admission,
+        mem: &Arc<GuestMem>,
+    ) -> Option<Completion> {
+        match (parsed, admission) {
+            (Ok(req), Admission::Start(permit)) => self.start(queue_index, req, mem, permit),
+            (Ok(req), _) => {
+                // Inactive too long: the request fails.
+                self.stats
+                    .account(queue_index, &req, VIRTIO_BLK_S_IOERR, Instant::now());
+                Some(finish(queue_index, &req, Outcome::ioerr(), mem))
+            }
+            (Err(rejected), _) => {
+                self.stats.account_rejected(queue_index);
+                debug!(
+                    reason = rejected.reason,
+                    head = rejected.head,
+                    "request rejected"
+                );
+                let len = match rejected.status {
+                    Some(addr) => u32::from(mem.write_obj(rejected.code, addr).is_ok()),
+                    None => 0,
+                };
+                Some(Completion {
+                    queue: queue_index,
+                    head: rejected.head,
+                    len,
+                })
+            }
+        }
+    }
+
     fn pop_all(
         &mut self,
         queue_index: usize,
         queue: &mut Queue,
+        mut tracker: Option<&mut Tracker>,
         mem: &Arc<GuestMem>,
     ) -> io::Result<bool> {
         let limits = self.device.limits();
@@ -229,37 +319,13 @@ impl QueueWorker {
                 let Some(chain) = queue.pop_descriptor_chain(&**mem) else {
                     break;
                 };
-                let done = match (request::parse(chain, &limits), admission) {
-                    (Ok(req), Admission::Start(permit)) => {
-                        self.start(queue_index, req, mem, permit)
-                    }
-                    (Ok(req), _) => {
-                        // Inactive too long: the request fails.
-                        self.stats
-                            .account(queue_index, &req, VIRTIO_BLK_S_IOERR, Instant::now());
-                        Some(finish(queue_index, &req, Outcome::ioerr(), mem))
-                    }
-                    (Err(rejected), _) => {
-                        self.stats.account_rejected(queue_index);
-                        debug!(
-                            reason = rejected.reason,
-                            head = rejected.head,
-                            "request rejected"
-                        );
-                        let len = match rejected.status {
-                            Some(addr) => u32::from(mem.write_obj(rejected.code, addr).is_ok()),
-                            None => 0,
-                        };
-                        Some(Completion {
-                            queue: queue_index,
-                            head: rejected.head,
-                            len,
-                        })
-                    }
-                };
-                if let Some(c) = done {
-                    queue
-                        .add_used(&**mem, c.head, c.len)
+                if let Some(t) = tracker.as_deref_mut() {
+                    // Recorded before it starts: a restart resubmits it.
+                    t.taken(chain.head_index());
+                }
+                let parsed = request::parse(chain, &limits);
+                if let Some(c) = self.admit(queue_index, parsed, admission, mem) {
+                    add_used_tracked(queue, tracker.as_deref(), mem, c.head, c.len)
                         .map_err(io::Error::other)?;
                     used = true;
                 }

@@ -1,0 +1,549 @@
+//! The vhost-user protocol of one frontend connection, served on the
+//! `vhost` crate's message layer: guest memory, ring setup, config space,
+//! and inflight I/O tracking (`VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`),
+//! which vhost-user-backend does not offer.
+//!
+//! Ring lifecycle: a ring is *started* by its kick eventfd and *stopped* by
+//! `GET_VRING_BASE`; it is served while started and enabled. When a ring
+//! starts with an inflight region, the requests a previous backend took
+//! and never completed are resubmitted first, in the order it took them,
+//! and the next available index comes from the region (as libvhost-user
+//! does), not from `SET_VRING_BASE` (which QEMU derives from the used
+//! index after a backend died).
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{debug, info, warn};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
+    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
+    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
+    VhostUserVringAddrFlags, VhostUserVringState,
+};
+use vhost::vhost_user::{
+    Error as VhostError, GpuBackend, Result as VhostResult, VhostUserBackendReqHandlerMut,
+};
+use vhost::VhostUserMemoryRegionBase;
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestRegionMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::backend::{BlkBackend, WorkerThreads};
+use crate::config::{read_config, CONFIG_WRITEBACK_OFFSET};
+use crate::inflight::InflightRegion;
+use crate::vring::Tracker;
+use crate::worker::GuestMem;
+
+/// Memory slots offered with `CONFIGURE_MEM_SLOTS`.
+const MAX_MEM_SLOTS: u64 = 32;
+/// Longest wait for a stopping ring's requests to finish.
+const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// `VIRTIO_RING_F_EVENT_IDX`.
+const EVENT_IDX: u64 = 1 << 29;
+
+/// Where the frontend's address space maps to guest-physical addresses.
+#[derive(Debug, Clone, Copy)]
+struct Mapping {
+    user_addr: u64,
+    size: u64,
+    gpa: u64,
+}
+
+/// The protocol state of one connection.
+#[derive(Debug)]
+pub(crate) struct FrontendHandler {
+    backend: Arc<BlkBackend>,
+    threads: Arc<WorkerThreads>,
+    owned: bool,
+    acked_features: u64,
+    acked_protocol: u64,
+    mappings: Vec<Mapping>,
+    inflight: Option<Arc<InflightRegion>>,
+}
+
+fn invalid(what: &'static str) -> VhostError {
+    VhostError::InvalidOperation(what)
+}
+
+fn internal(e: impl std::fmt::Display) -> VhostError {
+    warn!("vhost-user: {e}");
+    VhostError::ReqHandlerError(std::io::Error::other(e.to_string()))
+}
+
+impl FrontendHandler {
+    pub(crate) fn new(backend: Arc<BlkBackend>, threads: Arc<WorkerThreads>) -> Self {
+        FrontendHandler {
+            backend,
+            threads,
+            owned: false,
+            acked_features: 0,
+            acked_protocol: 0,
+            mappings: Vec::new(),
+            inflight: None,
+        }
+    }
+
+    fn features(&self) -> u64 {
+        self.backend.device().config().features()
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn vring(&self, index: u32) -> VhostResult<&crate::vring::Vring> {
+        self.backend
+            .vring(index as usize)
+            .ok_or(VhostError::InvalidParam)
+    }
+
+    fn to_gpa(&self, user_addr: u64) -> VhostResult<u64> {
+        self.mappings
+            .iter()
+            .find(|m| user_addr >= m.user_addr && user_addr - m.user_addr < m.size)
+            .map(|m| user_addr - m.user_addr + m.gpa)
+            .ok_or(VhostError::InvalidParam)
+    }
+
+    /// Registers or unregisters the ring's kick eventfd with its worker
+    /// thread as the ring becomes live or not; a ring becoming live is
+    /// looked at at once.
+    fn update_watch(&self, index: usize) {
+        let Some(thread) = self.backend.thread_of(index) else {
+            return;
+        };
+        let Some(vring) = self.backend.vring(index) else {
+            return;
+        };
+        let (live, fd) = {
+            let st = vring.lock();
+            (st.is_live(), st.kick.as_ref().map(|k| k.as_raw_fd()))
+        };
+        let Some(fd) = fd else {
+            return;
+        };
+        if live {
+            if let Err(e) = self.threads.watch_kick(thread, fd, index) {
+                warn!(queue = index, "watching the kick eventfd: {e}");
+            }
+            self.backend.kick_now(index);
+        } else {
+            self.threads.unwatch_kick(thread, fd);
+        }
+    }
+
+    /// The ring starts: recover from the inflight region if there is one.
+    fn start_ring(&self, index: usize) {
+        let Some(vring) = self.backend.vring(index) else {
+            return;
+        };
+        let mem = self.backend.mem().memory();
+        let mut st = vring.lock();
+        st.started = true;
+        st.queue.set_ready(true);
+        let region = self
+            .inflight
+            .as_ref()
+            .filter(|_| self.inflight_negotiated())
+            .and_then(|r| r.queue(index as u16));
+        let Some(region) = region else {
+            st.tracker = None;
+            return;
+        };
+        let ring = (
+            st.queue
+                .used_idx(&*mem, std::sync::atomic::Ordering::Acquire),
+            st.queue
+                .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire),
+        );
+        let (Ok(used), Ok(avail)) = ring else {
+            warn!(
+                queue = index,
+                "rings outside guest memory: inflight tracking off"
+            );
+            st.tracker = None;
+            return;
+        };
+        let recovery = region.recover(used.0, avail.0);
+        for what in &recovery.ignored {
+            warn!(queue = index, "inflight region ignored: {what}");
+        }
+        let mut tracker = Tracker::new(region);
+        tracker.resume_counter();
+        if !recovery.resubmit.is_empty() {
+            info!(
+                queue = index,
+                requests = recovery.resubmit.len(),
+                "resubmitting requests in flight when the previous backend stopped"
+            );
+            st.queue.set_next_avail(recovery.next_avail);
+        }
+        st.queue.set_next_used(used.0);
+        tracker.resubmit = recovery.resubmit.into();
+        st.tracker = Some(tracker);
+    }
+
+    fn inflight_negotiated(&self) -> bool {
+        self.acked_protocol & VhostUserProtocolFeatures::INFLIGHT_SHMFD.bits() != 0
+    }
+
+    fn replace_memory(&mut self, mem: GuestMem) {
+        let atomic = self.backend.mem();
+        atomic
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .replace(mem);
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for FrontendHandler {
+    fn set_owner(&mut self) -> VhostResult<()> {
+        if self.owned {
+            return Err(invalid("already owned"));
+        }
+        self.owned = true;
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VhostResult<()> {
+        self.owned = false;
+        self.acked_features = 0;
+        self.acked_protocol = 0;
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VhostResult<()> {
+        for index in 0..self.backend.num_queues() {
+            if let Some(v) = self.backend.vring(index) {
+                v.lock().enabled = false;
+            }
+            self.update_watch(index);
+        }
+        self.acked_features = 0;
+        Ok(())
+    }
+
+    fn get_features(&mut self) -> VhostResult<u64> {
+        Ok(self.features())
+    }
+
+    fn set_features(&mut self, features: u64) -> VhostResult<()> {
+        if features & !self.features() != 0 {
+            return Err(VhostError::InvalidParam);
+        }
+        self.acked_features = features;
+        let event_idx = features & EVENT_IDX != 0;
+        let enable_all = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
+        for index in 0..self.backend.num_queues() {
+            if let Some(v) = self.backend.vring(index) {
+                let mut st = v.lock();
+                st.queue.set_event_idx(event_idx);
+                if enable_all {
+                    st.enabled = true;
+                }
+            }
+            if enable_all {
+                self.update_watch(index);
+            }
+        }
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        postcopy: Option<bool>,
+    ) -> VhostResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        if postcopy.is_some() {
+            return Err(invalid("postcopy not supported"));
+        }
+        let mut regions = Vec::new();
+        let mut mappings = Vec::new();
+        for (region, file) in ctx.iter().zip(files) {
+            let mmap = region.mmap_region(file)?;
+            let guest = GuestRegionMmap::new(mmap, GuestAddress(region.guest_phys_addr))
+                .ok_or(VhostError::InvalidParam)?;
+            regions.push(guest);
+            mappings.push(Mapping {
+                user_addr: region.user_addr,
+                size: region.memory_size,
+                gpa: region.guest_phys_addr,
+            });
+        }
+        let mem = GuestMem::from_regions(regions).map_err(internal)?;
+        self.replace_memory(mem);
+        self.mappings = mappings;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VhostResult<()> {
+        let max = u32::from(self.backend.device().config().queue_size);
+        if num == 0 || num > max || !num.is_power_of_two() {
+            return Err(VhostError::InvalidParam);
+        }
+        self.vring(index)?.lock().queue.set_size(num as u16);
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VhostResult<()> {
+        let (desc, avail, used) = (
+            self.to_gpa(descriptor)?,
+            self.to_gpa(available)?,
+            self.to_gpa(used)?,
+        );
+        let mem = self.backend.mem().memory();
+        let mut st = self.vring(index)?.lock();
+        let q = &mut st.queue;
+        q.try_set_desc_table_address(GuestAddress(desc))
+            .map_err(|_| VhostError::InvalidParam)?;
+        q.try_set_avail_ring_address(GuestAddress(avail))
+            .map_err(|_| VhostError::InvalidParam)?;
+        q.try_set_used_ring_address(GuestAddress(used))
+            .map_err(|_| VhostError::InvalidParam)?;
+        // The used index lives in guest memory: after a restart it is
+        // where the previous backend left it.
+        if let Ok(idx) = q.used_idx(&*mem, std::sync::atomic::Ordering::Acquire) {
+            q.set_next_used(idx.0);
+        }
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VhostResult<()> {
+        self.vring(index)?.lock().queue.set_next_avail(base as u16);
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VhostResult<VhostUserVringState> {
+        debug!(queue = index, "stopping the ring");
+        let i = index as usize;
+        let vring = self.vring(index)?;
+        // No new request; those running finish (and complete) first, so
+        // that the index returned accounts for every request taken.
+        let fd = vring.lock().kick.as_ref().map(|k| k.as_raw_fd());
+        if let (Some(fd), Some(thread)) = (fd, self.backend.thread_of(i)) {
+            self.threads.unwatch_kick(thread, fd);
+        }
+        if !self.backend.wait_queue_idle(i, STOP_DRAIN_TIMEOUT) {
+            warn!(
+                queue = i,
+                "requests still running when the ring stops: the inflight region keeps them"
+            );
+        }
+        let mut st = vring.lock();
+        st.started = false;
+        st.queue.set_ready(false);
+        st.kick = None;
+        st.call = None;
+        Ok(VhostUserVringState::new(
+            index,
+            u32::from(st.queue.next_avail()),
+        ))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        let i = usize::from(index);
+        let vring = self.vring(u32::from(index))?;
+        let old = vring.lock().kick.as_ref().map(|k| k.as_raw_fd());
+        if let (Some(old), Some(thread)) = (old, self.backend.thread_of(i)) {
+            self.threads.unwatch_kick(thread, old);
+        }
+        // SAFETY: the frontend handed us this descriptor; File owns it and
+        // gives it to EventFd, which becomes its only owner.
+        vring.lock().kick = fd.map(|f| unsafe {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            EventFd::from_raw_fd(f.into_raw_fd())
+        });
+        self.start_ring(i);
+        self.update_watch(i);
+        Ok(())
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
+        // SAFETY: as for the kick eventfd.
+        self.vring(u32::from(index))?.lock().call = fd.map(|f| unsafe {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            EventFd::from_raw_fd(f.into_raw_fd())
+        });
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> VhostResult<()> {
+        self.vring(u32::from(index))?;
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VhostResult<VhostUserProtocolFeatures> {
+        Ok(VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
+        self.acked_protocol = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VhostResult<u64> {
+        Ok(self.backend.num_queues() as u64)
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VhostResult<()> {
+        self.vring(index)?.lock().enabled = enable;
+        self.update_watch(index as usize);
+        Ok(())
+    }
+
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<Vec<u8>> {
+        Ok(read_config(
+            &self.backend.device().config_space(),
+            offset,
+            size,
+        ))
+    }
+
+    fn set_config(
+        &mut self,
+        offset: u32,
+        buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VhostResult<()> {
+        match (offset, buf) {
+            (CONFIG_WRITEBACK_OFFSET, [mode]) => {
+                debug!(writeback = *mode != 0, "cache mode set by driver");
+                self.backend.device().set_writeback(*mode != 0);
+                Ok(())
+            }
+            _ => Err(VhostError::InvalidParam),
+        }
+    }
+
+    fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> VhostResult<()> {
+        Err(invalid("no GPU"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VhostResult<File> {
+        Err(invalid("no shared objects"))
+    }
+
+    fn get_inflight_fd(
+        &mut self,
+        msg: &VhostUserInflight,
+    ) -> VhostResult<(VhostUserInflight, File)> {
+        let queues = usize::from(msg.num_queues);
+        if queues == 0 || queues > self.backend.num_queues() {
+            warn!(
+                num_queues = msg.num_queues,
+                "inflight region asked for a queue count we do not offer"
+            );
+            return Err(VhostError::InvalidParam);
+        }
+        let region = InflightRegion::create(msg.num_queues, msg.queue_size).map_err(internal)?;
+        let file = region.file().try_clone().map_err(internal)?;
+        let reply = VhostUserInflight::new(region.size(), 0, msg.num_queues, msg.queue_size);
+        self.inflight = Some(Arc::new(region));
+        Ok((reply, file))
+    }
+
+    fn set_inflight_fd(&mut self, msg: &VhostUserInflight, file: File) -> VhostResult<()> {
+        if usize::from(msg.num_queues) > self.backend.num_queues() {
+            warn!(
+                num_queues = msg.num_queues,
+                "inflight region for more queues than we offer: refused"
+            );
+            return Err(VhostError::InvalidParam);
+        }
+        let region = InflightRegion::open(
+            file,
+            msg.mmap_size,
+            msg.mmap_offset,
+            msg.num_queues,
+            msg.queue_size,
+        )
+        .map_err(|e| {
+            warn!("refusing the inflight region: {e}");
+            VhostError::InvalidParam
+        })?;
+        self.inflight = Some(Arc::new(region));
+        Ok(())
+    }
+
+    fn get_max_mem_slots(&mut self) -> VhostResult<u64> {
+        Ok(MAX_MEM_SLOTS)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        postcopy: Option<bool>,
+    ) -> VhostResult<Option<VhostUserMemoryRegionBase>> {
+        if postcopy.is_some() {
+            return Err(invalid("postcopy not supported"));
+        }
+        let mmap = region.mmap_region(fd)?;
+        let guest = GuestRegionMmap::new(mmap, GuestAddress(region.guest_phys_addr))
+            .ok_or(VhostError::InvalidParam)?;
+        let mem = self
+            .backend
+            .mem()
+            .memory()
+            .insert_region(Arc::new(guest))
+            .map_err(internal)?;
+        self.replace_memory(mem);
+        self.mappings.push(Mapping {
+            user_addr: region.user_addr,
+            size: region.memory_size,
+            gpa: region.guest_phys_addr,
+        });
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VhostResult<()> {
+        let (mem, _) = self
+            .backend
+            .mem()
+            .memory()
+            .remove_region(GuestAddress(region.guest_phys_addr), region.memory_size)
+            .map_err(internal)?;
+        self.replace_memory(mem);
+        self.mappings.retain(|m| m.gpa != region.guest_phys_addr);
+        Ok(())
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VhostResult<Option<File>> {
+        Err(invalid("no device state transfer"))
+    }
+
+    fn check_device_state(&mut self) -> VhostResult<()> {
+        Err(invalid("no device state transfer"))
+    }
+
+    fn get_shmem_config(&mut self) -> VhostResult<VhostUserShMemConfig> {
+        Err(invalid("no shared memory regions"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VhostResult<()> {
+        Err(invalid("no dirty logging"))
+    }
+}

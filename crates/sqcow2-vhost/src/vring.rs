@@ -1,0 +1,158 @@
+//! One virtqueue as the vhost-user protocol sets it up: the split ring
+//! (virtio-queue's [`Queue`]), the kick and call eventfds, whether the
+//! frontend enabled and started it, and its part of the inflight region.
+//! The protocol thread configures it; the worker thread that serves the
+//! queue takes requests off it and puts completions on it, each under the
+//! vring's lock (held for ring accesses only, never across I/O).
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use tracing::debug;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::inflight::QueueInflight;
+use crate::worker::GuestMem;
+
+/// A virtqueue and its protocol state.
+#[derive(Debug)]
+pub(crate) struct Vring {
+    state: Mutex<VringState>,
+}
+
+/// The inflight bookkeeping of one queue.
+#[derive(Debug)]
+pub(crate) struct Tracker {
+    region: QueueInflight,
+    /// The order number of the next request taken.
+    counter: u64,
+    /// Requests a previous backend took and never completed, to start
+    /// before any new one.
+    pub(crate) resubmit: VecDeque<u16>,
+}
+
+impl Tracker {
+    pub(crate) fn new(region: QueueInflight) -> Self {
+        Tracker {
+            region,
+            counter: 0,
+            resubmit: VecDeque::new(),
+        }
+    }
+
+    /// The request at `head` was taken off the ring.
+    pub(crate) fn taken(&mut self, head: u16) {
+        self.region.taken(head, self.counter);
+        self.counter = self.counter.wrapping_add(1);
+    }
+
+    /// Continues the order numbers after those in the region.
+    pub(crate) fn resume_counter(&mut self) {
+        self.counter = self.region.next_counter();
+    }
+}
+
+/// Puts a finished request on `queue`'s used ring, with the inflight
+/// bookkeeping around it in the specification's order.
+pub(crate) fn add_used_tracked(
+    queue: &mut Queue,
+    tracker: Option<&Tracker>,
+    mem: &GuestMem,
+    head: u16,
+    len: u32,
+) -> Result<(), virtio_queue::Error> {
+    if let Some(t) = tracker {
+        t.region.completing(head);
+    }
+    queue.add_used(mem, head, len)?;
+    if let Some(t) = tracker {
+        t.region.completed(head, queue.next_used());
+    }
+    Ok(())
+}
+
+/// The state behind a [`Vring`]'s lock.
+#[derive(Debug)]
+pub(crate) struct VringState {
+    pub(crate) queue: Queue,
+    pub(crate) kick: Option<EventFd>,
+    pub(crate) call: Option<EventFd>,
+    /// Enabled by `SET_VRING_ENABLE` (or by features without
+    /// `VHOST_USER_F_PROTOCOL_FEATURES`).
+    pub(crate) enabled: bool,
+    /// Started by its kick eventfd, stopped by `GET_VRING_BASE`: a stopped
+    /// ring is not touched, not even to complete a request (the inflight
+    /// region keeps it for the next start).
+    pub(crate) started: bool,
+    pub(crate) tracker: Option<Tracker>,
+}
+
+impl VringState {
+    /// Whether requests may be taken and completed.
+    pub(crate) fn is_live(&self) -> bool {
+        self.enabled && self.started && self.queue.ready()
+    }
+
+    /// Puts a finished request on the used ring, with the inflight
+    /// bookkeeping around it in the specification's order; nothing on a
+    /// ring that is not live.
+    pub(crate) fn put_used(&mut self, mem: &GuestMem, head: u16, len: u32) -> bool {
+        if !self.is_live() {
+            return false;
+        }
+        match add_used_tracked(&mut self.queue, self.tracker.as_ref(), mem, head, len) {
+            Ok(()) => true,
+            Err(e) => {
+                crate::limited_warn!("used ring: {e}");
+                false
+            }
+        }
+    }
+
+    /// Notifies the driver if it asked to be.
+    pub(crate) fn signal(&mut self, mem: &GuestMem) {
+        let needed = match self.queue.needs_notification(mem) {
+            Ok(n) => n,
+            Err(e) => {
+                debug!("used event: {e}");
+                true
+            }
+        };
+        if let (true, Some(call)) = (needed, &self.call) {
+            if let Err(e) = call.write(1) {
+                debug!("signal used queue: {e}");
+            }
+        }
+    }
+}
+
+impl Vring {
+    pub(crate) fn new(max_size: u16) -> Self {
+        let queue = Queue::new(max_size).unwrap_or_else(|_| {
+            // Only a size that is not a power of two fails; fall back to
+            // the largest one that is.
+            let pow2 = 1u16 << (15 - max_size.max(1).leading_zeros().min(15));
+            Queue::new(pow2).unwrap_or_else(|_| Queue::new(256).expect("256 is a valid size"))
+        });
+        Vring {
+            state: Mutex::new(VringState {
+                queue,
+                kick: None,
+                call: None,
+                enabled: false,
+                started: false,
+                tracker: None,
+            }),
+        }
+    }
+
+    /// The state, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, VringState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Guest memory shared by the protocol thread and the workers.
+pub(crate) type SharedMem = GuestMemoryAtomic<GuestMem>;
