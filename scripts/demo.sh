@@ -79,7 +79,7 @@ Attach a QEMU guest (shared guest memory is required by vhost-user):
 
 Attach a Cloud Hypervisor guest:
 
-  cloud-hypervisor --memory size=1G,shared=on \\
+  cloud-hypervisor --cpus boot=2 --memory size=1G,shared=on \\
     --disk vhost_user=true,socket=$sock,num_queues=2 \\
     <your usual --kernel/--cmdline or --firmware options>
 

@@ -6,7 +6,8 @@
 //! * [`worker`] executes them: data clusters are read with io_uring
 //!   straight into guest memory, metadata comes from the chain's unified
 //!   cache;
-//! * [`backend`] plugs the workers into vhost-user-backend;
+//! * `frontend` speaks the vhost-user protocol (with inflight I/O
+//!   tracking), [`backend`] runs the queues on worker threads;
 //! * [`server`] owns the socket: one frontend at a time, reconnects,
 //!   signals, readiness.
 
