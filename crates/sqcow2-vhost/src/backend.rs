@@ -1,6 +1,6 @@
 //! The device side of a frontend connection: [`BlkBackend`] owns the
 //! virtqueues and one queue worker per worker thread; the worker threads
-//! ([`WorkerThreads`]) wait on the queues' kick eventfds, io_uring
+//! (`WorkerThreads`) wait on the queues' kick eventfds, io_uring
 //! completions and engine results, and call it.
 
 use std::io;
