@@ -1,0 +1,379 @@
+//! Inflight I/O tracking, driven message by message with rust-vmm's
+//! vhost-user frontend: a region obtained from one daemon is handed to the
+//! next one after a `kill -9`, with two writes to one sector recorded as
+//! taken and never completed (as a killed daemon leaves them, in the
+//! layout of the vhost-user specification); the new daemon must complete
+//! both, in the order they were taken (the later one's data stays), before
+//! a new request. Malformed regions are refused or ignored, never served
+//! from.
+
+mod common;
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use common::vhost::{connect_retry, Daemon};
+use common::{gen_chain, s};
+use vhost::vhost_user::message::{
+    VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_OUT};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+const MEM: usize = 16 << 20;
+const QSIZE: u16 = 16;
+const DESC: u64 = 0x1000;
+const AVAIL: u64 = 0x2000;
+const USED: u64 = 0x3000;
+/// Request `r` uses descriptors 3r..3r+2 and these buffers.
+fn header_at(r: u64) -> u64 {
+    0x10_0000 + r * 0x1000
+}
+fn data_at(r: u64) -> u64 {
+    0x20_0000 + r * 0x1_0000
+}
+fn status_at(r: u64) -> u64 {
+    0x30_0000 + r * 0x1000
+}
+const SECTOR: u64 = 4096;
+
+type Mem = GuestMemoryMmap<()>;
+
+fn put_desc(mem: &Mem, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
+    let mut raw = [0u8; 16];
+    raw[0..8].copy_from_slice(&addr.to_le_bytes());
+    raw[8..12].copy_from_slice(&len.to_le_bytes());
+    raw[12..14].copy_from_slice(&flags.to_le_bytes());
+    raw[14..16].copy_from_slice(&next.to_le_bytes());
+    mem.write_slice(&raw, GuestAddress(DESC + u64::from(i) * 16))
+        .unwrap();
+}
+
+/// Request `r`: a 4 KiB write of `fill` at sector `SECTOR`, descriptors
+/// from 3r; returns its head.
+fn write_request(mem: &Mem, r: u16, fill: u8) -> u16 {
+    let r64 = u64::from(r);
+    let mut h = [0u8; 16];
+    h[..4].copy_from_slice(&VIRTIO_BLK_T_OUT.to_le_bytes());
+    h[8..].copy_from_slice(&SECTOR.to_le_bytes());
+    mem.write_slice(&h, GuestAddress(header_at(r64))).unwrap();
+    mem.write_slice(&[fill; 4096], GuestAddress(data_at(r64)))
+        .unwrap();
+    mem.write_obj(0xFFu8, GuestAddress(status_at(r64))).unwrap();
+    let head = 3 * r;
+    let next = VRING_DESC_F_NEXT as u16;
+    put_desc(mem, head, header_at(r64), 16, next, head + 1);
+    put_desc(mem, head + 1, data_at(r64), 4096, next, head + 2);
+    put_desc(
+        mem,
+        head + 2,
+        status_at(r64),
+        1,
+        VRING_DESC_F_WRITE as u16,
+        0,
+    );
+    head
+}
+
+/// Puts `head` on the available ring at position `pos` and publishes
+/// `pos + 1` as the available index.
+fn make_available(mem: &Mem, pos: u16, head: u16) {
+    let slot = AVAIL + 4 + u64::from(pos % QSIZE) * 2;
+    mem.write_obj(head, GuestAddress(slot)).unwrap();
+    mem.write_obj(pos.wrapping_add(1), GuestAddress(AVAIL + 2))
+        .unwrap();
+}
+
+fn used_idx(mem: &Mem) -> u16 {
+    mem.read_obj(GuestAddress(USED + 2)).unwrap()
+}
+
+fn wait_used(mem: &Mem, want: u16, daemon: &Daemon) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while used_idx(mem) < want {
+        assert!(
+            Instant::now() < deadline,
+            "used index {} never reached {want}\n{}",
+            used_idx(mem),
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+struct Guest {
+    mem: Mem,
+    backing: File,
+    host: u64,
+}
+
+fn guest() -> Guest {
+    let backing = tempfile::tempfile().unwrap();
+    backing.set_len(MEM as u64).unwrap();
+    let mem = Mem::from_ranges_with_files([(
+        GuestAddress(0),
+        MEM,
+        Some(FileOffset::new(backing.try_clone().unwrap(), 0)),
+    )])
+    .unwrap();
+    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+    Guest { mem, backing, host }
+}
+
+/// Negotiates, hands over `region` (or asks for one), sets the ring up
+/// and kicks it; returns the frontend, the kick and the region.
+fn start(
+    daemon: &Daemon,
+    g: &Guest,
+    region: Option<(&VhostUserInflight, &File)>,
+    base: u16,
+) -> (Frontend, EventFd, Option<(VhostUserInflight, File)>) {
+    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    let features = fe.get_features().unwrap();
+    assert_ne!(
+        features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
+        0
+    );
+    fe.set_features(features).unwrap();
+    let offered = fe.get_protocol_features().unwrap();
+    assert!(
+        offered.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD),
+        "inflight tracking not offered: {offered:?}"
+    );
+    fe.set_protocol_features(
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD,
+    )
+    .unwrap();
+    let got = match region {
+        Some((msg, file)) => {
+            fe.set_inflight_fd(msg, file.as_raw_fd()).unwrap();
+            None
+        }
+        None => {
+            let ask = VhostUserInflight::new(0, 0, 1, QSIZE);
+            let (msg, file) = fe.get_inflight_fd(&ask).unwrap();
+            fe.set_inflight_fd(&msg, file.as_raw_fd()).unwrap();
+            Some((msg, file))
+        }
+    };
+    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
+        guest_phys_addr: 0,
+        memory_size: MEM as u64,
+        userspace_addr: g.host,
+        mmap_offset: 0,
+        mmap_handle: g.backing.as_raw_fd(),
+    }])
+    .unwrap();
+    fe.set_vring_num(0, QSIZE).unwrap();
+    fe.set_vring_addr(
+        0,
+        &VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: g.host + DESC,
+            used_ring_addr: g.host + USED,
+            avail_ring_addr: g.host + AVAIL,
+            log_addr: None,
+        },
+    )
+    .unwrap();
+    fe.set_vring_base(0, base).unwrap();
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+    (fe, kick, got)
+}
+
+/// Marks `head` taken (as a daemon does before starting it) in queue 0 of
+/// the region mapped at `map`.
+fn mark_taken(map: &mut [u8], head: u16, counter: u64) {
+    let d = 16 + usize::from(head) * 16;
+    map[d + 8..d + 16].copy_from_slice(&counter.to_le_bytes());
+    map[d] = 1;
+}
+
+fn read_sector(top: &std::path::Path, dir: &std::path::Path) -> Vec<u8> {
+    let raw = common::qemu_raw(top, dir);
+    raw[(SECTOR * 512) as usize..(SECTOR * 512 + 4096) as usize].to_vec()
+}
+
+#[test]
+fn requests_in_flight_at_a_kill_are_resubmitted_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 5, "16M", "0.5");
+    let g = guest();
+
+    // Daemon A creates the region and initialises it at the ring's start.
+    let mut a = Daemon::start(tmp.path(), &top, &[]);
+    let (fe, _kick, region) = start(&a, &g, None, 0);
+    let (msg, file) = region.expect("a region from GET_INFLIGHT_FD");
+    assert_eq!(msg.num_queues, 1);
+    assert_eq!(msg.queue_size, QSIZE);
+    // Two writes to one sector, taken by A (counters 7 then 8) and never
+    // completed: A dies.
+    let first = write_request(&g.mem, 0, 0x11);
+    let second = write_request(&g.mem, 1, 0x22);
+    {
+        // SAFETY (test): a shared mapping of the region's memfd, used only
+        // here while no daemon runs.
+        let len = msg.mmap_size as usize;
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        a.stop_with(libc::SIGKILL);
+        drop(fe);
+        // SAFETY: `ptr` maps `len` bytes until the munmap below.
+        let map = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
+        assert_eq!(u16::from_le_bytes([map[8], map[9]]), 1, "A set version 1");
+        // Taken in this order: `second` first, then `first`: the data of
+        // `first` must be what stays.
+        mark_taken(map, second, 7);
+        mark_taken(map, first, 8);
+        // SAFETY: the mapping made above.
+        unsafe { libc::munmap(ptr, len) };
+    }
+    make_available(&g.mem, 0, second);
+    make_available(&g.mem, 1, first);
+
+    // B gets the region back, and (as QEMU does after a crash) a base of
+    // the used index: 0.
+    let mut b = Daemon::start(tmp.path(), &top, &[]);
+    let (fe, kick, _) = start(&b, &g, Some((&msg, &file)), 0);
+    wait_used(&g.mem, 2, &b);
+    for r in [0u64, 1] {
+        let status: u8 = g.mem.read_obj(GuestAddress(status_at(r))).unwrap();
+        assert_eq!(u32::from(status), VIRTIO_BLK_S_OK, "request {r}");
+    }
+    // A new request after them is served too, and nothing runs twice.
+    let third = write_request(&g.mem, 2, 0x33);
+    put_desc(
+        &g.mem,
+        third + 1,
+        data_at(2),
+        4096,
+        VRING_DESC_F_NEXT as u16,
+        third + 2,
+    );
+    let mut h = [0u8; 16];
+    h[..4].copy_from_slice(&VIRTIO_BLK_T_OUT.to_le_bytes());
+    h[8..].copy_from_slice(&(SECTOR + 64).to_le_bytes());
+    g.mem.write_slice(&h, GuestAddress(header_at(2))).unwrap();
+    make_available(&g.mem, 2, third);
+    kick.write(1).unwrap();
+    wait_used(&g.mem, 3, &b);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(used_idx(&g.mem), 3, "a request completed twice");
+    drop(fe);
+    let mut c = connect_retry(&b, 1, false);
+    assert_eq!(
+        c.read(SECTOR * 512, 4096),
+        vec![0x11u8; 4096],
+        "resubmitted out of order (the write taken last must win)"
+    );
+    drop(c);
+    b.stop();
+    assert_eq!(read_sector(&top, tmp.path()), vec![0x11u8; 4096]);
+    let check = common::run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+}
+
+#[test]
+fn malformed_inflight_regions_are_refused_or_ignored() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "16M", "0.5");
+    let g = guest();
+    let mut d = Daemon::start(tmp.path(), &top, &[]);
+
+    // A region of the wrong size: refused.
+    let small = tempfile::tempfile().unwrap();
+    small.set_len(100).unwrap();
+    let mut fe = Frontend::connect(&d.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    let features = fe.get_features().unwrap();
+    fe.set_features(features).unwrap();
+    fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(
+        VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::INFLIGHT_SHMFD,
+    )
+    .unwrap();
+    let wrong = VhostUserInflight::new(100, 0, 1, QSIZE);
+    // The frontend library does not wait for an answer to this message:
+    // the refusal shows in the daemon's log (and the connection ends).
+    let _ = fe.set_inflight_fd(&wrong, small.as_raw_fd());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d.log().contains("refusing the inflight region") {
+        assert!(Instant::now() < deadline, "no refusal logged:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fe);
+    let mut fe = Frontend::connect(&d.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    fe.set_features(features).unwrap();
+    fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(
+        VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::INFLIGHT_SHMFD,
+    )
+    .unwrap();
+    let too_many = VhostUserInflight::new(100, 0, 64, QSIZE);
+    let _ = fe.set_inflight_fd(&too_many, small.as_raw_fd());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d
+        .log()
+        .contains("inflight region for more queues than we offer")
+    {
+        assert!(Instant::now() < deadline, "no refusal logged:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fe);
+
+    // A region of the right size full of garbage (every descriptor in
+    // flight, states out of range): ignored; requests still served.
+    let (msg, file) = {
+        let (fe, _k, r) = start(&d, &g, None, 0);
+        drop(fe);
+        r.unwrap()
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let len = msg.mmap_size as usize;
+    let garbage: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    std::os::unix::fs::FileExt::write_all_at(&file, &garbage, 0).unwrap();
+    let (fe, kick, _) = start(&d, &g, Some((&msg, &file)), 0);
+    let head = write_request(&g.mem, 0, 0x44);
+    make_available(&g.mem, 0, head);
+    kick.write(1).unwrap();
+    wait_used(&g.mem, 1, &d);
+    let status: u8 = g.mem.read_obj(GuestAddress(status_at(0))).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    drop(fe);
+    assert!(d.is_running(), "daemon died:\n{}", d.log());
+    assert!(
+        d.log().contains("inflight region ignored")
+            || d.log().contains("refusing the inflight region"),
+        "no log line about the region:\n{}",
+        d.log()
+    );
+    d.stop();
+}
