@@ -13,83 +13,21 @@
 //! back every published write.
 
 mod common;
+/// The engine tests' recording storage (every write, length change and
+/// sync logged).
+#[path = "../crates/sqcow2-format/tests/common/mod.rs"]
+mod engine_storage;
 
 use std::path::Path;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 
 use common::{qemu_img, qemu_io, run_raw, s};
+use engine_storage::{apply, Op, TestStorage};
 use sqcow2_format::check::{check, Repair};
 use sqcow2_format::create::{image_bytes, CreateOptions};
-use sqcow2_format::storage::Storage;
 use sqcow2_format::{Chain, ChainOptions, Version};
 
 const SIZE: u64 = 2 << 20;
-
-#[derive(Debug, Clone)]
-enum Op {
-    Write { offset: u64, data: Vec<u8> },
-    SetLen(u64),
-    Sync,
-}
-
-/// Storage that logs every write, length change and sync.
-#[derive(Debug)]
-struct RecordingStorage {
-    live: Mutex<Vec<u8>>,
-    log: Mutex<Vec<Op>>,
-}
-
-impl Storage for RecordingStorage {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let live = self.live.lock().unwrap();
-        buf.fill(0);
-        let start = (offset as usize).min(live.len());
-        let end = (start + buf.len()).min(live.len());
-        buf[..end - start].copy_from_slice(&live[start..end]);
-        Ok(())
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        Ok(self.live.lock().unwrap().len() as u64)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        apply(
-            &mut self.live.lock().unwrap(),
-            &Op::Write {
-                offset,
-                data: buf.to_vec(),
-            },
-        );
-        self.log.lock().unwrap().push(Op::Write {
-            offset,
-            data: buf.to_vec(),
-        });
-        Ok(())
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.live.lock().unwrap().resize(len as usize, 0);
-        self.log.lock().unwrap().push(Op::SetLen(len));
-        Ok(())
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        self.log.lock().unwrap().push(Op::Sync);
-        Ok(())
-    }
-}
-
-fn apply(image: &mut Vec<u8>, op: &Op) {
-    match op {
-        Op::Write { offset, data } => {
-            let end = *offset as usize + data.len();
-            if image.len() < end {
-                image.resize(end, 0);
-            }
-            image[*offset as usize..end].copy_from_slice(data);
-        }
-        Op::SetLen(len) => image.resize(*len as usize, 0),
-        Op::Sync => {}
-    }
-}
 
 /// A guest operation of the workload and what it may leave on disk.
 #[derive(Debug, Clone)]
@@ -264,10 +202,7 @@ fn run_seed(seed: u64) -> usize {
     qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
     let mut model = std::fs::read(&raw).unwrap();
 
-    let storage = Arc::new(RecordingStorage {
-        live: Mutex::new(initial.clone()),
-        log: Mutex::new(Vec::new()),
-    });
+    let storage = TestStorage::new(initial.clone());
     // Half the seeds use a tiny cache, so that metadata is written back
     // early and slices are evicted while the workload runs.
     let options = ChainOptions {
@@ -305,17 +240,17 @@ fn run_seed(seed: u64) -> usize {
                     .publish()
                     .unwrap_or_else(|e| panic!("{ctx}: publish: {e}"));
             }
-            let log_len = storage.log.lock().unwrap().len();
+            let log_len = storage.log_len();
             let snapshot = matches!(op, GuestOp::Flush).then(|| model.clone());
             completed.push((i, log_len, snapshot));
         }
         // No close: the process "dies" after the last operation.
         std::mem::forget(chain);
     }
-    let log = storage.log.lock().unwrap().clone();
+    let log = storage.log();
     let initial_model = std::fs::read(&raw).unwrap();
     if publish == Publish::Always {
-        let live = storage.live.lock().unwrap().clone();
+        let live = storage.bytes();
         process_death(&top, &live, &model, cfg.lazy, &ctx);
     }
 

@@ -24,17 +24,7 @@ fn chain(dir: &Path) -> std::path::PathBuf {
     let top = dir.join("top.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
     common::qemu_io(&base, &["write -P 0x21 0 32M".to_string()]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    common::qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
     top
 }
 

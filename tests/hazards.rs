@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use blkio::{Blkioq, Completion, ReqFlags};
 use common::faulty_fs::FaultyFs;
 use common::vhost::{connect_retry, control_within, Daemon};
-use common::{assert_check_clean, gen_chain, qemu_img, qemu_io, s};
+use common::{assert_check_clean, gen_chain, qemu_img, qemu_io, qemu_raw, s};
 use serde_json::{json, Value};
 
 const CLUSTER: u64 = 65536;
@@ -160,9 +160,7 @@ fn control_flush_waits_for_a_transfer_in_flight() {
 fn flushes_on_two_queues_and_live_snapshots_never_deadlock() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 3, "16M", "0.5");
-    let raw = tmp.path().join("start.raw");
-    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-    let model = Arc::new(Mutex::new(std::fs::read(&raw).unwrap()));
+    let model = Arc::new(Mutex::new(qemu_raw(&top, tmp.path())));
     let size = model.lock().unwrap().len() as u64;
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(
@@ -302,10 +300,8 @@ fn flushes_on_two_queues_and_live_snapshots_never_deadlock() {
     for layer in &snapshots {
         assert_check_clean(layer);
     }
-    let after = tmp.path().join("after.raw");
-    qemu_img(&["convert", "-O", "raw", s(last), s(&after)]);
     assert!(
-        std::fs::read(&after).unwrap() == model,
+        qemu_raw(last, tmp.path()) == model,
         "qemu-img convert of the final chain differs from the model"
     );
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use blkio::{Completion, ReqFlags};
 use common::vhost::{connect_retry, control, Daemon};
-use common::{env_count, gen_chain, qemu_img, run_raw, s, sqcow2};
+use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
 use serde_json::{json, Value};
 
 const BLOCK: u64 = 16 << 10;
@@ -26,9 +26,7 @@ const DEPTH: usize = 16;
 fn live_snapshots_under_write_load() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 10, "64M", "0.5");
-    let raw = tmp.path().join("start.raw");
-    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-    let model = Arc::new(Mutex::new(std::fs::read(&raw).unwrap()));
+    let model = Arc::new(Mutex::new(qemu_raw(&top, tmp.path())));
     let size = model.lock().unwrap().len() as u64;
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(
@@ -209,10 +207,8 @@ fn live_snapshots_under_write_load() {
             layer.display()
         );
     }
-    let after = tmp.path().join("after.raw");
-    qemu_img(&["convert", "-O", "raw", s(&new_top), s(&after)]);
     assert!(
-        std::fs::read(&after).unwrap() == model,
+        qemu_raw(&new_top, tmp.path()) == model,
         "qemu-img convert of the final chain differs"
     );
     let info = sqcow2(&["info", s(&new_top)]);

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{qemu_img, run_raw, s, sqcow2_bin};
+use common::{qemu_img, qemu_overlay, run_raw, s, sqcow2_bin};
 
 /// Who plays a role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,28 +58,8 @@ fn chain(dir: &Path) -> PathBuf {
     let mid = dir.join("mid.qcow2");
     let top = dir.join("top.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "16M"]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-        s(&mid),
-    ]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "mid.qcow2",
-        "-F",
-        "qcow2",
-        s(&top),
-    ]);
+    qemu_overlay(&mid, "base.qcow2", "qcow2", &[], None);
+    qemu_overlay(&top, "mid.qcow2", "qcow2", &[], None);
     top
 }
 

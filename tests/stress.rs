@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkioq, Completion, ReqFlags};
 use common::vhost::{connect_retry, control, Daemon};
-use common::{assert_check_clean, env_count, gen_chain, qcow2_files, qemu_img, s, tagged_block};
+use common::{assert_check_clean, env_count, gen_chain, qcow2_files, qemu_raw, s, tagged_block};
 use serde_json::json;
 
 const BLOCK: u64 = 4096;
@@ -68,9 +68,7 @@ fn snapshots_flushes_discards_and_in_place_writes_racing() {
     let seed = env_count("SQCOW2_STRESS_SEED", 7u64);
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 3, "32M", "0.5");
-    let start_raw = tmp.path().join("start.raw");
-    qemu_img(&["convert", "-O", "raw", s(&top), s(&start_raw)]);
-    let original = Arc::new(std::fs::read(&start_raw).unwrap());
+    let original = Arc::new(qemu_raw(&top, tmp.path()));
     let size = original.len() as u64;
     let half = size / 2;
     let ctl = tmp.path().join("control.sock");
@@ -236,10 +234,8 @@ fn snapshots_flushes_discards_and_in_place_writes_racing() {
         assert_check_clean(&layer);
     }
     let final_top = snapshots.last().cloned().unwrap_or(top);
-    let after = tmp.path().join("after.raw");
-    qemu_img(&["convert", "-O", "raw", s(&final_top), s(&after)]);
     assert!(
-        std::fs::read(&after).unwrap() == served,
+        qemu_raw(&final_top, tmp.path()) == served,
         "qemu-img convert of the final chain differs from what the daemon served"
     );
 }

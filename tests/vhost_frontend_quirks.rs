@@ -8,22 +8,21 @@
 
 mod common;
 
-use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use common::vhost::{connect_retry, Daemon};
+use common::vhost::{connect_retry, Daemon, SharedGuestMemory};
 use common::{gen_chain, qemu_raw, run_raw, s};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VringConfigData};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
-use vm_memory::{Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 const MEM: usize = 16 << 20;
@@ -93,15 +92,8 @@ fn cloud_hypervisor_style_frontend() {
     let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
 
-    let backing = tempfile::tempfile().unwrap();
-    backing.set_len(MEM as u64).unwrap();
-    let mem = Mem::from_ranges_with_files([(
-        GuestAddress(0),
-        MEM,
-        Some(FileOffset::new(backing.try_clone().unwrap(), 0)),
-    )])
-    .unwrap();
-    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+    let guest = SharedGuestMemory::new(MEM);
+    let (mem, host) = (guest.mem.clone(), guest.host);
 
     let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
     fe.set_owner().unwrap();
@@ -137,14 +129,7 @@ fn cloud_hypervisor_style_frontend() {
         .unwrap();
     assert_eq!(cfg[32], 0, "writeback field not taken");
 
-    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
-        guest_phys_addr: 0,
-        memory_size: MEM as u64,
-        userspace_addr: host,
-        mmap_offset: 0,
-        mmap_handle: backing.as_raw_fd(),
-    }])
-    .unwrap();
+    fe.set_mem_table(&[guest.region()]).unwrap();
     let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
     fe.set_vring_num(0, QSIZE).unwrap();
     fe.set_vring_addr(

@@ -11,18 +11,19 @@ mod common;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use common::vhost::{connect_retry, Daemon};
+use common::vhost::{connect_retry, wait_for_log, Daemon, SharedGuestMemory};
 use common::{gen_chain, s};
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VringConfigData};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 const MEM: usize = 16 << 20;
@@ -106,30 +107,11 @@ fn wait_used(mem: &Mem, want: u16, daemon: &Daemon) {
     }
 }
 
-struct Guest {
-    mem: Mem,
-    backing: File,
-    host: u64,
-}
-
-fn guest() -> Guest {
-    let backing = tempfile::tempfile().unwrap();
-    backing.set_len(MEM as u64).unwrap();
-    let mem = Mem::from_ranges_with_files([(
-        GuestAddress(0),
-        MEM,
-        Some(FileOffset::new(backing.try_clone().unwrap(), 0)),
-    )])
-    .unwrap();
-    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
-    Guest { mem, backing, host }
-}
-
 /// Negotiates, hands over `region` (or asks for one), sets the ring up
 /// and kicks it; returns the frontend, the kick and the region.
 fn start(
     daemon: &Daemon,
-    g: &Guest,
+    g: &SharedGuestMemory,
     region: Option<(&VhostUserInflight, &File)>,
     base: u16,
 ) -> (Frontend, EventFd, Option<(VhostUserInflight, File)>) {
@@ -165,14 +147,7 @@ fn start(
             Some((msg, file))
         }
     };
-    fe.set_mem_table(&[VhostUserMemoryRegionInfo {
-        guest_phys_addr: 0,
-        memory_size: MEM as u64,
-        userspace_addr: g.host,
-        mmap_offset: 0,
-        mmap_handle: g.backing.as_raw_fd(),
-    }])
-    .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
     fe.set_vring_num(0, QSIZE).unwrap();
     fe.set_vring_addr(
         0,
@@ -195,11 +170,11 @@ fn start(
 }
 
 /// Marks `head` taken (as a daemon does before starting it) in queue 0 of
-/// the region mapped at `map`.
-fn mark_taken(map: &mut [u8], head: u16, counter: u64) {
-    let d = 16 + usize::from(head) * 16;
-    map[d + 8..d + 16].copy_from_slice(&counter.to_le_bytes());
-    map[d] = 1;
+/// the region in `file`, in the specification's layout.
+fn mark_taken(file: &File, head: u16, counter: u64) {
+    let d = 16 + u64::from(head) * 16;
+    file.write_all_at(&counter.to_le_bytes(), d + 8).unwrap();
+    file.write_all_at(&[1], d).unwrap();
 }
 
 fn read_sector(top: &std::path::Path, dir: &std::path::Path) -> Vec<u8> {
@@ -211,7 +186,7 @@ fn read_sector(top: &std::path::Path, dir: &std::path::Path) -> Vec<u8> {
 fn requests_in_flight_at_a_kill_are_resubmitted_in_order() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 5, "16M", "0.5");
-    let g = guest();
+    let g = SharedGuestMemory::new(MEM);
 
     // Daemon A creates the region and initialises it at the ring's start.
     let mut a = Daemon::start(tmp.path(), &top, &[]);
@@ -223,33 +198,15 @@ fn requests_in_flight_at_a_kill_are_resubmitted_in_order() {
     // completed: A dies.
     let first = write_request(&g.mem, 0, 0x11);
     let second = write_request(&g.mem, 1, 0x22);
-    {
-        // SAFETY (test): a shared mapping of the region's memfd, used only
-        // here while no daemon runs.
-        let len = msg.mmap_size as usize;
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        a.stop_with(libc::SIGKILL);
-        drop(fe);
-        // SAFETY: `ptr` maps `len` bytes until the munmap below.
-        let map = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len) };
-        assert_eq!(u16::from_le_bytes([map[8], map[9]]), 1, "A set version 1");
-        // Taken in this order: `second` first, then `first`: the data of
-        // `first` must be what stays.
-        mark_taken(map, second, 7);
-        mark_taken(map, first, 8);
-        // SAFETY: the mapping made above.
-        unsafe { libc::munmap(ptr, len) };
-    }
+    a.stop_with(libc::SIGKILL);
+    drop(fe);
+    let mut version = [0u8; 2];
+    file.read_exact_at(&mut version, 8).unwrap();
+    assert_eq!(u16::from_le_bytes(version), 1, "A set version 1");
+    // Taken in this order: `second` first, then `first`: the data of
+    // `first` must be what stays.
+    mark_taken(&file, second, 7);
+    mark_taken(&file, first, 8);
     make_available(&g.mem, 0, second);
     make_available(&g.mem, 1, first);
 
@@ -303,7 +260,7 @@ fn requests_in_flight_at_a_kill_are_resubmitted_in_order() {
 fn malformed_inflight_regions_are_refused_or_ignored() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 3, "16M", "0.5");
-    let g = guest();
+    let g = SharedGuestMemory::new(MEM);
     let mut d = Daemon::start(tmp.path(), &top, &[]);
 
     // A region of the wrong size: refused.
@@ -322,11 +279,7 @@ fn malformed_inflight_regions_are_refused_or_ignored() {
     // The frontend library does not wait for an answer to this message:
     // the refusal shows in the daemon's log (and the connection ends).
     let _ = fe.set_inflight_fd(&wrong, small.as_raw_fd());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !d.log().contains("refusing the inflight region") {
-        assert!(Instant::now() < deadline, "no refusal logged:\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_log(&d, "refusing the inflight region");
     drop(fe);
     let mut fe = Frontend::connect(&d.socket, 1).unwrap();
     fe.set_owner().unwrap();
@@ -359,7 +312,7 @@ fn malformed_inflight_regions_are_refused_or_ignored() {
     std::thread::sleep(Duration::from_millis(300));
     let len = msg.mmap_size as usize;
     let garbage: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
-    std::os::unix::fs::FileExt::write_all_at(&file, &garbage, 0).unwrap();
+    file.write_all_at(&garbage, 0).unwrap();
     let (fe, kick, _) = start(&d, &g, Some((&msg, &file)), 0);
     let head = write_request(&g.mem, 0, 0x44);
     make_available(&g.mem, 0, head);

@@ -321,3 +321,53 @@ pub fn is_refusal(e: &blkio::Error) -> bool {
     let m = e.message();
     m.contains("reset by peer") || m.contains("Broken pipe") || m.contains("refused")
 }
+
+/// Guest memory a test frontend shares with the daemon: `size` bytes at
+/// guest address 0 in a file (sent with SET_MEM_TABLE), and where this
+/// process maps them (the frontend's user addresses).
+pub struct SharedGuestMemory {
+    pub mem: vm_memory::GuestMemoryMmap<()>,
+    pub file: std::fs::File,
+    pub host: u64,
+}
+
+impl SharedGuestMemory {
+    pub fn new(size: usize) -> Self {
+        use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend};
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(size as u64).unwrap();
+        let mem = vm_memory::GuestMemoryMmap::<()>::from_ranges_with_files([(
+            GuestAddress(0),
+            size,
+            Some(FileOffset::new(file.try_clone().unwrap(), 0)),
+        )])
+        .unwrap();
+        let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+        SharedGuestMemory { mem, file, host }
+    }
+
+    /// The one region, for SET_MEM_TABLE.
+    pub fn region(&self) -> vhost::VhostUserMemoryRegionInfo {
+        use std::os::fd::AsRawFd;
+        vhost::VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: self.file.metadata().unwrap().len(),
+            userspace_addr: self.host,
+            mmap_offset: 0,
+            mmap_handle: self.file.as_raw_fd(),
+        }
+    }
+}
+
+/// Waits (at most 10 s) until the daemon's log contains `needle`.
+pub fn wait_for_log(daemon: &Daemon, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !daemon.log().contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "the daemon never logged {needle:?}:\n{}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

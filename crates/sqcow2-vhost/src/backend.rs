@@ -30,8 +30,8 @@ struct WorkerSlot {
 pub struct BlkBackend {
     device: Arc<BlkDevice>,
     workers: Vec<Mutex<WorkerSlot>>,
-    /// The queues of each worker thread, as a bit mask.
-    queues_per_thread: Vec<u64>,
+    /// The queues of each worker thread, in worker-local order.
+    thread_queues: Vec<Vec<usize>>,
     vrings: Vec<Vring>,
     mem: SharedMem,
 }
@@ -40,7 +40,7 @@ impl std::fmt::Debug for BlkBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlkBackend")
             .field("threads", &self.workers.len())
-            .field("queues_per_thread", &self.queues_per_thread)
+            .field("thread_queues", &self.thread_queues)
             .finish()
     }
 }
@@ -73,16 +73,13 @@ impl BlkBackend {
     /// A backend for `device`, `queues_per_thread` queues on each worker
     /// thread.
     pub fn new(device: Arc<BlkDevice>, queues_per_thread: u16) -> io::Result<Self> {
-        let num_queues = u32::from(device.config().num_queues).clamp(1, 64);
-        let per = u32::from(queues_per_thread).clamp(1, num_queues);
-        let masks: Vec<u64> = (0..num_queues)
-            .step_by(per as usize)
-            .map(|first| {
-                let last = (first + per).min(num_queues);
-                (first..last).fold(0u64, |m, q| m | 1 << q)
-            })
+        let num_queues = usize::from(device.config().num_queues).clamp(1, 64);
+        let per = usize::from(queues_per_thread).clamp(1, num_queues);
+        let thread_queues: Vec<Vec<usize>> = (0..num_queues)
+            .step_by(per)
+            .map(|first| (first..(first + per).min(num_queues)).collect())
             .collect();
-        let workers = masks
+        let workers = thread_queues
             .iter()
             .map(|_| {
                 Ok(Mutex::new(WorkerSlot {
@@ -95,7 +92,7 @@ impl BlkBackend {
         Ok(BlkBackend {
             device,
             workers,
-            queues_per_thread: masks,
+            thread_queues,
             vrings,
             mem: GuestMemoryAtomic::new(GuestMem::new()),
         })
@@ -121,15 +118,12 @@ impl BlkBackend {
 
     /// The worker thread serving `queue`.
     pub(crate) fn thread_of(&self, queue: usize) -> Option<usize> {
-        self.queues_per_thread
-            .iter()
-            .position(|m| queue < 64 && m & (1 << queue) != 0)
+        self.thread_queues.iter().position(|qs| qs.contains(&queue))
     }
 
     /// The queues of worker thread `thread`, in worker-local order.
-    fn queues_of(&self, thread: usize) -> Vec<usize> {
-        let mask = self.queues_per_thread.get(thread).copied().unwrap_or(0);
-        (0..64).filter(|q| mask & (1 << q) != 0).collect()
+    fn queues_of(&self, thread: usize) -> &[usize] {
+        self.thread_queues.get(thread).map_or(&[], Vec::as_slice)
     }
 
     /// Stops new requests from starting until the guard is dropped; the
@@ -226,6 +220,9 @@ impl BlkBackend {
             return;
         };
         let mem = self.mem.memory();
+        // Held while requests are taken and started (io_uring submissions,
+        // which never wait, and hand-offs to engine threads): the ring must
+        // not be stopped or moved by the protocol side in the middle.
         let mut st = vring.lock();
         if !st.is_live() {
             return;

@@ -64,6 +64,14 @@ pub(crate) struct FrontendHandler {
     inflight: Option<Arc<InflightRegion>>,
 }
 
+/// An eventfd the frontend sent.
+fn eventfd(file: File) -> EventFd {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    // SAFETY: `file` owns the descriptor and gives it up here; the EventFd
+    // becomes its only owner.
+    unsafe { EventFd::from_raw_fd(file.into_raw_fd()) }
+}
+
 fn invalid(what: &'static str) -> VhostError {
     VhostError::InvalidOperation(what)
 }
@@ -169,7 +177,6 @@ impl FrontendHandler {
             warn!(queue = index, "inflight region ignored: {what}");
         }
         let mut tracker = Tracker::new(region);
-        tracker.resume_counter();
         if !recovery.resubmit.is_empty() {
             info!(
                 queue = index,
@@ -356,23 +363,14 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         if let (Some(old), Some(thread)) = (old, self.backend.thread_of(i)) {
             self.threads.unwatch_kick(thread, old);
         }
-        // SAFETY: the frontend handed us this descriptor; File owns it and
-        // gives it to EventFd, which becomes its only owner.
-        vring.lock().kick = fd.map(|f| unsafe {
-            use std::os::fd::{FromRawFd, IntoRawFd};
-            EventFd::from_raw_fd(f.into_raw_fd())
-        });
+        vring.lock().kick = fd.map(eventfd);
         self.start_ring(i);
         self.update_watch(i);
         Ok(())
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
-        // SAFETY: as for the kick eventfd.
-        self.vring(u32::from(index))?.lock().call = fd.map(|f| unsafe {
-            use std::os::fd::{FromRawFd, IntoRawFd};
-            EventFd::from_raw_fd(f.into_raw_fd())
-        });
+        self.vring(u32::from(index))?.lock().call = fd.map(eventfd);
         Ok(())
     }
 

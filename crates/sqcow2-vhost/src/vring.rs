@@ -34,10 +34,11 @@ pub(crate) struct Tracker {
 }
 
 impl Tracker {
+    /// Tracking in `region`, order numbers continuing after those in it.
     pub(crate) fn new(region: QueueInflight) -> Self {
         Tracker {
+            counter: region.next_counter(),
             region,
-            counter: 0,
             resubmit: VecDeque::new(),
         }
     }
@@ -46,11 +47,6 @@ impl Tracker {
     pub(crate) fn taken(&mut self, head: u16) {
         self.region.taken(head, self.counter);
         self.counter = self.counter.wrapping_add(1);
-    }
-
-    /// Continues the order numbers after those in the region.
-    pub(crate) fn resume_counter(&mut self) {
-        self.counter = self.region.next_counter();
     }
 }
 
@@ -130,12 +126,11 @@ impl VringState {
 
 impl Vring {
     pub(crate) fn new(max_size: u16) -> Self {
-        let queue = Queue::new(max_size).unwrap_or_else(|_| {
-            // Only a size that is not a power of two fails; fall back to
-            // the largest one that is.
-            let pow2 = 1u16 << (15 - max_size.max(1).leading_zeros().min(15));
-            Queue::new(pow2).unwrap_or_else(|_| Queue::new(256).expect("256 is a valid size"))
-        });
+        // A queue size must be a power of two up to 32768: the largest one
+        // within `max_size`.
+        let size = 1u16 << (15 - max_size.max(1).leading_zeros()).min(15);
+        let queue =
+            Queue::new(size).unwrap_or_else(|_| unreachable!("{size} is a valid queue size"));
         Vring {
             state: Mutex::new(VringState {
                 queue,

@@ -465,11 +465,16 @@ impl QueueWorker {
             .offload()
             .run(self.mailbox.address(slot), work)
             .map_err(|_| TransferError::Offload)?;
+        self.handed_off(slot);
+        Ok(())
+    }
+
+    /// Counts a job handed off for the request in `slot`.
+    fn handed_off(&mut self, slot: usize) {
         self.jobs_outstanding += 1;
         if let Some(f) = self.slots.get_mut(slot) {
             f.jobs_pending += 1;
         }
-        Ok(())
     }
 
     /// Hands off a job that may change mappings: the request is published
@@ -494,10 +499,7 @@ impl QueueWorker {
             .offload()
             .persist(self.mailbox.address(slot), what)
             .map_err(|_| TransferError::Offload)?;
-        self.jobs_outstanding += 1;
-        if let Some(f) = self.slots.get_mut(slot) {
-            f.jobs_pending += 1;
-        }
+        self.handed_off(slot);
         Ok(())
     }
 

@@ -209,19 +209,24 @@ impl TopFile {
     }
 
     /// Writes refcount blocks, the table and (when it moved) the header
-    /// fields naming it, each step durable before the next.
-    pub(crate) fn write_refcounts(&self, rc: &RefcountSnapshot) -> Result<(), Error> {
+    /// fields naming it, each step durable before the next; whether it
+    /// synced at all (then everything written before it is durable too).
+    pub(crate) fn write_refcounts(&self, rc: &RefcountSnapshot) -> Result<bool, Error> {
         let storage = &*self.storage;
+        let mut synced = false;
         if rc.write_blocks(storage).map_err(|e| self.io(e))? {
             self.sync()?;
+            synced = true;
         }
         if rc.write_table(storage).map_err(|e| self.io(e))? {
             self.sync()?;
+            synced = true;
         }
         if let Some((offset, clusters)) = rc.moved_to() {
             self.write_table_location(offset, clusters)?;
+            synced = true;
         }
-        Ok(())
+        Ok(synced)
     }
 
     /// Points the header at a moved refcount table, durably.
@@ -255,14 +260,9 @@ impl TopFile {
             };
         }
         let storage = &*self.storage;
-        let rc = &wb.refcounts;
-        rc.write_blocks(storage).map_err(|e| self.io(e))?;
-        self.sync()?;
-        if rc.write_table(storage).map_err(|e| self.io(e))? {
+        if !self.write_refcounts(&wb.refcounts)? {
+            // No refcount change: the data still needs its sync.
             self.sync()?;
-        }
-        if let Some((offset, clusters)) = rc.moved_to() {
-            self.write_table_location(offset, clusters)?;
         }
         for t in &wb.tables {
             for (at, bytes) in &t.parts {

@@ -84,6 +84,11 @@ impl TestStorage {
         self.log.lock().unwrap().clone()
     }
 
+    /// How many operations the log holds.
+    pub fn log_len(&self) -> usize {
+        self.log.lock().unwrap().len()
+    }
+
     /// Writes overlapping `[start, end)` block until [`TestStorage::release`].
     pub fn hold_writes(&self, start: u64, end: u64) {
         let mut h = self.hold.lock().unwrap();
