@@ -7,9 +7,9 @@
 //! `GET_VRING_BASE`; it is served while started and enabled. When a ring
 //! starts with an inflight region, the requests a previous backend took
 //! and never completed are resubmitted first, in the order it took them,
-//! and the next available index comes from the region (as libvhost-user
-//! does), not from `SET_VRING_BASE` (which QEMU derives from the used
-//! index after a backend died).
+//! and the next available index comes from the region and the used ring
+//! (as libvhost-user does), not from `SET_VRING_BASE` (which QEMU derives
+//! from a used index it read at some earlier moment after a backend died).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -173,6 +173,15 @@ impl FrontendHandler {
             return;
         };
         let recovery = region.recover(used.0, avail.0);
+        debug!(
+            queue = index,
+            base = st.queue.next_avail(),
+            used = used.0,
+            avail = avail.0,
+            resubmit = recovery.resubmit.len(),
+            next_avail = recovery.next_avail,
+            "ring starts with an inflight region"
+        );
         for what in &recovery.ignored {
             warn!(queue = index, "inflight region ignored: {what}");
         }
@@ -183,8 +192,10 @@ impl FrontendHandler {
                 requests = recovery.resubmit.len(),
                 "resubmitting requests in flight when the previous backend stopped"
             );
-            st.queue.set_next_avail(recovery.next_avail);
         }
+        // Not the base: QEMU derives it from a used index it may have read
+        // before the previous backend's last completions.
+        st.queue.set_next_avail(recovery.next_avail);
         st.queue.set_next_used(used.0);
         tracker.resubmit = recovery.resubmit.into();
         st.tracker = Some(tracker);
@@ -370,7 +381,18 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
-        self.vring(u32::from(index))?.lock().call = fd.map(eventfd);
+        let call = fd.map(eventfd);
+        // QEMU gives this eventfd after it started the ring (it unmasks the
+        // guest notifiers last): a request completed in between (one left
+        // by a previous backend) had no eventfd to signal, and the guest
+        // would wait for it forever. One spurious interrupt is harmless
+        // (libvhost-user signals a new eventfd the same way).
+        if let Some(call) = &call {
+            if let Err(e) = call.write(1) {
+                warn!(queue = index, "signalling a new interrupt eventfd: {e}");
+            }
+        }
+        self.vring(u32::from(index))?.lock().call = call;
         Ok(())
     }
 

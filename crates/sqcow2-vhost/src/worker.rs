@@ -23,7 +23,7 @@ use slab::Slab;
 use sqcow2_format::{ExtentKind, GuestOffset, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{
     Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice,
 };
@@ -316,7 +316,11 @@ impl QueueWorker {
                     self.deferred = true;
                     break;
                 }
-                let Some(chain) = queue.pop_descriptor_chain(&**mem) else {
+                // Not `pop_descriptor_chain`, which logs and hides an
+                // available index more than a queue ahead (the caller
+                // would look again and again).
+                let chain = queue.iter(&**mem).map_err(io::Error::other)?.next();
+                let Some(chain) = chain else {
                     break;
                 };
                 if let Some(t) = tracker.as_deref_mut() {

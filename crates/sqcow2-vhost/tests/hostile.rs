@@ -677,3 +677,35 @@ fn a_panic_mid_update_fails_writes_from_then_on_and_reads_go_on() {
     g.next_desc = 0;
     g.assert_still_serving();
 }
+
+/// An available index more than a queue ahead of the device (a guest
+/// that lies, or a frontend that handed over a wrong base): the worker
+/// gives up on the queue with an error instead of spinning on it, with or
+/// without event-index notifications, and goes on serving other queues.
+#[test]
+fn an_available_index_past_the_queue_size_is_an_error_not_a_spin() {
+    for event_idx in [false, true] {
+        let mut g = Guest::new(false);
+        let mock = MockSplitQueue::create(&g.mem, GuestAddress(0), QUEUE_SIZE);
+        g.header(VIRTIO_BLK_T_GET_ID, 0);
+        mock.avail().idx().store(QUEUE_SIZE + 3);
+        let mut queue: Queue = mock.create_queue().unwrap();
+        queue.set_event_idx(event_idx);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = std::thread::spawn(move || {
+            let result = g.worker.process_queue(0, &mut queue, &g.atomic);
+            let _ = tx.send(result.is_err());
+            g
+        });
+        let failed = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("process_queue spins (event_idx {event_idx})"));
+        assert!(
+            failed,
+            "a broken available index is an error (event_idx {event_idx})"
+        );
+        let mut g = worker.join().unwrap();
+        g.next_desc = 0;
+        g.assert_still_serving();
+    }
+}
