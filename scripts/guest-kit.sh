@@ -13,7 +13,10 @@ cd "$(dirname "$0")/.."
 KIT=${1:-target/guest-kit}
 mkdir -p "$KIT"
 KIT=$(cd "$KIT" && pwd)
-if [ -f "$KIT/kit.ok" ] && [ -f "$KIT/vmlinuz" ] && [ -f "$KIT/initrd.img" ]; then
+# A kit is reused only if this script made it as it is now.
+STAMP=$(cat scripts/guest-kit.sh scripts/lib/guest-loop.sh | sha256sum | cut -d" " -f1)
+if [ "$(cat "$KIT/kit.ok" 2>/dev/null)" = "$STAMP" ] && [ -f "$KIT/vmlinuz" ] &&
+  [ -f "$KIT/initrd.img" ]; then
   echo "$KIT"
   exit 0
 fi
@@ -32,9 +35,14 @@ if [ -z "$PKG" ]; then
   as_root apt-get update -qq
   PKG=$(apt-cache depends "$META" | awk '/Depends: linux-image-/ {print $2; exit}')
 fi
-echo "==> downloading $PKG" >&2
-(cd "$WORK" && apt-get download -q "$PKG" >&2)
-dpkg-deb -x "$WORK"/"$PKG"_*.deb "$WORK/kernel"
+# The package is kept in the kit: a changed init script needs no download.
+if ! ls "$KIT"/"$PKG"_*.deb >/dev/null 2>&1; then
+  echo "==> downloading $PKG" >&2
+  rm -f "$KIT"/linux-image-*.deb
+  (cd "$WORK" && apt-get download -q "$PKG" >&2)
+  mv "$WORK"/"$PKG"_*.deb "$KIT"/
+fi
+dpkg-deb -x "$KIT"/"$PKG"_*.deb "$WORK/kernel"
 cp "$WORK"/kernel/boot/vmlinuz-* "$KIT/vmlinuz"
 MODDIR=$(echo "$WORK"/kernel/lib/modules/*)
 
@@ -64,6 +72,7 @@ mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 echo "SQCOW2-GUEST-UP"
+. /lib/loop.sh
 grep -q sqcow2.smoke /proc/cmdline && poweroff -f
 # Load in passes: a module whose dependencies are not in yet is retried.
 left=$(cat /lib/modules.order)
@@ -81,6 +90,7 @@ for arg in $(cat /proc/cmdline); do
   case "$arg" in
     sqcow2.pattern_offset=*) PATTERN_OFFSET=${arg#*=} ;;
     sqcow2.pattern_len=*) PATTERN_LEN=${arg#*=} ;;
+    sqcow2.loop=*) LOOP=${arg#*=} ;;
   esac
 done
 i=0
@@ -104,11 +114,15 @@ if [ -n "${PATTERN_OFFSET:-}" ]; then
   sync
   echo "SQCOW2-GUEST-REREAD $(dd if=/dev/vda bs=65536 skip=$((PATTERN_OFFSET / 65536)) count=$blocks 2>/dev/null | sha256sum | cut -d' ' -f1)"
 fi
+if [ -n "${LOOP:-}" ]; then
+  loop_main $(echo "$LOOP" | tr ',' ' ')
+fi
 echo "SQCOW2-GUEST-DONE"
 poweroff -f
 INIT
 chmod +x "$ROOT/init"
+cp scripts/lib/guest-loop.sh "$ROOT/lib/loop.sh"
 (cd "$ROOT" && find . | cpio -o -H newc --quiet | gzip -1) > "$KIT/initrd.img"
 echo "$PKG" > "$KIT/kernel-package"
-touch "$KIT/kit.ok"
+echo "$STAMP" > "$KIT/kit.ok"
 echo "$KIT"

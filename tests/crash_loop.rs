@@ -16,12 +16,11 @@ mod common;
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use blkio::ReqFlags;
 use common::vhost::{connect_retry, Client, Daemon};
-use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2_bin};
+use common::{check_after_crash, env_count, gen_chain, qemu_raw};
 
 const BLOCK: usize = 16 << 10;
 const SECTOR: usize = 512;
@@ -199,55 +198,6 @@ fn workload(
     }
 }
 
-fn check_after_crash(top: &Path, round: usize) -> (u64, String) {
-    let out =
-        run_raw(std::process::Command::new("qemu-img").args(["check", "--output=json", s(top)]));
-    let code = out.status.code();
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("round {round}: qemu-img check output: {e}"));
-    assert!(
-        matches!(code, Some(0) | Some(3))
-            && report["corruptions"].as_u64().unwrap_or(0) == 0
-            && report["check-errors"].as_u64().unwrap_or(0) == 0,
-        "round {round}: qemu-img check found errors: {report}"
-    );
-    let leaks = report["leaks"].as_u64().unwrap_or(0);
-    let ours = run_raw(std::process::Command::new(sqcow2_bin()).args([
-        "check",
-        "--output",
-        "json",
-        s(top),
-    ]));
-    let ours_report: serde_json::Value = serde_json::from_slice(&ours.stdout).unwrap_or_else(|e| {
-        panic!(
-            "round {round}: sqcow2 check output: {e}\n{}",
-            String::from_utf8_lossy(&ours.stderr)
-        )
-    });
-    assert_eq!(
-        ours_report["corruptions"],
-        0,
-        "round {round}: sqcow2 check (index vs walk): {ours_report}\n{}",
-        String::from_utf8_lossy(&ours.stderr)
-    );
-    let info = run_raw(std::process::Command::new(sqcow2_bin()).args([
-        "info",
-        "--output",
-        "json",
-        s(top),
-    ]));
-    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("info json");
-    let state = info["chain-index"]["state"]
-        .as_str()
-        .unwrap_or("none")
-        .to_string();
-    assert!(
-        state == "valid" || state.starts_with("stale"),
-        "round {round}: index state {state}"
-    );
-    (leaks, state)
-}
-
 fn verify(
     client: &mut Client,
     daemon: &Daemon,
@@ -340,7 +290,7 @@ fn kill_9_during_writes_loses_nothing_completed() {
         let _ = std::fs::write(dir.join("killed.log"), daemon.log());
         writes += r.writes;
         flushes += r.flushes;
-        let (l, state) = check_after_crash(&top, round);
+        let (l, state) = check_after_crash(&top, &format!("round {round}"));
         leaks = l;
         eprintln!(
             "round {round}: killed after {} ms: {} writes, {} flushes, {} in flight; leaks {l}, index {state}",

@@ -4,104 +4,20 @@
 //! `qemu-img convert`), writes a pattern, flushes and powers off; then
 //! `qemu-img check` and `qemu-io` judge the image.
 //!
-//! The kernel and initramfs come from `scripts/guest-kit.sh` (run here;
-//! it downloads and installs what is missing, then reuses its result).
+//! The kernel and initramfs come from `scripts/guest-kit.sh`
+//! (`common::guest`).
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use common::guest::{accelerator, base_args, field, guest_kit, run_qemu};
 use common::vhost::Daemon;
 use common::{gen_chain, qemu_img, run, run_raw, s, sha256_file};
 
 const PATTERN_OFFSET: u64 = 3 << 20;
 const PATTERN_LEN: u64 = 1 << 20;
-
-fn guest_kit() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::var_os("SQCOW2_GUEST_KIT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/guest-kit"));
-    let out = run(Command::new(root.join("scripts/guest-kit.sh")).arg(&dir));
-    PathBuf::from(out.trim())
-}
-
-/// Runs QEMU until it exits or `timeout`; returns the serial console.
-fn run_qemu(args: &[String], timeout: Duration, console: &Path) -> String {
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(console).unwrap())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("qemu-system-x86_64 (scripts/guest-kit.sh installs it)");
-    let deadline = Instant::now() + timeout;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::fs::read_to_string(console).unwrap_or_default()
-}
-
-fn base_args(kit: &Path, accel: &str, append: &str) -> Vec<String> {
-    [
-        "-accel",
-        accel,
-        "-m",
-        "512M",
-        "-object",
-        "memory-backend-memfd,id=mem,size=512M,share=on",
-        "-machine",
-        "q35,memory-backend=mem",
-        "-kernel",
-        s(&kit.join("vmlinuz")),
-        "-initrd",
-        s(&kit.join("initrd.img")),
-        "-append",
-        append,
-        "-display",
-        "none",
-        "-serial",
-        "stdio",
-        "-no-reboot",
-        "-nodefaults",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
-}
-
-/// KVM if a smoke boot reaches init with it (the nested-virtualization
-/// module on some hosts cannot boot a stock kernel), else TCG.
-fn accelerator(kit: &Path, dir: &Path) -> String {
-    if let Ok(a) = std::env::var("SQCOW2_GUEST_ACCEL") {
-        return a;
-    }
-    if !Path::new("/dev/kvm").exists() {
-        return "tcg".into();
-    }
-    let args = base_args(kit, "kvm", "console=ttyS0 panic=-1 quiet sqcow2.smoke=1");
-    let console = run_qemu(&args, Duration::from_secs(20), &dir.join("smoke.log"));
-    if console.contains("SQCOW2-GUEST-UP") {
-        "kvm".into()
-    } else {
-        eprintln!("KVM smoke boot did not reach init; using TCG");
-        "tcg".into()
-    }
-}
-
-fn field<'a>(console: &'a str, key: &str) -> Option<&'a str> {
-    console
-        .lines()
-        .find_map(|l| l.trim().strip_prefix(key))
-        .map(str::trim)
-}
 
 #[test]
 fn debian_guest_reads_and_writes_a_100_layer_chain() {

@@ -330,6 +330,49 @@ pub fn assert_check_clean(image: &Path) {
     );
 }
 
+/// After a process death: `qemu-img check` finds no error (leaked clusters
+/// are allowed: a cluster counted before a kill and never mapped is one),
+/// `sqcow2 check` agrees with the index, and the index is valid or known
+/// stale. Returns the leaks and the index state; `round` names the moment
+/// in messages.
+pub fn check_after_crash(top: &Path, round: &str) -> (u64, String) {
+    let out = run_raw(Command::new("qemu-img").args(["check", "--output=json", s(top)]));
+    let code = out.status.code();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{round}: qemu-img check output: {e}"));
+    assert!(
+        matches!(code, Some(0) | Some(3))
+            && report["corruptions"].as_u64().unwrap_or(0) == 0
+            && report["check-errors"].as_u64().unwrap_or(0) == 0,
+        "{round}: qemu-img check found errors: {report}"
+    );
+    let leaks = report["leaks"].as_u64().unwrap_or(0);
+    let ours = run_raw(Command::new(sqcow2_bin()).args(["check", "--output", "json", s(top)]));
+    let ours_report: serde_json::Value = serde_json::from_slice(&ours.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{round}: sqcow2 check output: {e}\n{}",
+            String::from_utf8_lossy(&ours.stderr)
+        )
+    });
+    assert_eq!(
+        ours_report["corruptions"],
+        0,
+        "{round}: sqcow2 check (index vs walk): {ours_report}\n{}",
+        String::from_utf8_lossy(&ours.stderr)
+    );
+    let info = run_raw(Command::new(sqcow2_bin()).args(["info", "--output", "json", s(top)]));
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("info json");
+    let state = info["chain-index"]["state"]
+        .as_str()
+        .unwrap_or("none")
+        .to_string();
+    assert!(
+        state == "valid" || state.starts_with("stale"),
+        "{round}: index state {state}"
+    );
+    (leaks, state)
+}
+
 /// The qcow2 files of `dir`, sorted.
 pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -343,4 +386,5 @@ pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 pub mod faulty_fs;
+pub mod guest;
 pub mod vhost;

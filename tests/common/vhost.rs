@@ -59,11 +59,23 @@ impl Daemon {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Daemon {
+        Daemon::start_bin(&sqcow2_bin(), dir, image, extra, env)
+    }
+
+    /// [`Daemon::start_with_env`] of the `sqcow2` binary at `bin` (an
+    /// upgrade starts another one on the same socket).
+    pub fn start_bin(
+        bin: &Path,
+        dir: &Path,
+        image: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let socket = dir.join("vhost.sock");
         let pidfile = dir.join("serve.pid");
         let log = dir.join("serve.log");
         let _ = std::fs::remove_file(&pidfile);
-        let child = Command::new(sqcow2_bin())
+        let child = Command::new(bin)
             .arg("serve")
             .arg("--socket")
             .arg(&socket)
