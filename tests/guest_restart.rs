@@ -145,8 +145,8 @@ impl Guest {
 
     fn context(&self) -> String {
         let console = self.console();
-        let tail: Vec<&str> = console.lines().rev().take(60).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        let lines: Vec<&str> = console.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(60)..];
         format!(
             "guest console (end):\n{}\nQEMU stderr:\n{}",
             tail.join("\n"),

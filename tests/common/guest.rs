@@ -27,7 +27,9 @@ pub fn run_qemu(args: &[String], timeout: Duration, console: &Path) -> String {
         .args(args)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(console).unwrap())
-        .stderr(Stdio::piped())
+        // Inherited, not piped: nothing would read a pipe, and a full one
+        // would block QEMU.
+        .stderr(Stdio::inherit())
         .spawn()
         .expect("qemu-system-x86_64 (scripts/guest-kit.sh installs it)");
     let deadline = Instant::now() + timeout;
