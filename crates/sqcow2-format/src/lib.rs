@@ -23,6 +23,7 @@ mod chain;
 pub mod check;
 mod compressed;
 pub mod create;
+mod dirty;
 mod entry;
 mod error;
 mod extension;

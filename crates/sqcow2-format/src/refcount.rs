@@ -9,6 +9,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::bytes::be_u64;
+use crate::dirty::{DirtyPages, PageWrites};
 use crate::entry::OFFSET_MASK;
 use crate::error::{ErrorKind, Table};
 use crate::header::MAX_REFTABLE_BYTES;
@@ -85,17 +86,28 @@ pub fn max_refcount(order: u32) -> u64 {
 #[derive(Debug)]
 struct Block {
     data: Vec<u8>,
-    dirty: bool,
+    /// The pages changed since the block was last written.
+    dirty: DirtyPages,
     /// Bumped by every change, so that a write of an older copy does not
     /// mark a newer change clean.
     generation: u64,
 }
 
 impl Block {
-    fn new(data: Vec<u8>, dirty: bool) -> Self {
+    /// A block read from the file.
+    fn clean(data: Vec<u8>) -> Self {
         Block {
             data,
-            dirty,
+            dirty: DirtyPages::default(),
+            generation: 0,
+        }
+    }
+
+    /// A block new in memory, to be written whole.
+    fn fresh(len: usize) -> Self {
+        Block {
+            data: vec![0; len],
+            dirty: DirtyPages::all(len),
             generation: 0,
         }
     }
@@ -105,8 +117,9 @@ impl Block {
 /// the metadata lock and written outside it.
 #[derive(Debug, Default)]
 pub(crate) struct RefcountSnapshot {
-    /// Blocks: (block number, host offset, bytes, generation).
-    blocks: Vec<(u64, u64, Vec<u8>, u64)>,
+    /// Blocks: (block number, changed parts as (file offset, bytes),
+    /// generation).
+    blocks: Vec<(u64, PageWrites, u64)>,
     /// The whole table when it moved: (offset, clusters, bytes, epoch).
     moved_table: Option<(u64, u64, Vec<u8>, u64)>,
     /// Changed table entries: (offset, value).
@@ -123,8 +136,10 @@ impl RefcountSnapshot {
 
     /// Writes the blocks; whether anything was written.
     pub(crate) fn write_blocks(&self, storage: &dyn Storage) -> std::io::Result<bool> {
-        for (_, offset, data, _) in &self.blocks {
-            storage.write_at(data, *offset)?;
+        for (_, parts, _) in &self.blocks {
+            for (at, bytes) in parts {
+                storage.write_at(bytes, *at)?;
+            }
         }
         Ok(!self.blocks.is_empty())
     }
@@ -229,7 +244,7 @@ impl Refcounts {
             }
             let mut data = vec![0u8; cluster_size as usize];
             storage.read_at(&mut data, offset)?;
-            self.blocks.insert(bi, Block::new(data, false));
+            self.blocks.insert(bi, Block::clean(data));
         }
         Ok(self.blocks.get_mut(&bi))
     }
@@ -283,7 +298,7 @@ impl Refcounts {
             });
         };
         set_entry(&mut block.data, order, i, value);
-        block.dirty = true;
+        block.dirty.mark((i << order) / 8);
         block.generation += 1;
         Ok(())
     }
@@ -341,8 +356,7 @@ impl Refcounts {
                 self.table[bi as usize] = idx << self.cluster_bits;
                 self.placed.push(idx);
                 self.dirty_entries.insert(bi as usize);
-                self.blocks
-                    .insert(bi, Block::new(vec![0; cluster_size], true));
+                self.blocks.insert(bi, Block::fresh(cluster_size));
                 self.set(storage, idx, 1)?;
                 self.cursor = idx + 1;
                 continue;
@@ -404,10 +418,8 @@ impl Refcounts {
         table.resize((table_clusters * entries_per_cluster) as usize, 0);
         for k in 0..blocks {
             table[(first_bi + k) as usize] = (idx + k) << self.cluster_bits;
-            self.blocks.insert(
-                first_bi + k,
-                Block::new(vec![0; cluster_size as usize], true),
-            );
+            self.blocks
+                .insert(first_bi + k, Block::fresh(cluster_size as usize));
         }
         self.table = table;
         for c in idx..idx + blocks + table_clusters {
@@ -442,10 +454,15 @@ impl Refcounts {
     pub(crate) fn dirty_snapshot(&mut self) -> RefcountSnapshot {
         let mut snap = RefcountSnapshot::default();
         for (bi, block) in &self.blocks {
-            if block.dirty {
+            if block.dirty.any() {
                 let offset = self.table.get(*bi as usize).map_or(0, |e| e & OFFSET_MASK);
-                snap.blocks
-                    .push((*bi, offset, block.data.clone(), block.generation));
+                let parts = block
+                    .dirty
+                    .ranges(block.data.len())
+                    .into_iter()
+                    .map(|r| (offset + r.start as u64, block.data[r].to_vec()))
+                    .collect();
+                snap.blocks.push((*bi, parts, block.generation));
             }
         }
         if self.table_moved {
@@ -472,10 +489,10 @@ impl Refcounts {
     /// Marks clean what `snapshot` wrote and has not changed since (the
     /// header already points at a moved table).
     pub(crate) fn mark_written(&mut self, snapshot: &RefcountSnapshot) {
-        for (bi, _, _, generation) in &snapshot.blocks {
+        for (bi, _, generation) in &snapshot.blocks {
             if let Some(block) = self.blocks.get_mut(bi) {
                 if block.generation == *generation {
-                    block.dirty = false;
+                    block.dirty.clear();
                 }
             }
         }

@@ -23,6 +23,7 @@
 //! With lazy refcounts the refcount writes are deferred to a clean close,
 //! and the dirty bit is set on disk before the first metadata write.
 
+use crate::dirty::PageWrites;
 use crate::error::Error;
 use crate::features::INCOMPAT_DIRTY;
 use crate::fence::{FenceCut, TransferFence};
@@ -51,8 +52,8 @@ pub(crate) struct WriteBack {
 #[derive(Debug)]
 pub(crate) struct DirtyTable {
     offset: u64,
-    /// (file offset, bytes) of each changed part.
-    parts: Vec<(u64, Vec<u8>)>,
+    /// Each changed part.
+    parts: PageWrites,
     generation: u64,
 }
 
@@ -101,11 +102,12 @@ impl ActiveState {
             }
             let parts = slot
                 .dirty
-                .ranges(slot.table.len())
+                .ranges(slot.table.len() * 8)
                 .into_iter()
                 .map(|r| {
-                    let at = *offset + r.start as u64 * 8;
-                    let bytes = slot.table[r].iter().flat_map(|e| e.to_be_bytes()).collect();
+                    let at = *offset + r.start as u64;
+                    let words = &slot.table[r.start / 8..r.end / 8];
+                    let bytes = words.iter().flat_map(|e| e.to_be_bytes()).collect();
                     (at, bytes)
                 })
                 .collect();

@@ -505,8 +505,7 @@ fn write_sparse(
     full: &[u8],
     fresh: bool,
 ) -> std::io::Result<()> {
-    let zero = |b: &[u8]| b.iter().all(|&x| x == 0);
-    let blocks: Vec<bool> = full.chunks(ZERO_BLOCK).map(zero).collect();
+    let blocks: Vec<bool> = full.chunks(ZERO_BLOCK).map(is_zero).collect();
     if !blocks.iter().any(|z| *z) {
         return storage.write_at(full, at.0);
     }
@@ -527,6 +526,14 @@ fn write_sparse(
         storage.write_at(&full[lo..hi], at.0 + lo as u64)?;
     }
     Ok(())
+}
+
+/// Whether `b` holds only zeros. Tested 64 bytes at a time without an
+/// early exit inside a group, which the compiler vectorises (a byte-wise
+/// `all` took 10 % of the engine threads' time on 4 KiB allocating writes).
+fn is_zero(b: &[u8]) -> bool {
+    b.chunks(64)
+        .all(|group| group.iter().fold(0u8, |acc, &x| acc | x) == 0)
 }
 
 /// An allocation in flight: committed by [`Claim::commit`], given back

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::dirty::DirtyPages;
 use crate::entry::{CompressedDescriptor, COMPRESSED, COPIED, OFFSET_MASK, ZERO};
 use crate::error::{Error, ErrorKind};
 use crate::fence::FenceCut;
@@ -21,9 +22,12 @@ use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 use super::claim::ClaimCell;
 use super::overlap::MetadataClusters;
 
-/// Tables under modification stay in memory until a flush writes them; past
-/// this share of the cache budget, their metadata is written back early.
-const DIRTY_SHARE_OF_BUDGET: u64 = 4;
+/// Tables under modification stay in memory until a flush writes them, and
+/// stay there once written while they fit in this share of the cache
+/// budget (the least recently changed go back to the cache first); when
+/// tables that cannot go back (dirty or pinned) alone take more, their
+/// metadata is written back early.
+const RESIDENT_SHARE_OF_BUDGET: u64 = 4;
 
 /// What does not change while the top is open: its file, geometry and
 /// where its clean metadata is cached.
@@ -65,86 +69,24 @@ impl TopFile {
     }
 }
 
-/// An L2 table taken out of the cache to be modified.
+/// An L2 table taken out of the cache to be modified. It stays resident
+/// once written (clean) while there is room, so that a steady stream of
+/// writes does not move it between the cache and this set at every
+/// write-back.
 #[derive(Debug)]
 pub(crate) struct L2Slot {
     pub(crate) table: Vec<u64>,
+    /// When the table was last loaded or changed ([`ActiveState`]'s clock),
+    /// for choosing which clean tables go back to the cache.
+    pub(crate) used: u64,
     /// The parts of the table changed since it was last written.
-    pub(crate) dirty: DirtyChunks,
+    pub(crate) dirty: DirtyPages,
     /// Bumped by every change, so that writing an older copy does not mark
     /// a newer change clean.
     pub(crate) generation: u64,
     /// Allocations in flight that will commit into this table: it stays
     /// here until they have.
     pub(crate) pins: u32,
-}
-
-/// Words of an L2 table written back together (4 KiB, a page).
-pub(crate) const CHUNK_WORDS: usize = 512;
-
-/// Which chunks of [`CHUNK_WORDS`] words of an L2 table changed since it
-/// was last written: a write-back writes those, not the whole table.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct DirtyChunks(Vec<u64>);
-
-impl DirtyChunks {
-    /// Every chunk of a table of `words` words.
-    fn all(words: usize) -> Self {
-        let mut d = DirtyChunks::default();
-        for i in (0..words).step_by(CHUNK_WORDS) {
-            d.mark(i);
-        }
-        d
-    }
-
-    /// Marks the chunk of word `i`.
-    fn mark(&mut self, i: usize) {
-        let chunk = i / CHUNK_WORDS;
-        if self.0.len() <= chunk / 64 {
-            self.0.resize(chunk / 64 + 1, 0);
-        }
-        self.0[chunk / 64] |= 1 << (chunk % 64);
-    }
-
-    /// Whether the chunk of word `i` changed.
-    fn contains(&self, i: usize) -> bool {
-        let chunk = i / CHUNK_WORDS;
-        self.0
-            .get(chunk / 64)
-            .is_some_and(|w| w & (1 << (chunk % 64)) != 0)
-    }
-
-    /// Whether any chunk changed.
-    pub(crate) fn any(&self) -> bool {
-        self.0.iter().any(|w| *w != 0)
-    }
-
-    /// The changed chunks' word ranges, adjacent ones merged.
-    pub(crate) fn ranges(&self, words: usize) -> Vec<std::ops::Range<usize>> {
-        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
-        for (w, bits) in self.0.iter().enumerate() {
-            for b in 0..64 {
-                if bits & (1 << b) == 0 {
-                    continue;
-                }
-                let lo = (w * 64 + b) * CHUNK_WORDS;
-                let hi = (lo + CHUNK_WORDS).min(words);
-                if lo >= hi {
-                    continue;
-                }
-                match out.last_mut() {
-                    Some(r) if r.end == lo => r.end = hi,
-                    _ => out.push(lo..hi),
-                }
-            }
-        }
-        out
-    }
-
-    /// Marks everything written.
-    pub(crate) fn clear(&mut self) {
-        self.0.clear();
-    }
 }
 
 /// Whether a write may go straight to the top's own cluster.
@@ -166,6 +108,8 @@ pub(crate) struct ActiveState {
     pub(crate) l1: Vec<u64>,
     pub(crate) dirty_l1: BTreeSet<usize>,
     pub(crate) l2: HashMap<u64, L2Slot>,
+    /// Ticks at every load or change of a table in `l2`.
+    clock: u64,
     pub(crate) refcounts: Refcounts,
     /// Guest clusters whose allocation is in flight.
     pub(crate) claims: HashMap<GuestCluster, Arc<ClaimCell>>,
@@ -207,6 +151,7 @@ impl ActiveState {
             l1,
             dirty_l1: BTreeSet::new(),
             l2: HashMap::new(),
+            clock: 0,
             refcounts,
             claims: HashMap::new(),
             deferred_frees: VecDeque::new(),
@@ -278,7 +223,9 @@ impl ActiveState {
         let g = self.g();
         let l2_offset = self.l1_entry(guest) & OFFSET_MASK;
         let i = g.l2_index(guest) as usize * self.top.words();
-        self.l2.get(&l2_offset).is_some_and(|s| s.dirty.contains(i))
+        self.l2
+            .get(&l2_offset)
+            .is_some_and(|s| s.dirty.contains(i * 8))
     }
 
     /// The mapping of `[guest, guest + max)` in the top, as for a read-only
@@ -373,11 +320,13 @@ impl ActiveState {
         let file_size = top.storage.len().map_err(|e| top.io(e))?;
         let table = read_l2_table(top.geometry, &*top.storage, offset, file_size)
             .map_err(|k| top.err(k))?;
+        let used = self.tick();
         self.l2.insert(
             offset,
             L2Slot {
                 table,
-                dirty: DirtyChunks::default(),
+                used,
+                dirty: DirtyPages::default(),
                 generation: 0,
                 pins: 0,
             },
@@ -417,10 +366,12 @@ impl ActiveState {
         } else {
             vec![0u64; (g.cluster_size() / 8) as usize]
         };
+        let used = self.tick();
         self.l2.insert(
             new,
             L2Slot {
-                dirty: DirtyChunks::all(table.len()),
+                used,
+                dirty: DirtyPages::all(table.len() * 8),
                 table,
                 generation: 1,
                 pins: 0,
@@ -505,21 +456,30 @@ impl ActiveState {
     /// writes from then on.
     pub(crate) fn set_entry(&mut self, l2: u64, i: usize, entry: u64, bitmap: u64) {
         let words = self.top.words();
+        let used = self.tick();
         let Some(slot) = self.l2.get_mut(&l2) else {
             panic!("L2 table {l2:#x} is not loaded for a change (a bug)");
         };
+        slot.used = used;
         slot.table[i] = entry;
         if words == 2 {
             slot.table[i + 1] = bitmap;
         }
-        slot.dirty.mark(i);
+        slot.dirty.mark(i * 8);
         slot.generation += 1;
     }
 
     pub(crate) fn pin(&mut self, l2: u64) {
+        let used = self.tick();
         if let Some(slot) = self.l2.get_mut(&l2) {
             slot.pins += 1;
+            slot.used = used;
         }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
     }
 
     pub(crate) fn unpin(&mut self, l2: u64) {
@@ -571,23 +531,34 @@ impl ActiveState {
         Ok(())
     }
 
-    /// Moves tables that are clean and not pinned out of the set under
-    /// modification; whether dirty tables take so much room that metadata
-    /// should be written back early.
+    /// Moves clean, unpinned tables out of the set under modification into
+    /// the cache, least recently used first, while the set takes more than
+    /// its share of the budget; whether the tables left (dirty or pinned)
+    /// still take more, so that metadata should be written back early.
     pub(crate) fn settle(&mut self) -> bool {
-        let clean: Vec<u64> = self
+        let limit = self.top.cache_budget / RESIDENT_SHARE_OF_BUDGET;
+        let bytes = |s: &L2Slot| s.table.len() as u64 * 8;
+        let mut resident: u64 = self.l2.values().map(bytes).sum();
+        if resident <= limit {
+            return false;
+        }
+        let mut clean: Vec<(u64, u64)> = self
             .l2
             .iter()
             .filter(|(_, s)| !s.dirty.any() && s.pins == 0)
-            .map(|(o, _)| *o)
+            .map(|(o, s)| (s.used, *o))
             .collect();
-        for offset in clean {
+        clean.sort_unstable();
+        for (_, offset) in clean {
+            if resident <= limit {
+                break;
+            }
             if let Some(slot) = self.l2.remove(&offset) {
+                resident -= bytes(&slot);
                 self.publish(offset, &slot.table);
             }
         }
-        let dirty_bytes: u64 = self.l2.values().map(|s| s.table.len() as u64 * 8).sum();
-        dirty_bytes > self.top.cache_budget / DIRTY_SHARE_OF_BUDGET
+        resident > limit
     }
 
     /// Puts the slices of a clean table into the unified cache.
