@@ -4,9 +4,11 @@
 //! changes written to the files before the guest is told, see
 //! [`sqcow2_format::Chain::publish`]) on one flusher thread, which serves
 //! all those queued meanwhile with one flush, or one publish if none asked
-//! for a flush. Each result goes back to the worker
-//! that asked, through its [`Mailbox`] (a channel and an eventfd in the
-//! worker's epoll set).
+//! for a flush (group commit: one sync for the whole batch). An engine job
+//! that changes mappings goes from its engine thread straight to the
+//! flusher, and its result to the worker only once published. Each result
+//! goes back to the worker that asked, through its [`Mailbox`] (a channel
+//! and an eventfd in the worker's epoll set, signalled once per batch).
 //!
 //! Nothing here waits for a request in flight: engine jobs wait only for
 //! other jobs' claims on the same cluster (which those release without
@@ -54,19 +56,39 @@ pub(crate) struct ReturnAddress {
 
 impl ReturnAddress {
     fn send(&self, result: JobResult) {
-        // A worker that is gone takes no results: nothing to do.
-        if self
-            .tx
+        if self.post(result) {
+            wake(&self.wake);
+        }
+    }
+
+    /// Posts the result without waking the worker; whether it was taken
+    /// (a worker that is gone takes no results).
+    fn post(&self, result: JobResult) -> bool {
+        self.tx
             .send(Finished {
                 slot: self.slot,
                 result,
             })
             .is_ok()
-        {
-            if let Err(e) = self.wake.write(1) {
-                warn!("waking a worker: {e}");
-            }
+    }
+}
+
+fn wake(fd: &EventFd) {
+    if let Err(e) = fd.write(1) {
+        warn!("waking a worker: {e}");
+    }
+}
+
+/// Sends `result` to every address of `batch`, waking each worker once.
+fn answer_all(batch: Vec<ReturnAddress>, result: &JobResult) {
+    let mut woken: Vec<Arc<EventFd>> = Vec::new();
+    for reply in batch {
+        if reply.post(result.clone()) && !woken.iter().any(|w| Arc::ptr_eq(w, &reply.wake)) {
+            woken.push(reply.wake);
         }
+    }
+    for w in &woken {
+        wake(w);
     }
 }
 
@@ -128,12 +150,16 @@ pub(crate) enum Persist {
 struct Job {
     work: Work,
     reply: ReturnAddress,
+    /// The work changes mappings: published before the worker is told.
+    publish: bool,
 }
+
+type PersistRequest = (ReturnAddress, Persist);
 
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
     jobs: Option<Sender<Job>>,
-    flushes: Option<Sender<(ReturnAddress, Persist)>>,
+    flushes: Option<Sender<PersistRequest>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -180,10 +206,11 @@ impl Offload {
     ) -> io::Result<Self> {
         let (jobs, job_rx) = channel::<Job>();
         let job_rx = Arc::new(Mutex::new(job_rx));
+        let (flushes, flush_rx) = channel::<PersistRequest>();
         let mut threads = Vec::new();
         for i in 0..engine_threads.max(1) {
             let rx = job_rx.clone();
-            let (handle, panics) = (handle.clone(), panics.clone());
+            let (handle, panics, flushes) = (handle.clone(), panics.clone(), flushes.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("engine-{i}"))
@@ -193,11 +220,19 @@ impl Offload {
                             return;
                         };
                         let result = run_guarded(job.work, &handle, &panics);
-                        job.reply.send(result);
+                        if job.publish && result.is_ok() {
+                            // Completed only once its mappings are in the file.
+                            if let Err(e) = flushes.send((job.reply, Persist::Publish)) {
+                                e.0 .0.send(Err("flusher stopped".into()));
+                            }
+                        } else {
+                            job.reply.send(result);
+                        }
                     })?,
             );
         }
-        let (flushes, flush_rx) = channel::<(ReturnAddress, Persist)>();
+        // Started last, so that it is joined after the engine threads,
+        // which may still hand it publishes.
         threads.push(
             std::thread::Builder::new()
                 .name("flusher".into())
@@ -210,10 +245,12 @@ impl Offload {
         })
     }
 
-    /// Runs `work` on an engine thread; its result goes to `reply`.
+    /// Runs `work` on an engine thread; its result goes to `reply`, once
+    /// the mappings it changed are published if `publish`.
     pub(crate) fn run(
         &self,
         reply: ReturnAddress,
+        publish: bool,
         work: impl FnOnce() -> JobResult + Send + 'static,
     ) -> Result<(), ReturnAddress> {
         let Some(jobs) = &self.jobs else {
@@ -222,6 +259,7 @@ impl Offload {
         jobs.send(Job {
             work: Box::new(work),
             reply,
+            publish,
         })
         .map_err(|e| e.0.reply)
     }
@@ -238,11 +276,7 @@ impl Offload {
 
 /// The flusher: one flush (or publish, if no request of the batch asked
 /// for a flush, which includes it) for every batch of requests.
-fn flusher(
-    rx: Receiver<(ReturnAddress, Persist)>,
-    handle: Arc<ChainHandle>,
-    panics: Arc<AtomicU64>,
-) {
+fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<AtomicU64>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while let Ok(more) = rx.try_recv() {
@@ -259,15 +293,15 @@ fn flusher(
             done.map_err(|e| e.to_string())
         });
         let result = run_guarded(work, &handle, &panics);
-        for (reply, _) in batch {
-            reply.send(result.clone());
-        }
+        answer_all(batch.into_iter().map(|(reply, _)| reply).collect(), &result);
     }
 }
 
 impl Drop for Offload {
     fn drop(&mut self) {
-        // Closing the channels ends the threads once their queues are done.
+        // Closing the channels ends the threads once their queues are done
+        // (the flusher's once the engine threads, which hold senders to
+        // it, have ended).
         self.jobs.take();
         self.flushes.take();
         for t in self.threads.drain(..) {

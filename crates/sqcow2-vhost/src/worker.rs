@@ -74,9 +74,6 @@ struct InFlight {
     short: bool,
     /// Flush once the data is written (write-through cache mode).
     flush_after: bool,
-    /// Publish once the engine has changed mappings for the request, so
-    /// that its completion survives a death of the daemon.
-    publish_after: bool,
 }
 
 /// The engine of one worker thread.
@@ -393,7 +390,6 @@ impl QueueWorker {
             failed: false,
             short: false,
             flush_after,
-            publish_after: false,
         })
     }
 
@@ -460,14 +456,17 @@ impl QueueWorker {
         self.submitted(slot, sent.is_err())
     }
 
-    fn send_job(
+    /// Hands off a job that may change mappings: its result comes back
+    /// once they are published (in the file), so that the request's
+    /// completion survives a death of the daemon.
+    fn send_mapping_job(
         &mut self,
         slot: usize,
         work: impl FnOnce() -> JobResult + Send + 'static,
     ) -> Result<(), TransferError> {
         self.device
             .offload()
-            .run(self.mailbox.address(slot), work)
+            .run(self.mailbox.address(slot), true, work)
             .map_err(|_| TransferError::Offload)?;
         self.handed_off(slot);
         Ok(())
@@ -479,19 +478,6 @@ impl QueueWorker {
         if let Some(f) = self.slots.get_mut(slot) {
             f.jobs_pending += 1;
         }
-    }
-
-    /// Hands off a job that may change mappings: the request is published
-    /// before it completes.
-    fn send_mapping_job(
-        &mut self,
-        slot: usize,
-        work: impl FnOnce() -> JobResult + Send + 'static,
-    ) -> Result<(), TransferError> {
-        if let Some(f) = self.slots.get_mut(slot) {
-            f.publish_after = true;
-        }
-        self.send_job(slot, work)
     }
 
     fn send_flush(&mut self, slot: usize) -> Result<(), TransferError> {
@@ -516,8 +502,7 @@ impl QueueWorker {
     }
 
     /// Moves the request in `slot` on once its running parts are done:
-    /// drops its transfer ticket, flushes (write-through) or publishes its
-    /// mappings, completes.
+    /// drops its transfer ticket, flushes (write-through), completes.
     fn progress(&mut self, slot: usize) -> Option<Completion> {
         let f = self.slots.get_mut(slot)?;
         if f.submitting || f.ring_pending > 0 || f.jobs_pending > 0 {
@@ -525,18 +510,13 @@ impl QueueWorker {
         }
         // No transfer of the request runs any more.
         f.transfer = None;
-        let persist = match (f.failed, f.flush_after, f.publish_after) {
-            (true, ..) | (false, false, false) => None,
-            (false, true, _) => Some(Persist::Flush),
-            (false, false, true) => Some(Persist::Publish),
-        };
+        let flush = f.flush_after && !f.failed;
         f.flush_after = false;
-        f.publish_after = false;
-        if let Some(what) = persist {
-            match self.send_persist(slot, what) {
+        if flush {
+            match self.send_flush(slot) {
                 Ok(()) => return None,
                 Err(e) => {
-                    crate::limited_warn!("{what:?} before completing: {e}");
+                    crate::limited_warn!("flush before completing: {e}");
                     if let Some(f) = self.slots.get_mut(slot) {
                         f.failed = true;
                     }
@@ -768,7 +748,6 @@ impl QueueWorker {
                 f.ring_pending = 0;
                 f.jobs_pending = 0;
                 f.flush_after = false;
-                f.publish_after = false;
             }
             if let Some(c) = self.retire(slot) {
                 self.completed.push(c);
