@@ -4,11 +4,14 @@
 # libblkio client (this tree's load generator) measures both.
 #
 #   scripts/bench-write-path.sh [BASELINE_REV] [ROUNDS] [SECONDS]
-#       (defaults: b10fc02, 3, 5)
+#       (defaults: b10fc02, 3, 5; LOADS="..." picks loads)
 #
 # Loads (1 queue, 4 KiB random):
 #   alloc-write-32  writes at depth 32 into a fresh overlay (32 GiB virtual,
 #                   base 2 % filled): allocation and copy-on-write
+#   alloc-write-1   the same at depth 1
+#   alloc-write-32-flush32  the same at depth 32 with a guest flush after
+#                   every 32 writes (fio's fsync=32)
 #   overwrite-32    writes at depth 32 into a fully allocated 1 GiB top
 #   read-32, read-1 reads at depth 32 and 1 of a 1 GiB one-layer image
 #   drain-under-writes  live snapshots (10) under allocating writes at
@@ -71,11 +74,14 @@ stop() { kill -TERM "$pid"; wait "$pid" || true; }
 measure() { # who bin load
   local who=$1 bin=$2 name=$3
   case $name in
-    alloc-write-32)
+    alloc-write-*)
+      local depth=${name#alloc-write-} every=0
+      case $depth in *-flush*) every=${depth#*-flush}; depth=${depth%%-*} ;; esac
       rm -f over.qcow2 over.qcow2.sqidx
       qemu-img create -q -f qcow2 -b "$big" -F qcow2 over.qcow2
       serve "$bin" over.qcow2
-      "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth 32 --duration "$secs" --output json >r.json ;;
+      "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth "$depth" \
+        --flush-every "$every" --duration "$secs" --output json >r.json ;;
     overwrite-32)
       serve "$bin" "$full"
       "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth 32 --duration "$secs" --output json >r.json ;;
@@ -115,7 +121,7 @@ else:
 PY
 }
 
-loads=(alloc-write-32 overwrite-32 read-32 read-1 drain-under-writes)
+loads=(${LOADS:-alloc-write-32 alloc-write-1 alloc-write-32-flush32 overwrite-32 read-32 read-1 drain-under-writes})
 for r in $(seq 1 "$rounds"); do
   order=(before after)
   [ $((r % 2)) -eq 0 ] && order=(after before)

@@ -43,6 +43,9 @@ pub struct LoadSpec {
     pub iodepth: usize,
     pub queues: usize,
     pub duration: Duration,
+    /// A flush after every this many writes submitted on a queue (0:
+    /// never), as fio's `fsync=N`.
+    pub flush_every: u64,
     /// Keep at most this many latency samples per queue for the CDF.
     pub keep_samples: usize,
 }
@@ -55,7 +58,11 @@ pub struct LoadResult {
     pub iodepth: usize,
     pub queues: usize,
     pub seconds: f64,
+    /// Reads and writes completed (flushes not counted).
     pub ios: u64,
+    /// Flushes completed (see `--flush-every`).
+    #[serde(default)]
+    pub flushes: u64,
     pub errors: u64,
     pub iops: f64,
     pub mb_per_s: f64,
@@ -169,18 +176,22 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         .collect();
     let mut lat = Vec::new();
     let mut ios = 0u64;
+    let mut flushes = 0u64;
     let mut errors = 0u64;
     for t in threads {
         let r = t
             .join()
             .map_err(|_| anyhow::anyhow!("load thread panicked"))??;
         ios += r.ios;
+        flushes += r.flushes;
         errors += r.errors;
         lat.extend(r.samples);
     }
     let seconds = start.elapsed().as_secs_f64();
     drop(b);
-    Ok(summarize(spec, seconds, ios, errors, lat))
+    let mut r = summarize(spec, seconds, ios, errors, lat);
+    r.flushes = flushes;
+    Ok(r)
 }
 
 /// Turns counts and latency samples (ns) into a [`LoadResult`].
@@ -206,6 +217,7 @@ pub fn summarize(
         queues: spec.queues,
         seconds,
         ios,
+        flushes: 0,
         errors,
         iops: ios as f64 / seconds,
         mb_per_s: ios as f64 * spec.block_size as f64 / seconds / 1e6,
@@ -219,6 +231,7 @@ pub fn summarize(
 /// What one queue saw.
 pub struct QueueResult {
     pub ios: u64,
+    pub flushes: u64,
     pub errors: u64,
     /// Latencies in nanoseconds (a reservoir sample when there are many).
     pub samples: Vec<u64>,
@@ -240,39 +253,55 @@ pub fn drive_queue(
     let stripe = blocks / spec.queues as u64;
     let mut next_seq = stripe * index as u64;
     let mut started = vec![Instant::now(); spec.iodepth];
+    // Which slots hold a flush, and writes submitted since the last one.
+    let mut is_flush = vec![false; spec.iodepth];
+    let mut writes_since_flush = 0u64;
     let mut out = QueueResult {
         ios: 0,
+        flushes: 0,
         errors: 0,
         samples: Vec::new(),
     };
     let mut seen = 0u64;
-    let mut submit =
-        |q: &mut Blkioq, slot: usize, rng: &mut fastrand::Rng, started: &mut [Instant]| {
-            let buf = (base + slot * spec.block_size) as *mut u8;
-            let write = match spec.pattern {
-                Pattern::RandRead | Pattern::SeqRead => false,
-                Pattern::RandWrite => true,
-                Pattern::Mixed => rng.u8(0..10) < 3,
-            };
-            let block = if spec.pattern == Pattern::SeqRead {
-                let b = next_seq;
-                next_seq += 1;
-                if next_seq >= stripe * (index as u64 + 1) {
-                    next_seq = stripe * index as u64;
-                }
-                b
-            } else {
-                rng.u64(0..blocks)
-            };
+    let mut submit = |q: &mut Blkioq,
+                      slot: usize,
+                      rng: &mut fastrand::Rng,
+                      started: &mut [Instant],
+                      is_flush: &mut [bool]| {
+        is_flush[slot] = false;
+        if spec.flush_every > 0 && writes_since_flush >= spec.flush_every {
+            writes_since_flush = 0;
+            is_flush[slot] = true;
             started[slot] = Instant::now();
-            if write {
-                q.write(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
-            } else {
-                q.read(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
-            }
+            q.flush(slot, ReqFlags::empty());
+            return;
+        }
+        let buf = (base + slot * spec.block_size) as *mut u8;
+        let write = match spec.pattern {
+            Pattern::RandRead | Pattern::SeqRead => false,
+            Pattern::RandWrite => true,
+            Pattern::Mixed => rng.u8(0..10) < 3,
         };
+        let block = if spec.pattern == Pattern::SeqRead {
+            let b = next_seq;
+            next_seq += 1;
+            if next_seq >= stripe * (index as u64 + 1) {
+                next_seq = stripe * index as u64;
+            }
+            b
+        } else {
+            rng.u64(0..blocks)
+        };
+        started[slot] = Instant::now();
+        if write {
+            writes_since_flush += 1;
+            q.write(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
+        } else {
+            q.read(block * bs, buf, spec.block_size, slot, ReqFlags::empty());
+        }
+    };
     for slot in 0..spec.iodepth {
-        submit(q, slot, &mut rng, &mut started);
+        submit(q, slot, &mut rng, &mut started, &mut is_flush);
     }
     let deadline = Instant::now() + spec.duration;
     let mut completions: Vec<MaybeUninit<blkio::Completion>> =
@@ -292,10 +321,19 @@ pub fn drive_queue(
             let c = unsafe { c.assume_init_ref() };
             let slot = c.user_data;
             let ns = now.duration_since(started[slot]).as_nanos() as u64;
-            out.ios += 1;
             if c.ret != 0 {
                 out.errors += 1;
             }
+            if is_flush[slot] {
+                out.flushes += 1;
+                if now < deadline {
+                    submit(q, slot, &mut rng, &mut started, &mut is_flush);
+                } else {
+                    in_flight -= 1;
+                }
+                continue;
+            }
+            out.ios += 1;
             seen += 1;
             // Reservoir sampling keeps the latency distribution unbiased.
             if out.samples.len() < spec.keep_samples {
@@ -307,7 +345,7 @@ pub fn drive_queue(
                 }
             }
             if now < deadline {
-                submit(q, slot, &mut rng, &mut started);
+                submit(q, slot, &mut rng, &mut started, &mut is_flush);
             } else {
                 in_flight -= 1;
             }
@@ -340,6 +378,9 @@ pub struct LoadArgs {
     /// Seconds to run.
     #[arg(long, default_value_t = 10.0)]
     duration: f64,
+    /// A flush after every N writes on a queue (fio's `fsync=N`; 0: none).
+    #[arg(long, default_value_t = 0)]
+    flush_every: u64,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     output: crate::OutputFormat,
@@ -367,6 +408,7 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
         iodepth: args.iodepth,
         queues: args.queues,
         duration: Duration::from_secs_f64(args.duration),
+        flush_every: args.flush_every,
         keep_samples: 100_000,
     };
     let r = run(&spec)?;
@@ -376,8 +418,8 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
         }
         crate::OutputFormat::Human => {
             println!(
-                "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, {} errors",
-                r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.errors
+                "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, {} flushes, {} errors",
+                r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.flushes, r.errors
             );
         }
     }

@@ -338,6 +338,7 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
         iodepth,
         queues: 1,
         duration: Duration::from_secs_f64(seconds),
+        flush_every: 0,
         keep_samples: 200_000,
     };
     [
