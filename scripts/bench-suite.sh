@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The benchmark suite: sqcow2 (indexed and walk mode) and
-# qemu-storage-daemon (QEMU's default caches, and sqcow2's cache budget)
-# serving the same generated chains of 1 to 1000 layers over
-# vhost-user-blk, plus the raw-file limit; a libblkio client measures.
+# qemu-storage-daemon (defaults, aio=io_uring, io_uring + polling
+# iothread, and sqcow2's cache budget) serving the same generated chains
+# of 1 to 10000 layers over vhost-user-blk, the limits (raw file in
+# process, and exported by qemu-storage-daemon), and a write and queue
+# matrix on one layer; a libblkio client measures.
 # Writes bench-results/results.json, plots (PNG, SVG) and the README's
 # benchmark section.
 #
 #   scripts/bench-suite.sh [--quick] [sqcow2-bench suite options]
 #
-# --quick: lengths 1, 100, 1000 on 256 MiB, one repetition (< 3 minutes);
-# default: lengths 1, 50, 100, 500, 1000 on 1 GiB, 3 repetitions (< 30
-# minutes on a 2-core machine).
+# --quick: lengths 1, 100, 1000 on 256 MiB, one repetition; default:
+# lengths 1, 50, 100, 500, 1000, 10000 on 1 GiB, 3 repetitions, plus the
+# write matrix (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh

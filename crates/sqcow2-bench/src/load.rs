@@ -71,6 +71,10 @@ pub struct LoadResult {
     pub lat_p999_us: f64,
     /// Latency quantiles 0.00, 0.01, ..., 1.00 in microseconds.
     pub lat_cdf_us: Vec<f64>,
+    /// CPU time (user + system) the server used per I/O over the run, in
+    /// microseconds (filled in by the suite, which knows the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_cpu_us_per_io: Option<f64>,
 }
 
 /// Connects to `target` with `queues` queues; `read_only` for loads that
@@ -225,6 +229,7 @@ pub fn summarize(
         lat_p99_us: q(0.99),
         lat_p999_us: q(0.999),
         lat_cdf_us: (0..=100).map(|i| q(i as f64 / 100.0)).collect(),
+        server_cpu_us_per_io: None,
     }
 }
 

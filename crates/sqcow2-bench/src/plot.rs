@@ -24,13 +24,17 @@ fn register_font() -> anyhow::Result<()> {
         .map_err(|_| anyhow!("{path}: not a usable font"))
 }
 
-const COLORS: [RGBColor; 5] = [
+/// One color per server, in the order servers appear.
+const COLORS: [RGBColor; 6] = [
     RGBColor(214, 39, 40),
     RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
-    RGBColor(100, 100, 100),
 ];
+/// The limits' color.
+const LIMIT: RGBColor = RGBColor(100, 100, 100);
 
 /// Draws every plot of `s` into `out` as PNG and SVG.
 pub fn plots(s: &Summary, out: &Path) -> anyhow::Result<()> {
@@ -163,7 +167,7 @@ fn by_length<DB: DrawingBackend>(
             .map_err(err)?;
     }
     if let (Metric::Iops, Some(raw)) = (metric, s.raw.iops_qd32) {
-        let color = COLORS[4];
+        let color = LIMIT;
         chart
             .draw_series(LineSeries::new(
                 vec![(0.8, raw), (max_len * 1.3, raw)],
@@ -244,7 +248,7 @@ fn latency_cdf<DB: DrawingBackend>(
             .servers
             .iter()
             .position(|srv| srv == name)
-            .map_or(COLORS[4], |k| COLORS[k % 4]);
+            .map_or(LIMIT, |k| COLORS[k % COLORS.len()]);
         let points: Vec<(f64, f64)> = cdf
             .iter()
             .enumerate()

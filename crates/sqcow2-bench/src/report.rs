@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context;
 
 use crate::load::LoadResult;
-use crate::suite::{Results, Run};
+use crate::suite::{Results, Run, WRITE_LOADS};
 
 const START: &str = "<!-- bench-suite:start -->";
 const END: &str = "<!-- bench-suite:end -->";
@@ -23,6 +23,9 @@ pub struct Cell {
     pub iops_qd32: Option<f64>,
     pub p99_qd32_us: Option<f64>,
     pub seq_mb_s: Option<f64>,
+    /// Server CPU time per I/O (µs) at depth 1 and 32.
+    pub cpu_qd1_us: Option<f64>,
+    pub cpu_qd32_us: Option<f64>,
     pub rss_mib: Option<f64>,
     pub startup_ms: Option<f64>,
     /// QD1 latency quantiles (µs) of the median run.
@@ -37,6 +40,22 @@ pub struct Summary {
     pub lengths: Vec<usize>,
     pub cells: BTreeMap<(String, usize), Cell>,
     pub raw: Cell,
+    /// qemu-storage-daemon's raw-file export.
+    pub qsd_raw: Cell,
+    /// The write and queue matrix: servers in order, loads in order, and
+    /// the medians of each (server, load).
+    pub write_servers: Vec<String>,
+    pub write_loads: Vec<String>,
+    pub writes: BTreeMap<(String, String), WriteCell>,
+}
+
+/// Medians of one load of the write matrix on one server.
+#[derive(Debug, Clone, Default)]
+pub struct WriteCell {
+    pub iops: Option<f64>,
+    pub cpu_us: Option<f64>,
+    pub errors: u64,
+    pub failures: Vec<String>,
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -75,6 +94,16 @@ fn cell(runs: &[&Run]) -> Cell {
         iops_qd32: pick(&load(|r| &r.rand_read_qd32, |l| l.iops)),
         p99_qd32_us: pick(&load(|r| &r.rand_read_qd32, |l| l.lat_p99_us)),
         seq_mb_s: pick(&load(|r| &r.seq_read_1m, |l| l.mb_per_s)),
+        cpu_qd1_us: pick(&|r: &Run| {
+            r.rand_read_qd1
+                .as_ref()
+                .and_then(|l| l.server_cpu_us_per_io)
+        }),
+        cpu_qd32_us: pick(&|r: &Run| {
+            r.rand_read_qd32
+                .as_ref()
+                .and_then(|l| l.server_cpu_us_per_io)
+        }),
         // A server that never started serving has no meaningful peak.
         rss_mib: pick(&|r: &Run| r.startup_ms.and(r.peak_rss_kib).map(|k| k as f64 / 1024.0)),
         startup_ms: pick(&|r: &Run| r.startup_ms),
@@ -103,12 +132,94 @@ impl Summary {
             }
         }
         let raw: Vec<&Run> = results.raw_limit.iter().collect();
+        let qsd_raw: Vec<&Run> = results.qsd_raw.iter().collect();
+        let mut write_servers: Vec<String> = Vec::new();
+        for w in &results.writes {
+            if !write_servers.contains(&w.server) {
+                write_servers.push(w.server.clone());
+            }
+        }
+        let write_loads: Vec<String> = WRITE_LOADS
+            .iter()
+            .map(|l| l.name())
+            .filter(|n| results.writes.iter().any(|w| &w.load == n))
+            .collect();
+        let mut writes = BTreeMap::new();
+        for srv in &write_servers {
+            for load in &write_loads {
+                let runs: Vec<_> = results
+                    .writes
+                    .iter()
+                    .filter(|w| &w.server == srv && &w.load == load)
+                    .collect();
+                let med = |f: &dyn Fn(&LoadResult) -> Option<f64>| {
+                    median(
+                        runs.iter()
+                            .filter_map(|w| w.result.as_ref().and_then(f))
+                            .collect(),
+                    )
+                };
+                writes.insert(
+                    (srv.clone(), load.clone()),
+                    WriteCell {
+                        iops: med(&|l| Some(l.iops)),
+                        cpu_us: med(&|l| l.server_cpu_us_per_io),
+                        errors: runs
+                            .iter()
+                            .filter_map(|w| w.result.as_ref().map(|l| l.errors))
+                            .sum(),
+                        failures: runs.iter().filter_map(|w| w.error.clone()).collect(),
+                    },
+                );
+            }
+        }
         Summary {
             servers,
             lengths: results.lengths.clone(),
             cells,
             raw: cell(&raw),
+            qsd_raw: cell(&qsd_raw),
+            write_servers,
+            write_loads,
+            writes,
         }
+    }
+
+    /// The qemu-storage-daemon configuration with the best value of `f`
+    /// at `layers` (the highest, or the lowest with `lowest`): its name
+    /// without the `qsd-` prefix, and the value.
+    pub fn best_qemu(&self, layers: usize, f: CellMetric, lowest: bool) -> Option<(String, f64)> {
+        self.servers
+            .iter()
+            .filter(|srv| srv.starts_with("qsd-"))
+            .filter_map(|srv| {
+                self.get(srv, layers)
+                    .and_then(f)
+                    .map(|v| (srv.trim_start_matches("qsd-").to_string(), v))
+            })
+            .reduce(|a, b| {
+                let better = if lowest { b.1 < a.1 } else { b.1 > a.1 };
+                if better {
+                    b
+                } else {
+                    a
+                }
+            })
+    }
+
+    /// The best qemu-storage-daemon value of the write matrix's `load`
+    /// (highest IOPS): configuration name and cell.
+    pub fn best_qemu_write(&self, load: &str) -> Option<(String, &WriteCell)> {
+        self.write_servers
+            .iter()
+            .filter(|srv| srv.starts_with("qsd-"))
+            .filter_map(|srv| {
+                self.writes
+                    .get(&(srv.clone(), load.to_string()))
+                    .filter(|c| c.iops.is_some())
+                    .map(|c| (srv.trim_start_matches("qsd-").to_string(), c))
+            })
+            .max_by(|a, b| a.1.iops.unwrap_or(0.0).total_cmp(&b.1.iops.unwrap_or(0.0)))
     }
 
     pub fn get(&self, server: &str, layers: usize) -> Option<&Cell> {
@@ -164,8 +275,11 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         "Produced by `{}` in {:.0} s. Machine: {} ({} cores, {}), kernel {}, {}. \
          Chains from `gen-chain` (64 KiB clusters, half the clusters written, spread over the layers), \
          disk {} MiB, served read-only over vhost-user-blk to a libblkio client (1 queue); \
-         each load runs {:.1} s; medians of {} repetitions; sqcow2 cache budget {} MiB \
-         (qsd-budget: the same budget split over the layers, 4 KiB cache entries). \
+         each load runs {:.1} s; medians of {} repetitions; sqcow2 cache budget {} MiB. \
+         Servers (`docs/benchmarks.md` has their command lines): `qsd-default` (QEMU's defaults, `aio=threads`, for reference), \
+         `qsd-io_uring` (`aio=io_uring`), `qsd-iothread` (`aio=io_uring`, the export in a polling iothread), \
+         `qsd-budget` (as qsd-iothread, every layer a node with sqcow2's budget split over the layers), \
+         `sqcow2-walk` (`--walk`), `sqcow2-indexed`. \
          Raw JSON: `{dir}/results.json`.",
         results.command,
         results.wall_seconds,
@@ -214,6 +328,13 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         &|c| c.seq_mb_s,
         0,
     );
+    table(
+        &mut md,
+        s,
+        "**Server CPU time per I/O, random reads at depth 32 (µs; user + system)**",
+        &|c| c.cpu_qd32_us,
+        1,
+    );
     table(&mut md, s, "**Server peak RSS (MiB)**", &|c| c.rss_mib, 1);
     table(
         &mut md,
@@ -224,7 +345,9 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     );
     let _ = writeln!(
         md,
-        "\n**sqcow2-indexed vs qsd-default** (ratios of the medians above):\n"
+        "\n**sqcow2-indexed vs the best qemu-storage-daemon configuration of each cell** \
+         (ratios of the medians above; the configuration in parentheses; CPU and RSS: \
+         below 1 is less):\n"
     );
     let _ = write!(md, "| metric |");
     for l in &s.lengths {
@@ -235,20 +358,22 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         let _ = write!(md, " ---: |");
     }
     md.push('\n');
-    let ratios: [(&str, CellMetric); 4] = [
-        ("IOPS, depth 1", |c| c.iops_qd1),
-        ("IOPS, depth 32", |c| c.iops_qd32),
-        ("sequential MB/s", |c| c.seq_mb_s),
-        ("peak RSS", |c| c.rss_mib),
+    let ratios: [(&str, CellMetric, bool); 6] = [
+        ("IOPS, depth 1", |c| c.iops_qd1, false),
+        ("IOPS, depth 32", |c| c.iops_qd32, false),
+        ("sequential MB/s", |c| c.seq_mb_s, false),
+        ("CPU per I/O, depth 1", |c| c.cpu_qd1_us, true),
+        ("CPU per I/O, depth 32", |c| c.cpu_qd32_us, true),
+        ("peak RSS", |c| c.rss_mib, true),
     ];
-    for (name, f) in ratios {
+    for (name, f, lowest) in ratios {
         let _ = write!(md, "| {name} |");
         for &l in &s.lengths {
             let r = match (
                 s.get("sqcow2-indexed", l).and_then(f),
-                s.get("qsd-default", l).and_then(f),
+                s.best_qemu(l, f, lowest),
             ) {
-                (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+                (Some(a), Some((cfg, b))) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
                 _ => "-".into(),
             };
             let _ = write!(md, " {r} |");
@@ -257,12 +382,20 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     }
     let _ = writeln!(
         md,
-        "\n**Physical limit** (the same amount of data in one raw file, read by libblkio's io_uring driver on the host): \
-         {} IOPS at depth 1, {} IOPS at depth 32, {} MB/s sequential.",
+        "\n**Limits** (the same amount of data in one raw file): libblkio's io_uring driver reading it \
+         in-process on the host: {} IOPS at depth 1, {} IOPS at depth 32, {} MB/s sequential; \
+         qemu-storage-daemon exporting it over vhost-user-blk (`aio=io_uring`, polling iothread; \
+         the vhost-user path without qcow2): {} IOPS at depth 1, {} IOPS at depth 32, {} MB/s \
+         sequential, {} µs of CPU per I/O at depth 32.",
         fmt(s.raw.iops_qd1, 0),
         fmt(s.raw.iops_qd32, 0),
-        fmt(s.raw.seq_mb_s, 0)
+        fmt(s.raw.seq_mb_s, 0),
+        fmt(s.qsd_raw.iops_qd1, 0),
+        fmt(s.qsd_raw.iops_qd32, 0),
+        fmt(s.qsd_raw.seq_mb_s, 0),
+        fmt(s.qsd_raw.cpu_qd32_us, 1),
     );
+    write_matrix(&mut md, s);
     let _ = writeln!(md, "\n**Snapshot time** (median of 5, ms):\n\n| layers | sqcow2 snapshot | qemu-img create -b |\n| ---: | ---: | ---: |");
     for t in &results.snapshots {
         let _ = writeln!(
@@ -277,7 +410,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     for line in goals(s) {
         let _ = writeln!(md, "* {line}");
     }
-    let errors: Vec<String> = s
+    let mut errors: Vec<String> = s
         .cells
         .iter()
         .flat_map(|((srv, l), c)| {
@@ -286,6 +419,13 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
                 .map(move |e| format!("{srv} at {l} layers: {e}"))
         })
         .collect();
+    for ((srv, load), c) in &s.writes {
+        errors.extend(c.failures.iter().map(|e| format!("{srv}, {load}: {e}")));
+        if c.errors > 0 {
+            errors.push(format!("{srv}, {load}: {} requests failed", c.errors));
+        }
+    }
+    errors.dedup();
     if !errors.is_empty() {
         let _ = writeln!(md, "\n**Failures**:\n");
         for e in errors {
@@ -307,6 +447,78 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     md
 }
 
+/// The write and queue matrix: IOPS and CPU per I/O per server, and
+/// sqcow2 against the best qemu-storage-daemon configuration of each load.
+fn write_matrix(md: &mut String, s: &Summary) {
+    if s.write_loads.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "\n**Writes and queues** (one layer: allocating writes into a fresh overlay of a sparse base \
+         2 % filled, the others on a fully allocated 1 GiB layer; 4 KiB random; every server \
+         exports 4 queues, writable; IOPS, and sqcow2 against the best qemu-storage-daemon \
+         configuration):\n"
+    );
+    let _ = write!(md, "| load |");
+    for srv in &s.write_servers {
+        let _ = write!(md, " {srv} |");
+    }
+    let _ = writeln!(md, " sqcow2 / best QSD |");
+    let _ = write!(md, "| --- |");
+    for _ in 0..=s.write_servers.len() {
+        let _ = write!(md, " ---: |");
+    }
+    md.push('\n');
+    for load in &s.write_loads {
+        let _ = write!(md, "| {load} |");
+        for srv in &s.write_servers {
+            let v = s
+                .writes
+                .get(&(srv.clone(), load.clone()))
+                .and_then(|c| c.iops);
+            let _ = write!(md, " {} |", fmt(v, 0));
+        }
+        let ours = s
+            .writes
+            .get(&("sqcow2-indexed".to_string(), load.clone()))
+            .and_then(|c| c.iops);
+        let r = match (ours, s.best_qemu_write(load)) {
+            (Some(a), Some((cfg, c))) => match c.iops {
+                Some(b) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
+                _ => "-".into(),
+            },
+            _ => "-".into(),
+        };
+        let _ = writeln!(md, " {r} |");
+    }
+    let _ = writeln!(
+        md,
+        "\n**Writes and queues: server CPU time per I/O (µs)**\n"
+    );
+    let _ = write!(md, "| load |");
+    for srv in &s.write_servers {
+        let _ = write!(md, " {srv} |");
+    }
+    md.push('\n');
+    let _ = write!(md, "| --- |");
+    for _ in &s.write_servers {
+        let _ = write!(md, " ---: |");
+    }
+    md.push('\n');
+    for load in &s.write_loads {
+        let _ = write!(md, "| {load} |");
+        for srv in &s.write_servers {
+            let v = s
+                .writes
+                .get(&(srv.clone(), load.clone()))
+                .and_then(|c| c.cpu_us);
+            let _ = write!(md, " {} |", fmt(v, 1));
+        }
+        md.push('\n');
+    }
+}
+
 fn goals(s: &Summary) -> Vec<String> {
     let mut out = Vec::new();
     let (Some(&first), Some(&last)) = (s.lengths.first(), s.lengths.last()) else {
@@ -314,28 +526,42 @@ fn goals(s: &Summary) -> Vec<String> {
     };
     let idx = |l| s.get("sqcow2-indexed", l);
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
-    for (name, f) in [
-        (
-            "depth 1",
-            (|c: &Cell| c.iops_qd1) as fn(&Cell) -> Option<f64>,
-        ),
-        ("depth 32", |c: &Cell| c.iops_qd32),
-    ] {
-        if let (Some(a), Some(b)) = (idx(last).and_then(f), idx(first).and_then(f)) {
+    let metrics: [(&str, CellMetric); 2] =
+        [("depth 1", |c| c.iops_qd1), ("depth 32", |c| c.iops_qd32)];
+    for (name, f) in metrics {
+        if let (Some(a), Some((cfg, b))) = (idx(first).and_then(f), s.best_qemu(first, f, false)) {
             let r = a / b;
             out.push(format!(
-                "indexed random-read IOPS at {last} layers >= 0.95 x at {first} ({name}): {a:.0} / {b:.0} = {r:.2} — {}",
-                verdict(r >= 0.95)
+                "indexed IOPS at {first} layer(s) >= the best qemu-storage-daemon's ({name}, qsd-{cfg}): {a:.0} vs {b:.0} = {r:.2}x — {}",
+                verdict(r >= 1.0)
             ));
         }
-        if let (Some(a), Some(b)) = (
-            idx(first).and_then(f),
-            s.get("qsd-default", first).and_then(f),
-        ) {
+        if let (Some(a), Some(b)) = (idx(first).and_then(f), f(&s.qsd_raw)) {
             let r = a / b;
             out.push(format!(
-                "indexed IOPS at {first} layer(s) >= qemu-storage-daemon's ({name}): {a:.0} vs {b:.0} = {r:.2}x — {}",
-                verdict(r >= 1.0)
+                "indexed IOPS at {first} layer(s) >= 0.9 x qemu-storage-daemon's raw-file export ({name}): {a:.0} vs {b:.0} = {r:.2} — {}",
+                verdict(r >= 0.9)
+            ));
+        }
+        for &l in s.lengths.iter().filter(|&&l| l >= 1000) {
+            if let (Some(a), Some(b)) = (idx(l).and_then(f), idx(first).and_then(f)) {
+                let r = a / b;
+                out.push(format!(
+                    "indexed random-read IOPS at {l} layers >= 0.95 x at {first} ({name}): {a:.0} / {b:.0} = {r:.2} — {}",
+                    verdict(r >= 0.95)
+                ));
+            }
+        }
+    }
+    let cpu: CellMetric = |c| c.cpu_qd32_us;
+    if let (Some(a), Some((cfg, _))) = (
+        idx(first).and_then(cpu),
+        s.best_qemu(first, |c| c.iops_qd32, false),
+    ) {
+        if let Some(b) = s.get(&format!("qsd-{cfg}"), first).and_then(cpu) {
+            out.push(format!(
+                "server CPU per I/O at {first} layer(s), depth 32, <= the best qemu-storage-daemon's (qsd-{cfg}): {a:.1} vs {b:.1} µs — {}",
+                verdict(a <= b)
             ));
         }
     }
@@ -354,6 +580,24 @@ fn goals(s: &Summary) -> Vec<String> {
             "sequential read at {last} layers >= 0.9 x the raw-file limit: {a:.0} vs {b:.0} MB/s = {r:.2} — {}",
             verdict(r >= 0.9)
         ));
+    }
+    // Queue scaling of sqcow2 in the write matrix: never negative.
+    let w = |load: &str| {
+        s.writes
+            .get(&("sqcow2-indexed".to_string(), load.to_string()))
+            .and_then(|c| c.iops)
+    };
+    for what in ["reads", "overwrites"] {
+        if let (Some(one), Some(four)) = (
+            w(&format!("{what}, depth 32")),
+            w(&format!("{what}, depth 32, 4 queues")),
+        ) {
+            out.push(format!(
+                "sqcow2 {what} at depth 32 scale with queues (4 queues >= 1): {four:.0} vs {one:.0} IOPS = {:.2}x — {}",
+                four / one,
+                verdict(four >= one)
+            ));
+        }
     }
     out
 }
@@ -387,6 +631,96 @@ mod tests {
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
         assert_eq!(median(vec![f64::NAN]), None);
         assert_eq!(median(Vec::new()), None);
+    }
+
+    fn load(iops: f64, cpu: f64) -> Option<LoadResult> {
+        Some(LoadResult {
+            pattern: crate::load::Pattern::RandRead,
+            block_size: 4096,
+            iodepth: 32,
+            queues: 1,
+            seconds: 1.0,
+            ios: iops as u64,
+            flushes: 0,
+            errors: 0,
+            iops,
+            mb_per_s: 0.0,
+            lat_p50_us: 1.0,
+            lat_p99_us: 2.0,
+            lat_p999_us: 3.0,
+            lat_cdf_us: vec![1.0; 101],
+            server_cpu_us_per_io: Some(cpu),
+        })
+    }
+
+    fn run(server: &str, layers: usize, iops: f64, cpu: f64) -> Run {
+        Run {
+            server: server.into(),
+            layers,
+            repetition: 0,
+            startup_ms: Some(1.0),
+            peak_rss_kib: Some(1024),
+            rand_read_qd1: load(iops / 10.0, cpu),
+            rand_read_qd32: load(iops, cpu),
+            seq_read_1m: load(iops, cpu),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn sqcow2_is_compared_with_the_best_qemu_configuration_of_each_cell() {
+        let results = Results {
+            command: "test".into(),
+            machine: BTreeMap::new(),
+            disk_size: 1 << 30,
+            cache_bytes: 32 << 20,
+            seconds_per_run: 1.0,
+            repetitions: 1,
+            lengths: vec![1, 1000],
+            runs: vec![
+                run("qsd-default", 1, 100.0, 9.0),
+                run("qsd-iothread", 1, 300.0, 3.0),
+                run("qsd-default", 1000, 10.0, 9.0),
+                run("qsd-iothread", 1000, 5.0, 3.0),
+                run("sqcow2-indexed", 1, 330.0, 2.0),
+                run("sqcow2-indexed", 1000, 320.0, 2.0),
+            ],
+            raw_limit: vec![run("raw-file-io_uring", 0, 1000.0, 0.0)],
+            qsd_raw: vec![run("qsd-raw", 0, 400.0, 2.5)],
+            writes: Vec::new(),
+            snapshots: Vec::new(),
+            wall_seconds: 1.0,
+        };
+        let s = Summary::new(&results);
+        let (cfg, best) = s.best_qemu(1, |c| c.iops_qd32, false).unwrap();
+        assert_eq!((cfg.as_str(), best), ("iothread", 300.0));
+        // At 1000 layers the default configuration is the best.
+        assert_eq!(
+            s.best_qemu(1000, |c| c.iops_qd32, false).unwrap().0,
+            "default"
+        );
+        // Lowest CPU wins for CPU.
+        assert_eq!(
+            s.best_qemu(1, |c| c.cpu_qd32_us, true).unwrap().0,
+            "iothread"
+        );
+        let md = markdown(&results, &s, Path::new("bench-results"));
+        assert!(
+            md.contains("| IOPS, depth 32 | 1.10x (iothread) | 32.00x (default) |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("(depth 32, qsd-iothread): 330 vs 300 = 1.10x — met"),
+            "{md}"
+        );
+        assert!(
+            md.contains("raw-file export (depth 32): 330 vs 400 = 0.82 — MISSED"),
+            "{md}"
+        );
+        assert!(
+            md.contains("<= the best qemu-storage-daemon's (qsd-iothread): 2.0 vs 3.0 µs — met"),
+            "{md}"
+        );
     }
 
     #[test]

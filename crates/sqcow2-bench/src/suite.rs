@@ -20,7 +20,7 @@ pub struct SuiteArgs {
     /// short runs): at most about 3 minutes.
     #[arg(long)]
     quick: bool,
-    /// Chain lengths (default 1,50,100,500,1000).
+    /// Chain lengths (default 1,50,100,500,1000,10000).
     #[arg(long, value_delimiter = ',')]
     lengths: Vec<usize>,
     /// Virtual disk size (default 1G; 256M with --quick).
@@ -44,6 +44,13 @@ pub struct SuiteArgs {
     /// Servers to run (default all).
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
+    /// Skip the write and queue matrix.
+    #[arg(long)]
+    no_writes: bool,
+    /// Virtual size of the base under the allocating writes (2 % filled,
+    /// sparse).
+    #[arg(long, default_value = "32G")]
+    write_base_size: String,
     /// Measure nothing: redraw the plots and the README section from
     /// this results.json.
     #[arg(long)]
@@ -79,15 +86,121 @@ impl Run {
         }
     }
 
-    /// The three loads every server gets, in order.
-    fn measure_loads(&mut self, target: Target, seconds: f64) -> anyhow::Result<()> {
+    /// The three loads every server gets, in order; `server` is the
+    /// server's pid (its CPU time is measured), if it has one.
+    fn measure_loads(
+        &mut self,
+        target: Target,
+        seconds: f64,
+        server: Option<u32>,
+    ) -> anyhow::Result<()> {
         let [qd1, qd32, seq] = loads(target, seconds);
-        self.rand_read_qd1 = Some(load::run(&qd1)?);
-        self.rand_read_qd32 = Some(load::run(&qd32)?);
-        self.seq_read_1m = Some(load::run(&seq)?);
+        self.rand_read_qd1 = Some(run_load(&qd1, server)?);
+        self.rand_read_qd32 = Some(run_load(&qd32, server)?);
+        self.seq_read_1m = Some(run_load(&seq, server)?);
         Ok(())
     }
 }
+
+/// Runs `spec`; with a server pid, also the server's CPU time per I/O.
+fn run_load(spec: &LoadSpec, server: Option<u32>) -> anyhow::Result<LoadResult> {
+    let before = server.and_then(servers::cpu_us);
+    let mut r = load::run(spec)?;
+    let after = server.and_then(servers::cpu_us);
+    if let (Some(a), Some(b)) = (after, before) {
+        if r.ios > 0 {
+            r.server_cpu_us_per_io = Some((a - b) / r.ios as f64);
+        }
+    }
+    Ok(r)
+}
+
+/// One load of the write and queue matrix on one server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WriteRun {
+    pub server: String,
+    /// The load's name ([`WriteLoad::name`]).
+    pub load: String,
+    pub repetition: usize,
+    pub result: Option<LoadResult>,
+    pub error: Option<String>,
+}
+
+/// The image a write load runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteImage {
+    /// A fresh overlay of the write base: every write allocates (copy on
+    /// write from below).
+    Fresh,
+    /// A fully allocated one-layer image: writes go in place.
+    Allocated,
+}
+
+/// One load of the write and queue matrix.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteLoad {
+    image: WriteImage,
+    pattern: Pattern,
+    iodepth: usize,
+    queues: usize,
+}
+
+impl WriteLoad {
+    /// The name in results and tables.
+    pub fn name(&self) -> String {
+        let what = match (self.image, self.pattern) {
+            (WriteImage::Fresh, _) => "allocating writes",
+            (_, Pattern::RandWrite) => "overwrites",
+            (_, Pattern::Mixed) => "70/30 reads/overwrites",
+            _ => "reads",
+        };
+        let q = if self.queues == 1 {
+            String::new()
+        } else {
+            format!(", {} queues", self.queues)
+        };
+        format!("{what}, depth {}{q}", self.iodepth)
+    }
+}
+
+/// Queues every server of the write matrix exports.
+const WRITE_QUEUES: usize = 4;
+
+/// The write and queue matrix, in order (the loads of one image run on
+/// one server start).
+pub const WRITE_LOADS: [WriteLoad; 11] = {
+    const fn l(image: WriteImage, pattern: Pattern, iodepth: usize, queues: usize) -> WriteLoad {
+        WriteLoad {
+            image,
+            pattern,
+            iodepth,
+            queues,
+        }
+    }
+    use Pattern::*;
+    use WriteImage::*;
+    [
+        l(Fresh, RandWrite, 1, 1),
+        l(Fresh, RandWrite, 32, 1),
+        l(Allocated, RandWrite, 1, 1),
+        l(Allocated, RandWrite, 32, 1),
+        l(Allocated, RandWrite, 32, 2),
+        l(Allocated, RandWrite, 32, 4),
+        l(Allocated, RandRead, 32, 1),
+        l(Allocated, RandRead, 32, 2),
+        l(Allocated, RandRead, 32, 4),
+        l(Allocated, Mixed, 32, 1),
+        l(Allocated, Mixed, 32, 4),
+    ]
+};
+
+/// The servers of the write matrix.
+const WRITE_SERVERS: [Server; 4] = [
+    Server::QsdDefault,
+    Server::QsdIoUring,
+    Server::QsdIothread,
+    Server::Sqcow2Indexed,
+];
 
 /// Snapshot times at one chain length.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -109,6 +222,12 @@ pub struct Results {
     pub lengths: Vec<usize>,
     pub runs: Vec<Run>,
     pub raw_limit: Vec<Run>,
+    /// qemu-storage-daemon exporting the raw file (the vhost path's limit
+    /// without qcow2).
+    #[serde(default)]
+    pub qsd_raw: Vec<Run>,
+    #[serde(default)]
+    pub writes: Vec<WriteRun>,
     pub snapshots: Vec<SnapshotTimes>,
     pub wall_seconds: f64,
 }
@@ -127,7 +246,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     } else if args.quick {
         vec![1, 100, 1000]
     } else {
-        vec![1, 50, 100, 500, 1000]
+        vec![1, 50, 100, 500, 1000, 10000]
     };
     let size =
         crate::parse_size(
@@ -173,6 +292,8 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         lengths: lengths.clone(),
         runs: Vec::new(),
         raw_limit: Vec::new(),
+        qsd_raw: Vec::new(),
+        writes: Vec::new(),
         snapshots: Vec::new(),
         wall_seconds: 0.0,
     };
@@ -221,6 +342,22 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         }
         eprintln!("==> raw file limit (repetition {})", rep + 1);
         results.raw_limit.push(measure_raw(&raw, seconds, rep));
+        eprintln!(
+            "==> qemu-storage-daemon raw export (repetition {})",
+            rep + 1
+        );
+        results.qsd_raw.push(measure_qsd_raw(&raw, &setup, rep));
+    }
+    if !args.no_writes {
+        let write_base = crate::parse_size(&args.write_base_size)?;
+        let images = WriteImages::make(&out, write_base)?;
+        for rep in 0..repeat {
+            for server in WRITE_SERVERS {
+                results
+                    .writes
+                    .extend(measure_writes(server, &images, &setup, rep));
+            }
+        }
     }
     for &layers in &lengths {
         eprintln!("==> snapshot time at {layers} layers");
@@ -369,7 +506,9 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     let socket = out.join("bench.sock");
     let log = out.join(format!("{}-{}.log", server.name(), chain.layers.len()));
     let t0 = Instant::now();
-    let mut child = match servers::spawn(server, chain, &socket, sqcow2, cache_bytes, &log) {
+    let export = servers::Export::READ;
+    let mut child = match servers::spawn(server, chain, &socket, sqcow2, cache_bytes, export, &log)
+    {
         Ok(c) => c,
         Err(e) => {
             run.error = Some(format!("{e:#}"));
@@ -378,25 +517,9 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     };
     let result = (|| -> anyhow::Result<()> {
         let target = Target::Socket(socket.clone());
-        // Time from start to the first completed read.
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(&log).unwrap_or_default();
-                bail!("server exited ({status}): {}", log.trim());
-            }
-            if socket.exists() && load::first_read(&target).is_ok() {
-                break;
-            }
-            if t0.elapsed() > startup_limit {
-                bail!(
-                    "no first read within {} s of the start",
-                    startup_limit.as_secs()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_first_read(&mut child, &target, &log, startup_limit)?;
         run.startup_ms = Some(t0.elapsed().as_secs_f64() * 1000.0);
-        run.measure_loads(target, seconds)
+        run.measure_loads(target, seconds, Some(child.id()))
     })();
     run.peak_rss_kib = servers::peak_rss_kib(child.id());
     servers::stop(&mut child);
@@ -406,12 +529,220 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     run
 }
 
+/// Waits until a read through `target` completes (the server serves).
+fn wait_first_read(
+    child: &mut std::process::Child,
+    target: &Target,
+    log: &Path,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let Target::Socket(socket) = target else {
+        return Ok(());
+    };
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("server exited ({status}): {}", log.trim());
+        }
+        if socket.exists() && load::first_read(target).is_ok() {
+            return Ok(());
+        }
+        if t0.elapsed() > limit {
+            bail!("no first read within {} s of the start", limit.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
     let mut run = Run::new("raw-file-io_uring", 0, repetition);
-    if let Err(e) = run.measure_loads(Target::File(raw.to_owned()), seconds) {
+    if let Err(e) = run.measure_loads(Target::File(raw.to_owned()), seconds, None) {
         run.error = Some(format!("{e:#}"));
     }
     run
+}
+
+/// qemu-storage-daemon exporting the raw file, the three read loads.
+fn measure_qsd_raw(raw: &Path, setup: &Setup<'_>, repetition: usize) -> Run {
+    let mut run = Run::new("qsd-raw", 0, repetition);
+    let socket = setup.out.join("bench.sock");
+    let log = setup.out.join("qsd-raw.log");
+    let t0 = Instant::now();
+    let mut child = match servers::spawn_qsd_raw(raw, &socket, &log) {
+        Ok(c) => c,
+        Err(e) => {
+            run.error = Some(format!("{e:#}"));
+            return run;
+        }
+    };
+    let target = Target::Socket(socket.clone());
+    let result = wait_first_read(&mut child, &target, &log, setup.startup_limit).and_then(|()| {
+        run.startup_ms = Some(t0.elapsed().as_secs_f64() * 1000.0);
+        run.measure_loads(target.clone(), setup.seconds, Some(child.id()))
+    });
+    run.peak_rss_kib = servers::peak_rss_kib(child.id());
+    servers::stop(&mut child);
+    if let Err(e) = result {
+        run.error = Some(format!("{e:#}"));
+    }
+    run
+}
+
+/// The images of the write matrix.
+struct WriteImages {
+    dir: PathBuf,
+    /// One layer, 2 % filled (sparse), under the fresh overlays.
+    base: PathBuf,
+    /// One fully allocated layer.
+    allocated: PathBuf,
+}
+
+impl WriteImages {
+    fn make(out: &Path, base_size: u64) -> anyhow::Result<Self> {
+        let dir = out.join("writes");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        eprintln!("==> write images: a {base_size}-byte base (2 % filled) and a full 1 GiB layer");
+        let gen = |sub: &str, size: u64, fill: f64| -> anyhow::Result<PathBuf> {
+            let d = dir.join(sub);
+            std::fs::create_dir_all(&d)?;
+            let opts = GenOptions {
+                layers: 1,
+                size,
+                cluster_size: 65536,
+                fill,
+                seed: 2,
+                distribution: Distribution::Uniform,
+                index: true,
+            };
+            generate(&d, &opts, &mut |_, _| {})?;
+            Ok(d.join(layer_file_name(0)))
+        };
+        let base = gen("base", base_size, 0.02)?;
+        let allocated = gen("allocated", 1 << 30, 1.0)?;
+        Ok(WriteImages {
+            dir,
+            base,
+            allocated,
+        })
+    }
+
+    /// A fresh overlay of the base (as `qemu-img create -b` makes it, then
+    /// indexed by `sqcow2 upgrade` for sqcow2).
+    fn fresh(&self, sqcow2: Option<&Path>) -> anyhow::Result<PathBuf> {
+        let over = self.dir.join("overlay.qcow2");
+        let _ = std::fs::remove_file(&over);
+        let _ = std::fs::remove_file(self.dir.join("overlay.qcow2.sqidx"));
+        let ok = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(&self.base)
+            .arg(&over)
+            .status()?
+            .success();
+        anyhow::ensure!(ok, "qemu-img create of the overlay failed");
+        if let Some(sqcow2) = sqcow2 {
+            let ok = std::process::Command::new(sqcow2)
+                .arg("upgrade")
+                .arg(&over)
+                .stdout(std::process::Stdio::null())
+                .status()?
+                .success();
+            anyhow::ensure!(ok, "sqcow2 upgrade of the overlay failed");
+        }
+        Ok(over)
+    }
+}
+
+/// The write and queue matrix on `server`: one server start per image.
+fn measure_writes(
+    server: Server,
+    images: &WriteImages,
+    setup: &Setup<'_>,
+    repetition: usize,
+) -> Vec<WriteRun> {
+    let mut runs = Vec::new();
+    for image in [WriteImage::Fresh, WriteImage::Allocated] {
+        let loads: Vec<WriteLoad> = WRITE_LOADS
+            .iter()
+            .copied()
+            .filter(|l| l.image == image)
+            .collect();
+        eprintln!(
+            "==> {} writes on a{} image (repetition {})",
+            server.name(),
+            if image == WriteImage::Fresh {
+                " fresh overlay"
+            } else {
+                "n allocated"
+            },
+            repetition + 1
+        );
+        let result = (|| -> anyhow::Result<Vec<WriteRun>> {
+            let top = match image {
+                WriteImage::Fresh => images.fresh((!server.is_qemu()).then_some(setup.sqcow2))?,
+                WriteImage::Allocated => images.allocated.clone(),
+            };
+            let chain = ChainFiles { layers: vec![top] };
+            let socket = setup.out.join("bench.sock");
+            let log = setup.out.join(format!("{}-writes.log", server.name()));
+            let export = servers::Export {
+                writable: true,
+                queues: WRITE_QUEUES,
+            };
+            let mut child = servers::spawn(
+                server,
+                &chain,
+                &socket,
+                setup.sqcow2,
+                setup.cache_bytes,
+                export,
+                &log,
+            )?;
+            let target = Target::Socket(socket.clone());
+            let mut out = Vec::new();
+            let result = wait_first_read(&mut child, &target, &log, setup.startup_limit);
+            if result.is_ok() {
+                for l in &loads {
+                    let spec = LoadSpec {
+                        target: target.clone(),
+                        pattern: l.pattern,
+                        block_size: 4096,
+                        iodepth: l.iodepth,
+                        queues: l.queues,
+                        duration: Duration::from_secs_f64(setup.seconds),
+                        flush_every: 0,
+                        keep_samples: 200_000,
+                    };
+                    let r = run_load(&spec, Some(child.id()));
+                    out.push(WriteRun {
+                        server: server.name().into(),
+                        load: l.name(),
+                        repetition,
+                        error: r.as_ref().err().map(|e| format!("{e:#}")),
+                        result: r.ok(),
+                    });
+                }
+            }
+            servers::stop(&mut child);
+            result?;
+            Ok(out)
+        })();
+        match result {
+            Ok(r) => runs.extend(r),
+            Err(e) => {
+                eprintln!("    failed: {e:#}");
+                runs.extend(loads.iter().map(|l| WriteRun {
+                    server: server.name().into(),
+                    load: l.name(),
+                    repetition,
+                    result: None,
+                    error: Some(format!("{e:#}")),
+                }));
+            }
+        }
+    }
+    runs
 }
 
 /// `sqcow2 snapshot` vs `qemu-img create -b` on the chain's top, `n`
