@@ -13,6 +13,10 @@
 //! passes `qemu-img check` without errors or leaks, and `qemu-img convert`
 //! of the final chain equals what the daemon served.
 //!
+//! The worker threads busy-poll (`--poll-us`), so that polling meets
+//! pauses, snapshots and engine results as often as sleeping does in the
+//! other daemon tests.
+//!
 //! `SQCOW2_STRESS_SECONDS` (default 15 in the test run; `scripts/stress.sh`
 //! runs longer), `SQCOW2_STRESS_SEED`.
 
@@ -75,7 +79,14 @@ fn snapshots_flushes_discards_and_in_place_writes_racing() {
     let mut daemon = Daemon::start(
         tmp.path(),
         &top,
-        &["--num-queues", "2", "--control", s(&ctl)],
+        &[
+            "--num-queues",
+            "2",
+            "--control",
+            s(&ctl),
+            "--poll-us",
+            "100",
+        ],
     );
     let mut client = connect_retry(&daemon, 2, false);
     let stop = Arc::new(AtomicBool::new(false));

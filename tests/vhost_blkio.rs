@@ -94,17 +94,19 @@ fn range(rng: &mut fastrand::Rng, size: u64, max: u64) -> (u64, u64) {
 #[test]
 fn random_writes_discards_and_zeroes_match_a_model_and_qemu() {
     for seed in 0..env_count("SQCOW2_VHOST_SEEDS", 2u64) {
-        model_run(0x5eed + seed);
+        model_run(0x5eed + seed, &[]);
     }
+    // The same with the worker busy-polling its rings.
+    model_run(0x9011, &["--poll-us", "50"]);
 }
 
-fn model_run(seed: u64) {
+fn model_run(seed: u64, serve_args: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 100, "64M", "0.6");
     let mut model = qemu_raw(&top, tmp.path());
     let size = model.len() as u64;
     let cluster = 65536u64;
-    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let mut daemon = Daemon::start(tmp.path(), &top, serve_args);
     let mut client = connect_retry(&daemon, 1, false);
     let mut rng = fastrand::Rng::with_seed(seed);
     for step in 0..400 {
@@ -242,6 +244,76 @@ fn four_queues_of_concurrent_io_on_two_threads() {
     }
     drop(client);
     stop_and_verify(&mut daemon, &top, tmp.path(), &model);
+}
+
+/// Many more requests at once than a worker takes in one batch, with
+/// pauses longer than the busy-poll window between rounds (the worker
+/// sleeps with the guest's notifications back on, and the next round must
+/// wake it): with and without polling, on one and two queues per thread,
+/// every write lands and reads back, nothing waits forever.
+#[test]
+fn deep_queues_and_idle_gaps_with_and_without_polling() {
+    const DEPTH: usize = 64;
+    const BLOCK: usize = 4096;
+    for args in [
+        &[][..],
+        &["--poll-us", "200"][..],
+        &[
+            "--poll-us",
+            "200",
+            "--num-queues",
+            "2",
+            "--queues-per-thread",
+            "2",
+        ][..],
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = gen_chain(tmp.path(), 3, "16M", "0.6");
+        let mut model = qemu_raw(&top, tmp.path());
+        let mut daemon = Daemon::start(tmp.path(), &top, args);
+        let mut client = connect_retry(&daemon, 1, false);
+        let base = client.region.addr;
+        let slot = |k: usize| (base + k * BLOCK) as *mut u8;
+        for round in 0..6u64 {
+            // Blocks spread over the disk, each round its own.
+            let offset = |k: usize| ((k as u64 * 61 + round * 7) % 4096) * BLOCK as u64;
+            for k in 0..DEPTH {
+                let fill = (round as u8).wrapping_mul(37) ^ k as u8;
+                // SAFETY: slot k is BLOCK bytes of the mapped region, which
+                // no request in flight uses (all were waited for).
+                unsafe { std::ptr::write_bytes(slot(k), fill, BLOCK) };
+                client.queues[0].write(offset(k), slot(k), BLOCK, k, blkio::ReqFlags::empty());
+                let at = offset(k) as usize;
+                model[at..at + BLOCK].fill(fill);
+            }
+            let done = client.wait(0, DEPTH);
+            assert!(
+                done.iter().all(|(_, r)| *r == 0),
+                "{args:?} round {round}: a write failed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            for k in 0..DEPTH {
+                client.queues[0].read(offset(k), slot(k), BLOCK, k, blkio::ReqFlags::empty());
+            }
+            let done = client.wait(0, DEPTH);
+            assert!(
+                done.iter().all(|(_, r)| *r == 0),
+                "{args:?} round {round}: a read failed"
+            );
+            for k in 0..DEPTH {
+                let at = offset(k) as usize;
+                // SAFETY: the read into slot k completed.
+                let got = unsafe { std::slice::from_raw_parts(slot(k), BLOCK) };
+                assert!(
+                    got == &model[at..at + BLOCK],
+                    "{args:?} round {round}: block {k} differs"
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(client);
+        stop_and_verify(&mut daemon, &top, tmp.path(), &model);
+    }
 }
 
 #[test]

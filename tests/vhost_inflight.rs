@@ -14,6 +14,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
+use common::ring::{
+    data_at, header_at, make_available, put_desc, status_at, used_idx, wait_used, write_request,
+    AVAIL, DESC, MEM, QSIZE, SECTOR, USED,
+};
 use common::vhost::{connect_retry, wait_for_log, Daemon, SharedGuestMemory};
 use common::{gen_chain, s};
 use vhost::vhost_user::message::{
@@ -22,90 +26,9 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VringConfigData};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_OUT};
-use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
-
-const MEM: usize = 16 << 20;
-const QSIZE: u16 = 16;
-const DESC: u64 = 0x1000;
-const AVAIL: u64 = 0x2000;
-const USED: u64 = 0x3000;
-/// Request `r` uses descriptors 3r..3r+2 and these buffers.
-fn header_at(r: u64) -> u64 {
-    0x10_0000 + r * 0x1000
-}
-fn data_at(r: u64) -> u64 {
-    0x20_0000 + r * 0x1_0000
-}
-fn status_at(r: u64) -> u64 {
-    0x30_0000 + r * 0x1000
-}
-const SECTOR: u64 = 4096;
-
-type Mem = GuestMemoryMmap<()>;
-
-fn put_desc(mem: &Mem, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
-    let mut raw = [0u8; 16];
-    raw[0..8].copy_from_slice(&addr.to_le_bytes());
-    raw[8..12].copy_from_slice(&len.to_le_bytes());
-    raw[12..14].copy_from_slice(&flags.to_le_bytes());
-    raw[14..16].copy_from_slice(&next.to_le_bytes());
-    mem.write_slice(&raw, GuestAddress(DESC + u64::from(i) * 16))
-        .unwrap();
-}
-
-/// Request `r`: a 4 KiB write of `fill` at sector `SECTOR`, descriptors
-/// from 3r; returns its head.
-fn write_request(mem: &Mem, r: u16, fill: u8) -> u16 {
-    let r64 = u64::from(r);
-    let mut h = [0u8; 16];
-    h[..4].copy_from_slice(&VIRTIO_BLK_T_OUT.to_le_bytes());
-    h[8..].copy_from_slice(&SECTOR.to_le_bytes());
-    mem.write_slice(&h, GuestAddress(header_at(r64))).unwrap();
-    mem.write_slice(&[fill; 4096], GuestAddress(data_at(r64)))
-        .unwrap();
-    mem.write_obj(0xFFu8, GuestAddress(status_at(r64))).unwrap();
-    let head = 3 * r;
-    let next = VRING_DESC_F_NEXT as u16;
-    put_desc(mem, head, header_at(r64), 16, next, head + 1);
-    put_desc(mem, head + 1, data_at(r64), 4096, next, head + 2);
-    put_desc(
-        mem,
-        head + 2,
-        status_at(r64),
-        1,
-        VRING_DESC_F_WRITE as u16,
-        0,
-    );
-    head
-}
-
-/// Puts `head` on the available ring at position `pos` and publishes
-/// `pos + 1` as the available index.
-fn make_available(mem: &Mem, pos: u16, head: u16) {
-    let slot = AVAIL + 4 + u64::from(pos % QSIZE) * 2;
-    mem.write_obj(head, GuestAddress(slot)).unwrap();
-    mem.write_obj(pos.wrapping_add(1), GuestAddress(AVAIL + 2))
-        .unwrap();
-}
-
-fn used_idx(mem: &Mem) -> u16 {
-    mem.read_obj(GuestAddress(USED + 2)).unwrap()
-}
-
-fn wait_used(mem: &Mem, want: u16, daemon: &Daemon) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while used_idx(mem) < want {
-        assert!(
-            Instant::now() < deadline,
-            "used index {} never reached {want}\n{}",
-            used_idx(mem),
-            daemon.log()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 /// Negotiates, hands over `region` (or asks for one), sets the ring up
 /// and kicks it; returns the frontend, the kick and the region.

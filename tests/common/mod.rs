@@ -387,4 +387,5 @@ pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
 
 pub mod faulty_fs;
 pub mod guest;
+pub mod ring;
 pub mod vhost;

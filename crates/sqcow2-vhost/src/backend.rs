@@ -5,6 +5,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,6 +21,13 @@ use crate::gate::PauseGuard;
 use crate::offload::panic_message;
 use crate::vring::{SharedMem, Vring};
 use crate::worker::{GuestMem, QueueWorker};
+
+/// Requests a worker takes off a queue before it completes what finished
+/// (see [`QueueWorker::set_batch`]). Measured with random 4 KiB reads at
+/// depth 32 (libblkio client, one queue): a whole queue at a time made the
+/// guest and the worker take turns (~220k IOPS), batches of 2, 4, 8, 16
+/// gave ~340k, 400k, 450k, 455k.
+const REQUEST_BATCH: usize = 8;
 
 /// One worker thread's state.
 struct WorkerSlot {
@@ -82,9 +90,9 @@ impl BlkBackend {
         let workers = thread_queues
             .iter()
             .map(|_| {
-                Ok(Mutex::new(WorkerSlot {
-                    worker: QueueWorker::new(device.clone())?,
-                }))
+                let mut worker = QueueWorker::new(device.clone())?;
+                worker.set_batch(REQUEST_BATCH);
+                Ok(Mutex::new(WorkerSlot { worker }))
             })
             .collect::<io::Result<_>>()?;
         let max = device.config().queue_size;
@@ -214,35 +222,47 @@ impl BlkBackend {
         }
     }
 
-    /// Takes the requests of queue `queue` (worker-local `local`).
-    fn process(&self, slot: &mut WorkerSlot, local: usize, queue: usize) {
+    /// Takes the requests of queue `queue` (worker-local `local` of worker
+    /// thread `thread`), a batch at a time, completing what finished after
+    /// each batch.
+    fn process(&self, slot: &mut WorkerSlot, thread: usize, local: usize, queue: usize) {
         let Some(vring) = self.vrings.get(queue) else {
             return;
         };
-        let mem = self.mem.memory();
-        // Held while requests are taken and started (io_uring submissions,
-        // which never wait, and hand-offs to engine threads): the ring must
-        // not be stopped or moved by the protocol side in the middle.
-        let mut st = vring.lock();
-        if !st.is_live() {
-            return;
+        loop {
+            let mem = self.mem.memory();
+            // Held while requests are taken and started (io_uring
+            // submissions, which never wait, and hand-offs to engine
+            // threads): the ring must not be stopped or moved by the
+            // protocol side in the middle.
+            let mut st = vring.lock();
+            if !st.is_live() {
+                return;
+            }
+            let state = &mut *st;
+            let used = slot.worker.process_tracked(
+                local,
+                &mut state.queue,
+                state.tracker.as_mut(),
+                &self.mem,
+            );
+            // An error here means the guest's rings are unusable (e.g. the
+            // used ring lies outside guest memory). Returning it would end
+            // this worker thread and every queue on it, so log it instead.
+            match used {
+                Ok(true) => st.signal(&mem),
+                Ok(false) => {}
+                Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
+            }
+            drop(st);
+            // Reads of cached data often complete during the submission:
+            // finish them now rather than after another epoll round.
+            slot.worker.reap_ready();
+            if !slot.worker.take_more() {
+                return;
+            }
+            self.complete(slot, thread);
         }
-        let state = &mut *st;
-        let used =
-            slot.worker
-                .process_tracked(local, &mut state.queue, state.tracker.as_mut(), &self.mem);
-        // An error here means the guest's rings are unusable (e.g. the
-        // used ring lies outside guest memory). Returning it would end
-        // this worker thread and every queue on it, so log it instead.
-        match used {
-            Ok(true) => st.signal(&mem),
-            Ok(false) => {}
-            Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
-        }
-        drop(st);
-        // Reads of cached data often complete during the submission:
-        // finish them now rather than after another epoll round.
-        slot.worker.reap_ready();
     }
 
     /// One wake-up of worker thread `thread`.
@@ -265,7 +285,7 @@ impl BlkBackend {
                             let _ = kick.read();
                         }
                     }
-                    self.process(&mut slot, local, queue);
+                    self.process(&mut slot, thread, local, queue);
                 }
             }
             Wake::Completion => slot.worker.handle_completion_event(),
@@ -273,23 +293,96 @@ impl BlkBackend {
                 if slot.worker.handle_mailbox_event() {
                     // A pause ended: start what the guest queued meanwhile.
                     for (local, queue) in queues.iter().enumerate() {
-                        self.process(&mut slot, local, *queue);
+                        self.process(&mut slot, thread, local, *queue);
                     }
                 }
             }
             Wake::Exit => {}
         }));
         if let Err(panic) = handled {
-            let what = panic_message(&*panic);
-            error!(
-                thread,
-                "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
-            );
-            self.device
-                .record_panic(&format!("a queue worker panicked: {what}"));
-            slot.worker.recover_after_panic();
+            self.worker_panicked(&mut slot, thread, &*panic);
         }
         self.complete(&mut slot, thread);
+    }
+
+    /// After a panic in worker thread `thread` (a bug): logged, counted,
+    /// the stuck requests failed, writes refused from then on.
+    fn worker_panicked(
+        &self,
+        slot: &mut WorkerSlot,
+        thread: usize,
+        panic: &(dyn std::any::Any + Send),
+    ) {
+        let what = panic_message(panic);
+        error!(
+            thread,
+            "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
+        );
+        self.device
+            .record_panic(&format!("a queue worker panicked: {what}"));
+        slot.worker.recover_after_panic();
+    }
+
+    /// One busy-poll step of worker thread `thread`: finished transfers
+    /// and engine results are applied and requests waiting on its live
+    /// queues taken, with no syscall when there is nothing to do; whether
+    /// anything was.
+    fn poll(&self, thread: usize) -> bool {
+        let Some(w) = self.workers.get(thread) else {
+            return false;
+        };
+        let queues = self.queues_of(thread);
+        let mut slot = lock(w);
+        let mut worked = false;
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            slot.worker.set_polling(true);
+            worked |= slot.worker.poll_finished();
+            if slot.worker.is_deferred() && !slot.worker.resume_after_pause() {
+                // Paused: requests stay on the queues until it ends.
+                return;
+            }
+            for (local, &queue) in queues.iter().enumerate() {
+                let waiting = self.vrings.get(queue).is_some_and(|v| {
+                    let st = v.lock();
+                    st.is_live() && QueueWorker::has_requests(&st.queue, &self.mem)
+                });
+                if waiting {
+                    self.process(&mut slot, thread, local, queue);
+                    worked = true;
+                }
+            }
+        }));
+        if let Err(panic) = polled {
+            self.worker_panicked(&mut slot, thread, &*panic);
+        }
+        self.complete(&mut slot, thread);
+        worked
+    }
+
+    /// Ends a busy-poll of worker thread `thread` before it sleeps: the
+    /// guest's notifications back on; whether requests arrived meanwhile
+    /// (then the thread polls again instead of sleeping).
+    fn stop_polling(&self, thread: usize) -> bool {
+        let Some(w) = self.workers.get(thread) else {
+            return false;
+        };
+        let mut slot = lock(w);
+        slot.worker.set_polling(false);
+        // Paused: requests on the queues wait for the mailbox's wake-up.
+        let mut arrived = false;
+        let deferred = slot.worker.is_deferred();
+        for &queue in self.queues_of(thread) {
+            if let Some(v) = self.vrings.get(queue) {
+                let mut st = v.lock();
+                if st.is_live() {
+                    match slot.worker.notifications_on(&mut st.queue, &self.mem) {
+                        Ok(more) => arrived |= more && !deferred,
+                        Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
+                    }
+                }
+            }
+        }
+        arrived
     }
 
     /// Starts queue `queue` after a (re)start of its ring: what it holds
@@ -304,7 +397,7 @@ impl BlkBackend {
             queues.iter().position(|q| *q == queue),
         ) {
             let mut slot = lock(w);
-            self.process(&mut slot, local, queue);
+            self.process(&mut slot, thread, local, queue);
             self.complete(&mut slot, thread);
         }
     }
@@ -321,15 +414,21 @@ fn lock(w: &Mutex<WorkerSlot>) -> MutexGuard<'_, WorkerSlot> {
 pub(crate) struct WorkerThreads {
     epolls: Vec<Arc<Epoll>>,
     exits: Vec<EventFd>,
+    /// Set to end the threads: a polling thread sees it without waiting
+    /// for its poll window to end (its exit eventfd is looked at only in
+    /// epoll).
+    stopping: Arc<AtomicBool>,
     handles: Vec<JoinHandle<()>>,
 }
 
 impl WorkerThreads {
-    /// Starts one thread per queue group of `backend`.
-    pub(crate) fn start(backend: &Arc<BlkBackend>) -> io::Result<Self> {
+    /// Starts one thread per queue group of `backend`; each busy-polls its
+    /// rings for `poll` after its last piece of work before it sleeps.
+    pub(crate) fn start(backend: &Arc<BlkBackend>, poll: Duration) -> io::Result<Self> {
         let mut threads = WorkerThreads {
             epolls: Vec::new(),
             exits: Vec::new(),
+            stopping: Arc::new(AtomicBool::new(false)),
             handles: Vec::new(),
         };
         for (thread, w) in backend.workers.iter().enumerate() {
@@ -349,10 +448,10 @@ impl WorkerThreads {
             ] {
                 epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))?;
             }
-            let (b, e) = (backend.clone(), epoll.clone());
+            let (b, e, stopping) = (backend.clone(), epoll.clone(), threads.stopping.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("queue-worker-{thread}"))
-                .spawn(move || run(&b, &e, thread))?;
+                .spawn(move || run(&b, &e, thread, poll, &stopping))?;
             threads.epolls.push(epoll);
             threads.exits.push(exit);
             threads.handles.push(handle);
@@ -381,6 +480,7 @@ impl WorkerThreads {
 
     /// Ends the threads and waits for them.
     pub(crate) fn stop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
         for exit in &self.exits {
             let _ = exit.write(1);
         }
@@ -396,10 +496,28 @@ impl Drop for WorkerThreads {
     }
 }
 
-/// A worker thread's loop.
-fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize) {
+/// A worker thread's loop: with a `poll` window, it busy-polls its rings
+/// (guest notifications off) until nothing has happened for that long,
+/// then sleeps in epoll.
+fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopping: &AtomicBool) {
     let mut events = vec![EpollEvent::default(); 64];
     loop {
+        if !poll.is_zero() {
+            loop {
+                let mut idle_since = Instant::now();
+                while idle_since.elapsed() < poll && !stopping.load(Ordering::Relaxed) {
+                    if backend.poll(thread) {
+                        idle_since = Instant::now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+                let arrived = backend.stop_polling(thread);
+                if !arrived || stopping.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+        }
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

@@ -129,6 +129,12 @@ impl Mailbox {
         }
     }
 
+    /// A result waiting, if any, without touching the eventfd (which
+    /// stays readable until [`Mailbox::take`]).
+    pub(crate) fn try_take(&self) -> Option<Finished> {
+        self.rx.try_recv().ok()
+    }
+
     /// Waits up to `timeout` for a result.
     pub(crate) fn wait(&self, timeout: std::time::Duration) -> Option<Finished> {
         self.rx.recv_timeout(timeout).ok()

@@ -57,6 +57,9 @@ pub struct ServeOptions {
     pub inactive: bool,
     /// How long requests wait while inactive.
     pub inactive_timeout: Duration,
+    /// How long a worker thread busy-polls its rings after its last
+    /// piece of work before it sleeps (zero: never polls).
+    pub poll: Duration,
 }
 
 /// Why serving failed.
@@ -274,7 +277,8 @@ impl Server {
             .set_nonblocking(false)
             .map_err(io_err("frontend socket"))?;
         let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
-        let threads = Arc::new(WorkerThreads::start(&backend).map_err(io_err("worker threads"))?);
+        let threads =
+            Arc::new(WorkerThreads::start(&backend, o.poll).map_err(io_err("worker threads"))?);
         let handler = FrontendHandler::new(backend.clone(), threads.clone());
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");

@@ -92,6 +92,14 @@ pub struct QueueWorker {
     starting: Option<usize>,
     /// Requests were left on a queue while the device was paused.
     deferred: bool,
+    /// The thread busy-polls the rings: guest notifications stay off
+    /// after taking requests (turned back on before it sleeps).
+    polling: bool,
+    /// Most requests taken off a queue in one go; more wait for the next
+    /// call ([`QueueWorker::take_more`] says so).
+    batch: usize,
+    /// The last call stopped at `batch` with requests left on the queue.
+    more: bool,
     stats: WorkerStats,
 }
 
@@ -152,6 +160,9 @@ impl QueueWorker {
             jobs_outstanding: 0,
             starting: None,
             deferred: false,
+            polling: false,
+            batch: usize::MAX,
+            more: false,
             stats: WorkerStats::default(),
         })
     }
@@ -165,6 +176,68 @@ impl QueueWorker {
     /// device resumes after a pause.
     pub fn mailbox_fd(&self) -> &vmm_sys_util::eventfd::EventFd {
         self.mailbox.wake_fd()
+    }
+
+    /// Sets whether the thread busy-polls: while it does, taking requests
+    /// leaves the guest's notifications off (the thread looks at the
+    /// rings anyway); [`QueueWorker::notifications_on`] turns them back on
+    /// before it sleeps.
+    pub fn set_polling(&mut self, polling: bool) {
+        self.polling = polling;
+    }
+
+    /// Takes at most `batch` requests off a queue per call, so that the
+    /// completions of the first ones reach the guest while it still has
+    /// requests to send (one batch of a whole queue depth makes the guest
+    /// and the worker wait for each other in turn).
+    pub fn set_batch(&mut self, batch: usize) {
+        self.batch = batch.max(1);
+    }
+
+    /// Whether the last call stopped at the batch size with requests left
+    /// (to be taken by another call, notifications still off); clears it.
+    pub fn take_more(&mut self) -> bool {
+        std::mem::take(&mut self.more)
+    }
+
+    /// Turns the guest's notifications of `queue` back on; whether
+    /// requests arrived meanwhile (they must be taken before sleeping).
+    pub fn notifications_on(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemAtomic,
+    ) -> io::Result<bool> {
+        let mem = mem.memory();
+        queue.enable_notification(&*mem).map_err(io::Error::other)
+    }
+
+    /// Whether the guest put requests on `queue` that are not taken yet
+    /// (a look at the available index, no notification needed).
+    pub fn has_requests(queue: &Queue, mem: &GuestMemAtomic) -> bool {
+        let mem = mem.memory();
+        queue
+            .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire)
+            .is_ok_and(|idx| idx.0 != queue.next_avail())
+    }
+
+    /// Takes finished transfers and engine results without waiting or
+    /// clearing any eventfd (a busy-poll step); whether there were any.
+    pub fn poll_finished(&mut self) -> bool {
+        self.ring.reap(&mut self.ring_done);
+        let ring = !self.ring_done.is_empty();
+        self.apply_ring_completions();
+        let mut jobs = false;
+        while let Some(finished) = self.mailbox.try_take() {
+            jobs = true;
+            self.job_done(finished);
+        }
+        ring || jobs
+    }
+
+    /// Whether requests wait on a queue for a pause to end (taken when
+    /// the mailbox says it has).
+    pub fn is_deferred(&self) -> bool {
+        self.deferred
     }
 
     /// Requests whose I/O is still running.
@@ -301,6 +374,7 @@ impl QueueWorker {
         let limits = self.device.limits();
         let event_idx = queue.event_idx_enabled();
         let mut used = false;
+        let mut taken = 0usize;
         loop {
             if event_idx {
                 queue
@@ -308,6 +382,11 @@ impl QueueWorker {
                     .map_err(io::Error::other)?;
             }
             loop {
+                if taken == self.batch {
+                    // The rest in the next call, notifications still off.
+                    self.more = true;
+                    return Ok(used);
+                }
                 let admission = self.device.gate().try_start();
                 if let Admission::Wait = admission {
                     self.deferred = true;
@@ -320,6 +399,7 @@ impl QueueWorker {
                 let Some(chain) = chain else {
                     break;
                 };
+                taken += 1;
                 if let Some(t) = tracker.as_deref_mut() {
                     // Recorded before it starts: a restart resubmits it.
                     t.taken(chain.head_index());
@@ -330,6 +410,15 @@ impl QueueWorker {
                         .map_err(io::Error::other)?;
                     used = true;
                 }
+            }
+            if self.polling {
+                // Off until the thread sleeps: it looks at the ring anyway.
+                if !event_idx {
+                    queue
+                        .disable_notification(&**mem)
+                        .map_err(io::Error::other)?;
+                }
+                return Ok(used);
             }
             let more = event_idx
                 && queue
@@ -695,6 +784,13 @@ impl QueueWorker {
         for finished in self.mailbox.take() {
             self.job_done(finished);
         }
+        self.resume_after_pause()
+    }
+
+    /// Whether requests left on the queues during a pause may be taken
+    /// now (the pause ended, or the device refuses requests and they must
+    /// be answered); clears the deferral then.
+    pub fn resume_after_pause(&mut self) -> bool {
         let gate = self.device.gate();
         if self.deferred && (!gate.is_paused() || gate.is_refusing()) {
             self.deferred = false;
