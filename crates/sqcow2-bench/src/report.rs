@@ -12,6 +12,18 @@ use crate::suite::{Results, Run, WRITE_LOADS};
 const START: &str = "<!-- bench-suite:start -->";
 const END: &str = "<!-- bench-suite:end -->";
 
+/// sqcow2's configurations compared with QEMU's best: the default first.
+const SQCOW2_CONFIGS: [&str; 2] = ["sqcow2-indexed", "sqcow2-poll"];
+
+/// How a row of `config` is marked (nothing for the default).
+fn config_suffix(config: &str) -> String {
+    if config == SQCOW2_CONFIGS[0] {
+        String::new()
+    } else {
+        format!(" ({})", config.trim_start_matches("sqcow2-"))
+    }
+}
+
 /// Picks one figure of a [`Cell`].
 type CellMetric = fn(&Cell) -> Option<f64>;
 
@@ -279,7 +291,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
          Servers (`docs/benchmarks.md` has their command lines): `qsd-default` (QEMU's defaults, `aio=threads`, for reference), \
          `qsd-io_uring` (`aio=io_uring`), `qsd-iothread` (`aio=io_uring`, the export in a polling iothread), \
          `qsd-budget` (as qsd-iothread, every layer a node with sqcow2's budget split over the layers), \
-         `sqcow2-walk` (`--walk`), `sqcow2-indexed`. \
+         `sqcow2-walk` (`--walk`), `sqcow2-indexed`, `sqcow2-poll` (`--poll-us 50`). \
          Raw JSON: `{dir}/results.json`.",
         results.command,
         results.wall_seconds,
@@ -345,9 +357,9 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     );
     let _ = writeln!(
         md,
-        "\n**sqcow2-indexed vs the best qemu-storage-daemon configuration of each cell** \
-         (ratios of the medians above; the configuration in parentheses; CPU and RSS: \
-         below 1 is less):\n"
+        "\n**sqcow2 vs the best qemu-storage-daemon configuration of each cell** \
+         (ratios of the medians above: sqcow2-indexed, and sqcow2-poll where marked; the \
+         qemu-storage-daemon configuration in parentheses; CPU and RSS: below 1 is less):\n"
     );
     let _ = write!(md, "| metric |");
     for l in &s.lengths {
@@ -366,19 +378,24 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         ("CPU per I/O, depth 32", |c| c.cpu_qd32_us, true),
         ("peak RSS", |c| c.rss_mib, true),
     ];
-    for (name, f, lowest) in ratios {
-        let _ = write!(md, "| {name} |");
-        for &l in &s.lengths {
-            let r = match (
-                s.get("sqcow2-indexed", l).and_then(f),
-                s.best_qemu(l, f, lowest),
-            ) {
-                (Some(a), Some((cfg, b))) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
-                _ => "-".into(),
-            };
-            let _ = write!(md, " {r} |");
+    for ours in SQCOW2_CONFIGS {
+        if !s.servers.iter().any(|srv| srv == ours) {
+            continue;
         }
-        md.push('\n');
+        for (name, f, lowest) in ratios {
+            if ours != SQCOW2_CONFIGS[0] && name == "peak RSS" {
+                continue;
+            }
+            let _ = write!(md, "| {name}{} |", config_suffix(ours));
+            for &l in &s.lengths {
+                let r = match (s.get(ours, l).and_then(f), s.best_qemu(l, f, lowest)) {
+                    (Some(a), Some((cfg, b))) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
+                    _ => "-".into(),
+                };
+                let _ = write!(md, " {r} |");
+            }
+            md.push('\n');
+        }
     }
     let _ = writeln!(
         md,
@@ -464,9 +481,16 @@ fn write_matrix(md: &mut String, s: &Summary) {
     for srv in &s.write_servers {
         let _ = write!(md, " {srv} |");
     }
-    let _ = writeln!(md, " sqcow2 / best QSD |");
+    let ours: Vec<&str> = SQCOW2_CONFIGS
+        .into_iter()
+        .filter(|c| s.write_servers.iter().any(|srv| srv == c))
+        .collect();
+    for c in &ours {
+        let _ = write!(md, " {} / best QSD |", c.trim_start_matches("sqcow2-"));
+    }
+    md.push('\n');
     let _ = write!(md, "| --- |");
-    for _ in 0..=s.write_servers.len() {
+    for _ in 0..s.write_servers.len() + ours.len() {
         let _ = write!(md, " ---: |");
     }
     md.push('\n');
@@ -479,18 +503,21 @@ fn write_matrix(md: &mut String, s: &Summary) {
                 .and_then(|c| c.iops);
             let _ = write!(md, " {} |", fmt(v, 0));
         }
-        let ours = s
-            .writes
-            .get(&("sqcow2-indexed".to_string(), load.clone()))
-            .and_then(|c| c.iops);
-        let r = match (ours, s.best_qemu_write(load)) {
-            (Some(a), Some((cfg, c))) => match c.iops {
-                Some(b) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
+        for c in &ours {
+            let mine = s
+                .writes
+                .get(&(c.to_string(), load.clone()))
+                .and_then(|c| c.iops);
+            let r = match (mine, s.best_qemu_write(load)) {
+                (Some(a), Some((cfg, c))) => match c.iops {
+                    Some(b) if b > 0.0 => format!("{:.2}x ({cfg})", a / b),
+                    _ => "-".into(),
+                },
                 _ => "-".into(),
-            },
-            _ => "-".into(),
-        };
-        let _ = writeln!(md, " {r} |");
+            };
+            let _ = write!(md, " {r} |");
+        }
+        md.push('\n');
     }
     let _ = writeln!(
         md,
@@ -528,21 +555,41 @@ fn goals(s: &Summary) -> Vec<String> {
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
     let metrics: [(&str, CellMetric); 2] =
         [("depth 1", |c| c.iops_qd1), ("depth 32", |c| c.iops_qd32)];
+    for ours in SQCOW2_CONFIGS {
+        let mine = |l| s.get(ours, l);
+        let label = ours.trim_start_matches("sqcow2-");
+        for (name, f) in metrics {
+            if let (Some(a), Some((cfg, b))) =
+                (mine(first).and_then(f), s.best_qemu(first, f, false))
+            {
+                let r = a / b;
+                out.push(format!(
+                    "{label} IOPS at {first} layer(s) >= the best qemu-storage-daemon's ({name}, qsd-{cfg}): {a:.0} vs {b:.0} = {r:.2}x — {}",
+                    verdict(r >= 1.0)
+                ));
+            }
+            if let (Some(a), Some(b)) = (mine(first).and_then(f), f(&s.qsd_raw)) {
+                let r = a / b;
+                out.push(format!(
+                    "{label} IOPS at {first} layer(s) >= 0.9 x qemu-storage-daemon's raw-file export ({name}): {a:.0} vs {b:.0} = {r:.2} — {}",
+                    verdict(r >= 0.9)
+                ));
+            }
+        }
+        let cpu: CellMetric = |c| c.cpu_qd32_us;
+        if let (Some(a), Some((cfg, _))) = (
+            mine(first).and_then(cpu),
+            s.best_qemu(first, |c| c.iops_qd32, false),
+        ) {
+            if let Some(b) = s.get(&format!("qsd-{cfg}"), first).and_then(cpu) {
+                out.push(format!(
+                    "{label} server CPU per I/O at {first} layer(s), depth 32, <= the best qemu-storage-daemon's (qsd-{cfg}): {a:.1} vs {b:.1} µs — {}",
+                    verdict(a <= b)
+                ));
+            }
+        }
+    }
     for (name, f) in metrics {
-        if let (Some(a), Some((cfg, b))) = (idx(first).and_then(f), s.best_qemu(first, f, false)) {
-            let r = a / b;
-            out.push(format!(
-                "indexed IOPS at {first} layer(s) >= the best qemu-storage-daemon's ({name}, qsd-{cfg}): {a:.0} vs {b:.0} = {r:.2}x — {}",
-                verdict(r >= 1.0)
-            ));
-        }
-        if let (Some(a), Some(b)) = (idx(first).and_then(f), f(&s.qsd_raw)) {
-            let r = a / b;
-            out.push(format!(
-                "indexed IOPS at {first} layer(s) >= 0.9 x qemu-storage-daemon's raw-file export ({name}): {a:.0} vs {b:.0} = {r:.2} — {}",
-                verdict(r >= 0.9)
-            ));
-        }
         for &l in s.lengths.iter().filter(|&&l| l >= 1000) {
             if let (Some(a), Some(b)) = (idx(l).and_then(f), idx(first).and_then(f)) {
                 let r = a / b;
@@ -551,18 +598,6 @@ fn goals(s: &Summary) -> Vec<String> {
                     verdict(r >= 0.95)
                 ));
             }
-        }
-    }
-    let cpu: CellMetric = |c| c.cpu_qd32_us;
-    if let (Some(a), Some((cfg, _))) = (
-        idx(first).and_then(cpu),
-        s.best_qemu(first, |c| c.iops_qd32, false),
-    ) {
-        if let Some(b) = s.get(&format!("qsd-{cfg}"), first).and_then(cpu) {
-            out.push(format!(
-                "server CPU per I/O at {first} layer(s), depth 32, <= the best qemu-storage-daemon's (qsd-{cfg}): {a:.1} vs {b:.1} µs — {}",
-                verdict(a <= b)
-            ));
         }
     }
     if let (Some(a), Some(b)) = (
@@ -684,6 +719,7 @@ mod tests {
                 run("qsd-iothread", 1000, 5.0, 3.0),
                 run("sqcow2-indexed", 1, 330.0, 2.0),
                 run("sqcow2-indexed", 1000, 320.0, 2.0),
+                run("sqcow2-poll", 1, 360.0, 2.5),
             ],
             raw_limit: vec![run("raw-file-io_uring", 0, 1000.0, 0.0)],
             qsd_raw: vec![run("qsd-raw", 0, 400.0, 2.5)],

@@ -31,20 +31,27 @@ pub enum Server {
     Sqcow2Walk,
     /// sqcow2 serve with the chain index.
     Sqcow2Indexed,
+    /// sqcow2 serve with the chain index, its worker threads busy-polling
+    /// (`--poll-us`).
+    Sqcow2Poll,
 }
+
+/// The busy-poll window of `Sqcow2Poll`, in microseconds.
+pub const SQCOW2_POLL_US: u64 = 50;
 
 /// Polling of qemu-storage-daemon's iothread (QEMU's default for
 /// iothreads, given explicitly).
 const QSD_POLL_MAX_NS: u64 = 32768;
 
 impl Server {
-    pub const ALL: [Server; 6] = [
+    pub const ALL: [Server; 7] = [
         Server::QsdDefault,
         Server::QsdIoUring,
         Server::QsdIothread,
         Server::QsdBudget,
         Server::Sqcow2Walk,
         Server::Sqcow2Indexed,
+        Server::Sqcow2Poll,
     ];
 
     pub fn name(self) -> &'static str {
@@ -55,6 +62,7 @@ impl Server {
             Server::QsdBudget => "qsd-budget",
             Server::Sqcow2Walk => "sqcow2-walk",
             Server::Sqcow2Indexed => "sqcow2-indexed",
+            Server::Sqcow2Poll => "sqcow2-poll",
         }
     }
 
@@ -208,6 +216,9 @@ pub fn spawn(
             c.arg("--walk");
         }
         c.arg("serve");
+        if server == Server::Sqcow2Poll {
+            c.arg("--poll-us").arg(SQCOW2_POLL_US.to_string());
+        }
         if !export.writable {
             c.arg("--read-only");
         }

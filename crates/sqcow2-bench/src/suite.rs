@@ -195,11 +195,12 @@ pub const WRITE_LOADS: [WriteLoad; 11] = {
 };
 
 /// The servers of the write matrix.
-const WRITE_SERVERS: [Server; 4] = [
+const WRITE_SERVERS: [Server; 5] = [
     Server::QsdDefault,
     Server::QsdIoUring,
     Server::QsdIothread,
     Server::Sqcow2Indexed,
+    Server::Sqcow2Poll,
 ];
 
 /// Snapshot times at one chain length.
