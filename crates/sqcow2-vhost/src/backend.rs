@@ -20,7 +20,7 @@ use crate::device::BlkDevice;
 use crate::gate::PauseGuard;
 use crate::offload::panic_message;
 use crate::vring::{SharedMem, Vring};
-use crate::worker::{GuestMem, QueueWorker};
+use crate::worker::{GuestMem, Notifications, QueueWorker, Taken};
 
 /// Requests a worker takes off a queue before it completes what finished
 /// (see [`QueueWorker::set_batch`]). Measured with random 4 KiB reads at
@@ -32,6 +32,9 @@ const REQUEST_BATCH: usize = 8;
 /// One worker thread's state.
 struct WorkerSlot {
     worker: QueueWorker,
+    /// Worker-local queues that stopped at the batch size with requests
+    /// left: the thread takes their next batch before it sleeps.
+    pending: Vec<bool>,
 }
 
 /// A vhost-user-blk device for one frontend connection.
@@ -92,7 +95,10 @@ impl BlkBackend {
             .map(|_| {
                 let mut worker = QueueWorker::new(device.clone())?;
                 worker.set_batch(REQUEST_BATCH);
-                Ok(Mutex::new(WorkerSlot { worker }))
+                Ok(Mutex::new(WorkerSlot {
+                    worker,
+                    pending: Vec::new(),
+                }))
             })
             .collect::<io::Result<_>>()?;
         let max = device.config().queue_size;
@@ -222,47 +228,95 @@ impl BlkBackend {
         }
     }
 
-    /// Takes the requests of queue `queue` (worker-local `local` of worker
-    /// thread `thread`), a batch at a time, completing what finished after
-    /// each batch.
-    fn process(&self, slot: &mut WorkerSlot, thread: usize, local: usize, queue: usize) {
+    /// Takes one batch of requests of queue `queue` (worker-local `local`
+    /// of worker thread `thread`), completes what finished; whether any
+    /// request was taken. A queue left with requests is marked pending
+    /// (the thread takes its next batch before it sleeps: queues and
+    /// events take turns).
+    fn process(
+        &self,
+        slot: &mut WorkerSlot,
+        thread: usize,
+        local: usize,
+        queue: usize,
+        notifications: Notifications,
+    ) -> bool {
         let Some(vring) = self.vrings.get(queue) else {
-            return;
+            return false;
         };
-        loop {
-            let mem = self.mem.memory();
-            // Held while requests are taken and started (io_uring
-            // submissions, which never wait, and hand-offs to engine
-            // threads): the ring must not be stopped or moved by the
-            // protocol side in the middle.
-            let mut st = vring.lock();
-            if !st.is_live() {
-                return;
-            }
-            let state = &mut *st;
-            let used = slot.worker.process_tracked(
-                local,
-                &mut state.queue,
-                state.tracker.as_mut(),
-                &self.mem,
-            );
-            // An error here means the guest's rings are unusable (e.g. the
-            // used ring lies outside guest memory). Returning it would end
-            // this worker thread and every queue on it, so log it instead.
-            match used {
-                Ok(true) => st.signal(&mem),
-                Ok(false) => {}
-                Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
-            }
-            drop(st);
-            // Reads of cached data often complete during the submission:
-            // finish them now rather than after another epoll round.
-            slot.worker.reap_ready();
-            if !slot.worker.take_more() {
-                return;
-            }
-            self.complete(slot, thread);
+        let mem = self.mem.memory();
+        // Held while requests are taken and started (io_uring submissions,
+        // which never wait, and hand-offs to engine threads): the ring must
+        // not be stopped or moved by the protocol side in the middle.
+        let mut st = vring.lock();
+        if !st.may_take() {
+            return false;
         }
+        let state = &mut *st;
+        let taken = slot.worker.process_tracked(
+            local,
+            &mut state.queue,
+            state.tracker.as_mut(),
+            &self.mem,
+            notifications,
+        );
+        // Completions put on the ring on the spot, even if taking failed
+        // later (needs_notification decides).
+        st.signal(&mem);
+        drop(st);
+        // An error here means the guest's rings are unusable (e.g. the
+        // used ring lies outside guest memory). Returning it would end this
+        // worker thread and every queue on it, so log it instead; it is no
+        // progress (a polling thread must not spin on it).
+        let taken = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                crate::limited_warn!(queue, "queue unusable: {e}");
+                Taken::default()
+            }
+        };
+        if slot.pending.len() <= local {
+            slot.pending.resize(local + 1, false);
+        }
+        slot.pending[local] = taken.more;
+        // Reads of cached data often complete during the submission:
+        // finish them now rather than after another epoll round.
+        slot.worker.reap_ready();
+        self.complete(slot, thread);
+        taken.taken > 0 || taken.used
+    }
+
+    /// Takes the next batch of every pending queue of worker thread
+    /// `thread`; whether one is still pending after that.
+    fn continue_pending(&self, thread: usize) -> bool {
+        let Some(w) = self.workers.get(thread) else {
+            return false;
+        };
+        let mut slot = lock(w);
+        let queues = self.queues_of(thread);
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for (local, &queue) in queues.iter().enumerate() {
+                if slot.pending.get(local).copied().unwrap_or(false) {
+                    self.process(&mut slot, thread, local, queue, Notifications::Restore);
+                }
+            }
+        }));
+        if let Err(panic) = handled {
+            self.worker_panicked(&mut slot, thread, &*panic);
+        }
+        self.complete(&mut slot, thread);
+        slot.pending.iter().any(|p| *p)
+    }
+
+    /// After a pause ended: one batch of every queue of worker thread
+    /// `thread` (requests the guest queued meanwhile, resubmissions
+    /// included); whether any request was taken.
+    fn resume(&self, slot: &mut WorkerSlot, thread: usize, notifications: Notifications) -> bool {
+        let mut taken = false;
+        for (local, &queue) in self.queues_of(thread).iter().enumerate() {
+            taken |= self.process(slot, thread, local, queue, notifications);
+        }
+        taken
     }
 
     /// One wake-up of worker thread `thread`.
@@ -285,16 +339,14 @@ impl BlkBackend {
                             let _ = kick.read();
                         }
                     }
-                    self.process(&mut slot, thread, local, queue);
+                    self.process(&mut slot, thread, local, queue, Notifications::Restore);
                 }
             }
             Wake::Completion => slot.worker.handle_completion_event(),
             Wake::Mailbox => {
                 if slot.worker.handle_mailbox_event() {
                     // A pause ended: start what the guest queued meanwhile.
-                    for (local, queue) in queues.iter().enumerate() {
-                        self.process(&mut slot, thread, local, *queue);
-                    }
+                    self.resume(&mut slot, thread, Notifications::Restore);
                 }
             }
             Wake::Exit => {}
@@ -324,31 +376,36 @@ impl BlkBackend {
     }
 
     /// One busy-poll step of worker thread `thread`: finished transfers
-    /// and engine results are applied and requests waiting on its live
-    /// queues taken, with no syscall when there is nothing to do; whether
-    /// anything was.
+    /// and engine results are applied and a batch of requests taken from
+    /// each of its queues that has some, with no syscall when there is
+    /// nothing to do; whether anything moved (requests taken, transfers or
+    /// jobs finished). A ring that cannot be read is no progress.
     fn poll(&self, thread: usize) -> bool {
         let Some(w) = self.workers.get(thread) else {
             return false;
         };
         let queues = self.queues_of(thread);
         let mut slot = lock(w);
-        let mut worked = false;
+        let mut moved = false;
         let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            slot.worker.set_polling(true);
-            worked |= slot.worker.poll_finished();
-            if slot.worker.is_deferred() && !slot.worker.resume_after_pause() {
+            moved |= slot.worker.poll_finished();
+            if slot.worker.is_deferred() {
+                if slot.worker.resume_after_pause() {
+                    // Every queue, resubmissions included: the mailbox's
+                    // wake-up will find nothing left to resume.
+                    moved |= self.resume(&mut slot, thread, Notifications::KeepOff);
+                }
                 // Paused: requests stay on the queues until it ends.
                 return;
             }
+            let mem = self.mem.memory();
             for (local, &queue) in queues.iter().enumerate() {
-                let waiting = self.vrings.get(queue).is_some_and(|v| {
-                    let st = v.lock();
-                    st.is_live() && QueueWorker::has_requests(&st.queue, &self.mem)
-                });
+                let waiting = self
+                    .vrings
+                    .get(queue)
+                    .is_some_and(|v| v.lock().has_work(&mem));
                 if waiting {
-                    self.process(&mut slot, thread, local, queue);
-                    worked = true;
+                    moved |= self.process(&mut slot, thread, local, queue, Notifications::KeepOff);
                 }
             }
         }));
@@ -356,33 +413,40 @@ impl BlkBackend {
             self.worker_panicked(&mut slot, thread, &*panic);
         }
         self.complete(&mut slot, thread);
-        worked
+        moved
     }
 
-    /// Ends a busy-poll of worker thread `thread` before it sleeps: the
-    /// guest's notifications back on; whether requests arrived meanwhile
-    /// (then the thread polls again instead of sleeping).
-    fn stop_polling(&self, thread: usize) -> bool {
+    /// Ends a busy-poll of worker thread `thread`: the guest's
+    /// notifications back on, and what the thread does next.
+    fn stop_polling(&self, thread: usize) -> AfterPoll {
         let Some(w) = self.workers.get(thread) else {
-            return false;
+            return AfterPoll::Sleep;
         };
-        let mut slot = lock(w);
-        slot.worker.set_polling(false);
+        let slot = lock(w);
         // Paused: requests on the queues wait for the mailbox's wake-up.
-        let mut arrived = false;
         let deferred = slot.worker.is_deferred();
+        let mem = self.mem.memory();
+        let mut next = AfterPoll::Sleep;
         for &queue in self.queues_of(thread) {
             if let Some(v) = self.vrings.get(queue) {
                 let mut st = v.lock();
-                if st.is_live() {
-                    match slot.worker.notifications_on(&mut st.queue, &self.mem) {
-                        Ok(more) => arrived |= more && !deferred,
-                        Err(e) => crate::limited_warn!(queue, "queue unusable: {e}"),
+                if !st.may_take() {
+                    continue;
+                }
+                match st.notifications_on(&mem) {
+                    Ok(true) if !deferred => next = AfterPoll::PollAgain,
+                    Ok(_) => {}
+                    Err(e) => {
+                        // The guest may not kick: look again soon.
+                        crate::limited_warn!(queue, "queue unusable: {e}");
+                        if next == AfterPoll::Sleep {
+                            next = AfterPoll::SleepBriefly;
+                        }
                     }
                 }
             }
         }
-        arrived
+        next
     }
 
     /// Starts queue `queue` after a (re)start of its ring: what it holds
@@ -397,11 +461,48 @@ impl BlkBackend {
             queues.iter().position(|q| *q == queue),
         ) {
             let mut slot = lock(w);
-            self.process(&mut slot, thread, local, queue);
-            self.complete(&mut slot, thread);
+            self.process(&mut slot, thread, local, queue, Notifications::Restore);
+            let pending = slot.pending.iter().any(|p| *p);
+            drop(slot);
+            if pending {
+                // The worker thread takes the rest: wake it.
+                self.wake(thread);
+            }
         }
     }
+
+    /// Wakes worker thread `thread` out of epoll (through its mailbox's
+    /// eventfd), so that it looks at its pending queues.
+    fn wake(&self, thread: usize) {
+        if let Some(w) = self.workers.get(thread) {
+            if let Err(e) = lock(w).worker.mailbox_fd().write(1) {
+                crate::limited_warn!("waking a worker: {e}");
+            }
+        }
+    }
+
+    /// Whether worker thread `thread` has queues with requests left at
+    /// the batch size.
+    fn has_pending(&self, thread: usize) -> bool {
+        self.workers
+            .get(thread)
+            .is_some_and(|w| lock(w).pending.iter().any(|p| *p))
+    }
 }
+
+/// What a worker thread does when a busy-poll ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterPoll {
+    /// Sleep until an event.
+    Sleep,
+    /// Requests arrived as notifications came back on: poll again.
+    PollAgain,
+    /// A ring could not be told to notify: sleep, but look again soon.
+    SleepBriefly,
+}
+
+/// How long a thread sleeps when a ring could not be told to notify.
+const BRIEF_SLEEP_MS: i32 = 10;
 
 fn lock(w: &Mutex<WorkerSlot>) -> MutexGuard<'_, WorkerSlot> {
     w.lock().unwrap_or_else(PoisonError::into_inner)
@@ -502,6 +603,7 @@ impl Drop for WorkerThreads {
 fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopping: &AtomicBool) {
     let mut events = vec![EpollEvent::default(); 64];
     loop {
+        let mut timeout = -1;
         if !poll.is_zero() {
             loop {
                 let mut idle_since = Instant::now();
@@ -512,13 +614,28 @@ fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopp
                         std::hint::spin_loop();
                     }
                 }
-                let arrived = backend.stop_polling(thread);
-                if !arrived || stopping.load(Ordering::Relaxed) {
-                    break;
+                match backend.stop_polling(thread) {
+                    AfterPoll::PollAgain if !stopping.load(Ordering::Relaxed) => {
+                        // Requests arrived as notifications came back on:
+                        // take them and poll on. If none can be taken (an
+                        // available index the ring cannot hold), look again
+                        // soon rather than spin on it.
+                        if backend.poll(thread) {
+                            continue;
+                        }
+                        timeout = BRIEF_SLEEP_MS;
+                    }
+                    AfterPoll::SleepBriefly => timeout = BRIEF_SLEEP_MS,
+                    _ => {}
                 }
+                break;
             }
         }
-        let n = match epoll.wait(-1, &mut events) {
+        if backend.has_pending(thread) {
+            // Requests left at the batch size: events first, then them.
+            timeout = 0;
+        }
+        let n = match epoll.wait(timeout, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -533,5 +650,6 @@ fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopp
             }
             backend.handle(thread, wake);
         }
+        backend.continue_pending(thread);
     }
 }

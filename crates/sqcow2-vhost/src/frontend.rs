@@ -148,6 +148,7 @@ impl FrontendHandler {
         let mem = self.backend.mem().memory();
         let mut st = vring.lock();
         st.started = true;
+        st.stopping = false;
         st.queue.set_ready(true);
         let region = self
             .inflight
@@ -344,9 +345,14 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         debug!(queue = index, "stopping the ring");
         let i = index as usize;
         let vring = self.vring(index)?;
-        // No new request; those running finish (and complete) first, so
-        // that the index returned accounts for every request taken.
-        let fd = vring.lock().kick.as_ref().map(|k| k.as_raw_fd());
+        // No new request (not even found by a polling worker); those
+        // running finish (and complete) first, so that the index returned
+        // accounts for every request taken.
+        let fd = {
+            let mut st = vring.lock();
+            st.stopping = true;
+            st.kick.as_ref().map(|k| k.as_raw_fd())
+        };
         if let (Some(fd), Some(thread)) = (fd, self.backend.thread_of(i)) {
             self.threads.unwatch_kick(thread, fd);
         }

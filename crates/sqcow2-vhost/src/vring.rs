@@ -82,13 +82,46 @@ pub(crate) struct VringState {
     /// ring is not touched, not even to complete a request (the inflight
     /// region keeps it for the next start).
     pub(crate) started: bool,
+    /// `GET_VRING_BASE` is stopping the ring: no request is taken any
+    /// more, those running still complete. Cleared when it starts again.
+    pub(crate) stopping: bool,
     pub(crate) tracker: Option<Tracker>,
 }
 
 impl VringState {
-    /// Whether requests may be taken and completed.
+    /// Whether requests may be completed (put on the used ring).
     pub(crate) fn is_live(&self) -> bool {
         self.enabled && self.started && self.queue.ready()
+    }
+
+    /// Whether requests may be taken off the ring.
+    pub(crate) fn may_take(&self) -> bool {
+        self.is_live() && !self.stopping
+    }
+
+    /// Whether there are requests to take: resubmissions after a restart,
+    /// or an available index past the next one to take (a look at guest
+    /// memory, no notification needed).
+    pub(crate) fn has_work(&self, mem: &GuestMem) -> bool {
+        if !self.may_take() {
+            return false;
+        }
+        if self
+            .tracker
+            .as_ref()
+            .is_some_and(|t| !t.resubmit.is_empty())
+        {
+            return true;
+        }
+        self.queue
+            .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+            .is_ok_and(|idx| idx.0 != self.queue.next_avail())
+    }
+
+    /// Asks the driver to notify (kick) again, as before a worker sleeps;
+    /// whether requests arrived meanwhile (to be taken before sleeping).
+    pub(crate) fn notifications_on(&mut self, mem: &GuestMem) -> Result<bool, virtio_queue::Error> {
+        self.queue.enable_notification(mem)
     }
 
     /// Puts a finished request on the used ring, with the inflight
@@ -138,6 +171,7 @@ impl Vring {
                 call: None,
                 enabled: false,
                 started: false,
+                stopping: false,
                 tracker: None,
             }),
         }

@@ -44,6 +44,29 @@ pub type GuestMemAtomic = GuestMemoryAtomic<GuestMem>;
 /// Largest bounce buffer handed to one engine job.
 const WRITE_CHUNK: usize = 1 << 20;
 
+/// What to leave the guest's notifications (kicks) at after taking
+/// requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notifications {
+    /// On, re-checked against requests that arrived meanwhile: the thread
+    /// may sleep afterwards.
+    Restore,
+    /// Off: the thread busy-polls the ring and turns them on before it
+    /// sleeps.
+    KeepOff,
+}
+
+/// What one call took off a queue.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Taken {
+    /// Requests taken.
+    pub taken: usize,
+    /// Completions were put on the used ring on the spot.
+    pub used: bool,
+    /// The call stopped at the batch size with requests left.
+    pub more: bool,
+}
+
 /// A request finished: `len` bytes written to the guest's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
@@ -92,14 +115,9 @@ pub struct QueueWorker {
     starting: Option<usize>,
     /// Requests were left on a queue while the device was paused.
     deferred: bool,
-    /// The thread busy-polls the rings: guest notifications stay off
-    /// after taking requests (turned back on before it sleeps).
-    polling: bool,
-    /// Most requests taken off a queue in one go; more wait for the next
-    /// call ([`QueueWorker::take_more`] says so).
+    /// Most requests taken off a queue in one call ([`Taken::more`] says
+    /// when requests were left).
     batch: usize,
-    /// The last call stopped at `batch` with requests left on the queue.
-    more: bool,
     stats: WorkerStats,
 }
 
@@ -160,9 +178,7 @@ impl QueueWorker {
             jobs_outstanding: 0,
             starting: None,
             deferred: false,
-            polling: false,
             batch: usize::MAX,
-            more: false,
             stats: WorkerStats::default(),
         })
     }
@@ -178,46 +194,12 @@ impl QueueWorker {
         self.mailbox.wake_fd()
     }
 
-    /// Sets whether the thread busy-polls: while it does, taking requests
-    /// leaves the guest's notifications off (the thread looks at the
-    /// rings anyway); [`QueueWorker::notifications_on`] turns them back on
-    /// before it sleeps.
-    pub fn set_polling(&mut self, polling: bool) {
-        self.polling = polling;
-    }
-
     /// Takes at most `batch` requests off a queue per call, so that the
     /// completions of the first ones reach the guest while it still has
     /// requests to send (one batch of a whole queue depth makes the guest
     /// and the worker wait for each other in turn).
     pub fn set_batch(&mut self, batch: usize) {
         self.batch = batch.max(1);
-    }
-
-    /// Whether the last call stopped at the batch size with requests left
-    /// (to be taken by another call, notifications still off); clears it.
-    pub fn take_more(&mut self) -> bool {
-        std::mem::take(&mut self.more)
-    }
-
-    /// Turns the guest's notifications of `queue` back on; whether
-    /// requests arrived meanwhile (they must be taken before sleeping).
-    pub fn notifications_on(
-        &mut self,
-        queue: &mut Queue,
-        mem: &GuestMemAtomic,
-    ) -> io::Result<bool> {
-        let mem = mem.memory();
-        queue.enable_notification(&*mem).map_err(io::Error::other)
-    }
-
-    /// Whether the guest put requests on `queue` that are not taken yet
-    /// (a look at the available index, no notification needed).
-    pub fn has_requests(queue: &Queue, mem: &GuestMemAtomic) -> bool {
-        let mem = mem.memory();
-        queue
-            .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire)
-            .is_ok_and(|idx| idx.0 != queue.next_avail())
     }
 
     /// Takes finished transfers and engine results without waiting or
@@ -266,32 +248,36 @@ impl QueueWorker {
         queue: &mut Queue,
         mem: &GuestMemAtomic,
     ) -> io::Result<bool> {
-        self.process_tracked(queue_index, queue, None, mem)
+        let batch = std::mem::replace(&mut self.batch, usize::MAX);
+        let taken = self.process_tracked(queue_index, queue, None, mem, Notifications::Restore);
+        self.batch = batch;
+        taken.map(|t| t.used)
     }
 
-    /// [`QueueWorker::process_queue`] with the queue's inflight tracking:
-    /// requests to resubmit first, every request taken recorded.
+    /// [`QueueWorker::process_queue`] for at most one batch, with the
+    /// queue's inflight tracking (requests to resubmit first, every
+    /// request taken recorded); `notifications` says what to leave the
+    /// guest's notifications at.
     pub(crate) fn process_tracked(
         &mut self,
         queue_index: usize,
         queue: &mut Queue,
         mut tracker: Option<&mut Tracker>,
         mem: &GuestMemAtomic,
-    ) -> io::Result<bool> {
+        notifications: Notifications,
+    ) -> io::Result<Taken> {
         let mem = mem.memory().into_inner();
-        let mut used = false;
+        let mut taken = Taken::default();
         if let Some(t) = tracker.as_deref_mut() {
-            used = self.resubmit(queue_index, queue, t, &mem)?;
+            taken.used = self.resubmit(queue_index, queue, t, &mem)?;
         }
-        let popped = self
-            .pop_all(queue_index, queue, tracker, &mem)
-            .map(|u| u || used);
+        let popped = self.pop_all(queue_index, queue, tracker, &mem, notifications, &mut taken);
         // Transfers queued so far go to the kernel even if the ring failed.
         let submitted = self.ring.submit();
         self.apply_ring_completions();
-        let used = popped?;
+        popped?;
         submitted?;
-        Ok(used)
+        Ok(taken)
     }
 
     /// Starts the requests a previous backend took and never completed,
@@ -370,22 +356,26 @@ impl QueueWorker {
         queue: &mut Queue,
         mut tracker: Option<&mut Tracker>,
         mem: &Arc<GuestMem>,
-    ) -> io::Result<bool> {
+        notifications: Notifications,
+        out: &mut Taken,
+    ) -> io::Result<()> {
         let limits = self.device.limits();
-        let event_idx = queue.event_idx_enabled();
-        let mut used = false;
-        let mut taken = 0usize;
         loop {
-            if event_idx {
-                queue
-                    .disable_notification(&**mem)
-                    .map_err(io::Error::other)?;
-            }
+            queue
+                .disable_notification(&**mem)
+                .map_err(io::Error::other)?;
             loop {
-                if taken == self.batch {
+                if out.taken == self.batch {
                     // The rest in the next call, notifications still off.
-                    self.more = true;
-                    return Ok(used);
+                    out.more = queue
+                        .avail_idx(&**mem, std::sync::atomic::Ordering::Acquire)
+                        .map_err(io::Error::other)?
+                        .0
+                        != queue.next_avail();
+                    if out.more || notifications == Notifications::KeepOff {
+                        return Ok(());
+                    }
+                    break;
                 }
                 let admission = self.device.gate().try_start();
                 if let Admission::Wait = admission {
@@ -399,7 +389,7 @@ impl QueueWorker {
                 let Some(chain) = chain else {
                     break;
                 };
-                taken += 1;
+                out.taken += 1;
                 if let Some(t) = tracker.as_deref_mut() {
                     // Recorded before it starts: a restart resubmits it.
                     t.taken(chain.head_index());
@@ -408,24 +398,22 @@ impl QueueWorker {
                 if let Some(c) = self.admit(queue_index, parsed, admission, mem) {
                     add_used_tracked(queue, tracker.as_deref(), mem, c.head, c.len)
                         .map_err(io::Error::other)?;
-                    used = true;
+                    out.used = true;
                 }
             }
-            if self.polling {
-                // Off until the thread sleeps: it looks at the ring anyway.
-                if !event_idx {
-                    queue
-                        .disable_notification(&**mem)
-                        .map_err(io::Error::other)?;
-                }
-                return Ok(used);
+            if notifications == Notifications::KeepOff {
+                // The thread looks at the ring anyway, and asks for
+                // notifications again before it sleeps.
+                return Ok(());
             }
-            let more = event_idx
-                && queue
-                    .enable_notification(&**mem)
-                    .map_err(io::Error::other)?;
-            if !more || self.deferred {
-                return Ok(used);
+            // Requests that arrived before notifications were on again are
+            // taken now, or the guest, which saw them off, never kicks.
+            let more = queue
+                .enable_notification(&**mem)
+                .map_err(io::Error::other)?;
+            if !more || self.deferred || out.taken == self.batch {
+                out.more = more && !self.deferred;
+                return Ok(());
             }
         }
     }
