@@ -5,8 +5,10 @@
 
 mod load;
 mod plot;
+mod remote;
 mod report;
 mod servers;
+mod slowfs;
 mod suite;
 
 use std::process::ExitCode;
@@ -27,8 +29,15 @@ enum Command {
     /// report IOPS, MB/s and latency percentiles.
     Load(load::LoadArgs),
     /// sqcow2 vs qemu-storage-daemon vs the raw-file limit on generated
-    /// chains of 1 to 1000 layers; writes JSON, plots and a README section.
+    /// chains of 1 to 10000 layers; writes JSON, plots and a README section.
     Suite(suite::SuiteArgs),
+    /// Chains on remote storage (a FUSE filesystem adding a fixed delay to
+    /// every read): cold random reads, sqcow2 vs qemu-storage-daemon.
+    Remote(remote::RemoteArgs),
+    /// Mount a directory's files read-only through FUSE, every read
+    /// answered a fixed delay later (remote storage on one machine);
+    /// unmounts on Ctrl-C or SIGTERM.
+    Slowfs(slowfs::SlowfsArgs),
 }
 
 /// How results are printed.
@@ -58,6 +67,8 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Load(a) => load::run_cli(a),
         Command::Suite(a) => suite::run(a),
+        Command::Remote(a) => remote::run(a),
+        Command::Slowfs(a) => slowfs::run_cli(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -206,6 +206,22 @@ pub fn spawn(
     export: Export,
     log: &Path,
 ) -> anyhow::Result<Child> {
+    spawn_with(server, chain, socket, sqcow2, cache_bytes, export, log, &[])
+}
+
+/// [`spawn`] with more arguments for `sqcow2 serve` (`extra`; ignored by
+/// qemu-storage-daemon).
+#[allow(clippy::too_many_arguments)]
+pub fn spawn_with(
+    server: Server,
+    chain: &ChainFiles,
+    socket: &Path,
+    sqcow2: &Path,
+    cache_bytes: u64,
+    export: Export,
+    log: &Path,
+    extra: &[String],
+) -> anyhow::Result<Child> {
     let _ = std::fs::remove_file(socket);
     let cmd = if server.is_qemu() {
         qsd_command(server, chain, socket, cache_bytes, export)
@@ -223,6 +239,7 @@ pub fn spawn(
             c.arg("--read-only");
         }
         c.arg("--num-queues").arg(export.queues.to_string());
+        c.args(extra);
         c.arg("--socket").arg(socket).arg(chain.top());
         c.env("RUST_LOG", "warn");
         c

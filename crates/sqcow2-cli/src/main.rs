@@ -37,6 +37,11 @@ struct Cli {
     /// Walk the chain even when the top has a valid chain index.
     #[arg(long, global = true)]
     walk: bool,
+    /// Descriptors kept open for the layers below the top; past it the
+    /// least recently used are closed and reopened on demand (default:
+    /// half the open-file limit, which is first raised to its hard limit).
+    #[arg(long, global = true)]
+    max_open_files: Option<usize>,
     /// Image locking as QEMU does it (byte-range locks on every file
     /// opened, seen by QEMU and sqcow2 alike): auto (lock where the
     /// filesystem can, warn once where it cannot), on (refuse where it
@@ -256,6 +261,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         slice_size: output::parse_size(&cli.slice_size)?,
         use_index: !cli.walk,
         locking: cli.locking.into(),
+        max_open_files: cli.max_open_files,
         ..ChainOptions::default()
     };
     let locking = options.locking;
@@ -408,6 +414,12 @@ fn main() -> ExitCode {
         LogFormat::Text => logs
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
+    }
+    // As QEMU does: long chains need more descriptors than the usual soft
+    // limit of 1024 (the descriptor cache works within whatever is left).
+    match sqcow2_format::files::raise_open_file_limit() {
+        Ok((old, new)) => tracing::debug!(old, new, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
     }
     match run(cli) {
         Ok(code) => code,

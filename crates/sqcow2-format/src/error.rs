@@ -265,6 +265,10 @@ pub enum ErrorKind {
         /// The configured limit.
         limit: u64,
     },
+    /// A layer's L1 table, read when first needed, is not the one it had
+    /// when the chain was opened: another program changed the file.
+    #[error("the image changed since the chain was opened (its L1 table no longer matches)")]
+    LayerChanged,
     /// A chain with more layers than the configured limit.
     #[error("backing chain longer than the limit of {limit} layers")]
     ChainTooDeep {

@@ -1,5 +1,7 @@
 //! Header extensions: the typed ones QEMU defines, unknown ones kept verbatim.
 
+use std::sync::{Arc, Mutex, PoisonError};
+
 use serde::Serialize;
 
 use crate::bytes::{be_u32, be_u64};
@@ -54,13 +56,33 @@ impl BitmapsExtension {
     }
 }
 
+/// Distinct feature name tables kept for sharing at most (beyond, a
+/// table is not shared: hostile images cannot grow this without bound).
+const SHARED_TABLES: usize = 32;
+
+/// `entries` as a shared table: the copy already made for an identical
+/// table if there is one.
+fn shared_table(entries: Vec<FeatureNameEntry>) -> Arc<[FeatureNameEntry]> {
+    static TABLES: Mutex<Vec<Arc<[FeatureNameEntry]>>> = Mutex::new(Vec::new());
+    let mut tables = TABLES.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(t) = tables.iter().find(|t| ***t == *entries) {
+        return t.clone();
+    }
+    let table: Arc<[FeatureNameEntry]> = entries.into();
+    if tables.len() < SHARED_TABLES {
+        tables.push(table.clone());
+    }
+    table
+}
+
 /// One header extension.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeaderExtension {
     /// Format of the backing file (`qcow2`, `raw`, ...).
     BackingFormat(String),
-    /// Names of feature bits.
-    FeatureNameTable(Vec<FeatureNameEntry>),
+    /// Names of feature bits (identical tables of different images share
+    /// one copy: every layer of a long chain usually has the same one).
+    FeatureNameTable(Arc<[FeatureNameEntry]>),
     /// Persistent dirty bitmaps.
     Bitmaps(BitmapsExtension),
     /// LUKS header location.
@@ -150,7 +172,7 @@ pub(crate) fn parse_extensions(
                         }
                     })
                     .collect();
-                out.push(HeaderExtension::FeatureNameTable(entries));
+                out.push(HeaderExtension::FeatureNameTable(shared_table(entries)));
             }
             EXT_BITMAPS => {
                 if len != 24 {

@@ -259,7 +259,7 @@ impl Header {
             Ok((exts, _)) => exts
                 .iter()
                 .filter_map(|e| match e {
-                    HeaderExtension::FeatureNameTable(t) => Some(t.clone()),
+                    HeaderExtension::FeatureNameTable(t) => Some(t.iter().cloned()),
                     _ => None,
                 })
                 .flatten()

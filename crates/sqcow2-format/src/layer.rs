@@ -2,7 +2,7 @@
 //! a range of guest offsets.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::bytes::be_u64;
 use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
@@ -16,13 +16,16 @@ use xxhash_rust::xxh3::xxh3_64;
 /// What a layer says about a run of guest bytes.
 pub type LayerStatus = ClusterMapping;
 
-/// A qcow2 image opened read-only: validated header and active L1 table.
+/// A qcow2 image opened read-only: validated header and active L1 table
+/// (read at open for the top; for a layer below it, read when first
+/// needed, which indexed lookups never are, and checked against the
+/// fingerprint taken at open).
 #[derive(Debug)]
 pub struct Qcow2Layer {
     path: PathBuf,
     storage: Arc<dyn Storage>,
     header: Header,
-    l1: Vec<u64>,
+    l1: OnceLock<Vec<u64>>,
     file_size: u64,
     fingerprint: (u64, u64),
 }
@@ -48,6 +51,15 @@ impl Qcow2Layer {
     /// Opens a qcow2 image: reads and validates the header, reads the L1
     /// table.
     pub fn open(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
+        let layer = Self::open_lazily(path, storage)?;
+        layer.l1()?;
+        Ok(layer)
+    }
+
+    /// [`Qcow2Layer::open`] that keeps only the L1 table's fingerprint: the
+    /// table is read again when first needed (a layer below the top of an
+    /// indexed chain never needs it: memory per layer stays small).
+    pub fn open_lazily(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
         let file_size = storage.len()?;
         let mut first = vec![0u8; 112];
         storage.read_at(&mut first, 0)?;
@@ -64,7 +76,6 @@ impl Qcow2Layer {
         };
         let mut raw = vec![0u8; header.l1_size as usize * 8];
         storage.read_at(&mut raw, header.l1_table_offset)?;
-        let l1 = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
         // Fingerprint: the header area without the autoclear bits (which
         // sqcow2 itself sets), and the active L1 table.
         area.truncate(header.area_len as usize);
@@ -78,7 +89,7 @@ impl Qcow2Layer {
             path: path.to_path_buf(),
             storage,
             header,
-            l1,
+            l1: OnceLock::new(),
             file_size,
             fingerprint,
         })
@@ -95,9 +106,20 @@ impl Qcow2Layer {
         &self.storage
     }
 
-    /// The active L1 table as opened.
-    pub fn l1(&self) -> &[u64] {
-        &self.l1
+    /// The active L1 table as opened (read now if it was not yet, and
+    /// refused if it is not what it was at open).
+    pub fn l1(&self) -> Result<&[u64], ErrorKind> {
+        if let Some(l1) = self.l1.get() {
+            return Ok(l1);
+        }
+        let mut raw = vec![0u8; self.header.l1_size as usize * 8];
+        self.storage
+            .read_at(&mut raw, self.header.l1_table_offset)?;
+        if xxh3_64(&raw) != self.fingerprint.1 {
+            return Err(ErrorKind::LayerChanged);
+        }
+        let l1 = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
+        Ok(self.l1.get_or_init(|| l1))
     }
 
     /// The validated header.
@@ -143,9 +165,10 @@ impl Qcow2Layer {
         slice_size: u64,
     ) -> Result<Option<(L2Slice, Slice)>, ErrorKind> {
         let g = self.header.geometry;
+        let l1 = self.l1()?;
         let l1_entry = usize::try_from(g.l1_index(guest))
             .ok()
-            .and_then(|i| self.l1.get(i))
+            .and_then(|i| l1.get(i))
             .copied()
             .unwrap_or(0);
         let l2_offset = l1_entry & OFFSET_MASK;
@@ -444,7 +467,8 @@ impl Layer {
                     .backing_file
                     .as_ref()
                     .map_or(0, |b| b.as_os_str().len() as u64);
-                base + std::mem::size_of::<Header>() as u64 + exts + backing + q.l1.len() as u64 * 8
+                let l1 = q.l1.get().map_or(0, Vec::len) as u64 * 8;
+                base + std::mem::size_of::<Header>() as u64 + exts + backing + l1
             }
             Layer::Raw(_) => base,
         }

@@ -30,6 +30,7 @@ mod extension;
 mod fault;
 mod features;
 mod fence;
+pub mod files;
 pub mod gen;
 mod header;
 pub mod index;

@@ -206,7 +206,7 @@ pub fn write_index_extension(
             HeaderExtension::BackingFormat(f) => push(&mut out, EXT_BACKING_FORMAT, f.as_bytes()),
             HeaderExtension::FeatureNameTable(t) => {
                 let mut data = Vec::new();
-                for e in t {
+                for e in t.iter() {
                     let mut entry = [0u8; 48];
                     entry[0] = match e.kind {
                         Some(crate::features::FeatureKind::Incompatible) => 0,

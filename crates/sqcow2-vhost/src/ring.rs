@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
 use slab::Slab;
-use sqcow2_format::storage::Storage;
+use sqcow2_format::storage::PinnedFile;
 use vm_memory::VolatileSlice;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -54,7 +54,7 @@ struct RingOp {
     entry: squeue::Entry,
     retries: u8,
     /// The image file whose descriptor the entry uses.
-    _file: Arc<dyn Storage>,
+    _file: PinnedFile,
     /// The guest memory mapping the entry's buffer lies in.
     _mem: Arc<GuestMem>,
 }
@@ -97,23 +97,24 @@ impl Ring {
         self.ops.is_empty()
     }
 
-    /// Queues one transfer of `buf` (in `mem`) from or to `file` at
-    /// `host`, for the request in `slot`. Completions reaped to make room
-    /// go to `done`.
+    /// Queues one transfer of `buf` (in `mem`) from or to `file` (held
+    /// until the transfer ends, so its descriptor stays open) at `host`,
+    /// for the request in `slot`; straight to io_uring's workers where the
+    /// file's filesystem cannot try it without blocking (see
+    /// [`PinnedFile::nowait`]). Completions reaped to make room go to
+    /// `done`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn queue(
         &mut self,
         slot: usize,
         direction: Direction,
-        file: &Arc<dyn Storage>,
+        file: PinnedFile,
         host: u64,
         buf: &VolatileSlice<'_, ()>,
         mem: &Arc<GuestMem>,
         done: &mut Vec<RingCompletion>,
     ) -> io::Result<()> {
-        let Some(fd) = file.raw_fd() else {
-            return Err(io::Error::other("storage without a file descriptor"));
-        };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&*file.file);
         let len = u32::try_from(buf.len()).map_err(io::Error::other)?;
         let ptr = buf.ptr_guard_mut().as_ptr();
         let entry = match direction {
@@ -124,12 +125,17 @@ impl Ring {
                 .offset(host)
                 .build(),
         };
+        let entry = if file.nowait {
+            entry
+        } else {
+            entry.flags(squeue::Flags::ASYNC)
+        };
         let op = RingOp {
             slot,
             len,
             entry,
             retries: 0,
-            _file: file.clone(),
+            _file: file,
             _mem: mem.clone(),
         };
         self.push(op, done)

@@ -627,16 +627,16 @@ impl QueueWorker {
                     Some(ticket) => chain.in_place_target(ticket, GuestOffset(pos), n as u64)?,
                     None => None,
                 };
-                match target.filter(|t| t.storage.raw_fd().is_some()) {
-                    Some(t) => {
+                match target.and_then(|t| t.file.map(|file| (t.host, file))) {
+                    Some((host, file)) => {
                         // The bounce buffer holds one contiguous range.
                         self.write_through_engine(slot, &mut bounce)?;
                         self.ring
                             .queue(
                                 slot,
                                 Direction::Write,
-                                &t.storage,
-                                t.host.0,
+                                file,
+                                host.0,
                                 &src,
                                 mem,
                                 &mut self.ring_done,
@@ -700,14 +700,14 @@ impl QueueWorker {
                 let read = chain.resolve_for_read(ticket, GuestOffset(pos), want)?;
                 let n = read.extent.len.min(want) as usize;
                 let dst = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
-                match read.extent.kind {
-                    ExtentKind::Zero { .. } => fill_zero(&dst),
-                    ExtentKind::Data { host } if read.storage.raw_fd().is_some() => {
+                match (read.extent.kind, read.file) {
+                    (ExtentKind::Zero { .. }, _) => fill_zero(&dst),
+                    (ExtentKind::Data { host }, Some(file)) => {
                         self.ring
                             .queue(
                                 slot,
                                 Direction::Read,
-                                &read.storage,
+                                file,
                                 host.0,
                                 &dst,
                                 mem,

@@ -4,14 +4,12 @@
 //! moved, and the lookups that give out host offsets take that ticket, so
 //! a flush cannot hand out a cluster a transfer still uses.
 
-use std::sync::Arc;
-
 use crate::compressed::read_compressed_cluster;
 use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferTicket;
 use crate::layer::Layer;
-use crate::storage::Storage;
+use crate::storage::PinnedFile;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 
 use super::{Chain, Extent, ExtentKind};
@@ -21,9 +19,11 @@ use super::{Chain, Extent, ExtentKind};
 pub struct ReadExtent {
     /// The mapping.
     pub extent: Extent,
-    /// The file holding the data (for [`ExtentKind::Data`]); owned, so it
-    /// stays open for as long as a transfer uses it.
-    pub storage: Arc<dyn Storage>,
+    /// For [`ExtentKind::Data`], the open file holding the data, pinned:
+    /// its descriptor stays open for as long as the transfer holds it.
+    /// `None` for other kinds, and for storage that is not a file (read
+    /// those through [`Chain::read_at`]).
+    pub file: Option<PinnedFile>,
 }
 
 /// Where an in-place write goes: the top's own cluster.
@@ -31,9 +31,9 @@ pub struct ReadExtent {
 pub struct InPlaceTarget {
     /// Host offset of the first byte.
     pub host: HostOffset,
-    /// The top's file; owned, so it stays open for as long as a transfer
-    /// uses it.
-    pub storage: Arc<dyn Storage>,
+    /// The top's open file, pinned for the transfer (`None` when the top
+    /// is not a file: write through [`Chain::write_at`]).
+    pub file: Option<PinnedFile>,
 }
 
 impl Chain {
@@ -78,14 +78,17 @@ impl Chain {
         self.check_ticket(ticket)?;
         self.check_range(start.0, max)?;
         let extent = self.resolve(start, max, false)?;
-        let layer = &self.layers[extent.layer.0];
         if !matches!(extent.kind, ExtentKind::Zero { .. }) {
             self.count_data_read(extent.layer);
         }
-        Ok(ReadExtent {
-            extent,
-            storage: layer.storage().clone(),
-        })
+        let file = match extent.kind {
+            ExtentKind::Data { .. } => self
+                .storage_of(extent.layer)
+                .pinned_file()
+                .map_err(|e| Error::new(self.layers[extent.layer.0].path(), e.into()))?,
+            _ => None,
+        };
+        Ok(ReadExtent { extent, file })
     }
 
     /// Where a write of `len` bytes at guest `offset` (within one cluster)
@@ -105,12 +108,15 @@ impl Chain {
         if len == 0 || offset.0 % cluster_size + len > cluster_size {
             return Ok(None);
         }
-        Ok(active
-            .in_place_target(offset, len)?
-            .map(|host| InPlaceTarget {
-                host,
-                storage: self.top().storage().clone(),
-            }))
+        let Some(host) = active.in_place_target(offset, len)? else {
+            return Ok(None);
+        };
+        let file = self
+            .top()
+            .storage()
+            .pinned_file()
+            .map_err(|e| Error::new(self.top().path(), e.into()))?;
+        Ok(Some(InPlaceTarget { host, file }))
     }
 
     /// Reads guest bytes at `offset` into `buf`.

@@ -75,6 +75,10 @@ pub struct ChainOptions {
     /// Inactive (handed over to another process, like QEMU's inactive
     /// nodes during migration): read-only, no image lock held at all.
     pub inactive: bool,
+    /// Descriptors kept open for the layers below the top (closed least
+    /// recently used first, reopened on demand: [`crate::files`]); `None`:
+    /// half the process's soft limit of open files.
+    pub max_open_files: Option<usize>,
 }
 
 impl Default for ChainOptions {
@@ -93,6 +97,7 @@ impl Default for ChainOptions {
             force_share: false,
             inspect_only: false,
             inactive: false,
+            max_open_files: None,
         }
     }
 }
@@ -138,6 +143,10 @@ pub struct Extent {
 #[derive(Debug)]
 pub struct Chain {
     layers: Vec<Layer>,
+    /// Each layer's storage, in a compact vector the read path looks up
+    /// (a `Layer` is a few hundred bytes: with 10,000 layers, touching it
+    /// per read was a cache miss per request).
+    storages: Vec<Arc<dyn Storage>>,
     cache: Arc<SliceCache>,
     slice_size: u64,
     /// The top's geometry (a raw-only chain has none; 64 KiB clusters are
@@ -209,6 +218,11 @@ impl Chain {
 
     /// Counts a data read from `layer` done by a caller that reads the
     /// host file itself (see [`Chain::data_reads_per_layer`]).
+    /// The storage of layer `index`.
+    pub(crate) fn storage_of(&self, index: LayerIndex) -> &Arc<dyn Storage> {
+        &self.storages[index.0]
+    }
+
     pub(crate) fn count_data_read(&self, layer: LayerIndex) {
         if let Some(counter) = self.data_reads.get(layer.0) {
             counter.fetch_add(1, Ordering::Relaxed);

@@ -15,10 +15,11 @@ use crate::active::{Active, CacheLink};
 use crate::backing::{resolve_backing_path, BackingFormat};
 use crate::error::{Error, ErrorKind, WithPath};
 use crate::fence::TransferFence;
+use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::QCOW2_MAGIC;
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::sqcow2_ext::{open_index, IndexState};
-use crate::storage::{FileStorage, Storage};
+use crate::storage::{open_for_reading, FileStorage, Storage};
 use crate::summary::TopSummary;
 use crate::types::Geometry;
 use sqcow2_cache::{CacheConfig, SliceCache, Source};
@@ -47,8 +48,10 @@ fn open_layer(
     file: Option<Opened>,
     expect: Expect,
     options: &ChainOptions,
+    files: &Arc<FileCache>,
 ) -> Result<Layer, ErrorKind> {
     let top = matches!(expect, Expect::Top);
+    let want = options.lock_request(top);
     let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
         (Expect::Top, Some(s), _) => s.clone(),
         // A top to write that was open read-only (an inactive chain, which
@@ -58,11 +61,22 @@ fn open_layer(
         }
         (_, _, Some(Opened::Reused(s))) => s,
         (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
-        (_, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
-        (_, _, None) => Arc::new(FileStorage::open_read_only(path)?),
+        (Expect::Top, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
+        (Expect::Top, _, None) => Arc::new(FileStorage::open_read_only(path)?),
+        // A layer below the top: its descriptor in the chain's cache, the
+        // file reopened by its real path when it was closed.
+        (_, _, file) => {
+            let file = match file {
+                Some(Opened::File(f)) => FileStorage::from_file(f),
+                _ => FileStorage::open_read_only(path)?,
+            };
+            file.lock(want, options.locking)?;
+            let real = real_path(&file).unwrap_or_else(|| path.to_path_buf());
+            LazyFile::adopt(&real, file, want, options.locking, files.clone())?
+        }
     };
     // QEMU's image locks, before anything is read.
-    storage.lock(options.lock_request(top), options.locking)?;
+    storage.lock(want, options.locking)?;
     let is_qcow2 = || -> Result<bool, ErrorKind> {
         let mut magic = [0u8; 4];
         storage.read_at(&mut magic, 0)?;
@@ -75,15 +89,22 @@ fn open_layer(
             if !is_qcow2()? {
                 return Err(ErrorKind::BackingNotQcow2(path.to_path_buf()));
             }
-            Ok(Layer::Qcow2(Qcow2Layer::open(path, storage)?))
+            Ok(Layer::Qcow2(Qcow2Layer::open_lazily(path, storage)?))
         }
         Expect::Probe => {
             if !is_qcow2()? {
                 return Err(ErrorKind::UnknownBackingFormat(path.to_path_buf()));
             }
-            Ok(Layer::Qcow2(Qcow2Layer::open(path, storage)?))
+            Ok(Layer::Qcow2(Qcow2Layer::open_lazily(path, storage)?))
         }
     }
+}
+
+/// Where an opened file really lies (symlinks resolved), read from its
+/// descriptor.
+fn real_path(file: &FileStorage) -> Option<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", file.file().as_raw_fd())).ok()
 }
 
 /// Refuses an opened backing file whose real location (read from the open
@@ -113,6 +134,9 @@ fn open_layers(
     reuse: &[Arc<dyn Storage>],
 ) -> Result<Vec<Layer>, Error> {
     let mut top_down: Vec<Layer> = Vec::new();
+    let files = Arc::new(FileCache::new(
+        options.max_open_files.unwrap_or_else(default_budget),
+    ));
     let mut seen = HashSet::new();
     let mut l1_bytes = 0u64;
     let mut next = Some((path.to_path_buf(), Expect::Top));
@@ -131,7 +155,12 @@ fn open_layers(
         let file = if injected {
             None
         } else {
-            let file = match File::open(&current) {
+            let opened = if referrer.is_some() {
+                open_for_reading(&current)
+            } else {
+                File::open(&current)
+            };
+            let file = match opened {
                 Ok(f) => f,
                 Err(source) if referrer.is_some() => {
                     return Err(Error::new(
@@ -161,13 +190,14 @@ fn open_layers(
                 None => Some(Opened::File(file)),
             }
         };
-        let layer = open_layer(&current, file, expect, options).map_err(|kind| match kind {
-            // The referring image records the wrong format: blame it.
-            ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
-                Error::new(&blame, kind)
-            }
-            kind => Error::new(&current, kind),
-        })?;
+        let layer =
+            open_layer(&current, file, expect, options, &files).map_err(|kind| match kind {
+                // The referring image records the wrong format: blame it.
+                ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
+                    Error::new(&blame, kind)
+                }
+                kind => Error::new(&current, kind),
+            })?;
         if let Some(header) = layer.header() {
             if let Some(name) = &header.backing_file {
                 let backing = resolve_backing_path(&current, name).with_path(&current)?;
@@ -242,11 +272,13 @@ impl Chain {
             top_bits.min(index_bits)
         };
         let summary = match (&index, layers.last()) {
-            (Some(_), Some(Layer::Qcow2(q))) => {
-                TopSummary::build(q.header(), q.l1(), &**q.storage(), options.slice_size)
-                    .ok()
-                    .map(Arc::new)
-            }
+            (Some(_), Some(Layer::Qcow2(q))) => q
+                .l1()
+                .and_then(|l1| {
+                    TopSummary::build(q.header(), l1, &**q.storage(), options.slice_size)
+                })
+                .ok()
+                .map(Arc::new),
             _ => None,
         };
         let cache = Arc::new(SliceCache::new(CacheConfig {
@@ -268,6 +300,7 @@ impl Chain {
         };
         Ok(Chain {
             data_reads: layers.iter().map(|_| AtomicU64::new(0)).collect(),
+            storages: layers.iter().map(|l| l.storage().clone()).collect(),
             layers,
             cache,
             slice_size: options.slice_size,

@@ -1,0 +1,350 @@
+//! Descriptors of a chain's lower layers, bounded. A chain of 10,000
+//! layers must not need 10,000 open files: each lower layer is a
+//! [`LazyFile`], whose descriptor lives in the chain's [`FileCache`] and is
+//! closed when the least recently used one must make room; the next access
+//! opens the file again by the path it was first opened by, checks that it
+//! is the same file (device and inode), and takes its image locks again.
+//!
+//! The budget comes from the process's open-file limit, which the `sqcow2`
+//! binary raises to the hard limit first, as QEMU does
+//! ([`raise_open_file_limit`]): with the usual limits every layer of a long
+//! chain stays open (and locked, as QEMU holds them); only past the budget
+//! are descriptors closed and reopened.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+
+use crate::error::ErrorKind;
+use crate::lock::{LockRequest, Locking};
+use crate::storage::{open_for_reading, FileStorage, PinnedFile, Storage};
+
+/// Descriptors kept for lower layers when the open-file limit cannot be
+/// read.
+const FALLBACK_BUDGET: usize = 256;
+/// Fewest descriptors a chain's cache keeps.
+const MIN_BUDGET: usize = 16;
+
+/// Raises this process's soft limit of open files to the hard limit (QEMU
+/// does the same at start-up since 9.0); returns (old, new) soft limits.
+pub fn raise_open_file_limit() -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limits of this process into `lim`,
+    // which we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let old = lim.rlim_cur;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads `lim`, which we own; raising the soft
+        // limit up to the hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok((old, lim.rlim_cur))
+}
+
+/// The descriptor budget of a chain's lower layers by default: half the
+/// process's soft limit of open files (the rest for the top, sockets,
+/// eventfds, io_uring, other chains).
+pub fn default_budget() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into `lim`, which we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return FALLBACK_BUDGET;
+    }
+    usize::try_from(lim.rlim_cur / 2)
+        .unwrap_or(usize::MAX)
+        .max(MIN_BUDGET)
+}
+
+/// The open descriptors of one chain's lower layers. Past the budget, one
+/// that has not been used since the clock hand last passed it is closed
+/// (CLOCK, an approximation of least recently used that costs a hit no
+/// lock beyond the file's own).
+#[derive(Debug)]
+pub struct FileCache {
+    budget: usize,
+    state: Mutex<Clock>,
+    opened: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Clock {
+    /// The files open now.
+    open: Vec<Weak<LazyFile>>,
+    hand: usize,
+}
+
+/// An open descriptor of a lazily opened file.
+#[derive(Debug, Clone)]
+struct OpenFile {
+    storage: Arc<FileStorage>,
+    /// The same file, for transfers to pin (one hop from the `LazyFile`).
+    file: PinnedFile,
+}
+
+impl FileCache {
+    /// A cache keeping at most `budget` descriptors open.
+    pub fn new(budget: usize) -> Self {
+        FileCache {
+            budget: budget.max(1),
+            state: Mutex::new(Clock::default()),
+            opened: AtomicU64::new(0),
+        }
+    }
+
+    /// Descriptors kept open at most.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Descriptors open now.
+    pub fn open_now(&self) -> usize {
+        self.clock().open.len()
+    }
+
+    /// Files opened so far (first opens and reopens).
+    pub fn opens(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Gives `lazy` the descriptor `storage` (unless another thread did
+    /// first: then that one serves) and closes others past the budget
+    /// (their descriptors close once no transfer holds them). Returns the
+    /// descriptor that serves.
+    fn admit(&self, lazy: &LazyFile, storage: Arc<FileStorage>) -> io::Result<OpenFile> {
+        let file = storage
+            .pinned_file()?
+            .ok_or_else(|| io::Error::other("no file"))?;
+        let open = OpenFile { storage, file };
+        let mut clock = self.clock();
+        {
+            let mut current = lazy.open.write().unwrap_or_else(PoisonError::into_inner);
+            if let Some(other) = &*current {
+                return Ok(other.clone());
+            }
+            *current = Some(open.clone());
+        }
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        lazy.referenced.store(true, Ordering::Relaxed);
+        clock.open.push(lazy.me.clone());
+        while clock.open.len() > self.budget {
+            if clock.hand >= clock.open.len() {
+                clock.hand = 0;
+            }
+            let i = clock.hand;
+            let Some(victim) = clock.open[i].upgrade() else {
+                // Its chain is gone (the descriptor with it).
+                clock.open.swap_remove(i);
+                continue;
+            };
+            if std::ptr::eq(&*victim, lazy) || victim.referenced.swap(false, Ordering::Relaxed) {
+                clock.hand += 1;
+                continue;
+            }
+            *victim.open.write().unwrap_or_else(PoisonError::into_inner) = None;
+            clock.open.swap_remove(i);
+        }
+        Ok(open)
+    }
+}
+
+/// A lower layer's file, opened on demand through its chain's
+/// [`FileCache`].
+#[derive(Debug)]
+pub struct LazyFile {
+    /// The descriptor while it is open (first: in the cache line of the
+    /// `Arc`'s counts, one memory access from a layer's storage).
+    open: RwLock<Option<OpenFile>>,
+    /// Itself, for the cache's list of open files.
+    me: Weak<LazyFile>,
+    /// Used since the cache's clock hand last passed.
+    referenced: AtomicBool,
+    path: PathBuf,
+    /// Device and inode when first opened: a reopen must find the same.
+    identity: (u64, u64),
+    cache: Arc<FileCache>,
+    /// The image locks every descriptor of the file takes.
+    locks: Mutex<(LockRequest, Locking)>,
+}
+
+impl LazyFile {
+    /// Hands `file`, opened by `path` and locked with `locks` (`mode`),
+    /// to `cache`; later accesses reopen it by `path` when its descriptor
+    /// was closed.
+    pub fn adopt(
+        path: &Path,
+        file: FileStorage,
+        locks: LockRequest,
+        mode: Locking,
+        cache: Arc<FileCache>,
+    ) -> io::Result<Arc<Self>> {
+        let identity = file
+            .file_id()
+            .ok_or_else(|| io::Error::other("no file identity"))?;
+        let lazy = Arc::new_cyclic(|me| LazyFile {
+            open: RwLock::new(None),
+            me: me.clone(),
+            referenced: AtomicBool::new(false),
+            path: path.to_path_buf(),
+            identity,
+            cache: cache.clone(),
+            locks: Mutex::new((locks, mode)),
+        });
+        cache.admit(&lazy, Arc::new(file))?;
+        Ok(lazy)
+    }
+
+    /// The descriptor if it is open now.
+    fn current(&self) -> Option<OpenFile> {
+        let open = self
+            .open
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()?;
+        self.referenced.store(true, Ordering::Relaxed);
+        Some(open)
+    }
+
+    /// The open file, reopened (same file, locks taken again) if its
+    /// descriptor was closed.
+    fn get(&self) -> io::Result<OpenFile> {
+        if let Some(open) = self.current() {
+            return Ok(open);
+        }
+        let file = FileStorage::from_file(open_for_reading(&self.path)?);
+        if file.file_id() != Some(self.identity) {
+            return Err(io::Error::other(format!(
+                "{} was replaced since the chain was opened",
+                self.path.display()
+            )));
+        }
+        let (want, mode) = *self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+        file.lock(want, mode)
+            .map_err(|k| io::Error::other(k.to_string()))?;
+        self.cache.admit(self, Arc::new(file))
+    }
+}
+
+impl Storage for LazyFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.get()?.storage.read_at(buf, offset)
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        self.get()?.storage.len()
+    }
+
+    fn lock(&self, want: LockRequest, mode: Locking) -> Result<(), ErrorKind> {
+        let mut locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(open) = self.current() {
+            open.storage.lock(want, mode)?;
+        }
+        *locks = (want, mode);
+        Ok(())
+    }
+
+    fn locks(&self) -> Option<LockRequest> {
+        match self.current() {
+            Some(open) => open.storage.locks(),
+            // Closed: what its next descriptor takes.
+            None => {
+                let (want, mode) = *self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+                (mode != Locking::Off && want != LockRequest::NONE).then_some(want)
+            }
+        }
+    }
+
+    fn file_id(&self) -> Option<(u64, u64)> {
+        Some(self.identity)
+    }
+
+    fn pinned_file(&self) -> io::Result<Option<PinnedFile>> {
+        Ok(Some(self.get()?.file))
+    }
+
+    fn allocation(&self, offset: u64, len: u64) -> Option<(bool, u64)> {
+        self.get().ok()?.storage.allocation(offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(dir: &Path, n: usize) -> Vec<PathBuf> {
+        (0..n)
+            .map(|i| {
+                let p = dir.join(format!("f{i}"));
+                std::fs::write(&p, vec![i as u8; 4096]).unwrap();
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn descriptors_stay_within_the_budget_and_reopen_the_same_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = files(dir.path(), 10);
+        let cache = Arc::new(FileCache::new(3));
+        let lazy: Vec<Arc<LazyFile>> = paths
+            .iter()
+            .map(|p| {
+                let f = FileStorage::open_read_only(p).unwrap();
+                LazyFile::adopt(p, f, LockRequest::NONE, Locking::Off, cache.clone()).unwrap()
+            })
+            .collect();
+        assert_eq!(cache.open_now(), 3);
+        for round in 0..3 {
+            for (i, l) in lazy.iter().enumerate() {
+                let mut b = [0u8; 16];
+                l.read_at(&mut b, 100).unwrap();
+                assert_eq!(b, [i as u8; 16], "round {round} file {i}");
+                assert!(cache.open_now() <= 3);
+            }
+        }
+        // A transfer's pinned file outlives its eviction.
+        let pinned = lazy[0].pinned_file().unwrap().unwrap();
+        for l in &lazy[1..] {
+            l.read_at(&mut [0u8; 1], 0).unwrap();
+        }
+        let mut b = [0u8; 1];
+        std::os::unix::fs::FileExt::read_at(&*pinned.file, &mut b, 0).unwrap();
+        assert_eq!(b, [0]);
+        // A file replaced under the same name is refused.
+        std::fs::remove_file(&paths[0]).unwrap();
+        std::fs::write(&paths[0], vec![0xEE; 4096]).unwrap();
+        for l in &lazy[1..] {
+            l.read_at(&mut [0u8; 1], 0).unwrap();
+        }
+        let err = lazy[0].read_at(&mut [0u8; 1], 0).unwrap_err();
+        assert!(err.to_string().contains("replaced"), "{err}");
+    }
+
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let (_, new) = raise_open_file_limit().unwrap();
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes into `lim`, which we own.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        assert_eq!((new, lim.rlim_cur), (lim.rlim_max, lim.rlim_max));
+        assert!(default_budget() >= MIN_BUDGET);
+    }
+}
