@@ -6,7 +6,9 @@
 //!   still in flight (a late io_uring write would land in whatever the
 //!   cluster was reallocated to);
 //! * flushes on several queues and back-to-back live snapshots must never
-//!   deadlock the daemon.
+//!   deadlock the daemon;
+//! * a read whose metadata is not cached must not stall the other reads
+//!   of its queue while the disk serves that metadata.
 
 mod common;
 
@@ -304,4 +306,61 @@ fn flushes_on_two_queues_and_live_snapshots_never_deadlock() {
         qemu_raw(last, tmp.path()) == model,
         "qemu-img convert of the final chain differs from the model"
     );
+}
+
+/// A read whose mapping needs a metadata slice not in the cache, while
+/// the filesystem holds that metadata read (a slow or remote disk): other
+/// reads on the same queue, whose metadata is cached, complete meanwhile.
+/// Before, the queue worker read the slice itself and every request of
+/// the queue waited for it.
+#[test]
+fn a_metadata_read_held_by_the_disk_does_not_stall_the_queue() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    let top = gen_chain(&src, 3, "256M", "0.9");
+    let expected = qemu_raw(&top, dir);
+    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let served = fs.mountpoint.join(top.file_name().unwrap());
+    let mut daemon = Daemon::start(dir, &served, &["--backing-root", s(&fs.mountpoint)]);
+    let mut client = connect_retry(&daemon, 1, true);
+    // Region A, its metadata now cached.
+    let a = 4096usize;
+    assert!(client.read(0, 1 << 20) == expected[..1 << 20]);
+    // The next read of any file is held: the metadata of region B, far
+    // from A (another L2 slice, another index slice).
+    let b = 200usize << 20;
+    fs.faults.hold(false, 0, u64::MAX, 1);
+    let base = client.region.addr as *mut u8;
+    // SAFETY: two disjoint 4 KiB ranges of the client's mapped region,
+    // each used by one request at a time.
+    let (buf_b, buf_a) = unsafe { (base, base.add(1 << 20)) };
+    client.queues[0].read(b as u64, buf_b, 4096, 1, ReqFlags::empty());
+    // Submit without waiting for the completion.
+    client.queues[0]
+        .do_io(&mut [], 0, None, None)
+        .expect("submit");
+    fs.faults.wait_held(1);
+    client.queues[0].read(a as u64, buf_a, 4096, 2, ReqFlags::empty());
+    let first = wait_one(&mut client.queues[0], 10);
+    let released_late = first.is_none();
+    fs.faults.release();
+    assert!(
+        !released_late,
+        "a read with cached metadata waited for another read's metadata"
+    );
+    assert_eq!(first, Some((2, 0)), "the read of A completes first");
+    assert_eq!(wait_one(&mut client.queues[0], 30), Some((1, 0)));
+    // SAFETY: both reads completed.
+    let (got_a, got_b) = unsafe {
+        (
+            std::slice::from_raw_parts(buf_a, 4096),
+            std::slice::from_raw_parts(buf_b, 4096),
+        )
+    };
+    assert!(got_a == &expected[a..a + 4096], "A's data");
+    assert!(got_b == &expected[b..b + 4096], "B's data");
+    drop(client);
+    daemon.stop();
 }

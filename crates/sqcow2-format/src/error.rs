@@ -265,6 +265,11 @@ pub enum ErrorKind {
         /// The configured limit.
         limit: u64,
     },
+    /// A lookup that may not wait found metadata it would have to read
+    /// from a file (not an error of the image: the caller retries where
+    /// waiting is allowed).
+    #[error("metadata not cached: a non-blocking lookup would have to read it")]
+    WouldBlock,
     /// A layer's L1 table, read when first needed, is not the one it had
     /// when the chain was opened: another program changed the file.
     #[error("the image changed since the chain was opened (its L1 table no longer matches)")]

@@ -226,6 +226,10 @@ impl LazyFile {
         if let Some(open) = self.current() {
             return Ok(open);
         }
+        // Opening is I/O too (a round trip on remote storage).
+        if crate::nowait::may_load().is_err() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
         let file = FileStorage::from_file(open_for_reading(&self.path)?);
         if file.file_id() != Some(self.identity) {
             return Err(io::Error::other(format!(

@@ -547,6 +547,12 @@ impl ChainIndex {
             source: Source::Index,
             offset,
         };
+        if crate::nowait::may_load().is_err() {
+            // Not cached and no reading allowed: the caller walks instead,
+            // which finds what is cached or would block there too (never
+            // a reason to give the index up).
+            return cache.get(key).map(Some);
+        }
         let words: Result<Slice, Stale> = cache.get_or_load(key, || {
             let raw = read(&*self.storage, offset, per * ENTRY_SIZE, self.file_size)?;
             let (word, bit) = ((slice_no / 64) as usize, 1u64 << (slice_no % 64));

@@ -181,6 +181,7 @@ impl Qcow2Layer {
             offset: slice.offset,
         };
         let words = cache.get_or_load(key, || {
+            crate::nowait::may_load()?;
             validate_l2_offset(g, l2_offset, self.file_size)?;
             read_words(&*self.storage, slice.offset, slice.words)
         })?;

@@ -37,6 +37,7 @@ pub mod index;
 pub mod indexing;
 mod layer;
 mod lock;
+mod nowait;
 mod refcount;
 mod size;
 mod snapshot;

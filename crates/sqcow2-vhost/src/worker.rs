@@ -25,7 +25,8 @@ use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{
-    Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice,
+    Address, Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
+    VolatileSlice,
 };
 
 use crate::device::BlkDevice;
@@ -679,7 +680,10 @@ impl QueueWorker {
     }
 
     /// Queues the io_uring reads of `[offset, ..)` into `buffers`; fills
-    /// zero and compressed ranges on the spot.
+    /// zero ranges on the spot. The rest of the request goes to an engine
+    /// thread from the first piece that cannot be read that way: its
+    /// mapping would need a metadata read (a cache miss: this thread never
+    /// waits for one), or it is compressed.
     fn submit_reads(
         &mut self,
         slot: usize,
@@ -697,7 +701,10 @@ impl QueueWorker {
                 let Some(ticket) = self.slots.get(slot).and_then(|f| f.transfer.as_ref()) else {
                     return Err(TransferError::Memory);
                 };
-                let read = chain.resolve_for_read(ticket, GuestOffset(pos), want)?;
+                let read = match chain.try_resolve_for_read(ticket, GuestOffset(pos), want)? {
+                    Some(read) => read,
+                    None => return self.read_through_engine(slot, offset, pos, buffers, mem),
+                };
                 let n = read.extent.len.min(want) as usize;
                 let dst = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
                 match (read.extent.kind, read.file) {
@@ -716,18 +723,55 @@ impl QueueWorker {
                             .map_err(TransferError::Ring)?;
                         self.ring_queued(slot);
                     }
-                    // Compressed clusters, storage without a file: through
-                    // the engine.
-                    _ => {
-                        let mut tmp = vec![0u8; n];
-                        chain.read_at(&mut tmp, pos)?;
-                        dst.copy_from(&tmp);
-                    }
+                    // Compressed clusters, storage without a file.
+                    _ => return self.read_through_engine(slot, offset, pos, buffers, mem),
                 }
                 done += n;
                 pos += n as u64;
             }
         }
+        Ok(())
+    }
+
+    /// Hands the read of `[pos, end of request)` to an engine thread: it
+    /// reads through the chain (waiting for metadata as needed) into a
+    /// bounce buffer and copies it into the request's buffers, from the
+    /// byte of `buffers` that `pos` maps to (`offset` is the request's
+    /// first byte).
+    fn read_through_engine(
+        &mut self,
+        slot: usize,
+        offset: u64,
+        pos: u64,
+        buffers: &[GuestBuffer],
+        mem: &Arc<GuestMem>,
+    ) -> Result<(), TransferError> {
+        let total: u64 = buffers.iter().map(|b| u64::from(b.len)).sum();
+        let skip = pos - offset;
+        let len = usize::try_from(total - skip).map_err(|_| TransferError::Memory)?;
+        let handle = self.device.handle().clone();
+        let (mem, buffers) = (mem.clone(), buffers.to_vec());
+        self.send_job(slot, move || {
+            let mut data = vec![0u8; len];
+            handle
+                .get()
+                .read_at(&mut data, pos)
+                .map_err(|e| format!("read at {pos}: {e}"))?;
+            scatter(&mem, &buffers, skip, &data).map_err(|e| format!("copy into guest memory: {e}"))
+        })
+    }
+
+    /// Hands off a job that changes no mapping.
+    fn send_job(
+        &mut self,
+        slot: usize,
+        work: impl FnOnce() -> JobResult + Send + 'static,
+    ) -> Result<(), TransferError> {
+        self.device
+            .offload()
+            .run(self.mailbox.address(slot), false, work)
+            .map_err(|_| TransferError::Offload)?;
+        self.handed_off(slot);
         Ok(())
     }
 
@@ -852,7 +896,7 @@ impl QueueWorker {
                 if ok && f.short {
                     // A data cluster past the end of its file: read it the
                     // slow way, which zero-fills like every other reader.
-                    ok = self.read_through_engine(*offset, buffers, &f.mem).is_ok();
+                    ok = self.read_again_here(*offset, buffers, &f.mem).is_ok();
                 }
                 if ok {
                     Outcome::ok(*len as u32)
@@ -869,7 +913,9 @@ impl QueueWorker {
         Some(finish(f.queue, &f.request, outcome, &f.mem))
     }
 
-    fn read_through_engine(
+    /// Reads a whole request again through the chain, on this thread
+    /// (rare: a data cluster past the end of its file read short).
+    fn read_again_here(
         &self,
         offset: u64,
         buffers: &[GuestBuffer],
@@ -1011,6 +1057,34 @@ impl Bounce {
 }
 
 /// The host-contiguous pieces of `buffers`, in order.
+/// Copies `data` into guest `buffers`, starting `skip` bytes into them.
+fn scatter(
+    mem: &GuestMem,
+    buffers: &[GuestBuffer],
+    mut skip: u64,
+    mut data: &[u8],
+) -> Result<(), vm_memory::GuestMemoryError> {
+    for b in buffers {
+        let len = u64::from(b.len);
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let n = ((len - skip) as usize).min(data.len());
+        let at = b
+            .addr
+            .checked_add(skip)
+            .ok_or(vm_memory::GuestMemoryError::InvalidGuestAddress(b.addr))?;
+        mem.write_slice(&data[..n], at)?;
+        data = &data[n..];
+        skip = 0;
+        if data.is_empty() {
+            break;
+        }
+    }
+    Ok(())
+}
+
 fn host_slices<'m>(
     mem: &'m GuestMem,
     buffers: &'m [GuestBuffer],

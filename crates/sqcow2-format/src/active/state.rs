@@ -190,6 +190,7 @@ impl ActiveState {
         let words = top
             .cache
             .get_or_load(key, || {
+                crate::nowait::may_load()?;
                 validate_l2_offset(g, l2_offset, top.storage.len()?)?;
                 read_words(&*top.storage, slice.offset, slice.words)
             })

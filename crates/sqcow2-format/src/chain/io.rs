@@ -78,17 +78,40 @@ impl Chain {
         self.check_ticket(ticket)?;
         self.check_range(start.0, max)?;
         let extent = self.resolve(start, max, false)?;
+        let file = match extent.kind {
+            ExtentKind::Data { .. } => {
+                self.storage_of(extent.layer).pinned_file().map_err(|e| {
+                    let kind = match e.kind() {
+                        std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
+                        _ => e.into(),
+                    };
+                    Error::new(self.layers[extent.layer.0].path(), kind)
+                })?
+            }
+            _ => None,
+        };
         if !matches!(extent.kind, ExtentKind::Zero { .. }) {
             self.count_data_read(extent.layer);
         }
-        let file = match extent.kind {
-            ExtentKind::Data { .. } => self
-                .storage_of(extent.layer)
-                .pinned_file()
-                .map_err(|e| Error::new(self.layers[extent.layer.0].path(), e.into()))?,
-            _ => None,
-        };
         Ok(ReadExtent { extent, file })
+    }
+
+    /// [`Chain::resolve_for_read`] from cached metadata only: `None` when
+    /// it would have to read a metadata slice from a file (the caller then
+    /// resolves where it may wait). For threads that serve many requests
+    /// and must not stall them on one cache miss.
+    pub fn try_resolve_for_read(
+        &self,
+        ticket: &TransferTicket,
+        start: GuestOffset,
+        max: u64,
+    ) -> Result<Option<ReadExtent>, Error> {
+        let _scope = crate::nowait::NoMetadataIo::enter();
+        match self.resolve_for_read(ticket, start, max) {
+            Ok(read) => Ok(Some(read)),
+            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Where a write of `len` bytes at guest `offset` (within one cluster)
