@@ -242,6 +242,7 @@ impl Refcounts {
                     file_size,
                 });
             }
+            crate::nowait::may_load()?;
             let mut data = vec![0u8; cluster_size as usize];
             storage.read_at(&mut data, offset)?;
             self.blocks.insert(bi, Block::clean(data));

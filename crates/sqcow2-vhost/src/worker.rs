@@ -625,7 +625,11 @@ impl QueueWorker {
                 let n = ((piece.len() - done) as u64).min(cluster - pos % cluster) as usize;
                 let src = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
                 let target = match self.slots.get(slot).and_then(|f| f.transfer.as_ref()) {
-                    Some(ticket) => chain.in_place_target(ticket, GuestOffset(pos), n as u64)?,
+                    // Never waiting for metadata here: a miss goes to the
+                    // engine with the rest of the write.
+                    Some(ticket) => {
+                        chain.try_in_place_target(ticket, GuestOffset(pos), n as u64)?
+                    }
                     None => None,
                 };
                 match target.and_then(|t| t.file.map(|file| (t.host, file))) {

@@ -142,6 +142,22 @@ impl Chain {
         Ok(Some(InPlaceTarget { host, file }))
     }
 
+    /// [`Chain::in_place_target`] from cached metadata only: `None` also
+    /// when telling would need a metadata read (the write then goes
+    /// through the engine, which may wait).
+    pub fn try_in_place_target(
+        &self,
+        ticket: &TransferTicket,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<Option<InPlaceTarget>, Error> {
+        let _scope = crate::nowait::NoMetadataIo::enter();
+        match self.in_place_target(ticket, offset, len) {
+            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
+            other => other,
+        }
+    }
+
     /// Reads guest bytes at `offset` into `buf`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
