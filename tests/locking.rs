@@ -335,3 +335,53 @@ fn a_filesystem_without_locks_warns_under_auto_and_refuses_under_on() {
     assert!(!String::from_utf8_lossy(&off.stderr).contains("lock"));
     drop(fs);
 }
+
+/// A program that starts other programs (a test harness, a management
+/// daemon) hands every open descriptor to each child for the moment
+/// between fork and exec; an image closed in that moment stays locked
+/// until the child's exec closes its copy. Closing a chain and opening it
+/// again for writing must not fail because of that moment: it is no other
+/// user of the image.
+#[test]
+fn a_chain_closed_while_children_start_can_be_opened_for_writing_at_once() {
+    use sqcow2_format::{Chain, ChainOptions};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let top = chain(tmp.path());
+    let stop = Arc::new(AtomicBool::new(false));
+    let spawners: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = Command::new("true").status();
+                }
+            })
+        })
+        .collect();
+    let writable = ChainOptions {
+        writable: true,
+        ..ChainOptions::default()
+    };
+    let mut failures = Vec::new();
+    for round in 0..300 {
+        for options in [&ChainOptions::default(), &writable] {
+            match Chain::open(&top, options) {
+                Ok(chain) => drop(chain),
+                Err(e) => failures.push(format!("round {round}: {e}")),
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for s in spawners {
+        s.join().unwrap();
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of 600 opens refused: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+}

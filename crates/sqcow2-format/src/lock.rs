@@ -227,6 +227,33 @@ fn unsupported(e: &io::Error) -> bool {
 
 static WARN_UNSUPPORTED: Once = Once::new();
 
+/// How long a conflict is looked at again before it is reported: the
+/// waits between attempts (1 + 2 + ... + 128 ms, about a quarter second).
+const CONFLICT_RECHECKS_MS: [u64; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+
+/// Runs `attempt` until it finds no conflict or the conflict outlasts
+/// [`CONFLICT_RECHECKS_MS`], calling `undo` before each wait. A process
+/// that starts another program shares every descriptor it has with the
+/// child between fork and exec, so an image its owner has just closed
+/// stays locked for that moment although nobody uses it; QEMU would report
+/// such a conflict at once, and a test harness or a management daemon that
+/// spawns programs would then see spurious refusals. A real user holds its
+/// lock for longer than a quarter second.
+fn confirmed(
+    mut attempt: impl FnMut() -> io::Result<Option<ErrorKind>>,
+    mut undo: impl FnMut() -> io::Result<()>,
+) -> io::Result<Option<ErrorKind>> {
+    let mut waits = CONFLICT_RECHECKS_MS.iter();
+    loop {
+        let found = attempt()?;
+        let Some(wait) = waits.next().filter(|_| found.is_some()) else {
+            return Ok(found);
+        };
+        undo()?;
+        std::thread::sleep(std::time::Duration::from_millis(*wait));
+    }
+}
+
 impl FileLock {
     /// Moves the locks of `file` to `want` (as QEMU does: the union is
     /// locked first, then probed, so that two users racing for
@@ -252,7 +279,7 @@ impl FileLock {
             }
             conflict(file, want)
         };
-        match attempt() {
+        match confirmed(attempt, || apply_exactly(file, union, had)) {
             Ok(None) => {
                 apply_exactly(file, union, want)?;
                 self.current = Some(want);
