@@ -386,10 +386,30 @@ fn snapshots_extend_the_index_incrementally() {
     let (tmp, mut top) = fresh_chain();
     for i in 0..5u64 {
         let new = tmp.path().join(format!("snap{i}.qcow2"));
-        let out = sqcow2(&["snapshot", "--output", "json", s(&top), s(&new)]);
+        // Odd snapshots defer the index (the default): the old top's
+        // index serves, the old top walked above it, until the next
+        // snapshot with `--index now` extends it over both.
+        let now = i % 2 == 0;
+        let when = if now { "now" } else { "deferred" };
+        let out = sqcow2(&[
+            "snapshot",
+            "--output",
+            "json",
+            "--index",
+            when,
+            s(&top),
+            s(&new),
+        ]);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["incremental"], true, "{out}");
+        assert_eq!(v["index_written"], now, "{out}");
+        assert_eq!(v["incremental"], now, "{out}");
         assert_valid(&new);
+        match state(&new) {
+            IndexState::Valid { pending, .. } => {
+                assert_eq!(pending, usize::from(!now), "snapshot {i}")
+            }
+            other => panic!("snapshot {i}: {other:?}"),
+        }
         sqcow2(&[
             "io",
             "-c",

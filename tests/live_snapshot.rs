@@ -160,7 +160,7 @@ fn live_snapshots_under_write_load() {
     let info = control(&ctl, json!({"command": "info"}));
     assert_eq!(info["result"]["layers"], 10 + count, "{info}");
     assert_eq!(info["result"]["indexed"], true, "{info}");
-    let stats = control(&ctl, json!({"command": "stats"}));
+    let stats = wait_indexed(&ctl);
     assert_eq!(stats["result"]["snapshots"]["count"], count);
     let model = model.lock().unwrap().clone();
     // Through the daemon (a new connection: the queues went to threads).
@@ -302,4 +302,250 @@ fn bad_control_input_gets_error_replies() {
     assert!(!ctl.exists(), "control socket left behind");
     let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
     assert!(check.status.success());
+}
+
+/// Waits until the daemon's background builds have indexed its top (no
+/// layer pending, no build running); returns `stats`.
+fn wait_indexed(ctl: &std::path::Path) -> Value {
+    let mut stats = Value::Null;
+    for _ in 0..1200 {
+        stats = control(ctl, json!({"command": "stats"}));
+        let index = &stats["result"]["index"];
+        if index["pending_layers"] == 0 && index["building"] == false {
+            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
+            return stats;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the top's index was not built within 60 s: {stats}");
+}
+
+/// A reference of what the disk must hold: the chain's bytes as QEMU read
+/// them at the start (a sparse raw file), and every completed write
+/// applied to it.
+struct Reference {
+    raw: PathBuf,
+    file: std::fs::File,
+    /// (offset, fill) of each completed write, in order.
+    writes: Vec<(u64, u8)>,
+}
+
+impl Reference {
+    fn new(top: &std::path::Path, dir: &std::path::Path) -> Reference {
+        let raw = dir.join("reference.raw");
+        common::qemu_img(&["convert", "-O", "raw", s(top), s(&raw)]);
+        let file = std::fs::OpenOptions::new().write(true).open(&raw).unwrap();
+        Reference {
+            raw,
+            file,
+            writes: Vec::new(),
+        }
+    }
+
+    fn wrote(&mut self, offset: u64, fill: u8) {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(&vec![fill; BLOCK as usize], offset)
+            .unwrap();
+        self.writes.push((offset, fill));
+    }
+
+    /// The last fill written at each offset.
+    fn latest(&self) -> std::collections::BTreeMap<u64, u8> {
+        self.writes.iter().copied().collect()
+    }
+
+    /// Every block written reads back through the daemon.
+    fn verify_through(&self, client: &mut common::vhost::Client, when: &str) {
+        for (offset, fill) in self.latest() {
+            let got = client.read(offset, BLOCK as usize);
+            assert!(
+                got.iter().all(|b| *b == fill),
+                "{when}: block at {offset} lost its write (fill {fill})"
+            );
+        }
+    }
+
+    /// The whole chain equals the reference for QEMU, and every layer is
+    /// clean for `qemu-img check`.
+    fn verify_files(&self, top: &std::path::Path, dir: &std::path::Path) {
+        let out = run_raw(std::process::Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            s(top),
+            s(&self.raw),
+        ]));
+        assert!(
+            out.status.success(),
+            "qemu-img compare with the reference: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let layer = entry.path();
+            if layer.extension().is_none_or(|e| e != "qcow2") {
+                continue;
+            }
+            let out = run_raw(std::process::Command::new("qemu-img").args([
+                "check",
+                "--output=json",
+                s(&layer),
+            ]));
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "qemu-img check {}: {text}",
+                layer.display()
+            );
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                v["leaks"].as_u64().unwrap_or(0),
+                0,
+                "{}: {text}",
+                layer.display()
+            );
+        }
+        let check =
+            run_raw(std::process::Command::new(common::sqcow2_bin()).args(["check", s(top)]));
+        assert!(
+            check.status.success(),
+            "sqcow2 check (every index entry against a walk): {}{}",
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let info = sqcow2(&["info", s(top)]);
+        assert!(
+            info.contains("chain index: valid"),
+            "the top is not indexed again: {info}"
+        );
+    }
+}
+
+/// `kill -9` of the daemon right after live snapshots, while it builds the
+/// new top's index in the background (at random moments, a few rounds;
+/// `scripts/kill-index-builds.sh` runs many): each restart serves the
+/// chain at once (the old index lends itself, the new top walked above
+/// it) with every completed write, rebuilds the index without an
+/// operator, and in the end every layer is clean, QEMU reads the
+/// reference's bytes and the index agrees with a walk of the chain.
+#[test]
+fn kills_during_background_index_builds_lose_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A large sparse disk: the index has many chunks, so builds take long
+    // enough for kills to land inside them.
+    let mut top = gen_chain(tmp.path(), 6, "16G", "0.002");
+    let mut reference = Reference::new(&top, tmp.path());
+    let size: u64 = 16 << 30;
+    let ctl = tmp.path().join("control.sock");
+    let rounds = env_count("SQCOW2_BUILD_KILLS", 4usize);
+    let mut rng = fastrand::Rng::with_seed(17);
+    let mut killed_while_building = 0;
+    for round in 0..rounds {
+        let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+        let mut client = connect_retry(&daemon, 1, false);
+        reference.verify_through(&mut client, &format!("round {round}, after the restart"));
+        for _ in 0..32 {
+            let offset = rng.u64(0..size / BLOCK) * BLOCK;
+            let fill = rng.u8(1..);
+            client.write(offset, &vec![fill; BLOCK as usize]);
+            reference.wrote(offset, fill);
+        }
+        if rng.bool() {
+            client.flush();
+        }
+        let new = tmp.path().join(format!("kill{round:03}.qcow2"));
+        let reply = control(&ctl, json!({"command": "snapshot", "path": new}));
+        assert_eq!(reply["ok"], true, "round {round}: {reply}");
+        top = new;
+        // Writes into the new top too, then the kill at a random moment of
+        // the background build.
+        for _ in 0..8 {
+            let offset = rng.u64(0..size / BLOCK) * BLOCK;
+            let fill = rng.u8(1..);
+            client.write(offset, &vec![fill; BLOCK as usize]);
+            reference.wrote(offset, fill);
+        }
+        std::thread::sleep(Duration::from_millis(rng.u64(0..40)));
+        let stats = control(&ctl, json!({"command": "stats"}));
+        if stats["result"]["index"]["building"] == true {
+            killed_while_building += 1;
+        }
+        drop(client);
+        daemon.stop_with(libc::SIGKILL);
+    }
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    reference.verify_through(&mut client, "after the last restart");
+    let stats = wait_indexed(&ctl);
+    assert!(
+        stats["result"]["index"]["builds"].as_u64().unwrap_or(0) >= 1,
+        "the restarted daemon did not build the top's index: {stats}"
+    );
+    drop(client);
+    daemon.stop();
+    println!("{rounds} kills, {killed_while_building} while a build ran");
+    reference.verify_files(&top, tmp.path());
+}
+
+/// 50 live snapshots back to back, faster than their background index
+/// builds, while a client writes and flushes: builds queue and merge
+/// (fewer builds than snapshots), the guest's writes all complete and read
+/// back, and the chain ends indexed, clean and equal to the reference.
+#[test]
+fn snapshots_back_to_back_outrun_the_index_builds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 4, "4G", "0.01");
+    let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path())));
+    let size: u64 = 4 << 30;
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let client = connect_retry(&daemon, 1, false);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = std::thread::spawn({
+        let (reference, stop) = (reference.clone(), stop.clone());
+        let mut client = client;
+        move || {
+            let mut rng = fastrand::Rng::with_seed(5);
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let offset = rng.u64(0..size / BLOCK) * BLOCK;
+                let fill = rng.u8(1..);
+                assert_eq!(client.try_write(offset, &vec![fill; BLOCK as usize]), 0);
+                reference.lock().unwrap().wrote(offset, fill);
+                n += 1;
+                if n % 16 == 0 {
+                    assert_eq!(client.try_flush(), 0);
+                }
+            }
+            client
+        }
+    });
+    let count = 50;
+    let mut last = top.clone();
+    for i in 0..count {
+        let new = tmp.path().join(format!("burst{i:03}.qcow2"));
+        let reply = control(&ctl, json!({"id": i, "command": "snapshot", "path": new}));
+        assert_eq!(reply["ok"], true, "snapshot {i}: {reply}");
+        last = new;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut client = writer.join().expect("writer");
+    let stats = wait_indexed(&ctl);
+    let builds = stats["result"]["index"]["builds"].as_u64().unwrap_or(0);
+    println!("{count} snapshots back to back: {builds} index builds");
+    assert!(builds >= 1, "{stats}");
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["layers"], 4 + count, "{info}");
+    let reference = Arc::try_unwrap(reference)
+        .ok()
+        .unwrap()
+        .into_inner()
+        .unwrap();
+    reference.verify_through(&mut client, "after the burst");
+    drop(client);
+    daemon.stop();
+    reference.verify_files(&last, tmp.path());
 }

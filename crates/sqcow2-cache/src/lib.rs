@@ -28,11 +28,14 @@ pub const DEFAULT_BUDGET: u64 = 32 << 20;
 pub enum Source {
     /// An L2 table of the layer with this number (0 is the base).
     Layer(u32),
-    /// The chain index.
-    Index,
+    /// A chain index, by a number its chain gives it (a chain that
+    /// replaces its index gives the new one another number: the old
+    /// one's slices are never taken for the new one's).
+    Index(u32),
     /// Resolved slices (the top and the index combined), by guest slice
-    /// number.
-    Resolved,
+    /// number, for the chain with this number (the chain that follows a
+    /// live snapshot shares the cache under a new number).
+    Resolved(u32),
 }
 
 /// What identifies a slice: its source and its place there (a byte

@@ -4,7 +4,7 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use sqcow2_format::indexing::{snapshot, upgrade};
+use sqcow2_format::indexing::{snapshot, upgrade, SnapshotIndex};
 use sqcow2_format::Locking;
 
 use crate::output::{print_json, OutputFormat};
@@ -58,10 +58,20 @@ pub fn run_upgrade(
     Ok(())
 }
 
+/// When `snapshot` writes the new top's index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IndexWhen {
+    /// Before the new top appears.
+    Now,
+    /// By the first daemon that serves the chain, or `upgrade`.
+    Deferred,
+}
+
 /// Runs `sqcow2 snapshot TOP NEW`.
 pub fn run_snapshot(
     top: &Path,
     new: &Path,
+    when: IndexWhen,
     progress: bool,
     output: OutputFormat,
     locking: Locking,
@@ -69,7 +79,11 @@ pub fn run_snapshot(
     let pb = bar(progress);
     pb.set_message("indexing");
     let start = std::time::Instant::now();
-    let report = snapshot(top, new, locking, &mut |done, total| {
+    let when = match when {
+        IndexWhen::Now => SnapshotIndex::Now,
+        IndexWhen::Deferred => SnapshotIndex::Deferred,
+    };
+    let report = snapshot(top, new, locking, when, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     })?;
@@ -85,10 +99,10 @@ pub fn run_snapshot(
             top.display(),
             report.backing,
             report.index.display(),
-            if report.incremental {
-                "incremental"
-            } else {
-                "walked the chain"
+            match (report.index_written, report.incremental) {
+                (false, _) => "deferred: the old top's index serves until it is written",
+                (true, true) => "incremental",
+                (true, false) => "walked the chain",
             },
             elapsed.as_secs_f64() * 1e3
         )?,

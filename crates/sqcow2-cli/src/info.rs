@@ -127,11 +127,25 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         Some(IndexState::Valid {
             path,
             layers,
+            pending: 0,
             bytes,
             granularity,
         }) => writeln!(
             out,
             "chain index: valid ({}; {layers} layers, {bytes} bytes, {granularity}-byte chunks)",
+            path.display()
+        )?,
+        Some(IndexState::Valid {
+            path,
+            layers,
+            pending,
+            bytes,
+            granularity,
+        }) => writeln!(
+            out,
+            "chain index: pending (the top's index is not written yet; {} covers {layers} layers, \
+             {bytes} bytes, {granularity}-byte chunks; {pending} layer(s) above it walked; \
+             `sqcow2 serve` or `sqcow2 upgrade` writes it)",
             path.display()
         )?,
         Some(IndexState::Stale { path, reason }) => writeln!(

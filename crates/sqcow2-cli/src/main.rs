@@ -227,6 +227,12 @@ enum Command {
         /// Snapshot a running `sqcow2 serve`: TOP is then its control socket.
         #[arg(long)]
         live: bool,
+        /// When the new top's index is written: `deferred` (default; the
+        /// old top's index serves until a daemon serving the chain or
+        /// `sqcow2 upgrade` writes it) or `now` (before the new top
+        /// appears; takes time in proportion to the disk).
+        #[arg(long, value_enum, default_value_t = index_cmds::IndexWhen::Deferred)]
+        index: index_cmds::IndexWhen,
         /// Current top of the chain (with --live: the control socket).
         top: PathBuf,
         /// New active volume to create.
@@ -315,8 +321,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             output,
             top,
             new,
+            index,
             ..
-        } => index_cmds::run_snapshot(&top, &new, progress, output, locking)
+        } => index_cmds::run_snapshot(&top, &new, index, progress, output, locking)
             .map(|()| ExitCode::SUCCESS),
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
         Command::Activate { output, control } => {

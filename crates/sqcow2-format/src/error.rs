@@ -274,6 +274,9 @@ pub enum ErrorKind {
     /// when the chain was opened: another program changed the file.
     #[error("the image changed since the chain was opened (its L1 table no longer matches)")]
     LayerChanged,
+    /// A chain index that cannot serve this chain.
+    #[error("chain index not usable: {0}")]
+    IndexStale(String),
     /// A chain with more layers than the configured limit.
     #[error("backing chain longer than the limit of {limit} layers")]
     ChainTooDeep {

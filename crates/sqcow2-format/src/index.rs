@@ -256,6 +256,151 @@ impl IndexGeometry {
     }
 }
 
+/// Where an [`IndexWriter`] puts its bytes.
+pub trait IndexSink {
+    /// Writes `bytes` at `offset`.
+    fn write_at(&mut self, bytes: &[u8], offset: u64) -> std::io::Result<()>;
+}
+
+impl IndexSink for Vec<u8> {
+    fn write_at(&mut self, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+        let end = offset as usize + bytes.len();
+        if self.len() < end {
+            self.resize(end, 0);
+        }
+        self[offset as usize..end].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+impl IndexSink for std::fs::File {
+    fn write_at(&mut self, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(self, bytes, offset)
+    }
+}
+
+/// Writes an index chunk by chunk, one slice in memory at a time: entries
+/// for every chunk in order ([`IndexWriter::push`]), then the header,
+/// the fingerprints of the covered layers (base first) and the slice
+/// table ([`IndexWriter::finish`]). Memory stays one slice plus the slice
+/// table (16 bytes per 256 chunks) whatever the disk size.
+pub struct IndexWriter<S: IndexSink> {
+    sink: S,
+    geometry: IndexGeometry,
+    layer_table: Vec<u8>,
+    layer_count: u32,
+    l1_offset: u64,
+    l1: Vec<u8>,
+    slice: Vec<IndexEntry>,
+    next_offset: u64,
+    pushed: u64,
+}
+
+impl<S: IndexSink> IndexWriter<S> {
+    /// A writer of an index with `geometry` over `layers`, into `sink`.
+    pub fn new(sink: S, geometry: IndexGeometry, layers: &[LayerFingerprint]) -> Self {
+        let mut layer_table = Vec::new();
+        for l in layers {
+            l.encode(&mut layer_table);
+        }
+        let table_crc = crc32c::crc32c(&layer_table);
+        layer_table.extend_from_slice(&u64::from(table_crc).to_be_bytes());
+        let l1_offset = INDEX_HEADER_LEN + layer_table.len() as u64;
+        // Slices start on a 4 KiB boundary: one page per slice read.
+        let body_start = (l1_offset + geometry.slices() * ENTRY_SIZE).div_ceil(4096) * 4096;
+        IndexWriter {
+            sink,
+            geometry,
+            layer_table,
+            layer_count: layers.len() as u32,
+            l1_offset,
+            l1: Vec::with_capacity((geometry.slices() * ENTRY_SIZE) as usize),
+            slice: Vec::with_capacity(geometry.slice_entries() as usize),
+            next_offset: body_start,
+            pushed: 0,
+        }
+    }
+
+    /// Entries pushed so far (the chunk the next one describes).
+    pub fn pushed(&self) -> u64 {
+        self.pushed
+    }
+
+    /// The entry of the next chunk.
+    pub fn push(&mut self, entry: IndexEntry) -> std::io::Result<()> {
+        self.slice.push(entry);
+        self.pushed += 1;
+        if self.slice.len() as u64 == self.geometry.slice_entries() {
+            self.write_slice()?;
+        }
+        Ok(())
+    }
+
+    fn write_slice(&mut self) -> std::io::Result<()> {
+        if self.slice.iter().all(|e| *e == IndexEntry::None) {
+            self.l1.extend_from_slice(&[0u8; 16]);
+        } else {
+            let per = self.geometry.slice_entries() as usize;
+            let mut bytes = Vec::with_capacity(per * 16);
+            for i in 0..per {
+                let [a, b] = self
+                    .slice
+                    .get(i)
+                    .copied()
+                    .unwrap_or(IndexEntry::None)
+                    .encode();
+                bytes.extend_from_slice(&a.to_be_bytes());
+                bytes.extend_from_slice(&b.to_be_bytes());
+            }
+            self.sink.write_at(&bytes, self.next_offset)?;
+            self.l1.extend_from_slice(&self.next_offset.to_be_bytes());
+            self.l1
+                .extend_from_slice(&slice_checksum(&bytes).to_be_bytes());
+            self.l1.extend_from_slice(&[0u8; 4]);
+            self.next_offset += bytes.len() as u64;
+        }
+        self.slice.clear();
+        Ok(())
+    }
+
+    /// Writes what describes the entries (chunks never pushed read as
+    /// *none*) and returns the sink.
+    pub fn finish(mut self) -> std::io::Result<S> {
+        while self.pushed < self.geometry.chunks() {
+            self.push(IndexEntry::None)?;
+        }
+        if !self.slice.is_empty() {
+            self.write_slice()?;
+        }
+        let g = self.geometry;
+        let mut header = vec![0u8; INDEX_HEADER_LEN as usize];
+        header[0..8].copy_from_slice(INDEX_MAGIC);
+        header[8..12].copy_from_slice(&INDEX_VERSION.to_be_bytes());
+        header[12..16].copy_from_slice(&(INDEX_HEADER_LEN as u32).to_be_bytes());
+        header[16..20].copy_from_slice(&g.granularity_bits.to_be_bytes());
+        header[20..24].copy_from_slice(&SLICE_ENTRIES_BITS.to_be_bytes());
+        header[24..28].copy_from_slice(&self.layer_count.to_be_bytes());
+        header[32..40].copy_from_slice(&g.covered_size.to_be_bytes());
+        header[40..48].copy_from_slice(&g.chunks().to_be_bytes());
+        header[48..56].copy_from_slice(&INDEX_HEADER_LEN.to_be_bytes());
+        header[56..64].copy_from_slice(&(self.layer_table.len() as u64).to_be_bytes());
+        header[64..72].copy_from_slice(&self.l1_offset.to_be_bytes());
+        header[72..80].copy_from_slice(&g.slices().to_be_bytes());
+        header[88..92].copy_from_slice(&crc32c::crc32c(&self.l1).to_be_bytes());
+        let crc = crc32c::crc32c(&header);
+        header[80..84].copy_from_slice(&crc.to_be_bytes());
+        let mut front = header;
+        front.extend_from_slice(&self.layer_table);
+        front.extend_from_slice(&self.l1);
+        // Up to the first slice (the gap is part of the file even when no
+        // slice follows).
+        let body_start = (self.l1_offset + g.slices() * ENTRY_SIZE).div_ceil(4096) * 4096;
+        front.resize(body_start as usize, 0);
+        self.sink.write_at(&front, 0)?;
+        Ok(self.sink)
+    }
+}
+
 /// Serialises an index: entries for every chunk, fingerprints of the
 /// covered layers (base first).
 pub fn encode_index(
@@ -263,61 +408,17 @@ pub fn encode_index(
     layers: &[LayerFingerprint],
     entries: &[IndexEntry],
 ) -> Vec<u8> {
-    let mut layer_table = Vec::new();
-    for l in layers {
-        l.encode(&mut layer_table);
+    let mut writer = IndexWriter::new(Vec::new(), geometry, layers);
+    for e in entries.iter().take(geometry.chunks() as usize) {
+        // A Vec never fails to take bytes.
+        let _ = writer.push(*e);
     }
-    let table_crc = crc32c::crc32c(&layer_table);
-    layer_table.extend_from_slice(&u64::from(table_crc).to_be_bytes());
-    let layers_offset = INDEX_HEADER_LEN;
-    let l1_offset = layers_offset + layer_table.len() as u64;
-    let slices = geometry.slices();
-    // Slices start on a 4 KiB boundary: one page per slice read.
-    let body_start = (l1_offset + slices * ENTRY_SIZE).div_ceil(4096) * 4096;
-    let mut slice_offset = body_start;
-    let per = geometry.slice_entries() as usize;
-    let mut l1 = Vec::with_capacity((slices * ENTRY_SIZE) as usize);
-    let mut body = Vec::new();
-    for chunk in entries.chunks(per) {
-        if chunk.iter().all(|e| *e == IndexEntry::None) {
-            l1.extend_from_slice(&[0u8; 16]);
-            continue;
-        }
-        let mut bytes = Vec::with_capacity(per * 16);
-        for i in 0..per {
-            let [a, b] = chunk.get(i).copied().unwrap_or(IndexEntry::None).encode();
-            bytes.extend_from_slice(&a.to_be_bytes());
-            bytes.extend_from_slice(&b.to_be_bytes());
-        }
-        l1.extend_from_slice(&slice_offset.to_be_bytes());
-        l1.extend_from_slice(&slice_checksum(&bytes).to_be_bytes());
-        l1.extend_from_slice(&[0u8; 4]);
-        slice_offset += bytes.len() as u64;
-        body.extend_from_slice(&bytes);
-    }
-    let mut header = vec![0u8; INDEX_HEADER_LEN as usize];
-    header[0..8].copy_from_slice(INDEX_MAGIC);
-    header[8..12].copy_from_slice(&INDEX_VERSION.to_be_bytes());
-    header[12..16].copy_from_slice(&(INDEX_HEADER_LEN as u32).to_be_bytes());
-    header[16..20].copy_from_slice(&geometry.granularity_bits.to_be_bytes());
-    header[20..24].copy_from_slice(&SLICE_ENTRIES_BITS.to_be_bytes());
-    header[24..28].copy_from_slice(&(layers.len() as u32).to_be_bytes());
-    header[32..40].copy_from_slice(&geometry.covered_size.to_be_bytes());
-    header[40..48].copy_from_slice(&geometry.chunks().to_be_bytes());
-    header[48..56].copy_from_slice(&layers_offset.to_be_bytes());
-    header[56..64].copy_from_slice(&(layer_table.len() as u64).to_be_bytes());
-    header[64..72].copy_from_slice(&l1_offset.to_be_bytes());
-    header[72..80].copy_from_slice(&slices.to_be_bytes());
-    header[88..92].copy_from_slice(&crc32c::crc32c(&l1).to_be_bytes());
-    let crc = crc32c::crc32c(&header);
-    header[80..84].copy_from_slice(&crc.to_be_bytes());
-    let mut out = header;
-    out.extend_from_slice(&layer_table);
-    out.extend_from_slice(&l1);
-    out.resize(body_start as usize, 0);
-    out.extend_from_slice(&body);
-    out
+    writer.finish().unwrap_or_default()
 }
+
+/// Numbers of the indexes opened in this process, for their slices' keys
+/// in the unified cache.
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// An opened, structurally valid index file (its fit to the chain is
 /// checked by [`ChainIndex::matches`]).
@@ -330,6 +431,8 @@ pub struct ChainIndex {
     l1: Vec<(u64, u32)>,
     file_size: u64,
     usable: AtomicBool,
+    /// Its number in the unified cache (unique in the process).
+    cache_id: u32,
     /// Slices whose checksum matched once: the file is never rewritten in
     /// place (a new index replaces it by rename), so a slice read again
     /// after eviction is not checked again.
@@ -432,6 +535,7 @@ impl ChainIndex {
             l1,
             file_size,
             usable: AtomicBool::new(true),
+            cache_id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             verified: (0..geometry.slices().div_ceil(64))
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
@@ -544,7 +648,7 @@ impl ChainIndex {
             return Some(None);
         }
         let key = SliceKey {
-            source: Source::Index,
+            source: Source::Index(self.cache_id),
             offset,
         };
         if crate::nowait::may_load().is_err() {

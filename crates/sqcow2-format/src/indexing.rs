@@ -12,7 +12,7 @@ use crate::chain::{Chain, ChainOptions};
 use crate::create::{create, CreateOptions};
 use crate::error::{Error, ErrorKind};
 use crate::header::Version;
-use crate::index::{encode_index, IndexEntry};
+use crate::index::{IndexEntry, IndexGeometry, IndexWriter};
 use crate::layer::Layer;
 use crate::lock::{LockRequest, Locking};
 use crate::sqcow2_ext::{fingerprints, set_autoclear_bit, write_index_extension, IndexState};
@@ -26,17 +26,41 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::new(path, ErrorKind::Io(e))
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file, fsync, rename,
-/// fsync of the directory.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+/// Writes the index of layers `0..=upto` of `chain` over `covered_size`
+/// guest bytes to `path` atomically (a temporary file written slice by
+/// slice, fsync, rename, fsync of the directory); `top_name` is the
+/// backing name the layer above `upto` records. Returns the geometry and
+/// the file's size.
+fn write_index(
+    chain: &Chain,
+    upto: LayerIndex,
+    covered_size: u64,
+    top_name: &[u8],
+    path: &Path,
+    progress: Progress,
+) -> Result<(IndexGeometry, u64), Error> {
+    let geometry = chain.index_geometry(upto, covered_size);
+    let fps = fingerprints(chain.layers(), upto.0, top_name);
     let tmp = path.with_extension("sqidx.tmp");
-    {
-        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
-        std::io::Write::write_all(&mut f, bytes).map_err(io_err(&tmp))?;
-        f.sync_all().map_err(io_err(&tmp))?;
-    }
+    let file = File::create(&tmp).map_err(io_err(&tmp))?;
+    let mut writer = IndexWriter::new(file, geometry, &fps);
+    chain.index_entries(
+        upto,
+        geometry,
+        &mut |entry| {
+            writer
+                .push(entry)
+                .map_err(|e| Error::new(&tmp, ErrorKind::Io(e)))
+        },
+        progress,
+    )?;
+    let file = writer.finish().map_err(io_err(&tmp))?;
+    let bytes = file.metadata().map_err(io_err(&tmp))?.len();
+    file.sync_all().map_err(io_err(&tmp))?;
+    drop(file);
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
-    sync_dir(path)
+    sync_dir(path)?;
+    Ok((geometry, bytes))
 }
 
 fn sync_dir(path: &Path) -> Result<(), Error> {
@@ -126,8 +150,6 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         });
     }
     let upto = n - 2;
-    let (geometry, entries) =
-        chain.index_entries(LayerIndex(upto), chain.virtual_size(), progress)?;
     let top_layer = chain.top();
     let Some(header) = top_layer.header() else {
         return Err(Error::new(top, ErrorKind::BadMagic(0)));
@@ -137,15 +159,20 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         .as_ref()
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default();
-    let fps = fingerprints(chain.layers(), upto, &top_name);
-    let bytes = encode_index(geometry, &fps, &entries);
     let name = index_file_name(top);
     let index_path = top.with_file_name(&name);
     top_layer
         .storage()
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(top, k))?;
-    write_atomically(&index_path, &bytes)?;
+    let (geometry, bytes) = write_index(
+        &chain,
+        LayerIndex(upto),
+        chain.virtual_size(),
+        &top_name,
+        &index_path,
+        progress,
+    )?;
     mark_layers(&chain, upto, locking)?;
     let storage = FileStorage::open_read_write(top).map_err(io_err(top))?;
     write_index_extension(&storage, header, &name).map_err(io_err(top))?;
@@ -153,7 +180,7 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         index: Some(index_path),
         layers: upto + 1,
         chunks: geometry.chunks(),
-        bytes: bytes.len() as u64,
+        bytes,
     })
 }
 
@@ -189,15 +216,31 @@ pub struct SnapshotReport {
     pub new: PathBuf,
     /// Its backing file name, as written.
     pub backing: PathBuf,
-    /// Its index file.
+    /// Its index file (named by the new top's header; written now with
+    /// [`SnapshotIndex::Now`], else by the first writable open that serves
+    /// the chain, or by `upgrade`).
     pub index: PathBuf,
+    /// Whether the index was written now.
+    pub index_written: bool,
     /// Whether the old top's index was used (O(1) lookups) or the chain
-    /// had to be walked.
+    /// had to be walked (only when the index was written now).
     pub incremental: bool,
 }
 
+/// When `snapshot` writes the new top's index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotIndex {
+    /// Before the new top appears (the cost grows with the disk).
+    Now,
+    /// Later ([`build_index`], called by a daemon that serves the chain,
+    /// or `upgrade`); until then the old top's index serves and the old
+    /// top is walked first.
+    Deferred,
+}
+
 /// Creates `new` over `top` exactly as `qemu-img create -b TOP -F qcow2
-/// NEW` would (same size and cluster size as the top), plus its index.
+/// NEW` would (same size and cluster size as the top), naming its index
+/// (`<new>.sqidx`), which is written now or later as `index` says.
 /// Atomic: `new` appears (by rename) only once complete. The chain is
 /// locked as a reader, and a layer whose header gains the index bit as a
 /// writer (`Locking::Off` for a caller that holds the locks itself).
@@ -205,8 +248,55 @@ pub fn snapshot(
     top: &Path,
     new: &Path,
     locking: Locking,
+    index: SnapshotIndex,
     progress: Progress,
 ) -> Result<SnapshotReport, Error> {
+    let prepared = prepare_snapshot(top, new, locking, index, progress)?;
+    prepared.publish()
+}
+
+/// A new top created under a temporary name, not yet visible under its
+/// own ([`PreparedSnapshot::publish`] renames it; dropped, it is
+/// removed).
+#[must_use = "a prepared snapshot is removed unless published"]
+#[derive(Debug)]
+pub struct PreparedSnapshot {
+    tmp: PathBuf,
+    report: SnapshotReport,
+    published: bool,
+}
+
+impl PreparedSnapshot {
+    /// Makes the new top visible under its name (rename, fsync of the
+    /// directory).
+    pub fn publish(mut self) -> Result<SnapshotReport, Error> {
+        let new = self.report.new.clone();
+        std::fs::rename(&self.tmp, &new).map_err(io_err(&new))?;
+        self.published = true;
+        sync_dir(&new)?;
+        Ok(self.report.clone())
+    }
+}
+
+impl Drop for PreparedSnapshot {
+    fn drop(&mut self) {
+        if !self.published {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// The part of [`snapshot`] that does not need the old top to stay
+/// unchanged (with [`SnapshotIndex::Deferred`]): the new top created and
+/// synced under a temporary name. A daemon prepares a live snapshot this
+/// way while the guest runs and publishes it inside the pause.
+pub fn prepare_snapshot(
+    top: &Path,
+    new: &Path,
+    locking: Locking,
+    index: SnapshotIndex,
+    progress: Progress,
+) -> Result<PreparedSnapshot, Error> {
     if new.exists() {
         return Err(Error::new(
             new,
@@ -220,11 +310,45 @@ pub fn snapshot(
         top,
         &ChainOptions {
             locking,
+            // Headers and the top's L1 table are all a deferred index needs.
+            use_index: index == SnapshotIndex::Now,
             ..ChainOptions::default()
         },
     )?;
-    let incremental = chain.is_indexed() || chain.layers().len() == 1;
+    // Extended from the index in use (its layers not walked again).
+    let incremental =
+        index == SnapshotIndex::Now && (chain.is_indexed() || chain.layers().len() == 1);
     let top_index = chain.top_index();
+    let mut prepared = create_over(&chain, top, new)?;
+    if index == SnapshotIndex::Now {
+        let backing = prepared.report.backing.clone();
+        write_index(
+            &chain,
+            top_index,
+            chain.virtual_size(),
+            backing.as_os_str().as_bytes(),
+            &prepared.report.index,
+            progress,
+        )?;
+        mark_layers(&chain, top_index.0, locking)?;
+    }
+    prepared.report.index_written = index == SnapshotIndex::Now;
+    prepared.report.incremental = incremental;
+    Ok(prepared)
+}
+
+/// The new top over `chain`'s top `top`, created and synced under a
+/// temporary name, naming its (not yet written) index.
+fn create_over(chain: &Chain, top: &Path, new: &Path) -> Result<PreparedSnapshot, Error> {
+    if new.exists() {
+        return Err(Error::new(
+            new,
+            ErrorKind::Io(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "refusing to overwrite an existing file",
+            )),
+        ));
+    }
     let Some(top_header) = chain.top().header() else {
         return Err(Error::new(top, ErrorKind::BadMagic(0)));
     };
@@ -234,18 +358,14 @@ pub fn snapshot(
     } else {
         relative_to(top, new_dir)
     };
-    let size = chain.virtual_size();
-    let (geometry, entries) = chain.index_entries(top_index, size, progress)?;
-    let fps = fingerprints(chain.layers(), top_index.0, backing.as_os_str().as_bytes());
-    let bytes = encode_index(geometry, &fps, &entries);
     let name = index_file_name(new);
     let index_path = new.with_file_name(&name);
-    write_atomically(&index_path, &bytes)?;
-    mark_layers(&chain, top_index.0, locking)?;
-
+    // An index left by an earlier image of that name cannot serve this
+    // one (its fingerprints would say so); it goes.
+    let _ = std::fs::remove_file(&index_path);
     let tmp = new.with_extension("qcow2.tmp");
     let opts = CreateOptions {
-        size,
+        size: chain.virtual_size(),
         cluster_size: top_header.geometry.cluster_size(),
         extended_l2: top_header.geometry.extended_l2,
         compression_type: top_header.compression_type,
@@ -255,6 +375,17 @@ pub fn snapshot(
         ..CreateOptions::default()
     };
     create(&tmp, &opts)?;
+    let prepared = PreparedSnapshot {
+        tmp: tmp.clone(),
+        report: SnapshotReport {
+            new: new.to_path_buf(),
+            backing,
+            index: index_path,
+            index_written: false,
+            incremental: false,
+        },
+        published: false,
+    };
     let storage = FileStorage::open_read_write(&tmp).map_err(io_err(&tmp))?;
     let header = crate::check::read_header(&storage).map_err(|k| Error::new(&tmp, k))?;
     write_index_extension(&storage, &header, &name).map_err(io_err(&tmp))?;
@@ -264,14 +395,67 @@ pub fn snapshot(
         .open(&tmp)
         .and_then(|f| f.sync_all())
         .map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, new).map_err(io_err(new))?;
-    sync_dir(new)?;
-    Ok(SnapshotReport {
-        new: new.to_path_buf(),
-        backing,
-        index: index_path,
-        incremental,
-    })
+    Ok(prepared)
+}
+
+/// Creates `new` over `top`, the top of `chain` (which this process has
+/// open, writable or not, and whose locks it holds), with a deferred
+/// index: only the top's header is looked at, never its L1 or L2 tables
+/// (which a writer may be changing), so a daemon can create the new top
+/// of a live snapshot while the guest runs. Atomic and durable as
+/// [`snapshot`].
+pub fn snapshot_over(chain: &Chain, top: &Path, new: &Path) -> Result<SnapshotReport, Error> {
+    create_over(chain, top, new)?.publish()
+}
+
+/// What [`build_index`] did.
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildReport {
+    /// The index written.
+    pub index: PathBuf,
+    /// Layers it covers.
+    pub layers: usize,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+/// Writes the index the top of `chain` names, covering every layer below
+/// the top, from the index in use and the layers above it (pending
+/// layers), and installs it into `chain`: lookups stop walking the
+/// pending layers. Layers below the top gain the autoclear bit first (each
+/// locked as a writer unless `locking` is off: a daemon that holds the
+/// chain's locks passes `Locking::Off`). Nothing is done (`None`) when
+/// the top names no index or the index in use covers every layer below
+/// the top. A crash at any moment leaves the old index serving: the new
+/// one appears by rename, complete.
+pub fn build_index(
+    chain: &Chain,
+    locking: Locking,
+    progress: Progress,
+) -> Result<Option<BuildReport>, Error> {
+    let Some(upto) = chain.indexable_layers() else {
+        return Ok(None);
+    };
+    let top = chain.top();
+    let Some(name) = top.header().and_then(crate::sqcow2_ext::index_name) else {
+        return Ok(None);
+    };
+    if chain.index_covers() == Some(upto) && chain.pending_layers() == 0 {
+        return Ok(None);
+    }
+    let path = match top.path().parent() {
+        Some(dir) => dir.join(&name),
+        None => name,
+    };
+    mark_layers(chain, upto.0, locking)?;
+    let top_name = crate::chain::backing_name_of(top);
+    let (_, bytes) = write_index(chain, upto, top.virtual_size(), &top_name, &path, progress)?;
+    chain.install_index(&path)?;
+    Ok(Some(BuildReport {
+        index: path,
+        layers: upto.0 + 1,
+        bytes,
+    }))
 }
 
 /// Result of comparing an index with a fresh walk of the chain.
@@ -316,29 +500,47 @@ pub fn verify_index(
             ..options
         },
     )?;
-    let upto = LayerIndex(walked.top_index().0 - 1);
-    let (geometry, expected) = walked.index_entries(upto, walked.virtual_size(), &mut |_, _| {})?;
+    // The layers the index in use covers (fewer than all below the top
+    // while layers are pending).
+    let Some(upto) = indexed.index_covers() else {
+        return Ok(IndexVerification {
+            state,
+            chunks: 0,
+            mismatches: 0,
+            examples: Vec::new(),
+        });
+    };
+    let covered_size = indexed.layers()[upto.0 + 1].virtual_size();
+    let geometry = walked.index_geometry(upto, covered_size);
     let mut mismatches = 0;
     let mut examples = Vec::new();
-    for (chunk, want) in expected.iter().enumerate() {
-        let got = indexed.index_entry(chunk as u64);
-        let same = match (got, want) {
-            (Some(g), w) => g == *w || matches!((g, w), (IndexEntry::Walk, _)),
-            (None, _) => false,
-        };
-        if !same {
-            mismatches += 1;
-            if examples.len() < 10 {
-                examples.push(format!(
-                    "chunk {chunk} (guest offset {:#x}): index says {got:?}, the chain {want:?}",
-                    chunk as u64 * geometry.chunk_size()
-                ));
+    let mut chunk = 0u64;
+    walked.index_entries(
+        upto,
+        geometry,
+        &mut |want| {
+            let got = indexed.index_entry(chunk);
+            let same = match got {
+                Some(g) => g == want || matches!(g, IndexEntry::Walk),
+                None => false,
+            };
+            if !same {
+                mismatches += 1;
+                if examples.len() < 10 {
+                    examples.push(format!(
+                        "chunk {chunk} (guest offset {:#x}): index says {got:?}, the chain {want:?}",
+                        chunk * geometry.chunk_size()
+                    ));
+                }
             }
-        }
-    }
+            chunk += 1;
+            Ok(())
+        },
+        &mut |_, _| {},
+    )?;
     Ok(IndexVerification {
         state,
-        chunks: expected.len() as u64,
+        chunks: chunk,
         mismatches,
         examples,
     })

@@ -20,18 +20,21 @@ pub type LayerStatus = ClusterMapping;
 /// (read at open for the top; for a layer below it, read when first
 /// needed, which indexed lookups never are, and checked against the
 /// fingerprint taken at open).
-#[derive(Debug)]
+///
+/// Cloning is cheap and shares the header and the L1 table (a chain that
+/// follows a live snapshot keeps the layers below the old top).
+#[derive(Debug, Clone)]
 pub struct Qcow2Layer {
     path: PathBuf,
     storage: Arc<dyn Storage>,
-    header: Header,
-    l1: OnceLock<Vec<u64>>,
+    header: Arc<Header>,
+    l1: Arc<OnceLock<Vec<u64>>>,
     file_size: u64,
     fingerprint: (u64, u64),
 }
 
 /// A raw file used as the base of a chain.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RawLayer {
     path: PathBuf,
     storage: Arc<dyn Storage>,
@@ -39,7 +42,7 @@ pub struct RawLayer {
 }
 
 /// A layer of a chain.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Layer {
     /// A qcow2 image.
     Qcow2(Qcow2Layer),
@@ -88,8 +91,8 @@ impl Qcow2Layer {
         Ok(Self {
             path: path.to_path_buf(),
             storage,
-            header,
-            l1: OnceLock::new(),
+            header: Arc::new(header),
+            l1: Arc::new(OnceLock::new()),
             file_size,
             fingerprint,
         })

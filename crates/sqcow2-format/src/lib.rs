@@ -48,7 +48,7 @@ mod types;
 
 pub use backing::resolve_backing_path;
 pub use chain::{
-    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, ReadExtent,
+    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed, ReadExtent,
     DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,
 };
 pub use entry::CompressedDescriptor;

@@ -30,6 +30,9 @@ pub enum IndexState {
         path: PathBuf,
         /// Layers covered.
         layers: usize,
+        /// Layers above the covered ones, below the top, walked until the
+        /// top's own index is built (an index of an older top serves).
+        pending: usize,
         /// Size of the index file.
         bytes: u64,
         /// Chunk size.
@@ -112,62 +115,100 @@ pub fn granularity_bits(layers: &[Layer], upto: usize) -> u32 {
         .unwrap_or(16)
 }
 
+/// Most layers walked above an index of an older top: beyond, walking
+/// the chain costs as much as the index saves.
+pub const MAX_PENDING_LAYERS: usize = 64;
+
 /// Opens the index the top names and checks it against the layers below.
-pub fn open_index(layers: &[Layer]) -> (Option<ChainIndex>, IndexState) {
-    let top = &layers[layers.len() - 1];
-    let Some(name) = top.header().and_then(index_name) else {
+/// When it is missing or stale (a crash before a new top's index was
+/// built, say), the nearest layer below whose own index is valid lends
+/// its index, which covers the layers below that layer: the layers in
+/// between are walked (at most [`MAX_PENDING_LAYERS`]).
+pub fn open_index(layers: &[Layer]) -> (Option<(ChainIndex, usize)>, IndexState) {
+    let top = layers.len() - 1;
+    let Some(path) = named_index(&layers[top]) else {
         return (None, IndexState::None);
     };
-    let path = match top.path().parent() {
+    let reason = match open_index_of(layers, top) {
+        Ok(index) => {
+            let state = valid_state(&path, &index, top);
+            return (Some((index, top - 1)), state);
+        }
+        Err(reason) => reason,
+    };
+    for owner in (1..top).rev().take(MAX_PENDING_LAYERS) {
+        let Some(lower) = named_index(&layers[owner]) else {
+            continue;
+        };
+        if let Ok(index) = open_index_of(layers, owner) {
+            tracing::info!(
+                index = %path.display(), %reason, lent_by = %lower.display(),
+                pending = top - owner,
+                "chain index of the top not usable: the index of a layer below serves"
+            );
+            let state = valid_state(&lower, &index, top);
+            return (Some((index, owner - 1)), state);
+        }
+    }
+    tracing::warn!(index = %path.display(), %reason, "chain index not used: walking the chain");
+    (
+        None,
+        IndexState::Stale {
+            path,
+            reason: reason.to_string(),
+        },
+    )
+}
+
+/// Where the index `layer` names lies.
+fn named_index(layer: &Layer) -> Option<PathBuf> {
+    let name = layer.header().and_then(index_name)?;
+    Some(match layer.path().parent() {
         Some(dir) => dir.join(&name),
         None => name,
+    })
+}
+
+fn valid_state(path: &Path, index: &ChainIndex, top: usize) -> IndexState {
+    let covered = index.layers().len();
+    IndexState::Valid {
+        path: path.to_path_buf(),
+        layers: covered,
+        pending: top - covered,
+        bytes: index.file_size(),
+        granularity: index.geometry().chunk_size(),
+    }
+}
+
+/// Opens the index that layer `owner` names, which must cover exactly the
+/// layers below it as they are now.
+fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
+    let Some(path) = named_index(&layers[owner]) else {
+        return Err(Stale::NotIndexed);
     };
-    let stale = |reason: Stale| {
-        tracing::warn!(index = %path.display(), %reason, "chain index not used: walking the chain");
-        (
-            None,
-            IndexState::Stale {
-                path: path.clone(),
-                reason: reason.to_string(),
-            },
-        )
-    };
-    if layers.len() < 2 {
-        return stale(Stale::LayerCount {
+    if owner < 1 {
+        return Err(Stale::LayerCount {
             indexed: 0,
             actual: 0,
         });
     }
-    let storage: Arc<dyn Storage> = match FileStorage::open_read_only(&path) {
-        Ok(s) => Arc::new(s),
-        Err(e) => return stale(Stale::Missing(e.to_string())),
-    };
-    let index = match ChainIndex::open(&path, storage) {
-        Ok(i) => i,
-        Err(reason) => return stale(reason),
-    };
-    let upto = layers.len() - 2;
-    let top_name = top
+    let storage: Arc<dyn Storage> =
+        Arc::new(FileStorage::open_read_only(&path).map_err(|e| Stale::Missing(e.to_string()))?);
+    let index = ChainIndex::open(&path, storage)?;
+    let upto = owner - 1;
+    let top_name = layers[owner]
         .header()
         .and_then(|h| h.backing_file.as_ref())
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default();
     let actual = fingerprints(layers, upto, &top_name);
-    if let Err(reason) = index.matches(
+    index.matches(
         &actual,
         &autoclear_flags(layers, upto),
-        top.virtual_size(),
+        layers[owner].virtual_size(),
         granularity_bits(layers, upto),
-    ) {
-        return stale(reason);
-    }
-    let state = IndexState::Valid {
-        path,
-        layers: upto + 1,
-        bytes: index.file_size(),
-        granularity: index.geometry().chunk_size(),
-    };
-    (Some(index), state)
+    )?;
+    Ok(index)
 }
 
 /// Sets the sQcow2 autoclear bit of a qcow2 v3 image (durably). Returns

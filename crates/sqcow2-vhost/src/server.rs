@@ -161,6 +161,10 @@ pub fn serve(
         Shared::new(handle, chain_options)
     };
     let shared = Arc::new(shared.with_inactive_timeout(options.inactive_timeout));
+    if !options.inactive {
+        // A daemon killed during a build left the old index serving.
+        shared.index_builder.wake();
+    }
     if let Some(path) = &options.control {
         let control = crate::control::bind(path, options.socket_mode)
             .map_err(io_err(format!("control socket {}", path.display())))?;

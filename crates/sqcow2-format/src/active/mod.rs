@@ -444,6 +444,13 @@ impl Active {
         }
     }
 
+    /// Puts the loaded tables into the unified cache for readers of the
+    /// image as a backing layer; fails if some metadata is not written
+    /// back (call [`Active::close`] first).
+    pub(crate) fn publish_loaded(&self) -> Result<(), Error> {
+        self.read_state().publish_loaded()
+    }
+
     /// Flushes and, with lazy refcounts, writes the refcounts and clears
     /// the dirty bit: the image is then clean for any reader.
     pub(crate) fn close(&self, fence: &TransferFence) -> Result<(), Error> {

@@ -562,6 +562,22 @@ impl ActiveState {
         resident > limit
     }
 
+    /// Puts every loaded table into the unified cache, where readers of
+    /// this image as a backing layer look (the cache may hold older
+    /// slices of a table loaded here and changed since). Fails, putting
+    /// nothing, if a table has changes not yet written to the file.
+    pub(crate) fn publish_loaded(&self) -> Result<(), Error> {
+        if self.l2.values().any(|s| s.dirty.any()) {
+            return Err(self.top.err(ErrorKind::Io(std::io::Error::other(
+                "metadata not yet written back",
+            ))));
+        }
+        for (offset, slot) in &self.l2 {
+            self.publish(*offset, &slot.table);
+        }
+        Ok(())
+    }
+
     /// Puts the slices of a clean table into the unified cache.
     pub(crate) fn publish(&self, offset: u64, table: &[u64]) {
         let g = self.g();

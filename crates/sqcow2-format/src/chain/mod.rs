@@ -2,9 +2,11 @@
 //! layer by layer or through the chain index ([`walk`], [`resolved`]), read
 //! and written like QEMU reads and writes it ([`io`]).
 
+mod covering;
 mod io;
 mod open;
 mod resolved;
+mod successor;
 mod walk;
 
 use std::path::PathBuf;
@@ -15,15 +17,15 @@ use crate::active::Active;
 use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
-use crate::index::ChainIndex;
 use crate::layer::Layer;
 use crate::lock::{LockRequest, Locking};
-use crate::sqcow2_ext::IndexState;
 use crate::storage::Storage;
 use crate::summary::TopSummary;
 use crate::types::{Geometry, HostOffset, LayerIndex};
 use sqcow2_cache::{Policy, SliceCache, StatsSnapshot};
 
+pub(crate) use covering::backing_name as backing_name_of;
+pub use covering::Installed;
 pub use io::{InPlaceTarget, ReadExtent};
 pub use walk::backing_path_of;
 
@@ -157,8 +159,9 @@ pub struct Chain {
     /// Transfers in flight, which a flush waits for before it makes
     /// released clusters reusable.
     fence: Arc<TransferFence>,
-    index: Option<ChainIndex>,
-    index_state: IndexState,
+    /// The index in use and the layers it covers (replaced while the chain
+    /// serves when a newer one is installed).
+    index: arc_swap::ArcSwap<covering::IndexInUse>,
     /// Resolved slices (indexed mode).
     resolved: resolved::ResolvedSlices,
     /// Regions of the top that hold nothing (indexed mode only).
@@ -198,7 +201,12 @@ impl Chain {
     pub fn metadata_structure_bytes(&self) -> u64 {
         let layers: u64 = self.layers.iter().map(Layer::heap_bytes).sum();
         let counters = self.data_reads.len() as u64 * 8;
-        let index = self.index.as_ref().map_or(0, |i| i.heap_bytes());
+        let index = self
+            .index
+            .load()
+            .covering
+            .as_ref()
+            .map_or(0, |(i, _)| i.heap_bytes());
         layers + counters + index
     }
 
@@ -256,16 +264,6 @@ impl Chain {
             Some(a) => a.size(),
             None => self.top().virtual_size(),
         }
-    }
-
-    /// Whether and why the chain index is (not) used.
-    pub fn index_state(&self) -> &IndexState {
-        &self.index_state
-    }
-
-    /// Whether lookups currently go through the chain index.
-    pub fn is_indexed(&self) -> bool {
-        self.index.as_ref().is_some_and(|i| i.usable())
     }
 
     /// Whether the chain takes writes.

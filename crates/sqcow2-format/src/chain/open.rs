@@ -18,12 +18,13 @@ use crate::fence::TransferFence;
 use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::QCOW2_MAGIC;
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
-use crate::sqcow2_ext::{open_index, IndexState};
+use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 use crate::storage::{open_for_reading, FileStorage, Storage};
 use crate::summary::TopSummary;
-use crate::types::Geometry;
+use crate::types::{Geometry, LayerIndex};
 use sqcow2_cache::{CacheConfig, SliceCache, Source};
 
+use super::covering::IndexInUse;
 use super::resolved::ResolvedSlices;
 use super::{Chain, ChainOptions};
 
@@ -264,12 +265,19 @@ impl Chain {
             },
             |h| h.geometry,
         );
+        // Fine enough for this index and for any index of this chain
+        // installed later (whose chunks are at most the smallest
+        // subcluster of the layers below the top).
         let resolved_bits = {
             let top_bits = top_geometry.subcluster_size().trailing_zeros();
+            let below_bits = match layers.len() {
+                0 | 1 => top_bits,
+                n => granularity_bits(&layers, n - 2),
+            };
             let index_bits = index
                 .as_ref()
-                .map_or(top_bits, |i| i.geometry().granularity_bits);
-            top_bits.min(index_bits)
+                .map_or(top_bits, |(i, _)| i.geometry().granularity_bits);
+            top_bits.min(below_bits).min(index_bits)
         };
         let summary = match (&index, layers.last()) {
             (Some(_), Some(Layer::Qcow2(q))) => q
@@ -308,8 +316,10 @@ impl Chain {
             active,
             fence: Arc::new(TransferFence::default()),
             resolved: ResolvedSlices::new(resolved_bits),
-            index,
-            index_state,
+            index: arc_swap::ArcSwap::from_pointee(IndexInUse {
+                covering: index.map(|(i, upto)| (Arc::new(i), LayerIndex(upto))),
+                state: index_state,
+            }),
             summary,
         })
     }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::entry::CompressedDescriptor;
 use crate::error::Error;
-use crate::index::{decode_at, IndexEntry};
+use crate::index::{decode_at, ChainIndex, IndexEntry};
 use crate::layer::LayerStatus;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use sqcow2_cache::{Slice, SliceKey, Source};
@@ -30,6 +30,9 @@ const RESOLVED_ENTRIES_BITS: u32 = 8;
 /// in the unified cache).
 #[derive(Debug)]
 pub(super) struct ResolvedSlices {
+    /// Their number in the unified cache (unique in the process: a chain
+    /// that follows another at a live snapshot shares its cache).
+    id: u32,
     /// log2 of the granule (the smaller of the top's subcluster and the
     /// index chunk).
     bits: u32,
@@ -43,9 +46,22 @@ pub(super) struct ResolvedSlices {
 impl ResolvedSlices {
     pub(super) fn new(bits: u32) -> Self {
         ResolvedSlices {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             bits,
             generation: AtomicU64::new(0),
             touched: (0..TOUCHED_WORDS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// log2 of the granule.
+    pub(super) fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    fn key(&self, slice_no: u64) -> SliceKey {
+        SliceKey {
+            source: Source::Resolved(self.id),
+            offset: slice_no,
         }
     }
 
@@ -70,25 +86,22 @@ impl ResolvedSlices {
     }
 }
 
-fn resolved_key(slice_no: u64) -> SliceKey {
-    SliceKey {
-        source: Source::Resolved,
-        offset: slice_no,
-    }
-}
+/// Numbers of the chains' resolved slices in this process.
+static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 impl Chain {
     /// The extent at `start` from the cache of resolved slices (top and
     /// index combined, one lookup whatever the chain length); `None` where
-    /// the index says to walk.
+    /// the index says to walk. `ci` covers every layer below the top.
     pub(super) fn resolved_extent(
         &self,
+        ci: &ChainIndex,
         start: GuestOffset,
         max: u64,
     ) -> Result<Option<Extent>, Error> {
         let bits = self.resolved.bits;
         let slice_no = start.0 >> (bits + RESOLVED_ENTRIES_BITS);
-        let key = resolved_key(slice_no);
+        let key = self.resolved.key(slice_no);
         // A slice never looked up since the cache was emptied cannot be
         // cached: answer directly (reading only what this lookup needs) and
         // remember it; build the resolved slice from the next lookup on.
@@ -99,7 +112,7 @@ impl Chain {
             Some(w) => w,
             None => {
                 let generation = self.resolved.generation.load(Ordering::SeqCst);
-                let built = self.build_resolved(slice_no)?;
+                let built = self.build_resolved(ci, slice_no)?;
                 // Kept only if no mapping changed meanwhile: checked under
                 // the shard lock that `mapping_changed`'s removal takes
                 // after bumping the generation. (This lookup itself may use
@@ -178,7 +191,7 @@ impl Chain {
 
     /// Builds resolved slice `slice_no`: each granule from the top, or from
     /// the index where the top does not hold it.
-    fn build_resolved(&self, slice_no: u64) -> Result<Slice, Error> {
+    fn build_resolved(&self, ci: &ChainIndex, slice_no: u64) -> Result<Slice, Error> {
         let bits = self.resolved.bits;
         let granule = 1u64 << bits;
         let n = 1u64 << RESOLVED_ENTRIES_BITS;
@@ -196,9 +209,6 @@ impl Chain {
         // The index slice in use: (slice number, its words).
         let mut current: Option<(u64, Option<Slice>)> = None;
         let mut index_entry = |g: u64| -> IndexEntry {
-            let Some(ci) = &self.index else {
-                return IndexEntry::Walk;
-            };
             let bits = ci.geometry().granularity_bits;
             let chunk = g >> bits;
             let per = ci.entries_per_slice();
@@ -258,7 +268,7 @@ impl Chain {
         let shift = self.resolved.bits + RESOLVED_ENTRIES_BITS;
         let last = (offset.0 + len.max(1) - 1) >> shift;
         for slice_no in offset.0 >> shift..=last {
-            self.cache.remove(resolved_key(slice_no));
+            self.cache.remove(self.resolved.key(slice_no));
         }
     }
 }

@@ -48,18 +48,38 @@ impl Chain {
     /// [`crate::TransferTicket`] from before the lookup: use
     /// [`Chain::resolve_for_read`], which takes it.
     pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
-        if !precise && self.is_indexed() {
-            if let Some(extent) = self.resolved_extent(start, max)? {
-                return Ok(extent);
+        let index = self.index.load();
+        let covering = index.usable();
+        if let (false, Some((ci, upto))) = (precise, covering) {
+            // Resolved slices combine the top with an index that covers
+            // every layer below it (none while layers are pending).
+            if upto.0 + 1 == self.top_index().0 {
+                if let Some(extent) = self.resolved_extent(ci, start, max)? {
+                    return Ok(extent);
+                }
             }
         }
-        self.resolve_from(self.top_index(), start, max, precise)
+        self.walk_from(covering, self.top_index(), start, max, precise)
     }
 
     /// [`Chain::resolve`] starting at layer `index` instead of the top
     /// (`start` must lie within that layer's virtual size).
     pub(super) fn resolve_from(
         &self,
+        index: LayerIndex,
+        start: GuestOffset,
+        max: u64,
+        precise: bool,
+    ) -> Result<Extent, Error> {
+        let guard = self.index.load();
+        self.walk_from(guard.usable(), index, start, max, precise)
+    }
+
+    /// Walks down from layer `index`; below the lowest layer the index
+    /// `covering` does not cover, asks the index.
+    fn walk_from(
+        &self,
+        covering: Option<(&ChainIndex, LayerIndex)>,
         mut index: LayerIndex,
         start: GuestOffset,
         max: u64,
@@ -69,9 +89,9 @@ impl Chain {
         loop {
             let (status, n) = self.layer_status(index, start, len, precise)?;
             len = n;
-            if index == self.top_index() && index.0 > 0 {
-                if let (LayerStatus::Unallocated { .. }, Some(ci)) = (&status, &self.index) {
-                    if let Some(extent) = self.index_extent(ci, start, len) {
+            if let (LayerStatus::Unallocated { .. }, Some((ci, upto))) = (&status, covering) {
+                if index.0 == upto.0 + 1 {
+                    if let Some(extent) = self.index_extent(ci, upto, start, len) {
                         return Ok(extent);
                     }
                 }
@@ -108,18 +128,24 @@ impl Chain {
         }
     }
 
-    /// The extent at `start` (at most `len` bytes) from the chain index;
-    /// `None` when the index cannot answer (split chunk, unusable index).
-    fn index_extent(&self, ci: &ChainIndex, start: GuestOffset, len: u64) -> Option<Extent> {
+    /// The extent at `start` (at most `len` bytes) from the chain index,
+    /// which covers layers `0..=upto`; `None` when the index cannot answer
+    /// (split chunk, unusable index).
+    fn index_extent(
+        &self,
+        ci: &ChainIndex,
+        upto: LayerIndex,
+        start: GuestOffset,
+        len: u64,
+    ) -> Option<Extent> {
         let g = ci.geometry();
         let chunk = start.0 >> g.granularity_bits;
         let chunk_start = chunk << g.granularity_bits;
         let len = len.min(chunk_start + g.chunk_size() - start.0);
-        let below = LayerIndex(self.top_index().0 - 1);
         let (layer, kind) = match ci.entry(chunk, &self.cache)? {
             IndexEntry::Walk => return None,
             IndexEntry::None => (
-                below,
+                upto,
                 ExtentKind::Zero {
                     host: None,
                     allocated: false,
@@ -146,7 +172,7 @@ impl Chain {
                 )
             }
         };
-        if layer.0 >= self.top_index().0 {
+        if layer.0 > upto.0 {
             return None;
         }
         Some(Extent {
@@ -157,54 +183,74 @@ impl Chain {
         })
     }
 
-    /// The raw index entry of `chunk`, when an index is in use.
+    /// The raw index entry of `chunk`, when an index is in use (it
+    /// answers for the layers [`Chain::index_covers`] says).
     pub fn index_entry(&self, chunk: u64) -> Option<IndexEntry> {
-        self.index.as_ref()?.entry(chunk, &self.cache)
+        self.index.load().usable()?.0.entry(chunk, &self.cache)
     }
 
-    /// Index entries for every chunk of `[0, covered_size)` as layers
-    /// `0..=upto` resolve it (through this chain's index when `upto` is the
-    /// top), and the geometry to store them with. `progress(done, total)`
-    /// is called as chunks are resolved.
+    /// The highest layer the index in use covers.
+    pub fn index_covers(&self) -> Option<LayerIndex> {
+        self.index.load().usable().map(|(_, upto)| upto)
+    }
+
+    /// The geometry of an index of layers `0..=upto` over
+    /// `[0, covered_size)`.
+    pub fn index_geometry(&self, upto: LayerIndex, covered_size: u64) -> IndexGeometry {
+        IndexGeometry {
+            granularity_bits: granularity_bits(&self.layers, upto.0),
+            covered_size,
+        }
+    }
+
+    /// The index entry of every chunk of `geometry`, in order, as layers
+    /// `0..=upto` resolve it, given to `each`. Where the layers above the
+    /// index in use (up to `upto`) hold nothing, its entries are taken as
+    /// they are: building the index of a new top reads the old index and
+    /// the layers it does not cover, not the whole chain. `progress(done,
+    /// total)` is called as chunks are resolved.
     pub fn index_entries(
         &self,
         upto: LayerIndex,
-        covered_size: u64,
+        geometry: IndexGeometry,
+        each: &mut dyn FnMut(IndexEntry) -> Result<(), Error>,
         progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<(IndexGeometry, Vec<IndexEntry>), Error> {
-        let geometry = IndexGeometry {
-            granularity_bits: granularity_bits(&self.layers, upto.0),
-            covered_size,
-        };
+    ) -> Result<(), Error> {
         let cs = geometry.chunk_size();
         let chunks = geometry.chunks();
         let size = self.layers[upto.0].virtual_size();
-        // Extending this chain's own index (a snapshot of the top): where
-        // the top holds nothing, the new entry is the old one.
-        let extending = upto == self.top_index()
-            && self.is_indexed()
-            && self
-                .index
-                .as_ref()
-                .is_some_and(|i| i.geometry() == geometry);
-        let mut entries = Vec::with_capacity(chunks as usize);
+        let guard = self.index.load();
+        // An index in use with the same layout, covering layers up to
+        // `upto` or fewer: where the layers above it hold nothing, its
+        // entries are the answer.
+        let extending = guard
+            .usable()
+            .filter(|(ci, covers)| covers.0 <= upto.0 && ci.geometry() == geometry);
         let mut chunk = 0u64;
         while chunk < chunks {
             let start = chunk * cs;
             if start >= size {
-                entries.push(IndexEntry::None);
+                each(IndexEntry::None)?;
                 chunk += 1;
                 continue;
             }
-            if extending {
-                let (status, n) =
-                    self.layer_status(upto, GuestOffset(start), size - start, false)?;
-                if matches!(status, LayerStatus::Unallocated { .. }) && n >= cs {
+            if let Some((ci, covers)) = extending {
+                let mut free = size - start;
+                for layer in (covers.0 + 1..=upto.0).rev() {
+                    let (status, n) =
+                        self.layer_status(LayerIndex(layer), GuestOffset(start), free, false)?;
+                    if !matches!(status, LayerStatus::Unallocated { .. }) {
+                        free = 0;
+                        break;
+                    }
+                    free = free.min(n);
+                }
+                if free >= cs {
                     let before = chunk;
-                    let end = (chunk + n / cs).min(chunks);
+                    let end = (chunk + free / cs).min(chunks);
                     while chunk < end {
-                        match self.index_entry(chunk) {
-                            Some(old) => entries.push(old),
+                        match ci.entry(chunk, &self.cache) {
+                            Some(old) => each(old)?,
                             None => break,
                         }
                         chunk += 1;
@@ -216,16 +262,16 @@ impl Chain {
                 }
             }
             let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
-            let whole = extent.len / cs;
+            let whole = (extent.len / cs).min(chunks - chunk);
             if whole == 0 {
                 // The mapping changes inside this chunk (a layer ends here).
-                entries.push(IndexEntry::Walk);
+                each(IndexEntry::Walk)?;
                 chunk += 1;
                 continue;
             }
             for k in 0..whole {
                 let delta = k * cs;
-                entries.push(match extent.kind {
+                each(match extent.kind {
                     ExtentKind::Data { host } => IndexEntry::Data {
                         layer: extent.layer.0 as u32,
                         host: host.0 + delta,
@@ -255,13 +301,12 @@ impl Chain {
                         layer: extent.layer.0 as u32,
                     },
                     ExtentKind::Zero { .. } => IndexEntry::None,
-                });
+                })?;
             }
             chunk += whole;
             progress(chunk.min(chunks), chunks);
         }
-        entries.truncate(chunks as usize);
-        Ok((geometry, entries))
+        Ok(())
     }
 
     /// The whole disk as extents, merged the way `qemu-img map` merges them.

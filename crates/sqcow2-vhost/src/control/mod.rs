@@ -1,6 +1,7 @@
 //! The control socket (`sqcow2 serve --control PATH`): one JSON object per
 //! line each way ([`protocol`]); see `docs/control-api.md`.
 
+mod index_builder;
 pub mod prometheus;
 pub mod protocol;
 
@@ -11,16 +12,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sqcow2_format::{Chain, ChainOptions, Locking};
+use sqcow2_format::{Chain, ChainOptions};
 use tracing::{info, warn};
 
 use crate::backend::BlkBackend;
 use crate::gate::RequestGate;
 use crate::handle::ChainHandle;
+pub use index_builder::IndexBuilder;
 use protocol::{
-    Activity, CacheCounters, Command, Failure, FailureKind, IndexMode, Info, PrometheusText,
-    QueueCounters, Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps, Stats,
-    StatsFormat,
+    Activity, CacheCounters, Command, Failure, FailureKind, IndexCounters, IndexMode, Info,
+    PrometheusText, QueueCounters, Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps,
+    Stats, StatsFormat,
 };
 
 /// Longest request line accepted.
@@ -48,6 +50,8 @@ pub struct Shared {
     snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
+    /// Builds the top's chain index in the background.
+    pub index_builder: IndexBuilder,
     started: Instant,
 }
 
@@ -55,6 +59,7 @@ impl Shared {
     /// State for serving `handle` (active), the chain opened with `options`.
     pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         Shared {
+            index_builder: IndexBuilder::new(handle.clone()),
             handle,
             options,
             session: Mutex::new(None),
@@ -208,7 +213,14 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
         .map_err(|e| fail(FailureKind::IoError, e.to_string()))
 }
 
-/// Quiesce, flush, create the new active volume and its index, switch.
+/// A live snapshot. While the guest runs: the old top's dirty metadata
+/// written back, the new top created (empty, over the old top) and made
+/// durable. Then the pause, whose work does not grow with the disk or
+/// the chain: new requests wait, those in flight complete, what the old
+/// top still has dirty is written back, the new chain is made from the old
+/// one (headers only) and switched to. After it, in the background, the
+/// new top's index is built and installed; until then the old top is
+/// walked above the old index.
 fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
     let Ok(_running) = shared.snapshot_running.try_lock() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
@@ -225,14 +237,30 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
             format!("{} exists", new.display()),
         ));
     }
+    let begin = Instant::now();
+    let current = shared.handle.get();
     // Write most dirty metadata back while the guest still runs: the
     // flush inside the pause then has little left to do.
-    shared.handle.get().flush().map_err(|e| {
+    current.flush().map_err(|e| {
         fail(
             FailureKind::IoError,
             format!("flush before the snapshot: {e}"),
         )
     })?;
+    // The new top, complete and durable under its name before the pause
+    // (an empty image over the old top: the old top may go on changing
+    // below it). The daemon holds the chain's image locks itself.
+    let top = current.top().path().to_path_buf();
+    let created = sqcow2_format::indexing::snapshot_over(&current, &top, new)
+        .map_err(|e| fail(FailureKind::SnapshotFailed, e.to_string()))?;
+    drop(current);
+    // Removes the new top unless the switch happened.
+    let mut created = CreatedTop {
+        path: created.new,
+        index: created.index,
+        switched: false,
+    };
+    let prepared = begin.elapsed();
     let start = Instant::now();
     // No new request starts; those in flight complete (the workers keep
     // running, nothing they do waits for this thread).
@@ -252,38 +280,24 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         )
     })?;
     let flushed = start.elapsed();
-    let top = old.top().path().to_path_buf();
-    // The daemon holds the chain's image locks itself: the snapshot's own
-    // opens take none.
-    sqcow2_format::indexing::snapshot(&top, new, Locking::Off, &mut |_, _| {})
-        .map_err(|e| fail(FailureKind::SnapshotFailed, e.to_string()))?;
-    let created = start.elapsed();
-    // The new top is locked as the writer before the switch; the old
-    // layers are used through the files (and locks) already open, the old
-    // top's locks lowered to a backing layer's.
-    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
-    let chain = match Chain::open_reusing(new, &shared.options, &reuse) {
-        Ok(c) => c,
-        Err(e) => {
-            // Keep serving the old top; the new file would go stale.
-            let _ = std::fs::remove_file(new);
-            let _ = std::fs::remove_file(sqcow2_format::indexing::index_path_of(new));
-            let kind = match e.kind {
-                sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
-                _ => FailureKind::SnapshotFailed,
-            };
-            return Err(fail(kind, format!("opening the new top: {e}")));
-        }
-    };
+    let chain = old.successor(&created.path, &shared.options).map_err(|e| {
+        let kind = match e.kind {
+            sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
+            _ => FailureKind::SnapshotFailed,
+        };
+        fail(kind, format!("opening the new top: {e}"))
+    })?;
     let layers = chain.layers().len();
     let indexed = chain.is_indexed();
     let old = {
         drop(old);
         shared.handle.replace(chain)
     };
+    created.switched = true;
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     drop(old);
+    shared.index_builder.wake();
     shared
         .pauses_ms
         .lock()
@@ -291,10 +305,10 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         .push(pause_ms);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let steps = SnapshotSteps {
+        prepare_ms: ms(prepared),
         drain_ms: ms(drained),
         flush_ms: ms(flushed - drained),
-        create_ms: ms(created - flushed),
-        open_ms: pause_ms - ms(created),
+        switch_ms: pause_ms - ms(flushed),
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
     Ok(SnapshotResult {
@@ -304,6 +318,23 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         pause_ms,
         steps,
     })
+}
+
+/// A new top created for a live snapshot: removed (with any index file)
+/// unless the daemon switched to it.
+struct CreatedTop {
+    path: std::path::PathBuf,
+    index: std::path::PathBuf,
+    switched: bool,
+}
+
+impl Drop for CreatedTop {
+    fn drop(&mut self) {
+        if !self.switched {
+            let _ = std::fs::remove_file(&self.path);
+            let _ = std::fs::remove_file(&self.index);
+        }
+    }
 }
 
 /// Hands the disk over to this daemon: takes the image locks (refused if
@@ -330,6 +361,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     drop(shared.handle.replace(chain));
     *shared.lock_inactive() = None;
     shared.gate.set_inactive(false);
+    shared.index_builder.wake();
     info!(top = %top.display(), "activated");
     Ok(Activity { active: true })
 }
@@ -437,6 +469,10 @@ fn stats(shared: &Shared) -> Stats {
             pause_ms_p50: quantile(&pauses, 0.5),
             pause_ms_p99: quantile(&pauses, 0.99),
             pause_ms_max: pauses.last().copied().unwrap_or(0.0),
+        },
+        index: IndexCounters {
+            pending_layers: chain.pending_layers(),
+            ..shared.index_builder.counters()
         },
         queues,
         requests_in_flight: shared.gate.in_flight(),

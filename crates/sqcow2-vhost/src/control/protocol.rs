@@ -258,14 +258,16 @@ pub struct Activity {
 /// Time of each step of a live snapshot, in milliseconds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotSteps {
-    /// Waiting for requests in flight.
+    /// Before the pause, while the guest runs: the old top's metadata
+    /// written back and the new top created (its index is built after the
+    /// pause, in the background).
+    pub prepare_ms: f64,
+    /// In the pause: waiting for requests in flight.
     pub drain_ms: f64,
-    /// Flushing the old top.
+    /// In the pause: writing back what the old top still had dirty.
     pub flush_ms: f64,
-    /// Creating the new top and its index.
-    pub create_ms: f64,
-    /// Opening the new chain and switching to it.
-    pub open_ms: f64,
+    /// In the pause: the new chain made from the old one, switched to.
+    pub switch_ms: f64,
 }
 
 /// The result of `snapshot`.
@@ -314,6 +316,25 @@ pub enum IndexMode {
     Indexed,
     /// Layer by layer.
     Walk,
+}
+
+/// The chain index in use and its background builds (after a live
+/// snapshot, or at start when the top's index is missing).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct IndexCounters {
+    /// Layers walked above the index in use until the top's own index is
+    /// installed.
+    pub pending_layers: usize,
+    /// Whether a build runs now.
+    pub building: bool,
+    /// Builds completed (index written and installed).
+    pub builds: u64,
+    /// Builds that failed (the previous index goes on serving).
+    pub failures: u64,
+    /// Duration of the last completed build.
+    pub last_build_ms: f64,
+    /// Why the last build failed, if it did.
+    pub last_error: Option<String>,
 }
 
 /// Counters of the unified metadata cache.
@@ -382,6 +403,8 @@ pub struct Stats {
     pub data_reads_per_layer: Vec<u64>,
     /// Live snapshots.
     pub snapshots: SnapshotCounters,
+    /// The chain index and its background builds.
+    pub index: IndexCounters,
     /// Per queue, while a frontend is connected.
     pub queues: Vec<QueueCounters>,
     /// Requests in flight now.

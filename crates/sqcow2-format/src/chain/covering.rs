@@ -1,0 +1,144 @@
+//! The chain index a chain uses and the layers it covers. An index built
+//! for an older top covers the layers below that top only: the layers
+//! above it (below the current top) are *pending*, walked before the
+//! index is asked, until a newer index is built and installed while the
+//! chain serves ([`Chain::install_index`]).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind};
+use crate::index::{ChainIndex, Stale};
+use crate::sqcow2_ext::{fingerprints, granularity_bits, IndexState};
+use crate::storage::{FileStorage, Storage};
+use crate::types::LayerIndex;
+
+use super::Chain;
+
+/// The index in use, if any, with what `info` says about it.
+#[derive(Debug)]
+pub(crate) struct IndexInUse {
+    /// The index and the highest layer it covers (layers `0..=upto`).
+    pub(crate) covering: Option<(Arc<ChainIndex>, LayerIndex)>,
+    pub(crate) state: IndexState,
+}
+
+impl IndexInUse {
+    /// The index and the highest layer it covers, while it is usable (a
+    /// slice that failed its checksum turns it off).
+    pub(crate) fn usable(&self) -> Option<(&ChainIndex, LayerIndex)> {
+        self.covering
+            .as_ref()
+            .filter(|(i, _)| i.usable())
+            .map(|(i, upto)| (&**i, *upto))
+    }
+}
+
+/// What [`Chain::install_index`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// The index now serves lookups.
+    Yes,
+    /// The chain uses an index that covers as many layers already.
+    NotNewer,
+}
+
+impl Chain {
+    /// Whether and why the chain index is (not) used.
+    pub fn index_state(&self) -> IndexState {
+        self.index.load().state.clone()
+    }
+
+    /// Whether lookups currently go through a chain index.
+    pub fn is_indexed(&self) -> bool {
+        self.index.load().usable().is_some()
+    }
+
+    /// Layers between the index in use and the top, walked on every
+    /// lookup the top cannot answer (0 without an index, or when the
+    /// index covers every layer below the top).
+    pub fn pending_layers(&self) -> usize {
+        match self.index.load().usable() {
+            Some((_, upto)) => self.top_index().0 - 1 - upto.0,
+            None => 0,
+        }
+    }
+
+    /// The layers an index of this chain would cover now (every layer
+    /// below the top), `None` for a lone image.
+    pub fn indexable_layers(&self) -> Option<LayerIndex> {
+        self.top_index().0.checked_sub(1).map(LayerIndex)
+    }
+
+    /// Starts using the index at `path` (built for a top of this chain or
+    /// for this chain's top) when it covers more layers than the index in
+    /// use: its fingerprints must match the layers as this process opened
+    /// them. Lookups that started before go on with the old index, which
+    /// gives the same answers.
+    ///
+    /// The layers' autoclear bits, which tell of a writer that does not
+    /// know the index, are checked when a chain is opened; while this
+    /// chain is open its image locks keep such writers away.
+    pub fn install_index(&self, path: &Path) -> Result<Installed, Error> {
+        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
+        let storage: Arc<dyn Storage> = Arc::new(
+            FileStorage::open_read_only(path).map_err(|e| stale(Stale::Missing(e.to_string())))?,
+        );
+        let index = ChainIndex::open(path, storage).map_err(stale)?;
+        let covered = index.layers().len();
+        let Some(upto) = covered.checked_sub(1) else {
+            return Err(stale(Stale::LayerCount {
+                indexed: 0,
+                actual: self.top_index().0 as u32,
+            }));
+        };
+        if covered > self.top_index().0 {
+            return Err(stale(Stale::LayerCount {
+                indexed: covered as u32,
+                actual: self.top_index().0 as u32,
+            }));
+        }
+        if let Some((_, current)) = self.index.load().usable() {
+            if current.0 >= upto {
+                return Ok(Installed::NotNewer);
+            }
+        }
+        let above = &self.layers[covered];
+        let top_name = backing_name(above);
+        let actual = fingerprints(&self.layers, upto, &top_name);
+        let flags = vec![true; covered];
+        index
+            .matches(
+                &actual,
+                &flags,
+                above.virtual_size(),
+                granularity_bits(&self.layers, upto),
+            )
+            .map_err(stale)?;
+        if index.geometry().granularity_bits < self.resolved.bits() {
+            return Err(stale(Stale::Granularity));
+        }
+        let state = IndexState::Valid {
+            path: path.to_path_buf(),
+            layers: covered,
+            pending: self.top_index().0 - covered,
+            bytes: index.file_size(),
+            granularity: index.geometry().chunk_size(),
+        };
+        self.index.store(Arc::new(IndexInUse {
+            covering: Some((Arc::new(index), LayerIndex(upto))),
+            state,
+        }));
+        Ok(Installed::Yes)
+    }
+}
+
+/// The backing file name `layer` records, as bytes (empty for none).
+pub(crate) fn backing_name(layer: &crate::layer::Layer) -> Vec<u8> {
+    use std::os::unix::ffi::OsStrExt;
+    layer
+        .header()
+        .and_then(|h| h.backing_file.as_ref())
+        .map(|p| p.as_os_str().as_bytes().to_vec())
+        .unwrap_or_default()
+}

@@ -1,0 +1,167 @@
+//! The chain that follows a live snapshot, made from the chain it
+//! replaces without reading the whole chain again: inside the guest's
+//! pause only headers are read, whatever the disk size and the chain
+//! length.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::active::{Active, CacheLink};
+use crate::backing::resolve_backing_path;
+use crate::error::{Error, ErrorKind};
+use crate::fence::TransferFence;
+use crate::layer::{Layer, Qcow2Layer};
+use crate::sqcow2_ext::{granularity_bits, IndexState};
+use crate::storage::{FileStorage, Storage};
+use crate::summary::TopSummary;
+use crate::types::LayerIndex;
+use sqcow2_cache::Source;
+
+use super::covering::IndexInUse;
+use super::resolved::ResolvedSlices;
+use super::{Chain, ChainOptions};
+
+impl Chain {
+    /// The chain whose top is `new_top`, an empty image created over this
+    /// chain's top (which must be writable and have all its metadata
+    /// written back: [`Chain::flush_clean`]). This chain's top becomes a
+    /// backing layer (its image locks lowered to a reader's); the layers
+    /// below it, the unified cache (the old top's loaded tables put into
+    /// it) and the index in use carry over, the old top walked above the
+    /// index until the new top's index is installed
+    /// ([`crate::indexing::build_index`]). Only the two tops' headers and
+    /// the old top's L1 table are read. On failure this chain stays as it
+    /// was.
+    pub fn successor(&self, new_top: &Path, options: &ChainOptions) -> Result<Chain, Error> {
+        let active = self.active()?;
+        active.publish_loaded()?;
+        let old = self.top();
+        let old_at = self.top_index();
+        let old_storage = old.storage().clone();
+        let new_storage: Arc<dyn Storage> = Arc::new(
+            FileStorage::open_read_write(new_top).map_err(|e| Error::new(new_top, e.into()))?,
+        );
+        let new_layer =
+            Qcow2Layer::open(new_top, new_storage.clone()).map_err(|k| Error::new(new_top, k))?;
+        // The new top must stand on this chain's top, nothing else.
+        let names_old = new_layer
+            .header()
+            .backing_file
+            .as_ref()
+            .and_then(|name| resolve_backing_path(new_top, name).ok())
+            .and_then(|path| std::fs::metadata(path).ok())
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                (m.dev(), m.ino())
+            });
+        if names_old.is_none() || names_old != old_storage.file_id() {
+            return Err(Error::new(
+                new_top,
+                ErrorKind::Io(std::io::Error::other(format!(
+                    "its backing file is not the chain's top {}",
+                    old.path().display()
+                ))),
+            ));
+        }
+        if old_at.0 + 2 > options.max_layers {
+            return Err(Error::new(
+                new_top,
+                ErrorKind::ChainTooDeep {
+                    limit: options.max_layers,
+                },
+            ));
+        }
+        new_storage
+            .lock(options.lock_request(true), options.locking)
+            .map_err(|k| Error::new(new_top, k))?;
+        old_storage
+            .lock(options.lock_request(false), options.locking)
+            .map_err(|k| Error::new(old.path(), k))?;
+        let built = self.successor_from(new_layer, options);
+        if built.is_err() {
+            // Still this chain's writable top.
+            let _ = old_storage.lock(options.lock_request(true), options.locking);
+        }
+        built
+    }
+
+    fn successor_from(
+        &self,
+        new_layer: Qcow2Layer,
+        options: &ChainOptions,
+    ) -> Result<Chain, Error> {
+        let old = self.top();
+        let reopened = Qcow2Layer::open_lazily(old.path(), old.storage().clone())
+            .map_err(|k| Error::new(old.path(), k))?;
+        let mut layers: Vec<Layer> = self.layers[..self.top_index().0].to_vec();
+        layers.push(Layer::Qcow2(reopened));
+        layers.push(Layer::Qcow2(new_layer));
+        let top = LayerIndex(layers.len() - 1);
+        let top_geometry = layers[top.0]
+            .header()
+            .map(|h| h.geometry)
+            .unwrap_or(self.top_geometry);
+        let guard = self.index.load();
+        let covering = guard.covering.clone();
+        let state = match &covering {
+            Some((index, upto)) => IndexState::Valid {
+                path: index.path().to_path_buf(),
+                layers: upto.0 + 1,
+                pending: top.0 - upto.0 - 1,
+                bytes: index.file_size(),
+                granularity: index.geometry().chunk_size(),
+            },
+            None => guard.state.clone(),
+        };
+        let resolved_bits = {
+            let top_bits = top_geometry.subcluster_size().trailing_zeros();
+            let index_bits = covering
+                .as_ref()
+                .map_or(top_bits, |(i, _)| i.geometry().granularity_bits);
+            top_bits
+                .min(granularity_bits(&layers, top.0 - 1))
+                .min(index_bits)
+        };
+        let summary = match (&covering, &layers[top.0]) {
+            (Some(_), Layer::Qcow2(q)) => q
+                .l1()
+                .and_then(|l1| {
+                    TopSummary::build(q.header(), l1, &**q.storage(), options.slice_size)
+                })
+                .ok()
+                .map(Arc::new),
+            _ => None,
+        };
+        let link = CacheLink {
+            cache: self.cache.clone(),
+            source: Source::Layer(top.0 as u32),
+            slice_size: self.slice_size,
+            budget: options.cache_size,
+            summary: summary.clone(),
+        };
+        let active = Active::open(&layers, link)?;
+        let data_reads = (0..layers.len())
+            .map(|i| {
+                let before = self
+                    .data_reads
+                    .get(i)
+                    .map_or(0, |c| c.load(Ordering::Relaxed));
+                AtomicU64::new(before)
+            })
+            .collect();
+        Ok(Chain {
+            data_reads,
+            storages: layers.iter().map(|l| l.storage().clone()).collect(),
+            layers,
+            cache: self.cache.clone(),
+            slice_size: self.slice_size,
+            top_geometry,
+            active: Some(active),
+            fence: Arc::new(TransferFence::default()),
+            resolved: ResolvedSlices::new(resolved_bits),
+            index: arc_swap::ArcSwap::from_pointee(IndexInUse { covering, state }),
+            summary,
+        })
+    }
+}
