@@ -1,35 +1,134 @@
 #!/usr/bin/env bash
-# Pause of live snapshots while a client writes: generates a chain of
-# SIZE (sparse), serves it with a control socket, runs a random-write load
-# at depth 16 and takes N live snapshots; prints each reply and the
-# p50/p99 pause.
+# Live snapshots under a random-write load (depth 16, libblkio client) at
+# several disk sizes: for each size a 10-layer chain (sparse, 2 % filled)
+# is generated and served, N live snapshots are taken 0.4 s apart, and the
+# pause (p50, p99, max) and the longest client request that overlapped a
+# snapshot (from the load generator's own timestamps) are reported. Then
+# the offline snapshot of a fully allocated 50 GiB top (metadata
+# preallocated) against `qemu-img create -b`.
 #
-#   scripts/bench-live-snapshot.sh [SIZE] [N] [DIR]   (default 10G 20 /tmp/sqcow2-live)
+#   scripts/bench-live-snapshot.sh [SIZES] [N] [DIR]
+#   (default "10G 50G 1T" 20 /tmp/sqcow2-live; prints a markdown table and
+#   writes DIR/results.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-size=${1:-10G}
+. scripts/lib/deps.sh
+ensure_commands qemu-img:qemu-utils
+sizes=${1:-10G 50G 1T}
 n=${2:-20}
-dir=${3:-/tmp/sqcow2-live}
+root=${3:-/tmp/sqcow2-live}
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
 bin=$PWD/target/release/sqcow2
 bench=$PWD/target/release/sqcow2-bench
-rm -rf "$dir" && mkdir -p "$dir" && cd "$dir"
-top=$("$bin" gen-chain --layers 10 --size "$size" --fill 0.02 .)
-"$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
-while [ ! -f serve.pid ]; do sleep 0.1; done
-"$bench" load --socket v.sock --pattern rand-write --iodepth 16 --duration $((n / 2 + 5)) > load.txt &
-sleep 1
-for i in $(seq 1 "$n"); do
-  "$bin" snapshot --live c.sock "live$i.qcow2" --output json | tr -d '\n ' | tee -a replies.jsonl
-  echo | tee -a replies.jsonl
-  sleep 0.4
+rm -rf "$root" && mkdir -p "$root"
+: >"$root/runs.jsonl"
+for size in $sizes; do
+  dir=$root/$size
+  mkdir -p "$dir"
+  (
+    cd "$dir"
+    echo "==> $size: generating a 10-layer chain (2 % filled)" >&2
+    top=$("$bin" gen-chain --layers 10 --size "$size" --fill 0.02 .)
+    "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
+    while [ ! -f serve.pid ]; do sleep 0.1; done
+    "$bench" load --socket v.sock --pattern rand-write --iodepth 16 \
+      --duration $((n / 2 + 6)) --slow-us 1000 --output json >load.json &
+    load=$!
+    sleep 1
+    : >replies.jsonl
+    for i in $(seq 1 "$n"); do
+      "$bin" snapshot --live c.sock "live$i.qcow2" --output json | tr -d '\n ' >>replies.jsonl
+      echo >>replies.jsonl
+      sleep 0.4
+    done
+    wait "$load"
+    # Background index builds finish before the daemon stops.
+    for _ in $(seq 1 600); do
+      "$bin" stats c.sock --output json | python3 -c '
+import json, sys
+i = json.load(sys.stdin)["index"]
+sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
+      sleep 0.1
+    done
+    "$bin" stats c.sock --output json >stats.json
+    kill -TERM "$(cat serve.pid)"
+    wait
+    python3 - "$size" >>"$root/runs.jsonl" <<'PY'
+import json, sys
+size = sys.argv[1]
+replies = [json.loads(l) for l in open("replies.jsonl") if l.strip()]
+load = json.load(open("load.json"))
+pauses = sorted(r["pause_ms"] for r in replies)
+q = lambda f: pauses[round((len(pauses) - 1) * f)]
+windows = [(r["started_unix_us"], r["paused_unix_us"] + r["pause_ms"] * 1000) for r in replies]
+overlapping = [s["latency_us"] for s in load.get("slow", [])
+               if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
+                      for a, b in windows)]
+worst = max(replies, key=lambda r: r["pause_ms"])
+index = json.load(open("stats.json"))["index"]
+print(json.dumps({
+    "size": size, "snapshots": len(pauses),
+    "pause_p50_ms": q(0.5), "pause_p99_ms": q(0.99), "pause_max_ms": pauses[-1],
+    "longest_overlapping_ms": max(overlapping, default=0) / 1000,
+    "client_iops": load["iops"], "client_p999_us": load["lat_p999_us"],
+    "worst_steps": worst["steps"], "index_builds": index["builds"],
+    "last_build_ms": index["last_build_ms"],
+}))
+PY
+    tail -1 "$root/runs.jsonl" >&2
+  )
+  rm -rf "$dir"
 done
-wait %2 || true
-cat load.txt
-kill -TERM "$(cat serve.pid)"
-python3 - <<'PY'
-import json
-p = sorted(json.loads(l)["pause_ms"] for l in open("replies.jsonl") if l.strip())
-q = lambda f: p[round((len(p) - 1) * f)]
-print(f"{len(p)} live snapshots: pause p50 {q(0.5):.1f} ms, p99 {q(0.99):.1f} ms, max {p[-1]:.1f} ms")
+
+echo "==> offline snapshot of a fully allocated 50 GiB top" >&2
+off=$root/offline
+mkdir -p "$off"
+(
+  cd "$off"
+  qemu-img create -q -f qcow2 -o preallocation=metadata top.qcow2 50G
+  times() {
+    for i in 1 2 3 4 5; do
+      rm -f new.qcow2 new.qcow2.sqidx
+      s=$(date +%s%N)
+      "$@" >/dev/null
+      e=$(date +%s%N)
+      echo $(((e - s) / 1000))
+    done | sort -n | sed -n 3p
+  }
+  q=$(times qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 new.qcow2)
+  d=$(times "$bin" snapshot top.qcow2 new.qcow2)
+  now=$(times "$bin" snapshot --index now top.qcow2 new.qcow2)
+  echo "{\"qemu_img_create_ms\": $q.0e-3, \"sqcow2_snapshot_ms\": $d.0e-3, \"sqcow2_snapshot_index_now_ms\": $now.0e-3}" >offline.json
+)
+python3 - "$root" "$n" <<'PY'
+import json, sys
+root, n = sys.argv[1], sys.argv[2]
+runs = [json.loads(l) for l in open(f"{root}/runs.jsonl") if l.strip()]
+off = json.load(open(f"{root}/offline/offline.json"))
+json.dump({"live": runs, "offline": off}, open(f"{root}/results.json", "w"), indent=1)
+print(f"Live snapshots, {n} per size, random 4 KiB writes at depth 16 during them "
+      "(10-layer chain, 2 % filled):\n")
+print("| disk | pause p50 | pause p99 | pause max | longest overlapping request | client IOPS | steps of the longest pause (drain / flush / switch) |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+for r in runs:
+    s = r["worst_steps"]
+    lo = r["longest_overlapping_ms"]
+    lo = f"{lo:.1f} ms" if lo else "< 1 ms"
+    print(f"| {r['size']} | {r['pause_p50_ms']:.2f} ms | {r['pause_p99_ms']:.2f} ms | "
+          f"{r['pause_max_ms']:.2f} ms | {lo} | {r['client_iops']:.0f} | "
+          f"{s['drain_ms']:.2f} / {s['flush_ms']:.2f} / {s['switch_ms']:.2f} ms |")
+p99 = max(r["pause_p99_ms"] for r in runs)
+lo = max(r["longest_overlapping_ms"] for r in runs)
+print()
+print(f"Goals: pause p99 <= 5 ms at every size: worst {p99:.2f} ms — "
+      f"{'met' if p99 <= 5 else 'missed by %.2f ms' % (p99 - 5)}; "
+      f"longest overlapping request <= 10 ms: {lo:.1f} ms — "
+      f"{'met' if lo <= 10 else 'missed by %.1f ms' % (lo - 10)}.")
+ratio = off["sqcow2_snapshot_ms"] / off["qemu_img_create_ms"]
+print()
+print(f"Offline snapshot of a fully allocated 50 GiB top (median of 5): sqcow2 snapshot "
+      f"{off['sqcow2_snapshot_ms']:.1f} ms (index deferred), qemu-img create -b "
+      f"{off['qemu_img_create_ms']:.1f} ms: {ratio:.2f}x — goal <= 2x "
+      f"{'met' if ratio <= 2 else 'missed'}; with --index now "
+      f"{off['sqcow2_snapshot_index_now_ms']:.1f} ms.")
 PY

@@ -48,6 +48,18 @@ pub struct LoadSpec {
     pub flush_every: u64,
     /// Keep at most this many latency samples per queue for the CDF.
     pub keep_samples: usize,
+    /// Record every request at least this slow (µs), with its start time
+    /// ([`LoadResult::slow`]); `None`: none.
+    pub slow_us: Option<u64>,
+}
+
+/// A request at least `--slow-us` slow.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct SlowRequest {
+    /// When it was submitted: microseconds since the Unix epoch.
+    pub start_unix_us: u64,
+    /// How long it took, µs.
+    pub latency_us: u64,
 }
 
 /// What a run measured.
@@ -75,6 +87,9 @@ pub struct LoadResult {
     /// microseconds (filled in by the suite, which knows the server).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_cpu_us_per_io: Option<f64>,
+    /// Every request at least `--slow-us` slow, flushes included.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slow: Vec<SlowRequest>,
 }
 
 /// Connects to `target` with `queues` queues; `read_only` for loads that
@@ -182,6 +197,7 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let mut ios = 0u64;
     let mut flushes = 0u64;
     let mut errors = 0u64;
+    let mut slow = Vec::new();
     for t in threads {
         let r = t
             .join()
@@ -190,11 +206,14 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         flushes += r.flushes;
         errors += r.errors;
         lat.extend(r.samples);
+        slow.extend(r.slow);
     }
     let seconds = start.elapsed().as_secs_f64();
     drop(b);
     let mut r = summarize(spec, seconds, ios, errors, lat);
     r.flushes = flushes;
+    slow.sort_by_key(|s| s.start_unix_us);
+    r.slow = slow;
     Ok(r)
 }
 
@@ -230,6 +249,7 @@ pub fn summarize(
         lat_p999_us: q(0.999),
         lat_cdf_us: (0..=100).map(|i| q(i as f64 / 100.0)).collect(),
         server_cpu_us_per_io: None,
+        slow: Vec::new(),
     }
 }
 
@@ -240,6 +260,14 @@ pub struct QueueResult {
     pub errors: u64,
     /// Latencies in nanoseconds (a reservoir sample when there are many).
     pub samples: Vec<u64>,
+    /// Requests at least `spec.slow_us` slow.
+    pub slow: Vec<SlowRequest>,
+}
+
+/// Microseconds since the Unix epoch at `at` (an `Instant` of this
+/// process), from one reading of both clocks.
+fn unix_us(at: Instant, now: Instant, now_unix_us: u64) -> u64 {
+    now_unix_us.saturating_sub(now.saturating_duration_since(at).as_micros() as u64)
 }
 
 /// Keeps `spec.iodepth` requests in flight on `q` for `spec.duration`,
@@ -266,7 +294,9 @@ pub fn drive_queue(
         flushes: 0,
         errors: 0,
         samples: Vec::new(),
+        slow: Vec::new(),
     };
+    let slow_ns = spec.slow_us.map(|us| us * 1000);
     let mut seen = 0u64;
     let mut submit = |q: &mut Blkioq,
                       slot: usize,
@@ -329,6 +359,15 @@ pub fn drive_queue(
             if c.ret != 0 {
                 out.errors += 1;
             }
+            if slow_ns.is_some_and(|limit| ns >= limit) {
+                let now_unix_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64);
+                out.slow.push(SlowRequest {
+                    start_unix_us: unix_us(started[slot], now, now_unix_us),
+                    latency_us: ns / 1000,
+                });
+            }
             if is_flush[slot] {
                 out.flushes += 1;
                 if now < deadline {
@@ -386,6 +425,11 @@ pub struct LoadArgs {
     /// A flush after every N writes on a queue (fio's `fsync=N`; 0: none).
     #[arg(long, default_value_t = 0)]
     flush_every: u64,
+    /// List every request at least this slow (µs) with its start time in
+    /// the JSON output (`slow`), e.g. to find the requests a live snapshot
+    /// held up.
+    #[arg(long)]
+    slow_us: Option<u64>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     output: crate::OutputFormat,
@@ -415,6 +459,7 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
         duration: Duration::from_secs_f64(args.duration),
         flush_every: args.flush_every,
         keep_samples: 100_000,
+        slow_us: args.slow_us,
     };
     let r = run(&spec)?;
     match args.output {

@@ -253,6 +253,7 @@ fn measure(
                 duration: Duration::from_secs_f64(seconds),
                 flush_every: 0,
                 keep_samples: 100_000,
+                slow_us: None,
             };
             let before = fs.reads();
             let stats0 = (!server.is_qemu()).then(|| cache_counters(&ctl)).flatten();

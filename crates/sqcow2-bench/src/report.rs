@@ -685,6 +685,7 @@ mod tests {
             lat_p999_us: 3.0,
             lat_cdf_us: vec![1.0; 101],
             server_cpu_us_per_io: Some(cpu),
+            slow: Vec::new(),
         })
     }
 

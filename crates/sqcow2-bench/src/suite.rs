@@ -478,6 +478,7 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
         duration: Duration::from_secs_f64(seconds),
         flush_every: 0,
         keep_samples: 200_000,
+        slow_us: None,
     };
     [
         spec(Pattern::RandRead, 4096, 1),
@@ -714,6 +715,7 @@ fn measure_writes(
                         duration: Duration::from_secs_f64(setup.seconds),
                         flush_every: 0,
                         keep_samples: 200_000,
+                        slow_us: None,
                     };
                     let r = run_load(&spec, Some(child.id()));
                     out.push(WriteRun {

@@ -238,6 +238,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         ));
     }
     let begin = Instant::now();
+    let started_unix_us = unix_us();
     let current = shared.handle.get();
     // Write most dirty metadata back while the guest still runs: the
     // flush inside the pause then has little left to do.
@@ -262,6 +263,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     };
     let prepared = begin.elapsed();
     let start = Instant::now();
+    let paused_unix_us = unix_us();
     // No new request starts; those in flight complete (the workers keep
     // running, nothing they do waits for this thread).
     let pause = shared.gate.pause();
@@ -317,7 +319,16 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         indexed,
         pause_ms,
         steps,
+        started_unix_us,
+        paused_unix_us,
     })
+}
+
+/// Microseconds since the Unix epoch now.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// A new top created for a live snapshot: removed (with any index file)

@@ -43,6 +43,35 @@ pub fn render(s: &Stats) -> String {
         "gauge",
         f64::from(u8::from(s.index_mode == IndexMode::Indexed)),
     );
+    let ix = &s.index;
+    for (key, help, kind, value) in [
+        (
+            "index_pending_layers",
+            "Layers walked above the chain index until the top's own index is built.",
+            "gauge",
+            ix.pending_layers as f64,
+        ),
+        (
+            "index_building",
+            "1 while a background index build runs.",
+            "gauge",
+            f64::from(u8::from(ix.building)),
+        ),
+        (
+            "index_builds_total",
+            "Background index builds completed.",
+            "counter",
+            ix.builds as f64,
+        ),
+        (
+            "index_build_failures_total",
+            "Background index builds that failed.",
+            "counter",
+            ix.failures as f64,
+        ),
+    ] {
+        m.one(key, help, kind, value);
+    }
     let c = &s.cache;
     for (key, kind, value) in [
         ("hits", "counter", c.hits),

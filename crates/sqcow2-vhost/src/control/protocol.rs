@@ -283,6 +283,13 @@ pub struct SnapshotResult {
     pub pause_ms: f64,
     /// The pause, step by step.
     pub steps: SnapshotSteps,
+    /// When the snapshot began (before the preparation), microseconds
+    /// since the Unix epoch.
+    #[serde(default)]
+    pub started_unix_us: u64,
+    /// When the pause began, microseconds since the Unix epoch.
+    #[serde(default)]
+    pub paused_unix_us: u64,
 }
 
 /// The result of `info`.
