@@ -484,3 +484,87 @@ fn check_compares_the_index_with_a_walk() {
     assert!(text.contains("chain index disagrees"), "{text}");
     let _ = opts;
 }
+
+/// A pending layer shorter than the disk hides everything below it past
+/// its end (zeros, as QEMU reads it): building the top's index from an
+/// older index must not copy the older index's entries there. Chain:
+/// base (data everywhere) <- l1 (index written now: covers base) <- l2
+/// (32 MiB) <- l3 (64 MiB; both made by qemu-img: no index) <- top (index
+/// deferred).
+#[test]
+fn a_background_build_respects_a_shorter_pending_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "64M"]);
+    qemu_io(&base, &["write -P 0x5a 0 64M".into()]);
+    let l1 = dir.join("l1.qcow2");
+    sqcow2(&["snapshot", "--index", "now", s(&base), s(&l1)]);
+    let l2 = dir.join("l2.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "l1.qcow2",
+        "-F",
+        "qcow2",
+        s(&l2),
+        "32M",
+    ]);
+    let l3 = dir.join("l3.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "l2.qcow2",
+        "-F",
+        "qcow2",
+        s(&l3),
+        "64M",
+    ]);
+    // The top names an index that is not written yet (as after a live
+    // snapshot): l1's index serves, l1, l2 and l3 pending.
+    let top = dir.join("top.qcow2");
+    sqcow2(&["snapshot", s(&l3), s(&top)]);
+    match state(&top) {
+        IndexState::Valid { pending, .. } => assert_eq!(pending, 3),
+        other => panic!("{other:?}"),
+    }
+    assert_same_as_qemu(&top);
+    {
+        let chain = Chain::open(
+            &top,
+            &ChainOptions {
+                writable: true,
+                ..ChainOptions::default()
+            },
+        )
+        .unwrap();
+        let built = sqcow2_format::indexing::build_index(
+            &chain,
+            sqcow2_format::Locking::Auto,
+            &mut |_, _| {},
+            &|| false,
+        )
+        .unwrap();
+        assert!(built.is_some());
+        assert_eq!(chain.pending_layers(), 0);
+        // Read through the index just installed, in this process.
+        let mut buf = vec![0u8; 4096];
+        chain.read_at(&mut buf, 48 * MIB).unwrap();
+        assert!(
+            buf.iter().all(|b| *b == 0),
+            "past the shorter layer's end the disk reads zeros"
+        );
+    }
+    match state(&top) {
+        IndexState::Valid { pending, .. } => assert_eq!(pending, 0),
+        other => panic!("{other:?}"),
+    }
+    assert_same_as_qemu(&top);
+    qemu_check_all(&top);
+}

@@ -549,3 +549,47 @@ fn snapshots_back_to_back_outrun_the_index_builds() {
     daemon.stop();
     reference.verify_files(&last, tmp.path());
 }
+
+/// A daemon told not to use indexes (`sqcow2 --walk serve`) builds none
+/// after a live snapshot either: the new top's index file never appears.
+#[test]
+fn a_walking_daemon_builds_no_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "64M", "0.5");
+    let ctl = tmp.path().join("control.sock");
+    let socket = tmp.path().join("vhost.sock");
+    let pidfile = tmp.path().join("serve.pid");
+    /// Killed if the test fails before it stops the daemon.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(
+        std::process::Command::new(common::sqcow2_bin())
+            .args(["--walk", "serve", "--socket", s(&socket)])
+            .args(["--pidfile", s(&pidfile), "--control", s(&ctl), s(&top)])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    while !pidfile.exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let new = tmp.path().join("walked.qcow2");
+    let reply = control(&ctl, json!({"command": "snapshot", "path": new}));
+    assert_eq!(reply["ok"], true, "{reply}");
+    std::thread::sleep(Duration::from_millis(500));
+    let stats = control(&ctl, json!({"command": "stats"}));
+    assert_eq!(stats["result"]["index"]["builds"], 0, "{stats}");
+    assert!(
+        !tmp.path().join("walked.qcow2.sqidx").exists(),
+        "a --walk daemon wrote an index"
+    );
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+}

@@ -38,6 +38,7 @@ fn write_index(
     top_name: &[u8],
     path: &Path,
     progress: Progress,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<(IndexGeometry, u64), Error> {
     let geometry = chain.index_geometry(upto, covered_size);
     let fps = fingerprints(chain.layers(), upto.0, top_name);
@@ -48,6 +49,9 @@ fn write_index(
         upto,
         geometry,
         &mut |entry| {
+            if writer.pushed() % 4096 == 0 && cancelled() {
+                return Err(Error::new(&tmp, ErrorKind::Io(cancel_error())));
+            }
             writer
                 .push(entry)
                 .map_err(|e| Error::new(&tmp, ErrorKind::Io(e)))
@@ -61,6 +65,10 @@ fn write_index(
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
     sync_dir(path)?;
     Ok((geometry, bytes))
+}
+
+fn cancel_error() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::Interrupted, "index build cancelled")
 }
 
 fn sync_dir(path: &Path) -> Result<(), Error> {
@@ -94,6 +102,7 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
         let header = q.header();
         if header.version == Version::V3
             && header.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
+            && !autoclear_bit_on_disk(layer)
         {
             layer
                 .storage()
@@ -112,6 +121,17 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
         }
     }
     Ok(())
+}
+
+/// Whether the layer's file carries the sQcow2 autoclear bit now (the
+/// header in memory is the one read at open: an old top marked by an
+/// earlier build of this process does not show it).
+fn autoclear_bit_on_disk(layer: &Layer) -> bool {
+    let mut field = [0u8; 8];
+    layer
+        .storage()
+        .read_at(&mut field, crate::header::field::AUTOCLEAR_FEATURES as u64)
+        .is_ok_and(|()| u64::from_be_bytes(field) & crate::index::AUTOCLEAR_SQCOW2 != 0)
 }
 
 /// What `upgrade` did.
@@ -172,6 +192,7 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         &top_name,
         &index_path,
         progress,
+        &|| false,
     )?;
     mark_layers(&chain, upto, locking)?;
     let storage = FileStorage::open_read_write(top).map_err(io_err(top))?;
@@ -329,6 +350,7 @@ pub fn prepare_snapshot(
             backing.as_os_str().as_bytes(),
             &prepared.report.index,
             progress,
+            &|| false,
         )?;
         mark_layers(&chain, top_index.0, locking)?;
     }
@@ -432,6 +454,7 @@ pub fn build_index(
     chain: &Chain,
     locking: Locking,
     progress: Progress,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<Option<BuildReport>, Error> {
     let Some(upto) = chain.indexable_layers() else {
         return Ok(None);
@@ -440,16 +463,32 @@ pub fn build_index(
     let Some(name) = top.header().and_then(crate::sqcow2_ext::index_name) else {
         return Ok(None);
     };
-    if chain.index_covers() == Some(upto) && chain.pending_layers() == 0 {
+    if chain.index_covers() == Some(upto) {
         return Ok(None);
     }
     let path = match top.path().parent() {
         Some(dir) => dir.join(&name),
         None => name,
     };
+    let stop = |what: &Path| -> Result<(), Error> {
+        if cancelled() {
+            return Err(Error::new(what, ErrorKind::Io(cancel_error())));
+        }
+        Ok(())
+    };
+    stop(&path)?;
     mark_layers(chain, upto.0, locking)?;
     let top_name = crate::chain::backing_name_of(top);
-    let (_, bytes) = write_index(chain, upto, top.virtual_size(), &top_name, &path, progress)?;
+    let (_, bytes) = write_index(
+        chain,
+        upto,
+        top.virtual_size(),
+        &top_name,
+        &path,
+        progress,
+        cancelled,
+    )?;
+    stop(&path)?;
     chain.install_index(&path)?;
     Ok(Some(BuildReport {
         index: path,

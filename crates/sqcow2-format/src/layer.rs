@@ -52,17 +52,19 @@ pub enum Layer {
 
 impl Qcow2Layer {
     /// Opens a qcow2 image: reads and validates the header, reads the L1
-    /// table.
+    /// table (once: kept, and hashed for the fingerprint).
     pub fn open(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
-        let layer = Self::open_lazily(path, storage)?;
-        layer.l1()?;
-        Ok(layer)
+        Self::open_with(path, storage, true)
     }
 
     /// [`Qcow2Layer::open`] that keeps only the L1 table's fingerprint: the
     /// table is read again when first needed (a layer below the top of an
     /// indexed chain never needs it: memory per layer stays small).
     pub fn open_lazily(path: &Path, storage: Arc<dyn Storage>) -> Result<Self, ErrorKind> {
+        Self::open_with(path, storage, false)
+    }
+
+    fn open_with(path: &Path, storage: Arc<dyn Storage>, keep_l1: bool) -> Result<Self, ErrorKind> {
         let file_size = storage.len()?;
         let mut first = vec![0u8; 112];
         storage.read_at(&mut first, 0)?;
@@ -88,11 +90,15 @@ impl Qcow2Layer {
             }
         }
         let fingerprint = (xxh3_64(&area), xxh3_64(&raw));
+        let l1 = OnceLock::new();
+        if keep_l1 {
+            let _ = l1.set(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect());
+        }
         Ok(Self {
             path: path.to_path_buf(),
             storage,
             header: Arc::new(header),
-            l1: Arc::new(OnceLock::new()),
+            l1: Arc::new(l1),
             file_size,
             fingerprint,
         })
@@ -115,6 +121,8 @@ impl Qcow2Layer {
         if let Some(l1) = self.l1.get() {
             return Ok(l1);
         }
+        // A queue worker does not wait for metadata reads.
+        crate::nowait::may_load()?;
         let mut raw = vec![0u8; self.header.l1_size as usize * 8];
         self.storage
             .read_at(&mut raw, self.header.l1_table_offset)?;

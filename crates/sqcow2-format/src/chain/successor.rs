@@ -92,7 +92,10 @@ impl Chain {
         options: &ChainOptions,
     ) -> Result<Chain, Error> {
         let old = self.top();
-        let reopened = Qcow2Layer::open_lazily(old.path(), old.storage().clone())
+        // Its L1 table kept: the first lookups after the pause walk it
+        // (pending until the new top's index is installed), from queue
+        // workers that must not wait for metadata reads.
+        let reopened = Qcow2Layer::open(old.path(), old.storage().clone())
             .map_err(|k| Error::new(old.path(), k))?;
         let mut layers: Vec<Layer> = self.layers[..self.top_index().0].to_vec();
         layers.push(Layer::Qcow2(reopened));

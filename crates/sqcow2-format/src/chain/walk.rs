@@ -237,6 +237,14 @@ impl Chain {
             if let Some((ci, covers)) = extending {
                 let mut free = size - start;
                 for layer in (covers.0 + 1..=upto.0).rev() {
+                    // Past a layer's end, the layers below it do not show
+                    // (zeros): no entry of the old index holds there.
+                    let end = self.layers[layer].virtual_size();
+                    if start >= end {
+                        free = 0;
+                        break;
+                    }
+                    free = free.min(end - start);
                     let (status, n) =
                         self.layer_status(LayerIndex(layer), GuestOffset(start), free, false)?;
                     if !matches!(status, LayerStatus::Unallocated { .. }) {

@@ -5,7 +5,9 @@
 //! build after it, for the chain served then (snapshots faster than
 //! builds merge into one build for the newest top).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
 use sqcow2_format::indexing::build_index;
@@ -21,35 +23,55 @@ struct State {
     running: bool,
     /// Woken while building: build again after.
     again: bool,
+    /// No build starts (the daemon hands the disk over).
+    suspended: bool,
     counters: IndexCounters,
+}
+
+#[derive(Debug, Default)]
+struct Builder {
+    state: Mutex<State>,
+    /// Signalled when a build thread ends.
+    idle: Condvar,
+    /// Asks a running build to stop as soon as it can.
+    cancel: AtomicBool,
 }
 
 /// The background builder of the served chain's index.
 #[derive(Debug)]
 pub struct IndexBuilder {
     handle: Arc<ChainHandle>,
-    state: Arc<Mutex<State>>,
+    shared: Arc<Builder>,
+    /// Whether the daemon uses indexes at all (`--walk`: never builds).
+    enabled: bool,
 }
 
 impl IndexBuilder {
     /// A builder for the chain `handle` serves (nothing runs until
-    /// [`IndexBuilder::wake`]).
-    pub fn new(handle: Arc<ChainHandle>) -> Self {
+    /// [`IndexBuilder::wake`]); `enabled` false never builds.
+    pub fn new(handle: Arc<ChainHandle>, enabled: bool) -> Self {
         IndexBuilder {
             handle,
-            state: Arc::default(),
+            shared: Arc::default(),
+            enabled,
         }
     }
 
-    fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-        state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(shared: &Builder) -> std::sync::MutexGuard<'_, State> {
+        shared.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Builds the served chain's index if it needs one (a writable chain
     /// whose top names an index that does not cover every layer below
     /// it), on a background thread.
     pub fn wake(&self) {
-        let mut st = Self::lock(&self.state);
+        if !self.enabled {
+            return;
+        }
+        let mut st = Self::lock(&self.shared);
+        if st.suspended {
+            return;
+        }
         if st.running {
             st.again = true;
             return;
@@ -58,45 +80,87 @@ impl IndexBuilder {
         st.counters.building = true;
         drop(st);
         let handle = self.handle.clone();
-        let state = self.state.clone();
+        let shared = self.shared.clone();
         let spawned = std::thread::Builder::new()
             .name("sqcow2-index".into())
             .spawn(move || loop {
-                build_once(&handle, &state);
-                let mut st = Self::lock(&state);
-                if st.again {
+                let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    build_once(&handle, &shared);
+                }));
+                let mut st = Self::lock(&shared);
+                if built.is_err() {
+                    st.counters.failures += 1;
+                    st.counters.last_error = Some("the build panicked (a bug)".into());
+                }
+                if st.again && !st.suspended {
                     st.again = false;
                     continue;
                 }
+                st.again = false;
                 st.running = false;
                 st.counters.building = false;
+                shared.idle.notify_all();
                 return;
             });
         if let Err(e) = spawned {
             warn!(error = %e, "cannot start the index builder: the chain is walked above its index");
-            let mut st = Self::lock(&self.state);
+            let mut st = Self::lock(&self.shared);
             st.running = false;
             st.counters.building = false;
         }
     }
 
+    /// Stops building (a running build is cancelled and waited for; none
+    /// starts until [`IndexBuilder::resume`]): before the daemon hands its
+    /// images to another process.
+    pub fn suspend(&self) {
+        let mut st = Self::lock(&self.shared);
+        st.suspended = true;
+        self.shared.cancel.store(true, Ordering::SeqCst);
+        while st.running {
+            st = self
+                .shared
+                .idle
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        self.shared.cancel.store(false, Ordering::SeqCst);
+    }
+
+    /// Builds may start again (then [`IndexBuilder::wake`]).
+    pub fn resume(&self) {
+        Self::lock(&self.shared).suspended = false;
+    }
+
     /// Counters for `stats` (`pending_layers` filled in by the caller).
     pub fn counters(&self) -> IndexCounters {
-        Self::lock(&self.state).counters.clone()
+        Self::lock(&self.shared).counters.clone()
     }
 }
 
 /// One build for the chain served now.
-fn build_once(handle: &ChainHandle, state: &Mutex<State>) {
+fn build_once(handle: &ChainHandle, shared: &Builder) {
     let chain = handle.get();
     if !chain.is_writable() {
         return;
     }
     let start = Instant::now();
     // The daemon holds the chain's image locks: the build takes none.
-    let result = build_index(&chain, Locking::Off, &mut |_, _| {});
+    let cancelled = || shared.cancel.load(Ordering::Relaxed);
+    let result = build_index(&chain, Locking::Off, &mut |_, _| {}, &cancelled);
+    drop(chain);
+    // A live snapshot during the build made a new chain, which still uses
+    // the older index: the new one covers more of its layers.
+    if let Ok(Some(report)) = &result {
+        let served = handle.get();
+        if !cancelled() {
+            if let Err(e) = served.install_index(&report.index) {
+                warn!(error = %e, "the index just built does not fit the chain served now");
+            }
+        }
+    }
     let ms = start.elapsed().as_secs_f64() * 1e3;
-    let mut st = IndexBuilder::lock(state);
+    let mut st = IndexBuilder::lock(shared);
     match result {
         Ok(Some(report)) => {
             st.counters.builds += 1;

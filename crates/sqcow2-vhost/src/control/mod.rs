@@ -59,7 +59,7 @@ impl Shared {
     /// State for serving `handle` (active), the chain opened with `options`.
     pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         Shared {
-            index_builder: IndexBuilder::new(handle.clone()),
+            index_builder: IndexBuilder::new(handle.clone(), options.use_index),
             handle,
             options,
             session: Mutex::new(None),
@@ -240,9 +240,10 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let begin = Instant::now();
     let started_unix_us = unix_us();
     let current = shared.handle.get();
-    // Write most dirty metadata back while the guest still runs: the
-    // flush inside the pause then has little left to do.
-    current.flush().map_err(|e| {
+    // Write most dirty metadata back while the guest still runs (lazy
+    // refcounts included): the flush inside the pause then has little
+    // left to do.
+    current.flush_clean().map_err(|e| {
         fail(
             FailureKind::IoError,
             format!("flush before the snapshot: {e}"),
@@ -372,6 +373,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     drop(shared.handle.replace(chain));
     *shared.lock_inactive() = None;
     shared.gate.set_inactive(false);
+    shared.index_builder.resume();
     shared.index_builder.wake();
     info!(top = %top.display(), "activated");
     Ok(Activity { active: true })
@@ -388,8 +390,11 @@ fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
         return Ok(Activity { active: false });
     }
     shared.gate.set_inactive(true);
+    // No build writes into the images once another process owns them.
+    shared.index_builder.suspend();
     let undo = |f: Failure| {
         shared.gate.set_inactive(false);
+        shared.index_builder.resume();
         f
     };
     if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
