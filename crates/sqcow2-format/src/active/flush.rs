@@ -3,6 +3,9 @@
 //! that leaves the file consistent for a reader at every moment and after a
 //! power loss at any point:
 //!
+//! 0. spare clusters asked for since the last write-back (`super::spares`)
+//!    are given their space and zeroed; they are counted with step 1's
+//!    refcount blocks;
 //! 1. guest data and refcount blocks, then one sync (new clusters are
 //!    counted, and hold their data, before anything points to them); then
 //!    the refcount table and the header when they changed, each synced;
@@ -20,11 +23,16 @@
 //! point to are already durable, whatever the kernel writes back before
 //! the next flush leaves at worst leaked clusters after a power loss.
 //!
+//! The syncs of steps 1 and 2 are skipped where nothing depends on them
+//! ([`OrderNeeds`]): new mappings onto spares over a view of zeros, a new
+//! L2 table made from a spare, zeroed entries. A publish of such changes
+//! writes pages, with no sync at all.
+//!
 //! With lazy refcounts the refcount writes are deferred to a clean close,
 //! and the dirty bit is set on disk before the first metadata write.
 
 use crate::dirty::PageWrites;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::features::INCOMPAT_DIRTY;
 use crate::fence::{FenceCut, TransferFence};
 use crate::header::field;
@@ -44,8 +52,31 @@ pub(crate) struct WriteBack {
     /// use the released clusters (the tickets taken before the copy).
     frees: Vec<u64>,
     cut: Option<FenceCut>,
-    /// The dirty bit must be set on disk first (lazy refcounts).
+    /// The dirty bit must be set on disk first (lazy refcounts, spares).
     set_dirty_bit: bool,
+    /// The syncs the mappings in this copy depend on.
+    order: OrderNeeds,
+    /// Clusters to make spares of (counted in `refcounts`).
+    refill: Vec<u64>,
+}
+
+/// The syncs that changes since the last write-back depend on.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OrderNeeds {
+    /// Data that new mappings point to must be durable before the L2
+    /// entries are written.
+    pub(crate) data_before_l2: bool,
+    /// New L2 tables must be durable before the L1 entries pointing to
+    /// them are written (a table that may not read as zeros on disk, or
+    /// a copy holding entries).
+    pub(crate) tables_before_l1: bool,
+}
+
+impl OrderNeeds {
+    fn merge(&mut self, other: OrderNeeds) {
+        self.data_before_l2 |= other.data_before_l2;
+        self.tables_before_l1 |= other.tables_before_l1;
+    }
 }
 
 /// The changed parts of one L2 table, copied.
@@ -69,7 +100,15 @@ pub(crate) enum Durability {
 impl WriteBack {
     /// Whether only a data sync is needed.
     pub(crate) fn is_empty(&self) -> bool {
-        self.refcounts.is_empty() && self.tables.is_empty() && self.l1.is_empty()
+        self.refcounts.is_empty()
+            && self.tables.is_empty()
+            && self.l1.is_empty()
+            && self.refill.is_empty()
+    }
+
+    /// Clusters to make spares of.
+    pub(crate) fn refill(&self) -> &[u64] {
+        &self.refill
     }
 
     /// Whether the dirty bit is to be set on disk first.
@@ -80,8 +119,15 @@ impl WriteBack {
 
 impl ActiveState {
     /// Copies what waits to be written; with `frees`, also takes the queued
-    /// releases (applied by the flush after the fence, at `cut`).
-    pub(crate) fn take_write_back(&mut self, frees: Option<FenceCut>) -> WriteBack {
+    /// releases (applied by the flush after the fence, at `cut`); `refill`:
+    /// prepared clusters ([`ActiveState::take_refill`],
+    /// [`TopFile::prepare_spares`]) that become spares once this write-back
+    /// has made them durable.
+    pub(crate) fn take_write_back(
+        &mut self,
+        frees: Option<FenceCut>,
+        refill: Vec<u64>,
+    ) -> WriteBack {
         let lazy = self.top.lazy_refcounts;
         // Lazy refcounts are written at a clean close, except when the
         // table moved: the old table's clusters are released with this
@@ -94,6 +140,8 @@ impl ActiveState {
         };
         let mut wb = WriteBack {
             refcounts,
+            order: std::mem::take(&mut self.order),
+            refill,
             ..WriteBack::default()
         };
         for (offset, slot) in &self.l2 {
@@ -121,7 +169,11 @@ impl ActiveState {
             .into_iter()
             .map(|i| (i, self.l1[i]))
             .collect();
-        wb.set_dirty_bit = lazy && !self.dirty_bit_on_disk && !wb.is_empty();
+        // Lazy refcounts: the counts on disk are stale from the first
+        // metadata write on. Spares: a process death leaves them leaked,
+        // which the next read-write open of a dirty image repairs.
+        wb.set_dirty_bit =
+            !self.dirty_bit_on_disk && (lazy && !wb.is_empty() || !wb.refill.is_empty());
         if let Some(cut) = frees {
             wb.frees = self.refcounts.take_pending_frees();
             wb.cut = Some(cut);
@@ -134,6 +186,7 @@ impl ActiveState {
     /// before its cut have ended.
     pub(crate) fn written(&mut self, wb: WriteBack) {
         self.refcounts_written(&wb.refcounts);
+        self.spares.add(&wb.refill);
         for t in &wb.tables {
             if let Some(slot) = self.l2.get_mut(&t.offset) {
                 if slot.generation == t.generation {
@@ -151,6 +204,30 @@ impl ActiveState {
         // Dirty tables past the budget are written by the caller's next
         // write-back; this one just wrote what it could.
         let _ = self.settle();
+    }
+
+    /// Counts (in memory) the clusters to make spares of, when allocations
+    /// asked for spares; the caller prepares them outside the lock.
+    pub(crate) fn take_refill(&mut self) -> Vec<u64> {
+        let mut refill = Vec::new();
+        for _ in 0..self.spares.refill_wanted() {
+            match self.alloc(false) {
+                Ok(c) => refill.push(c),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no more spare clusters for now");
+                    break;
+                }
+            }
+        }
+        refill
+    }
+
+    /// Gives back clusters that could not be prepared as spares.
+    pub(crate) fn refill_failed(&mut self, clusters: &[u64]) {
+        for &c in clusters {
+            self.unalloc(c);
+        }
+        self.spares.failed();
     }
 
     /// Applies the releases whose transfers have all ended (in cut order);
@@ -182,6 +259,11 @@ impl ActiveState {
     /// Puts back what a failed write-back took (it is written next time).
     pub(crate) fn restore(&mut self, wb: WriteBack) {
         self.refcounts.restore(&wb.refcounts);
+        self.order.merge(wb.order);
+        for c in wb.refill {
+            // Counted in memory only, referenced by nothing.
+            self.unalloc(c);
+        }
         self.dirty_l1.extend(wb.l1.iter().map(|(i, _)| *i));
         if !wb.frees.is_empty() {
             self.refcounts.return_pending_frees(wb.frees);
@@ -190,6 +272,39 @@ impl ActiveState {
 }
 
 impl TopFile {
+    /// Gives clusters about to become spares their space and makes them
+    /// read as zeros (a cluster inside the file may hold old bytes); the
+    /// next sync makes it durable. Returns those prepared and those not
+    /// (a full filesystem: spares are an optimisation, never a failure).
+    pub(crate) fn prepare_spares(&self, clusters: &[u64]) -> (Vec<u64>, Vec<u64>) {
+        let bits = self.geometry.cluster_bits;
+        let (mut done, mut failed) = (Vec::new(), Vec::new());
+        let Ok(len) = self.storage.len() else {
+            return (done, clusters.to_vec());
+        };
+        for (first, n) in super::spares::runs(clusters) {
+            let (at, bytes) = (first << bits, n << bits);
+            let zeroed = if at < len {
+                self.storage.write_zeroes(at, bytes.min(len - at))
+            } else {
+                Ok(())
+            };
+            let prepared = zeroed
+                .map_err(ErrorKind::from)
+                .and_then(|()| crate::refcount::reserve_clusters(&*self.storage, bits, first, n));
+            let run = first..first + n;
+            match prepared {
+                Ok(()) if failed.is_empty() => done.extend(run),
+                Ok(()) => failed.extend(run),
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not prepare spare clusters");
+                    failed.extend(run);
+                }
+            }
+        }
+        (done, failed)
+    }
+
     fn sync(&self) -> Result<(), Error> {
         self.storage.sync().map_err(|e| self.io(e))
     }
@@ -262,8 +377,11 @@ impl TopFile {
             };
         }
         let storage = &*self.storage;
-        if !self.write_refcounts(&wb.refcounts)? {
-            // No refcount change: the data still needs its sync.
+        if !self.write_refcounts(&wb.refcounts)?
+            && (wb.order.data_before_l2 || !wb.refill.is_empty())
+        {
+            // No refcount change: the data (or the spares) still need
+            // their sync.
             self.sync()?;
         }
         for t in &wb.tables {
@@ -272,7 +390,7 @@ impl TopFile {
             }
         }
         if !wb.l1.is_empty() {
-            if !wb.tables.is_empty() {
+            if wb.order.tables_before_l1 && !wb.tables.is_empty() {
                 self.sync()?;
             }
             for (i, value) in &wb.l1 {

@@ -21,6 +21,7 @@ mod flush;
 mod open;
 mod overlap;
 mod plan;
+mod spares;
 mod state;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,11 +37,18 @@ use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
 pub(crate) use open::CacheLink;
-use plan::{Allocation, AllocationKind, WritePlan, ZeroOutcome, ALL_ALLOC};
+use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use state::{ActiveState, InPlace, TopFile};
 
-/// Reads the guest view of the layers below the top into a buffer.
-pub(crate) type BelowReader<'a> = dyn Fn(&mut [u8], GuestOffset) -> Result<(), Error> + 'a;
+/// The guest view of the layers below the top, which does not change
+/// while the chain is open.
+pub(crate) trait Below {
+    /// Reads `buf.len()` bytes at `at`.
+    fn read(&self, buf: &mut [u8], at: GuestOffset) -> Result<(), Error>;
+    /// Whether `[at, at + len)` reads as zeros, from the mappings alone
+    /// (`false` wherever data is stored, even zeros).
+    fn reads_as_zeros(&self, at: GuestOffset, len: u64) -> Result<bool, Error>;
+}
 
 /// Told which guest range's mapping changed, under the metadata lock (so
 /// that no cached view of the old mapping outlives the change).
@@ -181,7 +189,7 @@ impl Active {
         &self,
         data: &[u8],
         guest: GuestOffset,
-        below: &BelowReader,
+        below: &dyn Below,
         changed: &MappingChanged,
     ) -> Result<(), Error> {
         loop {
@@ -204,22 +212,21 @@ impl Active {
                         alloc,
                         committed: false,
                     };
-                    let bitmap = self.fill(&claim.alloc, data, guest, below)?;
-                    return claim.commit(bitmap, changed);
+                    let filled = self.fill(&claim.alloc, data, guest, below)?;
+                    return claim.commit(filled, changed);
                 }
             }
         }
     }
 
-    /// Writes the data of an allocation (no lock held); returns the new
-    /// subcluster bitmap.
+    /// Writes the data of an allocation (no lock held).
     fn fill(
         &self,
         alloc: &Allocation,
         data: &[u8],
         guest: GuestOffset,
-        below: &BelowReader,
-    ) -> Result<u64, Error> {
+        below: &dyn Below,
+    ) -> Result<Filled, Error> {
         let top = &self.top;
         let g = top.geometry;
         let storage = &*top.storage;
@@ -227,24 +234,39 @@ impl Active {
         let in_cluster = guest.0 - alloc.start.0;
         let io = |e| top.io(e);
         match alloc.kind {
-            AllocationKind::NewCluster { new, fresh, .. } => {
-                reserve_clusters(storage, g.cluster_bits, g.host_cluster(new), 1)
-                    .map_err(|k| top.err(k))?;
-                self.known_len
-                    .fetch_max(new.0 + cluster_size, Ordering::Relaxed);
-                let mut full = vec![0u8; cluster_size as usize];
-                if data.len() as u64 != cluster_size {
-                    self.read_view(below, &mut full, alloc.start)?;
+            AllocationKind::NewCluster { new, origin, .. } => {
+                let spare = origin == NewClusterOrigin::Spare;
+                if !spare {
+                    reserve_clusters(storage, g.cluster_bits, g.host_cluster(new), 1)
+                        .map_err(|k| top.err(k))?;
+                    self.known_len
+                        .fetch_max(new.0 + cluster_size, Ordering::Relaxed);
                 }
+                let mut full = vec![0u8; cluster_size as usize];
+                let zeros_before = if data.len() as u64 != cluster_size {
+                    self.read_view(below, &mut full, alloc.start)?;
+                    spare && is_zero(&full)
+                } else {
+                    spare && self.view_is_zero(below, alloc.start, cluster_size)?
+                };
                 full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
-                write_sparse(storage, new, &full, fresh).map_err(io)?;
-                Ok(if g.extended_l2 { ALL_ALLOC } else { 0 })
+                let reads_zeros = origin != NewClusterOrigin::Reused;
+                write_sparse(storage, new, &full, reads_zeros).map_err(io)?;
+                Ok(Filled {
+                    bitmap: if g.extended_l2 { ALL_ALLOC } else { 0 },
+                    // A spare over zeros: any part of the data a power
+                    // loss drops reads as the zeros the guest saw before.
+                    needs_sync: !zeros_before,
+                })
             }
             AllocationKind::FillZero { host } => {
                 let mut full = vec![0u8; cluster_size as usize];
                 full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
                 storage.write_at(&full, host.0).map_err(io)?;
-                Ok(0)
+                Ok(Filled {
+                    bitmap: 0,
+                    needs_sync: true,
+                })
             }
             AllocationKind::Subclusters { host, bitmap } => {
                 let sc_size = g.subcluster_size();
@@ -271,7 +293,10 @@ impl Active {
                     }
                     new_bitmap = (new_bitmap | (1 << sc)) & !(1 << (sc + 32));
                 }
-                Ok(new_bitmap)
+                Ok(Filled {
+                    bitmap: new_bitmap,
+                    needs_sync: true,
+                })
             }
         }
     }
@@ -281,7 +306,7 @@ impl Active {
     /// the top and the layers below.
     fn read_view(
         &self,
-        below: &BelowReader,
+        below: &dyn Below,
         buf: &mut [u8],
         guest: GuestOffset,
     ) -> Result<(), Error> {
@@ -302,7 +327,7 @@ impl Active {
                     top.storage.read_at(out, host.0).map_err(|e| top.io(e))?
                 }
                 LayerStatus::Zero { .. } => out.fill(0),
-                LayerStatus::Unallocated { .. } => below(out, at)?,
+                LayerStatus::Unallocated { .. } => below.read(out, at)?,
                 LayerStatus::Compressed(d) => {
                     let cluster = self.decompress_own(d)?;
                     let from = top.geometry.offset_in_cluster(at.0) as usize;
@@ -312,6 +337,27 @@ impl Active {
             pos += n as usize;
         }
         Ok(())
+    }
+
+    /// Whether the guest view of `[guest, guest + len)` (in one claimed
+    /// cluster) reads as zeros, from the mappings alone.
+    fn view_is_zero(&self, below: &dyn Below, guest: GuestOffset, len: u64) -> Result<bool, Error> {
+        let size = self.size();
+        let end = guest.0 + len;
+        let mut at = guest;
+        while at.0 < end.min(size) {
+            let (st, n) = self.status(at, end.min(size) - at.0)?;
+            let zeros = match st {
+                LayerStatus::Data { .. } | LayerStatus::Compressed(_) => false,
+                LayerStatus::Zero { .. } => true,
+                LayerStatus::Unallocated { .. } => below.reads_as_zeros(at, n)?,
+            };
+            if !zeros {
+                return Ok(false);
+            }
+            at = at + n;
+        }
+        Ok(true)
     }
 
     fn decompress_own(&self, d: CompressedDescriptor) -> Result<Vec<u8>, Error> {
@@ -365,9 +411,10 @@ impl Active {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         self.check_failed()?;
+        let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_state()?;
-            let wb = st.take_write_back(Some(fence.cut()));
+            let wb = st.take_write_back(Some(fence.cut()), refill);
             let h = &st.header;
             (wb, h.features.incompatible, h.l1_table_offset)
         };
@@ -378,6 +425,7 @@ impl Active {
             self.write_state_anyway().restore(wb);
             return Err(e);
         }
+        self.spares_reserved(&wb);
         let rc = {
             let mut st = self.write_state()?;
             st.written(wb);
@@ -409,9 +457,10 @@ impl Active {
 
     /// Writes metadata back (no releases taken) with the flush order held.
     fn write_back(&self, durability: Durability) -> Result<(), Error> {
+        let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_state()?;
-            let wb = st.take_write_back(None);
+            let wb = st.take_write_back(None, refill);
             (
                 wb,
                 st.header.features.incompatible,
@@ -423,6 +472,7 @@ impl Active {
         }
         match self.top.write_out(&wb, incompatible, l1_offset, durability) {
             Ok(()) => {
+                self.spares_reserved(&wb);
                 self.write_state()?.written(wb);
                 Ok(())
             }
@@ -430,6 +480,29 @@ impl Active {
                 self.write_state_anyway().restore(wb);
                 Err(e)
             }
+        }
+    }
+
+    /// Counts and prepares the spare clusters allocations asked for (the
+    /// caller holds the flush order and makes them durable with its
+    /// write-back); those that could not be prepared are given back.
+    fn prepare_spares(&self) -> Result<Vec<u64>, Error> {
+        let wanted = self.write_state()?.take_refill();
+        if wanted.is_empty() {
+            return Ok(wanted);
+        }
+        let (prepared, failed) = self.top.prepare_spares(&wanted);
+        if !failed.is_empty() {
+            self.write_state_anyway().refill_failed(&failed);
+        }
+        Ok(prepared)
+    }
+
+    /// Notes the file's length past the spares a write-back prepared.
+    fn spares_reserved(&self, wb: &flush::WriteBack) {
+        if let Some(&last) = wb.refill().iter().max() {
+            let end = (last + 1) << self.top.geometry.cluster_bits;
+            self.known_len.fetch_max(end, Ordering::Relaxed);
         }
     }
 
@@ -451,22 +524,31 @@ impl Active {
         self.read_state().publish_loaded()
     }
 
-    /// Flushes and, with lazy refcounts, writes the refcounts and clears
-    /// the dirty bit: the image is then clean for any reader.
+    /// Flushes, gives the spare clusters back and, with lazy refcounts,
+    /// writes the refcounts; then clears the dirty bit: the image is clean
+    /// for any reader.
     pub(crate) fn close(&self, fence: &TransferFence) -> Result<(), Error> {
         self.flush(fence)?;
         let _order = self
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let (rc, left) = {
+        let (rc, left, dirty) = {
             let mut st = self.write_state()?;
             let left: usize = st.deferred_frees.iter().map(|(_, f)| f.len()).sum();
-            let rc = self
-                .top
-                .lazy_refcounts
-                .then(|| st.refcounts.dirty_snapshot());
-            (rc, left)
+            let spares = st.spares.take_all();
+            if !spares.is_empty() {
+                // Held across the truncation on purpose: no allocation may
+                // place a cluster past the new end meanwhile.
+                if let Err(e) = self.trim_spares(&spares) {
+                    tracing::warn!(error = %e, "could not cut spare clusters off the file's end");
+                }
+                for c in spares {
+                    st.unalloc(c);
+                }
+            }
+            let rc = st.refcounts.dirty_snapshot();
+            (rc, left, st.dirty_bit_on_disk)
         };
         if left > 0 {
             tracing::warn!(
@@ -475,23 +557,39 @@ impl Active {
                 "transfers still in flight at close: their released clusters stay allocated (leaked)"
             );
         }
-        let Some(rc) = rc else {
-            return Ok(());
-        };
         if let Err(e) = self.top.write_refcounts(&rc) {
             self.write_state_anyway().refcounts.restore(&rc);
             return Err(e);
         }
-        let (dirty, incompatible) = {
+        let incompatible = {
             let mut st = self.write_state()?;
             st.refcounts_written(&rc);
-            (st.dirty_bit_on_disk, st.header.features.incompatible)
+            st.header.features.incompatible
         };
         if dirty {
             self.top.write_dirty_bit(incompatible, false)?;
             let mut st = self.write_state()?;
             st.dirty_bit_on_disk = false;
             st.header.features.incompatible &= !crate::features::INCOMPAT_DIRTY;
+        }
+        Ok(())
+    }
+
+    /// Cuts the spares at the end of the file off (they are counted, so
+    /// nothing else can be there). The caller holds the metadata lock.
+    fn trim_spares(&self, spares: &[u64]) -> Result<(), Error> {
+        let top = &self.top;
+        let bits = top.geometry.cluster_bits;
+        let len = top.storage.len().map_err(|e| top.io(e))?;
+        let spares: std::collections::HashSet<u64> = spares.iter().copied().collect();
+        let mut end = len.div_ceil(1 << bits);
+        while end > 0 && spares.contains(&(end - 1)) {
+            end -= 1;
+        }
+        let new_len = (end << bits).min(len);
+        if new_len < len {
+            top.storage.set_len(new_len).map_err(|e| top.io(e))?;
+            self.known_len.store(new_len, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -553,13 +651,25 @@ struct Claim<'a> {
     committed: bool,
 }
 
+/// What the data write of an allocation left.
+#[derive(Debug, Clone, Copy)]
+struct Filled {
+    /// The new subcluster bitmap (extended L2).
+    bitmap: u64,
+    /// The data must be durable before the mapping may be written.
+    needs_sync: bool,
+}
+
 impl Claim<'_> {
     /// Links the written cluster into the mapping.
-    fn commit(mut self, bitmap: u64, changed: &MappingChanged) -> Result<(), Error> {
+    fn commit(mut self, filled: Filled, changed: &MappingChanged) -> Result<(), Error> {
         let active = self.active;
         let mut st = active.write_state()?;
-        st.commit(&self.alloc, bitmap)
+        st.commit(&self.alloc, filled.bitmap)
             .map_err(|e| active.on_error(e))?;
+        if filled.needs_sync {
+            st.order.data_before_l2 = true;
+        }
         self.committed = true;
         changed(self.alloc.start, active.top.geometry.cluster_size());
         let early = st.settle();

@@ -46,18 +46,30 @@ pub(crate) struct Allocation {
 #[derive(Debug)]
 pub(crate) enum AllocationKind {
     /// A new cluster for the whole guest cluster (copy-on-write); the old
-    /// entry's clusters are released at commit. `fresh`: it lies past the
-    /// end of the file, so it reads as zeros before anything is written.
+    /// entry's clusters are released at commit.
     NewCluster {
         new: HostOffset,
         old_entry: u64,
-        fresh: bool,
+        origin: NewClusterOrigin,
     },
     /// The top's own preallocated zero cluster, written whole.
     FillZero { host: HostOffset },
     /// Subclusters of the top's own cluster (extended L2): allocated ones
     /// get the new bytes only, the others are written whole.
     Subclusters { host: HostOffset, bitmap: u64 },
+}
+
+/// Where a new cluster comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NewClusterOrigin {
+    /// A spare: counted, space reserved and reading as zeros, durably
+    /// ([`super::spares`]).
+    Spare,
+    /// Past the end of the file: reads as zeros once its space is
+    /// reserved.
+    Fresh,
+    /// A free cluster inside the file, which may hold old bytes.
+    Reused,
 }
 
 impl ActiveState {
@@ -117,15 +129,25 @@ impl ActiveState {
             // The old mapping must be releasable (not metadata) before
             // anything is allocated for the new one.
             self.check_releasable(guest, entry)?;
-            // The data cluster's space is reserved by the caller, outside
-            // the lock.
-            let new = self.alloc(false)?;
-            let file_size = self.top.storage.len().map_err(|e| self.top.io(e))?;
-            let new = HostOffset(new << g.cluster_bits);
+            let (new, origin) = match self.spares.take() {
+                Some(spare) => (HostOffset(spare << g.cluster_bits), NewClusterOrigin::Spare),
+                None => {
+                    // The data cluster's space is reserved by the caller,
+                    // outside the lock.
+                    let new = HostOffset(self.alloc(false)? << g.cluster_bits);
+                    let file_size = self.top.storage.len().map_err(|e| self.top.io(e))?;
+                    let origin = if new.0 >= file_size {
+                        NewClusterOrigin::Fresh
+                    } else {
+                        NewClusterOrigin::Reused
+                    };
+                    (new, origin)
+                }
+            };
             AllocationKind::NewCluster {
                 new,
                 old_entry: entry,
-                fresh: new.0 >= file_size,
+                origin,
             }
         };
         let cell = Arc::new(ClaimCell::default());
@@ -168,12 +190,10 @@ impl ActiveState {
     /// Gives back what `alloc` reserved (its data could not be written).
     pub(crate) fn abort(&mut self, alloc: &Allocation) {
         if let AllocationKind::NewCluster { new, .. } = alloc.kind {
-            let storage = self.top.storage.clone();
-            let idx = new.0 >> self.top.geometry.cluster_bits;
-            // Nothing references the cluster: it is reusable at once.
-            if let Err(k) = self.refcounts.unalloc(&*storage, idx) {
-                tracing::warn!(error = %k, "could not return an unused cluster");
-            }
+            // Nothing references the cluster: it is reusable at once (a
+            // spare is not a spare any more: part of its data may be
+            // written).
+            self.unalloc(new.0 >> self.top.geometry.cluster_bits);
         }
         self.end_claim(alloc);
     }

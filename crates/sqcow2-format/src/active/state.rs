@@ -20,7 +20,9 @@ use crate::types::{Geometry, GuestCluster, GuestOffset, HostOffset};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use super::claim::ClaimCell;
+use super::flush::OrderNeeds;
 use super::overlap::MetadataClusters;
+use super::spares::Spares;
 
 /// Tables under modification stay in memory until a flush writes them, and
 /// stay there once written while they fit in this share of the cache
@@ -119,6 +121,11 @@ pub(crate) struct ActiveState {
     /// Clusters holding the top's own metadata.
     metadata: MetadataClusters,
     pub(crate) dirty_bit_on_disk: bool,
+    /// Clusters ready for allocations that need no sync before their
+    /// mapping is written.
+    pub(crate) spares: Spares,
+    /// The syncs the next write-back owes to what changed since the last.
+    pub(crate) order: OrderNeeds,
 }
 
 impl ActiveState {
@@ -144,6 +151,8 @@ impl ActiveState {
         let metadata =
             MetadataClusters::build(&header, &l1, refcounts.table_entries(), &*top.storage)
                 .map_err(|k| top.err(k))?;
+        let header_cluster_bits = header.geometry.cluster_bits;
+        let v3 = header.version == Version::V3;
         Ok(Self {
             metadata,
             dirty_bit_on_disk: header.is_dirty(),
@@ -155,6 +164,8 @@ impl ActiveState {
             refcounts,
             claims: HashMap::new(),
             deferred_frees: VecDeque::new(),
+            spares: Spares::new(header_cluster_bits, v3),
+            order: OrderNeeds::default(),
             top,
         })
     }
@@ -358,8 +369,21 @@ impl ActiveState {
                 return Ok(offset);
             }
         }
-        // Metadata clusters are reserved at once (rare; under the lock).
-        let new = self.alloc(true)? << g.cluster_bits;
+        // A spare reads as zeros on disk, so a table made from one is valid
+        // (empty) there whatever part of it a power loss keeps. Otherwise
+        // metadata clusters are reserved at once (rare; under the lock),
+        // and the table must be durable before the L1 entry points to it;
+        // so must a copy, which holds entries.
+        let new = match self.spares.take() {
+            Some(spare) => spare,
+            None => {
+                self.order.tables_before_l1 = true;
+                self.alloc(true)?
+            }
+        } << g.cluster_bits;
+        if offset != 0 {
+            self.order.tables_before_l1 = true;
+        }
         self.metadata.insert(new >> g.cluster_bits);
         let table = if offset != 0 {
             self.refcounts.free_later(offset >> g.cluster_bits);
@@ -408,6 +432,15 @@ impl ActiveState {
                 cluster = idx,
                 "a metadata cluster had a refcount of 0; not handing it out"
             );
+        }
+    }
+
+    /// Returns a cluster counted by [`ActiveState::alloc`] that nothing
+    /// references: reusable at once.
+    pub(crate) fn unalloc(&mut self, idx: u64) {
+        let storage = self.top.storage.clone();
+        if let Err(k) = self.refcounts.unalloc(&*storage, idx) {
+            tracing::warn!(error = %k, cluster = idx, "could not return an unused cluster");
         }
     }
 

@@ -201,16 +201,20 @@ impl Chain {
         Ok(())
     }
 
-    /// Reads the guest view of the layers below the top (immutable while
-    /// the chain is open: no ticket needed).
-    fn read_below(&self, buf: &mut [u8], offset: GuestOffset) -> Result<(), Error> {
-        match self.top_index().0.checked_sub(1) {
-            Some(i) => self.read_from(LayerIndex(i), buf, offset.0),
-            None => {
-                buf.fill(0);
-                Ok(())
+    /// Whether layer `index` and the layers below it read as zeros over
+    /// `[offset, offset + len)`, from the mappings alone.
+    fn reads_as_zeros_from(&self, index: LayerIndex, offset: u64, len: u64) -> Result<bool, Error> {
+        let size = self.layers[index.0].virtual_size();
+        let end = (offset + len).min(size);
+        let mut pos = offset;
+        while pos < end {
+            let extent = self.resolve_from(index, GuestOffset(pos), end - pos, false)?;
+            if !matches!(extent.kind, ExtentKind::Zero { .. }) {
+                return Ok(false);
             }
+            pos += extent.len;
         }
+        Ok(true)
     }
 
     fn read_compressed(
@@ -259,7 +263,7 @@ impl Chain {
         let active = self.active()?;
         // In-place pieces are transfers to clusters a flush may release.
         let _ticket = self.fence.begin();
-        let below = |b: &mut [u8], o: GuestOffset| self.read_below(b, o);
+        let below = BelowTop(self);
         let changed = |o: GuestOffset, n: u64| self.mapping_changed(o, n);
         self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
             let data = &buf[(pos.0 - offset) as usize..(pos.0 - offset + n) as usize];
@@ -366,6 +370,29 @@ impl Drop for Chain {
         }
         if let Err(e) = active.close(&self.fence) {
             tracing::error!(path = %self.top().path().display(), error = %e, "closing the image failed");
+        }
+    }
+}
+
+/// The guest view of the layers below the top, immutable while the chain
+/// is open (no ticket needed).
+struct BelowTop<'a>(&'a Chain);
+
+impl crate::active::Below for BelowTop<'_> {
+    fn read(&self, buf: &mut [u8], at: GuestOffset) -> Result<(), Error> {
+        match self.0.top_index().0.checked_sub(1) {
+            Some(i) => self.0.read_from(LayerIndex(i), buf, at.0),
+            None => {
+                buf.fill(0);
+                Ok(())
+            }
+        }
+    }
+
+    fn reads_as_zeros(&self, at: GuestOffset, len: u64) -> Result<bool, Error> {
+        match self.0.top_index().0.checked_sub(1) {
+            Some(i) => self.0.reads_as_zeros_from(LayerIndex(i), at.0, len),
+            None => Ok(true),
         }
     }
 }
