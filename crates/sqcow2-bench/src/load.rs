@@ -23,7 +23,15 @@ pub enum Pattern {
     SeqRead,
     /// 70% random reads, 30% random writes.
     Mixed,
+    /// Random writes, each into a 64 KiB cluster this queue has not
+    /// written before (the queue's stripe of clusters in a random order,
+    /// a block at a random offset of each): on a fresh overlay every
+    /// write allocates, however fast the server.
+    RandWriteNew,
 }
+
+/// The cluster size [`Pattern::RandWriteNew`] assumes.
+const NEW_CLUSTER: u64 = 64 << 10;
 
 /// Where the load goes.
 #[derive(Debug, Clone)]
@@ -177,6 +185,13 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let len = (per_queue * spec.queues).div_ceil(align) * align;
     let region = b.alloc_mem_region(len).map_err(blkio_err)?;
     b.map_mem_region(&region).map_err(blkio_err)?;
+    // Writes carry random bytes, as a guest's do: a region of zeros let a
+    // server that skips zero blocks (sqcow2 does, for new clusters) skip
+    // the data of every allocating write.
+    // SAFETY: libblkio just allocated the region for this process, `len`
+    // bytes at `addr`, and no request uses it yet.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, len) };
+    fastrand::Rng::with_seed(0x5eed_da7a).fill(bytes);
     if capacity < spec.block_size as u64 * 2 {
         bail!("disk too small");
     }
@@ -298,6 +313,16 @@ pub fn drive_queue(
     };
     let slow_ns = spec.slow_us.map(|us| us * 1000);
     let mut seen = 0u64;
+    // RandWriteNew: this queue's clusters, shuffled (written in turn; past
+    // the end, around again).
+    let mut fresh: Vec<u64> = Vec::new();
+    if spec.pattern == Pattern::RandWriteNew {
+        let clusters = capacity / NEW_CLUSTER;
+        let per = clusters / spec.queues as u64;
+        fresh = (per * index as u64..per * (index as u64 + 1)).collect();
+        rng.shuffle(&mut fresh);
+    }
+    let mut next_fresh = 0usize;
     let mut submit = |q: &mut Blkioq,
                       slot: usize,
                       rng: &mut fastrand::Rng,
@@ -314,18 +339,25 @@ pub fn drive_queue(
         let buf = (base + slot * spec.block_size) as *mut u8;
         let write = match spec.pattern {
             Pattern::RandRead | Pattern::SeqRead => false,
-            Pattern::RandWrite => true,
+            Pattern::RandWrite | Pattern::RandWriteNew => true,
             Pattern::Mixed => rng.u8(0..10) < 3,
         };
-        let block = if spec.pattern == Pattern::SeqRead {
-            let b = next_seq;
-            next_seq += 1;
-            if next_seq >= stripe * (index as u64 + 1) {
-                next_seq = stripe * index as u64;
+        let block = match spec.pattern {
+            Pattern::SeqRead => {
+                let b = next_seq;
+                next_seq += 1;
+                if next_seq >= stripe * (index as u64 + 1) {
+                    next_seq = stripe * index as u64;
+                }
+                b
             }
-            b
-        } else {
-            rng.u64(0..blocks)
+            Pattern::RandWriteNew if !fresh.is_empty() => {
+                let cluster = fresh[next_fresh % fresh.len()];
+                next_fresh += 1;
+                let per_cluster = (NEW_CLUSTER / bs).max(1);
+                cluster * per_cluster + rng.u64(0..per_cluster)
+            }
+            _ => rng.u64(0..blocks),
         };
         started[slot] = Instant::now();
         if write {

@@ -473,9 +473,10 @@ fn write_matrix(md: &mut String, s: &Summary) {
     let _ = writeln!(
         md,
         "\n**Writes and queues** (one layer: allocating writes into a fresh overlay of a sparse base \
-         2 % filled, the others on a fully allocated 1 GiB layer; 4 KiB random; every server \
-         exports 4 queues, writable; IOPS, and sqcow2 against the best qemu-storage-daemon \
-         configuration):\n"
+         2 % filled, allocating writes over data into a fresh overlay of a fully allocated 1 GiB \
+         layer (copy-on-write of the rest of each cluster), the others on that layer; 4 KiB \
+         random, random bytes; every server exports 4 queues, writable; no guest flushes; IOPS, \
+         and sqcow2 against the best qemu-storage-daemon configuration):\n"
     );
     let _ = write!(md, "| load |");
     for srv in &s.write_servers {

@@ -129,9 +129,13 @@ pub struct WriteRun {
 /// The image a write load runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WriteImage {
-    /// A fresh overlay of the write base: every write allocates (copy on
-    /// write from below).
+    /// A fresh overlay of the write base (2 % filled): every write
+    /// allocates, nearly always over zeros.
     Fresh,
+    /// A fresh overlay of the fully allocated layer: every write allocates
+    /// and copies the rest of its cluster from the data below (a disk
+    /// after a snapshot).
+    FreshOverData,
     /// A fully allocated one-layer image: writes go in place.
     Allocated,
 }
@@ -150,6 +154,7 @@ impl WriteLoad {
     pub fn name(&self) -> String {
         let what = match (self.image, self.pattern) {
             (WriteImage::Fresh, _) => "allocating writes",
+            (WriteImage::FreshOverData, _) => "allocating writes over data",
             (_, Pattern::RandWrite) => "overwrites",
             (_, Pattern::Mixed) => "70/30 reads/overwrites",
             _ => "reads",
@@ -168,7 +173,7 @@ const WRITE_QUEUES: usize = 4;
 
 /// The write and queue matrix, in order (the loads of one image run on
 /// one server start).
-pub const WRITE_LOADS: [WriteLoad; 11] = {
+pub const WRITE_LOADS: [WriteLoad; 13] = {
     const fn l(image: WriteImage, pattern: Pattern, iodepth: usize, queues: usize) -> WriteLoad {
         WriteLoad {
             image,
@@ -182,6 +187,8 @@ pub const WRITE_LOADS: [WriteLoad; 11] = {
     [
         l(Fresh, RandWrite, 1, 1),
         l(Fresh, RandWrite, 32, 1),
+        l(FreshOverData, RandWrite, 1, 1),
+        l(FreshOverData, RandWrite, 32, 1),
         l(Allocated, RandWrite, 1, 1),
         l(Allocated, RandWrite, 32, 1),
         l(Allocated, RandWrite, 32, 2),
@@ -630,15 +637,15 @@ impl WriteImages {
         })
     }
 
-    /// A fresh overlay of the base (as `qemu-img create -b` makes it, then
+    /// A fresh overlay of `base` (as `qemu-img create -b` makes it, then
     /// indexed by `sqcow2 upgrade` for sqcow2).
-    fn fresh(&self, sqcow2: Option<&Path>) -> anyhow::Result<PathBuf> {
+    fn fresh(&self, base: &Path, sqcow2: Option<&Path>) -> anyhow::Result<PathBuf> {
         let over = self.dir.join("overlay.qcow2");
         let _ = std::fs::remove_file(&over);
         let _ = std::fs::remove_file(self.dir.join("overlay.qcow2.sqidx"));
         let ok = std::process::Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(&self.base)
+            .arg(base)
             .arg(&over)
             .status()?
             .success();
@@ -664,7 +671,11 @@ fn measure_writes(
     repetition: usize,
 ) -> Vec<WriteRun> {
     let mut runs = Vec::new();
-    for image in [WriteImage::Fresh, WriteImage::Allocated] {
+    for image in [
+        WriteImage::Fresh,
+        WriteImage::FreshOverData,
+        WriteImage::Allocated,
+    ] {
         let loads: Vec<WriteLoad> = WRITE_LOADS
             .iter()
             .copied()
@@ -673,16 +684,22 @@ fn measure_writes(
         eprintln!(
             "==> {} writes on a{} image (repetition {})",
             server.name(),
-            if image == WriteImage::Fresh {
-                " fresh overlay"
-            } else {
-                "n allocated"
+            match image {
+                WriteImage::Fresh => " fresh overlay",
+                WriteImage::FreshOverData => " fresh overlay over data",
+                WriteImage::Allocated => "n allocated",
             },
             repetition + 1
         );
         let result = (|| -> anyhow::Result<Vec<WriteRun>> {
             let top = match image {
-                WriteImage::Fresh => images.fresh((!server.is_qemu()).then_some(setup.sqcow2))?,
+                WriteImage::Fresh => {
+                    images.fresh(&images.base, (!server.is_qemu()).then_some(setup.sqcow2))?
+                }
+                WriteImage::FreshOverData => images.fresh(
+                    &images.allocated,
+                    (!server.is_qemu()).then_some(setup.sqcow2),
+                )?,
                 WriteImage::Allocated => images.allocated.clone(),
             };
             let chain = ChainFiles { layers: vec![top] };

@@ -155,7 +155,10 @@ impl ActiveState {
                 .map(|r| {
                     let at = *offset + r.start as u64;
                     let words = &slot.table[r.start / 8..r.end / 8];
-                    let bytes = words.iter().flat_map(|e| e.to_be_bytes()).collect();
+                    let mut bytes = Vec::with_capacity(r.len());
+                    for w in words {
+                        bytes.extend_from_slice(&w.to_be_bytes());
+                    }
                     (at, bytes)
                 })
                 .collect();

@@ -242,21 +242,30 @@ impl Active {
                     self.known_len
                         .fetch_max(new.0 + cluster_size, Ordering::Relaxed);
                 }
-                let mut full = vec![0u8; cluster_size as usize];
-                let zeros_before = if data.len() as u64 != cluster_size {
-                    self.read_view(below, &mut full, alloc.start)?;
-                    spare && is_zero(&full)
-                } else {
-                    spare && self.view_is_zero(below, alloc.start, cluster_size)?
-                };
-                full[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
                 let reads_zeros = origin != NewClusterOrigin::Reused;
-                write_sparse(storage, new, &full, reads_zeros).map_err(io)?;
+                let mut zeros_before = self.view_is_zero(below, alloc.start, cluster_size)?;
+                if zeros_before {
+                    // Nothing to copy: the guest's bytes, zeros around them.
+                    if !reads_zeros {
+                        storage.write_zeroes(new.0, cluster_size).map_err(io)?;
+                    }
+                    storage.write_at(data, new.0 + in_cluster).map_err(io)?;
+                } else {
+                    let mut full = vec![0u8; cluster_size as usize];
+                    if data.len() as u64 != cluster_size {
+                        self.read_view(below, &mut full, alloc.start)?;
+                        // Stored data can be zeros too.
+                        zeros_before = spare && is_zero(&full);
+                    }
+                    full[in_cluster as usize..in_cluster as usize + data.len()]
+                        .copy_from_slice(data);
+                    write_sparse(storage, new, &full, reads_zeros).map_err(io)?;
+                }
                 Ok(Filled {
                     bitmap: if g.extended_l2 { ALL_ALLOC } else { 0 },
                     // A spare over zeros: any part of the data a power
                     // loss drops reads as the zeros the guest saw before.
-                    needs_sync: !zeros_before,
+                    needs_sync: !(spare && zeros_before),
                 })
             }
             AllocationKind::FillZero { host } => {
