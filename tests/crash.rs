@@ -10,7 +10,10 @@
 //! to the file without a sync) after every write, or after some: a power
 //! loss must still leave only leaks, and a process death right after the
 //! last operation (the file as the kernel's page cache holds it) must read
-//! back every published write.
+//! back every published write. With a mapping journal (v3 images), a
+//! process death keeps every completed write, published or not, once the
+//! journal is replayed by a read-write open; a power loss removes the
+//! journal (it names the boot that wrote it).
 
 mod common;
 /// The engine tests' recording storage (every write, length change and
@@ -108,22 +111,26 @@ enum Publish {
     Never,
     Always,
     Sometimes,
+    /// When `Chain::needs_publish` says so (what the daemon does).
+    WhenNeeded,
 }
 
 impl Publish {
     fn of_seed(seed: u64) -> Self {
-        match seed % 3 {
+        match seed % 4 {
             0 => Publish::Never,
             1 => Publish::Always,
-            _ => Publish::Sometimes,
+            2 => Publish::Sometimes,
+            _ => Publish::WhenNeeded,
         }
     }
 }
 
-/// The process died after the last operation, every write published: the
-/// file as the page cache holds it (`live`) is consistent and reads back
-/// the model exactly, before and after a reopen for writing.
-fn process_death(top: &Path, live: &[u8], model: &[u8], lazy: bool, ctx: &str) {
+/// The process died after the last operation: the file as the page cache
+/// holds it (`live`), with the journal left beside it, is consistent and
+/// reads back the model exactly after a reopen for writing (which replays
+/// the journal), and before it too if every write was `published`.
+fn process_death(top: &Path, live: &[u8], model: &[u8], lazy: bool, published: bool, ctx: &str) {
     std::fs::write(top, live).unwrap();
     let here = format!("{ctx} process death");
     if !lazy {
@@ -145,7 +152,7 @@ fn process_death(top: &Path, live: &[u8], model: &[u8], lazy: bool, ctx: &str) {
             );
         }
     };
-    if !lazy {
+    if !lazy && published {
         read_back("as left");
     }
     let rw = ChainOptions {
@@ -216,6 +223,7 @@ fn run_seed(seed: u64) -> usize {
     let publish = Publish::of_seed(seed);
     // (op index, log length when the op completed, model after the op)
     let mut completed: Vec<(usize, usize, Option<Vec<u8>>)> = Vec::new();
+    let mut all_safe = true;
     {
         let chain = Chain::open(&top, &options).unwrap_or_else(|e| panic!("{ctx}: {e}"));
         for (i, op) in ops.iter().enumerate() {
@@ -234,12 +242,16 @@ fn run_seed(seed: u64) -> usize {
                 Publish::Never => false,
                 Publish::Always => true,
                 Publish::Sometimes => rng.bool(),
+                Publish::WhenNeeded => chain.needs_publish(),
             };
             if published && !matches!(op, GuestOp::Flush) {
                 chain
                     .publish()
                     .unwrap_or_else(|e| panic!("{ctx}: publish: {e}"));
             }
+            // Whether every completed write so far survives a process
+            // death: published, or journaled.
+            all_safe &= !chain.needs_publish();
             let log_len = storage.log_len();
             let snapshot = matches!(op, GuestOp::Flush).then(|| model.clone());
             completed.push((i, log_len, snapshot));
@@ -249,9 +261,28 @@ fn run_seed(seed: u64) -> usize {
     }
     let log = storage.log();
     let initial_model = std::fs::read(&raw).unwrap();
-    if publish == Publish::Always {
+    // The mapping journal (qcow2 v3): what a process death leaves of it is
+    // the file as written (the page cache survives the process).
+    let journal_path = dir.join("top.qcow2.sqjournal");
+    let journal = std::fs::read(&journal_path).ok();
+    assert_eq!(
+        journal.is_some(),
+        !cfg.v2,
+        "{ctx}: a journal exactly for v3 images"
+    );
+    if publish == Publish::WhenNeeded {
+        assert!(all_safe, "{ctx}: publishing when needed left a write unsafe");
+    }
+    if all_safe {
         let live = storage.bytes();
-        process_death(&top, &live, &model, cfg.lazy, &ctx);
+        process_death(
+            &top,
+            &live,
+            &model,
+            cfg.lazy,
+            publish == Publish::Always,
+            &ctx,
+        );
     }
 
     let mut points = 0;
@@ -298,6 +329,9 @@ fn run_seed(seed: u64) -> usize {
                 apply(&mut image, op);
             }
             std::fs::write(&top, &image).unwrap();
+            // A power loss: the machine boots again, and a journal names
+            // the boot that wrote it (here: it is gone, as its page cache).
+            let _ = std::fs::remove_file(&journal_path);
             let here = format!("{ctx} crash at log {k}/{}", log.len());
             if !cfg.lazy {
                 let (code, out) = qemu_check_code(&top);

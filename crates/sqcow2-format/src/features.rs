@@ -19,6 +19,10 @@ pub const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
 pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
 /// Autoclear bit 1: the external data file is raw-compatible.
 pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
+/// Autoclear bit 62 (sqcow2's): the image's mapping journal
+/// (`<top>.sqjournal`) is current. A writer that does not know it clears
+/// it, and the journal is then never replayed.
+pub const AUTOCLEAR_JOURNAL: u64 = 1 << 62;
 
 /// The three feature bit fields of a v3 header (all zero for v2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

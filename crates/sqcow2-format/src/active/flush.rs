@@ -38,7 +38,9 @@ use crate::fence::{FenceCut, TransferFence};
 use crate::header::field;
 use crate::refcount::RefcountSnapshot;
 
+use super::journal::Journal;
 use super::state::{ActiveState, TopFile};
+use std::sync::Arc;
 
 /// A copy of the metadata that waits to be written, taken at one instant.
 #[derive(Debug, Default)]
@@ -58,6 +60,10 @@ pub(crate) struct WriteBack {
     order: OrderNeeds,
     /// Clusters to make spares of (counted in `refcounts`).
     refill: Vec<u64>,
+    /// The mapping changes this copy holds (every one up to this number).
+    horizon: u64,
+    /// The journal records it covers (every one up to this number).
+    journaled: Option<(Arc<Journal>, u64)>,
 }
 
 /// The syncs that changes since the last write-back depend on.
@@ -111,6 +117,22 @@ impl WriteBack {
         &self.refill
     }
 
+    /// The mapping changes this copy holds (every one up to this number).
+    pub(crate) fn horizon(&self) -> u64 {
+        self.horizon
+    }
+
+    /// Tells the journal that the image's tables hold what this write-back
+    /// wrote (call once it is written).
+    pub(crate) fn cover_journal(&self) {
+        if let Some((journal, upto)) = &self.journaled {
+            if let Err(e) = journal.applied(*upto) {
+                // Harmless: a replay writes those records again.
+                tracing::warn!(error = %e, "could not note a checkpoint in the journal");
+            }
+        }
+    }
+
     /// Whether the dirty bit is to be set on disk first.
     pub(crate) fn sets_dirty_bit(&self) -> bool {
         self.set_dirty_bit
@@ -142,6 +164,8 @@ impl ActiveState {
             refcounts,
             order: std::mem::take(&mut self.order),
             refill,
+            horizon: self.changes,
+            journaled: self.journal.as_ref().map(|j| (j.clone(), j.horizon())),
             ..WriteBack::default()
         };
         for (offset, slot) in &self.l2 {
@@ -192,6 +216,10 @@ impl ActiveState {
         self.spares.add(&wb.refill);
         for t in &wb.tables {
             if let Some(slot) = self.l2.get_mut(&t.offset) {
+                // The file holds the table now (as of this copy, and any
+                // later change is either journaled or unjournaled on its
+                // own account).
+                slot.journal_safe = true;
                 if slot.generation == t.generation {
                     slot.dirty.clear();
                 }
@@ -316,6 +344,13 @@ impl TopFile {
         self.storage
             .write_at(&value.to_be_bytes(), at as u64)
             .map_err(|e| self.io(e))
+    }
+
+    /// Writes the incompatible and autoclear feature words, durably.
+    pub(crate) fn write_feature_bits(&self, incompatible: u64, autoclear: u64) -> Result<(), Error> {
+        self.write_header_u64(field::INCOMPATIBLE_FEATURES, incompatible)?;
+        self.write_header_u64(field::AUTOCLEAR_FEATURES, autoclear)?;
+        self.sync()
     }
 
     /// Writes the dirty bit (set or cleared) durably.

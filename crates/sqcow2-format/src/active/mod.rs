@@ -18,6 +18,7 @@
 
 mod claim;
 mod flush;
+mod journal;
 mod open;
 mod overlap;
 mod plan;
@@ -30,6 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLo
 use crate::compressed::read_compressed_cluster;
 use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
+use crate::features::{AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
 use crate::fence::TransferFence;
 use crate::layer::LayerStatus;
 use crate::refcount::reserve_clusters;
@@ -68,6 +70,15 @@ pub(crate) struct Active {
     /// The top file's length as last seen; it only grows while open
     /// (clusters are reserved before use), so a cluster below it exists.
     known_len: AtomicU64,
+    /// The last mapping change that was not journaled (0: none): it is
+    /// safe from a process death only once a write-back covers it.
+    unjournaled: AtomicU64,
+    /// Every mapping change up to this one is in the file: the horizon of
+    /// the last write-back that completed.
+    published: AtomicU64,
+    /// The change count when [`Active::close`] ended the journal (`MAX`:
+    /// it did not, or it was started again).
+    journal_stopped_at: AtomicU64,
 }
 
 impl Active {
@@ -78,7 +89,50 @@ impl Active {
             flush_order: Mutex::new(()),
             failure: OnceLock::new(),
             known_len: AtomicU64::new(len),
+            unjournaled: AtomicU64::new(0),
+            published: AtomicU64::new(0),
+            journal_stopped_at: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Whether some completed change is neither journaled nor written to
+    /// the file yet: a [`Active::publish`] is needed before a process
+    /// death could not lose it. Cheap (two atomics), for a caller about
+    /// to complete a request.
+    pub(crate) fn needs_publish(&self) -> bool {
+        self.unjournaled.load(Ordering::Acquire) > self.published.load(Ordering::Acquire)
+    }
+
+    /// Whether changes are journaled now.
+    pub(crate) fn journaled(&self) -> bool {
+        self.read_state().journal.is_some()
+    }
+
+    /// Makes change `change` (and its records, if reserved) safe from a
+    /// process death as far as the journal goes: writes the records, or
+    /// notes the change as unjournaled.
+    fn settle_change(&self, change: u64, records: Option<journal::Reservation>) {
+        let written = match records {
+            Some(r) => match r.write() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "writing to the journal failed: the change is published instead");
+                    false
+                }
+            },
+            None => false,
+        };
+        if !written {
+            self.unjournaled.fetch_max(change, Ordering::AcqRel);
+        }
+    }
+
+    /// A write-back covering mapping changes up to `wb`'s horizon is
+    /// written.
+    fn write_back_done(&self, wb: &flush::WriteBack) {
+        self.spares_reserved(wb);
+        wb.cover_journal();
+        self.published.fetch_max(wb.horizon(), Ordering::AcqRel);
     }
 
     /// Shared access for lookups. A poisoned lock still serves reads (the
@@ -390,11 +444,14 @@ impl Active {
                 .zero_cluster(guest, unmap)
                 .map_err(|e| self.on_error(e))?
             {
-                ZeroOutcome::Done => {
+                ZeroOutcome::Done { l2 } => {
                     let g = self.top.geometry;
                     changed(g.cluster_start(guest), g.cluster_size());
+                    let records = st.record_change(l2, guest);
+                    let change = st.changes;
                     let early = st.settle();
                     drop(st);
+                    self.settle_change(change, records);
                     if early {
                         self.write_back_early();
                     }
@@ -419,6 +476,12 @@ impl Active {
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.resume_journal();
+        self.flush_locked(fence)
+    }
+
+    /// [`Active::flush`] with the flush order held.
+    fn flush_locked(&self, fence: &TransferFence) -> Result<(), Error> {
         self.check_failed()?;
         let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
@@ -434,7 +497,7 @@ impl Active {
             self.write_state_anyway().restore(wb);
             return Err(e);
         }
-        self.spares_reserved(&wb);
+        self.write_back_done(&wb);
         let rc = {
             let mut st = self.write_state()?;
             st.written(wb);
@@ -466,6 +529,7 @@ impl Active {
 
     /// Writes metadata back (no releases taken) with the flush order held.
     fn write_back(&self, durability: Durability) -> Result<(), Error> {
+        self.resume_journal();
         let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_state()?;
@@ -481,7 +545,7 @@ impl Active {
         }
         match self.top.write_out(&wb, incompatible, l1_offset, durability) {
             Ok(()) => {
-                self.spares_reserved(&wb);
+                self.write_back_done(&wb);
                 self.write_state()?.written(wb);
                 Ok(())
             }
@@ -537,11 +601,19 @@ impl Active {
     /// writes the refcounts; then clears the dirty bit: the image is clean
     /// for any reader.
     pub(crate) fn close(&self, fence: &TransferFence) -> Result<(), Error> {
-        self.flush(fence)?;
         let _order = self
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        // Changes from now on are not journaled (a caller publishes them):
+        // the journal ends with this flush.
+        let journal = self.write_state()?.journal.take();
+        if let Err(e) = self.flush_locked(fence) {
+            if let Some(j) = journal {
+                self.write_state_anyway().journal = Some(j);
+            }
+            return Err(e);
+        }
         let (rc, left, dirty) = {
             let mut st = self.write_state()?;
             let left: usize = st.deferred_frees.iter().map(|(_, f)| f.len()).sum();
@@ -570,18 +642,48 @@ impl Active {
             self.write_state_anyway().refcounts.restore(&rc);
             return Err(e);
         }
-        let incompatible = {
+        let (incompatible, autoclear) = {
             let mut st = self.write_state()?;
             st.refcounts_written(&rc);
-            st.header.features.incompatible
+            let f = st.header.features;
+            (f.incompatible & !INCOMPAT_DIRTY, f.autoclear & !AUTOCLEAR_JOURNAL)
         };
-        if dirty {
-            self.top.write_dirty_bit(incompatible, false)?;
+        if dirty || journal.is_some() {
+            if let Err(e) = self.top.write_feature_bits(incompatible, autoclear) {
+                // The image still names the journal: keep it current (the
+                // flush covered every record in it).
+                if let Some(j) = journal {
+                    if j.applied(j.horizon()).is_ok() {
+                        self.write_state_anyway().journal = Some(j);
+                    }
+                }
+                return Err(e);
+            }
             let mut st = self.write_state()?;
             st.dirty_bit_on_disk = false;
-            st.header.features.incompatible &= !crate::features::INCOMPAT_DIRTY;
+            st.header.features.incompatible = incompatible;
+            st.header.features.autoclear = autoclear;
+            if let Some(j) = journal {
+                j.remove();
+                self.journal_stopped_at.store(st.changes, Ordering::Release);
+            }
         }
         Ok(())
+    }
+
+    /// Starts a journal again after [`Active::close`] left the image
+    /// clean, once there is a change to write (call with the flush order
+    /// held).
+    fn resume_journal(&self) {
+        let stopped = self.journal_stopped_at.load(Ordering::Acquire);
+        if stopped == u64::MAX {
+            return;
+        }
+        let changed = self.read_state().changes > stopped;
+        if changed {
+            self.journal_stopped_at.store(u64::MAX, Ordering::Release);
+            self.start_journal();
+        }
     }
 
     /// Cuts the spares at the end of the file off (they are counted, so
@@ -681,9 +783,12 @@ impl Claim<'_> {
         }
         self.committed = true;
         changed(self.alloc.start, active.top.geometry.cluster_size());
+        let records = st.record_change(self.alloc.l2, self.alloc.start);
+        let change = st.changes;
         let early = st.settle();
         drop(st);
         self.alloc.cell.end();
+        active.settle_change(change, records);
         if early {
             active.write_back_early();
         }

@@ -6,12 +6,18 @@ use std::sync::Arc;
 
 use crate::check::{check_storage, read_header, Repair};
 use crate::error::{Error, ErrorKind, Feature};
-use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_DIRTY};
-use crate::header::{field, Version};
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::entry::OFFSET_MASK;
+use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
+use crate::header::{field, Header, Version};
+use crate::storage::Storage;
 use crate::layer::Layer;
 use crate::summary::TopSummary;
 use sqcow2_cache::SliceCache;
 
+use super::journal::{self, Journal};
 use super::state::{ActiveState, TopFile};
 use super::Active;
 
@@ -49,7 +55,13 @@ impl Active {
             return Err(e(ErrorKind::Unsupported(Feature::WriteWithBitmaps)));
         }
         let mut header = header.clone();
-        if header.is_dirty() {
+        let mut replayed = false;
+        if header.version == Version::V3 && header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
+            // A writer of this image died: what it completed and had not
+            // checkpointed is in its journal (written on this boot).
+            replayed = replay_journal(path, &*storage, &header)?;
+        }
+        if header.is_dirty() || replayed {
             // Refcounts of a dirty image may be stale: repair, as QEMU does.
             tracing::warn!(path = %path.display(), "image was not closed cleanly: repairing refcounts");
             check_storage(path, storage.clone(), Repair::All)?;
@@ -87,6 +99,111 @@ impl Active {
             faults: crate::fault::Faults::default(),
         });
         let state = ActiveState::open(top.clone(), header)?;
-        Ok(Active::with(top, state, len))
+        let active = Active::with(top, state, len);
+        active.start_journal();
+        Ok(active)
     }
+
+    /// Starts a mapping journal (a new, empty one) if the image can carry
+    /// one: the dirty bit and the journal's autoclear bit are set durably
+    /// first. Without one (qcow2 v2, a directory that cannot hold the
+    /// file), every change is published before it completes.
+    /// The caller holds the flush order (or is opening the image), so
+    /// that the feature words cannot change meanwhile.
+    pub(crate) fn start_journal(&self) {
+        let top = &self.top;
+        if top.version != Version::V3 {
+            return;
+        }
+        let fail = |e: &dyn std::fmt::Display| {
+            tracing::warn!(
+                path = %top.path.display(),
+                error = %e,
+                "no mapping journal: each allocating write is published (synced) before it completes"
+            );
+        };
+        let journal = match Journal::create(&top.path, top.storage.file_id()) {
+            Ok(j) => Arc::new(j),
+            Err(e) => return fail(&e),
+        };
+        let (incompatible, autoclear) = match self.write_state() {
+            Ok(st) => (
+                st.header.features.incompatible | INCOMPAT_DIRTY,
+                st.header.features.autoclear | AUTOCLEAR_JOURNAL,
+            ),
+            Err(_) => return,
+        };
+        if let Err(e) = top.write_feature_bits(incompatible, autoclear) {
+            journal.remove();
+            return fail(&e);
+        }
+        let Ok(mut st) = self.write_state() else {
+            return;
+        };
+        st.header.features.incompatible = incompatible;
+        st.header.features.autoclear = autoclear;
+        st.dirty_bit_on_disk = true;
+        st.journal = Some(journal);
+    }
+}
+
+/// Applies the journal a dead writer left, if it is this boot's and this
+/// file's: each metadata write lands only in the L1 table or in an L2
+/// table the L1 table names (as the replay goes); the image is synced
+/// after. Whether anything was applied (the refcounts then need the
+/// repair of a dirty image).
+fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result<bool, Error> {
+    let e = |k: ErrorKind| Error::new(path, k);
+    let replay = match journal::read(path, storage.file_id()) {
+        Ok(Some(r)) => r,
+        Ok(None) => return Ok(false),
+        Err(io) => {
+            tracing::warn!(path = %path.display(), error = %io, "could not read the journal: not replayed");
+            return Ok(false);
+        }
+    };
+    let g = header.geometry;
+    let l1_start = header.l1_table_offset;
+    let l1_end = l1_start + u64::from(header.l1_size) * 8;
+    let mut raw = vec![0u8; (l1_end - l1_start) as usize];
+    storage.read_at(&mut raw, l1_start).map_err(|io| e(io.into()))?;
+    let mut tables: HashMap<u64, usize> = raw
+        .chunks_exact(8)
+        .enumerate()
+        .map(|(i, c)| (crate::bytes::be_u64(c, 0) & OFFSET_MASK, i))
+        .filter(|(o, _)| *o != 0)
+        .collect();
+    let file_len = storage.len().map_err(|io| e(io.into()))?;
+    let (mut applied, mut refused) = (0usize, 0usize);
+    for w in &replay.writes {
+        let end = w.offset + u64::from(w.len) * 8;
+        let in_l1 = w.offset >= l1_start && end <= l1_end;
+        let cluster = w.offset & !(g.cluster_size() - 1);
+        let in_table = tables.contains_key(&cluster) && end <= cluster + g.cluster_size();
+        if w.offset % 8 != 0 || end > file_len || !(in_l1 || in_table) || cluster == 0 {
+            refused += 1;
+            continue;
+        }
+        storage
+            .write_at(&w.bytes(), w.offset)
+            .map_err(|io| e(io.into()))?;
+        if in_l1 {
+            let index = ((w.offset - l1_start) / 8) as usize;
+            tables.retain(|_, i| *i != index);
+            let table = w.words[0] & OFFSET_MASK;
+            if table != 0 {
+                tables.insert(table, index);
+            }
+        }
+        applied += 1;
+    }
+    storage.sync().map_err(|io| e(io.into()))?;
+    tracing::warn!(
+        path = %path.display(),
+        applied,
+        refused,
+        torn = replay.skipped,
+        "replayed the journal of a writer that did not close the image"
+    );
+    Ok(applied > 0)
 }

@@ -240,15 +240,15 @@ impl ActiveState {
             self.release(guest, entry)?;
         }
         self.set_entry(l2, i, new_entry, new_bitmap);
-        Ok(ZeroOutcome::Done)
+        Ok(ZeroOutcome::Done { l2 })
     }
 }
 
 /// What [`ActiveState::zero_cluster`] did.
 #[derive(Debug)]
 pub(crate) enum ZeroOutcome {
-    /// The cluster reads as zeros now.
-    Done,
+    /// The cluster reads as zeros now (its entry in the table at `l2`).
+    Done { l2: u64 },
     /// The image cannot express it: write zeros.
     WriteZeros,
     /// The cluster is being allocated: wait, then try again.

@@ -21,6 +21,7 @@ use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use super::claim::ClaimCell;
 use super::flush::OrderNeeds;
+use super::journal::{Journal, MetadataWrite, Reservation};
 use super::overlap::MetadataClusters;
 use super::spares::Spares;
 
@@ -89,6 +90,12 @@ pub(crate) struct L2Slot {
     /// Allocations in flight that will commit into this table: it stays
     /// here until they have.
     pub(crate) pins: u32,
+    /// What the file holds at the table's place is a valid table (loaded
+    /// from it, written since, or a spare's zeros, which read as an empty
+    /// table), so that a journal record of one entry may be replayed on
+    /// its own. A copy of a shared table, or a new one not made from a
+    /// spare, is not until a write-back has written it.
+    pub(crate) journal_safe: bool,
 }
 
 /// Whether a write may go straight to the top's own cluster.
@@ -126,6 +133,11 @@ pub(crate) struct ActiveState {
     pub(crate) spares: Spares,
     /// The syncs the next write-back owes to what changed since the last.
     pub(crate) order: OrderNeeds,
+    /// The mapping journal, while one is active.
+    pub(crate) journal: Option<Arc<Journal>>,
+    /// Mapping changes made so far (commits, zeroed clusters): the
+    /// horizon a write-back covers.
+    pub(crate) changes: u64,
 }
 
 impl ActiveState {
@@ -166,6 +178,8 @@ impl ActiveState {
             deferred_frees: VecDeque::new(),
             spares: Spares::new(header_cluster_bits, v3),
             order: OrderNeeds::default(),
+            journal: None,
+            changes: 0,
             top,
         })
     }
@@ -341,6 +355,7 @@ impl ActiveState {
                 dirty: DirtyPages::default(),
                 generation: 0,
                 pins: 0,
+                journal_safe: true,
             },
         );
         Ok(())
@@ -374,13 +389,13 @@ impl ActiveState {
         // metadata clusters are reserved at once (rare; under the lock),
         // and the table must be durable before the L1 entry points to it;
         // so must a copy, which holds entries.
-        let new = match self.spares.take() {
-            Some(spare) => spare,
+        let (new, zeroed) = match self.spares.take() {
+            Some(spare) => (spare << g.cluster_bits, true),
             None => {
                 self.order.tables_before_l1 = true;
-                self.alloc(true)?
+                (self.alloc(true)? << g.cluster_bits, false)
             }
-        } << g.cluster_bits;
+        };
         if offset != 0 {
             self.order.tables_before_l1 = true;
         }
@@ -400,6 +415,7 @@ impl ActiveState {
                 table,
                 generation: 1,
                 pins: 0,
+                journal_safe: zeroed && offset == 0,
             },
         );
         self.l1[l1_index] = new | COPIED;
@@ -433,6 +449,37 @@ impl ActiveState {
                 "a metadata cluster had a refcount of 0; not handing it out"
             );
         }
+    }
+
+    /// Counts a change of the mappings; when a journal is active and the
+    /// change's L2 table allows it, reserves its records: the L2 entry of
+    /// `guest` in table `l2` (and its bitmap), and the table's L1 entry if
+    /// that is not written yet. `None`: the change is not journaled, and
+    /// must be published (a write-back) before it completes.
+    pub(crate) fn record_change(&mut self, l2: u64, guest: GuestOffset) -> Option<Reservation> {
+        self.changes += 1;
+        let journal = self.journal.as_ref()?;
+        let slot = self.l2.get(&l2)?;
+        if !slot.journal_safe {
+            return None;
+        }
+        let g = self.g();
+        let words = self.top.words();
+        let i = g.l2_index(guest) as usize * words;
+        let at = l2 + i as u64 * 8;
+        let mut writes = vec![if words == 2 {
+            MetadataWrite::two(at, slot.table[i], slot.table[i + 1])
+        } else {
+            MetadataWrite::one(at, slot.table[i])
+        }];
+        let l1_index = g.l1_index(guest) as usize;
+        if self.dirty_l1.contains(&l1_index) {
+            writes.push(MetadataWrite::one(
+                self.header.l1_table_offset + l1_index as u64 * 8,
+                self.l1[l1_index],
+            ));
+        }
+        journal.reserve(writes)
     }
 
     /// Returns a cluster counted by [`ActiveState::alloc`] that nothing

@@ -315,12 +315,30 @@ impl Chain {
     /// point to are synced first, so a power loss before the next
     /// [`Chain::flush`] leaves at worst leaked clusters, as always. Cheap
     /// when nothing changed. A daemon calls it before it completes a write
-    /// (concurrent calls are served in turn; batch them).
+    /// that [`Chain::needs_publish`], and in the background as a
+    /// checkpoint of the journal (concurrent calls are served in turn;
+    /// batch them).
     pub fn publish(&self) -> Result<(), Error> {
         match &self.active {
             Some(active) => active.publish(),
             None => Ok(()),
         }
+    }
+
+    /// Whether a completed change is neither in the mapping journal nor
+    /// in the file yet, so that [`Chain::publish`] must run before a
+    /// process death could not lose it (always false for a read-only
+    /// chain). Cheap: a caller asks before it completes each write. With
+    /// a journal (qcow2 v3 whose directory can hold `<top>.sqjournal`),
+    /// only changes whose L2 table is not in the file yet need it.
+    pub fn needs_publish(&self) -> bool {
+        self.active.as_ref().is_some_and(|a| a.needs_publish())
+    }
+
+    /// Whether completed changes are journaled now (see
+    /// [`Chain::needs_publish`]).
+    pub fn journaled(&self) -> bool {
+        self.active.as_ref().is_some_and(|a| a.journaled())
     }
 
     /// Makes every completed write durable, metadata in crash-safe order.
