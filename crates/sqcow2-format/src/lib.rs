@@ -46,6 +46,8 @@ pub mod storage;
 mod summary;
 mod types;
 
+/// Records the mapping journal holds (`<top>.sqjournal`, a ring).
+pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
 pub use chain::{
     backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed, ReadExtent,

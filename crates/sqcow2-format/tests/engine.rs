@@ -144,11 +144,11 @@ fn an_allocation_in_flight_is_waited_for_and_flushed_around() {
     let storage = image(16 * MIB, |_| {});
     let chain = Arc::new(open(&storage, true));
     chain.write_at(&[7; 512], 0).unwrap();
-    // New clusters go past the end of the file (spares made by the flush
-    // lie there too): hold their data writes.
-    let end = storage.len().unwrap();
     chain.flush().unwrap();
-    storage.hold_writes(end, u64::MAX);
+    // New clusters (spares made after the first allocation) lie past the
+    // first data cluster: hold their data writes.
+    let first = host_of(&chain, 0).expect("an own cluster");
+    storage.hold_writes(first + CLUSTER, u64::MAX);
     let first = {
         let chain = chain.clone();
         std::thread::spawn(move || chain.write_at(&[1; 4096], 3 * CLUSTER).unwrap())

@@ -18,9 +18,10 @@
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use tracing::{error, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -143,6 +144,16 @@ impl Mailbox {
 
 type Work = Box<dyn FnOnce() -> JobResult + Send>;
 
+/// Journaled changes are written to the image (a checkpoint: a sync,
+/// then their L2 pages) at most this long after the first of them, so
+/// that checkpoints batch many changes and leave the device to the guest
+/// in between; sooner when the journal fills ([`CHECKPOINT_BACKLOG`]), a
+/// guest flush or an unjournaled change asks.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(5000);
+/// Journal records waiting that make a checkpoint due at once (a
+/// quarter of the ring).
+const CHECKPOINT_BACKLOG: u64 = sqcow2_format::JOURNAL_RECORDS / 4;
+
 /// What a request asks of the flusher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Persist {
@@ -151,6 +162,9 @@ pub(crate) enum Persist {
     /// Write the mappings of completed changes to the files (before a
     /// write, discard or write-zeroes is completed to the guest).
     Publish,
+    /// Write journaled changes to the image in the background (a
+    /// checkpoint: nobody waits for it).
+    Checkpoint,
 }
 
 struct Job {
@@ -160,7 +174,9 @@ struct Job {
     publish: bool,
 }
 
-type PersistRequest = (ReturnAddress, Persist);
+/// A request to the flusher and where its result goes (none for a
+/// checkpoint).
+type PersistRequest = (Option<ReturnAddress>, Persist);
 
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
@@ -226,13 +242,20 @@ impl Offload {
                             return;
                         };
                         let result = run_guarded(job.work, &handle, &panics);
-                        if job.publish && result.is_ok() {
+                        if !job.publish || result.is_err() {
+                            job.reply.send(result);
+                        } else if handle.get().needs_publish() {
                             // Completed only once its mappings are in the file.
-                            if let Err(e) = flushes.send((job.reply, Persist::Publish)) {
-                                e.0 .0.send(Err("flusher stopped".into()));
+                            if let Err(e) = flushes.send((Some(job.reply), Persist::Publish)) {
+                                if let (Some(reply), _) = e.0 {
+                                    reply.send(Err("flusher stopped".into()));
+                                }
                             }
                         } else {
+                            // Journaled: complete now, write it to the image
+                            // in the background.
                             job.reply.send(result);
+                            let _ = flushes.send((None, Persist::Checkpoint));
                         }
                     })?,
             );
@@ -274,22 +297,50 @@ impl Offload {
     /// queued while one runs are served by the next, together).
     pub(crate) fn persist(&self, reply: ReturnAddress, what: Persist) -> Result<(), ReturnAddress> {
         match &self.flushes {
-            Some(f) => f.send((reply, what)).map_err(|e| e.0 .0),
+            Some(f) => f.send((Some(reply.clone()), what)).map_err(|_| reply),
             None => Err(reply),
         }
     }
 }
 
 /// The flusher: one flush (or publish, if no request of the batch asked
-/// for a flush, which includes it) for every batch of requests.
+/// for a flush, which includes it) for every batch of requests;
+/// checkpoints are publishes nobody waits for.
 fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<AtomicU64>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
+    // Since when journaled changes wait for a checkpoint.
+    let mut waiting_since: Option<Instant> = None;
+    loop {
+        let first = match waiting_since {
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(t) => {
+                rx.recv_timeout((t + CHECKPOINT_INTERVAL).saturating_duration_since(Instant::now()))
+            }
+        };
+        let mut batch = Vec::new();
+        let mut closing = false;
+        match first {
+            Ok(request) => batch.push(request),
+            Err(RecvTimeoutError::Timeout) => {}
+            // The last checkpoint first.
+            Err(RecvTimeoutError::Disconnected) if waiting_since.is_some() => closing = true,
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
         while let Ok(more) = rx.try_recv() {
             batch.push(more);
         }
-        let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
         let chain = handle.get();
+        if batch.iter().any(|(_, what)| *what == Persist::Checkpoint) {
+            waiting_since.get_or_insert_with(Instant::now);
+        }
+        let someone_waits = batch.iter().any(|(reply, _)| reply.is_some());
+        let due = closing
+            || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
+            || chain.journal_backlog() >= CHECKPOINT_BACKLOG;
+        if !someone_waits && !due {
+            continue;
+        }
+        waiting_since = None;
+        let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
         let work: Work = Box::new(move || {
             let done = if flush {
                 chain.flush()
@@ -299,7 +350,10 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             done.map_err(|e| e.to_string())
         });
         let result = run_guarded(work, &handle, &panics);
-        answer_all(batch.into_iter().map(|(reply, _)| reply).collect(), &result);
+        answer_all(
+            batch.into_iter().filter_map(|(reply, _)| reply).collect(),
+            &result,
+        );
     }
 }
 

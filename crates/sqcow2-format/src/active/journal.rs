@@ -237,6 +237,12 @@ impl Journal {
         })
     }
 
+    /// Records reserved and not yet covered by a checkpoint.
+    pub(crate) fn backlog(&self) -> u64 {
+        let p = self.progress();
+        p.next - 1 - p.applied
+    }
+
     /// The last sequence number reserved.
     pub(crate) fn horizon(&self) -> u64 {
         self.progress().next - 1
@@ -400,7 +406,13 @@ mod tests {
         let top = dir.path().join("top.qcow2");
         let j = Arc::new(Journal::create(&top, Some((1, 2))).unwrap());
         write(&j, vec![MetadataWrite::one(65536, 7)]);
-        write(&j, vec![MetadataWrite::two(131072, 8, 9), MetadataWrite::one(512, 10)]);
+        write(
+            &j,
+            vec![
+                MetadataWrite::two(131072, 8, 9),
+                MetadataWrite::one(512, 10),
+            ],
+        );
         j.applied(1).unwrap();
         write(&j, vec![MetadataWrite::one(65536, 11)]);
         let r = read(&top, Some((1, 2))).unwrap().expect("replayable");
@@ -432,7 +444,10 @@ mod tests {
         assert_eq!(r.skipped, 1);
         // The header names another boot.
         f.write_all_at(&[0u8; 16], 24).unwrap();
-        assert!(read(&top, None).unwrap().is_none(), "the crc covers the boot id");
+        assert!(
+            read(&top, None).unwrap().is_none(),
+            "the crc covers the boot id"
+        );
         let mut h = header_bytes(
             Identity {
                 boot: [7; 16],
@@ -454,7 +469,10 @@ mod tests {
         for _ in 0..CAPACITY - 1 {
             write(&j, vec![MetadataWrite::one(8, 2)]);
         }
-        assert!(j.reserve(vec![MetadataWrite::one(8, 3)]).is_none(), "ring full");
+        assert!(
+            j.reserve(vec![MetadataWrite::one(8, 3)]).is_none(),
+            "ring full"
+        );
         // A checkpoint covers everything, but record 1 is still being
         // written: its slot is not free.
         j.applied(j.horizon()).unwrap();

@@ -18,14 +18,14 @@
 
 mod claim;
 mod flush;
-mod journal;
+pub(crate) mod journal;
 mod open;
 mod overlap;
 mod plan;
 mod spares;
 mod state;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::compressed::read_compressed_cluster;
@@ -79,6 +79,8 @@ pub(crate) struct Active {
     /// The change count when [`Active::close`] ended the journal (`MAX`:
     /// it did not, or it was started again).
     journal_stopped_at: AtomicU64,
+    /// A caller is making spares.
+    refilling: AtomicBool,
 }
 
 impl Active {
@@ -92,6 +94,7 @@ impl Active {
             unjournaled: AtomicU64::new(0),
             published: AtomicU64::new(0),
             journal_stopped_at: AtomicU64::new(u64::MAX),
+            refilling: AtomicBool::new(false),
         }
     }
 
@@ -101,6 +104,14 @@ impl Active {
     /// to complete a request.
     pub(crate) fn needs_publish(&self) -> bool {
         self.unjournaled.load(Ordering::Acquire) > self.published.load(Ordering::Acquire)
+    }
+
+    /// Journal records not covered by a checkpoint yet.
+    pub(crate) fn journal_backlog(&self) -> u64 {
+        self.read_state()
+            .journal
+            .as_ref()
+            .map_or(0, |j| j.backlog())
     }
 
     /// Whether changes are journaled now.
@@ -130,7 +141,6 @@ impl Active {
     /// A write-back covering mapping changes up to `wb`'s horizon is
     /// written.
     fn write_back_done(&self, wb: &flush::WriteBack) {
-        self.spares_reserved(wb);
         wb.cover_journal();
         self.published.fetch_max(wb.horizon(), Ordering::AcqRel);
     }
@@ -267,7 +277,9 @@ impl Active {
                         committed: false,
                     };
                     let filled = self.fill(&claim.alloc, data, guest, below)?;
-                    return claim.commit(filled, changed);
+                    claim.commit(filled, changed)?;
+                    self.refill_spares();
+                    return Ok(());
                 }
             }
         }
@@ -483,10 +495,9 @@ impl Active {
     /// [`Active::flush`] with the flush order held.
     fn flush_locked(&self, fence: &TransferFence) -> Result<(), Error> {
         self.check_failed()?;
-        let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_state()?;
-            let wb = st.take_write_back(Some(fence.cut()), refill);
+            let wb = st.take_write_back(Some(fence.cut()));
             let h = &st.header;
             (wb, h.features.incompatible, h.l1_table_offset)
         };
@@ -530,10 +541,9 @@ impl Active {
     /// Writes metadata back (no releases taken) with the flush order held.
     fn write_back(&self, durability: Durability) -> Result<(), Error> {
         self.resume_journal();
-        let refill = self.prepare_spares()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_state()?;
-            let wb = st.take_write_back(None, refill);
+            let wb = st.take_write_back(None);
             (
                 wb,
                 st.header.features.incompatible,
@@ -556,27 +566,32 @@ impl Active {
         }
     }
 
-    /// Counts and prepares the spare clusters allocations asked for (the
-    /// caller holds the flush order and makes them durable with its
-    /// write-back); those that could not be prepared are given back.
-    fn prepare_spares(&self) -> Result<Vec<u64>, Error> {
-        let wanted = self.write_state()?.take_refill();
-        if wanted.is_empty() {
-            return Ok(wanted);
+    /// Makes spare clusters when allocations asked for them and at most
+    /// half of the last batch is left: counted under the lock, given their
+    /// space and zeroed outside it (by one caller at a time; the others go
+    /// on without). Those that cannot be prepared (a full filesystem) are
+    /// given back.
+    fn refill_spares(&self) {
+        if self.refilling.swap(true, Ordering::AcqRel) {
+            return;
         }
-        let (prepared, failed) = self.top.prepare_spares(&wanted);
-        if !failed.is_empty() {
-            self.write_state_anyway().refill_failed(&failed);
+        let wanted = match self.write_state() {
+            Ok(mut st) => st.take_refill(),
+            Err(_) => Vec::new(),
+        };
+        if !wanted.is_empty() {
+            let (prepared, failed) = self.top.prepare_spares(&wanted);
+            if let Some(&last) = prepared.iter().max() {
+                let end = (last + 1) << self.top.geometry.cluster_bits;
+                self.known_len.fetch_max(end, Ordering::Relaxed);
+            }
+            let mut st = self.write_state_anyway();
+            st.add_spares(&prepared);
+            if !failed.is_empty() {
+                st.refill_failed(&failed);
+            }
         }
-        Ok(prepared)
-    }
-
-    /// Notes the file's length past the spares a write-back prepared.
-    fn spares_reserved(&self, wb: &flush::WriteBack) {
-        if let Some(&last) = wb.refill().iter().max() {
-            let end = (last + 1) << self.top.geometry.cluster_bits;
-            self.known_len.fetch_max(end, Ordering::Relaxed);
-        }
+        self.refilling.store(false, Ordering::Release);
     }
 
     /// Writes metadata back without taking releases, when dirty tables
@@ -646,7 +661,10 @@ impl Active {
             let mut st = self.write_state()?;
             st.refcounts_written(&rc);
             let f = st.header.features;
-            (f.incompatible & !INCOMPAT_DIRTY, f.autoclear & !AUTOCLEAR_JOURNAL)
+            (
+                f.incompatible & !INCOMPAT_DIRTY,
+                f.autoclear & !AUTOCLEAR_JOURNAL,
+            )
         };
         if dirty || journal.is_some() {
             if let Err(e) = self.top.write_feature_bits(incompatible, autoclear) {

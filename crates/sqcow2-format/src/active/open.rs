@@ -10,10 +10,12 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::entry::OFFSET_MASK;
-use crate::features::{AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
+use crate::features::{
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY,
+};
 use crate::header::{field, Header, Version};
-use crate::storage::Storage;
 use crate::layer::Layer;
+use crate::storage::Storage;
 use crate::summary::TopSummary;
 use sqcow2_cache::SliceCache;
 
@@ -166,7 +168,9 @@ fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result
     let l1_start = header.l1_table_offset;
     let l1_end = l1_start + u64::from(header.l1_size) * 8;
     let mut raw = vec![0u8; (l1_end - l1_start) as usize];
-    storage.read_at(&mut raw, l1_start).map_err(|io| e(io.into()))?;
+    storage
+        .read_at(&mut raw, l1_start)
+        .map_err(|io| e(io.into()))?;
     let mut tables: HashMap<u64, usize> = raw
         .chunks_exact(8)
         .enumerate()

@@ -42,6 +42,9 @@ pub(crate) struct Spares {
     max_batch: usize,
     /// An allocation looked for a spare since the last refill.
     wanted: bool,
+    /// Spares were made since the image was opened (it carries the dirty
+    /// bit then).
+    made: bool,
 }
 
 impl Spares {
@@ -60,6 +63,7 @@ impl Spares {
             last: 0,
             max_batch,
             wanted: false,
+            made: false,
         }
     }
 
@@ -88,8 +92,14 @@ impl Spares {
         self.last = 0;
     }
 
-    /// Adds prepared clusters (counted and zeroed durably).
+    /// Whether spares were ever made.
+    pub(crate) fn made_any(&self) -> bool {
+        self.made
+    }
+
+    /// Adds prepared clusters (counted and zeroed).
     pub(crate) fn add(&mut self, clusters: &[u64]) {
+        self.made = true;
         self.ready.extend(clusters.iter().copied());
         self.ready.make_contiguous().sort_unstable();
     }

@@ -133,6 +133,9 @@ pub(crate) struct ActiveState {
     pub(crate) spares: Spares,
     /// The syncs the next write-back owes to what changed since the last.
     pub(crate) order: OrderNeeds,
+    /// Spares were added since the last write-back (which must sync
+    /// before it writes any mapping).
+    pub(crate) spares_unsynced: bool,
     /// The mapping journal, while one is active.
     pub(crate) journal: Option<Arc<Journal>>,
     /// Mapping changes made so far (commits, zeroed clusters): the
@@ -178,6 +181,7 @@ impl ActiveState {
             deferred_frees: VecDeque::new(),
             spares: Spares::new(header_cluster_bits, v3),
             order: OrderNeeds::default(),
+            spares_unsynced: false,
             journal: None,
             changes: 0,
             top,
@@ -390,7 +394,18 @@ impl ActiveState {
         // and the table must be durable before the L1 entry points to it;
         // so must a copy, which holds entries.
         let (new, zeroed) = match self.spares.take() {
-            Some(spare) => (spare << g.cluster_bits, true),
+            Some(spare) => {
+                // Its space claimed now, so that writing the table back
+                // cannot fail for lack of it (rare; under the lock).
+                let storage = self.top.storage.clone();
+                if let Err(k) =
+                    crate::refcount::reserve_clusters(&*storage, g.cluster_bits, spare, 1)
+                {
+                    self.unalloc(spare);
+                    return Err(self.top.err(k));
+                }
+                (spare << g.cluster_bits, true)
+            }
             None => {
                 self.order.tables_before_l1 = true;
                 (self.alloc(true)? << g.cluster_bits, false)

@@ -335,6 +335,11 @@ impl Chain {
         self.active.as_ref().is_some_and(|a| a.needs_publish())
     }
 
+    /// Journal records that no checkpoint ([`Chain::publish`]) covers yet.
+    pub fn journal_backlog(&self) -> u64 {
+        self.active.as_ref().map_or(0, |a| a.journal_backlog())
+    }
+
     /// Whether completed changes are journaled now (see
     /// [`Chain::needs_publish`]).
     pub fn journaled(&self) -> bool {
