@@ -12,6 +12,13 @@
 #   alloc-write-1   the same at depth 1
 #   alloc-write-32-flush32  the same at depth 32 with a guest flush after
 #                   every 32 writes (fio's fsync=32)
+#   alloc-new-1, alloc-new-32  writes at depth 1 / 32 into a fresh overlay of
+#                   the 32 GiB base, each into a cluster not written before
+#                   (load pattern rand-write-new): every write allocates,
+#                   nearly always over zeros
+#   cow-new-1, cow-new-32  the same over an 8 GiB fully allocated base:
+#                   every write allocates and copies the rest of its
+#                   cluster from the data below (a disk after a snapshot)
 #   overwrite-32    writes at depth 32 into a fully allocated 1 GiB top
 #   read-32, read-1 reads at depth 32 and 1 of a 1 GiB one-layer image
 #   drain-under-writes  live snapshots (10) under allocating writes at
@@ -55,8 +62,11 @@ before=$base_tree/target/release/sqcow2
 rm -rf "$out" && mkdir -p "$out/img"
 cd "$out/img"
 echo "==> images" >&2
-mkdir big small full ro
+mkdir big small full ro data
 big=$("$after" gen-chain --layers 1 --size 32G --fill 0.02 big)
+case " ${LOADS:-cow-new} " in
+  *" cow-new"*) data=$("$after" gen-chain --layers 1 --size 8G --fill 1.0 data) ;;
+esac
 base4=$("$after" gen-chain --layers 1 --size 4G --fill 0.02 small)
 full=$("$after" gen-chain --layers 1 --size 1G --fill 1.0 full)
 small=$("$after" gen-chain --layers 1 --size 1G --fill 1.0 ro)
@@ -82,6 +92,14 @@ measure() { # who bin load
       serve "$bin" over.qcow2
       "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth "$depth" \
         --flush-every "$every" --duration "$secs" --output json >r.json ;;
+    alloc-new-*|cow-new-*)
+      local depth=${name##*-} base=$big
+      case $name in cow-*) base=$data ;; esac
+      rm -f over.qcow2 over.qcow2.sqidx over.qcow2.sqjournal
+      qemu-img create -q -f qcow2 -b "$base" -F qcow2 over.qcow2
+      serve "$bin" over.qcow2
+      "${load[@]}" --socket v.sock --pattern rand-write-new --bs 4096 --iodepth "$depth" \
+        --duration "$secs" --output json >r.json ;;
     overwrite-32)
       serve "$bin" "$full"
       "${load[@]}" --socket v.sock --pattern rand-write --bs 4096 --iodepth 32 --duration "$secs" --output json >r.json ;;
@@ -121,7 +139,7 @@ else:
 PY
 }
 
-loads=(${LOADS:-alloc-write-32 alloc-write-1 alloc-write-32-flush32 overwrite-32 read-32 read-1 drain-under-writes})
+loads=(${LOADS:-alloc-write-32 alloc-write-1 alloc-write-32-flush32 alloc-new-1 alloc-new-32 cow-new-1 cow-new-32 overwrite-32 read-32 read-1 drain-under-writes})
 for r in $(seq 1 "$rounds"); do
   order=(before after)
   [ $((r % 2)) -eq 0 ] && order=(after before)

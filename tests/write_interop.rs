@@ -262,8 +262,11 @@ fn lazy_refcounts_dirty_bit_and_repair() {
     let img = tmp.path().join("img.qcow2");
     sqcow2(&["create", "-o", "lazy_refcounts=on", s(&img), "16M"]);
     let chain = rw(&img);
+    // Set from the open: the mapping journal is active (a process death
+    // must be followed by a repair).
+    assert_eq!(incompatible_bits(&img) & 1, 1, "dirty bit set at the open");
+    assert!(img.with_file_name("img.qcow2.sqjournal").exists());
     chain.write_at(&[7u8; 200_000], 12345).unwrap();
-    assert_eq!(incompatible_bits(&img) & 1, 0, "no metadata written yet");
     chain.flush().unwrap();
     assert_eq!(
         incompatible_bits(&img) & 1,
@@ -275,6 +278,10 @@ fn lazy_refcounts_dirty_bit_and_repair() {
         incompatible_bits(&img) & 1,
         0,
         "clean close clears the dirty bit"
+    );
+    assert!(
+        !img.with_file_name("img.qcow2.sqjournal").exists(),
+        "a clean close removes the journal"
     );
     assert_eq!(qemu_check(&img).0, Some(0));
 

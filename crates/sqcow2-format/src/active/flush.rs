@@ -110,13 +110,12 @@ impl WriteBack {
     }
 
     /// Tells the journal that the image's tables hold what this write-back
-    /// wrote (call once it is written).
-    pub(crate) fn cover_journal(&self) {
-        if let Some((journal, upto)) = &self.journaled {
-            if let Err(e) = journal.applied(*upto) {
-                // Harmless: a replay writes those records again.
-                tracing::warn!(error = %e, "could not note a checkpoint in the journal");
-            }
+    /// wrote (call once it is written). An error means the journal may
+    /// replay records this write-back superseded: it must be ended.
+    pub(crate) fn cover_journal(&self) -> std::io::Result<()> {
+        match &self.journaled {
+            Some((journal, upto)) => journal.applied(*upto),
+            None => Ok(()),
         }
     }
 
@@ -140,14 +139,8 @@ impl ActiveState {
         } else {
             self.refcounts.dirty_snapshot()
         };
-        if std::mem::take(&mut self.spares_unsynced) {
-            // Spares made since the last write-back: their space (and
-            // count) durable before anything that may point at them.
-            self.order.data_before_l2 = true;
-        }
         let mut wb = WriteBack {
             refcounts,
-            order: std::mem::take(&mut self.order),
             horizon: self.changes,
             journaled: self.journal.as_ref().map(|j| (j.clone(), j.horizon())),
             ..WriteBack::default()
@@ -180,6 +173,16 @@ impl ActiveState {
             .into_iter()
             .map(|i| (i, self.l1[i]))
             .collect();
+        if !wb.is_empty() {
+            // Only a write-back that writes something discharges the syncs
+            // owed (an empty one writes no mapping).
+            if std::mem::take(&mut self.spares_unsynced) {
+                // Spares made since the last write-back: their space (and
+                // count) durable before anything that may point at them.
+                self.order.data_before_l2 = true;
+            }
+            wb.order = std::mem::take(&mut self.order);
+        }
         // Lazy refcounts: the counts on disk are stale from the first
         // metadata write on. Spares: a process death leaves them leaked,
         // which the next read-write open of a dirty image repairs.

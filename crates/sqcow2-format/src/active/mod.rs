@@ -38,7 +38,7 @@ use crate::refcount::reserve_clusters;
 use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
-pub(crate) use open::CacheLink;
+pub(crate) use open::{replay_journal, CacheLink};
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use state::{ActiveState, InPlace, TopFile};
 
@@ -79,8 +79,11 @@ pub(crate) struct Active {
     /// The change count when [`Active::close`] ended the journal (`MAX`:
     /// it did not, or it was started again).
     journal_stopped_at: AtomicU64,
-    /// A caller is making spares.
-    refilling: AtomicBool,
+    /// Held by whoever makes spares, and by a close (which must not see
+    /// spares appear while it gives them back).
+    spare_maker: Mutex<()>,
+    /// A checkpoint could not be noted in the journal, which must end.
+    journal_broken: AtomicBool,
 }
 
 impl Active {
@@ -94,7 +97,8 @@ impl Active {
             unjournaled: AtomicU64::new(0),
             published: AtomicU64::new(0),
             journal_stopped_at: AtomicU64::new(u64::MAX),
-            refilling: AtomicBool::new(false),
+            spare_maker: Mutex::new(()),
+            journal_broken: AtomicBool::new(false),
         }
     }
 
@@ -141,8 +145,19 @@ impl Active {
     /// A write-back covering mapping changes up to `wb`'s horizon is
     /// written.
     fn write_back_done(&self, wb: &flush::WriteBack) {
-        wb.cover_journal();
+        if let Err(e) = wb.cover_journal() {
+            tracing::warn!(error = %e, "could not note a checkpoint in the journal");
+            self.journal_broken.store(true, Ordering::Release);
+        }
         self.published.fetch_max(wb.horizon(), Ordering::AcqRel);
+    }
+
+    /// Ends a journal a write-back could not note a checkpoint in (call
+    /// with the flush order held).
+    fn after_write_back(&self) {
+        if self.journal_broken.swap(false, Ordering::AcqRel) {
+            self.abandon_journal();
+        }
     }
 
     /// Shared access for lookups. A poisoned lock still serves reads (the
@@ -489,7 +504,9 @@ impl Active {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         self.resume_journal();
-        self.flush_locked(fence)
+        let done = self.flush_locked(fence);
+        self.after_write_back();
+        done
     }
 
     /// [`Active::flush`] with the flush order held.
@@ -535,7 +552,9 @@ impl Active {
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        self.write_back(Durability::Published)
+        let done = self.write_back(Durability::Published);
+        self.after_write_back();
+        done
     }
 
     /// Writes metadata back (no releases taken) with the flush order held.
@@ -572,9 +591,9 @@ impl Active {
     /// on without). Those that cannot be prepared (a full filesystem) are
     /// given back.
     fn refill_spares(&self) {
-        if self.refilling.swap(true, Ordering::AcqRel) {
+        let Ok(_maker) = self.spare_maker.try_lock() else {
             return;
-        }
+        };
         let wanted = match self.write_state() {
             Ok(mut st) => st.take_refill(),
             Err(_) => Vec::new(),
@@ -591,7 +610,6 @@ impl Active {
                 st.refill_failed(&failed);
             }
         }
-        self.refilling.store(false, Ordering::Release);
     }
 
     /// Writes metadata back without taking releases, when dirty tables
@@ -603,6 +621,7 @@ impl Active {
         if let Err(e) = self.write_back(Durability::Published) {
             tracing::warn!(error = %e, "early metadata write-back failed (the next flush retries)");
         }
+        self.after_write_back();
     }
 
     /// Puts the loaded tables into the unified cache for readers of the
@@ -620,14 +639,23 @@ impl Active {
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        // Changes from now on are not journaled (a caller publishes them):
-        // the journal ends with this flush.
+        // No spares are made meanwhile (one being made is finished first).
+        let _spares = self
+            .spare_maker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Changes from now on are not journaled (a caller publishes them,
+        // after this): the journal ends with this flush.
         let journal = self.write_state()?.journal.take();
         if let Err(e) = self.flush_locked(fence) {
             if let Some(j) = journal {
                 self.write_state_anyway().journal = Some(j);
             }
             return Err(e);
+        }
+        let ended = journal.is_some();
+        if let Some(j) = journal {
+            self.discard_journal(&j);
         }
         let (rc, left, dirty) = {
             let mut st = self.write_state()?;
@@ -666,27 +694,56 @@ impl Active {
                 f.autoclear & !AUTOCLEAR_JOURNAL,
             )
         };
-        if dirty || journal.is_some() {
-            if let Err(e) = self.top.write_feature_bits(incompatible, autoclear) {
-                // The image still names the journal: keep it current (the
-                // flush covered every record in it).
-                if let Some(j) = journal {
-                    if j.applied(j.horizon()).is_ok() {
-                        self.write_state_anyway().journal = Some(j);
-                    }
-                }
-                return Err(e);
-            }
+        if dirty || ended {
+            self.top.write_feature_bits(incompatible, autoclear)?;
             let mut st = self.write_state()?;
             st.dirty_bit_on_disk = false;
             st.header.features.incompatible = incompatible;
             st.header.features.autoclear = autoclear;
-            if let Some(j) = journal {
-                j.remove();
-                self.journal_stopped_at.store(st.changes, Ordering::Release);
-            }
         }
         Ok(())
+    }
+
+    /// Ends a journal whose every record a completed write-back covers:
+    /// noted in it (a replay skips them all) and its file removed, so that
+    /// no later change can be overwritten by a replay; started again with
+    /// the next change ([`Active::resume_journal`]).
+    fn discard_journal(&self, journal: &journal::Journal) {
+        if let Err(e) = journal.applied(journal.horizon()) {
+            tracing::warn!(error = %e, "could not note the last checkpoint in the journal");
+        }
+        journal.remove();
+        self.journal_stopped_at
+            .store(self.read_state().changes, Ordering::Release);
+    }
+
+    /// Ends the journal after a checkpoint could not be noted in it (a
+    /// replay could write records that later changes superseded): every
+    /// journaled change is written to the image first, then the journal
+    /// goes and the image stops naming it. Call with the flush order held.
+    fn abandon_journal(&self) {
+        let Some(journal) = self.write_state_anyway().journal.take() else {
+            return;
+        };
+        tracing::warn!(
+            path = %self.top.path.display(),
+            "the journal cannot be kept up to date: ending it (changes are published before they complete)"
+        );
+        if let Err(e) = self.write_back(Durability::Published) {
+            tracing::warn!(error = %e, "could not write the journaled changes back: keeping the journal");
+            self.write_state_anyway().journal = Some(journal);
+            return;
+        }
+        self.discard_journal(&journal);
+        let (incompatible, autoclear) = {
+            let st = self.read_state();
+            let f = st.header.features;
+            (f.incompatible, f.autoclear & !AUTOCLEAR_JOURNAL)
+        };
+        match self.top.write_feature_bits(incompatible, autoclear) {
+            Ok(()) => self.write_state_anyway().header.features.autoclear = autoclear,
+            Err(e) => tracing::warn!(error = %e, "could not clear the journal's autoclear bit"),
+        }
     }
 
     /// Starts a journal again after [`Active::close`] left the image
@@ -805,8 +862,10 @@ impl Claim<'_> {
         let change = st.changes;
         let early = st.settle();
         drop(st);
-        self.alloc.cell.end();
+        // Journaled (or noted as not) before anyone waiting for the claim
+        // can write into the cluster and complete.
         active.settle_change(change, records);
+        self.alloc.cell.end();
         if early {
             active.write_back_early();
         }

@@ -13,7 +13,7 @@ use crate::entry::OFFSET_MASK;
 use crate::features::{
     AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY,
 };
-use crate::header::{field, Header, Version};
+use crate::header::{field, Version};
 use crate::layer::Layer;
 use crate::storage::Storage;
 use crate::summary::TopSummary;
@@ -57,13 +57,7 @@ impl Active {
             return Err(e(ErrorKind::Unsupported(Feature::WriteWithBitmaps)));
         }
         let mut header = header.clone();
-        let mut replayed = false;
-        if header.version == Version::V3 && header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
-            // A writer of this image died: what it completed and had not
-            // checkpointed is in its journal (written on this boot).
-            replayed = replay_journal(path, &*storage, &header)?;
-        }
-        if header.is_dirty() || replayed {
+        if header.is_dirty() {
             // Refcounts of a dirty image may be stale: repair, as QEMU does.
             tracing::warn!(path = %path.display(), "image was not closed cleanly: repairing refcounts");
             check_storage(path, storage.clone(), Repair::All)?;
@@ -149,35 +143,44 @@ impl Active {
     }
 }
 
-/// Applies the journal a dead writer left, if it is this boot's and this
-/// file's: each metadata write lands only in the L1 table or in an L2
-/// table the L1 table names (as the replay goes); the image is synced
-/// after. Whether anything was applied (the refcounts then need the
-/// repair of a dirty image).
-fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result<bool, Error> {
-    let e = |k: ErrorKind| Error::new(path, k);
+/// Applies the journal a dead writer of the top at `path` left, if the
+/// image still names one and it is this boot's and this file's, before
+/// anything reads the image's tables (a read-write open, before the top
+/// layer is parsed). Everything the writer wrote is synced first (its
+/// data, which the records point at); then each metadata write lands only
+/// in the L1 table or in an L2 table the L1 table names (as the replay
+/// goes), and the image is synced again. The image carries the dirty bit
+/// (a journal implies it), so its refcounts are repaired next
+/// ([`Active::open`]).
+pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<(), ErrorKind> {
+    // A header that does not parse is reported by the open that follows.
+    let Ok(header) = read_header(storage) else {
+        return Ok(());
+    };
+    if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
+        return Ok(());
+    }
     let replay = match journal::read(path, storage.file_id()) {
-        Ok(Some(r)) => r,
-        Ok(None) => return Ok(false),
+        Ok(Some(r)) if !r.writes.is_empty() => r,
+        Ok(_) => return Ok(()),
         Err(io) => {
             tracing::warn!(path = %path.display(), error = %io, "could not read the journal: not replayed");
-            return Ok(false);
+            return Ok(());
         }
     };
+    storage.sync()?;
     let g = header.geometry;
     let l1_start = header.l1_table_offset;
     let l1_end = l1_start + u64::from(header.l1_size) * 8;
     let mut raw = vec![0u8; (l1_end - l1_start) as usize];
-    storage
-        .read_at(&mut raw, l1_start)
-        .map_err(|io| e(io.into()))?;
+    storage.read_at(&mut raw, l1_start)?;
     let mut tables: HashMap<u64, usize> = raw
         .chunks_exact(8)
         .enumerate()
         .map(|(i, c)| (crate::bytes::be_u64(c, 0) & OFFSET_MASK, i))
         .filter(|(o, _)| *o != 0)
         .collect();
-    let file_len = storage.len().map_err(|io| e(io.into()))?;
+    let file_len = storage.len()?;
     let (mut applied, mut refused) = (0usize, 0usize);
     for w in &replay.writes {
         let end = w.offset + u64::from(w.len) * 8;
@@ -188,9 +191,7 @@ fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result
             refused += 1;
             continue;
         }
-        storage
-            .write_at(&w.bytes(), w.offset)
-            .map_err(|io| e(io.into()))?;
+        storage.write_at(&w.bytes(), w.offset)?;
         if in_l1 {
             let index = ((w.offset - l1_start) / 8) as usize;
             tables.retain(|_, i| *i != index);
@@ -201,7 +202,7 @@ fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result
         }
         applied += 1;
     }
-    storage.sync().map_err(|io| e(io.into()))?;
+    storage.sync()?;
     tracing::warn!(
         path = %path.display(),
         applied,
@@ -209,5 +210,5 @@ fn replay_journal(path: &Path, storage: &dyn Storage, header: &Header) -> Result
         torn = replay.skipped,
         "replayed the journal of a writer that did not close the image"
     );
-    Ok(applied > 0)
+    Ok(())
 }

@@ -293,7 +293,7 @@ impl ActiveState {
         let plain = entry & (COMPRESSED | ZERO) == 0 && entry & COPIED != 0;
         if !plain || host == 0 || g.offset_in_cluster(host) != 0 || self.unpublished(guest) {
             // A mapping not yet in the file goes through the engine, whose
-            // writes are published before they complete.
+            // writes are journaled or published before they complete.
             return Ok(InPlace::No);
         }
         let in_cluster = g.offset_in_cluster(guest.0);
@@ -482,18 +482,19 @@ impl ActiveState {
         let words = self.top.words();
         let i = g.l2_index(guest) as usize * words;
         let at = l2 + i as u64 * 8;
-        let mut writes = vec![if words == 2 {
+        // The L1 entry first, always (a write-back may have taken it and
+        // not written it yet): a replay takes an L2 record only into a
+        // table the L1 table names by then.
+        let l1_index = g.l1_index(guest) as usize;
+        let mut writes = vec![MetadataWrite::one(
+            self.header.l1_table_offset + l1_index as u64 * 8,
+            self.l1[l1_index],
+        )];
+        writes.push(if words == 2 {
             MetadataWrite::two(at, slot.table[i], slot.table[i + 1])
         } else {
             MetadataWrite::one(at, slot.table[i])
-        }];
-        let l1_index = g.l1_index(guest) as usize;
-        if self.dirty_l1.contains(&l1_index) {
-            writes.push(MetadataWrite::one(
-                self.header.l1_table_offset + l1_index as u64 * 8,
-                self.l1[l1_index],
-            ));
-        }
+        });
         journal.reserve(writes)
     }
 

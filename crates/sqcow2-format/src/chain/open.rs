@@ -84,7 +84,14 @@ fn open_layer(
         Ok(storage.len()? >= 4 && u32::from_be_bytes(magic) == QCOW2_MAGIC)
     };
     match expect {
-        Expect::Top => Ok(Layer::Qcow2(Qcow2Layer::open(path, storage.clone())?)),
+        Expect::Top => {
+            if options.writable {
+                // What a dead writer completed is in the image before any
+                // of its tables is read.
+                crate::active::replay_journal(path, &*storage)?;
+            }
+            Ok(Layer::Qcow2(Qcow2Layer::open(path, storage.clone())?))
+        }
         Expect::Recorded(BackingFormat::Raw) => Ok(Layer::Raw(RawLayer::open(path, storage)?)),
         Expect::Recorded(BackingFormat::Qcow2) => {
             if !is_qcow2()? {
