@@ -56,6 +56,10 @@ struct LayerInfo {
     /// The chain index (top layer only).
     #[serde(skip_serializing_if = "Option::is_none")]
     chain_index: Option<IndexState>,
+    /// Changes a writer that died left in the mapping journal and not yet
+    /// in the image (top layer only; a read-write open replays them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    journal_pending: Option<usize>,
 }
 
 fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
@@ -76,6 +80,7 @@ fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
         dirty_flag: header.map(|h| h.is_dirty()),
         chain_length,
         chain_index: None,
+        journal_pending: None,
         format_specific: header.map(|h| Qcow2Info {
             compat: match h.version {
                 Version::V2 => "0.10",
@@ -157,6 +162,13 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         Some(IndexState::Disabled) => writeln!(out, "chain index: not used (--walk)")?,
         None => {}
     }
+    if let Some(n) = info.journal_pending {
+        writeln!(
+            out,
+            "journal: {n} record(s) of a writer that did not close the image are not in it yet \
+             (any read-write open replays them, e.g. `sqcow2 io -c flush`; QEMU sees the image without them)"
+        )?;
+    }
     if let Some(q) = &info.format_specific {
         writeln!(out, "Format specific information:")?;
         writeln!(out, "    compat: {}", q.compat)?;
@@ -205,6 +217,7 @@ pub fn run(
         vec![layer_info(chain.top(), layers.len())?]
     };
     shown[0].chain_index = Some(chain.index_state().clone());
+    shown[0].journal_pending = chain.journal_pending().filter(|n| *n > 0);
     let mut out = io::stdout().lock();
     match output {
         OutputFormat::Json if backing_chain => print_json(&mut out, &shown)?,

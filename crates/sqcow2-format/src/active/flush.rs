@@ -211,6 +211,19 @@ impl ActiveState {
                 }
             }
         }
+        for (i, value) in &wb.l1 {
+            let table = value & crate::entry::OFFSET_MASK;
+            // Still the entry that names this table.
+            if self
+                .l1
+                .get(*i)
+                .is_some_and(|e| e & crate::entry::OFFSET_MASK == table)
+            {
+                if let Some(slot) = self.l2.get_mut(&table) {
+                    slot.l1_in_file = true;
+                }
+            }
+        }
         if wb.set_dirty_bit {
             self.dirty_bit_on_disk = true;
             self.header.features.incompatible |= INCOMPAT_DIRTY;

@@ -36,7 +36,7 @@ const HEADER: u64 = 4096;
 /// Size of a record.
 const RECORD: u64 = 64;
 /// Records the ring holds (4 MiB).
-pub(crate) const CAPACITY: u64 = 65536;
+pub(crate) const CAPACITY: u64 = 262144;
 const MAGIC: &[u8; 8] = b"SQJOURNL";
 const VERSION: u32 = 1;
 const RECORD_MAGIC: &[u8; 4] = b"SQJR";

@@ -96,6 +96,10 @@ pub(crate) struct L2Slot {
     /// its own. A copy of a shared table, or a new one not made from a
     /// spare, is not until a write-back has written it.
     pub(crate) journal_safe: bool,
+    /// The L1 entry naming this table is in the file (a write-back that
+    /// wrote it has completed, or the table was loaded from the file):
+    /// journal records of its entries need no record of the L1 entry.
+    pub(crate) l1_in_file: bool,
 }
 
 /// Whether a write may go straight to the top's own cluster.
@@ -360,6 +364,7 @@ impl ActiveState {
                 generation: 0,
                 pins: 0,
                 journal_safe: true,
+                l1_in_file: true,
             },
         );
         Ok(())
@@ -431,6 +436,7 @@ impl ActiveState {
                 generation: 1,
                 pins: 0,
                 journal_safe: zeroed && offset == 0,
+                l1_in_file: false,
             },
         );
         self.l1[l1_index] = new | COPIED;
@@ -482,14 +488,18 @@ impl ActiveState {
         let words = self.top.words();
         let i = g.l2_index(guest) as usize * words;
         let at = l2 + i as u64 * 8;
-        // The L1 entry first, always (a write-back may have taken it and
-        // not written it yet): a replay takes an L2 record only into a
-        // table the L1 table names by then.
-        let l1_index = g.l1_index(guest) as usize;
-        let mut writes = vec![MetadataWrite::one(
-            self.header.l1_table_offset + l1_index as u64 * 8,
-            self.l1[l1_index],
-        )];
+        // The L1 entry first, until a completed write-back has put it in
+        // the file (one may have taken it and not written it yet): a
+        // replay takes an L2 record only into a table the L1 table names
+        // by then.
+        let mut writes = Vec::with_capacity(2);
+        if !slot.l1_in_file {
+            let l1_index = g.l1_index(guest) as usize;
+            writes.push(MetadataWrite::one(
+                self.header.l1_table_offset + l1_index as u64 * 8,
+                self.l1[l1_index],
+            ));
+        }
         writes.push(if words == 2 {
             MetadataWrite::two(at, slot.table[i], slot.table[i + 1])
         } else {

@@ -335,6 +335,25 @@ impl Chain {
         self.active.as_ref().is_some_and(|a| a.needs_publish())
     }
 
+    /// For a chain opened read-only: the changes a writer of the top that
+    /// did not close it left in its mapping journal (this boot's, still
+    /// named by the image) and that are not in the image yet; a
+    /// read-write open replays them. `None`: no such journal.
+    pub fn journal_pending(&self) -> Option<usize> {
+        if self.active.is_some() {
+            return None;
+        }
+        let top = self.top();
+        let header = top.header()?;
+        if header.features.autoclear & crate::features::AUTOCLEAR_JOURNAL == 0 {
+            return None;
+        }
+        crate::active::journal::read(top.path(), top.storage().file_id())
+            .ok()
+            .flatten()
+            .map(|r| r.writes.len())
+    }
+
     /// Journal records that no checkpoint ([`Chain::publish`]) covers yet.
     pub fn journal_backlog(&self) -> u64 {
         self.active.as_ref().map_or(0, |a| a.journal_backlog())
