@@ -114,8 +114,8 @@ measure() { # who bin load
       local lp=$! drains=()
       sleep 1
       for i in $(seq 1 10); do
-        d=$("$after" snapshot --live c.sock "live$i.qcow2" --output json 2>/dev/null \
-          | python3 -c 'import json,sys; print(json.load(sys.stdin)["steps"]["drain_ms"])' || echo nan)
+        d=$("$bin" snapshot --live c.sock "live$i.qcow2" --output json 2>/dev/null \
+          | python3 -c 'import json,sys; print(json.load(sys.stdin)["steps"]["drain_ms"])' || echo NaN)
         drains+=("$d")
         sleep 0.5
         kill -0 $lp 2>/dev/null || break
