@@ -11,6 +11,7 @@ mod io;
 mod live;
 mod map;
 mod output;
+mod reshape;
 mod serve;
 
 use std::path::PathBuf;
@@ -238,6 +239,14 @@ enum Command {
         /// New active volume to create.
         new: PathBuf,
     },
+    /// Commit an image's data into a layer below (as `qemu-img commit`).
+    Commit(reshape::CommitArgs),
+    /// Change an image's backing file (as `qemu-img rebase`).
+    Rebase(reshape::RebaseArgs),
+    /// Merge layers FIRST..LAST of a chain (below its top) into one new
+    /// file; the layer above them is switched onto it, the replaced files
+    /// are left in place.
+    Merge(reshape::MergeArgs),
     /// Generate a qcow2 chain whose clusters identify their layer.
     GenChain(gen_chain::GenArgs),
     /// Write the whole virtual disk to a raw file.
@@ -333,6 +342,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             live::set_active(&control, false, output).map(|()| ExitCode::SUCCESS)
         }
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
+        Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
+        Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
         other => run_read_out(other, &options),
     }

@@ -18,3 +18,11 @@ pub(crate) fn be_u32(buf: &[u8], at: usize) -> u32 {
     }
     u32::from_be_bytes(b)
 }
+
+/// Whether `b` holds only zeros. Tested 64 bytes at a time without an
+/// early exit inside a group, which the compiler vectorises (a byte-wise
+/// `all` took 10 % of the engine threads' time on 4 KiB allocating writes).
+pub(crate) fn is_zero(b: &[u8]) -> bool {
+    b.chunks(64)
+        .all(|group| group.iter().fold(0u8, |acc, &x| acc | x) == 0)
+}

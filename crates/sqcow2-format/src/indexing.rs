@@ -22,7 +22,7 @@ use crate::types::LayerIndex;
 /// Callback for long operations: `(done, total)`.
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::new(path, ErrorKind::Io(e))
 }
 
@@ -71,7 +71,7 @@ fn cancel_error() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::Interrupted, "index build cancelled")
 }
 
-fn sync_dir(path: &Path) -> Result<(), Error> {
+pub(crate) fn sync_dir(path: &Path) -> Result<(), Error> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -82,7 +82,7 @@ fn sync_dir(path: &Path) -> Result<(), Error> {
 }
 
 /// The index file name for an image: `<image file name>.sqidx`.
-fn index_file_name(image: &Path) -> PathBuf {
+pub(crate) fn index_file_name(image: &Path) -> PathBuf {
     let mut name = image.file_name().unwrap_or_default().to_os_string();
     name.push(".sqidx");
     PathBuf::from(name)
@@ -206,7 +206,7 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
 }
 
 /// `path` relative to directory `base` (both as given; `..` as needed).
-fn relative_to(path: &Path, base: &Path) -> PathBuf {
+pub(crate) fn relative_to(path: &Path, base: &Path) -> PathBuf {
     if path.is_absolute() != base.is_absolute() {
         return std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     }

@@ -9,14 +9,11 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::extension::{HeaderExtension, EXT_BACKING_FORMAT, EXT_FEATURE_TABLE};
+use crate::extension::HeaderExtension;
 use crate::header::{field, Header, Version};
 use crate::index::{ChainIndex, LayerFingerprint, Stale, AUTOCLEAR_SQCOW2, EXT_SQCOW2};
 use crate::layer::Layer;
 use crate::storage::{FileStorage, Storage};
-
-/// Version of the sQcow2 header extension's data.
-const EXT_VERSION: u32 = 1;
 
 /// Whether a chain is read through its index, and why not.
 #[derive(Debug, Clone, Serialize)]
@@ -231,70 +228,12 @@ pub fn write_index_extension(
     header: &Header,
     index: &Path,
 ) -> std::io::Result<()> {
-    let cs = header.geometry.cluster_size() as usize;
-    let mut area = vec![0u8; header.header_length as usize];
-    storage.read_at(&mut area, 0)?;
-    let push = |out: &mut Vec<u8>, t: u32, data: &[u8]| {
-        out.extend_from_slice(&t.to_be_bytes());
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        out.extend_from_slice(data);
-        out.resize(out.len().div_ceil(8) * 8, 0);
-    };
-    let mut out = area;
-    for ext in &header.extensions {
-        match ext {
-            HeaderExtension::Unknown { ext_type, .. } if *ext_type == EXT_SQCOW2 => {}
-            HeaderExtension::BackingFormat(f) => push(&mut out, EXT_BACKING_FORMAT, f.as_bytes()),
-            HeaderExtension::FeatureNameTable(t) => {
-                let mut data = Vec::new();
-                for e in t.iter() {
-                    let mut entry = [0u8; 48];
-                    entry[0] = match e.kind {
-                        Some(crate::features::FeatureKind::Incompatible) => 0,
-                        Some(crate::features::FeatureKind::Compatible) => 1,
-                        Some(crate::features::FeatureKind::Autoclear) => 2,
-                        None => 0xff,
-                    };
-                    entry[1] = e.bit;
-                    let n = e.name.len().min(46);
-                    entry[2..2 + n].copy_from_slice(&e.name.as_bytes()[..n]);
-                    data.extend_from_slice(&entry);
-                }
-                push(&mut out, EXT_FEATURE_TABLE, &data);
-            }
-            HeaderExtension::Unknown { ext_type, data } => push(&mut out, *ext_type, data),
-            // Bitmaps, crypto and data file images are refused for writing.
-            other => {
-                return Err(std::io::Error::other(format!(
-                    "cannot rewrite header extension {:#x}",
-                    other.ext_type()
-                )))
-            }
-        }
-    }
-    let mut data = Vec::new();
-    data.extend_from_slice(&EXT_VERSION.to_be_bytes());
-    data.extend_from_slice(&0u32.to_be_bytes());
-    data.extend_from_slice(index.as_os_str().as_bytes());
-    push(&mut out, EXT_SQCOW2, &data);
-    out.extend_from_slice(&[0u8; 8]);
-    if let Some(b) = &header.backing_file {
-        let name = b.as_os_str().as_bytes();
-        let at = out.len() as u64;
-        out[8..16].copy_from_slice(&at.to_be_bytes());
-        out[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
-        out.extend_from_slice(name);
-    }
-    if out.len() > cs {
-        return Err(std::io::Error::other(
-            "header extensions do not fit the first cluster",
-        ));
-    }
-    // Clear what the old area used beyond the new one.
-    let old_len = header.area_len as usize;
-    if old_len > out.len() {
-        out.resize(old_len, 0);
-    }
-    storage.write_at(&out, 0)?;
-    storage.sync()
+    crate::header_area::rewrite(
+        storage,
+        header,
+        &crate::header_area::AreaEdit {
+            index: crate::header_area::Edit::Set(index),
+            backing: crate::header_area::Edit::Keep,
+        },
+    )
 }

@@ -1,0 +1,194 @@
+//! `sqcow2 commit`, `rebase` and `merge`: shortening and re-pointing
+//! chains (the first two with `qemu-img`'s options and exit codes).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use sqcow2_format::reshape::{
+    commit, merge, rebase, CommitOptions, LayerRef, MergeOptions, RebaseOptions,
+};
+use sqcow2_format::Locking;
+
+use crate::output::{parse_size, print_json, OutputFormat};
+
+/// `sqcow2 commit` arguments (those of `qemu-img commit`).
+#[derive(Debug, clap::Args)]
+pub struct CommitArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Image format (only qcow2).
+    #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+    format: String,
+    /// Cache mode (accepted for compatibility; the page cache is used).
+    #[arg(short = 't')]
+    cache: Option<String>,
+    /// The layer committed into (a file of the chain, or a position, 0 the
+    /// base); the image's backing file by default. Implies -d.
+    #[arg(short = 'b')]
+    base: Option<LayerRef>,
+    /// Most bytes per second written (size suffixes as qemu-img).
+    #[arg(short = 'r')]
+    rate_limit: Option<String>,
+    /// Do not empty the image afterwards.
+    #[arg(short = 'd')]
+    keep: bool,
+    /// Show a progress bar.
+    #[arg(short = 'p')]
+    progress: bool,
+    /// Output format of the report.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
+    /// The image whose data is committed.
+    image: PathBuf,
+}
+
+/// `sqcow2 rebase` arguments (those of `qemu-img rebase`).
+#[derive(Debug, clap::Args)]
+pub struct RebaseArgs {
+    /// Quiet.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Image format (only qcow2).
+    #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+    format: String,
+    /// Cache mode of the image (accepted for compatibility).
+    #[arg(short = 't')]
+    cache: Option<String>,
+    /// Cache mode of the backing files (accepted for compatibility).
+    #[arg(short = 'T')]
+    src_cache: Option<String>,
+    /// Show a progress bar.
+    #[arg(short = 'p')]
+    progress: bool,
+    /// Unsafe: only change the recorded name and format.
+    #[arg(short = 'u')]
+    unsafe_names_only: bool,
+    /// The new backing file ("" for none), relative to the image's
+    /// directory unless absolute.
+    #[arg(short = 'b', required = true)]
+    backing: String,
+    /// The new backing file's format (qcow2 or raw; required with -b).
+    #[arg(short = 'F')]
+    backing_format: Option<String>,
+    /// Output format of the report.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
+    /// The image to rebase.
+    image: PathBuf,
+}
+
+/// `sqcow2 merge` arguments.
+#[derive(Debug, clap::Args)]
+pub struct MergeArgs {
+    /// Show a progress bar.
+    #[arg(short = 'p')]
+    progress: bool,
+    /// Output format of the report.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
+    /// Top of the chain.
+    image: PathBuf,
+    /// Lowest layer merged (a file of the chain, or a position, 0 the base).
+    first: LayerRef,
+    /// Highest layer merged (below the top).
+    last: LayerRef,
+    /// New file that replaces them (created; must not exist).
+    new: PathBuf,
+}
+
+fn bar(forced: bool, quiet: bool) -> ProgressBar {
+    if quiet || (!forced && !std::io::stderr().is_terminal()) {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {percent:>3}% {bytes}/{total_bytes} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+fn progress_of(pb: &ProgressBar) -> impl FnMut(u64, u64) + '_ {
+    |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    }
+}
+
+/// Runs `sqcow2 commit`.
+pub fn run_commit(args: &CommitArgs, locking: Locking) -> anyhow::Result<()> {
+    let _ = &args.cache;
+    let options = CommitOptions {
+        image: args.image.clone(),
+        base: args.base.clone(),
+        keep: args.keep,
+        rate_limit: args.rate_limit.as_deref().map(parse_size).transpose()?,
+        locking,
+    };
+    let pb = bar(args.progress, args.quiet);
+    let report = commit(&options, &mut progress_of(&pb))?;
+    pb.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        OutputFormat::Json => print_json(&mut out, &report)?,
+        OutputFormat::Human if !args.quiet => writeln!(out, "Image committed.")?,
+        OutputFormat::Human => {}
+    }
+    Ok(())
+}
+
+/// Runs `sqcow2 rebase`.
+pub fn run_rebase(args: &RebaseArgs, locking: Locking) -> anyhow::Result<()> {
+    let _ = (&args.cache, &args.src_cache);
+    let options = RebaseOptions {
+        image: args.image.clone(),
+        backing: (!args.backing.is_empty()).then(|| PathBuf::from(&args.backing)),
+        format: args.backing_format.clone(),
+        unsafe_names_only: args.unsafe_names_only,
+        rate_limit: None,
+        locking,
+    };
+    let pb = bar(args.progress, args.quiet);
+    let report = rebase(&options, &mut progress_of(&pb))?;
+    pb.finish_and_clear();
+    if args.output == OutputFormat::Json {
+        print_json(&mut std::io::stdout().lock(), &report)?;
+    }
+    Ok(())
+}
+
+/// Runs `sqcow2 merge` (offline).
+pub fn run_merge(args: &MergeArgs, locking: Locking) -> anyhow::Result<()> {
+    let options = MergeOptions {
+        image: args.image.clone(),
+        first: args.first.clone(),
+        last: args.last.clone(),
+        output: args.new.clone(),
+        locking,
+    };
+    let pb = bar(args.progress, false);
+    let report = merge(&options, &mut progress_of(&pb))?;
+    pb.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        OutputFormat::Json => print_json(&mut out, &report)?,
+        OutputFormat::Human => {
+            writeln!(
+                out,
+                "merged {} layers into {} ({} layers in the chain, were {}); {} now backs onto it",
+                report.replaced.len(),
+                report.merged.display(),
+                report.layers_after,
+                report.layers_before,
+                report.switched.display()
+            )?;
+            writeln!(out, "replaced (no longer in this chain, left in place):")?;
+            for p in &report.replaced {
+                writeln!(out, "  {}", p.display())?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,273 @@
+//! `commit`: the data of the layers above a base written into the base, as
+//! `qemu-img commit` does; the top emptied afterwards unless asked not to.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::chain::{Chain, ChainOptions};
+use crate::check::{check_storage, Repair};
+use crate::error::{Error, ErrorKind};
+use crate::indexing::{io_err, BuildReport};
+use crate::layer::Layer;
+use crate::lock::{LockRequest, Locking};
+use crate::storage::{FileStorage, Storage};
+use crate::types::LayerIndex;
+
+use super::copy::{has_short_layers, RateLimit, ViewCopy, Zeros};
+use super::{find_layer, invalid, rebuild_index, LayerRef};
+
+/// What to commit.
+#[derive(Debug, Clone)]
+pub struct CommitOptions {
+    /// The image whose data is committed (`qemu-img commit IMAGE`).
+    pub image: PathBuf,
+    /// The layer written (`-b BASE`); the image's backing file by default.
+    pub base: Option<LayerRef>,
+    /// Leave the image as it is (`-d`); implied by `base`.
+    pub keep: bool,
+    /// Most bytes per second written (`-r`).
+    pub rate_limit: Option<u64>,
+    /// Image locks.
+    pub locking: Locking,
+}
+
+/// What a commit did.
+#[derive(Debug, Clone, Serialize)]
+pub struct CommitReport {
+    /// The layer written.
+    pub base: PathBuf,
+    /// Guest bytes written with data.
+    pub data_bytes: u64,
+    /// Guest bytes written as zeros.
+    pub zero_bytes: u64,
+    /// Whether the image was emptied.
+    pub emptied: bool,
+    /// The image's index, rebuilt.
+    pub index: Option<BuildReport>,
+}
+
+/// Opens and closes `path` for writing if a writer left it dirty or with
+/// a journal (replayed and repaired as any read-write open does), so that
+/// what follows reads and changes a consistent image.
+pub(super) fn settle(path: &Path, locking: Locking) -> Result<(), Error> {
+    let storage = FileStorage::open_read_only(path).map_err(io_err(path))?;
+    let Ok(header) = crate::check::read_header(&storage) else {
+        return Ok(()); // raw, or refused later with a proper error
+    };
+    let journal = header.features.autoclear & crate::features::AUTOCLEAR_JOURNAL != 0;
+    if header.is_dirty() || journal {
+        drop(storage);
+        let chain = Chain::open(
+            path,
+            &ChainOptions {
+                writable: true,
+                locking,
+                ..ChainOptions::default()
+            },
+        )?;
+        chain.close()?;
+    }
+    Ok(())
+}
+
+/// Makes the qcow2 image at `path` empty, as QEMU's `make_empty`: every
+/// active L1 entry cleared in one write, then the clusters that freed
+/// given back by a leak repair (a crash between the two leaves leaks,
+/// never a wrong read).
+fn make_empty(path: &Path, locking: Locking) -> Result<(), Error> {
+    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    storage
+        .lock(LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(path, k))?;
+    let header = crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+    let zeros = vec![0u8; header.l1_size as usize * 8];
+    storage
+        .write_at(&zeros, header.l1_table_offset)
+        .and_then(|()| storage.sync())
+        .map_err(io_err(path))?;
+    let storage: Arc<dyn Storage> = Arc::new(storage);
+    check_storage(path, storage, Repair::Leaks)?;
+    Ok(())
+}
+
+/// Grows the qcow2 image at `path` to `size` bytes where its L1 table
+/// can address them without moving: the entries it needs lie in the
+/// clusters the table occupies already, and are zero (QEMU pads the table
+/// with zeros to whole clusters). Images with internal snapshots are not
+/// resized (as in QEMU); growing past the table's clusters is not done.
+fn grow(path: &Path, size: u64, locking: Locking) -> Result<(), Error> {
+    let unsupported = || {
+        Error::new(
+            path,
+            ErrorKind::Unsupported(crate::error::Feature::CommitGrowsBase),
+        )
+    };
+    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    storage
+        .lock(LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(path, k))?;
+    let header = crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+    if header.nb_snapshots > 0 || header.l1_table_offset == 0 {
+        return Err(unsupported());
+    }
+    let cluster = header.geometry.cluster_size();
+    let old = u64::from(header.l1_size);
+    let need = header.geometry.l1_entries_for(size);
+    let room = (old * 8).div_ceil(cluster) * cluster / 8;
+    if need > room || need > u64::from(u32::MAX) {
+        return Err(unsupported());
+    }
+    if need > old {
+        let mut extra = vec![0u8; ((need - old) * 8) as usize];
+        storage
+            .read_at(&mut extra, header.l1_table_offset + old * 8)
+            .map_err(io_err(path))?;
+        if !crate::bytes::is_zero(&extra) {
+            return Err(unsupported());
+        }
+    }
+    // Size, crypt method and L1 size: one write of header bytes 24..40.
+    let mut fields = [0u8; 16];
+    fields[..8].copy_from_slice(&size.to_be_bytes());
+    fields[8..12].copy_from_slice(&header.crypt_method.to_be_bytes());
+    fields[12..].copy_from_slice(&(need.max(old) as u32).to_be_bytes());
+    storage
+        .write_at(&fields, crate::header::field::SIZE as u64)
+        .and_then(|()| storage.sync())
+        .map_err(io_err(path))
+}
+
+/// Commits the image's data into its backing file (or `base`), as
+/// `qemu-img commit`.
+pub fn commit(
+    options: &CommitOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<CommitReport, Error> {
+    let image = &options.image;
+    let locking = options.locking;
+    settle(image, locking)?;
+    let inspect = Chain::open(
+        image,
+        &ChainOptions {
+            locking,
+            inspect_only: true,
+            ..ChainOptions::default()
+        },
+    )?;
+    if inspect.layers().len() < 2 {
+        return Err(invalid(image, "image does not have a backing file".into()));
+    }
+    let base = match &options.base {
+        Some(b) => {
+            let at = find_layer(&inspect, b).map_err(|_| {
+                invalid(
+                    image,
+                    format!(
+                        "did not find '{b}' in the backing chain of '{}'",
+                        image.display()
+                    ),
+                )
+            })?;
+            if at == inspect.top_index() {
+                return Err(invalid(image, "the base is the image itself".into()));
+            }
+            at
+        }
+        None => LayerIndex(inspect.top_index().0 - 1),
+    };
+    let emptied = options.base.is_none() && !options.keep;
+    let base_layer = &inspect.layers()[base.0];
+    let base_path = base_layer.path().to_path_buf();
+    if let Layer::Raw(_) = base_layer {
+        return Err(Error::new(
+            &base_path,
+            ErrorKind::Unsupported(crate::error::Feature::CommitIntoRaw),
+        ));
+    }
+    let size = inspect.virtual_size();
+    let old_size = base_layer.virtual_size();
+    let grows = old_size < size;
+    let base_has_backing = base.0 > 0;
+    drop(inspect);
+    settle(&base_path, locking)?;
+    if grows {
+        // As QEMU: a base smaller than the image grows to its size.
+        grow(&base_path, size, locking)?;
+    }
+
+    let target = Chain::open(
+        &base_path,
+        &ChainOptions {
+            writable: true,
+            locking,
+            ..ChainOptions::default()
+        },
+    )?;
+    if grows && base_has_backing {
+        // The grown range reads zeros, not the base's backing file (QEMU
+        // zeroes it for the same reason).
+        target.write_zeroes(old_size, size - old_size, false)?;
+    }
+    // The source shares everything (the base is written by `target`
+    // through another descriptor); the layers above the base are then
+    // locked as what they are to the commit.
+    let open_source = |use_index| {
+        Chain::open(
+            image,
+            &ChainOptions {
+                locking,
+                force_share: true,
+                use_index,
+                ..ChainOptions::default()
+            },
+        )
+    };
+    let from = LayerIndex(base.0 + 1);
+    let mut source = open_source(true)?;
+    let masks_ends = has_short_layers(&source, from);
+    if masks_ends {
+        drop(source);
+        source = open_source(false)?;
+    }
+    for (i, layer) in source.layers().iter().enumerate().skip(from.0) {
+        let want = if i == source.top_index().0 && emptied {
+            LockRequest::WRITER
+        } else {
+            LockRequest::READER
+        };
+        layer
+            .storage()
+            .lock(want, locking)
+            .map_err(|k| Error::new(layer.path(), k))?;
+    }
+    let mut limit = options.rate_limit.map(RateLimit::new);
+    let copied = ViewCopy {
+        source: &source,
+        from,
+        target: &target,
+        zeros: Zeros::Write,
+        masks_ends,
+    }
+    .run(&mut |done, total, written| {
+        if let Some(l) = &mut limit {
+            l.charge(written);
+        }
+        progress(done, total);
+        true
+    })?;
+    target.close()?;
+    drop(source);
+    if emptied {
+        make_empty(image, locking)?;
+    }
+    let index = rebuild_index(image, locking)?;
+    Ok(CommitReport {
+        base: base_path,
+        data_bytes: copied.data_bytes,
+        zero_bytes: copied.zero_bytes,
+        emptied,
+        index,
+    })
+}

@@ -1,0 +1,403 @@
+//! `sqcow2 commit`, `rebase` and `merge` against QEMU: random chains made
+//! by qemu-img and qemu-io (data, compressed and zero clusters, discards,
+//! different cluster sizes, a raw base, a layer shorter than the others),
+//! each operation run by qemu-img on one copy and by sqcow2 on another;
+//! `qemu-img compare` must find every file's view equal, `qemu-img check`
+//! every file clean.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{assert_check_clean, qemu_img, run_raw, s, sha256_file, sqcow2, sqcow2_bin};
+
+const SIZE: u64 = 8 << 20;
+
+/// A random chain of `layers` files `l0..` in `dir` (l0 raw when
+/// `raw_base`); one middle layer is shorter than the others when
+/// `short_layer`. Returns the files, base first.
+fn random_chain(
+    dir: &Path,
+    seed: u64,
+    layers: usize,
+    raw_base: bool,
+    short_layer: bool,
+) -> Vec<PathBuf> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut files = Vec::new();
+    for i in 0..layers {
+        let path = dir.join(format!("l{i}.qcow2"));
+        let cluster = [4096u64, 65536, 16384][rng.usize(..3)];
+        let size = if short_layer && i == layers / 2 {
+            SIZE / 2
+        } else {
+            SIZE
+        };
+        let raw = raw_base && i == 0;
+        let fmt = if raw { "raw" } else { "qcow2" };
+        let mut args: Vec<String> = vec!["create".into(), "-q".into(), "-f".into(), fmt.into()];
+        if !raw {
+            args.push("-o".into());
+            args.push(format!("cluster_size={cluster}"));
+        }
+        if let Some(prev) = files.last() {
+            let prev: &PathBuf = prev;
+            let prev_fmt = if raw_base && i == 1 { "raw" } else { "qcow2" };
+            args.extend([
+                "-b".into(),
+                prev.file_name().unwrap().to_str().unwrap().into(),
+                "-F".into(),
+                prev_fmt.into(),
+            ]);
+        }
+        args.push(s(&path).into());
+        args.push(size.to_string());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        qemu_img(&args);
+        let mut cmd = Command::new("qemu-io");
+        cmd.arg("-f").arg(fmt);
+        // QEMU refuses a compressed write over an allocated cluster: those
+        // go only where this layer has written nothing yet.
+        let mut touched = std::collections::HashSet::new();
+        for _ in 0..rng.usize(6..16) {
+            let c = if raw { 4096 } else { cluster };
+            let clusters = size / c;
+            let at = rng.u64(..clusters) * c;
+            let (op, start, len) = match rng.u8(..10) {
+                0..=4 => {
+                    let off = at + rng.u64(..c / 512) * 512;
+                    let len = (rng.u64(1..(3 * c / 512)) * 512).min(size - off);
+                    (format!("write -P {} {off} {len}", rng.u8(1..255)), off, len)
+                }
+                5 | 6 if !raw => {
+                    let len = (c * rng.u64(1..4)).min(size - at);
+                    (format!("write -z {at} {len}"), at, len)
+                }
+                7 if !raw && !touched.contains(&(at / c)) => {
+                    (format!("write -c -P {} {at} {c}", rng.u8(1..255)), at, c)
+                }
+                8 if !raw => (format!("discard {at} {c}"), at, c),
+                _ => {
+                    let len = c.min(size - at);
+                    (format!("write -P {} {at} {len}", rng.u8(1..255)), at, len)
+                }
+            };
+            for k in start / c..(start + len).div_ceil(c) {
+                touched.insert(k);
+            }
+            cmd.arg("-c").arg(op);
+        }
+        cmd.arg(&path);
+        let out = run_raw(&mut cmd);
+        assert!(
+            out.status.success(),
+            "qemu-io: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        files.push(path);
+    }
+    files
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// Every qcow2 file's view (and each raw file's bytes) equal between the
+/// two directories, every qcow2 file of `b` clean.
+fn assert_dirs_agree(a: &Path, b: &Path, what: &str) {
+    let mut names: Vec<_> = std::fs::read_dir(a)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_str().is_some_and(|n| n.ends_with(".qcow2")))
+        .collect();
+    names.sort();
+    for name in names {
+        let (fa, fb) = (a.join(&name), b.join(&name));
+        let out = run_raw(Command::new("qemu-img").args(["compare", s(&fa), s(&fb)]));
+        assert!(
+            out.status.success(),
+            "{what}: {} differs from QEMU's result: {}{}",
+            name.to_string_lossy(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if is_qcow2(&fb) {
+            assert_check_clean(&fb);
+        }
+    }
+}
+
+fn is_qcow2(p: &Path) -> bool {
+    std::fs::read(p).is_ok_and(|b| b.starts_with(b"QFI\xfb"))
+}
+
+fn code(cmd: &mut Command) -> (Option<i32>, String) {
+    let out = run_raw(cmd);
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs one operation with qemu-img on a copy and sqcow2 on another.
+fn both(dir: &Path, round: &str, qemu: &[&str], ours: &[&str]) {
+    let (q, o) = (
+        dir.join(format!("{round}-qemu")),
+        dir.join(format!("{round}-sqcow2")),
+    );
+    copy_dir(&dir.join("orig"), &q);
+    copy_dir(&dir.join("orig"), &o);
+    let (qc, qe) = code(Command::new("qemu-img").current_dir(&q).args(qemu));
+    let (oc, oe) = code(Command::new(sqcow2_bin()).current_dir(&o).args(ours));
+    assert_eq!(
+        qc, oc,
+        "{round}: exit codes differ: qemu-img {qe} / sqcow2 {oe}"
+    );
+    assert_dirs_agree(&q, &o, round);
+}
+
+#[test]
+fn commit_matches_qemu_img_commit() {
+    for seed in 0..6u64 {
+        let tmp = tempfile::tempdir().unwrap();
+        let orig = tmp.path().join("orig");
+        std::fs::create_dir(&orig).unwrap();
+        let raw_base = seed % 3 == 2;
+        let files = random_chain(&orig, seed, 4, raw_base, seed % 2 == 1);
+        let top = files[3].file_name().unwrap().to_str().unwrap().to_owned();
+        let r = |x: &str| format!("seed {seed}: {x}");
+        // Into the backing file, the top emptied.
+        both(
+            tmp.path(),
+            &r("commit"),
+            &["commit", "-q", &top],
+            &["commit", "-q", &top],
+        );
+        both(
+            tmp.path(),
+            &r("commit-d"),
+            &["commit", "-q", "-d", &top],
+            &["commit", "-q", "-d", &top],
+        );
+        if !raw_base {
+            // Into the base, through two layers.
+            both(
+                tmp.path(),
+                &r("commit-b"),
+                &["commit", "-q", "-b", "l0.qcow2", &top],
+                &["commit", "-q", "-b", "l0.qcow2", &top],
+            );
+        }
+        // A base outside the chain: both refuse, nothing changes.
+        both(
+            tmp.path(),
+            &r("commit-missing"),
+            &["commit", "-q", "-b", "nothere.qcow2", &top],
+            &["commit", "-q", "-b", "nothere.qcow2", &top],
+        );
+    }
+}
+
+#[test]
+fn commit_of_an_image_without_backing_file_fails_as_in_qemu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let orig = tmp.path().join("orig");
+    std::fs::create_dir(&orig).unwrap();
+    random_chain(&orig, 7, 1, false, false);
+    both(
+        tmp.path(),
+        "lone",
+        &["commit", "l0.qcow2"],
+        &["commit", "l0.qcow2"],
+    );
+}
+
+#[test]
+fn rebase_matches_qemu_img_rebase() {
+    for seed in 10..16u64 {
+        let tmp = tempfile::tempdir().unwrap();
+        let orig = tmp.path().join("orig");
+        std::fs::create_dir(&orig).unwrap();
+        let raw_base = seed % 3 == 2;
+        let files = random_chain(&orig, seed, 4, raw_base, seed % 2 == 1);
+        let base_fmt = if raw_base { "raw" } else { "qcow2" };
+        let r = |x: &str| format!("seed {seed}: {x}");
+        for (name, args) in [
+            (
+                "onto-base",
+                vec!["rebase", "-b", "l0.qcow2", "-F", base_fmt, "l3.qcow2"],
+            ),
+            (
+                "onto-l1",
+                vec!["rebase", "-b", "l1.qcow2", "-F", "qcow2", "l3.qcow2"],
+            ),
+            ("none", vec!["rebase", "-b", "", "l3.qcow2"]),
+            (
+                "unsafe",
+                vec!["rebase", "-u", "-b", "l1.qcow2", "-F", "qcow2", "l3.qcow2"],
+            ),
+            // An unrelated image as the new backing file.
+            (
+                "other",
+                vec!["rebase", "-b", "l2.qcow2", "-F", "qcow2", "l1.qcow2"],
+            ),
+            ("no-format", vec!["rebase", "-b", "l0.qcow2", "l3.qcow2"]),
+            (
+                "missing",
+                vec!["rebase", "-b", "nothere.qcow2", "-F", "qcow2", "l3.qcow2"],
+            ),
+        ] {
+            both(tmp.path(), &r(name), &args, &args);
+        }
+        let _ = files;
+    }
+}
+
+/// Merges `first..=last` of a chain and checks the top's view (against
+/// `qemu-img convert` before), every file clean, the replaced files
+/// untouched, and the chain one file per merged range.
+fn merge_and_check(dir: &Path, files: &[PathBuf], first: usize, last: usize) {
+    let top = files.last().unwrap();
+    let before = dir.join("before.raw");
+    qemu_img(&["convert", "-O", "raw", s(top), s(&before)]);
+    let sums: Vec<String> = files[first..=last].iter().map(|f| sha256_file(f)).collect();
+    let merged = dir.join(format!("m{first}-{last}.qcow2"));
+    let out = sqcow2(&[
+        "merge",
+        "--output",
+        "json",
+        s(top),
+        &first.to_string(),
+        &last.to_string(),
+        s(&merged),
+    ]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        report["replaced"].as_array().unwrap().len(),
+        last - first + 1
+    );
+    let out = run_raw(Command::new("qemu-img").args(["compare", s(&before), s(top)]));
+    assert!(
+        out.status.success(),
+        "merge {first}..{last}: the top reads differently: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    for (f, sum) in files[first..=last].iter().zip(&sums) {
+        assert_eq!(&sha256_file(f), sum, "merge wrote into {}", f.display());
+    }
+    assert_check_clean(&merged);
+    assert_check_clean(&files[last + 1]);
+    let chain = qemu_img(&["info", "--backing-chain", s(top)]);
+    assert_eq!(
+        chain.matches("image: ").count(),
+        files.len() - (last - first),
+        "{chain}"
+    );
+    assert!(!Path::new(&format!("{}.tmp", s(&merged))).exists());
+}
+
+#[test]
+fn merge_keeps_the_view_and_never_writes_the_merged_layers() {
+    for seed in 20..26u64 {
+        let tmp = tempfile::tempdir().unwrap();
+        let raw_base = seed % 3 == 2;
+        let files = random_chain(tmp.path(), seed, 6, raw_base, seed % 2 == 1);
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let first = rng.usize(..4);
+        let last = rng.usize(first..5);
+        merge_and_check(tmp.path(), &files, first, last);
+    }
+}
+
+#[test]
+fn merge_of_the_base_and_of_a_middle_range() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = random_chain(tmp.path(), 99, 5, false, true);
+    merge_and_check(tmp.path(), &files, 0, 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let files = random_chain(tmp.path(), 98, 5, true, false);
+    merge_and_check(tmp.path(), &files, 1, 3);
+}
+
+#[test]
+fn merge_refuses_the_top_and_a_served_chain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = random_chain(tmp.path(), 5, 3, false, false);
+    let top = &files[2];
+    let m = tmp.path().join("m.qcow2");
+    let (c, e) = code(Command::new(sqcow2_bin()).args(["merge", s(top), "1", "2", s(&m)]));
+    assert_eq!(c, Some(1), "{e}");
+    assert!(e.contains("below the top"), "{e}");
+    // A reader holding the chain (as a daemon serving it would) keeps
+    // the layer to switch from being rewritten.
+    let mut qio = Command::new("qemu-io")
+        .args(["-r", "-c", "sleep 5000", s(top)])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let (c, e) = code(Command::new(sqcow2_bin()).args(["merge", s(top), "0", "0", s(&m)]));
+    let _ = qio.kill();
+    let _ = qio.wait();
+    assert_eq!(c, Some(1), "{e}");
+    assert!(!m.exists() && !tmp.path().join("m.qcow2.tmp").exists());
+}
+
+#[test]
+fn reshaping_keeps_the_chain_index_valid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = common::gen_chain(tmp.path(), 12, "16M", "0.3");
+    let before = tmp.path().join("before.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&before)]);
+    let info = |top: &Path| -> serde_json::Value {
+        serde_json::from_str(&sqcow2(&["info", "--output", "json", s(top)])).unwrap()
+    };
+    let chain = qemu_img(&["info", "--backing-chain", s(&top)]);
+    let layers: Vec<PathBuf> = chain
+        .lines()
+        .filter_map(|l| l.strip_prefix("image: "))
+        .map(|n| tmp.path().join(n))
+        .collect();
+    assert_eq!(layers.len(), 12);
+    let merged = tmp.path().join("merged.qcow2");
+    sqcow2(&["merge", s(&top), "3", "8", s(&merged)]);
+    let state = info(&top);
+    assert_eq!(state["chain-index"]["state"], "valid", "{state}");
+    assert_eq!(state["chain-index"]["pending"], 0, "{state}");
+    // `check` compares every index entry with a walk of the chain.
+    sqcow2(&["check", s(&top)]);
+    let out = run_raw(Command::new("qemu-img").args(["compare", s(&before), s(&top)]));
+    assert!(out.status.success());
+    // Rebase the top past the layer below it (its data copied into the
+    // top), then commit the top into its new backing file.
+    let below = &layers[2];
+    sqcow2(&[
+        "rebase",
+        "-b",
+        below.file_name().unwrap().to_str().unwrap(),
+        "-F",
+        "qcow2",
+        s(&top),
+    ]);
+    assert_eq!(info(&top)["chain-index"]["state"], "valid");
+    sqcow2(&["check", s(&top)]);
+    let out = run_raw(Command::new("qemu-img").args(["compare", s(&before), s(&top)]));
+    assert!(out.status.success());
+    sqcow2(&["commit", "-q", "-d", s(&top)]);
+    assert_eq!(info(&top)["chain-index"]["state"], "valid");
+    sqcow2(&["check", s(&top)]);
+    let out = run_raw(Command::new("qemu-img").args(["compare", s(&before), s(&top)]));
+    assert!(out.status.success());
+    for f in common::qcow2_files(tmp.path()) {
+        assert_check_clean(&f);
+    }
+}
