@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blkio::{Completion, ReqFlags};
+use common::reference::Reference;
 use common::vhost::{connect_retry, control, Daemon};
 use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
 use serde_json::{json, Value};
@@ -320,110 +321,6 @@ fn wait_indexed(ctl: &std::path::Path) -> Value {
     panic!("the top's index was not built within 60 s: {stats}");
 }
 
-/// A reference of what the disk must hold: the chain's bytes as QEMU read
-/// them at the start (a sparse raw file), and every completed write
-/// applied to it.
-struct Reference {
-    raw: PathBuf,
-    file: std::fs::File,
-    /// (offset, fill) of each completed write, in order.
-    writes: Vec<(u64, u8)>,
-}
-
-impl Reference {
-    fn new(top: &std::path::Path, dir: &std::path::Path) -> Reference {
-        let raw = dir.join("reference.raw");
-        common::qemu_img(&["convert", "-O", "raw", s(top), s(&raw)]);
-        let file = std::fs::OpenOptions::new().write(true).open(&raw).unwrap();
-        Reference {
-            raw,
-            file,
-            writes: Vec::new(),
-        }
-    }
-
-    fn wrote(&mut self, offset: u64, fill: u8) {
-        use std::os::unix::fs::FileExt;
-        self.file
-            .write_all_at(&vec![fill; BLOCK as usize], offset)
-            .unwrap();
-        self.writes.push((offset, fill));
-    }
-
-    /// The last fill written at each offset.
-    fn latest(&self) -> std::collections::BTreeMap<u64, u8> {
-        self.writes.iter().copied().collect()
-    }
-
-    /// Every block written reads back through the daemon.
-    fn verify_through(&self, client: &mut common::vhost::Client, when: &str) {
-        for (offset, fill) in self.latest() {
-            let got = client.read(offset, BLOCK as usize);
-            assert!(
-                got.iter().all(|b| *b == fill),
-                "{when}: block at {offset} lost its write (fill {fill})"
-            );
-        }
-    }
-
-    /// The whole chain equals the reference for QEMU, and every layer is
-    /// clean for `qemu-img check`.
-    fn verify_files(&self, top: &std::path::Path, dir: &std::path::Path) {
-        let out = run_raw(std::process::Command::new("qemu-img").args([
-            "compare",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            s(top),
-            s(&self.raw),
-        ]));
-        assert!(
-            out.status.success(),
-            "qemu-img compare with the reference: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        for entry in std::fs::read_dir(dir).unwrap().flatten() {
-            let layer = entry.path();
-            if layer.extension().is_none_or(|e| e != "qcow2") {
-                continue;
-            }
-            let out = run_raw(std::process::Command::new("qemu-img").args([
-                "check",
-                "--output=json",
-                s(&layer),
-            ]));
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success(),
-                "qemu-img check {}: {text}",
-                layer.display()
-            );
-            let v: Value = serde_json::from_str(&text).unwrap();
-            assert_eq!(
-                v["leaks"].as_u64().unwrap_or(0),
-                0,
-                "{}: {text}",
-                layer.display()
-            );
-        }
-        let check =
-            run_raw(std::process::Command::new(common::sqcow2_bin()).args(["check", s(top)]));
-        assert!(
-            check.status.success(),
-            "sqcow2 check (every index entry against a walk): {}{}",
-            String::from_utf8_lossy(&check.stdout),
-            String::from_utf8_lossy(&check.stderr)
-        );
-        let info = sqcow2(&["info", s(top)]);
-        assert!(
-            info.contains("chain index: valid"),
-            "the top is not indexed again: {info}"
-        );
-    }
-}
-
 /// `kill -9` of the daemon right after live snapshots, while it builds the
 /// new top's index in the background (at random moments, a few rounds;
 /// `scripts/kill-index-builds.sh` runs many): each restart serves the
@@ -437,7 +334,7 @@ fn kills_during_background_index_builds_lose_nothing() {
     // A large sparse disk: the index has many chunks, so builds take long
     // enough for kills to land inside them.
     let mut top = gen_chain(tmp.path(), 6, "16G", "0.002");
-    let mut reference = Reference::new(&top, tmp.path());
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
     let size: u64 = 16 << 30;
     let ctl = tmp.path().join("control.sock");
     let rounds = env_count("SQCOW2_BUILD_KILLS", 4usize);
@@ -498,7 +395,7 @@ fn kills_during_background_index_builds_lose_nothing() {
 fn snapshots_back_to_back_outrun_the_index_builds() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 4, "4G", "0.01");
-    let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path())));
+    let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path(), BLOCK)));
     let size: u64 = 4 << 30;
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);

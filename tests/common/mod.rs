@@ -387,5 +387,6 @@ pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
 
 pub mod faulty_fs;
 pub mod guest;
+pub mod reference;
 pub mod ring;
 pub mod vhost;

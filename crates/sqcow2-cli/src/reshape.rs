@@ -10,6 +10,11 @@ use sqcow2_format::reshape::{
 };
 use sqcow2_format::Locking;
 
+use sqcow2_vhost::control::protocol::{
+    Command, LayerName, MergeRequest, MergeStarted, MergeState, Stats, StatsFormat,
+};
+
+use crate::live::request;
 use crate::output::{parse_size, print_json, OutputFormat};
 
 /// `sqcow2 commit` arguments (those of `qemu-img commit`).
@@ -88,14 +93,34 @@ pub struct MergeArgs {
     /// Output format of the report.
     #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
     output: OutputFormat,
-    /// Top of the chain.
+    /// Merge in a running `sqcow2 serve`: IMAGE is its control socket.
+    #[arg(long)]
+    live: bool,
+    /// With --live: most bytes per second written (size suffixes).
+    #[arg(long, requires = "live")]
+    rate_limit: Option<String>,
+    /// With --live: keep the guest's p99 latency within this factor of
+    /// its value before the merge (e.g. 1.2): the copy waits meanwhile.
+    #[arg(long, requires = "live")]
+    max_p99_ratio: Option<f64>,
+    /// With --live: return once the merge has started (follow it with
+    /// `sqcow2 stats`).
+    #[arg(long, requires = "live")]
+    no_wait: bool,
+    /// With --live: cancel the running merge.
+    #[arg(long, requires = "live")]
+    cancel: bool,
+    /// Top of the chain (with --live: the control socket).
     image: PathBuf,
     /// Lowest layer merged (a file of the chain, or a position, 0 the base).
-    first: LayerRef,
+    #[arg(required_unless_present = "cancel")]
+    first: Option<LayerRef>,
     /// Highest layer merged (below the top).
-    last: LayerRef,
+    #[arg(required_unless_present = "cancel")]
+    last: Option<LayerRef>,
     /// New file that replaces them (created; must not exist).
-    new: PathBuf,
+    #[arg(required_unless_present = "cancel")]
+    new: Option<PathBuf>,
 }
 
 fn bar(forced: bool, quiet: bool) -> ProgressBar {
@@ -159,13 +184,19 @@ pub fn run_rebase(args: &RebaseArgs, locking: Locking) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `sqcow2 merge` (offline).
+/// Runs `sqcow2 merge`.
 pub fn run_merge(args: &MergeArgs, locking: Locking) -> anyhow::Result<()> {
+    if args.live {
+        return run_live_merge(args);
+    }
+    let (Some(first), Some(last), Some(new)) = (&args.first, &args.last, &args.new) else {
+        anyhow::bail!("FIRST, LAST and NEW are required");
+    };
     let options = MergeOptions {
         image: args.image.clone(),
-        first: args.first.clone(),
-        last: args.last.clone(),
-        output: args.new.clone(),
+        first: first.clone(),
+        last: last.clone(),
+        output: new.clone(),
         locking,
     };
     let pb = bar(args.progress, false);
@@ -189,6 +220,105 @@ pub fn run_merge(args: &MergeArgs, locking: Locking) -> anyhow::Result<()> {
                 writeln!(out, "  {}", p.display())?;
             }
         }
+    }
+    Ok(())
+}
+
+fn layer_name(r: &LayerRef) -> anyhow::Result<LayerName> {
+    Ok(match r {
+        LayerRef::Position(n) => LayerName::Position(*n),
+        LayerRef::File(f) => LayerName::File(std::path::absolute(f)?),
+    })
+}
+
+/// `sqcow2 merge --live CONTROL ...`: starts the merge in the daemon and,
+/// unless --no-wait, follows it to its end.
+fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
+    let control = &args.image;
+    if args.cancel {
+        let r: serde_json::Value = request(control, Command::MergeCancel)?;
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let (Some(first), Some(last), Some(new)) = (&args.first, &args.last, &args.new) else {
+        anyhow::bail!("FIRST, LAST and NEW are required");
+    };
+    let started: MergeStarted = request(
+        control,
+        Command::Merge(MergeRequest {
+            first: layer_name(first)?,
+            last: layer_name(last)?,
+            path: std::path::absolute(new)?,
+            rate_limit: args.rate_limit.as_deref().map(parse_size).transpose()?,
+            max_p99_permille: args
+                .max_p99_ratio
+                .map(|r| (r * 1000.0).round().max(1.0) as u32),
+        }),
+    )?;
+    if args.no_wait {
+        match args.output {
+            OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &started)?,
+            OutputFormat::Human => println!(
+                "merging layers {}..{} into {} (follow with sqcow2 stats)",
+                started.first,
+                started.last,
+                started.path.display()
+            ),
+        }
+        return Ok(());
+    }
+    let pb = bar(args.progress, false);
+    let end = loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let stats: Stats = request(
+            control,
+            Command::Stats {
+                format: StatsFormat::Json,
+            },
+        )?;
+        let m = stats.merge;
+        pb.set_length(m.total_bytes);
+        pb.set_position(m.done_bytes);
+        if matches!(
+            m.state,
+            MergeState::Done | MergeState::Failed | MergeState::Cancelled
+        ) {
+            break m;
+        }
+    };
+    pb.finish_and_clear();
+    match args.output {
+        OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &end)?,
+        OutputFormat::Human if end.state == MergeState::Done => {
+            println!(
+                "merged layers {}..{} into {} in {:.0} ms (pause {:.2} ms, {} layers now)",
+                end.first,
+                end.last,
+                end.path
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new(""))
+                    .display(),
+                end.elapsed_ms,
+                end.pause_ms,
+                end.layers_after
+            );
+            println!("replaced (no longer in this chain, left in place):");
+            for p in &end.replaced {
+                println!("  {}", p.display());
+            }
+        }
+        OutputFormat::Human => {}
+    }
+    if end.state != MergeState::Done {
+        anyhow::bail!(
+            "merge {}: {}",
+            if end.state == MergeState::Cancelled {
+                "cancelled"
+            } else {
+                "failed"
+            },
+            end.error.as_deref().unwrap_or("")
+        );
     }
     Ok(())
 }

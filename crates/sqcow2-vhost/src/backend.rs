@@ -192,6 +192,19 @@ impl BlkBackend {
         out
     }
 
+    /// The latencies of every request completed so far, all queues
+    /// together (microseconds).
+    pub fn latency_histogram(&self) -> hdrhistogram::Histogram<u64> {
+        let mut all = crate::stats::QueueStats::default().latency_us;
+        for w in &self.workers {
+            let slot = lock(w);
+            for st in slot.worker.stats() {
+                let _ = all.add(&st.latency_us);
+            }
+        }
+        all
+    }
+
     /// Waits for every request in flight to finish and completes it to the
     /// guest (if its ring is still live), running each worker's completions
     /// in the calling thread: for when the worker threads have stopped.

@@ -624,6 +624,24 @@ impl Active {
         self.after_write_back();
     }
 
+    /// Rewrites the top's header area (its backing file name, as a merge
+    /// below switches it) under the flush order, so that no feature word
+    /// written by a write-back meanwhile is lost; the header is read from
+    /// the file. The in-memory header keeps the old name (the chain is
+    /// replaced after the switch).
+    pub(crate) fn rewrite_header_area(
+        &self,
+        edit: &crate::header_area::AreaEdit<'_>,
+    ) -> Result<(), Error> {
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let e = |k: ErrorKind| Error::new(&self.top.path, k);
+        let header = crate::check::read_header(&*self.top.storage).map_err(e)?;
+        crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
+    }
+
     /// Puts the loaded tables into the unified cache for readers of the
     /// image as a backing layer; fails if some metadata is not written
     /// back (call [`Active::close`] first).

@@ -295,7 +295,7 @@ impl Chain {
         }
     }
 
-    fn active(&self) -> Result<&Active, Error> {
+    pub(crate) fn active(&self) -> Result<&Active, Error> {
         self.active
             .as_ref()
             .ok_or_else(|| Error::new(self.top().path(), ErrorKind::ReadOnly))

@@ -46,7 +46,7 @@ pub(crate) struct Copied {
 
 /// Called as a copy goes: `(done, total)` guest bytes looked at, and the
 /// bytes just written (for a rate limit). Returns `false` to cancel.
-pub(crate) type Pace<'a> = &'a mut dyn FnMut(u64, u64, u64) -> bool;
+pub type Pace<'a> = &'a mut dyn FnMut(u64, u64, u64) -> bool;
 
 /// Whether a chain open for a copy from layer `from` must walk (see
 /// [`ViewCopy::masks_ends`]): a layer from `from` up is shorter than the

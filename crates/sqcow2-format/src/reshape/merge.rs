@@ -61,6 +61,7 @@ pub struct MergeReport {
 }
 
 /// The layers `first..=last` of a chain, checked for a merge.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct MergeRange {
     pub first: LayerIndex,
     pub last: LayerIndex,
@@ -271,6 +272,174 @@ pub(crate) fn fill_merge_file(
     Ok((copied.data_bytes, copied.zero_bytes))
 }
 
+/// A merge under way: its range checked, its file created under the
+/// temporary name (removed if this is dropped before
+/// [`PreparedMerge::publish`]).
+#[must_use = "a prepared merge is removed unless published"]
+pub struct PreparedMerge {
+    file: MergeFile,
+    range: MergeRange,
+    last_path: PathBuf,
+    above: PathBuf,
+    above_id: Option<(u64, u64)>,
+    replaced: Vec<PathBuf>,
+    layers_before: usize,
+}
+
+/// Where a merge switches: the file of the layer above the merged ones,
+/// by path and identity.
+fn layer_id(chain: &Chain, at: LayerIndex) -> Option<(u64, u64)> {
+    chain.layers()[at.0].storage().file_id()
+}
+
+/// Checks `first..=last` of `chain` (below its top) and creates the merge
+/// file `output`, empty, under its temporary name. Only headers of
+/// `chain` are used: a daemon calls this with the chain it serves.
+pub fn prepare_merge(
+    chain: &Chain,
+    first: &LayerRef,
+    last: &LayerRef,
+    output: &Path,
+) -> Result<PreparedMerge, Error> {
+    let range = merge_range(chain, first, last)?;
+    let above_at = LayerIndex(range.last.0 + 1);
+    let file = create_merge_file(chain, &range, output)?;
+    Ok(PreparedMerge {
+        last_path: chain.layers()[range.last.0].path().to_path_buf(),
+        above: chain.layers()[above_at.0].path().to_path_buf(),
+        above_id: layer_id(chain, above_at),
+        replaced: chain.layers()[range.first.0..=range.last.0]
+            .iter()
+            .map(|l| l.path().to_path_buf())
+            .collect(),
+        layers_before: chain.layers().len(),
+        file,
+        range,
+    })
+}
+
+impl PreparedMerge {
+    /// The merged layers' files, lowest first.
+    pub fn replaced(&self) -> &[PathBuf] {
+        &self.replaced
+    }
+
+    /// The lowest and highest layer merged.
+    pub fn range(&self) -> (LayerIndex, LayerIndex) {
+        (self.range.first, self.range.last)
+    }
+
+    /// Copies the merged layers' view into the file (every layer it reads
+    /// is immutable: the copy finishes whatever the guest does). `pace`
+    /// is called as it goes with `(done, total, bytes just written)` and
+    /// cancels it by returning `false`. Returns the bytes written as data
+    /// and as zeros.
+    pub fn fill(&self, locking: Locking, pace: Pace<'_>) -> Result<(u64, u64), Error> {
+        fill_merge_file(&self.last_path, &self.range, &self.file, locking, pace)
+    }
+
+    /// Builds the file's own index (when it has a backing file), then
+    /// makes it visible under its name, durable. Nothing references it
+    /// yet: [`MergedFile::switch_in`] (live) or the offline merge switches
+    /// the layer above onto it.
+    pub fn publish(self, locking: Locking) -> Result<MergedFile, Error> {
+        if self.file.backing().is_some() {
+            rebuild_index(self.file.tmp(), locking)?;
+        }
+        let backing = self.file.backing().map(Path::to_path_buf);
+        let merged = self.file.publish()?;
+        Ok(MergedFile {
+            merged,
+            backing,
+            above: self.above,
+            above_id: self.above_id,
+            replaced: self.replaced,
+            layers_before: self.layers_before,
+            layers_after: self.layers_before - (self.range.last.0 - self.range.first.0),
+        })
+    }
+}
+
+/// A complete merge file, not yet in the chain.
+#[derive(Debug, Clone)]
+pub struct MergedFile {
+    merged: PathBuf,
+    backing: Option<PathBuf>,
+    above: PathBuf,
+    above_id: Option<(u64, u64)>,
+    replaced: Vec<PathBuf>,
+    layers_before: usize,
+    layers_after: usize,
+}
+
+impl MergedFile {
+    /// The new file.
+    pub fn path(&self) -> &Path {
+        &self.merged
+    }
+
+    /// The layers it replaces once switched in, lowest first.
+    pub fn replaced(&self) -> &[PathBuf] {
+        &self.replaced
+    }
+
+    /// Layers of the chain after the switch.
+    pub fn layers_after(&self) -> usize {
+        self.layers_after
+    }
+
+    fn backing_edit(&self) -> PathBuf {
+        backing_name_for(&self.above, &self.merged)
+    }
+
+    /// Switches the layer above the merged ones onto the merge file, in
+    /// the chain a daemon serves (its image locks held: the layer is
+    /// rewritten without taking any; the top through its writer, whose
+    /// feature words cannot change meanwhile). Call with requests paused
+    /// and the chain flushed; then open the chain again: this one still
+    /// has the merged layers.
+    pub fn switch_in(&self, chain: &Chain) -> Result<(), Error> {
+        let at = chain
+            .layers()
+            .iter()
+            .position(|l| l.storage().file_id() == self.above_id && self.above_id.is_some())
+            .ok_or_else(|| {
+                invalid(
+                    &self.above,
+                    "the layer above the merged ones is no longer in the chain".into(),
+                )
+            })?;
+        let name = self.backing_edit();
+        let edit = AreaEdit {
+            index: Edit::Keep,
+            backing: Edit::Set(crate::header_area::BackingName {
+                name: std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()),
+                format: Some("qcow2"),
+            }),
+        };
+        if LayerIndex(at) == chain.top_index() && chain.is_writable() {
+            chain.active()?.rewrite_header_area(&edit)
+        } else {
+            let path = chain.layers()[at].path();
+            HeaderWriter::open(path, Locking::Off)?.set_backing(Some((&name, Some("qcow2"))))
+        }
+    }
+
+    fn report(self, data_bytes: u64, zero_bytes: u64, index: Option<BuildReport>) -> MergeReport {
+        MergeReport {
+            merged: self.merged,
+            backing: self.backing,
+            switched: self.above,
+            replaced: self.replaced,
+            layers_before: self.layers_before,
+            layers_after: self.layers_after,
+            data_bytes,
+            zero_bytes,
+            index,
+        }
+    }
+}
+
 /// Merges layers `first..=last` of the chain under `image` into the new
 /// file `output` (backing onto layer `first - 1`), switches the layer
 /// above `last` onto it and rebuilds the top's index. A crash leaves the
@@ -290,45 +459,18 @@ pub fn merge(
             ..ChainOptions::default()
         },
     )?;
-    let range = merge_range(&chain, &options.first, &options.last)?;
-    let layers_before = chain.layers().len();
-    let above = chain.layers()[range.last.0 + 1].path().to_path_buf();
-    let replaced: Vec<PathBuf> = chain.layers()[range.first.0..=range.last.0]
-        .iter()
-        .map(|l| l.path().to_path_buf())
-        .collect();
-    let last_path = chain.layers()[range.last.0].path().to_path_buf();
-    let file = create_merge_file(&chain, &range, &options.output)?;
+    let prepared = prepare_merge(&chain, &options.first, &options.last, &options.output)?;
     drop(chain);
     // The layer switched at the end, locked now: a chain served by a
     // daemon is refused before the copy.
-    let switch = HeaderWriter::open(&above, locking)?;
-    let (data_bytes, zero_bytes) =
-        fill_merge_file(&last_path, &range, &file, locking, &mut |done, total, _| {
-            progress(done, total);
-            true
-        })?;
-    let backing = file.backing().map(Path::to_path_buf);
-    let merged = file.publish()?;
-    let name = backing_name_for(&above, &merged);
-    switch.set_backing(Some((&name, Some("qcow2"))))?;
+    let switch = HeaderWriter::open(&prepared.above, locking)?;
+    let (data_bytes, zero_bytes) = prepared.fill(locking, &mut |done, total, _| {
+        progress(done, total);
+        true
+    })?;
+    let merged = prepared.publish(locking)?;
+    switch.set_backing(Some((&merged.backing_edit(), Some("qcow2"))))?;
     drop(switch);
-    let merged_index = if backing.is_some() {
-        rebuild_index(&merged, locking)?
-    } else {
-        None
-    };
-    drop(merged_index);
     let index = rebuild_index(&options.image, locking)?;
-    Ok(MergeReport {
-        merged,
-        backing,
-        switched: above,
-        replaced,
-        layers_before,
-        layers_after: layers_before - (range.last.0 - range.first.0),
-        data_bytes,
-        zero_bytes,
-        index,
-    })
+    Ok(merged.report(data_bytes, zero_bytes, index))
 }

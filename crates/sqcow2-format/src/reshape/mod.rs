@@ -23,7 +23,10 @@ use crate::storage::{FileStorage, Storage};
 use crate::types::LayerIndex;
 
 pub use commit::{commit, CommitOptions, CommitReport};
-pub use merge::{merge, MergeOptions, MergeReport};
+pub use copy::Pace;
+pub use merge::{
+    merge, merge_tmp_path, prepare_merge, MergeOptions, MergeReport, MergedFile, PreparedMerge,
+};
 pub use rebase::{rebase, RebaseOptions, RebaseReport};
 
 /// A layer of a chain, as an operator names it.

@@ -2,6 +2,7 @@
 //! line each way ([`protocol`]); see `docs/control-api.md`.
 
 mod index_builder;
+mod merge_job;
 pub mod prometheus;
 pub mod protocol;
 
@@ -19,6 +20,7 @@ use crate::backend::BlkBackend;
 use crate::gate::RequestGate;
 use crate::handle::ChainHandle;
 pub use index_builder::IndexBuilder;
+pub use merge_job::MergeJob;
 use protocol::{
     Activity, CacheCounters, Command, Failure, FailureKind, IndexCounters, IndexMode, Info,
     PrometheusText, QueueCounters, Reply, Request, SnapshotCounters, SnapshotResult, SnapshotSteps,
@@ -28,7 +30,7 @@ use protocol::{
 /// Longest request line accepted.
 const MAX_LINE: usize = 64 * 1024;
 /// Longest wait for requests in flight before a live snapshot.
-const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the control socket and the vhost-user side share.
 #[derive(Debug)]
@@ -47,11 +49,13 @@ pub struct Shared {
     /// How long requests wait while inactive before they fail.
     inactive_timeout: Duration,
     /// Held by a running snapshot, activation or inactivation.
-    snapshot_running: Mutex<()>,
+    pub(crate) snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
     /// Builds the top's chain index in the background.
     pub index_builder: IndexBuilder,
+    /// The live merge.
+    pub merge: MergeJob,
     started: Instant,
 }
 
@@ -60,6 +64,7 @@ impl Shared {
     pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         Shared {
             index_builder: IndexBuilder::new(handle.clone(), options.use_index),
+            merge: MergeJob::default(),
             handle,
             options,
             session: Mutex::new(None),
@@ -111,7 +116,7 @@ impl Shared {
         }
     }
 
-    fn session(&self) -> Option<Arc<BlkBackend>> {
+    pub(crate) fn session(&self) -> Option<Arc<BlkBackend>> {
         self.session
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -143,7 +148,7 @@ pub fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()>
         .map(|_| ())
 }
 
-fn connection(stream: UnixStream, shared: &Shared) {
+fn connection(stream: UnixStream, shared: &Arc<Shared>) {
     let Ok(mut out) = stream.try_clone() else {
         return;
     };
@@ -172,7 +177,7 @@ fn connection(stream: UnixStream, shared: &Shared) {
 }
 
 /// Answers one request line.
-pub fn handle_line(line: &str, shared: &Shared) -> Reply {
+pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
     let request = match Request::parse(line) {
         Ok(r) => r,
         Err((id, failure)) => return Reply::failure(id, failure),
@@ -186,6 +191,13 @@ pub fn handle_line(line: &str, shared: &Shared) -> Reply {
             flush(shared).map(|()| Reply::success(id.clone(), &serde_json::json!({})))
         }
         Command::Activate => activate(shared).map(|r| Reply::success(id.clone(), &r)),
+        Command::Merge(request) => {
+            MergeJob::start(shared, &request).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::MergeCancel => Ok(Reply::success(
+            id.clone(),
+            &serde_json::json!({ "cancelled": shared.merge.cancel() }),
+        )),
         Command::Inactivate => inactivate(shared).map(|r| Reply::success(id.clone(), &r)),
         Command::Info => Ok(Reply::success(id.clone(), &info_of(shared))),
         Command::Stats {
@@ -465,6 +477,7 @@ fn stats(shared: &Shared) -> Stats {
         .unwrap_or_default();
     Stats {
         uptime_s: shared.started.elapsed().as_secs_f64(),
+        merge: shared.merge.snapshot(),
         index_mode: if chain.is_indexed() {
             IndexMode::Indexed
         } else {

@@ -39,6 +39,51 @@ pub enum Command {
     Activate,
     /// Hand the disk over: quiesce, flush, release the locks.
     Inactivate,
+    /// Start merging layers `first..=last` (below the top) into the new
+    /// file `path`, in the background (progress in `stats`).
+    Merge(MergeRequest),
+    /// Cancel the running merge (its file is removed; the chain is left
+    /// as it was).
+    MergeCancel,
+}
+
+/// What a `merge` request asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergeRequest {
+    /// The lowest layer merged: a position (0 the base) or a file of the
+    /// chain.
+    pub first: LayerName,
+    /// The highest layer merged (below the top).
+    pub last: LayerName,
+    /// The new file.
+    pub path: PathBuf,
+    /// Most bytes per second the merge writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<u64>,
+    /// Keep the guest's p99 latency within this many thousandths of its
+    /// value before the merge (1200: 1.2x): the copy pauses while a
+    /// recent window's p99 is above it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_p99_permille: Option<u32>,
+}
+
+/// A layer in a request: its position or its file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LayerName {
+    /// Position, 0 the base.
+    Position(usize),
+    /// A file of the chain.
+    File(PathBuf),
+}
+
+impl From<&LayerName> for sqcow2_format::reshape::LayerRef {
+    fn from(n: &LayerName) -> Self {
+        match n {
+            LayerName::Position(p) => sqcow2_format::reshape::LayerRef::Position(*p),
+            LayerName::File(f) => sqcow2_format::reshape::LayerRef::File(f.clone()),
+        }
+    }
 }
 
 /// How `stats` answers.
@@ -85,6 +130,9 @@ pub enum FailureKind {
     Locked,
     /// The daemon is inactive (the disk is handed over).
     Inactive,
+    /// A merge could not start (bad range, existing file, another merge
+    /// running).
+    MergeFailed,
 }
 
 /// A failed request: its kind and a message for people.
@@ -199,6 +247,16 @@ impl Request {
             "info" => Command::Info,
             "activate" => Command::Activate,
             "inactivate" => Command::Inactivate,
+            "merge" => match serde_json::from_value::<MergeRequest>(args) {
+                Ok(a) => Command::Merge(a),
+                Err(e) => {
+                    return Err((
+                        id,
+                        bad(format!("merge needs \"first\", \"last\" and \"path\": {e}")),
+                    ))
+                }
+            },
+            "merge-cancel" => Command::MergeCancel,
             "stats" => match serde_json::from_value::<StatsArgs>(args) {
                 Ok(a) => Command::Stats { format: a.format },
                 Err(e) => return Err((id, bad(format!("stats: {e}")))),
@@ -229,6 +287,19 @@ impl Request {
             Command::Info => ("info", vec![]),
             Command::Activate => ("activate", vec![]),
             Command::Inactivate => ("inactivate", vec![]),
+            Command::MergeCancel => ("merge-cancel", vec![]),
+            Command::Merge(m) => (
+                "merge",
+                match serde_json::to_value(m) {
+                    Ok(Value::Object(fields)) => {
+                        for (k, v) in fields {
+                            o.insert(k, v);
+                        }
+                        vec![]
+                    }
+                    _ => vec![],
+                },
+            ),
             Command::Stats { format } => (
                 "stats",
                 vec![(
@@ -400,6 +471,9 @@ pub struct QueueCounters {
 pub struct Stats {
     /// Seconds since the daemon started.
     pub uptime_s: f64,
+    /// The last live merge.
+    #[serde(default)]
+    pub merge: MergeCounters,
     /// How lookups are resolved.
     pub index_mode: IndexMode,
     /// Layers of the chain.
@@ -426,6 +500,75 @@ pub struct Stats {
 }
 
 /// The result of `stats` in Prometheus format.
+/// Where a merge is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MergeState {
+    /// No merge has run.
+    #[default]
+    Idle,
+    /// Measuring the guest's latency before the copy.
+    Measuring,
+    /// Copying the merged layers' view into the new file.
+    Copying,
+    /// Pausing the guest to switch the chain.
+    Switching,
+    /// Finished: the chain uses the new file.
+    Done,
+    /// Failed (the chain is as it was before).
+    Failed,
+    /// Cancelled (the chain is as it was before).
+    Cancelled,
+}
+
+/// The last merge.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MergeCounters {
+    /// Where it is.
+    pub state: MergeState,
+    /// The new file.
+    pub path: Option<PathBuf>,
+    /// The lowest layer merged.
+    pub first: usize,
+    /// The highest layer merged.
+    pub last: usize,
+    /// Guest bytes looked at.
+    pub done_bytes: u64,
+    /// Guest bytes to look at (the disk).
+    pub total_bytes: u64,
+    /// Bytes written into the new file.
+    pub written_bytes: u64,
+    /// Time from start to end (when it ended).
+    pub elapsed_ms: f64,
+    /// Time the copy waited for the rate limit or the guest's latency.
+    pub throttled_ms: f64,
+    /// The guest's p99 latency before the copy (latency-paced merges).
+    pub baseline_p99_us: u64,
+    /// The guest's p99 over the last window the copy looked at.
+    pub window_p99_us: u64,
+    /// The switch's pause.
+    pub pause_ms: f64,
+    /// Layers in the chain after the switch.
+    pub layers_after: usize,
+    /// The files no longer in the chain (left for the operator).
+    pub replaced: Vec<PathBuf>,
+    /// Why it failed or stopped.
+    pub error: Option<String>,
+}
+
+/// What `merge` answers (the merge goes on in the background).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MergeStarted {
+    /// The new file.
+    pub path: PathBuf,
+    /// The lowest layer merged.
+    pub first: usize,
+    /// The highest layer merged.
+    pub last: usize,
+    /// The files the merge replaces, lowest first.
+    pub replaced: Vec<PathBuf>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrometheusText {
     /// The exposition text.
@@ -449,6 +592,14 @@ mod tests {
             Command::Stats {
                 format: StatsFormat::Prometheus,
             },
+            Command::MergeCancel,
+            Command::Merge(MergeRequest {
+                first: LayerName::Position(0),
+                last: LayerName::File("/a/l3.qcow2".into()),
+                path: "/a/m.qcow2".into(),
+                rate_limit: Some(1 << 20),
+                max_p99_permille: None,
+            }),
         ] {
             let line = Request {
                 id: Value::from(3),
@@ -465,6 +616,10 @@ mod tests {
         assert_eq!(kind("{\"id\":1}"), FailureKind::BadRequest);
         assert_eq!(kind("{\"command\":\"nope\"}"), FailureKind::UnknownCommand);
         assert_eq!(kind("{\"command\":\"snapshot\"}"), FailureKind::BadRequest);
+        assert_eq!(
+            kind("{\"command\":\"merge\",\"first\":0,\"path\":\"/m\"}"),
+            FailureKind::BadRequest
+        );
         assert_eq!(
             kind("{\"command\":\"stats\",\"format\":\"xml\"}"),
             FailureKind::BadRequest

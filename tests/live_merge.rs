@@ -1,0 +1,245 @@
+//! Live merges (`merge` on the control socket) while a client writes and
+//! flushes: every completed write reads back through the daemon and, at
+//! the end, through `qemu-img convert`; every file is clean for `qemu-img
+//! check`; the chain is indexed again. And `kill -9` at random moments of
+//! merges: each restart serves the old chain or the new one, never
+//! anything else, with every completed write.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::reference::Reference;
+use common::vhost::{connect_retry, control, Daemon};
+use common::{env_count, gen_chain, s};
+use serde_json::{json, Value};
+
+const BLOCK: u64 = 16 << 10;
+
+fn wait_merge(ctl: &Path) -> Value {
+    for _ in 0..1200 {
+        let stats = control(ctl, json!({"command": "stats"}));
+        let m = &stats["result"]["merge"];
+        if m["state"] != "copying" && m["state"] != "switching" && m["state"] != "measuring" {
+            return m.clone();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the merge did not end within 60 s");
+}
+
+fn wait_indexed(ctl: &Path) {
+    for _ in 0..1200 {
+        let stats = control(ctl, json!({"command": "stats"}));
+        let index = &stats["result"]["index"];
+        if index["pending_layers"] == 0 && index["building"] == false {
+            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the top's index was not built within 60 s");
+}
+
+fn layers(ctl: &Path) -> Vec<PathBuf> {
+    let info = control(ctl, json!({"command": "info"}));
+    info["result"]["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| PathBuf::from(p.as_str().unwrap()))
+        .collect()
+}
+
+/// Writes random blocks (a flush every few) until `stop`, noting each
+/// completed write in `reference`.
+fn writer(
+    mut client: common::vhost::Client,
+    size: u64,
+    seed: u64,
+    reference: Arc<Mutex<Reference>>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(u64, u64)> {
+    std::thread::spawn(move || {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let (mut writes, mut flushes) = (0, 0);
+        while !stop.load(Ordering::Relaxed) {
+            let offset = rng.u64(0..size / BLOCK) * BLOCK;
+            let fill = rng.u8(1..);
+            client.write(offset, &vec![fill; BLOCK as usize]);
+            reference.lock().unwrap().wrote(offset, fill);
+            writes += 1;
+            if rng.u8(..8) == 0 {
+                client.flush();
+                flushes += 1;
+            }
+        }
+        (writes, flushes)
+    })
+}
+
+#[test]
+fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 12, "256M", "0.2");
+    let size: u64 = 256 << 20;
+    let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path(), BLOCK)));
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let client = connect_retry(&daemon, 1, false);
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(client, size, 3, reference.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let before = layers(&ctl);
+    // The base and the eight layers above it, then a middle range of what
+    // is left, paced by a byte rate.
+    let merged = tmp.path().join("merged-0-8.qcow2");
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": 8, "path": merged}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["result"]["replaced"].as_array().unwrap().len(), 9);
+    let m = wait_merge(&ctl);
+    assert_eq!(m["state"], "done", "{m}");
+    let after = layers(&ctl);
+    assert_eq!(after.len(), before.len() - 8, "{after:?}");
+    assert_eq!(after[0], merged);
+    let merged2 = tmp.path().join("merged-1-2.qcow2");
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 1, "last": 2, "path": merged2,
+               "rate_limit": 64 << 20, "max_p99_permille": 1200}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    // One merge at a time.
+    let busy = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": 1, "path": tmp.path().join("x.qcow2")}),
+    );
+    if busy["ok"] == false {
+        assert_eq!(busy["error"]["kind"], "busy", "{busy}");
+    }
+    let m = wait_merge(&ctl);
+    assert_eq!(m["state"], "done", "{m}");
+    assert_eq!(layers(&ctl).len(), after.len() - 1);
+    // The top cannot be merged.
+    let top_at = layers(&ctl).len() - 1;
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": top_at, "path": tmp.path().join("y.qcow2")}),
+    );
+    assert_eq!(r["ok"], false, "{r}");
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::Relaxed);
+    let (writes, flushes) = w.join().unwrap();
+    assert!(writes > 0);
+    let mut client = connect_retry(&daemon, 1, false);
+    reference
+        .lock()
+        .unwrap()
+        .verify_through(&mut client, "after the merges");
+    wait_indexed(&ctl);
+    drop(client);
+    daemon.stop();
+    println!("{writes} writes, {flushes} flushes during two merges");
+    let reference = reference.lock().unwrap();
+    reference.verify_files(&top, tmp.path());
+}
+
+/// `kill -9` at random moments of live merges (copy, publish, switch,
+/// index build after it): each restart serves either the chain before
+/// the merge or the one after it, with every completed write; a merge
+/// file left half-written is never part of a chain. `SQCOW2_MERGE_KILLS`
+/// rounds (`scripts/kill-merges.sh` runs many).
+#[test]
+fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut top = gen_chain(tmp.path(), 8, "1G", "0.05");
+    let size: u64 = 1 << 30;
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
+    let ctl = tmp.path().join("control.sock");
+    let rounds = env_count("SQCOW2_MERGE_KILLS", 4usize);
+    let seed = env_count("SQCOW2_MERGE_SEED", 41u64);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let (mut old_chain, mut new_chain) = (0, 0);
+    for round in 0..rounds {
+        let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+        let mut client = connect_retry(&daemon, 1, false);
+        reference.verify_through(&mut client, &format!("round {round}, after the restart"));
+        // Keep the chain long enough to merge: a live snapshot per round.
+        let new = tmp.path().join(format!("snap{round:03}.qcow2"));
+        let reply = control(&ctl, json!({"command": "snapshot", "path": new}));
+        assert_eq!(reply["ok"], true, "round {round}: {reply}");
+        top = new;
+        let before = layers(&ctl);
+        let below_top = before.len() - 1;
+        let first = rng.usize(0..below_top - 1);
+        let last = rng.usize(first + 1..below_top);
+        let merged = tmp.path().join(format!("merged{round:03}.qcow2"));
+        let r = control(
+            &ctl,
+            json!({"command": "merge", "first": first, "last": last, "path": merged}),
+        );
+        assert_eq!(r["ok"], true, "round {round}: {r}");
+        // Writes while it runs, a flush now and then, then the kill.
+        let writes = rng.usize(0..64);
+        for k in 0..writes {
+            let offset = rng.u64(0..size / BLOCK) * BLOCK;
+            let fill = rng.u8(1..);
+            client.write(offset, &vec![fill; BLOCK as usize]);
+            reference.wrote(offset, fill);
+            if k % 16 == 15 {
+                client.flush();
+            }
+        }
+        // The kill: during the copy, as soon as the copy ends (publish or
+        // switch), or after the switch (the top's index being built).
+        match rng.u8(..3) {
+            0 => std::thread::sleep(Duration::from_millis(rng.u64(0..60))),
+            1 => {
+                for _ in 0..2000 {
+                    let st = control(&ctl, json!({"command": "stats"}));
+                    if st["result"]["merge"]["state"] != "copying" {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            _ => {
+                wait_merge(&ctl);
+                std::thread::sleep(Duration::from_millis(rng.u64(0..20)));
+            }
+        }
+        drop(client);
+        daemon.stop_with(libc::SIGKILL);
+        // Restart: the old chain or the new one, nothing else.
+        let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+        let now = layers(&ctl);
+        if now == before {
+            old_chain += 1;
+        } else {
+            assert_eq!(
+                now.len(),
+                before.len() - (last - first),
+                "round {round}: {now:?}"
+            );
+            assert_eq!(now[first], merged, "round {round}: {now:?}");
+            assert_eq!(&now[..first], &before[..first]);
+            assert_eq!(&now[first + 1..], &before[last + 1..]);
+            new_chain += 1;
+        }
+        let mut client = connect_retry(&daemon, 1, false);
+        reference.verify_through(&mut client, &format!("round {round}, after the kill"));
+        drop(client);
+        daemon.stop();
+    }
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    wait_indexed(&ctl);
+    daemon.stop();
+    println!("{rounds} kills during merges: {old_chain} restarts on the old chain, {new_chain} on the new one");
+    reference.verify_files(&top, tmp.path());
+}
