@@ -243,3 +243,90 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
     println!("{rounds} kills during merges: {old_chain} restarts on the old chain, {new_chain} on the new one");
     reference.verify_files(&top, tmp.path());
 }
+
+/// A chain made by QEMU (no sQcow2 bit on its layers: the merge file's
+/// own index build marks them while the daemon holds their locks), a
+/// merge file outside the backing root, a zero rate, a cancelled merge.
+#[test]
+fn refusals_cancel_and_a_chain_made_by_qemu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut prev: Option<PathBuf> = None;
+    for i in 0..5 {
+        let path = dir.join(format!("q{i}.qcow2"));
+        match &prev {
+            None => common::qemu_img(&["create", "-q", "-f", "qcow2", s(&path), "64M"]),
+            Some(p) => {
+                common::qemu_overlay(
+                    &path,
+                    p.file_name().unwrap().to_str().unwrap(),
+                    "qcow2",
+                    &[],
+                    None,
+                );
+                String::new()
+            }
+        };
+        common::qemu_io(&path, &[format!("write -P {} {} 4M", i + 1, i * (4 << 20))]);
+        prev = Some(path);
+    }
+    let top = prev.unwrap();
+    let reference = Reference::new(&top, dir, BLOCK);
+    let ctl = dir.join("control.sock");
+    let mut daemon = Daemon::start(dir, &top, &["--control", s(&ctl)]);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 1, "last": 3, "path": elsewhere.path().join("m.qcow2")}),
+    );
+    assert_eq!(r["error"]["kind"], "merge-failed", "{r}");
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate_limit": 0}),
+    );
+    assert_eq!(r["error"]["kind"], "bad-request", "{r}");
+    // A slow merge, cancelled: the chain stays, the file goes.
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate_limit": 1 << 20}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    std::thread::sleep(Duration::from_millis(300));
+    let r = control(&ctl, json!({"command": "merge-cancel"}));
+    assert_eq!(r["result"]["cancelled"], true, "{r}");
+    let m = wait_merge(&ctl);
+    assert_eq!(m["state"], "cancelled", "{m}");
+    assert_eq!(layers(&ctl).len(), 5);
+    assert!(!dir.join("m.qcow2").exists() && !dir.join("m.qcow2.tmp").exists());
+    // The same merge to the end: the layers below it carry no sQcow2 bit.
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2")}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let m = wait_merge(&ctl);
+    assert_eq!(m["state"], "done", "{m}");
+    assert_eq!(layers(&ctl).len(), 3);
+    let mut client = connect_retry(&daemon, 1, false);
+    reference.verify_through(&mut client, "after the merge");
+    drop(client);
+    wait_indexed(&ctl);
+    daemon.stop();
+    for f in common::qcow2_files(dir) {
+        common::assert_check_clean(&f);
+    }
+    let out = common::run_raw(std::process::Command::new("qemu-img").args([
+        "compare",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        s(&top),
+        s(&dir.join("reference.raw")),
+    ]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

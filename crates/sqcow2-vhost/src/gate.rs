@@ -17,7 +17,9 @@ use vmm_sys_util::eventfd::EventFd;
 /// Counts the requests in flight; pauses new ones.
 #[derive(Debug, Default)]
 pub struct RequestGate {
-    paused: AtomicBool,
+    /// Pauses held now: pauses nest (a stop during a merge's switch must
+    /// not end the merge's pause).
+    paused: AtomicUsize,
     inactive: AtomicBool,
     refusing: AtomicBool,
     in_flight: AtomicUsize,
@@ -50,8 +52,9 @@ pub struct PauseGuard {
 
 impl Drop for PauseGuard {
     fn drop(&mut self) {
-        self.gate.paused.store(false, Ordering::SeqCst);
-        self.gate.wake();
+        if self.gate.paused.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.gate.wake();
+        }
     }
 }
 
@@ -81,7 +84,7 @@ impl RequestGate {
     }
 
     fn waiting(&self) -> bool {
-        self.paused.load(Ordering::SeqCst) || self.inactive.load(Ordering::SeqCst)
+        self.paused.load(Ordering::SeqCst) > 0 || self.inactive.load(Ordering::SeqCst)
     }
 
     /// Wakes every worker (requests may have waited on their queues).
@@ -137,7 +140,7 @@ impl RequestGate {
 
     /// Stops new requests from starting (those in flight go on).
     pub fn pause(self: &Arc<Self>) -> PauseGuard {
-        self.paused.store(true, Ordering::SeqCst);
+        self.paused.fetch_add(1, Ordering::SeqCst);
         PauseGuard { gate: self.clone() }
     }
 

@@ -301,6 +301,10 @@ impl Server {
             self.shared.tick();
             if self.stop_requested() {
                 end = SessionEnd::Stop;
+                // A merge stops copying, and one switching the chain
+                // finishes first: this stop flushes the chain served then.
+                self.shared.merge.cancel();
+                let _exclusive = self.shared.exclusive();
                 // Finish what the guest asked for (no new request starts),
                 // make it durable, then hang up.
                 let _paused = backend.pause();

@@ -2,6 +2,7 @@
 //! backing is layer i-1, then layer j+1 switched onto it. No existing
 //! layer's data is written; the layers it replaces are left in place.
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -122,7 +123,7 @@ impl MergeFile {
             .open(&self.tmp)
             .and_then(|f| f.sync_all())
             .map_err(io_err(&self.tmp))?;
-        std::fs::rename(&self.tmp, &self.output).map_err(io_err(&self.output))?;
+        rename_noreplace(&self.tmp, &self.output).map_err(io_err(&self.output))?;
         self.published = true;
         sync_dir(&self.output)?;
         Ok(self.output.clone())
@@ -137,6 +138,34 @@ impl Drop for MergeFile {
             journal.push(".sqjournal");
             let _ = std::fs::remove_file(journal);
         }
+    }
+}
+
+/// Renames `from` to `to` unless `to` exists (then `AlreadyExists`): a
+/// file created at the merge's name meanwhile (a live snapshot's new top)
+/// is never replaced.
+fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: both pointers are NUL-terminated strings owned by `f` and
+    // `t`, alive for the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -169,6 +198,9 @@ pub(crate) fn create_merge_file(
     if tmp.exists() {
         tracing::warn!(path = %tmp.display(), "removing the file of a merge that did not finish");
         std::fs::remove_file(&tmp).map_err(io_err(&tmp))?;
+        let mut journal = tmp.as_os_str().to_owned();
+        journal.push(".sqjournal");
+        let _ = std::fs::remove_file(journal);
     }
     let last = &chain.layers()[range.last.0];
     let below = range.first.0.checked_sub(1).map(|i| &chain.layers()[i]);
@@ -282,8 +314,21 @@ pub struct PreparedMerge {
     last_path: PathBuf,
     above: PathBuf,
     above_id: Option<(u64, u64)>,
+    above_backing: (Vec<u8>, Option<String>),
     replaced: Vec<PathBuf>,
     layers_before: usize,
+}
+
+/// The backing name and format the layer at `at` records.
+fn recorded_backing(chain: &Chain, at: LayerIndex) -> (Vec<u8>, Option<String>) {
+    let layer = &chain.layers()[at.0];
+    let format = layer.header().and_then(|h| {
+        h.extensions.iter().find_map(|e| match e {
+            crate::extension::HeaderExtension::BackingFormat(f) => Some(f.clone()),
+            _ => None,
+        })
+    });
+    (crate::chain::backing_name_of(layer), format)
 }
 
 /// Where a merge switches: the file of the layer above the merged ones,
@@ -308,6 +353,7 @@ pub fn prepare_merge(
         last_path: chain.layers()[range.last.0].path().to_path_buf(),
         above: chain.layers()[above_at.0].path().to_path_buf(),
         above_id: layer_id(chain, above_at),
+        above_backing: recorded_backing(chain, above_at),
         replaced: chain.layers()[range.first.0..=range.last.0]
             .iter()
             .map(|l| l.path().to_path_buf())
@@ -353,6 +399,7 @@ impl PreparedMerge {
             backing,
             above: self.above,
             above_id: self.above_id,
+            above_backing: self.above_backing,
             replaced: self.replaced,
             layers_before: self.layers_before,
             layers_after: self.layers_before - (self.range.last.0 - self.range.first.0),
@@ -367,6 +414,7 @@ pub struct MergedFile {
     backing: Option<PathBuf>,
     above: PathBuf,
     above_id: Option<(u64, u64)>,
+    above_backing: (Vec<u8>, Option<String>),
     replaced: Vec<PathBuf>,
     layers_before: usize,
     layers_after: usize,
@@ -397,8 +445,31 @@ impl MergedFile {
     /// rewritten without taking any; the top through its writer, whose
     /// feature words cannot change meanwhile). Call with requests paused
     /// and the chain flushed; then open the chain again: this one still
-    /// has the merged layers.
+    /// has the merged layers. An error may come after the header was
+    /// written: [`MergedFile::switch_back`] undoes it.
     pub fn switch_in(&self, chain: &Chain) -> Result<(), Error> {
+        let name = self.backing_edit();
+        self.set_above_backing(
+            chain,
+            std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()),
+            Some("qcow2"),
+        )
+    }
+
+    /// Puts back the backing file the layer above recorded before
+    /// [`MergedFile::switch_in`] (the chain it names is unchanged: the
+    /// merged files are never written).
+    pub fn switch_back(&self, chain: &Chain) -> Result<(), Error> {
+        let (name, format) = &self.above_backing;
+        self.set_above_backing(chain, name, format.as_deref())
+    }
+
+    fn set_above_backing(
+        &self,
+        chain: &Chain,
+        name: &[u8],
+        format: Option<&str>,
+    ) -> Result<(), Error> {
         let at = chain
             .layers()
             .iter()
@@ -409,19 +480,16 @@ impl MergedFile {
                     "the layer above the merged ones is no longer in the chain".into(),
                 )
             })?;
-        let name = self.backing_edit();
         let edit = AreaEdit {
             index: Edit::Keep,
-            backing: Edit::Set(crate::header_area::BackingName {
-                name: std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()),
-                format: Some("qcow2"),
-            }),
+            backing: Edit::Set(crate::header_area::BackingName { name, format }),
         };
         if LayerIndex(at) == chain.top_index() && chain.is_writable() {
             chain.active()?.rewrite_header_area(&edit)
         } else {
             let path = chain.layers()[at].path();
-            HeaderWriter::open(path, Locking::Off)?.set_backing(Some((&name, Some("qcow2"))))
+            let name = Path::new(std::ffi::OsStr::from_bytes(name));
+            HeaderWriter::open(path, Locking::Off)?.set_backing(Some((name, format)))
         }
     }
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sqcow2_format::reshape::{prepare_merge, LayerRef, MergedFile, PreparedMerge};
-use sqcow2_format::Chain;
+use sqcow2_format::{Chain, Locking};
 use tracing::{info, warn};
 
 use super::protocol::{
@@ -57,8 +57,10 @@ impl MergeJob {
         self.counters().clone()
     }
 
-    /// Asks the running merge to stop.
+    /// Asks the running merge to stop (under the counters' lock, which
+    /// a start holds while it clears the flag: a cancel is never lost).
     pub fn cancel(&self) -> bool {
+        let _c = self.counters();
         let running = self.running.load(Ordering::Acquire);
         if running {
             self.cancel.store(true, Ordering::Release);
@@ -66,16 +68,33 @@ impl MergeJob {
         running
     }
 
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+
     /// Starts a merge: checks the range and creates the file now (an
     /// error is the reply), copies and switches in a background thread.
     pub fn start(shared: &Arc<Shared>, request: &MergeRequest) -> Result<MergeStarted, Failure> {
         let job = &shared.merge;
-        if job
-            .running
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
+        if request.rate_limit == Some(0) {
+            return Err(fail(FailureKind::BadRequest, "rate_limit must be above 0"));
+        }
+        if request.max_p99_permille.is_some_and(|p| p < 1000) {
+            return Err(fail(
+                FailureKind::BadRequest,
+                "max_p99_permille must be at least 1000 (1.0x the latency before the merge)",
+            ));
+        }
         {
-            return Err(fail(FailureKind::Busy, "a merge is running"));
+            let _c = job.counters();
+            if job
+                .running
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                return Err(fail(FailureKind::Busy, "a merge is running"));
+            }
+            job.cancel.store(false, Ordering::Release);
         }
         let running = Running(&job.running);
         if !shared.is_active() {
@@ -94,6 +113,7 @@ impl MergeJob {
                 "the chain is served read-only",
             ));
         }
+        inside_backing_root(shared, &request.path)?;
         let first: LayerRef = (&request.first).into();
         let last: LayerRef = (&request.last).into();
         let prepared = prepare_merge(&chain, &first, &last, &request.path)
@@ -106,7 +126,6 @@ impl MergeJob {
             last: b.0,
             replaced: prepared.replaced().to_vec(),
         };
-        job.cancel.store(false, Ordering::Release);
         *job.counters() = MergeCounters {
             state: MergeState::Copying,
             path: Some(request.path.clone()),
@@ -131,7 +150,7 @@ impl MergeJob {
                 c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
                 match outcome {
                     Ok(Ok(())) => c.state = MergeState::Done,
-                    Ok(Err(e)) if shared.merge.cancel.load(Ordering::Acquire) => {
+                    Ok(Err(e)) if e == CANCELLED => {
                         c.state = MergeState::Cancelled;
                         c.error = Some(e);
                     }
@@ -154,6 +173,51 @@ impl MergeJob {
             ));
         }
         Ok(started)
+    }
+}
+
+/// What a merge that stopped on request reports.
+const CANCELLED: &str = "cancelled";
+
+/// A merge file must lie where the daemon may open backing files (its
+/// `--backing-root`): else the chain could not be reopened after the
+/// switch.
+fn inside_backing_root(shared: &Shared, path: &std::path::Path) -> Result<(), Failure> {
+    let Some(root) = &shared.options.backing_root else {
+        return Ok(());
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (Ok(dir), Ok(root)) = (std::fs::canonicalize(&dir), std::fs::canonicalize(root)) else {
+        return Err(fail(
+            FailureKind::MergeFailed,
+            format!("{}: no such directory", dir.display()),
+        ));
+    };
+    if !dir.starts_with(&root) {
+        return Err(fail(
+            FailureKind::MergeFailed,
+            format!(
+                "{} lies outside the backing root {} (serve --backing-root)",
+                path.display(),
+                root.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Sleeps `d` in slices, returning early when `stop` says so.
+fn sleep_unless(d: Duration, stop: &dyn Fn() -> bool) {
+    let end = Instant::now() + d;
+    while !stop() {
+        let now = Instant::now();
+        if now >= end {
+            return;
+        }
+        std::thread::sleep((end - now).min(Duration::from_millis(20)));
     }
 }
 
@@ -199,14 +263,25 @@ impl LatencyGuard {
         ))
     }
 
-    /// Waits while the guest's recent p99 is above the limit; returns
-    /// the time waited and the last window's p99.
-    fn pace(&mut self, shared: &Shared, cancel: &AtomicBool) -> (Duration, u64) {
+    /// Waits while the guest's recent p99 is above the limit: once a
+    /// window (at least [`WINDOW`] long) is above it, the copy waits in
+    /// steps of [`BACKOFF`] until a whole window without the copy is at
+    /// or below it. Returns the time waited and the last window's p99.
+    fn pace(&mut self, shared: &Shared, stop: &dyn Fn() -> bool) -> (Duration, u64) {
         let mut waited = Duration::ZERO;
         let mut p99 = 0;
+        let mut throttling = false;
         loop {
-            if self.at.elapsed() < WINDOW {
+            if stop() {
                 return (waited, p99);
+            }
+            if self.at.elapsed() < WINDOW {
+                if !throttling {
+                    return (waited, p99);
+                }
+                std::thread::sleep(BACKOFF);
+                waited += BACKOFF;
+                continue;
             }
             let Some(now) = latencies(shared) else {
                 return (waited, p99);
@@ -215,12 +290,9 @@ impl LatencyGuard {
             self.last = Some(now);
             self.at = Instant::now();
             match p {
-                Some(v) if v > self.limit_us && !cancel.load(Ordering::Acquire) => {
+                Some(v) if v > self.limit_us => {
                     p99 = v;
-                    std::thread::sleep(BACKOFF);
-                    waited += BACKOFF;
-                    // The next window starts now, without the copy.
-                    self.at = Instant::now() - WINDOW + BACKOFF;
+                    throttling = true;
                 }
                 Some(v) => return (waited, v),
                 None => return (waited, p99),
@@ -247,19 +319,20 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
     let filled = prepared.fill(locking, &mut |done, total, written| {
         written_b += written;
         (done_b, total_b) = (done, total);
+        let stop = || job.cancelled() || !shared.is_active();
         if let Some((rate, start, sent)) = &mut limit {
             *sent += written;
             let due = Duration::from_secs_f64(*sent as f64 / *rate as f64);
             let elapsed = start.elapsed();
             if due > elapsed {
-                let wait = due - elapsed;
-                std::thread::sleep(wait);
-                throttled += wait;
+                let t = Instant::now();
+                sleep_unless(due - elapsed, &stop);
+                throttled += t.elapsed();
             }
         }
         let mut p99 = None;
         if let Some(g) = &mut guard {
-            let (w, p) = g.pace(shared, &job.cancel);
+            let (w, p) = g.pace(shared, &stop);
             throttled += w;
             p99 = Some(p);
         }
@@ -274,7 +347,7 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
                 c.window_p99_us = p;
             }
         }
-        !job.cancel.load(Ordering::Acquire) && shared.is_active()
+        !stop()
     });
     {
         let mut c = job.counters();
@@ -283,35 +356,56 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
         c.written_bytes = written_b;
         c.throttled_ms = throttled.as_secs_f64() * 1e3;
     }
-    filled.map_err(|e| e.to_string())?;
-    if job.cancel.load(Ordering::Acquire) {
-        return Err("cancelled".into());
+    if job.cancelled() {
+        return Err(CANCELLED.into());
     }
-    let merged = prepared.publish(locking).map_err(|e| e.to_string())?;
-    job.counters().state = MergeState::Switching;
-    let result = switch(shared, &merged);
-    if result.is_err() {
-        // Not referenced by any chain: the operator's to delete; removed
-        // here so that a retry can use the name.
+    filled.map_err(|e| e.to_string())?;
+    // The daemon holds the chain's image locks: the new file's index
+    // build takes none.
+    let merged = prepared.publish(Locking::Off).map_err(|e| e.to_string())?;
+    let forget = |merged: &MergedFile| {
+        // Never referenced by a chain: removed, so that a retry can use
+        // the name.
         let _ = std::fs::remove_file(merged.path());
         let mut idx = merged.path().as_os_str().to_owned();
         idx.push(".sqidx");
         let _ = std::fs::remove_file(PathBuf::from(idx));
+    };
+    if job.cancelled() {
+        forget(&merged);
+        return Err(CANCELLED.into());
     }
-    result
+    job.counters().state = MergeState::Switching;
+    match switch(shared, &merged) {
+        Ok(()) => Ok(()),
+        Err(SwitchError::NotSwitched(e)) => {
+            forget(&merged);
+            Err(e)
+        }
+        Err(SwitchError::Switched(e)) => Err(e),
+    }
+}
+
+/// How a switch failed.
+enum SwitchError {
+    /// The files still describe the old chain (the merge file is not
+    /// referenced).
+    NotSwitched(String),
+    /// The layer above names the merge file on disk, but the daemon could
+    /// not reopen the chain: it serves the old one, which reads the same
+    /// data; the next start opens the new one.
+    Switched(String),
 }
 
 /// The pause: requests drained, the chain flushed clean, the layer above
 /// the merged ones switched onto the new file, the chain reopened (its
 /// open files reused), requests resumed; the top's index built after.
-fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), String> {
-    // No snapshot, activation or handover meanwhile.
-    let _busy = shared
-        .snapshot_running
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
+fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
+    use SwitchError::{NotSwitched, Switched};
+    // No snapshot, activation, handover or stop meanwhile.
+    let _busy = shared.exclusive();
     if !shared.is_active() {
-        return Err("the daemon was inactivated".into());
+        return Err(NotSwitched("the daemon was inactivated".into()));
     }
     // No build writes the top's index for the chain being replaced.
     shared.index_builder.suspend();
@@ -319,29 +413,45 @@ fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), String> {
     let start = Instant::now();
     let pause = shared.gate.pause();
     if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
-        return Err(format!(
+        return Err(NotSwitched(format!(
             "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
-        ));
+        )));
     }
     let old = shared.handle.get();
     old.flush_clean()
-        .map_err(|e| format!("flush before the switch: {e}"))?;
-    merged
-        .switch_in(&old)
-        .map_err(|e| format!("switching the layer above: {e}"))?;
-    // From here the files say the new chain: the daemon must serve it.
+        .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
+    if let Err(e) = merged.switch_in(&old) {
+        // The header may have been written before the error: put the old
+        // name back (the chain it names is unchanged).
+        return Err(match merged.switch_back(&old) {
+            Ok(()) => NotSwitched(format!("switching the layer above: {e}")),
+            Err(back) => Switched(format!(
+                "switching the layer above: {e}; and putting the old backing file back: {back}"
+            )),
+        });
+    }
     let top = old.top().path().to_path_buf();
     let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
     let chain = match Chain::open_reusing(&top, &shared.options, &reuse) {
         Ok(c) => c,
         Err(e) => {
-            // The old chain still reads the same data (the merged files
-            // are untouched) and its top still takes writes.
-            warn!(error = %e, "reopening the chain after the merge failed: serving the old one");
-            return Err(format!("reopening the chain: {e}"));
+            warn!(error = %e, "reopening the chain after the merge failed: switching back");
+            return Err(match merged.switch_back(&old) {
+                Ok(()) => NotSwitched(format!("reopening the chain: {e}")),
+                Err(back) => {
+                    // The old chain still reads the same data (the merged
+                    // files are untouched) and its top still takes writes.
+                    warn!(error = %back, "could not switch back: serving the old chain, the files name the new one");
+                    Switched(format!("reopening the chain: {e}; switching back: {back}"))
+                }
+            });
         }
     };
     let layers = chain.layers().len();
+    // The old chain's writer is done: nothing it holds is written again
+    // (its close would be a no-op after the flush above, and must stay
+    // one while the new chain's writer owns the top).
+    old.fail("replaced by the chain after a merge");
     drop(old);
     let old = shared.handle.replace(chain);
     drop(pause);

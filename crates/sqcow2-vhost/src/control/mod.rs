@@ -49,7 +49,7 @@ pub struct Shared {
     /// How long requests wait while inactive before they fail.
     inactive_timeout: Duration,
     /// Held by a running snapshot, activation or inactivation.
-    pub(crate) snapshot_running: Mutex<()>,
+    snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
     /// Builds the top's chain index in the background.
@@ -93,6 +93,24 @@ impl Shared {
         shared.gate.set_inactive(true);
         *shared.lock_inactive() = Some(Instant::now());
         shared
+    }
+
+    /// The right to change the served chain (snapshot, merge switch,
+    /// handover), if nobody holds it; a holder that panicked left it
+    /// free (the daemon goes on).
+    pub(crate) fn try_exclusive(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        match self.snapshot_running.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// [`Shared::try_exclusive`], waiting for the holder.
+    pub fn exclusive(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.snapshot_running
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn lock_inactive(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
@@ -234,7 +252,7 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
 /// new top's index is built and installed; until then the old top is
 /// walked above the old index.
 fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
-    let Ok(_running) = shared.snapshot_running.try_lock() else {
+    let Some(_running) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
     };
     if !shared.is_active() {
@@ -365,7 +383,7 @@ impl Drop for CreatedTop {
 /// another process holds the chain), opens the chain afresh (metadata and
 /// index reloaded and checked), lets requests start.
 fn activate(shared: &Shared) -> Result<Activity, Failure> {
-    let Ok(_busy) = shared.snapshot_running.try_lock() else {
+    let Some(_busy) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
     if shared.is_active() {
@@ -395,7 +413,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
 /// flight complete, the chain is flushed and left clean, its metadata
 /// dropped and every image lock released.
 fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
-    let Ok(_busy) = shared.snapshot_running.try_lock() else {
+    let Some(_busy) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
     if !shared.is_active() {
