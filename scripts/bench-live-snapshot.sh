@@ -77,7 +77,7 @@ print(json.dumps({
 PY
     tail -1 "$root/runs.jsonl" >&2
   )
-  rm -rf "$dir"
+  [ -n "${KEEP:-}" ] || rm -rf "$dir"
 done
 
 echo "==> offline snapshot of a fully allocated 50 GiB top" >&2
