@@ -642,11 +642,13 @@ impl Active {
         crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
     }
 
-    /// Puts the loaded tables into the unified cache for readers of the
-    /// image as a backing layer; fails if some metadata is not written
-    /// back (call [`Active::close`] first).
-    pub(crate) fn publish_loaded(&self) -> Result<(), Error> {
-        self.read_state().publish_loaded()
+    /// Puts the most recently used loaded tables (at most `max_bytes`)
+    /// into the unified cache for readers of the image as a backing
+    /// layer, after dropping the cache's older slices of the image; fails
+    /// if some metadata is not written back (call [`Active::close`]
+    /// first).
+    pub(crate) fn publish_loaded(&self, max_bytes: u64) -> Result<(), Error> {
+        self.read_state().publish_loaded(max_bytes)
     }
 
     /// Flushes, gives the spare clusters back and, with lazy refcounts,

@@ -668,18 +668,33 @@ impl ActiveState {
         resident > limit
     }
 
-    /// Puts every loaded table into the unified cache, where readers of
-    /// this image as a backing layer look (the cache may hold older
-    /// slices of a table loaded here and changed since). Fails, putting
-    /// nothing, if a table has changes not yet written to the file.
-    pub(crate) fn publish_loaded(&self) -> Result<(), Error> {
+    /// Hands the loaded tables over to readers of this image as a backing
+    /// layer (a live snapshot's successor): the unified cache forgets
+    /// every slice it holds of this image (it may hold older slices of a
+    /// table loaded here and changed since), then takes the most recently
+    /// used tables up to `max_bytes`; the others are read from the file
+    /// when first needed. The work is bounded by `max_bytes`, whatever the
+    /// disk size. Fails, putting nothing, if a table has changes not yet
+    /// written to the file.
+    pub(crate) fn publish_loaded(&self, max_bytes: u64) -> Result<(), Error> {
         if self.l2.values().any(|s| s.dirty.any()) {
             return Err(self.top.err(ErrorKind::Io(std::io::Error::other(
                 "metadata not yet written back",
             ))));
         }
-        for (offset, slot) in &self.l2 {
-            self.publish(*offset, &slot.table);
+        self.top.cache.remove_source(self.top.source);
+        let mut recent: Vec<(u64, u64)> = self.l2.iter().map(|(o, s)| (s.used, *o)).collect();
+        recent.sort_unstable_by(|a, b| b.cmp(a));
+        let mut bytes = 0;
+        for (_, offset) in recent {
+            let Some(slot) = self.l2.get(&offset) else {
+                continue;
+            };
+            bytes += slot.table.len() as u64 * 8;
+            if bytes > max_bytes {
+                break;
+            }
+            self.publish(offset, &slot.table);
         }
         Ok(())
     }

@@ -61,6 +61,9 @@ pub struct MergeReport {
     pub index: Option<BuildReport>,
 }
 
+/// Metadata cache of each chain a merge opens for its copy.
+const COPY_CACHE: u64 = 8 << 20;
+
 /// The layers `first..=last` of a chain, checked for a merge.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MergeRange {
@@ -267,8 +270,11 @@ pub(crate) fn fill_merge_file(
     // The view at layer `last`, read through a chain whose top it is (the
     // index of the whole chain covers it too, but a lookup through the top
     // is decided by the layers above).
+    // A copy reads each mapping once: small caches (a daemon merging
+    // keeps its own memory bounded).
     let mut options = ChainOptions {
         locking,
+        cache_size: COPY_CACHE,
         ..ChainOptions::default()
     };
     let probe = Chain::open(last_path, &options)?;
@@ -285,6 +291,7 @@ pub(crate) fn fill_merge_file(
         &ChainOptions {
             writable: true,
             locking,
+            cache_size: COPY_CACHE,
             ..ChainOptions::default()
         },
     )?;

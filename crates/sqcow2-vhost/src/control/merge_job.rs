@@ -410,6 +410,14 @@ fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
     // No build writes the top's index for the chain being replaced.
     shared.index_builder.suspend();
     let resumed = Resume(shared);
+    // Most dirty metadata written back while the guest still runs: the
+    // flush inside the pause then has little left (a merge's first run
+    // flushed everything inside it: 113-138 ms under a 70/30 load).
+    shared
+        .handle
+        .get()
+        .flush_clean()
+        .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     let start = Instant::now();
     let pause = shared.gate.pause();
     if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
