@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::reference::Reference;
-use common::vhost::{connect_retry, control, Daemon};
+use common::vhost::{connect_retry, control, wait_indexed, Daemon};
 use common::{env_count, gen_chain, s};
 use serde_json::{json, Value};
 
@@ -29,19 +29,6 @@ fn wait_merge(ctl: &Path) -> Value {
         std::thread::sleep(Duration::from_millis(50));
     }
     panic!("the merge did not end within 60 s");
-}
-
-fn wait_indexed(ctl: &Path) {
-    for _ in 0..1200 {
-        let stats = control(ctl, json!({"command": "stats"}));
-        let index = &stats["result"]["index"];
-        if index["pending_layers"] == 0 && index["building"] == false {
-            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the top's index was not built within 60 s");
 }
 
 fn layers(ctl: &Path) -> Vec<PathBuf> {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use blkio::{Completion, ReqFlags};
 use common::reference::Reference;
-use common::vhost::{connect_retry, control, Daemon};
+use common::vhost::{connect_retry, control, wait_indexed, Daemon};
 use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
 use serde_json::{json, Value};
 
@@ -303,22 +303,6 @@ fn bad_control_input_gets_error_replies() {
     assert!(!ctl.exists(), "control socket left behind");
     let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
     assert!(check.status.success());
-}
-
-/// Waits until the daemon's background builds have indexed its top (no
-/// layer pending, no build running); returns `stats`.
-fn wait_indexed(ctl: &std::path::Path) -> Value {
-    let mut stats = Value::Null;
-    for _ in 0..1200 {
-        stats = control(ctl, json!({"command": "stats"}));
-        let index = &stats["result"]["index"];
-        if index["pending_layers"] == 0 && index["building"] == false {
-            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
-            return stats;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the top's index was not built within 60 s: {stats}");
 }
 
 /// `kill -9` of the daemon right after live snapshots, while it builds the

@@ -383,3 +383,19 @@ pub fn wait_for_log(daemon: &Daemon, needle: &str) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Waits until the daemon behind `ctl` has built the top's index (no
+/// pending layer, no build running, no failed build); its `stats`.
+pub fn wait_indexed(ctl: &std::path::Path) -> serde_json::Value {
+    let mut stats = serde_json::Value::Null;
+    for _ in 0..1200 {
+        stats = control(ctl, serde_json::json!({"command": "stats"}));
+        let index = &stats["result"]["index"];
+        if index["pending_layers"] == 0 && index["building"] == false {
+            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
+            return stats;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the top's index was not built within 60 s: {stats}");
+}

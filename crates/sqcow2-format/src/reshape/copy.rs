@@ -115,14 +115,15 @@ impl ViewCopy<'_> {
 /// A bytes-per-second limit on the bytes a copy writes (sleeps when it is
 /// ahead of the allowance).
 #[derive(Debug)]
-pub(crate) struct RateLimit {
+pub struct RateLimit {
     bytes_per_sec: u64,
     start: std::time::Instant,
     written: u64,
 }
 
 impl RateLimit {
-    pub(crate) fn new(bytes_per_sec: u64) -> RateLimit {
+    /// A limit of `bytes_per_sec` (at least 1) from now.
+    pub fn new(bytes_per_sec: u64) -> RateLimit {
         RateLimit {
             bytes_per_sec: bytes_per_sec.max(1),
             start: std::time::Instant::now(),
@@ -132,12 +133,24 @@ impl RateLimit {
 
     /// Counts `bytes` just written and waits until they are allowed.
     pub(crate) fn charge(&mut self, bytes: u64) {
+        self.charge_unless(bytes, &|| false);
+    }
+
+    /// [`RateLimit::charge`], the wait cut short (in steps of at most
+    /// 20 ms) once `stop` says so; returns the time waited.
+    pub fn charge_unless(&mut self, bytes: u64, stop: &dyn Fn() -> bool) -> std::time::Duration {
         self.written += bytes;
         let due =
             std::time::Duration::from_secs_f64(self.written as f64 / self.bytes_per_sec as f64);
-        let elapsed = self.start.elapsed();
-        if due > elapsed {
-            std::thread::sleep(due - elapsed);
+        let started = std::time::Instant::now();
+        let end = self.start + due;
+        while !stop() {
+            let now = std::time::Instant::now();
+            if now >= end {
+                break;
+            }
+            std::thread::sleep((end - now).min(std::time::Duration::from_millis(20)));
         }
+        started.elapsed()
     }
 }

@@ -23,7 +23,7 @@ use crate::storage::{FileStorage, Storage};
 use crate::types::LayerIndex;
 
 pub use commit::{commit, CommitOptions, CommitReport};
-pub use copy::Pace;
+pub use copy::{Pace, RateLimit};
 pub use merge::{
     merge, merge_tmp_path, prepare_merge, MergeOptions, MergeReport, MergedFile, PreparedMerge,
 };

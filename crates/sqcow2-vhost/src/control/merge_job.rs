@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use sqcow2_format::reshape::{prepare_merge, LayerRef, MergedFile, PreparedMerge};
+use sqcow2_format::reshape::{prepare_merge, LayerRef, MergedFile, PreparedMerge, RateLimit};
 use sqcow2_format::{Chain, Locking};
 use tracing::{info, warn};
 
@@ -209,18 +209,6 @@ fn inside_backing_root(shared: &Shared, path: &std::path::Path) -> Result<(), Fa
     Ok(())
 }
 
-/// Sleeps `d` in slices, returning early when `stop` says so.
-fn sleep_unless(d: Duration, stop: &dyn Fn() -> bool) {
-    let end = Instant::now() + d;
-    while !stop() {
-        let now = Instant::now();
-        if now >= end {
-            return;
-        }
-        std::thread::sleep((end - now).min(Duration::from_millis(20)));
-    }
-}
-
 /// The guest's latency now, all queues together (`None`: no frontend).
 fn latencies(shared: &Shared) -> Option<hdrhistogram::Histogram<u64>> {
     shared.session().map(|b| b.latency_histogram())
@@ -313,22 +301,15 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
         }
         job.counters().state = MergeState::Copying;
     }
-    let mut limit = request.rate_limit.map(|r| (r.max(1), Instant::now(), 0u64));
+    let mut limit = request.rate_limit.map(RateLimit::new);
     let mut last_note = Instant::now();
     let (mut done_b, mut total_b, mut written_b, mut throttled) = (0, 0, 0, Duration::ZERO);
     let filled = prepared.fill(locking, &mut |done, total, written| {
         written_b += written;
         (done_b, total_b) = (done, total);
         let stop = || job.cancelled() || !shared.is_active();
-        if let Some((rate, start, sent)) = &mut limit {
-            *sent += written;
-            let due = Duration::from_secs_f64(*sent as f64 / *rate as f64);
-            let elapsed = start.elapsed();
-            if due > elapsed {
-                let t = Instant::now();
-                sleep_unless(due - elapsed, &stop);
-                throttled += t.elapsed();
-            }
+        if let Some(l) = &mut limit {
+            throttled += l.charge_unless(written, &stop);
         }
         let mut p99 = None;
         if let Some(g) = &mut guard {
