@@ -27,9 +27,14 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 cd fuzz
 echo "== building fuzz targets"
-cargo fuzz build --sanitizer none --debug-assertions 2>&1 | tail -n 1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+if ! cargo fuzz build --sanitizer none --debug-assertions >"$log" 2>&1; then
+    grep -E -A 12 "^error" "$log" | head -n 60 || tail -n 40 "$log"
+    echo "fuzz targets failed to build"
+    exit 1
+fi
+tail -n 1 "$log"
 for t in "${targets[@]}"; do
     mkdir -p "corpus/$t" "regressions/$t"
     echo "== fuzzing $t for ${seconds}s"

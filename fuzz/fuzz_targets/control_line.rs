@@ -23,12 +23,12 @@ use sqcow2_vhost::ChainHandle;
 
 struct Harness {
     dir: tempfile::TempDir,
-    shared: Shared,
+    shared: Arc<Shared>,
 }
 
 fn harness() -> Harness {
     let (dir, _, chain, options) = scratch::scratch_chain(1 << 20);
-    let shared = Shared::new(Arc::new(ChainHandle::new(chain)), options);
+    let shared = Arc::new(Shared::new(Arc::new(ChainHandle::new(chain)), options));
     Harness { dir, shared }
 }
 
