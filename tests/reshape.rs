@@ -188,15 +188,13 @@ fn commit_matches_qemu_img_commit() {
             &["commit", "-q", "-d", &top],
             &["commit", "-q", "-d", &top],
         );
-        if !raw_base {
-            // Into the base, through two layers.
-            both(
-                tmp.path(),
-                &r("commit-b"),
-                &["commit", "-q", "-b", "l0.qcow2", &top],
-                &["commit", "-q", "-b", "l0.qcow2", &top],
-            );
-        }
+        // Into the base (raw or qcow2), through two layers.
+        both(
+            tmp.path(),
+            &r("commit-b"),
+            &["commit", "-q", "-b", "l0.qcow2", &top],
+            &["commit", "-q", "-b", "l0.qcow2", &top],
+        );
         // A base outside the chain: both refuse, nothing changes.
         both(
             tmp.path(),

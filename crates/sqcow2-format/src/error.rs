@@ -362,8 +362,6 @@ pub enum Feature {
     /// Writing to an image with persistent dirty bitmaps (they would go
     /// stale; reading works).
     WriteWithBitmaps,
-    /// Committing into a raw base (the base must be qcow2).
-    CommitIntoRaw,
     /// Committing into a base smaller than the image whose L1 table would
     /// have to move to grow (or that has internal snapshots).
     CommitGrowsBase,
@@ -376,7 +374,6 @@ impl fmt::Display for Feature {
             Feature::LuksEncryption => f.write_str("LUKS encryption"),
             Feature::UnknownEncryption(m) => write!(f, "unknown encryption method {m}"),
             Feature::ExternalDataFile => f.write_str("external data file"),
-            Feature::CommitIntoRaw => f.write_str("committing into a raw base"),
             Feature::CommitGrowsBase => {
                 f.write_str(
                     "committing into a smaller base whose L1 table would have to move to grow, or that has internal snapshots",

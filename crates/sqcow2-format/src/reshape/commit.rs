@@ -15,7 +15,7 @@ use crate::lock::{LockRequest, Locking};
 use crate::storage::{FileStorage, Storage};
 use crate::types::LayerIndex;
 
-use super::copy::{has_short_layers, RateLimit, ViewCopy, Zeros};
+use super::copy::{has_short_layers, CopyTarget, RateLimit, RawTarget, ViewCopy, Zeros};
 use super::{find_layer, invalid, rebuild_index, LayerRef};
 
 /// What to commit.
@@ -139,6 +139,46 @@ fn grow(path: &Path, size: u64, locking: Locking) -> Result<(), Error> {
         .map_err(io_err(path))
 }
 
+/// The layer a commit writes.
+enum CommitTarget {
+    Qcow2(Box<Chain>),
+    Raw(RawTarget),
+}
+
+impl CommitTarget {
+    fn as_copy_target(&self) -> &dyn CopyTarget {
+        match self {
+            CommitTarget::Qcow2(chain) => chain.as_ref(),
+            CommitTarget::Raw(raw) => raw,
+        }
+    }
+
+    /// Makes what was written durable.
+    fn close(self) -> Result<(), Error> {
+        match self {
+            CommitTarget::Qcow2(chain) => chain.close(),
+            CommitTarget::Raw(raw) => raw.storage.sync().map_err(io_err(&raw.path)),
+        }
+    }
+}
+
+/// Opens the raw base at `path` for a commit, locked as a writer, grown
+/// to `size` bytes if it is shorter (as QEMU's commit truncates its base
+/// up to the image's length; the new range reads zeros).
+fn open_raw_base(path: &Path, size: u64, locking: Locking) -> Result<RawTarget, Error> {
+    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    storage
+        .lock(LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(path, k))?;
+    if storage.len().map_err(io_err(path))? < size {
+        storage.set_len(size).map_err(io_err(path))?;
+    }
+    Ok(RawTarget {
+        path: path.to_path_buf(),
+        storage,
+    })
+}
+
 /// Commits the image's data into its backing file (or `base`), as
 /// `qemu-img commit`.
 pub fn commit(
@@ -180,36 +220,35 @@ pub fn commit(
     let emptied = options.base.is_none() && !options.keep;
     let base_layer = &inspect.layers()[base.0];
     let base_path = base_layer.path().to_path_buf();
-    if let Layer::Raw(_) = base_layer {
-        return Err(Error::new(
-            &base_path,
-            ErrorKind::Unsupported(crate::error::Feature::CommitIntoRaw),
-        ));
-    }
+    let base_is_raw = matches!(base_layer, Layer::Raw(_));
     let size = inspect.virtual_size();
     let old_size = base_layer.virtual_size();
     let grows = old_size < size;
     let base_has_backing = base.0 > 0;
     drop(inspect);
-    settle(&base_path, locking)?;
-    if grows {
-        // As QEMU: a base smaller than the image grows to its size.
-        grow(&base_path, size, locking)?;
-    }
-
-    let target = Chain::open(
-        &base_path,
-        &ChainOptions {
-            writable: true,
-            locking,
-            ..ChainOptions::default()
-        },
-    )?;
-    if grows && base_has_backing {
-        // The grown range reads zeros, not the base's backing file (QEMU
-        // zeroes it for the same reason).
-        target.write_zeroes(old_size, size - old_size, false)?;
-    }
+    let target = if base_is_raw {
+        CommitTarget::Raw(open_raw_base(&base_path, size, locking)?)
+    } else {
+        settle(&base_path, locking)?;
+        if grows {
+            // As QEMU: a base smaller than the image grows to its size.
+            grow(&base_path, size, locking)?;
+        }
+        let chain = Chain::open(
+            &base_path,
+            &ChainOptions {
+                writable: true,
+                locking,
+                ..ChainOptions::default()
+            },
+        )?;
+        if grows && base_has_backing {
+            // The grown range reads zeros, not the base's backing file
+            // (QEMU zeroes it for the same reason).
+            chain.write_zeroes(old_size, size - old_size, false)?;
+        }
+        CommitTarget::Qcow2(Box::new(chain))
+    };
     // The source shares everything (the base is written by `target`
     // through another descriptor); the layers above the base are then
     // locked as what they are to the commit.
@@ -246,7 +285,7 @@ pub fn commit(
     let copied = ViewCopy {
         source: &source,
         from,
-        target: &target,
+        target: target.as_copy_target(),
         zeros: Zeros::Write,
         masks_ends,
     }

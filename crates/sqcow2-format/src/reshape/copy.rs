@@ -1,8 +1,12 @@
 //! Copying the part of a chain's view that some layers decide into the top
 //! of another chain: the data path of commit and merge.
 
+use std::path::{Path, PathBuf};
+
 use crate::chain::{Chain, ExtentKind};
 use crate::error::{Error, ErrorKind};
+use crate::indexing::io_err;
+use crate::storage::{FileStorage, Storage};
 use crate::types::{GuestOffset, LayerIndex};
 
 /// Largest run read and written at once.
@@ -18,6 +22,51 @@ pub(crate) enum Zeros {
     Skip,
 }
 
+/// Where a copy writes: the top of a writable chain, or a raw file.
+pub(crate) trait CopyTarget {
+    /// Writes `buf` at guest offset `offset`.
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error>;
+    /// Makes `len` bytes at `offset` read as zeros.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), Error>;
+    /// The file written (for errors).
+    fn path(&self) -> &Path;
+}
+
+impl CopyTarget for Chain {
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        Chain::write_at(self, buf, offset)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), Error> {
+        Chain::write_zeroes(self, offset, len, false)
+    }
+    fn path(&self) -> &Path {
+        self.top().path()
+    }
+}
+
+/// A raw file written in place (guest offset = file offset), as QEMU's
+/// raw driver does.
+pub(crate) struct RawTarget {
+    pub path: PathBuf,
+    pub storage: FileStorage,
+}
+
+impl CopyTarget for RawTarget {
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        self.storage
+            .write_at(buf, offset)
+            .map_err(io_err(&self.path))
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), Error> {
+        self.storage
+            .write_zeroes(offset, len)
+            .map_err(io_err(&self.path))
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// One copy: the view of `source` (read through its top) where layers
 /// `from` and above decide it, into the top of `target`.
 pub(crate) struct ViewCopy<'a> {
@@ -25,8 +74,9 @@ pub(crate) struct ViewCopy<'a> {
     pub source: &'a Chain,
     /// The lowest layer of `source` whose mappings are copied.
     pub from: LayerIndex,
-    /// A writable chain of the same virtual size or larger.
-    pub target: &'a Chain,
+    /// A writable chain of the same virtual size or larger, or a raw file
+    /// of that size.
+    pub target: &'a dyn CopyTarget,
     /// Zero ranges of the copied layers.
     pub zeros: Zeros,
     /// Whether a zero range with nothing allocated can come from the end
@@ -58,9 +108,9 @@ pub(crate) fn has_short_layers(chain: &Chain, from: LayerIndex) -> bool {
         .any(|l| l.virtual_size() < size)
 }
 
-fn cancelled(chain: &Chain) -> Error {
+fn cancelled(path: &Path) -> Error {
     Error::new(
-        chain.top().path(),
+        path,
         ErrorKind::Io(std::io::Error::new(
             std::io::ErrorKind::Interrupted,
             "cancelled",
@@ -97,7 +147,7 @@ impl ViewCopy<'_> {
                     ExtentKind::Zero { allocated, .. } => {
                         let recorded = allocated || (self.masks_ends && e.layer.0 > 0);
                         if recorded && self.zeros == Zeros::Write {
-                            self.target.write_zeroes(pos, n, false)?;
+                            self.target.write_zeroes(pos, n)?;
                             copied.zero_bytes += n;
                         }
                     }
@@ -105,7 +155,7 @@ impl ViewCopy<'_> {
             }
             pos += n;
             if !pace(pos, size, written) {
-                return Err(cancelled(self.target));
+                return Err(cancelled(self.target.path()));
             }
         }
         Ok(copied)
