@@ -245,6 +245,26 @@ impl FileStorage {
     pub fn file(&self) -> &File {
         &self.file.file
     }
+
+    /// Starts writing the file's dirty pages out (`sync_file_range` with
+    /// `SYNC_FILE_RANGE_WRITE`: no wait for them, no metadata, no cache
+    /// flush); errors are left to the sync that follows.
+    fn start_write_back(&self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain system call on a descriptor this storage owns;
+        // no memory is passed.
+        let r = unsafe {
+            libc::sync_file_range(
+                self.file.file.as_raw_fd(),
+                0,
+                0,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
+        if r != 0 {
+            tracing::trace!(error = %io::Error::last_os_error(), "sync_file_range");
+        }
+    }
 }
 
 impl Storage for FileStorage {
@@ -316,6 +336,10 @@ impl Storage for FileStorage {
                  reopen the image to go on",
             ));
         }
+        // Most of the dirty pages written out before the allocations are
+        // held off: the part of the sync that excludes them is then
+        // mostly the device's cache flush.
+        self.start_write_back();
         let _syncing = self.allocations.syncing();
         self.file.file.sync_data().inspect_err(|_| {
             self.sync_failed.store(true, Ordering::SeqCst);
