@@ -393,12 +393,11 @@ fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
     let resumed = Resume(shared);
     // Most dirty metadata written back while the guest still runs: the
     // flush inside the pause then has little left (a merge's first run
-    // flushed everything inside it: 113-138 ms under a 70/30 load). A
-    // plain flush, as before a live snapshot: the journal stays on.
+    // flushed everything inside it: 113-138 ms under a 70/30 load).
     shared
         .handle
         .get()
-        .flush()
+        .flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     let start = Instant::now();
     let pause = shared.gate.pause();
