@@ -345,8 +345,15 @@ impl TopFile {
             }
         }
         if end > len {
-            if let Err(e) = self.storage.reserve(len, end - len) {
-                tracing::debug!(error = %e, "could not reserve space for spare clusters");
+            // Only with their blocks allocated: a spare must read as zeros
+            // after a power loss whatever the filesystem's write-back order,
+            // which a mere size extension does not promise (none are made
+            // while the file syncs).
+            let reserved = self.storage.reserve_ahead(len, end - len);
+            if !matches!(reserved, Ok(true)) {
+                if let Err(e) = reserved {
+                    tracing::debug!(error = %e, "could not reserve space for spare clusters");
+                }
                 let (inside, past): (Vec<u64>, Vec<u64>) =
                     done.iter().partition(|&&c| (c + 1) << bits <= len);
                 done = inside;
