@@ -57,10 +57,6 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reserve_ahead(&self, offset: u64, len: u64) -> io::Result<bool> {
         self.reserve(offset, len).map(|()| true)
     }
-    /// Starts writing dirty pages out, without waiting for them and
-    /// without a cache flush (files: `sync_file_range`); errors are left
-    /// to the next [`Storage::sync`].
-    fn start_write_back(&self) {}
     /// Makes `[offset, offset + len)` read as zeros (the range lies within
     /// the storage): by default by writing zeros; files ask the filesystem
     /// to do it without writing data.
@@ -269,7 +265,7 @@ impl FileStorage {
     /// Starts writing the file's dirty pages out (`sync_file_range` with
     /// `SYNC_FILE_RANGE_WRITE`: no wait for them, no metadata, no cache
     /// flush); errors are left to the sync that follows.
-    fn write_back_dirty_pages(&self) {
+    fn start_write_back(&self) {
         use std::os::fd::AsRawFd;
         // SAFETY: a plain system call on a descriptor this storage owns;
         // no memory is passed.
@@ -359,15 +355,11 @@ impl Storage for FileStorage {
         // Most of the dirty pages written out before the allocations are
         // held off: the part of the sync that excludes them is then
         // mostly the device's cache flush.
-        self.write_back_dirty_pages();
+        self.start_write_back();
         let _syncing = self.allocations.syncing();
         self.file.file.sync_data().inspect_err(|_| {
             self.sync_failed.store(true, Ordering::SeqCst);
         })
-    }
-
-    fn start_write_back(&self) {
-        self.write_back_dirty_pages();
     }
 
     fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -150,12 +150,6 @@ type Work = Box<dyn FnOnce() -> JobResult + Send>;
 /// in between; sooner when the journal fills ([`CHECKPOINT_BACKLOG`]), a
 /// guest flush or an unjournaled change asks.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(5000);
-/// While journaled changes wait for a checkpoint, the top's dirty pages
-/// are sent to the device this often (no wait, no sync): a sync then
-/// writes little besides what came in since, instead of everything since
-/// the last one (on this VM's disk, seconds under random writes, and
-/// every allocation and snapshot flush waited behind it).
-const WRITE_BACK_TICK: Duration = Duration::from_millis(250);
 /// Journal records waiting that make a checkpoint due at once (a
 /// quarter of the ring).
 const CHECKPOINT_BACKLOG: u64 = sqcow2_format::JOURNAL_RECORDS / 4;
@@ -315,19 +309,13 @@ impl Offload {
 fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<AtomicU64>) {
     // Since when journaled changes wait for a checkpoint.
     let mut waiting_since: Option<Instant> = None;
-    let mut written_back = Instant::now();
     loop {
         let first = match waiting_since {
             None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
             Some(t) => {
-                let next = (t + CHECKPOINT_INTERVAL).min(written_back + WRITE_BACK_TICK);
-                rx.recv_timeout(next.saturating_duration_since(Instant::now()))
+                rx.recv_timeout((t + CHECKPOINT_INTERVAL).saturating_duration_since(Instant::now()))
             }
         };
-        if waiting_since.is_some() && written_back.elapsed() >= WRITE_BACK_TICK {
-            handle.get().start_write_back();
-            written_back = Instant::now();
-        }
         let mut batch = Vec::new();
         let mut closing = false;
         match first {

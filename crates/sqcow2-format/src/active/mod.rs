@@ -56,12 +56,6 @@ pub(crate) trait Below {
 /// that no cached view of the old mapping outlives the change).
 pub(crate) type MappingChanged<'a> = dyn Fn(GuestOffset, u64) + 'a;
 
-/// Most flushes [`Active::close`] runs with the journal still on, each
-/// syncing what was written during the one before.
-const CLOSE_FLUSHES_WITH_JOURNAL: usize = 4;
-/// A flush this short leaves little for the one that follows.
-const CLOSE_FLUSH_SHORT: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// The writable top.
 #[derive(Debug)]
 pub(crate) struct Active {
@@ -671,17 +665,8 @@ impl Active {
         // writer completing meanwhile must neither publish (which waits
         // for this flush) nor wait for a spare. A live snapshot's flush
         // before its pause held allocating writes for up to 1.3 s so.
-        // Repeated while each takes long (it syncs what the guest wrote
-        // during the one before), a few times at most: what is left for
-        // the flush with the journal ended is then small.
         if self.read_state().journal.is_some() {
-            for _ in 0..CLOSE_FLUSHES_WITH_JOURNAL {
-                let started = std::time::Instant::now();
-                self.flush_locked(fence)?;
-                if started.elapsed() < CLOSE_FLUSH_SHORT {
-                    break;
-                }
-            }
+            self.flush_locked(fence)?;
         }
         // No spares are made meanwhile (one being made is finished first).
         let _spares = self

@@ -325,15 +325,6 @@ impl Chain {
         }
     }
 
-    /// Starts writing the top's dirty pages out (no wait, no sync), so
-    /// that the next sync has less to write: called in the background
-    /// while writes come in.
-    pub fn start_write_back(&self) {
-        if self.active.is_some() {
-            self.top().storage().start_write_back();
-        }
-    }
-
     /// Whether a completed change is neither in the mapping journal nor
     /// in the file yet, so that [`Chain::publish`] must run before a
     /// process death could not lose it (always false for a read-only
