@@ -281,6 +281,49 @@ impl FileStorage {
             tracing::trace!(error = %io::Error::last_os_error(), "sync_file_range");
         }
     }
+
+    /// `fallocate(mode)` over `[offset, offset + len)` unless the file is
+    /// syncing; errors in `unsupported` mean the filesystem cannot do it
+    /// (the caller's fallback runs after the gate is released).
+    fn fallocate(
+        &self,
+        mode: i32,
+        offset: u64,
+        len: u64,
+        unsupported: &[i32],
+    ) -> io::Result<Fallocated> {
+        use std::os::fd::AsRawFd;
+        let (Ok(start), Ok(size)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from_raw_os_error(libc::EFBIG));
+        };
+        let Some(_allocating) = self.allocations.allocating() else {
+            return Ok(Fallocated::Syncing);
+        };
+        loop {
+            // SAFETY: fallocate on a file descriptor this storage owns; no
+            // memory is passed, and the modes callers use never change
+            // data outside the range.
+            let r = unsafe { libc::fallocate(self.file.file.as_raw_fd(), mode, start, size) };
+            if r == 0 {
+                return Ok(Fallocated::Done);
+            }
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(code) if unsupported.contains(&code) => return Ok(Fallocated::Unsupported),
+                _ => return Err(err),
+            }
+        }
+    }
+}
+
+/// What [`FileStorage::fallocate`] did.
+enum Fallocated {
+    Done,
+    /// Nothing: the file is syncing.
+    Syncing,
+    /// Nothing: the filesystem cannot.
+    Unsupported,
 }
 
 impl Storage for FileStorage {
@@ -370,66 +413,26 @@ impl Storage for FileStorage {
     }
 
     fn reserve_ahead(&self, offset: u64, len: u64) -> io::Result<bool> {
-        use std::os::fd::AsRawFd;
-        let (Ok(start), Ok(size)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from_raw_os_error(libc::EFBIG));
-        };
-        let Some(allocating) = self.allocations.allocating() else {
-            return Ok(false);
-        };
-        loop {
-            // SAFETY: fallocate on a file descriptor we own; mode 0 only
-            // allocates blocks (and extends the size), it never changes data.
-            let r = unsafe { libc::fallocate(self.file.file.as_raw_fd(), 0, start, size) };
-            if r == 0 {
-                return Ok(true);
-            }
-            let err = io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                // Filesystems without fallocate: extend the size instead;
-                // space is then only claimed by the write itself.
-                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
-                    drop(allocating);
-                    return extend_to(self, offset.saturating_add(len)).map(|()| true);
-                }
-                _ => return Err(err),
-            }
+        // Mode 0 only allocates blocks (and extends the size), it never
+        // changes data.
+        match self.fallocate(0, offset, len, &[libc::EOPNOTSUPP, libc::ENOSYS])? {
+            Fallocated::Done => Ok(true),
+            Fallocated::Syncing => Ok(false),
+            // Filesystems without fallocate: extend the size instead;
+            // space is then only claimed by the write itself.
+            Fallocated::Unsupported => extend_to(self, offset.saturating_add(len)).map(|()| true),
         }
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let (Ok(start), Ok(size)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from_raw_os_error(libc::EFBIG));
-        };
-        let Some(allocating) = self.allocations.allocating() else {
-            return write_zero_bytes(self, offset, len);
-        };
-        loop {
-            // SAFETY: fallocate on a file descriptor we own; ZERO_RANGE with
-            // KEEP_SIZE only makes the range read as zeros.
-            let r = unsafe {
-                libc::fallocate(
-                    self.file.file.as_raw_fd(),
-                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                    start,
-                    size,
-                )
-            };
-            if r == 0 {
-                return Ok(());
-            }
-            let err = io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                // Filesystems without it (tmpfs, FUSE): write the zeros.
-                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL) => {
-                    drop(allocating);
-                    return write_zero_bytes(self, offset, len);
-                }
-                _ => return Err(err),
-            }
+        // ZERO_RANGE with KEEP_SIZE only makes the range read as zeros.
+        let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        // Filesystems without it (tmpfs, FUSE), or a sync running: write
+        // the zeros.
+        let unsupported = [libc::EOPNOTSUPP, libc::ENOSYS, libc::EINVAL];
+        match self.fallocate(mode, offset, len, &unsupported)? {
+            Fallocated::Done => Ok(()),
+            Fallocated::Syncing | Fallocated::Unsupported => write_zero_bytes(self, offset, len),
         }
     }
 
@@ -559,12 +562,18 @@ mod tests {
         s.file().metadata().unwrap().blocks()
     }
 
-    #[test]
-    fn no_blocks_are_allocated_while_the_file_syncs() {
+    /// An empty file in a new directory (removed with it), open for writing.
+    fn scratch_file() -> (tempfile::TempDir, FileStorage) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         std::fs::File::create(&path).unwrap();
         let s = FileStorage::open_read_write(&path).unwrap();
+        (dir, s)
+    }
+
+    #[test]
+    fn no_blocks_are_allocated_while_the_file_syncs() {
+        let (_dir, s) = scratch_file();
         {
             let _sync = s.allocations.syncing();
             s.reserve(0, 1 << 20).unwrap();
@@ -613,10 +622,7 @@ mod tests {
 
     #[test]
     fn an_extension_never_shrinks_a_file_another_thread_extended() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
-        std::fs::File::create(&path).unwrap();
-        let file = FileStorage::open_read_write(&path).unwrap();
+        let (_dir, file) = scratch_file();
         // Another thread's cluster at 1 MiB, written after this one read
         // the length (0).
         file.write_at(&[7u8; 4096], 1 << 20).unwrap();

@@ -349,11 +349,14 @@ impl TopFile {
             // after a power loss whatever the filesystem's write-back order,
             // which a mere size extension does not promise (none are made
             // while the file syncs).
-            let reserved = self.storage.reserve_ahead(len, end - len);
-            if !matches!(reserved, Ok(true)) {
-                if let Err(e) = reserved {
+            let reserved = self
+                .storage
+                .reserve_ahead(len, end - len)
+                .unwrap_or_else(|e| {
                     tracing::debug!(error = %e, "could not reserve space for spare clusters");
-                }
+                    false
+                });
+            if !reserved {
                 let (inside, past): (Vec<u64>, Vec<u64>) =
                     done.iter().partition(|&&c| (c + 1) << bits <= len);
                 done = inside;
