@@ -9,6 +9,7 @@ mod remote;
 mod report;
 mod servers;
 mod slowfs;
+mod spread;
 mod suite;
 
 use std::process::ExitCode;

@@ -234,6 +234,11 @@ pub struct Results {
     /// without qcow2).
     #[serde(default)]
     pub qsd_raw: Vec<Run>,
+    /// The disk's bytes spread over as many raw files as each chain has
+    /// layers, read in this process (server `raw-files-io_uring`, one run
+    /// per length and repetition; random reads only).
+    #[serde(default)]
+    pub spread_limit: Vec<Run>,
     #[serde(default)]
     pub writes: Vec<WriteRun>,
     pub snapshots: Vec<SnapshotTimes>,
@@ -301,6 +306,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         runs: Vec::new(),
         raw_limit: Vec::new(),
         qsd_raw: Vec::new(),
+        spread_limit: Vec::new(),
         writes: Vec::new(),
         snapshots: Vec::new(),
         wall_seconds: 0.0,
@@ -325,6 +331,14 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     // The physical limit: the same amount of data as one raw file.
     let raw = out.join("limit.raw");
     make_raw(&raw, size)?;
+    // The kernel's cost of a long chain: the bytes a chain holds, in N
+    // files.
+    let spread_dir = |layers: usize| out.join(format!("spread-{layers}"));
+    let spread_bytes = (size as f64 * CHAIN_FILL) as u64;
+    for &layers in &lengths {
+        eprintln!("==> spreading {spread_bytes} bytes over {layers} files");
+        crate::spread::make_files(&spread_dir(layers), layers, spread_bytes)?;
+    }
     for rep in 0..repeat {
         for &layers in &lengths {
             let chain = &chains[&layers];
@@ -350,6 +364,15 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         }
         eprintln!("==> raw file limit (repetition {})", rep + 1);
         results.raw_limit.push(measure_raw(&raw, seconds, rep));
+        for &layers in &lengths {
+            eprintln!(
+                "==> the same bytes in {layers} files (repetition {})",
+                rep + 1
+            );
+            results
+                .spread_limit
+                .push(measure_spread(&spread_dir(layers), layers, seconds, rep));
+        }
         eprintln!(
             "==> qemu-storage-daemon raw export (repetition {})",
             rep + 1
@@ -375,6 +398,9 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_file(&raw);
+    for &layers in &lengths {
+        let _ = std::fs::remove_dir_all(spread_dir(layers));
+    }
     results.wall_seconds = started.elapsed().as_secs_f64();
 
     let json = out.join("results.json");
@@ -443,6 +469,9 @@ fn machine() -> BTreeMap<String, String> {
     m
 }
 
+/// Share of the clusters the generated chains hold data in.
+const CHAIN_FILL: f64 = 0.5;
+
 fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
@@ -450,7 +479,7 @@ fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles>
         layers,
         size,
         cluster_size: 65536,
-        fill: 0.5,
+        fill: CHAIN_FILL,
         seed: 1,
         distribution: Distribution::Uniform,
         index: true,
@@ -567,6 +596,22 @@ fn wait_first_read(
 fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
     let mut run = Run::new("raw-file-io_uring", 0, repetition);
     if let Err(e) = run.measure_loads(Target::File(raw.to_owned()), seconds, None) {
+        run.error = Some(format!("{e:#}"));
+    }
+    run
+}
+
+/// Random reads at depth 1 and 32 over the disk's bytes spread over
+/// `layers` files in `dir`.
+fn measure_spread(dir: &Path, layers: usize, seconds: f64, repetition: usize) -> Run {
+    let mut run = Run::new("raw-files-io_uring", layers, repetition);
+    let duration = Duration::from_secs_f64(seconds);
+    let result = crate::spread::measure(dir, 1, duration).and_then(|qd1| {
+        run.rand_read_qd1 = Some(qd1);
+        run.rand_read_qd32 = Some(crate::spread::measure(dir, 32, duration)?);
+        Ok(())
+    });
+    if let Err(e) = result {
         run.error = Some(format!("{e:#}"));
     }
     run
@@ -765,6 +810,45 @@ fn measure_writes(
     runs
 }
 
+/// Longest a `qemu-img create -b` of the snapshot timing may take.
+const QEMU_IMG_CREATE_LIMIT: Duration = Duration::from_secs(60);
+
+/// Runs `cmd`; whether it exited successfully within `limit` (killed
+/// past it by a watchdog thread, so that the caller's timing is the
+/// process's own, not a polling interval's).
+fn succeeds_within(cmd: &mut std::process::Command, limit: Duration) -> anyhow::Result<bool> {
+    let mut child = cmd.spawn()?;
+    let pid = child.id() as libc::pid_t;
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        let late = finished.recv_timeout(limit).is_err();
+        if late {
+            // SAFETY: kill only sends a signal; the child is reaped only
+            // after this thread ends (the main thread waits with WNOWAIT
+            // and joins it first), so the pid is still the child's.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        late
+    });
+    // Wait for the exit without reaping (WNOWAIT): until the watchdog has
+    // stopped, the pid stays this child's and cannot be reused.
+    // SAFETY: waitid writes into `info`, which we own.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `pid` is our unreaped child.
+    unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOWAIT,
+        )
+    };
+    let _ = done.send(());
+    let late = watchdog.join().unwrap_or(true);
+    let status = child.wait()?;
+    Ok(status.success() && !late)
+}
+
 /// `sqcow2 snapshot` vs `qemu-img create -b` on the chain's top, `n`
 /// times each; the new files are removed after every run.
 fn snapshot_times(chain: &ChainFiles, sqcow2: &Path, n: usize) -> anyhow::Result<SnapshotTimes> {
@@ -796,17 +880,24 @@ fn snapshot_times(chain: &ChainFiles, sqcow2: &Path, n: usize) -> anyhow::Result
         t.sqcow2_ms.push(ms);
         cleanup();
         let start = Instant::now();
-        let ok = std::process::Command::new("qemu-img")
+        let mut qemu_img = std::process::Command::new("qemu-img");
+        qemu_img
             .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
             .arg(top)
-            .arg(&new)
-            .status()?
-            .success();
+            .arg(&new);
+        let ok = succeeds_within(&mut qemu_img, QEMU_IMG_CREATE_LIMIT)?;
         let ms = start.elapsed().as_secs_f64() * 1000.0;
-        // qemu-img may fail on very long chains; keep sqcow2's figures.
-        if ok {
-            t.qemu_img_ms.push(ms);
+        // qemu-img may fail on very long chains, or take far too long
+        // (it opens the whole chain: hours at 10,000 layers with a high
+        // open-file limit); keep sqcow2's figures and try no more.
+        if !ok {
+            eprintln!(
+                "    qemu-img create -b failed or took over {} s",
+                QEMU_IMG_CREATE_LIMIT.as_secs()
+            );
+            break;
         }
+        t.qemu_img_ms.push(ms);
     }
     cleanup();
     Ok(t)

@@ -211,13 +211,22 @@ impl LazyFile {
 
     /// The descriptor if it is open now.
     fn current(&self) -> Option<OpenFile> {
-        let open = self
+        self.current_with(OpenFile::clone)
+    }
+
+    /// `f` of the descriptor if it is open now (one clone of what the
+    /// caller needs, not of both halves: the read path takes this per
+    /// request, for each of 10,000 files).
+    fn current_with<T>(&self, f: impl FnOnce(&OpenFile) -> T) -> Option<T> {
+        let value = f(self
             .open
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()?;
-        self.referenced.store(true, Ordering::Relaxed);
-        Some(open)
+            .as_ref()?);
+        if !self.referenced.load(Ordering::Relaxed) {
+            self.referenced.store(true, Ordering::Relaxed);
+        }
+        Some(value)
     }
 
     /// The open file, reopened (same file, locks taken again) if its
@@ -278,6 +287,9 @@ impl Storage for LazyFile {
     }
 
     fn pinned_file(&self) -> io::Result<Option<PinnedFile>> {
+        if let Some(file) = self.current_with(|o| o.file.clone()) {
+            return Ok(Some(file));
+        }
         Ok(Some(self.get()?.file))
     }
 
