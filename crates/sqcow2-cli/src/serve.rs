@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use sqcow2_format::{Chain, ChainOptions};
-use sqcow2_vhost::ServeOptions;
+use sqcow2_vhost::{Polling, ServeOptions};
 
 /// Arguments of `sqcow2 serve`.
 #[derive(Debug, clap::Args)]
@@ -52,11 +52,17 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 60.0)]
     inactive_timeout: f64,
     /// Microseconds a worker thread busy-polls its rings (guest
-    /// notifications off) after its last piece of work before it sleeps;
-    /// 0 never polls. Lower latency and fewer wake-ups for a core's time
-    /// (qemu-storage-daemon's iothreads poll 32 µs by default).
-    #[arg(long, default_value_t = 0)]
-    poll_us: u64,
+    /// notifications off) after its last piece of work before it sleeps,
+    /// always; 0 never polls. Not given: adaptive, up to `--poll-max-us`
+    /// (polled while requests come back sooner than that, as
+    /// qemu-storage-daemon's iothreads adapt theirs; an idle queue costs
+    /// no CPU).
+    #[arg(long)]
+    poll_us: Option<u64>,
+    /// The longest adaptive poll, in microseconds (0: never poll);
+    /// QEMU's iothreads default to 32.
+    #[arg(long, default_value_t = 32, conflicts_with = "poll_us")]
+    poll_max_us: u64,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -115,7 +121,13 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         engine_threads: args.engine_threads,
         inactive: args.inactive,
         inactive_timeout: std::time::Duration::from_secs_f64(args.inactive_timeout),
-        poll: std::time::Duration::from_micros(args.poll_us),
+        polling: match (args.poll_us, args.poll_max_us) {
+            (Some(0), _) | (None, 0) => Polling::Off,
+            (Some(us), _) => Polling::Fixed(std::time::Duration::from_micros(us)),
+            (None, max) => Polling::Adaptive {
+                max: std::time::Duration::from_micros(max),
+            },
+        },
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

@@ -19,6 +19,7 @@ use crate::control::protocol::QueueCounters;
 use crate::device::BlkDevice;
 use crate::gate::PauseGuard;
 use crate::offload::panic_message;
+use crate::polling::{PollWindow, Polling};
 use crate::vring::{SharedMem, Vring};
 use crate::worker::{GuestMem, Notifications, QueueWorker, Taken};
 
@@ -537,8 +538,9 @@ pub(crate) struct WorkerThreads {
 
 impl WorkerThreads {
     /// Starts one thread per queue group of `backend`; each busy-polls its
-    /// rings for `poll` after its last piece of work before it sleeps.
-    pub(crate) fn start(backend: &Arc<BlkBackend>, poll: Duration) -> io::Result<Self> {
+    /// rings after its last piece of work, as `polling` says, before it
+    /// sleeps.
+    pub(crate) fn start(backend: &Arc<BlkBackend>, polling: Polling) -> io::Result<Self> {
         let mut threads = WorkerThreads {
             epolls: Vec::new(),
             exits: Vec::new(),
@@ -565,7 +567,7 @@ impl WorkerThreads {
             let (b, e, stopping) = (backend.clone(), epoll.clone(), threads.stopping.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("queue-worker-{thread}"))
-                .spawn(move || run(&b, &e, thread, poll, &stopping))?;
+                .spawn(move || run(&b, &e, thread, polling, &stopping))?;
             threads.epolls.push(epoll);
             threads.exits.push(exit);
             threads.handles.push(handle);
@@ -613,13 +615,23 @@ impl Drop for WorkerThreads {
 /// A worker thread's loop: with a `poll` window, it busy-polls its rings
 /// (guest notifications off) until nothing has happened for that long,
 /// then sleeps in epoll.
-fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopping: &AtomicBool) {
+fn run(
+    backend: &BlkBackend,
+    epoll: &Epoll,
+    thread: usize,
+    polling: Polling,
+    stopping: &AtomicBool,
+) {
     let mut events = vec![EpollEvent::default(); 64];
+    let mut window = PollWindow::new(polling);
     loop {
         let mut timeout = -1;
+        // When the thread last had work: the poll time is spent from here.
+        let mut idle_since = Instant::now();
+        let poll = window.current();
         if !poll.is_zero() {
             loop {
-                let mut idle_since = Instant::now();
+                idle_since = Instant::now();
                 while idle_since.elapsed() < poll && !stopping.load(Ordering::Relaxed) {
                     if backend.poll(thread) {
                         idle_since = Instant::now();
@@ -656,6 +668,10 @@ fn run(backend: &BlkBackend, epoll: &Epoll, thread: usize, poll: Duration, stopp
                 return;
             }
         };
+        if timeout != 0 && n > 0 {
+            // It slept (or polled) until work came: adapt the window.
+            window.observe(idle_since.elapsed());
+        }
         for ev in &events[..n] {
             let wake = Wake::of(ev.data());
             if wake == Wake::Exit {

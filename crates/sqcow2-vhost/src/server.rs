@@ -57,9 +57,9 @@ pub struct ServeOptions {
     pub inactive: bool,
     /// How long requests wait while inactive.
     pub inactive_timeout: Duration,
-    /// How long a worker thread busy-polls its rings after its last
-    /// piece of work before it sleeps (zero: never polls).
-    pub poll: Duration,
+    /// How a worker thread busy-polls its rings after its last piece of
+    /// work before it sleeps.
+    pub polling: crate::Polling,
 }
 
 /// Why serving failed.
@@ -282,7 +282,7 @@ impl Server {
             .map_err(io_err("frontend socket"))?;
         let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
         let threads =
-            Arc::new(WorkerThreads::start(&backend, o.poll).map_err(io_err("worker threads"))?);
+            Arc::new(WorkerThreads::start(&backend, o.polling).map_err(io_err("worker threads"))?);
         let handler = FrontendHandler::new(backend.clone(), threads.clone());
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
