@@ -624,11 +624,19 @@ fn run(
 ) {
     let mut events = vec![EpollEvent::default(); 64];
     let mut window = PollWindow::new(polling);
+    // A poll that ended in a brief sleep must end in `stop_polling` again
+    // (a queue's notifications may still be off), whatever the window
+    // has become meanwhile.
+    let mut retry_stop = false;
     loop {
         let mut timeout = -1;
         // When the thread last had work: the poll time is spent from here.
         let mut idle_since = Instant::now();
-        let poll = window.current();
+        let poll = if retry_stop {
+            window.current().max(Duration::from_micros(1))
+        } else {
+            window.current()
+        };
         if !poll.is_zero() {
             loop {
                 idle_since = Instant::now();
@@ -656,6 +664,7 @@ fn run(
                 break;
             }
         }
+        retry_stop = timeout == BRIEF_SLEEP_MS;
         if backend.has_pending(thread) {
             // Requests left at the batch size: events first, then them.
             timeout = 0;
