@@ -375,3 +375,65 @@ fn a_resubmission_waiting_for_activation_is_served_by_a_polling_worker() {
         "the resubmitted request was never served after activation"
     );
 }
+
+/// Adaptive polling: a poll that ends in a brief sleep because the
+/// queue's notifications cannot be turned back on (its available index is
+/// broken) polls again after the sleep even when an event during the
+/// sleep dropped the window to nothing (a sleep longer than the most);
+/// otherwise the worker slept for good with kicks still off, and the
+/// repaired queue's next request, from a driver that honours the
+/// suppression, was never seen.
+#[test]
+fn a_window_dropped_during_a_brief_sleep_still_turns_kicks_back_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 2, "16M", "0.5");
+    let g = SharedGuestMemory::new(MEM);
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--poll-max-us", "1000"]);
+    let (fe, kick) = start(&daemon, &g, false);
+    let request = |pos: u16| {
+        let sector = 64 * u64::from(pos % 60);
+        let head = write_request_at(&g.mem, pos % 5, pos as u8, sector);
+        make_available(&g.mem, pos, head);
+        if device_wants_kick(&g, false, pos, pos.wrapping_add(1)) {
+            kick.write(1).unwrap();
+        }
+    };
+    // Requests back to back (each completion watched by spinning): the
+    // window grows to its most, 1 ms; then the ring breaks right after a
+    // completion, while the worker polls with kicks off.
+    let mut polling_seen = false;
+    let mut pos = 0u16;
+    for _ in 0..20_000 {
+        request(pos);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while used_idx(&g.mem) <= pos {
+            assert!(Instant::now() < deadline, "request {pos}\n{}", daemon.log());
+            std::hint::spin_loop();
+        }
+        pos += 1;
+        if pos > 20 && used_flags(&g.mem) & VRING_USED_F_NO_NOTIFY as u16 != 0 {
+            g.mem
+                .write_obj(pos + QSIZE + 3, GuestAddress(AVAIL + 2))
+                .unwrap();
+            polling_seen = true;
+            break;
+        }
+    }
+    assert!(polling_seen, "the worker never polled with kicks off");
+    // The poll ends in a brief sleep (kicks cannot be turned on); a kick
+    // during it wakes the worker after more than the most (1 ms).
+    std::thread::sleep(Duration::from_millis(4));
+    kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    // Repaired; the next request kicks only if the device asks.
+    g.mem.write_obj(pos, GuestAddress(AVAIL + 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    request(pos);
+    assert!(
+        used_within(&g, pos + 1, Duration::from_secs(3)),
+        "the request after the repair was never served (kicks left off)\n{}",
+        daemon.log()
+    );
+    drop(fe);
+    daemon.stop();
+}
