@@ -63,14 +63,20 @@ struct Round {
 
 impl Round {
     fn parse(line: &str) -> Option<Round> {
-        // Anywhere in the line: the console echoes the line the test types
-        // to stop the loops, and a round's line can follow it unbroken
-        // ("stopSQCOW2-GUEST-W 3 17 ..." was once missed and its write
-        // reported as a difference).
+        // Anywhere in the line, and text may follow its last number: the
+        // console echoes the line the test types to stop the loops, glued
+        // before or after a round's line ("stopSQCOW2-GUEST-W 3 17 ..."
+        // and "SQCOW2-GUEST-W 1 60 3730 16 0 103 2stop" were each once
+        // missed and their write reported as a difference).
         const TAG: &str = "SQCOW2-GUEST-W ";
         let rest = &line[line.find(TAG)? + TAG.len()..];
-        let v: Vec<u64> = rest
-            .split_whitespace()
+        let tokens: Vec<&str> = rest.split_whitespace().take(7).collect();
+        let (last, numbers) = tokens.split_last()?;
+        let digits = last.len() - last.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let v: Vec<u64> = numbers
+            .iter()
+            .copied()
+            .chain(std::iter::once(&last[..digits]))
             .map(|x| x.parse().ok())
             .collect::<Option<_>>()?;
         let [worker, round, first, blocks, synced, write_cs, read_cs] = v[..] else {
@@ -353,4 +359,35 @@ fn guest_sees_no_error_across_kill_9_of_the_daemon() {
 #[test]
 fn guest_sees_no_error_across_daemon_upgrades() {
     restart_loop(Restart::Upgrade, env_count("SQCOW2_RESTARTS", 4));
+}
+
+/// The console may glue the test's typed `stop` line before or after a
+/// round's line; the round is found either way, and a line cut short is
+/// not a round.
+#[test]
+fn round_lines_are_found_whatever_the_console_glued_to_them() {
+    let plain = Round::parse("SQCOW2-GUEST-W 1 60 3730 16 0 103 2").unwrap();
+    for line in [
+        "stopSQCOW2-GUEST-W 1 60 3730 16 0 103 2",
+        "SQCOW2-GUEST-W 1 60 3730 16 0 103 2stop",
+        "SQCOW2-GUEST-W 1 60 3730 16 0 103 2 stop",
+    ] {
+        let r = Round::parse(line).unwrap_or_else(|| panic!("missed: {line}"));
+        assert_eq!(
+            (r.worker, r.round, r.first, r.blocks, r.synced, r.write_ms, r.read_ms),
+            (
+                plain.worker,
+                plain.round,
+                plain.first,
+                plain.blocks,
+                plain.synced,
+                plain.write_ms,
+                plain.read_ms
+            ),
+            "{line}"
+        );
+    }
+    assert_eq!((plain.worker, plain.round, plain.first), (1, 60, 3730));
+    assert!(Round::parse("SQCOW2-GUEST-W 1 60 3730 16 0").is_none());
+    assert!(Round::parse("SQCOW2-GUEST-W 1 60 x3730 16 0 103 2").is_none());
 }
