@@ -75,10 +75,7 @@ pub struct SpreadArgs {
 pub fn run_cli(args: &SpreadArgs) -> anyhow::Result<()> {
     let size = crate::parse_size(&args.size)?;
     let duration = Duration::from_secs_f64(args.seconds);
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
+    let median = |v: Vec<f64>| crate::report::median(v).unwrap_or(0.0);
     println!("| files | IOPS, depth 1 | IOPS, depth 32 | CPU per I/O, depth 32 (µs) | depth 1 vs first | depth 32 vs first |");
     println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut first: Option<(f64, f64)> = None;

@@ -612,9 +612,9 @@ impl Drop for WorkerThreads {
     }
 }
 
-/// A worker thread's loop: with a `poll` window, it busy-polls its rings
-/// (guest notifications off) until nothing has happened for that long,
-/// then sleeps in epoll.
+/// A worker thread's loop: while its poll window ([`PollWindow`]) is open,
+/// it busy-polls its rings (guest notifications off) until nothing has
+/// happened for that long, then sleeps in epoll.
 fn run(
     backend: &BlkBackend,
     epoll: &Epoll,
