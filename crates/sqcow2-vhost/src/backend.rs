@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::error;
+use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -36,6 +37,10 @@ struct WorkerSlot {
     /// Worker-local queues that stopped at the batch size with requests
     /// left: the thread takes their next batch before it sleeps.
     pending: Vec<bool>,
+    /// Worker-local queues with requests completed on the spot (put on
+    /// the used ring while they were taken) that the driver has not been
+    /// considered for a notification about yet.
+    unsignalled: Vec<bool>,
 }
 
 /// A vhost-user-blk device for one frontend connection.
@@ -99,6 +104,7 @@ impl BlkBackend {
                 Ok(Mutex::new(WorkerSlot {
                     worker,
                     pending: Vec::new(),
+                    unsignalled: Vec::new(),
                 }))
             })
             .collect::<io::Result<_>>()?;
@@ -218,28 +224,39 @@ impl BlkBackend {
     }
 
     /// Puts the worker's finished requests on their used rings and notifies
-    /// the driver where it asked to be.
+    /// the driver where it asked to be: once per queue, for everything
+    /// completed since the last notification (requests completed on the
+    /// spot included), since a notification that wakes the driver costs
+    /// more than the rest of a small request.
     fn complete(&self, slot: &mut WorkerSlot, thread: usize) {
         let completions = slot.worker.take_completions();
-        if completions.is_empty() {
+        if completions.is_empty() && !slot.unsignalled.iter().any(|u| *u) {
             return;
         }
         let queues = self.queues_of(thread);
+        let mut touched = std::mem::take(&mut slot.unsignalled);
+        touched.resize(queues.len(), false);
+        for c in &completions {
+            if let Some(t) = touched.get_mut(c.queue) {
+                *t = true;
+            }
+        }
         let mem = self.mem.memory();
-        let mut touched = vec![false; queues.len()];
-        for c in completions {
-            let Some(vring) = queues.get(c.queue).and_then(|q| self.vrings.get(*q)) else {
+        for (local, &queue) in queues.iter().enumerate() {
+            if !touched[local] {
+                continue;
+            }
+            let Some(vring) = self.vrings.get(queue) else {
                 continue;
             };
-            if vring.lock().put_used(&mem, c.head, c.len) {
-                touched[c.queue] = true;
+            let mut st = vring.lock();
+            for c in completions.iter().filter(|c| c.queue == local) {
+                st.put_used(&mem, c.head, c.len);
             }
+            st.signal(&mem);
         }
-        for (local, _) in touched.iter().enumerate().filter(|(_, t)| **t) {
-            if let Some(vring) = self.vrings.get(queues[local]) {
-                vring.lock().signal(&mem);
-            }
-        }
+        touched.fill(false);
+        slot.unsignalled = touched;
     }
 
     /// Takes one batch of requests of queue `queue` (worker-local `local`
@@ -258,7 +275,6 @@ impl BlkBackend {
         let Some(vring) = self.vrings.get(queue) else {
             return false;
         };
-        let mem = self.mem.memory();
         // Held while requests are taken and started (io_uring submissions,
         // which never wait, and hand-offs to engine threads): the ring must
         // not be stopped or moved by the protocol side in the middle.
@@ -266,6 +282,7 @@ impl BlkBackend {
         if !st.may_take() {
             return false;
         }
+        let used_before = st.queue.next_used();
         let state = &mut *st;
         let taken = slot.worker.process_tracked(
             local,
@@ -274,9 +291,15 @@ impl BlkBackend {
             &self.mem,
             notifications,
         );
-        // Completions put on the ring on the spot, even if taking failed
-        // later (needs_notification decides).
-        st.signal(&mem);
+        // Requests completed on the spot (even if taking failed later) are
+        // signalled with the rest, in `complete` below.
+        if st.queue.next_used() != used_before {
+            st.note_used();
+            if slot.unsignalled.len() <= local {
+                slot.unsignalled.resize(local + 1, false);
+            }
+            slot.unsignalled[local] = true;
+        }
         drop(st);
         // An error here means the guest's rings are unusable (e.g. the
         // used ring lies outside guest memory). Returning it would end this

@@ -86,6 +86,9 @@ pub(crate) struct VringState {
     /// more, those running still complete. Cleared when it starts again.
     pub(crate) stopping: bool,
     pub(crate) tracker: Option<Tracker>,
+    /// Used entries were added since the driver was last considered for a
+    /// notification ([`VringState::signal`]).
+    unsignalled: bool,
 }
 
 impl VringState {
@@ -132,7 +135,10 @@ impl VringState {
             return false;
         }
         match add_used_tracked(&mut self.queue, self.tracker.as_ref(), mem, head, len) {
-            Ok(()) => true,
+            Ok(()) => {
+                self.unsignalled = true;
+                true
+            }
             Err(e) => {
                 crate::limited_warn!("used ring: {e}");
                 false
@@ -140,8 +146,17 @@ impl VringState {
         }
     }
 
-    /// Notifies the driver if it asked to be.
+    /// Used entries were added to the ring directly (through `queue`).
+    pub(crate) fn note_used(&mut self) {
+        self.unsignalled = true;
+    }
+
+    /// Notifies the driver of the used entries added since the last call,
+    /// if it asked to be (nothing when none were added).
     pub(crate) fn signal(&mut self, mem: &GuestMem) {
+        if !std::mem::take(&mut self.unsignalled) {
+            return;
+        }
         let needed = match self.queue.needs_notification(mem) {
             Ok(n) => n,
             Err(e) => {
@@ -173,6 +188,7 @@ impl Vring {
                 started: false,
                 stopping: false,
                 tracker: None,
+                unsignalled: false,
             }),
         }
     }
