@@ -12,8 +12,9 @@
 mod policy;
 mod stats;
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, RandomState};
+use std::hash::{BuildHasher, Hash};
+
+use foldhash::fast::RandomState;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use policy::Policy;
@@ -75,7 +76,7 @@ impl Default for CacheConfig {
 
 #[derive(Debug)]
 struct Shard {
-    map: HashMap<SliceKey, (Slice, policy::Meta)>,
+    map: policy::Map,
     queues: Queues,
     bytes: u64,
     budget: u64,
@@ -114,7 +115,7 @@ impl SliceCache {
         let shards = (0..n)
             .map(|_| {
                 Mutex::new(Shard {
-                    map: HashMap::new(),
+                    map: policy::Map::default(),
                     queues: Queues::new(config.policy, per_shard),
                     bytes: 0,
                     budget: per_shard,
@@ -123,7 +124,7 @@ impl SliceCache {
             .collect();
         Self {
             shards,
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
             stats: CacheStats::default(),
         }
     }

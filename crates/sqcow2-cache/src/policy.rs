@@ -31,7 +31,9 @@ pub(crate) struct Meta {
     in_small: bool,
 }
 
-type Map = HashMap<SliceKey, (Slice, Meta)>;
+/// The slices of a shard by key. A fast hasher with a per-map random
+/// seed: keys come from guest offsets, lookups are on every request.
+pub(crate) type Map = HashMap<SliceKey, (Slice, Meta), foldhash::fast::RandomState>;
 
 #[derive(Debug)]
 pub(crate) struct Queues {
@@ -42,7 +44,7 @@ pub(crate) struct Queues {
     small_bytes: u64,
     small_target: u64,
     ghost: VecDeque<SliceKey>,
-    ghost_set: HashSet<SliceKey>,
+    ghost_set: HashSet<SliceKey, foldhash::fast::RandomState>,
 }
 
 impl Queues {
@@ -55,7 +57,7 @@ impl Queues {
             small_bytes: 0,
             small_target: budget / 10,
             ghost: VecDeque::new(),
-            ghost_set: HashSet::new(),
+            ghost_set: HashSet::default(),
         }
     }
 
