@@ -354,6 +354,9 @@ impl ActiveState {
         let file_size = top.storage.len().map_err(|e| top.io(e))?;
         let table = read_l2_table(top.geometry, &*top.storage, offset, file_size)
             .map_err(|k| top.err(k))?;
+        // It changes from now on: the cache's copies of its slices (taken
+        // by readers, or published when it was clean) would go stale.
+        self.forget_cached(offset);
         let used = self.tick();
         self.l2.insert(
             offset,
@@ -420,6 +423,9 @@ impl ActiveState {
             self.order.tables_before_l1 = true;
         }
         self.metadata.insert(new >> g.cluster_bits);
+        // Slices of an older table at that place (freed since) must not
+        // be taken for the new one.
+        self.forget_cached(new);
         let table = if offset != 0 {
             self.refcounts.free_later(offset >> g.cluster_bits);
             self.l2[&offset].table.clone()
@@ -669,12 +675,14 @@ impl ActiveState {
     }
 
     /// Hands the loaded tables over to readers of this image as a backing
-    /// layer (a live snapshot's successor): the unified cache forgets
-    /// every slice it holds of this image (it may hold older slices of a
-    /// table loaded here and changed since), then takes the most recently
-    /// used tables up to `max_bytes`; the others are read from the file
-    /// when first needed. The work is bounded by `max_bytes`, whatever the
-    /// disk size. Fails, putting nothing, if a table has changes not yet
+    /// layer (a live snapshot's successor): the most recently used tables,
+    /// up to `max_bytes`, go to the unified cache; the others are read
+    /// from the file when first needed. The work is bounded by
+    /// `max_bytes`, whatever the disk size and the cache's size: the
+    /// cache holds no stale slice of this image, since a table's slices
+    /// leave it when the table is loaded for changes
+    /// ([`ActiveState::forget_cached`]) and come back only as it is once
+    /// written. Fails, putting nothing, if a table has changes not yet
     /// written to the file.
     pub(crate) fn publish_loaded(&self, max_bytes: u64) -> Result<(), Error> {
         if self.l2.values().any(|s| s.dirty.any()) {
@@ -682,7 +690,6 @@ impl ActiveState {
                 "metadata not yet written back",
             ))));
         }
-        self.top.cache.remove_source(self.top.source);
         let mut recent: Vec<(u64, u64)> = self.l2.iter().map(|(o, s)| (s.used, *o)).collect();
         recent.sort_unstable_by(|a, b| b.cmp(a));
         let mut bytes = 0;
@@ -697,6 +704,20 @@ impl ActiveState {
             self.publish(offset, &slot.table);
         }
         Ok(())
+    }
+
+    /// Drops the unified cache's slices of the table at `offset` (a
+    /// table taken for changes, or made at a place that held another).
+    fn forget_cached(&self, offset: u64) {
+        let g = self.g();
+        let top = &self.top;
+        let slice_bytes = top.slice_size.clamp(g.l2_entry_size(), g.cluster_size());
+        for i in 0..g.cluster_size() / slice_bytes {
+            top.cache.remove(SliceKey {
+                source: top.source,
+                offset: offset + i * slice_bytes,
+            });
+        }
     }
 
     /// Puts the slices of a clean table into the unified cache.

@@ -1,0 +1,76 @@
+//! The chain that follows a live snapshot (`Chain::successor`) reads the
+//! old top through the unified cache it shares with the chain before: a
+//! slice of the old top that the cache holds must be what the file holds.
+
+use std::path::Path;
+
+use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::{indexing, Chain, ChainOptions};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const CLUSTER: u64 = 64 << 10;
+
+fn options(writable: bool) -> ChainOptions {
+    ChainOptions {
+        writable,
+        slice_size: 4096,
+        use_index: false,
+        ..ChainOptions::default()
+    }
+}
+
+fn read(chain: &Chain, offset: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; 4096];
+    chain.read_at(&mut buf, offset).expect("read");
+    buf
+}
+
+fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
+    chain.flush_clean().expect("flush_clean");
+    indexing::snapshot_over(chain, top, new).expect("new top");
+    chain.successor(new, &options(true)).expect("successor")
+}
+
+/// An L2 table whose slice the cache took from the file, then loaded for
+/// writing and changed, and not among the tables handed over last: the
+/// next chain must not take the cache's older copy of it.
+#[test]
+fn the_next_chain_sees_a_table_changed_after_the_cache_took_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: 16 * GIB,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    // Table A (the first 512 MiB) in the file.
+    let chain = Chain::open(&top, &options(true)).unwrap();
+    chain.write_at(&[0xA1; 4096], 0).unwrap();
+    chain.close().unwrap();
+
+    let chain = Chain::open(&top, &options(true)).unwrap();
+    // A read takes A's first slice into the cache.
+    assert!(read(&chain, 0) == vec![0xA1; 4096]);
+    // A write maps a new cluster in A (loaded for writing, changed)...
+    chain.write_at(&[0xA2; 4096], CLUSTER).unwrap();
+    assert!(read(&chain, CLUSTER) == vec![0xA2; 4096]);
+    // ...then the tables of 24 other regions are used after it: more
+    // than a successor hands over (1 MiB of tables, 16 here).
+    for region in 1..25u64 {
+        chain.write_at(&[0xB0; 4096], region * 512 * MIB).unwrap();
+    }
+
+    let next = successor(&chain, &top, &dir.path().join("next.qcow2"));
+    assert!(read(&next, 0) == vec![0xA1; 4096]);
+    assert!(
+        read(&next, CLUSTER) == vec![0xA2; 4096],
+        "the next chain read an older copy of the old top's table"
+    );
+    for region in 1..25u64 {
+        assert!(read(&next, region * 512 * MIB) == vec![0xB0; 4096]);
+    }
+}
