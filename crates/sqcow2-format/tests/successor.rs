@@ -29,7 +29,9 @@ fn read(chain: &Chain, offset: u64) -> Vec<u8> {
 fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
     chain.flush_clean().expect("flush_clean");
     indexing::snapshot_over(chain, top, new).expect("new top");
-    chain.successor(new, &options(true)).expect("successor")
+    let next = chain.successor(new, &options(true)).expect("successor");
+    chain.hand_over_tables();
+    next
 }
 
 /// An L2 table whose slice the cache took from the file, then loaded for

@@ -642,13 +642,17 @@ impl Active {
         crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
     }
 
-    /// Puts the most recently used loaded tables (at most `max_bytes`)
+    /// Fails if some metadata is not written back (call
+    /// [`Active::close`] first).
+    pub(crate) fn written_back(&self) -> Result<(), Error> {
+        self.read_state().written_back()
+    }
+
+    /// Puts the most recently used clean tables (at most `max_bytes`)
     /// into the unified cache for readers of the image as a backing
-    /// layer, after dropping the cache's older slices of the image; fails
-    /// if some metadata is not written back (call [`Active::close`]
-    /// first).
-    pub(crate) fn publish_loaded(&self, max_bytes: u64) -> Result<(), Error> {
-        self.read_state().publish_loaded(max_bytes)
+    /// layer.
+    pub(crate) fn publish_recent(&self, max_bytes: u64) {
+        self.read_state().publish_recent(max_bytes);
     }
 
     /// Flushes, gives the spare clusters back and, with lazy refcounts,

@@ -674,23 +674,32 @@ impl ActiveState {
         resident > limit
     }
 
-    /// Hands the loaded tables over to readers of this image as a backing
-    /// layer (a live snapshot's successor): the most recently used tables,
-    /// up to `max_bytes`, go to the unified cache; the others are read
-    /// from the file when first needed. The work is bounded by
-    /// `max_bytes`, whatever the disk size and the cache's size: the
-    /// cache holds no stale slice of this image, since a table's slices
-    /// leave it when the table is loaded for changes
-    /// ([`ActiveState::forget_cached`]) and come back only as it is once
-    /// written. Fails, putting nothing, if a table has changes not yet
-    /// written to the file.
-    pub(crate) fn publish_loaded(&self, max_bytes: u64) -> Result<(), Error> {
+    /// Fails if a loaded table has changes not yet written to the file.
+    pub(crate) fn written_back(&self) -> Result<(), Error> {
         if self.l2.values().any(|s| s.dirty.any()) {
             return Err(self.top.err(ErrorKind::Io(std::io::Error::other(
                 "metadata not yet written back",
             ))));
         }
-        let mut recent: Vec<(u64, u64)> = self.l2.iter().map(|(o, s)| (s.used, *o)).collect();
+        Ok(())
+    }
+
+    /// Hands the loaded tables over to readers of this image as a backing
+    /// layer (after a live snapshot's switch): the most recently used
+    /// clean tables, up to `max_bytes`, go to the unified cache; the
+    /// others are read from the file when first needed. The work is
+    /// bounded by `max_bytes`, whatever the disk size and the cache's
+    /// size: the cache holds no stale slice of this image, since a
+    /// table's slices leave it when the table is loaded for changes
+    /// ([`ActiveState::forget_cached`]) and come back only as it is once
+    /// written, so nothing needs dropping first.
+    pub(crate) fn publish_recent(&self, max_bytes: u64) {
+        let mut recent: Vec<(u64, u64)> = self
+            .l2
+            .iter()
+            .filter(|(_, s)| !s.dirty.any())
+            .map(|(o, s)| (s.used, *o))
+            .collect();
         recent.sort_unstable_by(|a, b| b.cmp(a));
         let mut bytes = 0;
         for (_, offset) in recent {
@@ -703,7 +712,6 @@ impl ActiveState {
             }
             self.publish(offset, &slot.table);
         }
-        Ok(())
     }
 
     /// Drops the unified cache's slices of the table at `offset` (a

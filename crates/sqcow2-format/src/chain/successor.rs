@@ -22,26 +22,24 @@ use super::covering::IndexInUse;
 use super::resolved::ResolvedSlices;
 use super::{Chain, ChainOptions};
 
-/// Bytes of the old top's loaded tables handed to the unified cache inside
-/// a live snapshot's pause (copying all of them took 12 ms at 1 TiB).
-const PUBLISHED_IN_PAUSE: u64 = 1 << 20;
+/// Bytes of the old top's loaded tables handed to the unified cache after
+/// a live snapshot's switch (copying all of them took 12 ms at 1 TiB).
+const HANDED_OVER: u64 = 1 << 20;
 
 impl Chain {
     /// The chain whose top is `new_top`, an empty image created over this
     /// chain's top (which must be writable and have all its metadata
     /// written back: [`Chain::flush_clean`]). This chain's top becomes a
     /// backing layer (its image locks lowered to a reader's); the layers
-    /// below it, the unified cache (the old top's most recently used
-    /// tables put into it) and the index in use carry over, the old top walked above the
-    /// index until the new top's index is installed
-    /// ([`crate::indexing::build_index`]). Only the two tops' headers and
-    /// the old top's L1 table are read. On failure this chain stays as it
-    /// was.
+    /// below it, the unified cache and the index in use carry over, the
+    /// old top walked above the index until the new top's index is
+    /// installed ([`crate::indexing::build_index`]). Only the two tops'
+    /// headers and the old top's L1 table are read. On failure this chain
+    /// stays as it was. Once the switch is done (outside the guest's
+    /// pause), [`Chain::hand_over_tables`] gives the next chain the
+    /// tables this one used last.
     pub fn successor(&self, new_top: &Path, options: &ChainOptions) -> Result<Chain, Error> {
-        let active = self.active()?;
-        // Bounded work inside the guest's pause: the tables used last are
-        // handed over, the rest read from the file when first needed.
-        active.publish_loaded(PUBLISHED_IN_PAUSE)?;
+        self.active()?.written_back()?;
         let old = self.top();
         let old_at = self.top_index();
         let old_storage = old.storage().clone();
@@ -90,6 +88,16 @@ impl Chain {
             let _ = old_storage.lock(options.lock_request(true), options.locking);
         }
         built
+    }
+
+    /// Puts the tables this chain's top used last (at most 1 MiB) into the
+    /// unified cache, for the chain that follows it after a live snapshot
+    /// (bounded work; the other tables are read from the file when first
+    /// needed). Harmless at any time: only tables as written go there.
+    pub fn hand_over_tables(&self) {
+        if let Some(active) = &self.active {
+            active.publish_recent(HANDED_OVER);
+        }
     }
 
     fn successor_from(

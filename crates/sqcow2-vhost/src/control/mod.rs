@@ -332,6 +332,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     created.switched = true;
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
+    // The tables the old top used last, to the cache the new chain reads
+    // it through (outside the pause: 0.4-1.8 ms of copying at 1 TiB).
+    old.hand_over_tables();
     drop(old);
     shared.index_builder.wake();
     shared
