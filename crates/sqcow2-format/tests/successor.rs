@@ -29,7 +29,10 @@ fn read(chain: &Chain, offset: u64) -> Vec<u8> {
 fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
     chain.flush_clean().expect("flush_clean");
     indexing::snapshot_over(chain, top, new).expect("new top");
-    let next = chain.successor(new, &options(true)).expect("successor");
+    let prepared = chain
+        .prepare_successor(new, &options(true))
+        .expect("prepare");
+    let next = chain.successor(prepared, &options(true)).expect("successor");
     chain.hand_over_tables();
     next
 }
@@ -75,4 +78,46 @@ fn the_next_chain_sees_a_table_changed_after_the_cache_took_it() {
     for region in 1..25u64 {
         assert!(read(&next, region * 512 * MIB) == vec![0xB0; 4096]);
     }
+}
+
+/// A new top prepared while the guest runs carries its journal (made
+/// before the pause, since it costs a sync), which the next chain takes;
+/// a preparation dropped unused removes it.
+#[test]
+fn a_prepared_top_brings_its_journal_or_removes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: GIB,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    let journal_of = |p: &Path| {
+        let mut name = p.file_name().unwrap().to_os_string();
+        name.push(".sqjournal");
+        p.with_file_name(name)
+    };
+    let chain = Chain::open(&top, &options(true)).unwrap();
+    chain.write_at(&[0xC1; 4096], 0).unwrap();
+
+    let unused = dir.path().join("unused.qcow2");
+    indexing::snapshot_over(&chain, &top, &unused).unwrap();
+    let prepared = chain.prepare_successor(&unused, &options(true)).unwrap();
+    assert!(journal_of(&unused).exists(), "journal made ahead");
+    drop(prepared);
+    assert!(!journal_of(&unused).exists(), "journal left behind");
+
+    let next_path = dir.path().join("next.qcow2");
+    let next = successor(&chain, &top, &next_path);
+    assert!(journal_of(&next_path).exists());
+    // The next chain journals its writes from the first one on.
+    next.write_at(&[0xC2; 4096], 2 * CLUSTER).unwrap();
+    assert!(next.journaled(), "the next chain writes without its journal");
+    assert!(read(&next, 0) == vec![0xC1; 4096]);
+    assert!(read(&next, 2 * CLUSTER) == vec![0xC2; 4096]);
+    next.close().unwrap();
+    assert!(!journal_of(&next_path).exists(), "a clean close ends the journal");
 }

@@ -27,6 +27,7 @@ use sqcow2_cache::{Policy, SliceCache, StatsSnapshot};
 pub(crate) use covering::backing_name as backing_name_of;
 pub use covering::Installed;
 pub use io::{InPlaceTarget, ReadExtent};
+pub use successor::PreparedTop;
 pub use walk::backing_path_of;
 
 /// Default limit on the number of layers in a chain.

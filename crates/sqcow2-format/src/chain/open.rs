@@ -309,7 +309,7 @@ impl Chain {
                 budget: options.cache_size,
                 summary: summary.clone(),
             };
-            Some(Active::open(&layers, link)?)
+            Some(Active::open(&layers, link, None)?)
         } else {
             None
         };

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::active::{Active, CacheLink};
+use crate::active::{Active, CacheLink, PreparedJournal};
 use crate::backing::resolve_backing_path;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
@@ -26,30 +26,38 @@ use super::{Chain, ChainOptions};
 /// a live snapshot's switch (copying all of them took 12 ms at 1 TiB).
 const HANDED_OVER: u64 = 1 << 20;
 
+/// The new top of a live snapshot, made ready while the guest runs: its
+/// file opened and checked to stand on the chain's top, its image lock
+/// taken, its mapping journal started (a sync). [`Chain::successor`]
+/// switches to it inside the pause.
+#[derive(Debug)]
+#[must_use = "prepared for Chain::successor; dropped unused, its journal is removed"]
+pub struct PreparedTop {
+    path: std::path::PathBuf,
+    layer: Qcow2Layer,
+    journal: PreparedJournal,
+    /// The file the new top names as its backing file.
+    backing_id: Option<(u64, u64)>,
+}
+
 impl Chain {
-    /// The chain whose top is `new_top`, an empty image created over this
-    /// chain's top (which must be writable and have all its metadata
-    /// written back: [`Chain::flush_clean`]). This chain's top becomes a
-    /// backing layer (its image locks lowered to a reader's); the layers
-    /// below it, the unified cache and the index in use carry over, the
-    /// old top walked above the index until the new top's index is
-    /// installed ([`crate::indexing::build_index`]). Only the two tops'
-    /// headers and the old top's L1 table are read. On failure this chain
-    /// stays as it was. Once the switch is done (outside the guest's
-    /// pause), [`Chain::hand_over_tables`] gives the next chain the
-    /// tables this one used last.
-    pub fn successor(&self, new_top: &Path, options: &ChainOptions) -> Result<Chain, Error> {
-        self.active()?.written_back()?;
+    /// Prepares `new_top`, an empty image created over this chain's top
+    /// (which must be writable), for [`Chain::successor`]: everything that
+    /// does not need the guest paused. Fails if the new top does not stand
+    /// on this chain's top or the chain would grow too deep.
+    pub fn prepare_successor(
+        &self,
+        new_top: &Path,
+        options: &ChainOptions,
+    ) -> Result<PreparedTop, Error> {
+        self.active()?;
         let old = self.top();
-        let old_at = self.top_index();
-        let old_storage = old.storage().clone();
-        let new_storage: Arc<dyn Storage> = Arc::new(
+        let storage: Arc<dyn Storage> = Arc::new(
             FileStorage::open_read_write(new_top).map_err(|e| Error::new(new_top, e.into()))?,
         );
-        let new_layer =
-            Qcow2Layer::open(new_top, new_storage.clone()).map_err(|k| Error::new(new_top, k))?;
+        let layer = Qcow2Layer::open(new_top, storage.clone()).map_err(|k| Error::new(new_top, k))?;
         // The new top must stand on this chain's top, nothing else.
-        let names_old = new_layer
+        let backing_id = layer
             .header()
             .backing_file
             .as_ref()
@@ -59,7 +67,7 @@ impl Chain {
                 use std::os::unix::fs::MetadataExt;
                 (m.dev(), m.ino())
             });
-        if names_old.is_none() || names_old != old_storage.file_id() {
+        if backing_id.is_none() || backing_id != old.storage().file_id() {
             return Err(Error::new(
                 new_top,
                 ErrorKind::Io(std::io::Error::other(format!(
@@ -68,7 +76,7 @@ impl Chain {
                 ))),
             ));
         }
-        if old_at.0 + 2 > options.max_layers {
+        if self.top_index().0 + 2 > options.max_layers {
             return Err(Error::new(
                 new_top,
                 ErrorKind::ChainTooDeep {
@@ -76,13 +84,46 @@ impl Chain {
                 },
             ));
         }
-        new_storage
+        storage
             .lock(options.lock_request(true), options.locking)
             .map_err(|k| Error::new(new_top, k))?;
+        let journal = PreparedJournal::start(new_top, &*storage, layer.header());
+        Ok(PreparedTop {
+            path: new_top.to_path_buf(),
+            layer,
+            journal,
+            backing_id,
+        })
+    }
+
+    /// The chain whose top is `prepared` ([`Chain::prepare_successor`]),
+    /// made inside the guest's pause. This chain's top must have all its
+    /// metadata written back ([`Chain::flush_clean`]); it becomes a
+    /// backing layer (its image locks lowered to a reader's); the layers
+    /// below it, the unified cache and the index in use carry over, the
+    /// old top walked above the index until the new top's index is
+    /// installed ([`crate::indexing::build_index`]). Only the old top's
+    /// header and L1 table are read. On failure this chain stays as it
+    /// was. Once the switch is done (outside the guest's pause),
+    /// [`Chain::hand_over_tables`] gives the next chain the tables this
+    /// one used last.
+    pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
+        self.active()?.written_back()?;
+        let old = self.top();
+        let old_storage = old.storage().clone();
+        if prepared.backing_id != old_storage.file_id() {
+            return Err(Error::new(
+                &prepared.path,
+                ErrorKind::Io(std::io::Error::other(format!(
+                    "prepared over another top than {}",
+                    old.path().display()
+                ))),
+            ));
+        }
         old_storage
             .lock(options.lock_request(false), options.locking)
             .map_err(|k| Error::new(old.path(), k))?;
-        let built = self.successor_from(new_layer, options);
+        let built = self.successor_from(prepared, options);
         if built.is_err() {
             // Still this chain's writable top.
             let _ = old_storage.lock(options.lock_request(true), options.locking);
@@ -102,9 +143,15 @@ impl Chain {
 
     fn successor_from(
         &self,
-        new_layer: Qcow2Layer,
+        prepared: PreparedTop,
         options: &ChainOptions,
     ) -> Result<Chain, Error> {
+        let PreparedTop {
+            path: _,
+            layer: new_layer,
+            journal,
+            backing_id: _,
+        } = prepared;
         let old = self.top();
         // Its L1 table kept: the first lookups after the pause walk it
         // (pending until the new top's index is installed), from queue
@@ -157,7 +204,7 @@ impl Chain {
             budget: options.cache_size,
             summary: summary.clone(),
         };
-        let active = Active::open(&layers, link)?;
+        let active = Active::open(&layers, link, Some(journal))?;
         let data_reads = (0..layers.len())
             .map(|i| {
                 let before = self

@@ -282,6 +282,11 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         index: created.index,
         switched: false,
     };
+    // Opened, locked and given its mapping journal (a sync) before the
+    // pause too.
+    let next_top = current
+        .prepare_successor(&created.path, &shared.options)
+        .map_err(new_top_failure)?;
     // Then most dirty metadata written back while the guest still runs
     // (lazy refcounts included), as late as possible: the flush inside
     // the pause syncs only what was written after it. A clean close, not
@@ -316,13 +321,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         )
     })?;
     let flushed = start.elapsed();
-    let chain = old.successor(&created.path, &shared.options).map_err(|e| {
-        let kind = match e.kind {
-            sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
-            _ => FailureKind::SnapshotFailed,
-        };
-        fail(kind, format!("opening the new top: {e}"))
-    })?;
+    let chain = old
+        .successor(next_top, &shared.options)
+        .map_err(new_top_failure)?;
     let layers = chain.layers().len();
     let indexed = chain.is_indexed();
     let old = {
@@ -359,6 +360,15 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         started_unix_us,
         paused_unix_us,
     })
+}
+
+/// A live snapshot's new top could not be taken on.
+fn new_top_failure(e: sqcow2_format::Error) -> Failure {
+    let kind = match e.kind {
+        sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
+        _ => FailureKind::SnapshotFailed,
+    };
+    fail(kind, format!("opening the new top: {e}"))
 }
 
 /// Microseconds since the Unix epoch now.
