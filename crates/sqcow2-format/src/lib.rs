@@ -52,9 +52,8 @@ mod types;
 pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
 pub use chain::{
-    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed, PreparedTop,
-    ReadExtent,
-    DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,
+    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed,
+    PreparedTop, ReadExtent, DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,
 };
 pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};

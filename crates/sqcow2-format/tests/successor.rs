@@ -4,7 +4,9 @@
 
 use std::path::Path;
 
+use sqcow2_format::check::{check_storage, Repair};
 use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::storage::FileStorage;
 use sqcow2_format::{indexing, Chain, ChainOptions};
 
 const MIB: u64 = 1 << 20;
@@ -32,7 +34,9 @@ fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
     let prepared = chain
         .prepare_successor(new, &options(true))
         .expect("prepare");
-    let next = chain.successor(prepared, &options(true)).expect("successor");
+    let next = chain
+        .successor(prepared, &options(true))
+        .expect("successor");
     chain.hand_over_tables();
     next
 }
@@ -80,11 +84,12 @@ fn the_next_chain_sees_a_table_changed_after_the_cache_took_it() {
     }
 }
 
-/// A new top prepared while the guest runs carries its journal (made
-/// before the pause, since it costs a sync), which the next chain takes;
-/// a preparation dropped unused removes it.
+/// A new top prepared while the guest runs is taken for writing ahead:
+/// its journal started and spare clusters made (both cost syncs, which
+/// stay out of the pause); the next chain takes it as it is. A
+/// preparation dropped unused leaves the new top clean, its journal gone.
 #[test]
-fn a_prepared_top_brings_its_journal_or_removes_it() {
+fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     let dir = tempfile::tempdir().unwrap();
     let top = dir.path().join("top.qcow2");
     create(
@@ -100,24 +105,46 @@ fn a_prepared_top_brings_its_journal_or_removes_it() {
         name.push(".sqjournal");
         p.with_file_name(name)
     };
+    let len = |p: &Path| std::fs::metadata(p).unwrap().len();
     let chain = Chain::open(&top, &options(true)).unwrap();
     chain.write_at(&[0xC1; 4096], 0).unwrap();
 
     let unused = dir.path().join("unused.qcow2");
     indexing::snapshot_over(&chain, &top, &unused).unwrap();
+    let created = len(&unused);
     let prepared = chain.prepare_successor(&unused, &options(true)).unwrap();
     assert!(journal_of(&unused).exists(), "journal made ahead");
+    assert!(len(&unused) > created, "no spare clusters made ahead");
     drop(prepared);
     assert!(!journal_of(&unused).exists(), "journal left behind");
+    assert_eq!(len(&unused), created, "spare clusters left behind");
+    let report = check_storage(
+        &unused,
+        std::sync::Arc::new(FileStorage::open_read_only(&unused).unwrap()),
+        Repair::None,
+    )
+    .unwrap();
+    assert_eq!(
+        (report.corruptions, report.leaks, report.check_errors),
+        (0, 0, 0),
+        "unused new top: {:?}",
+        report.messages
+    );
 
     let next_path = dir.path().join("next.qcow2");
     let next = successor(&chain, &top, &next_path);
     assert!(journal_of(&next_path).exists());
     // The next chain journals its writes from the first one on.
     next.write_at(&[0xC2; 4096], 2 * CLUSTER).unwrap();
-    assert!(next.journaled(), "the next chain writes without its journal");
+    assert!(
+        next.journaled(),
+        "the next chain writes without its journal"
+    );
     assert!(read(&next, 0) == vec![0xC1; 4096]);
     assert!(read(&next, 2 * CLUSTER) == vec![0xC2; 4096]);
     next.close().unwrap();
-    assert!(!journal_of(&next_path).exists(), "a clean close ends the journal");
+    assert!(
+        !journal_of(&next_path).exists(),
+        "a clean close ends the journal"
+    );
 }

@@ -38,7 +38,7 @@ use crate::refcount::reserve_clusters;
 use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
-pub(crate) use open::{replay_journal, CacheLink, PreparedJournal};
+pub(crate) use open::{replay_journal, CacheLink};
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use state::{ActiveState, InPlace, TopFile};
 
@@ -610,6 +610,17 @@ impl Active {
                 st.refill_failed(&failed);
             }
         }
+    }
+
+    /// Makes the largest batch of spare clusters now (for a top that is
+    /// about to take a burst of allocating writes: a live snapshot's new
+    /// top, prepared before the guest's pause), so that the first writes
+    /// after the switch find spares rather than wait for a table's sync.
+    pub(crate) fn prefill_spares(&self) {
+        if let Ok(mut st) = self.write_state() {
+            st.spares.want_full_batch();
+        }
+        self.refill_spares();
     }
 
     /// Writes metadata back without taking releases, when dirty tables

@@ -42,17 +42,9 @@ pub(crate) struct CacheLink {
 }
 
 impl Active {
-    /// Takes the top of freshly opened `layers` (base first) for writing,
-    /// with the mapping journal `prepared` for it if there is one (else
-    /// one is started here).
-    pub(crate) fn open(
-        layers: &[Layer],
-        link: CacheLink,
-        prepared: Option<PreparedJournal>,
-    ) -> Result<Active, Error> {
-        let Some(top) = layers.last() else {
-            return Err(Error::new("", ErrorKind::BadMagic(0)));
-        };
+    /// Takes `top`, a freshly opened layer (with layers below it if
+    /// `has_backing`), for writing.
+    pub(crate) fn open(top: &Layer, has_backing: bool, link: CacheLink) -> Result<Active, Error> {
         let Some(header) = top.header() else {
             return Err(Error::new(top.path(), ErrorKind::BadMagic(0)));
         };
@@ -92,7 +84,7 @@ impl Active {
             geometry: header.geometry,
             version: header.version,
             lazy_refcounts: header.lazy_refcounts(),
-            has_backing: layers.len() > 1,
+            has_backing,
             cache: link.cache,
             source: link.source,
             slice_size: link.slice_size,
@@ -100,22 +92,9 @@ impl Active {
             summary: link.summary,
             faults: crate::fault::Faults::default(),
         });
-        if let Some(p) = &prepared {
-            // The feature words it wrote (the layer was read before).
-            (header.features.incompatible, header.features.autoclear) = p.features;
-        }
         let state = ActiveState::open(top.clone(), header)?;
         let active = Active::with(top, state, len);
-        match prepared {
-            Some(mut p) => {
-                if let Some(journal) = p.journal.take() {
-                    let mut st = active.write_state_anyway();
-                    st.dirty_bit_on_disk = true;
-                    st.journal = Some(journal);
-                }
-            }
-            None => active.start_journal(),
-        }
+        active.start_journal();
         Ok(active)
     }
 
@@ -130,104 +109,35 @@ impl Active {
         if top.version != Version::V3 {
             return;
         }
-        let features = match self.write_state() {
-            Ok(st) => (st.header.features.incompatible, st.header.features.autoclear),
+        let fail = |e: &dyn std::fmt::Display| {
+            tracing::warn!(
+                path = %top.path.display(),
+                error = %e,
+                "no mapping journal: each allocating write is published (synced) before it completes"
+            );
+        };
+        let journal = match Journal::create(&top.path, top.storage.file_id()) {
+            Ok(j) => Arc::new(j),
+            Err(e) => return fail(&e),
+        };
+        let (incompatible, autoclear) = match self.write_state() {
+            Ok(st) => (
+                st.header.features.incompatible | INCOMPAT_DIRTY,
+                st.header.features.autoclear | AUTOCLEAR_JOURNAL,
+            ),
             Err(_) => return,
         };
-        let Some((journal, (incompatible, autoclear))) =
-            new_journal(&top.path, &*top.storage, features)
-        else {
-            return;
-        };
-        let Ok(mut st) = self.write_state() else {
+        if let Err(e) = top.write_feature_bits(incompatible, autoclear) {
             journal.remove();
+            return fail(&e);
+        }
+        let Ok(mut st) = self.write_state() else {
             return;
         };
         st.header.features.incompatible = incompatible;
         st.header.features.autoclear = autoclear;
         st.dirty_bit_on_disk = true;
         st.journal = Some(journal);
-    }
-}
-
-/// A new, empty journal for the image at `path` whose feature words are
-/// `features`, with the image's dirty bit and journal bit set durably;
-/// the words written. `None` (logged) when the journal cannot be made:
-/// every change is then published before it completes.
-fn new_journal(
-    path: &Path,
-    storage: &dyn Storage,
-    (incompatible, autoclear): (u64, u64),
-) -> Option<(Arc<Journal>, (u64, u64))> {
-    let fail = |e: &dyn std::fmt::Display| {
-        tracing::warn!(
-            path = %path.display(),
-            error = %e,
-            "no mapping journal: each allocating write is published (synced) before it completes"
-        );
-    };
-    let journal = match Journal::create(path, storage.file_id()) {
-        Ok(j) => Arc::new(j),
-        Err(e) => {
-            fail(&e);
-            return None;
-        }
-    };
-    let words = (incompatible | INCOMPAT_DIRTY, autoclear | AUTOCLEAR_JOURNAL);
-    let written = storage
-        .write_at(&words.0.to_be_bytes(), field::INCOMPATIBLE_FEATURES as u64)
-        .and_then(|()| storage.write_at(&words.1.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64))
-        .and_then(|()| storage.sync());
-    if let Err(e) = written {
-        journal.remove();
-        fail(&e);
-        return None;
-    }
-    Some((journal, words))
-}
-
-/// The mapping journal of an image not yet taken for writing, started
-/// ahead (a live snapshot prepares the new top's before the guest's
-/// pause, since it costs a sync): the journal file made, the image's
-/// dirty bit and journal bit set durably. [`Active::open`] takes it;
-/// dropped unused, it removes the journal file.
-#[derive(Debug)]
-#[must_use = "dropped unused, the journal file is removed"]
-pub(crate) struct PreparedJournal {
-    journal: Option<Arc<Journal>>,
-    /// The feature words written (incompatible, autoclear).
-    features: (u64, u64),
-}
-
-impl PreparedJournal {
-    /// Starts the journal of the image at `path` (read from `storage`,
-    /// whose header is `header`), as [`Active::open`] would.
-    pub(crate) fn start(path: &Path, storage: &dyn Storage, header: &crate::Header) -> Self {
-        let features = (header.features.incompatible, header.features.autoclear);
-        if header.version != Version::V3 {
-            return PreparedJournal {
-                journal: None,
-                features,
-            };
-        }
-        match new_journal(path, storage, features) {
-            Some((journal, features)) => PreparedJournal {
-                journal: Some(journal),
-                features,
-            },
-            None => PreparedJournal {
-                journal: None,
-                features,
-            },
-        }
-    }
-}
-
-impl Drop for PreparedJournal {
-    fn drop(&mut self) {
-        if let Some(journal) = self.journal.take() {
-            journal.remove();
-        }
     }
 }
 

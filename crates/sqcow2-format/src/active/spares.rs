@@ -86,6 +86,13 @@ impl Spares {
         n
     }
 
+    /// Asks for the largest batch at the next refill (a top prepared for
+    /// a burst of allocations, as after a live snapshot's switch).
+    pub(crate) fn want_full_batch(&mut self) {
+        self.wanted = true;
+        self.batch = self.max_batch;
+    }
+
     /// Preparing a batch failed (a full filesystem): start small again.
     pub(crate) fn failed(&mut self) {
         self.batch = FIRST_BATCH.min(self.max_batch);

@@ -309,7 +309,10 @@ impl Chain {
                 budget: options.cache_size,
                 summary: summary.clone(),
             };
-            Some(Active::open(&layers, link, None)?)
+            let top = layers
+                .last()
+                .ok_or_else(|| Error::new(path, ErrorKind::BadMagic(0)))?;
+            Some(Active::open(top, layers.len() > 1, link)?)
         } else {
             None
         };

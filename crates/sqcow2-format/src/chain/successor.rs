@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::active::{Active, CacheLink, PreparedJournal};
+use crate::active::{Active, CacheLink};
 use crate::backing::resolve_backing_path;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
@@ -28,16 +28,32 @@ const HANDED_OVER: u64 = 1 << 20;
 
 /// The new top of a live snapshot, made ready while the guest runs: its
 /// file opened and checked to stand on the chain's top, its image lock
-/// taken, its mapping journal started (a sync). [`Chain::successor`]
-/// switches to it inside the pause.
+/// taken, taken for writing (its mapping journal started, its first spare
+/// clusters made). [`Chain::successor`] switches to it inside the pause;
+/// dropped unused, it is closed clean.
 #[derive(Debug)]
-#[must_use = "prepared for Chain::successor; dropped unused, its journal is removed"]
+#[must_use = "prepared for Chain::successor"]
 pub struct PreparedTop {
     path: std::path::PathBuf,
-    layer: Qcow2Layer,
-    journal: PreparedJournal,
+    layer: Layer,
+    active: Option<Active>,
+    /// Regions of the new top known to be empty, kept up to date by its
+    /// writes (used if an index covers the layers below at the switch).
+    summary: Option<Arc<TopSummary>>,
+    /// Its place in the next chain.
+    at: LayerIndex,
     /// The file the new top names as its backing file.
     backing_id: Option<(u64, u64)>,
+}
+
+impl Drop for PreparedTop {
+    fn drop(&mut self) {
+        if let Some(active) = self.active.take() {
+            if let Err(e) = active.close(&TransferFence::default()) {
+                tracing::warn!(path = %self.path.display(), error = %e, "closing an unused new top");
+            }
+        }
+    }
 }
 
 impl Chain {
@@ -55,7 +71,8 @@ impl Chain {
         let storage: Arc<dyn Storage> = Arc::new(
             FileStorage::open_read_write(new_top).map_err(|e| Error::new(new_top, e.into()))?,
         );
-        let layer = Qcow2Layer::open(new_top, storage.clone()).map_err(|k| Error::new(new_top, k))?;
+        let layer =
+            Qcow2Layer::open(new_top, storage.clone()).map_err(|k| Error::new(new_top, k))?;
         // The new top must stand on this chain's top, nothing else.
         let backing_id = layer
             .header()
@@ -87,11 +104,28 @@ impl Chain {
         storage
             .lock(options.lock_request(true), options.locking)
             .map_err(|k| Error::new(new_top, k))?;
-        let journal = PreparedJournal::start(new_top, &*storage, layer.header());
+        let at = LayerIndex(self.top_index().0 + 1);
+        let summary = layer
+            .l1()
+            .and_then(|l1| TopSummary::build(layer.header(), l1, &*storage, options.slice_size))
+            .ok()
+            .map(Arc::new);
+        let layer = Layer::Qcow2(layer);
+        let link = CacheLink {
+            cache: self.cache.clone(),
+            source: Source::Layer(at.0 as u32),
+            slice_size: self.slice_size,
+            budget: options.cache_size,
+            summary: summary.clone(),
+        };
+        let active = Active::open(&layer, true, link)?;
+        active.prefill_spares();
         Ok(PreparedTop {
             path: new_top.to_path_buf(),
             layer,
-            journal,
+            active: Some(active),
+            summary,
+            at,
             backing_id,
         })
     }
@@ -111,7 +145,7 @@ impl Chain {
         self.active()?.written_back()?;
         let old = self.top();
         let old_storage = old.storage().clone();
-        if prepared.backing_id != old_storage.file_id() {
+        if prepared.backing_id != old_storage.file_id() || prepared.at.0 != self.top_index().0 + 1 {
             return Err(Error::new(
                 &prepared.path,
                 ErrorKind::Io(std::io::Error::other(format!(
@@ -123,7 +157,7 @@ impl Chain {
         old_storage
             .lock(options.lock_request(false), options.locking)
             .map_err(|k| Error::new(old.path(), k))?;
-        let built = self.successor_from(prepared, options);
+        let built = self.successor_from(prepared);
         if built.is_err() {
             // Still this chain's writable top.
             let _ = old_storage.lock(options.lock_request(true), options.locking);
@@ -141,17 +175,14 @@ impl Chain {
         }
     }
 
-    fn successor_from(
-        &self,
-        prepared: PreparedTop,
-        options: &ChainOptions,
-    ) -> Result<Chain, Error> {
-        let PreparedTop {
-            path: _,
-            layer: new_layer,
-            journal,
-            backing_id: _,
-        } = prepared;
+    fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {
+        let mut prepared = prepared;
+        let Some(active) = prepared.active.take() else {
+            return Err(Error::new(
+                &prepared.path,
+                ErrorKind::Io(std::io::Error::other("new top already used")),
+            ));
+        };
         let old = self.top();
         // Its L1 table kept: the first lookups after the pause walk it
         // (pending until the new top's index is installed), from queue
@@ -160,7 +191,7 @@ impl Chain {
             .map_err(|k| Error::new(old.path(), k))?;
         let mut layers: Vec<Layer> = self.layers[..self.top_index().0].to_vec();
         layers.push(Layer::Qcow2(reopened));
-        layers.push(Layer::Qcow2(new_layer));
+        layers.push(prepared.layer.clone());
         let top = LayerIndex(layers.len() - 1);
         let top_geometry = layers[top.0]
             .header()
@@ -187,24 +218,9 @@ impl Chain {
                 .min(granularity_bits(&layers, top.0 - 1))
                 .min(index_bits)
         };
-        let summary = match (&covering, &layers[top.0]) {
-            (Some(_), Layer::Qcow2(q)) => q
-                .l1()
-                .and_then(|l1| {
-                    TopSummary::build(q.header(), l1, &**q.storage(), options.slice_size)
-                })
-                .ok()
-                .map(Arc::new),
-            _ => None,
-        };
-        let link = CacheLink {
-            cache: self.cache.clone(),
-            source: Source::Layer(top.0 as u32),
-            slice_size: self.slice_size,
-            budget: options.cache_size,
-            summary: summary.clone(),
-        };
-        let active = Active::open(&layers, link, Some(journal))?;
+        // The chain answers from the new top's summary only with an index
+        // (its fast path for regions the top never wrote).
+        let summary = covering.as_ref().and(prepared.summary.clone());
         let data_reads = (0..layers.len())
             .map(|i| {
                 let before = self

@@ -292,7 +292,10 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // the pause syncs only what was written after it. A clean close, not
     // a plain flush: tried, a plain flush left the in-pause close a data
     // sync of everything written during it (pause p99 558 ms at 50 GiB
-    // under random writes, against 8 ms).
+    // under random writes, against 8 ms); and a flush that also writes
+    // the lazy refcounts but keeps the journal and the spare clusters
+    // left the in-pause close ending the journal and giving the spares
+    // back (flush step 6-11 ms at 50 GiB, against 0.5 ms).
     current.flush_clean().map_err(|e| {
         fail(
             FailureKind::IoError,
