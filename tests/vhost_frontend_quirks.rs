@@ -79,6 +79,26 @@ fn wait_used(mem: &Mem, mock: &MockSplitQueue<'_, Mem>, want: u16) {
     }
 }
 
+/// Tells the daemon where queue 0's rings are (`mock`, in guest memory
+/// mapped at `host` in this process) and that it starts at index 0.
+fn place_vring(fe: &mut Frontend, mock: &MockSplitQueue<'_, Mem>, host: u64) {
+    fe.set_vring_num(0, QSIZE).unwrap();
+    fe.set_vring_addr(
+        0,
+        &VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: host + mock.desc_table_addr().0,
+            used_ring_addr: host + mock.used_addr().0,
+            avail_ring_addr: host + mock.avail_addr().0,
+            log_addr: None,
+        },
+    )
+    .unwrap();
+    fe.set_vring_base(0, 0).unwrap();
+}
+
 fn header(mem: &Mem, t: u32, sector: u64) {
     let mut h = [0u8; 16];
     h[..4].copy_from_slice(&t.to_le_bytes());
@@ -133,21 +153,7 @@ fn cloud_hypervisor_style_frontend() {
 
     fe.set_mem_table(&[guest.region()]).unwrap();
     let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
-    fe.set_vring_num(0, QSIZE).unwrap();
-    fe.set_vring_addr(
-        0,
-        &VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: host + mock.desc_table_addr().0,
-            used_ring_addr: host + mock.used_addr().0,
-            avail_ring_addr: host + mock.avail_addr().0,
-            log_addr: None,
-        },
-    )
-    .unwrap();
-    fe.set_vring_base(0, 0).unwrap();
+    place_vring(&mut fe, &mock, host);
     let kick = EventFd::new(0).unwrap();
     fe.set_vring_kick(0, &kick).unwrap();
     // No SET_VRING_CALL: the queue has no interrupt vector.
@@ -217,21 +223,7 @@ fn a_driver_without_event_idx_is_interrupted_only_for_completions() {
         .unwrap();
     fe.set_mem_table(&[guest.region()]).unwrap();
     let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
-    fe.set_vring_num(0, QSIZE).unwrap();
-    fe.set_vring_addr(
-        0,
-        &VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: host + mock.desc_table_addr().0,
-            used_ring_addr: host + mock.used_addr().0,
-            avail_ring_addr: host + mock.avail_addr().0,
-            log_addr: None,
-        },
-    )
-    .unwrap();
-    fe.set_vring_base(0, 0).unwrap();
+    place_vring(&mut fe, &mock, host);
     let call = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
     fe.set_vring_call(0, &call).unwrap();
     let kick = EventFd::new(0).unwrap();
