@@ -177,12 +177,6 @@ impl Chain {
 
     fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {
         let mut prepared = prepared;
-        let Some(active) = prepared.active.take() else {
-            return Err(Error::new(
-                &prepared.path,
-                ErrorKind::Io(std::io::Error::other("new top already used")),
-            ));
-        };
         let old = self.top();
         // Its L1 table kept: the first lookups after the pause walk it
         // (pending until the new top's index is installed), from queue
@@ -221,6 +215,14 @@ impl Chain {
         // The chain answers from the new top's summary only with an index
         // (its fast path for regions the top never wrote).
         let summary = covering.as_ref().and(prepared.summary.clone());
+        // Taken last: on any failure before, dropping `prepared` closes
+        // the new top clean.
+        let Some(active) = prepared.active.take() else {
+            return Err(Error::new(
+                &prepared.path,
+                ErrorKind::Io(std::io::Error::other("new top already used")),
+            ));
+        };
         let data_reads = (0..layers.len())
             .map(|i| {
                 let before = self
