@@ -405,6 +405,51 @@ fn crash_at_every_point_of_the_log() {
     assert!(points >= 1000 || seeds < 8, "only {points} crash points");
 }
 
+/// A writer of `top` (whose bytes are `model`) that flushes once, then
+/// makes 60 writes and zeroes from `rng` with the journal on (publishing
+/// only when the chain asks) and dies: nothing closed or written back.
+/// Returns the bytes its completed writes left.
+fn die_with_journal(
+    top: &Path,
+    mut model: Vec<u8>,
+    cfg: &Config,
+    rng: &mut fastrand::Rng,
+    ctx: &str,
+) -> Vec<u8> {
+    // No image locks: the "dead" writer keeps its descriptors.
+    let writer = ChainOptions {
+        writable: true,
+        locking: sqcow2_format::Locking::Off,
+        ..ChainOptions::default()
+    };
+    let chain = Chain::open(top, &writer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    assert!(chain.journaled(), "{ctx}: no journal");
+    // A flush first (the tables exist and spares are made), then
+    // writes and zeroes, published only when the chain says so.
+    chain.write_at(&[0x77; 4096], 0).unwrap();
+    model[..4096].fill(0x77);
+    chain.flush().unwrap();
+    for op in workload(rng, cfg.cluster, 60) {
+        match op {
+            GuestOp::Write { offset, data } => {
+                chain.write_at(&data, offset).unwrap();
+                model[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+            }
+            GuestOp::Zero { offset, len } => {
+                chain.write_zeroes(offset, len, false).unwrap();
+                model[offset as usize..(offset + len) as usize].fill(0);
+            }
+            GuestOp::Flush => {}
+        }
+        if chain.needs_publish() {
+            chain.publish().unwrap();
+        }
+    }
+    // The process dies: nothing is closed or written back.
+    std::mem::forget(chain);
+    model
+}
+
 /// A process death with writes since the last flush and none published:
 /// every completed write is in the journal. Read-only (no replay), the
 /// image shows the state of its last checkpoint, consistent for QEMU; a
@@ -435,43 +480,12 @@ fn a_process_death_keeps_every_completed_write_through_the_journal() {
         let top = dir.join("top.qcow2");
         let raw = dir.join("initial.raw");
         qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-        let mut model = std::fs::read(&raw).unwrap();
+        let model = std::fs::read(&raw).unwrap();
         let rw = ChainOptions {
             writable: true,
             ..ChainOptions::default()
         };
-        {
-            // No image locks: the "dead" writer keeps its descriptors.
-            let writer = ChainOptions {
-                locking: sqcow2_format::Locking::Off,
-                ..rw.clone()
-            };
-            let chain = Chain::open(&top, &writer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-            assert!(chain.journaled(), "{ctx}: no journal");
-            // A flush first (the tables exist and spares are made), then
-            // writes and zeroes, published only when the chain says so.
-            chain.write_at(&[0x77; 4096], 0).unwrap();
-            model[..4096].fill(0x77);
-            chain.flush().unwrap();
-            for op in workload(&mut rng, cfg.cluster, 60) {
-                match op {
-                    GuestOp::Write { offset, data } => {
-                        chain.write_at(&data, offset).unwrap();
-                        model[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
-                    }
-                    GuestOp::Zero { offset, len } => {
-                        chain.write_zeroes(offset, len, false).unwrap();
-                        model[offset as usize..(offset + len) as usize].fill(0);
-                    }
-                    GuestOp::Flush => {}
-                }
-                if chain.needs_publish() {
-                    chain.publish().unwrap();
-                }
-            }
-            // The process dies: nothing is closed or written back.
-            std::mem::forget(chain);
-        }
+        let model = die_with_journal(&top, model, &cfg, &mut rng, &ctx);
         let read = |opts: &ChainOptions| {
             let chain = Chain::open(&top, opts).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
             let mut got = vec![0u8; SIZE as usize];
@@ -567,4 +581,64 @@ fn a_journal_is_not_replayed_after_qemu_wrote_the_image() {
     chain.close().unwrap();
     let (code, out) = qemu_check_code(&top);
     assert_eq!(code, Some(0), "{out}");
+}
+
+/// After a process death, `sqcow2 check` (read-only) says that completed
+/// writes wait in the journal, and `check -r all` applies them before it
+/// repairs, as a read-write open would: QEMU, which does not know the
+/// journal, then reads every completed write and finds the image clean.
+#[test]
+fn check_with_repair_applies_a_dead_writers_journal() {
+    for seed in 0..2u64 {
+        let mut rng = fastrand::Rng::with_seed(2000 + seed);
+        let cfg = Config {
+            cluster: 4096,
+            lazy: seed == 1,
+            extended_l2: false,
+            v2: false,
+            snapshot: false,
+        };
+        let ctx = format!("seed {seed} {cfg:?}");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        prepare(dir, &cfg);
+        let top = dir.join("top.qcow2");
+        let raw = dir.join("initial.raw");
+        qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
+        let model = std::fs::read(&raw).unwrap();
+        let model = die_with_journal(&top, model, &cfg, &mut rng, &ctx);
+        let journal = dir.join("top.qcow2.sqjournal");
+        assert!(journal.exists(), "{ctx}: no journal left");
+
+        let off = sqcow2_format::Locking::Off;
+        let report = check(&top, Repair::None, off, false).unwrap();
+        assert!(
+            report.messages.iter().any(|m| m.contains("journal")),
+            "{ctx}: the read-only check does not mention the journal: {:?}",
+            report.messages
+        );
+        let report = check(&top, Repair::All, off, false).unwrap();
+        assert_eq!(
+            (report.corruptions, report.leaks),
+            (0, 0),
+            "{ctx}: after check -r all: {:?}",
+            report.messages
+        );
+        assert!(!journal.exists(), "{ctx}: the journal is still there");
+        let after = dir.join("after.raw");
+        qemu_img(&["convert", "-U", "-O", "raw", s(&top), s(&after)]);
+        let got = std::fs::read(&after).unwrap();
+        if let Some(b) = got.iter().zip(&model).position(|(a, m)| a != m) {
+            panic!(
+                "{ctx}: after check -r all QEMU reads {:#x} at byte {b}, the last completed write left {:#x}",
+                got[b], model[b]
+            );
+        }
+        let (code, out) = qemu_check_code(&top);
+        assert_eq!(
+            code,
+            Some(0),
+            "{ctx}: qemu-img check after check -r all:\n{out}"
+        );
+    }
 }

@@ -426,7 +426,28 @@ pub fn check(
         (s, LockRequest::WRITER)
     };
     storage.lock(lock, locking).map_err(e)?;
-    check_storage(path, Arc::new(storage), repair)
+    // A writer that died leaves the mappings of its last completed writes
+    // in its journal: a full repair applies them first, as a read-write
+    // open would (then QEMU, which does not know the journal, reads them
+    // too); otherwise the report says they are not counted.
+    let mut notes = Vec::new();
+    let pending = crate::active::pending_journal(path, &storage).filter(|n| *n > 0);
+    if repair == Repair::All {
+        let applied = crate::active::replay_journal(path, &storage).map_err(e)?;
+        crate::active::end_journal(path, &storage).map_err(e)?;
+        if applied > 0 {
+            notes.push(format!(
+                "Applied {applied} mapping changes from the journal of a writer that did not close the image"
+            ));
+        }
+    } else if let Some(n) = pending {
+        notes.push(format!(
+            "{n} mapping changes of a writer that did not close the image are in its journal, not yet in the tables: this report is without them (a read-write open or `check -r all` applies them)"
+        ));
+    }
+    let mut report = check_storage(path, Arc::new(storage), repair)?;
+    report.messages.splice(0..0, notes);
+    Ok(report)
 }
 
 /// Reads and validates the header of an image in `storage`.

@@ -38,7 +38,7 @@ use crate::refcount::reserve_clusters;
 use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
-pub(crate) use open::{replay_journal, CacheLink};
+pub(crate) use open::{end_journal, pending_journal, replay_journal, CacheLink};
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use state::{ActiveState, InPlace, TopFile};
 

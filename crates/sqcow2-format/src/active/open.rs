@@ -150,20 +150,20 @@ impl Active {
 /// goes), and the image is synced again. The image carries the dirty bit
 /// (a journal implies it), so its refcounts are repaired next
 /// ([`Active::open`]).
-pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<(), ErrorKind> {
+pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize, ErrorKind> {
     // A header that does not parse is reported by the open that follows.
     let Ok(header) = read_header(storage) else {
-        return Ok(());
+        return Ok(0);
     };
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
-        return Ok(());
+        return Ok(0);
     }
     let replay = match journal::read(path, storage.file_id()) {
         Ok(Some(r)) if !r.writes.is_empty() => r,
-        Ok(_) => return Ok(()),
+        Ok(_) => return Ok(0),
         Err(io) => {
             tracing::warn!(path = %path.display(), error = %io, "could not read the journal: not replayed");
-            return Ok(());
+            return Ok(0);
         }
     };
     storage.sync()?;
@@ -208,5 +208,34 @@ pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<(), E
         torn = replay.skipped,
         "replayed the journal of a writer that did not close the image"
     );
-    Ok(())
+    Ok(applied)
+}
+
+/// Records of a dead writer's journal that a read-write open of the image
+/// at `path` would apply (this boot's and this file's), if it names one.
+pub(crate) fn pending_journal(path: &Path, storage: &dyn Storage) -> Option<usize> {
+    let header = read_header(storage).ok()?;
+    if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
+        return None;
+    }
+    journal::read(path, storage.file_id())
+        .ok()
+        .flatten()
+        .map(|r| r.writes.len())
+}
+
+/// Ends the journal of the image at `path` once its records are in the
+/// tables ([`replay_journal`]): the image stops naming it (synced), then
+/// the file goes.
+pub(crate) fn end_journal(path: &Path, storage: &dyn Storage) -> Result<(), ErrorKind> {
+    let header = read_header(storage)?;
+    if header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
+        let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
+        storage.write_at(&kept.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64)?;
+        storage.sync()?;
+    }
+    match std::fs::remove_file(journal::path_of(path)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+        _ => Ok(()),
+    }
 }
