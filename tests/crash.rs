@@ -171,6 +171,22 @@ fn process_death(top: &Path, live: &[u8], model: &[u8], lazy: bool, published: b
     read_back("after a reopen");
 }
 
+/// `got` holds the bytes every completed write left (`model`).
+fn assert_reads_model(got: &[u8], model: &[u8], what: &str) {
+    if let Some(b) = got.iter().zip(model).position(|(a, m)| a != m) {
+        panic!(
+            "{what}: byte {b} reads {:#x}, the last completed write left {:#x}",
+            got[b], model[b]
+        );
+    }
+}
+
+/// `qemu-img check` finds nothing wrong with `top`.
+fn assert_qemu_clean(top: &Path, what: &str) {
+    let (code, out) = qemu_check_code(top);
+    assert_eq!(code, Some(0), "{what}: qemu-img check:\n{out}");
+}
+
 fn qemu_check_code(top: &Path) -> (Option<i32>, String) {
     let out = run_raw(Command::new("qemu-img").args(["check", s(top)]));
     (
@@ -405,24 +421,28 @@ fn crash_at_every_point_of_the_log() {
     assert!(points >= 1000 || seeds < 8, "only {points} crash points");
 }
 
-/// A writer of `top` (whose bytes are `model`) that flushes once, then
-/// makes 60 writes and zeroes from `rng` with the journal on (publishing
-/// only when the chain asks) and dies: nothing closed or written back.
-/// Returns the bytes its completed writes left.
+/// A top prepared in `dir` for `cfg`, and a writer of it that flushes
+/// once, then makes 60 writes and zeroes from `rng` with the journal on
+/// (publishing only when the chain asks) and dies: nothing closed or
+/// written back. Returns the top and the bytes its completed writes left.
 fn die_with_journal(
-    top: &Path,
-    mut model: Vec<u8>,
+    dir: &Path,
     cfg: &Config,
     rng: &mut fastrand::Rng,
     ctx: &str,
-) -> Vec<u8> {
+) -> (std::path::PathBuf, Vec<u8>) {
+    prepare(dir, cfg);
+    let top = dir.join("top.qcow2");
+    let raw = dir.join("initial.raw");
+    qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
+    let mut model = std::fs::read(&raw).unwrap();
     // No image locks: the "dead" writer keeps its descriptors.
     let writer = ChainOptions {
         writable: true,
         locking: sqcow2_format::Locking::Off,
         ..ChainOptions::default()
     };
-    let chain = Chain::open(top, &writer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    let chain = Chain::open(&top, &writer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
     assert!(chain.journaled(), "{ctx}: no journal");
     // A flush first (the tables exist and spares are made), then
     // writes and zeroes, published only when the chain says so.
@@ -447,7 +467,7 @@ fn die_with_journal(
     }
     // The process dies: nothing is closed or written back.
     std::mem::forget(chain);
-    model
+    (top, model)
 }
 
 /// A process death with writes since the last flush and none published:
@@ -476,16 +496,11 @@ fn a_process_death_keeps_every_completed_write_through_the_journal() {
         let ctx = format!("seed {seed} {cfg:?}");
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
-        prepare(dir, &cfg);
-        let top = dir.join("top.qcow2");
-        let raw = dir.join("initial.raw");
-        qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-        let model = std::fs::read(&raw).unwrap();
         let rw = ChainOptions {
             writable: true,
             ..ChainOptions::default()
         };
-        let model = die_with_journal(&top, model, &cfg, &mut rng, &ctx);
+        let (top, model) = die_with_journal(dir, &cfg, &mut rng, &ctx);
         let read = |opts: &ChainOptions| {
             let chain = Chain::open(&top, opts).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
             let mut got = vec![0u8; SIZE as usize];
@@ -503,19 +518,8 @@ fn a_process_death_keeps_every_completed_write_through_the_journal() {
         if read(&ChainOptions::default()) != model {
             journal_mattered += 1;
         }
-        let got = read(&rw);
-        if let Some(b) = got.iter().zip(&model).position(|(a, m)| a != m) {
-            panic!(
-                "{ctx}: after the replay, byte {b} reads {:#x}, the last completed write left {:#x}",
-                got[b], model[b]
-            );
-        }
-        let (code, out) = qemu_check_code(&top);
-        assert_eq!(
-            code,
-            Some(0),
-            "{ctx}: qemu-img check after the replay:\n{out}"
-        );
+        assert_reads_model(&read(&rw), &model, &format!("{ctx}: after the replay"));
+        assert_qemu_clean(&top, &format!("{ctx}: after the replay"));
         assert!(
             !dir.join("top.qcow2.sqjournal").exists(),
             "{ctx}: a clean close leaves no journal"
@@ -601,12 +605,7 @@ fn check_with_repair_applies_a_dead_writers_journal() {
         let ctx = format!("seed {seed} {cfg:?}");
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
-        prepare(dir, &cfg);
-        let top = dir.join("top.qcow2");
-        let raw = dir.join("initial.raw");
-        qemu_img(&["convert", "-O", "raw", s(&top), s(&raw)]);
-        let model = std::fs::read(&raw).unwrap();
-        let model = die_with_journal(&top, model, &cfg, &mut rng, &ctx);
+        let (top, model) = die_with_journal(dir, &cfg, &mut rng, &ctx);
         let journal = dir.join("top.qcow2.sqjournal");
         assert!(journal.exists(), "{ctx}: no journal left");
 
@@ -627,18 +626,8 @@ fn check_with_repair_applies_a_dead_writers_journal() {
         assert!(!journal.exists(), "{ctx}: the journal is still there");
         let after = dir.join("after.raw");
         qemu_img(&["convert", "-U", "-O", "raw", s(&top), s(&after)]);
-        let got = std::fs::read(&after).unwrap();
-        if let Some(b) = got.iter().zip(&model).position(|(a, m)| a != m) {
-            panic!(
-                "{ctx}: after check -r all QEMU reads {:#x} at byte {b}, the last completed write left {:#x}",
-                got[b], model[b]
-            );
-        }
-        let (code, out) = qemu_check_code(&top);
-        assert_eq!(
-            code,
-            Some(0),
-            "{ctx}: qemu-img check after check -r all:\n{out}"
-        );
+        let what = format!("{ctx}: after check -r all, as QEMU reads it");
+        assert_reads_model(&std::fs::read(&after).unwrap(), &model, &what);
+        assert_qemu_clean(&top, &what);
     }
 }
