@@ -624,6 +624,11 @@ fn check_with_repair_applies_a_dead_writers_journal() {
             report.messages
         );
         assert!(!journal.exists(), "{ctx}: the journal is still there");
+        let header = sqcow2_format::check::read_header(
+            &sqcow2_format::storage::FileStorage::open_read_only(&top).unwrap(),
+        )
+        .unwrap();
+        assert!(!header.is_dirty(), "{ctx}: left dirty after check -r all");
         let after = dir.join("after.raw");
         qemu_img(&["convert", "-U", "-O", "raw", s(&top), s(&after)]);
         let what = format!("{ctx}: after check -r all, as QEMU reads it");

@@ -445,9 +445,28 @@ pub fn check(
             "{n} mapping changes of a writer that did not close the image are in its journal, not yet in the tables: this report is without them (a read-write open or `check -r all` applies them)"
         ));
     }
-    let mut report = check_storage(path, Arc::new(storage), repair)?;
+    let storage = Arc::new(storage);
+    let mut report = check_storage(path, storage.clone(), repair)?;
+    if repair != Repair::None && report.corruptions == 0 && report.check_errors == 0 {
+        // Consistent now: clean, as qemu-img check -r leaves it.
+        mark_clean(&*storage).map_err(e)?;
+    }
     report.messages.splice(0..0, notes);
     Ok(report)
+}
+
+/// Clears the dirty bit of the image in `storage` if it is set (synced).
+fn mark_clean(storage: &dyn Storage) -> Result<(), ErrorKind> {
+    let header = read_header(storage)?;
+    if header.is_dirty() {
+        let clean = header.features.incompatible & !crate::features::INCOMPAT_DIRTY;
+        storage.write_at(
+            &clean.to_be_bytes(),
+            crate::header::field::INCOMPATIBLE_FEATURES as u64,
+        )?;
+        storage.sync()?;
+    }
+    Ok(())
 }
 
 /// Reads and validates the header of an image in `storage`.
