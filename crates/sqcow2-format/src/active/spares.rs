@@ -161,6 +161,17 @@ mod tests {
     }
 
     #[test]
+    fn a_full_batch_is_asked_for_ahead_of_demand() {
+        let mut s = Spares::new(16, true);
+        s.want_full_batch();
+        assert_eq!(s.refill_wanted(), (MAX_SPARE_BYTES >> 16) as usize);
+        assert_eq!(s.refill_wanted(), 0, "one refill per demand");
+        let mut s = Spares::new(16, false);
+        s.want_full_batch();
+        assert_eq!(s.refill_wanted(), 0, "disabled");
+    }
+
+    #[test]
     fn runs_of_consecutive_clusters() {
         assert_eq!(runs(&[5, 3, 4, 9, 10, 12]), vec![(3, 3), (9, 2), (12, 1)]);
         assert!(runs(&[]).is_empty());
