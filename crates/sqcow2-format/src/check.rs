@@ -431,7 +431,6 @@ pub fn check(
     // open would (then QEMU, which does not know the journal, reads them
     // too); otherwise the report says they are not counted.
     let mut notes = Vec::new();
-    let pending = crate::active::pending_journal(path, &storage).filter(|n| *n > 0);
     if repair == Repair::All {
         let applied = crate::active::replay_journal(path, &storage).map_err(e)?;
         crate::active::end_journal(path, &storage).map_err(e)?;
@@ -440,7 +439,11 @@ pub fn check(
                 "Applied {applied} mapping changes from the journal of a writer that did not close the image"
             ));
         }
-    } else if let Some(n) = pending {
+    } else if let Some(n) = read_header(&storage)
+        .ok()
+        .and_then(|h| crate::active::pending_journal(path, storage.file_id(), &h))
+        .filter(|n| *n > 0)
+    {
         notes.push(format!(
             "{n} mapping changes of a writer that did not close the image are in its journal, not yet in the tables: this report is without them (a read-write open or `check -r all` applies them)"
         ));
@@ -460,11 +463,11 @@ fn mark_clean(storage: &dyn Storage) -> Result<(), ErrorKind> {
     let header = read_header(storage)?;
     if header.is_dirty() {
         let clean = header.features.incompatible & !crate::features::INCOMPAT_DIRTY;
-        storage.write_at(
-            &clean.to_be_bytes(),
-            crate::header::field::INCOMPATIBLE_FEATURES as u64,
+        crate::header_area::write_word(
+            storage,
+            crate::header::field::INCOMPATIBLE_FEATURES,
+            clean,
         )?;
-        storage.sync()?;
     }
     Ok(())
 }

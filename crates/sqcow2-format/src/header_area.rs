@@ -68,6 +68,12 @@ fn feature_table_bytes(t: &[crate::features::FeatureNameEntry]) -> Vec<u8> {
     data
 }
 
+/// Writes the 64-bit header field at byte `at` (a feature word) and syncs.
+pub(crate) fn write_word(storage: &dyn Storage, at: usize, value: u64) -> std::io::Result<()> {
+    storage.write_at(&value.to_be_bytes(), at as u64)?;
+    storage.sync()
+}
+
 /// Rewrites the header area of the image in `storage` (whose header is
 /// `header`) with `edit` applied: extensions re-laid out as QEMU does,
 /// the backing name after them, all of it in one write of the first

@@ -215,8 +215,7 @@ pub fn set_autoclear_bit(storage: &dyn Storage, header: &Header) -> std::io::Res
         return Ok(false);
     }
     let bits = header.features.autoclear | AUTOCLEAR_SQCOW2;
-    storage.write_at(&bits.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64)?;
-    storage.sync()?;
+    crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)?;
     Ok(true)
 }
 

@@ -14,6 +14,7 @@ use crate::features::{
     AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY,
 };
 use crate::header::{field, Version};
+use crate::header_area::write_word;
 use crate::layer::Layer;
 use crate::storage::Storage;
 use crate::summary::TopSummary;
@@ -61,9 +62,7 @@ impl Active {
             check_storage(path, storage.clone(), Repair::All)?;
             header = read_header(&*storage).map_err(e)?;
             let clean = header.features.incompatible & !INCOMPAT_DIRTY;
-            storage
-                .write_at(&clean.to_be_bytes(), field::INCOMPATIBLE_FEATURES as u64)
-                .and_then(|()| storage.sync())
+            write_word(&*storage, field::INCOMPATIBLE_FEATURES, clean)
                 .map_err(|io| e(io.into()))?;
             header.features.incompatible = clean;
         }
@@ -71,10 +70,7 @@ impl Active {
         if header.version == Version::V3 && unknown_autoclear != 0 {
             // A writer that does not know an autoclear feature clears it.
             let kept = header.features.autoclear & KNOWN_AUTOCLEAR;
-            storage
-                .write_at(&kept.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64)
-                .and_then(|()| storage.sync())
-                .map_err(|io| e(io.into()))?;
+            write_word(&*storage, field::AUTOCLEAR_FEATURES, kept).map_err(|io| e(io.into()))?;
             header.features.autoclear = kept;
         }
         let len = storage.len().map_err(|io| e(io.into()))?;
@@ -212,13 +208,17 @@ pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize
 }
 
 /// Records of a dead writer's journal that a read-write open of the image
-/// at `path` would apply (this boot's and this file's), if it names one.
-pub(crate) fn pending_journal(path: &Path, storage: &dyn Storage) -> Option<usize> {
-    let header = read_header(storage).ok()?;
+/// at `path` (file `file_id`, header `header`) would apply (this boot's
+/// and this file's), if the image names one.
+pub(crate) fn pending_journal(
+    path: &Path,
+    file_id: Option<(u64, u64)>,
+    header: &crate::Header,
+) -> Option<usize> {
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
         return None;
     }
-    journal::read(path, storage.file_id())
+    journal::read(path, file_id)
         .ok()
         .flatten()
         .map(|r| r.writes.len())
@@ -231,8 +231,7 @@ pub(crate) fn end_journal(path: &Path, storage: &dyn Storage) -> Result<(), Erro
     let header = read_header(storage)?;
     if header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
         let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
-        storage.write_at(&kept.to_be_bytes(), field::AUTOCLEAR_FEATURES as u64)?;
-        storage.sync()?;
+        write_word(storage, field::AUTOCLEAR_FEATURES, kept)?;
     }
     match std::fs::remove_file(journal::path_of(path)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),

@@ -344,14 +344,7 @@ impl Chain {
             return None;
         }
         let top = self.top();
-        let header = top.header()?;
-        if header.features.autoclear & crate::features::AUTOCLEAR_JOURNAL == 0 {
-            return None;
-        }
-        crate::active::journal::read(top.path(), top.storage().file_id())
-            .ok()
-            .flatten()
-            .map(|r| r.writes.len())
+        crate::active::pending_journal(top.path(), top.storage().file_id(), top.header()?)
     }
 
     /// Journal records that no checkpoint ([`Chain::publish`]) covers yet.
