@@ -153,6 +153,34 @@ impl SliceCache {
         found
     }
 
+    /// `f` of the cached slice, or of `load()`'s result, which is then
+    /// cached. A hit lends the slice to `f` under its shard's lock (no
+    /// reference count taken): keep `f` short and free of I/O.
+    pub fn with_or_load<R, E>(
+        &self,
+        key: SliceKey,
+        load: impl FnOnce() -> Result<Slice, E>,
+        f: impl FnOnce(&[u64]) -> R,
+    ) -> Result<R, E> {
+        let mut guard = self.shard(&key);
+        let shard = &mut *guard;
+        if let Some((slice, meta)) = shard.map.get_mut(&key) {
+            shard.queues.hit(key, meta);
+            let r = f(slice);
+            shard.queues.compact(&shard.map);
+            drop(guard);
+            self.stats.hit();
+            return Ok(r);
+        }
+        drop(guard);
+        self.stats.miss();
+        let slice = load()?;
+        self.stats.loaded();
+        let r = f(&slice);
+        self.insert(key, slice);
+        Ok(r)
+    }
+
     /// The cached slice, or `load()`'s result, which is then cached.
     pub fn get_or_load<E>(
         &self,

@@ -157,24 +157,26 @@ impl Qcow2Layer {
     ) -> Result<(LayerStatus, u64), ErrorKind> {
         let g = self.header.geometry;
         let max = clip_to_l2(g, guest, max);
-        let Some((slice, words)) = self.cached_l2_slice(index, guest, cache, slice_size)? else {
-            return Ok((LayerStatus::Unallocated { host: None }, max));
-        };
-        slice.status(g, &words, guest, max)
+        self.with_l2_slice(index, guest, cache, slice_size, |slice, words| {
+            slice.status(g, words, guest, max)
+        })?
+        .unwrap_or(Ok((LayerStatus::Unallocated { host: None }, max)))
     }
 }
 
 impl Qcow2Layer {
-    /// The L2 slice covering `guest`, through the unified cache (`None`
-    /// where the L1 entry is empty); the table's place is validated when
-    /// the slice is first read.
-    fn cached_l2_slice(
+    /// `f` of the L2 slice covering `guest` and its words, through the
+    /// unified cache (`None` where the L1 entry is empty); the table's
+    /// place is validated when the slice is first read. A cached slice is
+    /// lent to `f` under the cache's lock: `f` only computes.
+    fn with_l2_slice<R>(
         &self,
         index: LayerIndex,
         guest: GuestOffset,
         cache: &SliceCache,
         slice_size: u64,
-    ) -> Result<Option<(L2Slice, Slice)>, ErrorKind> {
+        f: impl FnOnce(&L2Slice, &[u64]) -> R,
+    ) -> Result<Option<R>, ErrorKind> {
         let g = self.header.geometry;
         let l1 = self.l1()?;
         let l1_entry = usize::try_from(g.l1_index(guest))
@@ -191,12 +193,17 @@ impl Qcow2Layer {
             source: Source::Layer(index.0 as u32),
             offset: slice.offset,
         };
-        let words = cache.get_or_load(key, || {
-            crate::nowait::may_load()?;
-            validate_l2_offset(g, l2_offset, self.file_size)?;
-            read_words(&*self.storage, slice.offset, slice.words)
-        })?;
-        Ok(Some((slice, words)))
+        cache
+            .with_or_load(
+                key,
+                || {
+                    crate::nowait::may_load()?;
+                    validate_l2_offset(g, l2_offset, self.file_size)?;
+                    read_words(&*self.storage, slice.offset, slice.words)
+                },
+                |words| f(&slice, words),
+            )
+            .map(Some)
     }
 
     /// The raw L2 entry of the cluster at `guest` (0 when unallocated).
@@ -208,14 +215,18 @@ impl Qcow2Layer {
         slice_size: u64,
     ) -> Result<u64, ErrorKind> {
         let g = self.header.geometry;
-        let Some((slice, words)) =
-            self.cached_l2_slice(index, GuestOffset(guest), cache, slice_size)?
-        else {
-            return Ok(0);
-        };
         let per = if g.extended_l2 { 2 } else { 1 };
-        let i = (g.l2_index(GuestOffset(guest)) - slice.first_entry) as usize * per;
-        Ok(words.get(i).copied().unwrap_or(0))
+        let entry = self.with_l2_slice(
+            index,
+            GuestOffset(guest),
+            cache,
+            slice_size,
+            |slice, words| {
+                let i = (g.l2_index(GuestOffset(guest)) - slice.first_entry) as usize * per;
+                words.get(i).copied().unwrap_or(0)
+            },
+        )?;
+        Ok(entry.unwrap_or(0))
     }
 }
 
