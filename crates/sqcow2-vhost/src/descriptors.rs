@@ -5,7 +5,8 @@
 //! `queue_size` descriptors, one level of indirect table whose entries are
 //! then the whole rest of the chain; anything else is refused.
 
-use vm_memory::{Address, Bytes, GuestAddress};
+use smallvec::SmallVec;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, VolatileMemory};
 
 use crate::request::GuestBuffer;
 use crate::worker::GuestMem;
@@ -31,9 +32,7 @@ fn read_desc(
     let at = table
         .checked_add(u64::from(index) * DESC_SIZE)
         .ok_or("descriptor table wraps around")?;
-    let raw: [u8; 16] = mem
-        .read_obj(at)
-        .map_err(|_| "descriptor outside guest memory")?;
+    let raw = read_16(mem, at).ok_or("descriptor outside guest memory")?;
     let addr = u64::from_le_bytes(raw[0..8].try_into().unwrap_or_default());
     let len = u32::from_le_bytes(raw[8..12].try_into().unwrap_or_default());
     let flags = u16::from_le_bytes([raw[12], raw[13]]);
@@ -41,17 +40,32 @@ fn read_desc(
     Ok((addr, len, flags, next))
 }
 
+/// The 16 bytes at `at`: one load where they lie in one region (the
+/// usual case), a copy where they straddle two.
+pub(crate) fn read_16(mem: &GuestMem, at: GuestAddress) -> Option<[u8; 16]> {
+    let one_load = mem
+        .get_slice(at, 16)
+        .ok()
+        .and_then(|s| s.get_ref::<[u8; 16]>(0).ok().map(|r| r.load()));
+    one_load.or_else(|| mem.read_obj(at).ok())
+}
+
+/// The descriptors of one chain; most chains have three or fewer.
+pub(crate) type Descriptors = SmallVec<[Descriptor; 4]>;
+
 /// The descriptors of the chain at `head` of the table at `desc_table`.
 pub(crate) fn walk(
     mem: &GuestMem,
     desc_table: GuestAddress,
     queue_size: u16,
     head: u16,
-) -> Result<Vec<Descriptor>, &'static str> {
-    let mut out = Vec::new();
+) -> Result<Descriptors, &'static str> {
+    let mut out = Descriptors::new();
     let (mut table, mut size, mut index) = (desc_table, queue_size, head);
     let mut ttl = queue_size;
     let mut indirect = false;
+    // virtio 1.2, 2.7.5.2: no chain longer than 2^32 bytes in total.
+    let mut bytes = 0u32;
     loop {
         if index >= size {
             return Err("descriptor index past the table");
@@ -79,6 +93,9 @@ pub(crate) fn walk(
             return Err("descriptor chain longer than its table (a loop)");
         }
         ttl -= 1;
+        bytes = bytes
+            .checked_add(len)
+            .ok_or("descriptor chain longer than 2^32 bytes")?;
         out.push(Descriptor {
             buffer: GuestBuffer {
                 addr: GuestAddress(addr),
@@ -144,7 +161,7 @@ mod tests {
             let mut queue: Queue = mock.create_queue().unwrap();
             let head = 0;
             let ours = walk(&m, GuestAddress(queue.desc_table()), queue.size(), head).unwrap();
-            assert_eq!(ours, oracle(&m, &mut queue), "round {round}");
+            assert_eq!(ours.to_vec(), oracle(&m, &mut queue), "round {round}");
         }
     }
 
@@ -176,6 +193,14 @@ mod tests {
         assert_eq!(walk(&m, table, QUEUE, 2), Err("nested indirect table"));
         put(3, 0x3000, 17, F_INDIRECT, 0);
         assert!(walk(&m, table, QUEUE, 3).is_err());
+
+        // Two buffers of 3 GiB: more than 2^32 bytes in one chain.
+        put(4, 0x10_0000, 3 << 30, F_NEXT, 5);
+        put(5, 0x10_0000, 3 << 30, 0, 0);
+        assert_eq!(
+            walk(&m, table, QUEUE, 4),
+            Err("descriptor chain longer than 2^32 bytes")
+        );
 
         assert!(walk(&m, table, QUEUE, QUEUE).is_err());
         assert!(walk(&m, GuestAddress(0x1f_fff8), QUEUE, 0).is_err());

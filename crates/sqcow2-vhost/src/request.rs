@@ -2,16 +2,15 @@
 //! validated [`Request`]s. Nothing here trusts the guest: every buffer is
 //! checked against guest memory, every range against the capacity.
 
-use std::ops::Deref;
-
+use smallvec::SmallVec;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
     VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
-use virtio_queue::DescriptorChain;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
+use crate::descriptors::Descriptor;
 use crate::worker::GuestMem;
 
 use crate::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
@@ -50,18 +49,18 @@ pub enum RequestKind {
     In {
         offset: u64,
         len: u64,
-        buffers: Vec<GuestBuffer>,
+        buffers: BufferList,
     },
     /// Write `len` bytes at `offset` from `buffers`.
     Out {
         offset: u64,
         len: u64,
-        buffers: Vec<GuestBuffer>,
+        buffers: BufferList,
     },
     /// Make completed writes durable.
     Flush,
     /// Write the device id into `buffers` (at most [`ID_SIZE`] bytes).
-    GetId { buffers: Vec<GuestBuffer> },
+    GetId { buffers: BufferList },
     /// Discard the ranges.
     Discard(Vec<ZeroRange>),
     /// Zero the ranges.
@@ -101,40 +100,32 @@ pub struct RequestLimits {
     pub read_only: bool,
 }
 
+/// Buffers of one request; most requests have one or two of each kind.
+pub type BufferList = SmallVec<[GuestBuffer; 4]>;
+
 /// The chain's buffers, split by direction.
 struct Buffers {
-    readable: Vec<GuestBuffer>,
-    writable: Vec<GuestBuffer>,
+    readable: BufferList,
+    writable: BufferList,
     /// A readable buffer came after a writable one.
     misordered: bool,
 }
 
-fn collect<M: Deref<Target = GuestMem>>(chain: DescriptorChain<M>) -> Buffers {
-    split(chain.map(|desc| {
-        let buf = GuestBuffer {
-            addr: desc.addr(),
-            len: desc.len(),
-        };
-        (buf, desc.is_write_only())
-    }))
-}
-
-/// Splits a chain's buffers (with whether each is device-writable) by
-/// direction.
-fn split(descs: impl Iterator<Item = (GuestBuffer, bool)>) -> Buffers {
+/// Splits a chain's descriptors by direction.
+fn split(descs: &[Descriptor]) -> Buffers {
     let mut b = Buffers {
-        readable: Vec::new(),
-        writable: Vec::new(),
+        readable: BufferList::new(),
+        writable: BufferList::new(),
         misordered: false,
     };
-    for (buf, write_only) in descs {
-        if write_only {
-            b.writable.push(buf);
+    for d in descs {
+        if d.write_only {
+            b.writable.push(d.buffer);
         } else {
             if !b.writable.is_empty() {
                 b.misordered = true;
             }
-            b.readable.push(buf);
+            b.readable.push(d.buffer);
         }
     }
     b
@@ -145,8 +136,8 @@ fn total(buffers: &[GuestBuffer]) -> u64 {
 }
 
 /// `buffers` without their first `skip` bytes.
-fn skip_bytes(buffers: &[GuestBuffer], mut skip: u64) -> Vec<GuestBuffer> {
-    let mut out = Vec::new();
+fn skip_bytes(buffers: &[GuestBuffer], mut skip: u64) -> BufferList {
+    let mut out = BufferList::new();
     for b in buffers {
         let len = u64::from(b.len);
         if skip >= len {
@@ -164,9 +155,9 @@ fn skip_bytes(buffers: &[GuestBuffer], mut skip: u64) -> Vec<GuestBuffer> {
 }
 
 /// `buffers` without their last `drop` bytes.
-fn drop_tail(buffers: &[GuestBuffer], drop: u64) -> Vec<GuestBuffer> {
+fn drop_tail(buffers: &[GuestBuffer], drop: u64) -> BufferList {
     let keep = total(buffers).saturating_sub(drop);
-    let mut out = Vec::new();
+    let mut out = BufferList::new();
     let mut left = keep;
     for b in buffers {
         if left == 0 {
@@ -180,6 +171,14 @@ fn drop_tail(buffers: &[GuestBuffer], drop: u64) -> Vec<GuestBuffer> {
         left -= len;
     }
     out
+}
+
+/// The request header: the first 16 bytes of `buffers`.
+fn read_header(mem: &GuestMem, buffers: &[GuestBuffer]) -> Option<[u8; 16]> {
+    match buffers.first() {
+        Some(b) if b.len >= 16 => crate::descriptors::read_16(mem, b.addr),
+        _ => read_front::<16>(mem, buffers),
+    }
 }
 
 /// Reads `N` bytes from the front of `buffers`.
@@ -272,20 +271,9 @@ fn zero_ranges(
     Ok(ranges)
 }
 
-/// Parses the descriptor chain of one request.
-pub fn parse<M>(chain: DescriptorChain<M>, limits: &RequestLimits) -> Result<Request, Rejected>
-where
-    M: Deref<Target = GuestMem> + Clone,
-{
-    let head = chain.head_index();
-    let buffers = collect(chain.clone());
-    parse_buffers(head, buffers, chain.memory(), limits)
-}
-
 /// Parses the request whose chain starts at descriptor `head` of the
-/// table at `desc_table` (of a queue of `queue_size`): a request taken
-/// before a restart, which is no longer on the available ring.
-pub fn parse_head(
+/// table at `desc_table` (of a queue of `queue_size`).
+pub fn parse(
     mem: &GuestMem,
     desc_table: GuestAddress,
     queue_size: u16,
@@ -293,7 +281,7 @@ pub fn parse_head(
     limits: &RequestLimits,
 ) -> Result<Request, Rejected> {
     let buffers = match crate::descriptors::walk(mem, desc_table, queue_size, head) {
-        Ok(descs) => split(descs.into_iter().map(|d| (d.buffer, d.write_only))),
+        Ok(descs) => split(&descs),
         Err(reason) => {
             return Err(Rejected {
                 head,
@@ -335,7 +323,7 @@ fn parse_buffers(
     if !in_memory(mem, &buffers.readable) || !in_memory(mem, &buffers.writable) {
         return Err(ioerr("buffer outside guest memory"));
     }
-    let Some(header) = read_front::<16>(mem, &buffers.readable) else {
+    let Some(header) = read_header(mem, &buffers.readable) else {
         return Err(ioerr("request header missing or short"));
     };
     let le32 = |r: std::ops::Range<usize>| {

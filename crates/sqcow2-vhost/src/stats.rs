@@ -37,13 +37,36 @@ impl Default for QueueStats {
     }
 }
 
+/// The time of a worker's current round (the requests taken off a queue
+/// in one call, or the completions handled in one call): the clock is
+/// read once per round, not twice per request.
+#[derive(Debug, Default)]
+struct RoundClock(Option<Instant>);
+
+impl RoundClock {
+    fn now(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
+}
+
 /// The statistics of a worker's queues, by worker-local queue index.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerStats {
     queues: Vec<QueueStats>,
+    clock: RoundClock,
 }
 
 impl WorkerStats {
+    /// Starts a new round: the next [`WorkerStats::now`] reads the clock.
+    pub(crate) fn next_round(&mut self) {
+        self.clock.0 = None;
+    }
+
+    /// The time of the current round.
+    pub(crate) fn now(&mut self) -> Instant {
+        self.clock.now()
+    }
+
     fn queue(&mut self, queue: usize) -> &mut QueueStats {
         if self.queues.len() <= queue {
             self.queues.resize_with(queue + 1, QueueStats::default);
@@ -53,6 +76,7 @@ impl WorkerStats {
 
     /// Counts a finished request with virtio status `code`.
     pub(crate) fn account(&mut self, queue: usize, req: &Request, code: u32, started: Instant) {
+        let now = self.clock.now();
         let st = self.queue(queue);
         st.requests += 1;
         if code != VIRTIO_BLK_S_OK {
@@ -64,7 +88,10 @@ impl WorkerStats {
                 _ => {}
             }
         }
-        let us = started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        let us = now
+            .saturating_duration_since(started)
+            .as_micros()
+            .min(u128::from(u64::MAX)) as u64;
         let _ = st.latency_us.record(us.max(1));
     }
 

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slab::Slab;
-use sqcow2_format::{ExtentKind, GuestOffset, TransferTicket};
+use sqcow2_format::{Chain, ExtentKind, GuestOffset, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -267,6 +267,7 @@ impl QueueWorker {
         mem: &GuestMemAtomic,
         notifications: Notifications,
     ) -> io::Result<Taken> {
+        self.stats.next_round();
         let mem = mem.memory().into_inner();
         let mut taken = Taken::default();
         if let Some(t) = tracker.as_deref_mut() {
@@ -275,6 +276,7 @@ impl QueueWorker {
         let popped = self.pop_all(queue_index, queue, tracker, &mem, notifications, &mut taken);
         // Transfers queued so far go to the kernel even if the ring failed.
         let submitted = self.ring.submit();
+        self.stats.next_round();
         self.apply_ring_completions();
         popped?;
         submitted?;
@@ -300,7 +302,7 @@ impl QueueWorker {
             }
             tracker.resubmit.pop_front();
             let table = vm_memory::GuestAddress(queue.desc_table());
-            let parsed = request::parse_head(mem, table, queue.size(), head, &limits);
+            let parsed = request::parse(mem, table, queue.size(), head, &limits);
             debug!(
                 queue = queue_index,
                 head, "resubmitting a request taken before a restart"
@@ -327,8 +329,9 @@ impl QueueWorker {
             (Ok(req), Admission::Start(permit)) => self.start(queue_index, req, mem, permit),
             (Ok(req), _) => {
                 // Inactive too long: the request fails.
+                let now = self.stats.now();
                 self.stats
-                    .account(queue_index, &req, VIRTIO_BLK_S_IOERR, Instant::now());
+                    .account(queue_index, &req, VIRTIO_BLK_S_IOERR, now);
                 Some(finish(queue_index, &req, Outcome::ioerr(), mem))
             }
             (Err(rejected), _) => {
@@ -386,16 +389,21 @@ impl QueueWorker {
                 // Not `pop_descriptor_chain`, which logs and hides an
                 // available index more than a queue ahead (the caller
                 // would look again and again).
-                let chain = queue.iter(&**mem).map_err(io::Error::other)?.next();
-                let Some(chain) = chain else {
+                let head = queue
+                    .iter(&**mem)
+                    .map_err(io::Error::other)?
+                    .next()
+                    .map(|chain| chain.head_index());
+                let Some(head) = head else {
                     break;
                 };
                 out.taken += 1;
                 if let Some(t) = tracker.as_deref_mut() {
                     // Recorded before it starts: a restart resubmits it.
-                    t.taken(chain.head_index());
+                    t.taken(head);
                 }
-                let parsed = request::parse(chain, &limits);
+                let table = vm_memory::GuestAddress(queue.desc_table());
+                let parsed = request::parse(mem, table, queue.size(), head, &limits);
                 if let Some(c) = self.admit(queue_index, parsed, admission, mem) {
                     add_used_tracked(queue, tracker.as_deref(), mem, c.head, c.len)
                         .map_err(io::Error::other)?;
@@ -427,7 +435,7 @@ impl QueueWorker {
         mem: &Arc<GuestMem>,
         permit: RequestPermit,
     ) -> Option<Completion> {
-        let started = Instant::now();
+        let started = self.stats.now();
         let outcome = match &req.kind {
             RequestKind::In { .. } | RequestKind::Out { .. } => {
                 return self.start_transfer(queue, req, mem, permit, started)
@@ -481,17 +489,20 @@ impl QueueWorker {
         permit: RequestPermit,
         started: Instant,
     ) -> Option<Completion> {
-        let ticket = self.device.chain().begin_transfer();
+        // One chain for the whole request (the chain is replaced only
+        // while no request is in flight).
+        let chain = self.device.chain();
+        let ticket = chain.begin_transfer();
         let kind = req.kind.clone();
         let slot = self.new_slot(queue, req, mem, permit, started, Some(ticket));
         self.starting = Some(slot);
         let result = match &kind {
             RequestKind::In {
                 offset, buffers, ..
-            } => self.submit_reads(slot, *offset, buffers, mem),
+            } => self.submit_reads(&chain, slot, *offset, buffers, mem),
             RequestKind::Out {
                 offset, buffers, ..
-            } => self.submit_writes(slot, *offset, buffers, mem),
+            } => self.submit_writes(&chain, slot, *offset, buffers, mem),
             _ => Ok(()),
         };
         if let Err(e) = &result {
@@ -609,12 +620,12 @@ impl QueueWorker {
     /// to engine threads from bounce buffers.
     fn submit_writes(
         &mut self,
+        chain: &Chain,
         slot: usize,
         offset: u64,
         buffers: &[GuestBuffer],
         mem: &Arc<GuestMem>,
     ) -> Result<(), TransferError> {
-        let chain = self.device.chain();
         let cluster = chain.cluster_size();
         let mut bounce = Bounce::default();
         let mut pos = offset;
@@ -690,12 +701,12 @@ impl QueueWorker {
     /// waits for one), or it is compressed.
     fn submit_reads(
         &mut self,
+        chain: &Chain,
         slot: usize,
         offset: u64,
         buffers: &[GuestBuffer],
         mem: &Arc<GuestMem>,
     ) -> Result<(), TransferError> {
-        let chain = self.device.chain();
         let mut pos = offset;
         for piece in host_slices(mem, buffers) {
             let piece = piece?;
@@ -793,6 +804,7 @@ impl QueueWorker {
 
     /// Handles the completions already in the ring, without waiting.
     pub fn reap_ready(&mut self) {
+        self.stats.next_round();
         self.ring.reap(&mut self.ring_done);
         self.apply_ring_completions();
     }
@@ -817,6 +829,7 @@ impl QueueWorker {
     /// must be looked at again (requests were left there during a pause
     /// that has ended).
     pub fn handle_mailbox_event(&mut self) -> bool {
+        self.stats.next_round();
         for finished in self.mailbox.take() {
             self.job_done(finished);
         }
@@ -854,6 +867,7 @@ impl QueueWorker {
     /// started fails once its running parts have finished; requests whose
     /// parts can no longer finish fail now.
     pub fn recover_after_panic(&mut self) {
+        self.stats.next_round();
         if let Some(slot) = self.starting.take() {
             if let Some(c) = self.submitted(slot, true) {
                 self.completed.push(c);
@@ -957,6 +971,7 @@ impl QueueWorker {
                 self.reap_ready();
             } else if let Some(finished) = self.mailbox.wait(std::time::Duration::from_millis(100))
             {
+                self.stats.next_round();
                 self.job_done(finished);
             }
             for finished in self.mailbox.take() {
