@@ -11,7 +11,7 @@
 //! that flush or a later one. Nothing ever waits for a ticket, so no
 //! ticket holder can deadlock with a flush.
 
-use std::collections::BTreeSet;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Tickets of the transfers in flight.
@@ -24,8 +24,10 @@ pub(crate) struct TransferFence {
 struct FenceState {
     next: u64,
     /// Tickets held now (as many as transfers in flight, whatever the
-    /// ticket numbers: memory stays bounded behind a long-held ticket).
-    held: BTreeSet<u64>,
+    /// ticket numbers: memory stays bounded behind a long-held ticket),
+    /// in ascending order (numbers are handed out in order, so a new one
+    /// goes to the back; most tickets end near the front).
+    held: VecDeque<u64>,
 }
 
 /// A point in the ticket order: the tickets taken before it.
@@ -51,7 +53,10 @@ impl TransferTicket {
 
 impl Drop for TransferTicket {
     fn drop(&mut self) {
-        self.fence.lock().held.remove(&self.number);
+        let mut s = self.fence.lock();
+        if let Ok(i) = s.held.binary_search(&self.number) {
+            s.held.remove(i);
+        }
     }
 }
 
@@ -67,7 +72,7 @@ impl TransferFence {
         let mut s = self.lock();
         let number = s.next;
         s.next += 1;
-        s.held.insert(number);
+        s.held.push_back(number);
         TransferTicket {
             fence: self.clone(),
             number,
@@ -83,7 +88,7 @@ impl TransferFence {
     pub(crate) fn passed(&self, cut: FenceCut) -> bool {
         self.lock()
             .held
-            .first()
+            .front()
             .is_none_or(|&oldest| oldest >= cut.0)
     }
 
