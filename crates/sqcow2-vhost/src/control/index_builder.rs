@@ -25,6 +25,11 @@ struct State {
     again: bool,
     /// No build starts (the daemon hands the disk over).
     suspended: bool,
+    /// Holds taken ([`IndexBuilder::hold`]): a running build waits at its
+    /// next check while any is.
+    holds: u32,
+    /// A build is waiting for the holds to end.
+    waiting: bool,
     counters: IndexCounters,
 }
 
@@ -33,6 +38,8 @@ struct Builder {
     state: Mutex<State>,
     /// Signalled when a build thread ends.
     idle: Condvar,
+    /// Signalled when the last hold ends or a cancel is asked for.
+    unheld: Condvar,
     /// Asks a running build to stop as soon as it can.
     cancel: AtomicBool,
 }
@@ -117,6 +124,8 @@ impl IndexBuilder {
         let mut st = Self::lock(&self.shared);
         st.suspended = true;
         self.shared.cancel.store(true, Ordering::SeqCst);
+        // A held build stops waiting to see the cancel.
+        self.shared.unheld.notify_all();
         while st.running {
             st = self
                 .shared
@@ -125,6 +134,18 @@ impl IndexBuilder {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         self.shared.cancel.store(false, Ordering::SeqCst);
+    }
+
+    /// Holds a running build at its next check (every few thousand
+    /// entries; it holds no lock of the chain there) until the returned
+    /// guard is dropped: for the guest's pause of a live snapshot, whose
+    /// few milliseconds of work must not share this small machine's CPUs
+    /// with a build.
+    pub fn hold(&self) -> BuildHold<'_> {
+        Self::lock(&self.shared).holds += 1;
+        BuildHold {
+            shared: &self.shared,
+        }
     }
 
     /// Builds may start again (then [`IndexBuilder::wake`]).
@@ -138,6 +159,38 @@ impl IndexBuilder {
     }
 }
 
+/// A running build waits at its next check while this lives
+/// ([`IndexBuilder::hold`]).
+#[must_use = "the build is held only while the guard lives"]
+#[derive(Debug)]
+pub struct BuildHold<'a> {
+    shared: &'a Builder,
+}
+
+impl Drop for BuildHold<'_> {
+    fn drop(&mut self) {
+        let mut st = IndexBuilder::lock(self.shared);
+        st.holds = st.holds.saturating_sub(1);
+        if st.holds == 0 {
+            self.shared.unheld.notify_all();
+        }
+    }
+}
+
+impl Builder {
+    /// Whether the build must stop; waits first while a hold is taken.
+    fn check(&self) -> bool {
+        let mut st = IndexBuilder::lock(self);
+        // `suspended` too: a suspend clears `cancel` once the build ended.
+        while st.holds > 0 && !st.suspended && !self.cancel.load(Ordering::SeqCst) {
+            st.waiting = true;
+            st = self.unheld.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+        st.waiting = false;
+        st.suspended || self.cancel.load(Ordering::Relaxed)
+    }
+}
+
 /// One build for the chain served now.
 fn build_once(handle: &ChainHandle, shared: &Builder) {
     let chain = handle.get();
@@ -146,7 +199,7 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
     }
     let start = Instant::now();
     // The daemon holds the chain's image locks: the build takes none.
-    let cancelled = || shared.cancel.load(Ordering::Relaxed);
+    let cancelled = || shared.check();
     let result = build_index(&chain, Locking::Off, &mut |_, _| {}, &cancelled);
     drop(chain);
     // A live snapshot during the build made a new chain, which still uses
@@ -174,5 +227,68 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
             st.counters.last_error = Some(e.to_string());
             warn!(error = %e, "building the chain index failed: the old index goes on serving");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    fn builder() -> IndexBuilder {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.qcow2");
+        sqcow2_format::create::create(
+            &path,
+            &sqcow2_format::create::CreateOptions {
+                size: 1 << 20,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let chain = sqcow2_format::Chain::open(&path, &Default::default()).unwrap();
+        IndexBuilder::new(Arc::new(ChainHandle::new(chain)), true)
+    }
+
+    /// Waits (bounded) until a build is parked at its check.
+    fn until_waiting(b: &IndexBuilder) {
+        for _ in 0..10_000 {
+            if IndexBuilder::lock(&b.shared).waiting {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("the build never waited for the hold");
+    }
+
+    #[test]
+    fn a_held_build_waits_at_its_check_until_the_hold_ends() {
+        let b = builder();
+        let hold = b.hold();
+        let done = Arc::new(AtomicBool::new(false));
+        let (shared, d) = (b.shared.clone(), done.clone());
+        let t = std::thread::spawn(move || {
+            let stop = shared.check();
+            d.store(true, Ordering::SeqCst);
+            stop
+        });
+        until_waiting(&b);
+        assert!(!done.load(Ordering::SeqCst), "the check ran on while held");
+        drop(hold);
+        assert!(!t.join().unwrap(), "a released build must not stop");
+        // Without a hold the check does not wait.
+        assert!(!b.shared.check());
+    }
+
+    #[test]
+    fn suspending_stops_a_held_build() {
+        let b = builder();
+        let _hold = b.hold();
+        let shared = b.shared.clone();
+        let t = std::thread::spawn(move || shared.check());
+        until_waiting(&b);
+        b.suspend();
+        assert!(t.join().unwrap(), "a suspended build must stop");
     }
 }

@@ -306,6 +306,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let prepared = begin.elapsed();
     let start = Instant::now();
     let paused_unix_us = unix_us();
+    // A background index build (of an earlier snapshot) waits while the
+    // guest does: the pause's few milliseconds of work get the CPUs.
+    let build_held = shared.index_builder.hold();
     // No new request starts; those in flight complete (the workers keep
     // running, nothing they do waits for this thread).
     let pause = shared.gate.pause();
@@ -335,6 +338,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     };
     created.switched = true;
     drop(pause);
+    drop(build_held);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     // The tables the old top used last, to the cache the new chain reads
     // it through (outside the pause: 0.4-1.8 ms of copying at 1 TiB).
