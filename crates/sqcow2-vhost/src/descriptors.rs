@@ -1,9 +1,11 @@
-//! Descriptor chains walked from a head index: for requests a previous
-//! backend took off the available ring and never completed, which come
-//! back by head index from the inflight region (virtio-queue builds chains
-//! only from the available ring). The rules are virtio-queue's: at most
-//! `queue_size` descriptors, one level of indirect table whose entries are
-//! then the whole rest of the chain; anything else is refused.
+//! Descriptor chains walked from a head index: every request's, whether
+//! the head came off the available ring or back from the inflight region
+//! (a request a previous backend took and never completed). The rules are
+//! virtio-queue's: at most `queue_size` descriptors, one level of indirect
+//! table whose entries are then the whole rest of the chain, at most 2^32
+//! bytes in all; where its iterator cuts a bad chain short, the walk
+//! refuses it. Each descriptor is read once (the guest cannot change it
+//! between a check and its use).
 
 use smallvec::SmallVec;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, VolatileMemory};

@@ -206,6 +206,8 @@ impl QueueWorker {
     /// Takes finished transfers and engine results without waiting or
     /// clearing any eventfd (a busy-poll step); whether there were any.
     pub fn poll_finished(&mut self) -> bool {
+        // A new round (the clock is read only if something completes).
+        self.stats.next_round();
         self.ring.reap(&mut self.ring_done);
         let ring = !self.ring_done.is_empty();
         self.apply_ring_completions();
@@ -958,6 +960,7 @@ impl QueueWorker {
             if self.ring.is_empty() && self.jobs_outstanding == 0 {
                 // Nothing left that could complete them (a bug): fail them
                 // rather than wait forever.
+                self.stats.next_round();
                 self.fail_orphans();
                 break;
             }

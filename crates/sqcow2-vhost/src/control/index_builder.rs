@@ -205,8 +205,10 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
     // A live snapshot during the build made a new chain, which still uses
     // the older index: the new one covers more of its layers.
     if let Ok(Some(report)) = &result {
-        let served = handle.get();
+        // Checked (and held) before the served chain is taken: a snapshot
+        // pausing now replaces it, and the index goes to its successor.
         if !cancelled() {
+            let served = handle.get();
             if let Err(e) = served.install_index(&report.index) {
                 warn!(error = %e, "the index just built does not fit the chain served now");
             }
