@@ -7,13 +7,22 @@
 # the offline snapshot of a fully allocated 50 GiB top (metadata
 # preallocated) against `qemu-img create -b`.
 #
+# The peer: qemu-storage-daemon (aio=io_uring, an iothread that polls: its
+# best configuration) serving a copy of the same chain under the same load,
+# taking the same number of live snapshots through QMP
+# (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py); its pause is
+# the command's time (an upper bound). PEER=none skips it.
+#
 #   scripts/bench-live-snapshot.sh [SIZES] [N] [DIR]
 #   (default "10G 50G 1T" 20 /tmp/sqcow2-live; prints a markdown table and
 #   writes DIR/results.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+here=$PWD
 . scripts/lib/deps.sh
 ensure_commands qemu-img:qemu-utils
+peer=${PEER:-qsd}
+[ "$peer" = none ] || ensure_commands qemu-storage-daemon:qemu-system-x86 qemu-img:qemu-utils
 sizes=${1:-10G 50G 1T}
 n=${2:-20}
 root=${3:-/tmp/sqcow2-live}
@@ -22,6 +31,46 @@ bin=$PWD/target/release/sqcow2
 bench=$PWD/target/release/sqcow2-bench
 rm -rf "$root" && mkdir -p "$root"
 : >"$root/runs.jsonl"
+cat >"$root/analyse.py" <<'PY'
+import json, sys
+server, size = sys.argv[1], sys.argv[2]
+replies = [json.loads(l) for l in open("replies.jsonl") if l.strip()]
+load = json.load(open("load.json"))
+# Only pauses that fell while the load ran count (a flush before a
+# snapshot can outlast the load).
+load_end = int(open("load.start").read()) + load["seconds"] * 1e6
+under_load = [r for r in replies if r["paused_unix_us"] < load_end]
+total = len(replies)
+replies = under_load or replies
+pauses = sorted(r["pause_ms"] for r in replies)
+q = lambda f: pauses[round((len(pauses) - 1) * f)]
+windows = [(r["started_unix_us"], r["paused_unix_us"] + r["pause_ms"] * 1000) for r in replies]
+overlapping = [s["latency_us"] for s in load.get("slow", [])
+               if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
+                      for a, b in windows)]
+worst = max(replies, key=lambda r: r["pause_ms"])
+try:
+    index = json.load(open("stats.json"))["index"]
+except FileNotFoundError:
+    index = {"builds": None, "last_build_ms": None}
+print(json.dumps({
+    "server": server, "size": size, "snapshots": total, "under_load": len(under_load),
+    "pause_p50_ms": q(0.5), "pause_p99_ms": q(0.99), "pause_max_ms": pauses[-1],
+    "longest_overlapping_ms": max(overlapping, default=0) / 1000,
+    "client_iops": load["iops"], "client_p999_us": load["lat_p999_us"],
+    "worst_steps": worst.get("steps"), "index_builds": index["builds"],
+    "last_build_ms": index["last_build_ms"],
+}))
+PY
+# The write load on v.sock in the background (its pid in $load), its
+# start time in load.start; a second to settle.
+start_load() {
+  date +%s%6N >load.start
+  "$bench" load --socket v.sock --pattern rand-write --iodepth 16 \
+    --duration $((n / 2 + 6)) --slow-us 1000 --output json >load.json &
+  load=$!
+  sleep 1
+}
 for size in $sizes; do
   dir=$root/$size
   mkdir -p "$dir"
@@ -29,13 +78,14 @@ for size in $sizes; do
     cd "$dir"
     echo "==> $size: generating a 10-layer chain (2 % filled)" >&2
     top=$("$bin" gen-chain --layers 10 --size "$size" --fill 0.02 .)
+    if [ "$peer" != none ]; then
+      echo "==> $size: a copy of the chain for qemu-storage-daemon" >&2
+      rm -rf ../"$size-qsd" && mkdir ../"$size-qsd"
+      cp --sparse=always layer*.qcow2 ../"$size-qsd"/
+    fi
     "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
     while [ ! -f serve.pid ]; do sleep 0.1; done
-    date +%s%6N >load.start
-    "$bench" load --socket v.sock --pattern rand-write --iodepth 16 \
-      --duration $((n / 2 + 6)) --slow-us 1000 --output json >load.json &
-    load=$!
-    sleep 1
+    start_load
     : >replies.jsonl
     for i in $(seq 1 "$n"); do
       "$bin" snapshot --live c.sock "live$i.qcow2" --output json | tr -d '\n ' >>replies.jsonl
@@ -54,37 +104,33 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
     "$bin" stats c.sock --output json >stats.json
     kill -TERM "$(cat serve.pid)"
     wait
-    python3 - "$size" >>"$root/runs.jsonl" <<'PY'
-import json, sys
-size = sys.argv[1]
-replies = [json.loads(l) for l in open("replies.jsonl") if l.strip()]
-load = json.load(open("load.json"))
-# Only pauses that fell while the load ran count (a flush before a
-# snapshot can outlast the load).
-load_end = int(open("load.start").read()) + load["seconds"] * 1e6
-under_load = [r for r in replies if r["paused_unix_us"] < load_end]
-total = len(replies)
-replies = under_load or replies
-pauses = sorted(r["pause_ms"] for r in replies)
-q = lambda f: pauses[round((len(pauses) - 1) * f)]
-windows = [(r["started_unix_us"], r["paused_unix_us"] + r["pause_ms"] * 1000) for r in replies]
-overlapping = [s["latency_us"] for s in load.get("slow", [])
-               if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
-                      for a, b in windows)]
-worst = max(replies, key=lambda r: r["pause_ms"])
-index = json.load(open("stats.json"))["index"]
-print(json.dumps({
-    "size": size, "snapshots": total, "under_load": len(under_load),
-    "pause_p50_ms": q(0.5), "pause_p99_ms": q(0.99), "pause_max_ms": pauses[-1],
-    "longest_overlapping_ms": max(overlapping, default=0) / 1000,
-    "client_iops": load["iops"], "client_p999_us": load["lat_p999_us"],
-    "worst_steps": worst["steps"], "index_builds": index["builds"],
-    "last_build_ms": index["last_build_ms"],
-}))
-PY
+    python3 "$root/analyse.py" sqcow2 "$size" >>"$root/runs.jsonl"
     tail -1 "$root/runs.jsonl" >&2
   )
   [ -n "${KEEP:-}" ] || rm -rf "$dir"
+  [ "$peer" != none ] || continue
+  (
+    cd "$root/$size-qsd"
+    echo "==> $size: qemu-storage-daemon, $n live snapshots through QMP" >&2
+    top=layer0009.qcow2
+    qemu-storage-daemon \
+      --object iothread,id=iot0,poll-max-ns=32768 \
+      --blockdev "driver=file,node-name=file,filename=$top,aio=io_uring" \
+      --blockdev driver=qcow2,node-name=disk,file=file \
+      --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0 \
+      --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off \
+      --monitor chardev=qmp 2>qsd.log &
+    qsd=$!
+    while [ ! -S v.sock ]; do sleep 0.1; done
+    start_load
+    python3 "$here/scripts/lib/qmp_snapshots.py" qmp.sock disk "$n" 0.4 replies.jsonl
+    wait "$load"
+    kill -TERM "$qsd"
+    wait "$qsd" || true
+    python3 "$root/analyse.py" "qemu-storage-daemon $(qemu-storage-daemon --version | head -1 | awk '{print $3}')" "$size" >>"$root/runs.jsonl"
+    tail -1 "$root/runs.jsonl" >&2
+  )
+  [ -n "${KEEP:-}" ] || rm -rf "$root/$size-qsd"
 done
 
 echo "==> offline snapshot of a fully allocated 50 GiB top" >&2
@@ -115,22 +161,31 @@ off = json.load(open(f"{root}/offline/offline.json"))
 json.dump({"live": runs, "offline": off}, open(f"{root}/results.json", "w"), indent=1)
 print(f"Live snapshots, {n} per size, random 4 KiB writes at depth 16 during them "
       "(10-layer chain, 2 % filled):\n")
-print("| disk | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request | client IOPS | steps of the longest pause (drain / flush / switch) |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request | client IOPS | steps of the longest pause (drain / flush / switch) |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
+    steps = f"{s['drain_ms']:.2f} / {s['flush_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
     lo = r["longest_overlapping_ms"]
     lo = f"{lo:.1f} ms" if lo else "< 1 ms"
-    print(f"| {r['size']} | {r.get('under_load', r['snapshots'])} of {r['snapshots']} | {r['pause_p50_ms']:.2f} ms | {r['pause_p99_ms']:.2f} ms | "
-          f"{r['pause_max_ms']:.2f} ms | {lo} | {r['client_iops']:.0f} | "
-          f"{s['drain_ms']:.2f} / {s['flush_ms']:.2f} / {s['switch_ms']:.2f} ms |")
-p99 = max(r["pause_p99_ms"] for r in runs)
-lo = max(r["longest_overlapping_ms"] for r in runs)
+    print(f"| {r['size']} | {r.get('server', 'sqcow2')} | {r.get('under_load', r['snapshots'])} of {r['snapshots']} | {r['pause_p50_ms']:.2f} ms | {r['pause_p99_ms']:.2f} ms | "
+          f"{r['pause_max_ms']:.2f} ms | {lo} | {r['client_iops']:.0f} | {steps} |")
+ours = [r for r in runs if r.get("server", "sqcow2") == "sqcow2"]
+p99 = max(r["pause_p99_ms"] for r in ours)
+lo = max(r["longest_overlapping_ms"] for r in ours)
 print()
 print(f"Goals: pause p99 <= 5 ms at every size: worst {p99:.2f} ms — "
       f"{'met' if p99 <= 5 else 'missed by %.2f ms' % (p99 - 5)}; "
       f"longest overlapping request <= 10 ms: {lo:.1f} ms — "
       f"{'met' if lo <= 10 else 'missed by %.1f ms' % (lo - 10)}.")
+peers = [r for r in runs if r.get("server", "sqcow2") != "sqcow2"]
+for p in peers:
+    o = next((r for r in ours if r["size"] == p["size"]), None)
+    if o:
+        print(f"\n{p['size']}: pause p99 sqcow2 {o['pause_p99_ms']:.2f} ms vs {p['server']} "
+              f"{p['pause_p99_ms']:.2f} ms; longest overlapping request "
+              f"{o['longest_overlapping_ms']:.1f} vs {p['longest_overlapping_ms']:.1f} ms; "
+              f"client IOPS {o['client_iops']:.0f} vs {p['client_iops']:.0f}.")
 ratio = off["sqcow2_snapshot_ms"] / off["qemu_img_create_ms"]
 print()
 print(f"Offline snapshot of a fully allocated 50 GiB top (median of 5): sqcow2 snapshot "
