@@ -60,6 +60,11 @@ fn write_index(
     )?;
     let file = writer.finish().map_err(io_err(&tmp))?;
     let bytes = file.metadata().map_err(io_err(&tmp))?.len();
+    // Once more before the sync (a caller's check may also wait there,
+    // as the daemon's does while a guest is paused).
+    if cancelled() {
+        return Err(Error::new(&tmp, ErrorKind::Io(cancel_error())));
+    }
     file.sync_all().map_err(io_err(&tmp))?;
     drop(file);
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
@@ -449,7 +454,9 @@ pub struct BuildReport {
 /// chain's locks passes `Locking::Off`). Nothing is done (`None`) when
 /// the top names no index or the index in use covers every layer below
 /// the top. A crash at any moment leaves the old index serving: the new
-/// one appears by rename, complete.
+/// one appears by rename, complete. `cancelled` is asked every few
+/// thousand entries and before the file's sync, with no lock of the chain
+/// held: it may block (a daemon holds a build so while a guest is paused).
 pub fn build_index(
     chain: &Chain,
     locking: Locking,
