@@ -747,6 +747,12 @@ fn measure_writes(
                 )?,
                 WriteImage::Allocated => images.allocated.clone(),
             };
+            // Every server starts with none of the images' pages dirty: the
+            // previous server's writes, still being written back, would
+            // slow this one's (overwrites wait for pages under writeback).
+            for image in [&top, &images.base, &images.allocated] {
+                std::fs::File::open(image)?.sync_all()?;
+            }
             let chain = ChainFiles { layers: vec![top] };
             let socket = setup.out.join("bench.sock");
             let log = setup.out.join(format!("{}-writes.log", server.name()));
