@@ -9,7 +9,8 @@ use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
-/// Newest modification time of any file below `dir`.
+/// Newest modification time of any file below `dir` that goes into a
+/// binary (a crate's own tests, benchmarks and examples do not).
 fn newest_mtime(dir: &Path) -> SystemTime {
     let mut newest = SystemTime::UNIX_EPOCH;
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -17,7 +18,12 @@ fn newest_mtime(dir: &Path) -> SystemTime {
     };
     for entry in entries.flatten() {
         let path = entry.path();
-        let t = if path.is_dir() {
+        let not_built = ["tests", "benches", "examples"]
+            .iter()
+            .any(|d| path.file_name().is_some_and(|n| n == *d));
+        let t = if path.is_dir() && not_built {
+            continue;
+        } else if path.is_dir() {
             newest_mtime(&path)
         } else {
             entry
@@ -49,23 +55,50 @@ pub fn sqcow2_bin() -> PathBuf {
                 bin.display()
             )
         });
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let sources = newest_mtime(&root.join("crates"));
+    assert_not_stale(
+        &bin,
+        built,
+        &[
+            "sqcow2-cli",
+            "sqcow2-vhost",
+            "sqcow2-format",
+            "sqcow2-cache",
+        ],
+    );
+    bin
+}
+
+/// Fails if `bin` (modified at `built`) is older than a source of the
+/// crates it is built from.
+fn assert_not_stale(bin: &Path, built: SystemTime, crates: &[&str]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
+    let sources = crates
+        .iter()
+        .map(|c| newest_mtime(&root.join(c)))
+        .max()
+        .unwrap_or(SystemTime::UNIX_EPOCH);
     assert!(
         built >= sources,
         "{} is older than the sources: run `cargo build --workspace` first",
         bin.display()
     );
-    bin
 }
 
 /// The `sqcow2-bench` binary of this build (beside `sqcow2`).
 pub fn sqcow2_bench_bin() -> PathBuf {
     let bin = sqcow2_bin().with_file_name("sqcow2-bench");
-    assert!(
-        bin.exists(),
-        "{} missing: run `cargo build --workspace` first",
-        bin.display()
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} missing: run `cargo build --workspace` first",
+                bin.display()
+            )
+        });
+    assert_not_stale(
+        &bin,
+        built,
+        &["sqcow2-bench", "sqcow2-format", "sqcow2-cache"],
     );
     bin
 }
