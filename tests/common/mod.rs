@@ -47,17 +47,8 @@ pub fn sqcow2_bin() -> PathBuf {
         .and_then(Path::parent)
         .expect("target/<profile>/deps layout");
     let bin = profile_dir.join("sqcow2");
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|_| {
-            panic!(
-                "{} missing: run `cargo build --workspace` first (scripts/test.sh does)",
-                bin.display()
-            )
-        });
-    assert_not_stale(
+    assert_built_and_fresh(
         &bin,
-        built,
         &[
             "sqcow2-cli",
             "sqcow2-vhost",
@@ -68,9 +59,17 @@ pub fn sqcow2_bin() -> PathBuf {
     bin
 }
 
-/// Fails if `bin` (modified at `built`) is older than a source of the
-/// crates it is built from.
-fn assert_not_stale(bin: &Path, built: SystemTime, crates: &[&str]) {
+/// Fails if `bin` is missing or older than a source of the crates it is
+/// built from.
+fn assert_built_and_fresh(bin: &Path, crates: &[&str]) {
+    let built = std::fs::metadata(bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} missing: run `cargo build --workspace` first (scripts/test.sh does)",
+                bin.display()
+            )
+        });
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
     let sources = crates
         .iter()
@@ -87,19 +86,7 @@ fn assert_not_stale(bin: &Path, built: SystemTime, crates: &[&str]) {
 /// The `sqcow2-bench` binary of this build (beside `sqcow2`).
 pub fn sqcow2_bench_bin() -> PathBuf {
     let bin = sqcow2_bin().with_file_name("sqcow2-bench");
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|_| {
-            panic!(
-                "{} missing: run `cargo build --workspace` first",
-                bin.display()
-            )
-        });
-    assert_not_stale(
-        &bin,
-        built,
-        &["sqcow2-bench", "sqcow2-format", "sqcow2-cache"],
-    );
+    assert_built_and_fresh(&bin, &["sqcow2-bench", "sqcow2-format", "sqcow2-cache"]);
     bin
 }
 

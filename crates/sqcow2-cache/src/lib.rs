@@ -134,23 +134,39 @@ impl SliceCache {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The cached slice, counting a hit or a miss.
-    pub fn get(&self, key: SliceKey) -> Option<Slice> {
+    /// `f` of the cached slice under its shard's lock, counting a hit;
+    /// on a miss (counted) `f` comes back unused.
+    fn lookup<R, F: FnOnce(&Slice) -> R>(&self, key: SliceKey, f: F) -> Result<R, F> {
         let mut guard = self.shard(&key);
         let shard = &mut *guard;
-        let found = shard.map.get_mut(&key).map(|(slice, meta)| {
-            shard.queues.hit(key, meta);
-            slice.clone()
-        });
-        if found.is_some() {
-            shard.queues.compact(&shard.map);
-        }
+        let Some((slice, meta)) = shard.map.get_mut(&key) else {
+            drop(guard);
+            self.stats.miss();
+            return Err(f);
+        };
+        shard.queues.hit(key, meta);
+        let r = f(slice);
+        shard.queues.compact(&shard.map);
         drop(guard);
-        match &found {
-            Some(_) => self.stats.hit(),
-            None => self.stats.miss(),
-        }
-        found
+        self.stats.hit();
+        Ok(r)
+    }
+
+    /// `load()`'s slice, counted as loaded and cached.
+    fn load_and_insert<E>(
+        &self,
+        key: SliceKey,
+        load: impl FnOnce() -> Result<Slice, E>,
+    ) -> Result<Slice, E> {
+        let slice = load()?;
+        self.stats.loaded();
+        self.insert(key, slice.clone());
+        Ok(slice)
+    }
+
+    /// The cached slice, counting a hit or a miss.
+    pub fn get(&self, key: SliceKey) -> Option<Slice> {
+        self.lookup(key, Slice::clone).ok()
     }
 
     /// `f` of the cached slice, or of `load()`'s result, which is then
@@ -162,23 +178,10 @@ impl SliceCache {
         load: impl FnOnce() -> Result<Slice, E>,
         f: impl FnOnce(&[u64]) -> R,
     ) -> Result<R, E> {
-        let mut guard = self.shard(&key);
-        let shard = &mut *guard;
-        if let Some((slice, meta)) = shard.map.get_mut(&key) {
-            shard.queues.hit(key, meta);
-            let r = f(slice);
-            shard.queues.compact(&shard.map);
-            drop(guard);
-            self.stats.hit();
-            return Ok(r);
+        match self.lookup(key, |s: &Slice| f(s)) {
+            Ok(r) => Ok(r),
+            Err(f) => Ok(f(&self.load_and_insert(key, load)?)),
         }
-        drop(guard);
-        self.stats.miss();
-        let slice = load()?;
-        self.stats.loaded();
-        let r = f(&slice);
-        self.insert(key, slice);
-        Ok(r)
     }
 
     /// The cached slice, or `load()`'s result, which is then cached.
@@ -187,13 +190,10 @@ impl SliceCache {
         key: SliceKey,
         load: impl FnOnce() -> Result<Slice, E>,
     ) -> Result<Slice, E> {
-        if let Some(s) = self.get(key) {
-            return Ok(s);
+        match self.get(key) {
+            Some(s) => Ok(s),
+            None => self.load_and_insert(key, load),
         }
-        let slice = load()?;
-        self.stats.loaded();
-        self.insert(key, slice.clone());
-        Ok(slice)
     }
 
     /// Caches `slice` under `key` (replacing any older one), evicting by

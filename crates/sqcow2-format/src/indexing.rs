@@ -45,12 +45,13 @@ fn write_index(
     let tmp = path.with_extension("sqidx.tmp");
     let file = File::create(&tmp).map_err(io_err(&tmp))?;
     let mut writer = IndexWriter::new(file, geometry, &fps);
+    let stopped = || Error::new(&tmp, ErrorKind::Io(cancel_error()));
     chain.index_entries(
         upto,
         geometry,
         &mut |entry| {
             if writer.pushed() % 4096 == 0 && cancelled() {
-                return Err(Error::new(&tmp, ErrorKind::Io(cancel_error())));
+                return Err(stopped());
             }
             writer
                 .push(entry)
@@ -63,7 +64,7 @@ fn write_index(
     // Once more before the sync (a caller's check may also wait there,
     // as the daemon's does while a guest is paused).
     if cancelled() {
-        return Err(Error::new(&tmp, ErrorKind::Io(cancel_error())));
+        return Err(stopped());
     }
     file.sync_all().map_err(io_err(&tmp))?;
     drop(file);

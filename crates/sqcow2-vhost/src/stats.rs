@@ -37,34 +37,25 @@ impl Default for QueueStats {
     }
 }
 
-/// The time of a worker's current round (the requests taken off a queue
-/// in one call, or the completions handled in one call): the clock is
-/// read once per round, not twice per request.
-#[derive(Debug, Default)]
-struct RoundClock(Option<Instant>);
-
-impl RoundClock {
-    fn now(&mut self) -> Instant {
-        *self.0.get_or_insert_with(Instant::now)
-    }
-}
-
 /// The statistics of a worker's queues, by worker-local queue index.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerStats {
     queues: Vec<QueueStats>,
-    clock: RoundClock,
+    /// The time of the current round (the requests taken off a queue in
+    /// one call, or the completions handled in one call), read at its
+    /// first use: the clock is read once per round, not twice per request.
+    round_time: Option<Instant>,
 }
 
 impl WorkerStats {
     /// Starts a new round: the next [`WorkerStats::now`] reads the clock.
     pub(crate) fn next_round(&mut self) {
-        self.clock.0 = None;
+        self.round_time = None;
     }
 
     /// The time of the current round.
     pub(crate) fn now(&mut self) -> Instant {
-        self.clock.now()
+        *self.round_time.get_or_insert_with(Instant::now)
     }
 
     fn queue(&mut self, queue: usize) -> &mut QueueStats {
@@ -76,7 +67,7 @@ impl WorkerStats {
 
     /// Counts a finished request with virtio status `code`.
     pub(crate) fn account(&mut self, queue: usize, req: &Request, code: u32, started: Instant) {
-        let now = self.clock.now();
+        let now = self.now();
         let st = self.queue(queue);
         st.requests += 1;
         if code != VIRTIO_BLK_S_OK {
