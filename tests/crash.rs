@@ -636,3 +636,64 @@ fn check_with_repair_applies_a_dead_writers_journal() {
         assert_qemu_clean(&top, &what);
     }
 }
+
+/// A writer that died while its top already had a new top over it (a live
+/// snapshot's daemon killed between the switch and the old top's close)
+/// leaves a backing layer with the dirty bit, spare clusters and perhaps a
+/// journal. The next read-write open of the chain repairs it as it would
+/// its top: the journal applied, the refcounts repaired, the bit cleared.
+/// The chain then reads every completed write, QEMU reads the same bytes
+/// and finds every layer clean.
+#[test]
+fn the_next_writer_repairs_a_backing_layer_a_dead_writer_left() {
+    for seed in 0..4u64 {
+        let mut rng = fastrand::Rng::with_seed(3000 + seed);
+        let cfg = Config {
+            cluster: [4096u64, 65536][seed as usize % 2],
+            lazy: seed >= 2,
+            extended_l2: false,
+            v2: false,
+            snapshot: false,
+        };
+        let ctx = format!("seed {seed} {cfg:?}");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (old_top, model) = die_with_journal(dir, &cfg, &mut rng, &ctx);
+        // The new top over it, as a live snapshot makes it.
+        let new_top = dir.join("new.qcow2");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            "top.qcow2",
+            s(&new_top),
+        ]);
+        let rw = ChainOptions {
+            writable: true,
+            ..ChainOptions::default()
+        };
+        let chain = Chain::open(&new_top, &rw).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
+        let mut got = vec![0u8; SIZE as usize];
+        chain.read_at(&mut got, 0).unwrap();
+        assert_reads_model(&got, &model, &format!("{ctx}: through the next writer"));
+        chain.close().unwrap();
+        assert!(
+            !dir.join("top.qcow2.sqjournal").exists(),
+            "{ctx}: the old top's journal is still there"
+        );
+        for layer in [&old_top, &new_top] {
+            assert_qemu_clean(layer, &format!("{ctx}: {}", layer.display()));
+        }
+        let raw = dir.join("after.raw");
+        qemu_img(&["convert", "-O", "raw", s(&new_top), s(&raw)]);
+        assert_reads_model(
+            &std::fs::read(&raw).unwrap(),
+            &model,
+            &format!("{ctx}: as QEMU reads the chain"),
+        );
+    }
+}

@@ -13,11 +13,14 @@ use tracing::debug;
 
 use crate::active::{Active, CacheLink};
 use crate::backing::{resolve_backing_path, BackingFormat};
+use crate::check::Repair;
 use crate::error::{Error, ErrorKind, WithPath};
+use crate::features::{AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
 use crate::fence::TransferFence;
 use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::QCOW2_MAGIC;
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
+use crate::lock::Locking;
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 use crate::storage::{open_for_reading, FileStorage, Storage};
 use crate::summary::TopSummary;
@@ -133,6 +136,44 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
     }
 }
 
+/// Whether the qcow2 v3 image in `file` was left open by a writer that
+/// did not close it: the dirty bit or the mapping journal's autoclear bit
+/// set. Reads the header's first 96 bytes; anything else says no (the
+/// open that follows reports a bad header).
+fn left_open_by_a_writer(file: &File) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut h = [0u8; 96];
+    if file.read_exact_at(&mut h, 0).is_err() {
+        return false;
+    }
+    let word = |at: usize| crate::bytes::be_u64(&h, at);
+    crate::bytes::be_u32(&h, 0) == QCOW2_MAGIC
+        && crate::bytes::be_u32(&h, 4) == 3
+        && (word(72) & INCOMPAT_DIRTY != 0 || word(88) & AUTOCLEAR_JOURNAL != 0)
+}
+
+/// Repairs the backing layer at `path` that a writer left open (a live
+/// snapshot's daemon that died between the switch and the old top's
+/// close): its journal applied, its refcounts repaired, its dirty bit
+/// cleared, as for a top ([`crate::check::check`] with a full repair,
+/// under a writer's image lock). Before the layer is opened and locked
+/// for reading; a read-write open of the chain only (QEMU does not repair
+/// a backing file, but it never leaves one dirty either).
+fn repair_left_open(path: &Path, locking: Locking) -> Result<(), Error> {
+    tracing::warn!(path = %path.display(), "a backing layer was left open by a writer: repairing it");
+    let report = crate::check::check(path, Repair::All, locking, false)?;
+    if report.corruptions > 0 || report.check_errors > 0 {
+        return Err(Error::new(
+            path,
+            ErrorKind::Io(std::io::Error::other(format!(
+                "a backing layer left open by a writer could not be repaired: {} corruptions, {} check errors",
+                report.corruptions, report.check_errors
+            ))),
+        ));
+    }
+    Ok(())
+}
+
 /// Opens the files of the chain whose top is `path`, top first. A file
 /// that one of `reuse` has open already is not opened again: its storage
 /// (and its open file description, which holds the image locks) serves.
@@ -198,6 +239,12 @@ fn open_layers(
                 None => Some(Opened::File(file)),
             }
         };
+        if let (Some(_), Some(Opened::File(f))) = (&referrer, &file) {
+            let raw = matches!(expect, Expect::Recorded(BackingFormat::Raw));
+            if options.writable && !raw && left_open_by_a_writer(f) {
+                repair_left_open(&current, options.locking)?;
+            }
+        }
         let layer =
             open_layer(&current, file, expect, options, &files).map_err(|kind| match kind {
                 // The referring image records the wrong format: blame it.
