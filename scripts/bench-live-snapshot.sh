@@ -166,6 +166,8 @@ print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
     steps = f"{s['drain_ms']:.2f} / {s['flush_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
+    if s and "close_ms" in s:
+        steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]
     lo = f"{lo:.1f} ms" if lo else "< 1 ms"
     print(f"| {r['size']} | {r.get('server', 'sqcow2')} | {r.get('under_load', r['snapshots'])} of {r['snapshots']} | {r['pause_p50_ms']:.2f} ms | {r['pause_p99_ms']:.2f} ms | "

@@ -2,7 +2,7 @@
 //! a range of guest offsets.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::bytes::be_u64;
 use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
@@ -29,8 +29,56 @@ pub struct Qcow2Layer {
     storage: Arc<dyn Storage>,
     header: Arc<Header>,
     l1: Arc<OnceLock<Vec<u64>>>,
+    /// The file's size at open: what L2 table offsets are checked against.
     file_size: u64,
-    fingerprint: (u64, u64),
+    /// Hash of the active L1 table at open.
+    l1_hash: u64,
+    /// What a chain index records of the file besides its L1 table; taken
+    /// at open, taken again once the writer that had the image open has
+    /// closed it ([`Qcow2Layer::refresh_identity`]).
+    identity: Arc<Mutex<Identity>>,
+}
+
+/// What identifies an image's file besides its L1 table: its size and the
+/// hash of its header area (autoclear bits excluded, which sqcow2 itself
+/// sets). A writer's close changes both (the dirty bit cleared, spare
+/// clusters cut off the end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Identity {
+    file_size: u64,
+    header_hash: u64,
+}
+
+/// An image's header, identity and active L1 table (bytes) as the file
+/// holds them now.
+fn read_image(storage: &dyn Storage) -> Result<(Header, Identity, Vec<u8>), ErrorKind> {
+    let file_size = storage.len()?;
+    let mut first = vec![0u8; 112];
+    storage.read_at(&mut first, 0)?;
+    let (header, mut area) = match Header::cluster_size_hint(&first) {
+        Some(cluster_size) => {
+            let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
+            storage.read_at(&mut cluster, 0)?;
+            (Header::parse(&cluster, file_size)?, cluster)
+        }
+        None => (
+            Header::parse(&first[..file_size.min(112) as usize], file_size)?,
+            first,
+        ),
+    };
+    let mut raw = vec![0u8; header.l1_size as usize * 8];
+    storage.read_at(&mut raw, header.l1_table_offset)?;
+    area.truncate(header.area_len as usize);
+    if let Some(autoclear) = area.get_mut(88..96) {
+        if header.version == crate::header::Version::V3 {
+            autoclear.fill(0);
+        }
+    }
+    let identity = Identity {
+        file_size,
+        header_hash: xxh3_64(&area),
+    };
+    Ok((header, identity, raw))
 }
 
 /// A raw file used as the base of a chain.
@@ -65,31 +113,7 @@ impl Qcow2Layer {
     }
 
     fn open_with(path: &Path, storage: Arc<dyn Storage>, keep_l1: bool) -> Result<Self, ErrorKind> {
-        let file_size = storage.len()?;
-        let mut first = vec![0u8; 112];
-        storage.read_at(&mut first, 0)?;
-        let (header, mut area) = match Header::cluster_size_hint(&first) {
-            Some(cluster_size) => {
-                let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
-                storage.read_at(&mut cluster, 0)?;
-                (Header::parse(&cluster, file_size)?, cluster)
-            }
-            None => (
-                Header::parse(&first[..file_size.min(112) as usize], file_size)?,
-                first,
-            ),
-        };
-        let mut raw = vec![0u8; header.l1_size as usize * 8];
-        storage.read_at(&mut raw, header.l1_table_offset)?;
-        // Fingerprint: the header area without the autoclear bits (which
-        // sqcow2 itself sets), and the active L1 table.
-        area.truncate(header.area_len as usize);
-        if let Some(autoclear) = area.get_mut(88..96) {
-            if header.version == crate::header::Version::V3 {
-                autoclear.fill(0);
-            }
-        }
-        let fingerprint = (xxh3_64(&area), xxh3_64(&raw));
+        let (header, identity, raw) = read_image(&*storage)?;
         let l1 = OnceLock::new();
         if keep_l1 {
             let _ = l1.set(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect());
@@ -99,15 +123,43 @@ impl Qcow2Layer {
             storage,
             header: Arc::new(header),
             l1: Arc::new(l1),
-            file_size,
-            fingerprint,
+            file_size: identity.file_size,
+            l1_hash: xxh3_64(&raw),
+            identity: Arc::new(Mutex::new(identity)),
         })
     }
 
     /// Hashes of the header area (autoclear bits excluded) and of the L1
-    /// table, taken when the image was opened.
+    /// table, taken when the image was opened (the first taken again by
+    /// [`Qcow2Layer::refresh_identity`]).
     pub fn fingerprint(&self) -> (u64, u64) {
-        self.fingerprint
+        (self.identity().header_hash, self.l1_hash)
+    }
+
+    fn identity(&self) -> Identity {
+        *self.identity.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the file's size and header hash again, for an image that a
+    /// writer of this process closed after this layer was opened (a live
+    /// snapshot's old top, closed after the switch): an index built from
+    /// now on records the image as it stays. Fails, changing nothing, if
+    /// the image maps other tables than at open (its L1 table, geometry,
+    /// size or backing file changed).
+    pub fn refresh_identity(&self) -> Result<(), ErrorKind> {
+        let (header, identity, raw) = read_image(&*self.storage)?;
+        let old = &self.header;
+        let same = header.l1_table_offset == old.l1_table_offset
+            && header.l1_size == old.l1_size
+            && header.geometry == old.geometry
+            && header.size == old.size
+            && header.backing_file == old.backing_file
+            && xxh3_64(&raw) == self.l1_hash;
+        if !same {
+            return Err(ErrorKind::LayerChanged);
+        }
+        *self.identity.lock().unwrap_or_else(PoisonError::into_inner) = identity;
+        Ok(())
     }
 
     /// The storage holding the image.
@@ -126,7 +178,7 @@ impl Qcow2Layer {
         let mut raw = vec![0u8; self.header.l1_size as usize * 8];
         self.storage
             .read_at(&mut raw, self.header.l1_table_offset)?;
-        if xxh3_64(&raw) != self.fingerprint.1 {
+        if xxh3_64(&raw) != self.l1_hash {
             return Err(ErrorKind::LayerChanged);
         }
         let l1 = raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect();
@@ -138,9 +190,10 @@ impl Qcow2Layer {
         &self.header
     }
 
-    /// The file's size when it was opened.
+    /// The file's size when it was opened (or last identified,
+    /// [`Qcow2Layer::refresh_identity`]).
     pub fn file_size(&self) -> u64 {
-        self.file_size
+        self.identity().file_size
     }
 
     /// The mapping of `[guest, guest + max)` in this image, truncated to the
@@ -497,10 +550,11 @@ impl Layer {
         }
     }
 
-    /// Size of the file when it was opened.
+    /// Size of the file when it was opened (or last identified, for a
+    /// qcow2 image: [`Qcow2Layer::refresh_identity`]).
     pub fn file_size(&self) -> u64 {
         match self {
-            Layer::Qcow2(l) => l.file_size,
+            Layer::Qcow2(l) => l.file_size(),
             Layer::Raw(l) => l.file_size.div_ceil(512) * 512,
         }
     }

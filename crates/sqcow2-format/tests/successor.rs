@@ -28,17 +28,90 @@ fn read(chain: &Chain, offset: u64) -> Vec<u8> {
     buf
 }
 
+/// A live snapshot's steps, as the daemon takes them.
 fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
-    chain.flush_clean().expect("flush_clean");
+    successor_with(chain, top, new, &options(true))
+}
+
+fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) -> Chain {
     indexing::snapshot_over(chain, top, new).expect("new top");
-    let prepared = chain
-        .prepare_successor(new, &options(true))
-        .expect("prepare");
-    let next = chain
-        .successor(prepared, &options(true))
-        .expect("successor");
+    let prepared = chain.prepare_successor(new, opts).expect("prepare");
+    chain.flush().expect("flush");
+    // The pause: a durable flush, the switch.
+    chain.flush().expect("flush");
+    let next = chain.successor(prepared, opts).expect("successor");
     chain.hand_over_tables();
+    chain.retire(&next).expect("retire");
     next
+}
+
+fn journal_of(p: &Path) -> std::path::PathBuf {
+    let mut name = p.file_name().unwrap().to_os_string();
+    name.push(".sqjournal");
+    p.with_file_name(name)
+}
+
+/// The old top closed after the switch (`Chain::retire`, once the guest
+/// runs again): it is clean (no journal, no spare cluster left as a leak,
+/// no dirty bit), and an index the next chain builds afterwards is valid
+/// when the chain is opened again: it records the old top as the close
+/// left it, not as it was at the switch.
+#[test]
+fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: GIB,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    let indexed = ChainOptions {
+        use_index: true,
+        ..options(true)
+    };
+    let chain = Chain::open(&top, &indexed).unwrap();
+    for i in 0..64u64 {
+        chain
+            .write_at(&[i as u8 + 1; 4096], i * 3 * CLUSTER)
+            .unwrap();
+    }
+    let next_path = dir.path().join("next.qcow2");
+    let next = successor_with(&chain, &top, &next_path, &indexed);
+    assert!(!journal_of(&top).exists(), "the old top's journal is left");
+    let report = check_storage(
+        &top,
+        std::sync::Arc::new(FileStorage::open_read_only(&top).unwrap()),
+        Repair::None,
+    )
+    .unwrap();
+    assert_eq!(
+        (report.corruptions, report.leaks, report.check_errors),
+        (0, 0, 0),
+        "old top after its close: {:?}",
+        report.messages
+    );
+    let header =
+        sqcow2_format::check::read_header(&FileStorage::open_read_only(&top).unwrap()).unwrap();
+    assert!(!header.is_dirty(), "the old top is left dirty");
+    let built = indexing::build_index(&next, sqcow2_format::Locking::Off, &mut |_, _| {}, &|| {
+        false
+    })
+    .unwrap();
+    assert!(built.is_some(), "no index built");
+    drop(chain);
+    next.close().unwrap();
+    let reopened = Chain::open(&next_path, &indexed).unwrap();
+    assert!(
+        reopened.is_indexed(),
+        "the index built after the close is not valid at the next open: {:?}",
+        reopened.index_state()
+    );
+    for i in 0..64u64 {
+        assert!(read(&reopened, i * 3 * CLUSTER) == vec![i as u8 + 1; 4096]);
+    }
 }
 
 /// An L2 table whose slice the cache took from the file, then loaded for
@@ -100,11 +173,6 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
         },
     )
     .unwrap();
-    let journal_of = |p: &Path| {
-        let mut name = p.file_name().unwrap().to_os_string();
-        name.push(".sqjournal");
-        p.with_file_name(name)
-    };
     let len = |p: &Path| std::fs::metadata(p).unwrap().len();
     let chain = Chain::open(&top, &options(true)).unwrap();
     chain.write_at(&[0xC1; 4096], 0).unwrap();

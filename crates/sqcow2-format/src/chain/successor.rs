@@ -132,15 +132,16 @@ impl Chain {
 
     /// The chain whose top is `prepared` ([`Chain::prepare_successor`]),
     /// made inside the guest's pause. This chain's top must have all its
-    /// metadata written back ([`Chain::flush_clean`]); it becomes a
-    /// backing layer (its image locks lowered to a reader's); the layers
-    /// below it, the unified cache and the index in use carry over, the
-    /// old top walked above the index until the new top's index is
-    /// installed ([`crate::indexing::build_index`]). Only the old top's
-    /// header and L1 table are read. On failure this chain stays as it
-    /// was. Once the switch is done (outside the guest's pause),
-    /// [`Chain::hand_over_tables`] gives the next chain the tables this
-    /// one used last.
+    /// metadata written back ([`Chain::flush`]; it may still be open, its
+    /// journal and spare clusters kept); it becomes a backing layer (its
+    /// image locks lowered to a reader's, which still keeps every other
+    /// writer away); the layers below it, the unified cache and the index
+    /// in use carry over, the old top walked above the index until the
+    /// new top's index is installed ([`crate::indexing::build_index`]).
+    /// Only the old top's header and L1 table are read. On failure this
+    /// chain stays as it was. Once the switch is done (outside the guest's
+    /// pause), [`Chain::hand_over_tables`] gives the next chain the tables
+    /// this one used last and [`Chain::retire`] closes the old top.
     pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
         self.active()?.written_back()?;
         let old = self.top();
@@ -173,6 +174,34 @@ impl Chain {
         if let Some(active) = &self.active {
             active.publish_recent(HANDED_OVER);
         }
+    }
+
+    /// Closes this chain's top, which `next` (made by
+    /// [`Chain::successor`]) reads as a backing layer and nothing writes
+    /// any more: its journal ended, its spare clusters given back, lazy
+    /// refcounts written, its dirty bit cleared; then `next`'s layer of it
+    /// identified again ([`crate::Qcow2Layer::refresh_identity`]), so that
+    /// an index of `next` built from then on records the image as it
+    /// stays. Outside the guest's pause: nothing in it waits for this. A
+    /// process that dies before it is done leaves the old top open, which
+    /// the next read-write open of the chain repairs.
+    pub fn retire(&self, next: &Chain) -> Result<(), Error> {
+        let old = self.top();
+        let below = match next.layers.get(self.top_index().0) {
+            Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), old.storage()) => l,
+            _ => {
+                return Err(Error::new(
+                    old.path(),
+                    ErrorKind::Io(std::io::Error::other(
+                        "the chain given is not this chain's successor",
+                    )),
+                ))
+            }
+        };
+        self.active()?.close(&self.fence)?;
+        below
+            .refresh_identity()
+            .map_err(|k| Error::new(old.path(), k))
     }
 
     fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {

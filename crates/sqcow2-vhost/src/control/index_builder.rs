@@ -191,8 +191,12 @@ impl Builder {
     }
 }
 
-/// One build for the chain served now.
+/// One build for the chain served now (taken once no hold is left: a
+/// live snapshot's old top may still be closing).
 fn build_once(handle: &ChainHandle, shared: &Builder) {
+    if shared.check() {
+        return;
+    }
     let chain = handle.get();
     if !chain.is_writable() {
         return;

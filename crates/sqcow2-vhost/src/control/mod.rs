@@ -247,10 +247,12 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
 /// over the old top) and made durable, then the old top's dirty metadata
 /// written back. Then the pause, whose work does not grow with the disk or
 /// the chain: new requests wait, those in flight complete, what the old
-/// top still has dirty is written back, the new chain is made from the old
-/// one (headers only) and switched to. After it, in the background, the
-/// new top's index is built and installed; until then the old top is
-/// walked above the old index.
+/// top still has dirty is written back (durably), the new chain is made
+/// from the old one (headers only) and switched to. After it, while the
+/// guest runs: the old top closed (journal ended, spare clusters given
+/// back, dirty bit cleared), then, in the background, the new top's index
+/// built and installed; until then the old top is walked above the old
+/// index.
 fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
     let Some(_running) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
@@ -287,16 +289,14 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let next_top = current
         .prepare_successor(&created.path, &shared.options)
         .map_err(new_top_failure)?;
-    // Then most dirty metadata written back while the guest still runs
-    // (lazy refcounts included), as late as possible: the flush inside
-    // the pause syncs only what was written after it. A clean close, not
-    // a plain flush: tried, a plain flush left the in-pause close a data
-    // sync of everything written during it (pause p99 558 ms at 50 GiB
-    // under random writes, against 8 ms); and a flush that also writes
-    // the lazy refcounts but keeps the journal and the spare clusters
-    // left the in-pause close ending the journal and giving the spares
-    // back (flush step 6-11 ms at 50 GiB, against 0.5 ms).
-    current.flush_clean().map_err(|e| {
+    // Then the dirty metadata written back while the guest still runs, as
+    // late as possible: the flush inside the pause syncs only what was
+    // written after it. A flush that keeps the journal and the spare
+    // clusters: writes completing meanwhile neither wait for it nor
+    // publish. (A clean close here, tried before, left the writes that
+    // completed during its last steps publishing one by one, each with a
+    // sync: drains of 6-12 ms in the pause and requests held 21-109 ms.)
+    current.flush().map_err(|e| {
         fail(
             FailureKind::IoError,
             format!("flush before the snapshot: {e}"),
@@ -307,7 +307,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let start = Instant::now();
     let paused_unix_us = unix_us();
     // A background index build (of an earlier snapshot) waits while the
-    // guest does: the pause's few milliseconds of work get the CPUs.
+    // guest does, and until the old top is closed: the pause's few
+    // milliseconds of work get the CPUs, and no build records the old top
+    // before its close changes its header.
     let build_held = shared.index_builder.hold();
     // No new request starts; those in flight complete (the workers keep
     // running, nothing they do waits for this thread).
@@ -320,7 +322,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     let drained = start.elapsed();
     let old = shared.handle.get();
-    old.flush_clean().map_err(|e| {
+    // Every completed write durable and in the tables: the old top is
+    // consistent as a backing layer from here on, whatever happens next.
+    old.flush().map_err(|e| {
         fail(
             FailureKind::IoError,
             format!("flush before the snapshot: {e}"),
@@ -338,12 +342,20 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     };
     created.switched = true;
     drop(pause);
-    drop(build_held);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     // The tables the old top used last, to the cache the new chain reads
     // it through (outside the pause: 0.4-1.8 ms of copying at 1 TiB).
     old.hand_over_tables();
+    // The old top closed, nothing writing it any more. If this fails (or
+    // the process dies first), the old top stays open: the next
+    // read-write open of the chain repairs it; reads are not affected.
+    let retire_start = Instant::now();
+    if let Err(e) = old.retire(&shared.handle.get()) {
+        warn!(path = %top.display(), error = %e, "closing the old top after the snapshot failed: the next open repairs it");
+    }
+    let retired = retire_start.elapsed();
     drop(old);
+    drop(build_held);
     shared.index_builder.wake();
     shared
         .pauses_ms
@@ -356,6 +368,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         drain_ms: ms(drained),
         flush_ms: ms(flushed - drained),
         switch_ms: pause_ms - ms(flushed),
+        close_ms: ms(retired),
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
     Ok(SnapshotResult {

@@ -330,7 +330,8 @@ pub struct Activity {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotSteps {
     /// Before the pause, while the guest runs: the old top's metadata
-    /// written back and the new top created (its index is built after the
+    /// written back (its journal and spare clusters kept) and the new top
+    /// created (its index is built after the
     /// pause, in the background).
     pub prepare_ms: f64,
     /// In the pause: waiting for requests in flight.
@@ -339,6 +340,10 @@ pub struct SnapshotSteps {
     pub flush_ms: f64,
     /// In the pause: the new chain made from the old one, switched to.
     pub switch_ms: f64,
+    /// After the pause, while the guest runs: the old top closed (journal
+    /// ended, spare clusters given back, dirty bit cleared).
+    #[serde(default)]
+    pub close_ms: f64,
 }
 
 /// The result of `snapshot`.
