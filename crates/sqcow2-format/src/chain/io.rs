@@ -363,30 +363,76 @@ impl Chain {
     /// that may still use them has ended (now, or at a later flush); it
     /// never waits for a transfer, so it may be called from anywhere, a
     /// ticket holder included.
+    /// After a live snapshot, until the old top is closed
+    /// ([`Chain::retire`]), the old top's file is synced too: writes the
+    /// guest completed there before the switch are durable once a flush
+    /// after it completes.
     pub fn flush(&self) -> Result<(), Error> {
-        match &self.active {
-            Some(active) => active.flush(&self.fence),
+        if let Some(active) = &self.active {
+            active.flush(&self.fence)?;
+        }
+        self.sync_below()
+    }
+
+    /// Syncs the old top a live snapshot left below this chain's top while
+    /// it may hold writes that are not durable yet (see
+    /// [`Chain::successor`]).
+    fn sync_below(&self) -> Result<(), Error> {
+        let below = self
+            .unsynced_below
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        match below {
+            Some(storage) => storage.sync().map_err(|e| {
+                let at = self.top_index().0.saturating_sub(1);
+                Error::new(self.layers[at].path(), e.into())
+            }),
             None => Ok(()),
         }
+    }
+
+    /// The old top below this chain's top is durable (closed): flushes no
+    /// longer sync it.
+    pub(crate) fn below_synced(&self) {
+        *self
+            .unsynced_below
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// Syncs the writable top's file as it is (the data written so far),
+    /// writing no metadata back and holding nothing a writer waits for: a
+    /// [`Chain::flush`] right after has little left to sync while it holds
+    /// the flush order, which writes that must publish wait for. A
+    /// read-only chain has nothing to sync.
+    pub fn sync_data(&self) -> Result<(), Error> {
+        if self.active.is_none() {
+            return Ok(());
+        }
+        let top = self.top();
+        top.storage()
+            .sync()
+            .map_err(|e| Error::new(top.path(), e.into()))
     }
 
     /// Flushes like [`Chain::close`] (lazy refcounts written, dirty bit
     /// cleared) but keeps the chain open: the image is clean for any reader
     /// until the next write.
     pub fn flush_clean(&self) -> Result<(), Error> {
-        match &self.active {
-            Some(active) => active.close(&self.fence),
-            None => Ok(()),
+        if let Some(active) = &self.active {
+            active.close(&self.fence)?;
         }
+        self.sync_below()
     }
 
     /// Flushes and leaves the image clean (clears the dirty bit of lazy
     /// refcounts). Read-only chains close trivially.
     pub fn close(mut self) -> Result<(), Error> {
-        match self.active.take() {
-            Some(active) => active.close(&self.fence),
-            None => Ok(()),
+        if let Some(active) = self.active.take() {
+            active.close(&self.fence)?;
         }
+        self.sync_below()
     }
 }
 

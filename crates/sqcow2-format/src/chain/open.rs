@@ -378,6 +378,7 @@ impl Chain {
                 state: index_state,
             }),
             summary,
+            unsynced_below: std::sync::Mutex::new(None),
         })
     }
 }

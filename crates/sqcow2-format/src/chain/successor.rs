@@ -132,8 +132,10 @@ impl Chain {
 
     /// The chain whose top is `prepared` ([`Chain::prepare_successor`]),
     /// made inside the guest's pause. This chain's top must have all its
-    /// metadata written back ([`Chain::flush`]; it may still be open, its
-    /// journal and spare clusters kept); it becomes a backing layer (its
+    /// metadata written back, durable or not ([`Chain::publish`] is
+    /// enough: the next chain's flushes sync the old top too until
+    /// [`Chain::retire`] has closed it); it may still be open, its journal
+    /// and spare clusters kept. It becomes a backing layer (its
     /// image locks lowered to a reader's, which still keeps every other
     /// writer away); the layers below it, the unified cache and the index
     /// in use carry over, the old top walked above the index until the
@@ -199,6 +201,7 @@ impl Chain {
             }
         };
         self.active()?.close(&self.fence)?;
+        next.below_synced();
         below
             .refresh_identity()
             .map_err(|k| Error::new(old.path(), k))
@@ -273,6 +276,7 @@ impl Chain {
             resolved: ResolvedSlices::new(resolved_bits),
             index: arc_swap::ArcSwap::from_pointee(IndexInUse { covering, state }),
             summary,
+            unsynced_below: std::sync::Mutex::new(Some(self.top().storage().clone())),
         })
     }
 }
