@@ -697,3 +697,69 @@ fn the_next_writer_repairs_a_backing_layer_a_dead_writer_left() {
         );
     }
 }
+
+/// A backing layer that is only dirty (a writer with lazy refcounts, here
+/// a live QEMU, that has it open; or one that died without a journal) is
+/// read as QEMU reads a backing file: the next writer of the chain does
+/// not repair it, which would rewrite the refcounts of an image another
+/// process may be writing (with image locks off, nothing else stops it).
+#[test]
+fn a_backing_layer_that_is_only_dirty_is_not_repaired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "lazy_refcounts=on",
+        s(&base),
+        "4M",
+    ]);
+    let mut writer = Command::new("qemu-io")
+        .args(["-c", "write -P 0x61 0 64k", "-c", "sleep 20000", s(&base)])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !common::dirty_bit(&base) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "QEMU never set the dirty bit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let header = std::fs::read(&base).unwrap()[..104].to_vec();
+    let top = dir.join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-F",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        s(&top),
+        "4M",
+    ]);
+    let rw = ChainOptions {
+        writable: true,
+        locking: sqcow2_format::Locking::Off,
+        ..ChainOptions::default()
+    };
+    let chain = Chain::open(&top, &rw).expect("open over a dirty backing layer");
+    chain.write_at(&[0x62; 4096], 1 << 20).unwrap();
+    chain.close().unwrap();
+    assert_eq!(
+        std::fs::read(&base).unwrap()[..104],
+        header[..],
+        "the next writer changed the header of a backing layer QEMU is writing"
+    );
+    assert!(common::dirty_bit(&base));
+    let _ = writer.kill();
+    let _ = writer.wait();
+}

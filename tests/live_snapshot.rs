@@ -17,7 +17,7 @@ use std::time::Duration;
 use blkio::{Completion, ReqFlags};
 use common::reference::Reference;
 use common::vhost::{connect_retry, control, wait_indexed, Daemon};
-use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
+use common::{dirty_bit, env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
 use serde_json::{json, Value};
 
 const BLOCK: u64 = 16 << 10;
@@ -439,15 +439,6 @@ fn kills_at_any_moment_of_a_live_snapshot_lose_nothing() {
         "{rounds} kills: {switched} after the snapshot's reply, {old_left_open} with the old top left open under the new one"
     );
     reference.verify_files(&top, tmp.path());
-}
-
-/// Whether the qcow2 v3 image at `path` carries the dirty bit.
-fn dirty_bit(path: &std::path::Path) -> bool {
-    use std::os::unix::fs::FileExt;
-    let mut word = [0u8; 8];
-    std::fs::File::open(path)
-        .and_then(|f| f.read_exact_at(&mut word, 72))
-        .is_ok_and(|()| u64::from_be_bytes(word) & 1 != 0)
 }
 
 /// 50 live snapshots back to back, faster than their background index

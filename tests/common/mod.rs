@@ -410,3 +410,12 @@ pub mod guest;
 pub mod reference;
 pub mod ring;
 pub mod vhost;
+
+/// Whether the qcow2 v3 image at `path` carries the dirty bit.
+pub fn dirty_bit(path: &Path) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut word = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|f| f.read_exact_at(&mut word, 72))
+        .is_ok_and(|()| u64::from_be_bytes(word) & 1 != 0)
+}

@@ -36,8 +36,9 @@ fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
 fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) -> Chain {
     indexing::snapshot_over(chain, top, new).expect("new top");
     let prepared = chain.prepare_successor(new, opts).expect("prepare");
+    // Before the pause (the daemon repeats this until it is short).
     chain.sync_data().expect("sync");
-    chain.flush().expect("flush");
+    chain.publish().expect("publish");
     // The pause: the last changes published, the switch.
     chain.publish().expect("publish");
     let next = chain.successor(prepared, opts).expect("successor");
@@ -330,4 +331,59 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
         assert!(read(&next, i * 7 * CLUSTER) == vec![0xD2; 4096]);
     }
     next.close().unwrap();
+}
+
+/// An old top whose close after the switch failed (or never ran) stays
+/// synced by every flush, through later snapshots too: here a second
+/// snapshot comes before any flush, and a flush of the third chain must
+/// still make the first top's last writes durable.
+#[test]
+fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: GIB,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    let watch = std::sync::Arc::new(SyncWatch {
+        file: FileStorage::open_read_write(&top).unwrap(),
+        unsynced: Default::default(),
+    });
+    let opts = ChainOptions {
+        top_storage: Some(watch.clone()),
+        ..options(true)
+    };
+    let first = Chain::open(&top, &opts).unwrap();
+    first.write_at(&[0xE1; 4096], 0).unwrap();
+    // The first snapshot, its old top never closed (a retire that failed).
+    let second_path = dir.path().join("second.qcow2");
+    indexing::snapshot_over(&first, &top, &second_path).unwrap();
+    let prepared = first
+        .prepare_successor(&second_path, &options(true))
+        .unwrap();
+    first.publish().unwrap();
+    let second = first.successor(prepared, &options(true)).unwrap();
+    assert!(
+        watch.unsynced(),
+        "the first top was synced (nothing to show)"
+    );
+    // The second snapshot, before any flush, closed as it should be.
+    let third_path = dir.path().join("third.qcow2");
+    second.write_at(&[0xE2; 4096], CLUSTER).unwrap();
+    let third = successor(&second, &second_path, &third_path);
+    assert!(watch.unsynced());
+    third.flush().unwrap();
+    assert!(
+        !watch.unsynced(),
+        "a flush two snapshots later left the first top's last writes not durable"
+    );
+    assert!(read(&third, 0) == vec![0xE1; 4096]);
+    assert!(read(&third, CLUSTER) == vec![0xE2; 4096]);
+    drop(second);
+    third.close().unwrap();
+    drop(first);
 }

@@ -9,8 +9,9 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferTicket;
 use crate::layer::Layer;
-use crate::storage::PinnedFile;
+use crate::storage::{PinnedFile, Storage};
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
+use std::sync::Arc;
 
 use super::{Chain, Extent, ExtentKind};
 
@@ -374,31 +375,39 @@ impl Chain {
         self.sync_below()
     }
 
-    /// Syncs the old top a live snapshot left below this chain's top while
-    /// it may hold writes that are not durable yet (see
+    /// Syncs the old tops live snapshots left below this chain's top while
+    /// they may hold writes that are not durable yet (see
     /// [`Chain::successor`]).
     fn sync_below(&self) -> Result<(), Error> {
-        let below = self
-            .unsynced_below
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        match below {
-            Some(storage) => storage.sync().map_err(|e| {
-                let at = self.top_index().0.saturating_sub(1);
-                Error::new(self.layers[at].path(), e.into())
-            }),
-            None => Ok(()),
+        for storage in self.unsynced_below() {
+            storage.sync().map_err(|e| {
+                let path = self
+                    .layers
+                    .iter()
+                    .find(|l| Arc::ptr_eq(l.storage(), &storage))
+                    .map_or_else(|| self.top().path(), |l| l.path());
+                Error::new(path, e.into())
+            })?;
         }
+        Ok(())
     }
 
-    /// The old top below this chain's top is durable (closed): flushes no
-    /// longer sync it.
-    pub(crate) fn below_synced(&self) {
-        *self
-            .unsynced_below
+    /// The old tops below this chain's top that flushes sync too (a copy:
+    /// no lock is held across their syncs).
+    pub(crate) fn unsynced_below(&self) -> Vec<Arc<dyn Storage>> {
+        self.unsynced_below
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The old top in `storage` below this chain's top is durable
+    /// (closed): flushes no longer sync it.
+    pub(crate) fn below_synced(&self, storage: &Arc<dyn Storage>) {
+        self.unsynced_below
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|s| !Arc::ptr_eq(s, storage));
     }
 
     /// Syncs the writable top's file as it is (the data written so far),

@@ -167,11 +167,11 @@ pub struct Chain {
     resolved: resolved::ResolvedSlices,
     /// Regions of the top that hold nothing (indexed mode only).
     summary: Option<Arc<TopSummary>>,
-    /// The layer below the top when it was the top of the chain this one
-    /// followed and its last changes are written but maybe not durable
-    /// ([`Chain::successor`]): each flush syncs it too, until
-    /// [`Chain::retire`] has closed it.
-    unsynced_below: std::sync::Mutex<Option<Arc<dyn Storage>>>,
+    /// Layers below the top that were tops of the chains this one follows
+    /// and whose last changes are written but maybe not durable
+    /// ([`Chain::successor`]; carried on from chain to chain): each flush
+    /// syncs them too, until [`Chain::retire`] has closed each.
+    unsynced_below: std::sync::Mutex<Vec<Arc<dyn Storage>>>,
 }
 
 impl ChainOptions {

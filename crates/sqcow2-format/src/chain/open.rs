@@ -15,7 +15,7 @@ use crate::active::{Active, CacheLink};
 use crate::backing::{resolve_backing_path, BackingFormat};
 use crate::check::Repair;
 use crate::error::{Error, ErrorKind, WithPath};
-use crate::features::{AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
+use crate::features::AUTOCLEAR_JOURNAL;
 use crate::fence::TransferFence;
 use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::QCOW2_MAGIC;
@@ -136,31 +136,54 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
     }
 }
 
-/// Whether the qcow2 v3 image in `file` was left open by a writer that
-/// did not close it: the dirty bit or the mapping journal's autoclear bit
-/// set. Reads the header's first 96 bytes; anything else says no (the
-/// open that follows reports a bad header).
-fn left_open_by_a_writer(file: &File) -> bool {
+/// Whether the qcow2 v3 image in `file` names a mapping journal: an
+/// sqcow2 writer had it open and did not close it (a live snapshot's
+/// daemon that died between the switch and the old top's close, or
+/// before the pause's write-back); QEMU, opening an image for writing,
+/// clears that bit. Reads the header's first 96 bytes; anything else says
+/// no (the open that follows reports a bad header). An image that is only
+/// dirty (a writer with lazy refcounts, or without a journal, that died)
+/// is read as QEMU reads a backing file, without a repair: its mappings
+/// are all in its tables.
+fn journal_left_behind(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
     let mut h = [0u8; 96];
     if file.read_exact_at(&mut h, 0).is_err() {
         return false;
     }
-    let word = |at: usize| crate::bytes::be_u64(&h, at);
     crate::bytes::be_u32(&h, 0) == QCOW2_MAGIC
         && crate::bytes::be_u32(&h, 4) == 3
-        && (word(72) & INCOMPAT_DIRTY != 0 || word(88) & AUTOCLEAR_JOURNAL != 0)
+        && crate::bytes::be_u64(&h, 88) & AUTOCLEAR_JOURNAL != 0
 }
 
-/// Repairs the backing layer at `path` that a writer left open (a live
-/// snapshot's daemon that died between the switch and the old top's
-/// close): its journal applied, its refcounts repaired, its dirty bit
-/// cleared, as for a top ([`crate::check::check`] with a full repair,
-/// under a writer's image lock). Before the layer is opened and locked
-/// for reading; a read-write open of the chain only (QEMU does not repair
-/// a backing file, but it never leaves one dirty either).
-fn repair_left_open(path: &Path, locking: Locking) -> Result<(), Error> {
-    tracing::warn!(path = %path.display(), "a backing layer was left open by a writer: repairing it");
+/// Repairs the backing layer at `path` (opened as `opened`) that an
+/// sqcow2 writer left open: its journal applied, its refcounts repaired,
+/// its dirty bit cleared, as for a top ([`crate::check::check`] with a
+/// full repair), under a writer's image lock, which fails if any other
+/// process uses the image (with automatic locking too: a filesystem
+/// without locks gets no repair, the open fails and says why). Before the
+/// layer is opened and locked for reading; a read-write open of the chain
+/// only.
+fn repair_left_open(path: &Path, opened: &File, locking: Locking) -> Result<(), Error> {
+    tracing::warn!(path = %path.display(), "a backing layer was left open by an sqcow2 writer: repairing it");
+    // The repair opens the path again: it must still be the file checked
+    // (inside the backing root, not a loop).
+    let same = match (opened.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    };
+    if !same {
+        return Err(Error::new(
+            path,
+            ErrorKind::Io(std::io::Error::other(
+                "the backing file changed while the chain was opened",
+            )),
+        ));
+    }
+    let locking = match locking {
+        Locking::Off => Locking::Off,
+        Locking::Auto | Locking::On => Locking::On,
+    };
     let report = crate::check::check(path, Repair::All, locking, false)?;
     if report.corruptions > 0 || report.check_errors > 0 {
         return Err(Error::new(
@@ -241,8 +264,8 @@ fn open_layers(
         };
         if let (Some(_), Some(Opened::File(f))) = (&referrer, &file) {
             let raw = matches!(expect, Expect::Recorded(BackingFormat::Raw));
-            if options.writable && !raw && left_open_by_a_writer(f) {
-                repair_left_open(&current, options.locking)?;
+            if options.writable && !raw && journal_left_behind(f) {
+                repair_left_open(&current, f, options.locking)?;
             }
         }
         let layer =
@@ -378,7 +401,7 @@ impl Chain {
                 state: index_state,
             }),
             summary,
-            unsynced_below: std::sync::Mutex::new(None),
+            unsynced_below: std::sync::Mutex::new(Vec::new()),
         })
     }
 }

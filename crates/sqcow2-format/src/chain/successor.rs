@@ -201,7 +201,7 @@ impl Chain {
             }
         };
         self.active()?.close(&self.fence)?;
-        next.below_synced();
+        next.below_synced(old.storage());
         below
             .refresh_identity()
             .map_err(|k| Error::new(old.path(), k))
@@ -255,6 +255,10 @@ impl Chain {
                 ErrorKind::Io(std::io::Error::other("new top already used")),
             ));
         };
+        // This chain's top, and any older top not closed yet (a retire that
+        // failed): the next chain's flushes sync them.
+        let mut unsynced_below = self.unsynced_below();
+        unsynced_below.push(self.top().storage().clone());
         let data_reads = (0..layers.len())
             .map(|i| {
                 let before = self
@@ -276,7 +280,7 @@ impl Chain {
             resolved: ResolvedSlices::new(resolved_bits),
             index: arc_swap::ArcSwap::from_pointee(IndexInUse { covering, state }),
             summary,
-            unsynced_below: std::sync::Mutex::new(Some(self.top().storage().clone())),
+            unsynced_below: std::sync::Mutex::new(unsynced_below),
         })
     }
 }
