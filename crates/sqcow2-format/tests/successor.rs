@@ -83,6 +83,10 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
     let next_path = dir.path().join("next.qcow2");
     let next = successor_with(&chain, &top, &next_path, &indexed);
     assert!(!journal_of(&top).exists(), "the old top's journal is left");
+    assert!(
+        chain.write_at(&[0xFF; 4096], 0).is_err(),
+        "the chain before the snapshot still writes its old top"
+    );
     let report = check_storage(
         &top,
         std::sync::Arc::new(FileStorage::open_read_only(&top).unwrap()),

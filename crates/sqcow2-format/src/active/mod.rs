@@ -198,6 +198,18 @@ impl Active {
         }
     }
 
+    /// Refuses writes from now on, quietly: the image is a backing layer
+    /// of the chain a live snapshot made ([`crate::Chain::retire`]), which
+    /// closed it (or will repair it at its next open if that failed).
+    pub(crate) fn supersede(&self) {
+        let _ = self.failure.set(SUPERSEDED.to_string());
+    }
+
+    /// Whether [`Active::supersede`] ended this engine.
+    pub(crate) fn superseded(&self) -> bool {
+        self.failure() == Some(SUPERSEDED)
+    }
+
     /// Why writes are refused, if they are.
     pub(crate) fn failure(&self) -> Option<&str> {
         self.failure.get().map(String::as_str)
@@ -824,6 +836,9 @@ impl Active {
         Ok(())
     }
 }
+
+/// Why a superseded engine refuses writes.
+const SUPERSEDED: &str = "the image is a backing layer now (a live snapshot was taken over it)";
 
 /// Granule of the zero detection of new clusters.
 const ZERO_BLOCK: usize = 4096;

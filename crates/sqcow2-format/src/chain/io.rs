@@ -450,6 +450,9 @@ impl Drop for Chain {
         let Some(active) = self.active.take() else {
             return;
         };
+        if active.superseded() {
+            return;
+        }
         if let Some(reason) = active.failure() {
             tracing::warn!(
                 path = %self.top().path().display(),

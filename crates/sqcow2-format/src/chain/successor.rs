@@ -186,7 +186,8 @@ impl Chain {
     /// an index of `next` built from then on records the image as it
     /// stays. Outside the guest's pause: nothing in it waits for this. A
     /// process that dies before it is done leaves the old top open, which
-    /// the next read-write open of the chain repairs.
+    /// the next read-write open of the chain repairs. This chain refuses
+    /// writes afterwards, and its drop closes nothing again.
     pub fn retire(&self, next: &Chain) -> Result<(), Error> {
         let old = self.top();
         let below = match next.layers.get(self.top_index().0) {
@@ -200,7 +201,13 @@ impl Chain {
                 ))
             }
         };
-        self.active()?.close(&self.fence)?;
+        let active = self.active()?;
+        // Whatever the close does, this chain writes no more: the image
+        // is `next`'s backing layer (closed now, or repaired at its next
+        // read-write open).
+        let closed = active.close(&self.fence);
+        active.supersede();
+        closed?;
         next.below_synced(old.storage());
         below
             .refresh_identity()
