@@ -328,12 +328,7 @@ fn kills_during_background_index_builds_lose_nothing() {
         let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
         let mut client = connect_retry(&daemon, 1, false);
         reference.verify_through(&mut client, &format!("round {round}, after the restart"));
-        for _ in 0..32 {
-            let offset = rng.u64(0..size / BLOCK) * BLOCK;
-            let fill = rng.u8(1..);
-            client.write(offset, &vec![fill; BLOCK as usize]);
-            reference.wrote(offset, fill);
-        }
+        write_random(&mut client, &mut reference, &mut rng, size, 32);
         if rng.bool() {
             client.flush();
         }
@@ -343,12 +338,7 @@ fn kills_during_background_index_builds_lose_nothing() {
         top = new;
         // Writes into the new top too, then the kill at a random moment of
         // the background build.
-        for _ in 0..8 {
-            let offset = rng.u64(0..size / BLOCK) * BLOCK;
-            let fill = rng.u8(1..);
-            client.write(offset, &vec![fill; BLOCK as usize]);
-            reference.wrote(offset, fill);
-        }
+        write_random(&mut client, &mut reference, &mut rng, size, 8);
         std::thread::sleep(Duration::from_millis(rng.u64(0..40)));
         let stats = control(&ctl, json!({"command": "stats"}));
         if stats["result"]["index"]["building"] == true {
@@ -395,12 +385,7 @@ fn kills_at_any_moment_of_a_live_snapshot_lose_nothing() {
         let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
         let mut client = connect_retry(&daemon, 1, false);
         reference.verify_through(&mut client, &format!("round {round}, after the restart"));
-        for _ in 0..48 {
-            let offset = rng.u64(0..size / BLOCK) * BLOCK;
-            let fill = rng.u8(1..);
-            client.write(offset, &vec![fill; BLOCK as usize]);
-            reference.wrote(offset, fill);
-        }
+        write_random(&mut client, &mut reference, &mut rng, size, 48);
         if rng.bool() {
             client.flush();
         }
@@ -439,6 +424,23 @@ fn kills_at_any_moment_of_a_live_snapshot_lose_nothing() {
         "{rounds} kills: {switched} after the snapshot's reply, {old_left_open} with the old top left open under the new one"
     );
     reference.verify_files(&top, tmp.path());
+}
+
+/// `n` writes of random blocks of a disk of `size` bytes, each filled
+/// with one random nonzero byte, noted in `reference`.
+fn write_random(
+    client: &mut common::vhost::Client,
+    reference: &mut Reference,
+    rng: &mut fastrand::Rng,
+    size: u64,
+    n: usize,
+) {
+    for _ in 0..n {
+        let offset = rng.u64(0..size / BLOCK) * BLOCK;
+        let fill = rng.u8(1..);
+        client.write(offset, &vec![fill; BLOCK as usize]);
+        reference.wrote(offset, fill);
+    }
 }
 
 /// 50 live snapshots back to back, faster than their background index

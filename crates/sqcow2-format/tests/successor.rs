@@ -284,14 +284,10 @@ impl sqcow2_format::storage::Storage for SyncWatch {
     }
 }
 
-/// Inside the pause the old top's last changes are only published
-/// (written in crash-safe order, not synced); a guest flush after the
-/// switch, before the old top's close, must still make them durable: the
-/// next chain's flush syncs the old top too, until `retire` has closed it.
-#[test]
-fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
-    let dir = tempfile::tempdir().unwrap();
-    let top = dir.path().join("top.qcow2");
+/// A new 1 GiB image `top.qcow2` in `dir`, opened for writing through a
+/// [`SyncWatch`].
+fn watched_top(dir: &Path) -> (std::path::PathBuf, std::sync::Arc<SyncWatch>, Chain) {
+    let top = dir.join("top.qcow2");
     create(
         &top,
         &CreateOptions {
@@ -309,6 +305,17 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
         ..options(true)
     };
     let chain = Chain::open(&top, &opts).unwrap();
+    (top, watch, chain)
+}
+
+/// Inside the pause the old top's last changes are only published
+/// (written in crash-safe order, not synced); a guest flush after the
+/// switch, before the old top's close, must still make them durable: the
+/// next chain's flush syncs the old top too, until `retire` has closed it.
+#[test]
+fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (top, watch, chain) = watched_top(dir.path());
     chain.write_at(&[0xD1; 4096], 0).unwrap();
     let new = dir.path().join("next.qcow2");
     indexing::snapshot_over(&chain, &top, &new).unwrap();
@@ -344,24 +351,7 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
 #[test]
 fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     let dir = tempfile::tempdir().unwrap();
-    let top = dir.path().join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: GIB,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
-    let watch = std::sync::Arc::new(SyncWatch {
-        file: FileStorage::open_read_write(&top).unwrap(),
-        unsynced: Default::default(),
-    });
-    let opts = ChainOptions {
-        top_storage: Some(watch.clone()),
-        ..options(true)
-    };
-    let first = Chain::open(&top, &opts).unwrap();
+    let (top, watch, first) = watched_top(dir.path());
     first.write_at(&[0xE1; 4096], 0).unwrap();
     // The first snapshot, its old top never closed (a retire that failed).
     let second_path = dir.path().join("second.qcow2");
