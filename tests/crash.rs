@@ -49,6 +49,19 @@ struct Config {
     snapshot: bool,
 }
 
+impl Config {
+    /// A qcow2 v3 top without extended L2 entries or internal snapshots.
+    fn v3(cluster: u64, lazy: bool) -> Config {
+        Config {
+            cluster,
+            lazy,
+            extended_l2: false,
+            v2: false,
+            snapshot: false,
+        }
+    }
+}
+
 /// Base layer with data and compressed clusters, then a top created by
 /// sqcow2 (optionally given data and an internal snapshot by QEMU, so that
 /// clusters are shared). Returns the top's bytes.
@@ -539,13 +552,7 @@ fn a_process_death_keeps_every_completed_write_through_the_journal() {
 fn a_journal_is_not_replayed_after_qemu_wrote_the_image() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let cfg = Config {
-        cluster: 65536,
-        lazy: false,
-        extended_l2: false,
-        v2: false,
-        snapshot: false,
-    };
+    let cfg = Config::v3(65536, false);
     prepare(dir, &cfg);
     let top = dir.join("top.qcow2");
     {
@@ -595,13 +602,7 @@ fn a_journal_is_not_replayed_after_qemu_wrote_the_image() {
 fn check_with_repair_applies_a_dead_writers_journal() {
     for seed in 0..2u64 {
         let mut rng = fastrand::Rng::with_seed(2000 + seed);
-        let cfg = Config {
-            cluster: 4096,
-            lazy: seed == 1,
-            extended_l2: false,
-            v2: false,
-            snapshot: false,
-        };
+        let cfg = Config::v3(4096, seed == 1);
         let ctx = format!("seed {seed} {cfg:?}");
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
@@ -648,13 +649,7 @@ fn check_with_repair_applies_a_dead_writers_journal() {
 fn the_next_writer_repairs_a_backing_layer_a_dead_writer_left() {
     for seed in 0..4u64 {
         let mut rng = fastrand::Rng::with_seed(3000 + seed);
-        let cfg = Config {
-            cluster: [4096u64, 65536][seed as usize % 2],
-            lazy: seed >= 2,
-            extended_l2: false,
-            v2: false,
-            snapshot: false,
-        };
+        let cfg = Config::v3([4096u64, 65536][seed as usize % 2], seed >= 2);
         let ctx = format!("seed {seed} {cfg:?}");
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();

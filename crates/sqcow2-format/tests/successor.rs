@@ -28,6 +28,18 @@ fn read(chain: &Chain, offset: u64) -> Vec<u8> {
     buf
 }
 
+/// A new empty image of `size` bytes at `path` (64 KiB clusters).
+fn new_image(path: &Path, size: u64) {
+    create(
+        path,
+        &CreateOptions {
+            size,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+}
+
 /// A live snapshot's steps, as the daemon takes them.
 fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
     successor_with(chain, top, new, &options(true))
@@ -62,14 +74,7 @@ fn journal_of(p: &Path) -> std::path::PathBuf {
 fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
     let dir = tempfile::tempdir().unwrap();
     let top = dir.path().join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: GIB,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
+    new_image(&top, GIB);
     let indexed = ChainOptions {
         use_index: true,
         ..options(true)
@@ -127,14 +132,7 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
 fn the_next_chain_sees_a_table_changed_after_the_cache_took_it() {
     let dir = tempfile::tempdir().unwrap();
     let top = dir.path().join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: 16 * GIB,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
+    new_image(&top, 16 * GIB);
     // Table A (the first 512 MiB) in the file.
     let chain = Chain::open(&top, &options(true)).unwrap();
     chain.write_at(&[0xA1; 4096], 0).unwrap();
@@ -171,14 +169,7 @@ fn the_next_chain_sees_a_table_changed_after_the_cache_took_it() {
 fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     let dir = tempfile::tempdir().unwrap();
     let top = dir.path().join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: GIB,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
+    new_image(&top, GIB);
     let len = |p: &Path| std::fs::metadata(p).unwrap().len();
     let chain = Chain::open(&top, &options(true)).unwrap();
     chain.write_at(&[0xC1; 4096], 0).unwrap();
@@ -288,14 +279,7 @@ impl sqcow2_format::storage::Storage for SyncWatch {
 /// [`SyncWatch`].
 fn watched_top(dir: &Path) -> (std::path::PathBuf, std::sync::Arc<SyncWatch>, Chain) {
     let top = dir.join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: GIB,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
+    new_image(&top, GIB);
     let watch = std::sync::Arc::new(SyncWatch {
         file: FileStorage::open_read_write(&top).unwrap(),
         unsynced: Default::default(),

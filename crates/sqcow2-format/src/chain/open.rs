@@ -18,7 +18,7 @@ use crate::error::{Error, ErrorKind, WithPath};
 use crate::features::AUTOCLEAR_JOURNAL;
 use crate::fence::TransferFence;
 use crate::files::{default_budget, FileCache, LazyFile};
-use crate::header::QCOW2_MAGIC;
+use crate::header::{field, QCOW2_MAGIC};
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::lock::Locking;
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
@@ -147,13 +147,13 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
 /// are all in its tables.
 fn journal_left_behind(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
-    let mut h = [0u8; 96];
+    let mut h = [0u8; field::REFCOUNT_ORDER];
     if file.read_exact_at(&mut h, 0).is_err() {
         return false;
     }
-    crate::bytes::be_u32(&h, 0) == QCOW2_MAGIC
-        && crate::bytes::be_u32(&h, 4) == 3
-        && crate::bytes::be_u64(&h, 88) & AUTOCLEAR_JOURNAL != 0
+    crate::bytes::be_u32(&h, field::MAGIC) == QCOW2_MAGIC
+        && crate::bytes::be_u32(&h, field::VERSION) == 3
+        && crate::bytes::be_u64(&h, field::AUTOCLEAR_FEATURES) & AUTOCLEAR_JOURNAL != 0
 }
 
 /// Repairs the backing layer at `path` (opened as `opened`) that an

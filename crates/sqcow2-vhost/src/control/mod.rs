@@ -308,7 +308,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // the writes completing during its last steps publishing one by one,
     // each with a sync, drains of 6-12 ms and requests held 21-109 ms; one
     // flush left the pause what the guest wrote during its 50-110 ms.)
-    let pre_pause = |e: sqcow2_format::Error| {
+    let write_back_failed = |e: sqcow2_format::Error| {
         fail(
             FailureKind::IoError,
             format!("flush before the snapshot: {e}"),
@@ -316,8 +316,8 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     };
     for _ in 0..PRE_PAUSE_ROUNDS {
         let round = Instant::now();
-        current.sync_data().map_err(pre_pause)?;
-        current.publish().map_err(pre_pause)?;
+        current.sync_data().map_err(write_back_failed)?;
+        current.publish().map_err(write_back_failed)?;
         if round.elapsed() < PRE_PAUSE_SETTLED {
             break;
         }
@@ -347,12 +347,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // final sync: the new chain's flushes sync the old top too until it is
     // closed, after the pause. Writes onto spare clusters over zeros, most
     // of them, need no sync at all here.
-    old.publish().map_err(|e| {
-        fail(
-            FailureKind::IoError,
-            format!("flush before the snapshot: {e}"),
-        )
-    })?;
+    old.publish().map_err(write_back_failed)?;
     let flushed = start.elapsed();
     let chain = old
         .successor(next_top, &shared.options)
