@@ -11,7 +11,8 @@
 # best configuration) serving a copy of the same chain under the same load,
 # taking the same number of live snapshots through QMP
 # (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py); its pause is
-# the command's time (an upper bound). PEER=none skips it.
+# the command's time (an upper bound). PEER=none skips it. SERVE_ARGS
+# adds options to `sqcow2 serve` (e.g. "--engine-threads 2").
 #
 #   scripts/bench-live-snapshot.sh [SIZES] [N] [DIR]
 #   (default "10G 50G 1T" 20 /tmp/sqcow2-live; prints a markdown table and
@@ -96,7 +97,7 @@ for size in $sizes; do
       rm -rf ../"$size-qsd" && mkdir ../"$size-qsd"
       cp --sparse=always layer*.qcow2 ../"$size-qsd"/
     fi
-    "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
+    "$bin" serve ${SERVE_ARGS:-} --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
     while [ ! -f serve.pid ]; do sleep 0.1; done
     start_load
     : >replies.jsonl
