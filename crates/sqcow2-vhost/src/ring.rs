@@ -75,8 +75,22 @@ impl std::fmt::Debug for Ring {
 }
 
 impl Ring {
+    /// A ring whose completions from io_uring's own workers (buffered
+    /// writes, reads of data not cached) do not interrupt the thread with
+    /// an inter-processor interrupt: they are posted at its next syscall,
+    /// or at once if it sleeps (`IORING_SETUP_COOP_TASKRUN`, Linux 5.19);
+    /// [`Ring::reap`] makes that syscall when the kernel flags such work
+    /// (`IORING_SETUP_TASKRUN_FLAG`). Older kernels get a plain ring.
     pub(crate) fn new() -> io::Result<Self> {
-        let ring = IoUring::new(RING_ENTRIES)?;
+        let ring = match IoUring::builder()
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .build(RING_ENTRIES)
+        {
+            Ok(ring) => ring,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::new(RING_ENTRIES)?,
+            Err(e) => return Err(e),
+        };
         let event = EventFd::new(EFD_NONBLOCK)?;
         ring.submitter()
             .register_eventfd(std::os::fd::AsRawFd::as_raw_fd(&event))?;
@@ -183,6 +197,14 @@ impl Ring {
     /// Handles the completions in the ring, without waiting; finished
     /// transfers go to `done`.
     pub(crate) fn reap(&mut self, done: &mut Vec<RingCompletion>) {
+        // Completions from io_uring's workers wait as task work until this
+        // thread enters the kernel: enter it (a thread that busy-polls
+        // makes no other syscall).
+        if self.ring.submission().taskrun() {
+            if let Err(e) = self.ring.submit() {
+                crate::limited_warn!("running io_uring's completion work: {e}");
+            }
+        }
         let cqes: Vec<(u64, i32)> = self
             .ring
             .completion()
