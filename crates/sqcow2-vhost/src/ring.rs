@@ -75,11 +75,13 @@ impl std::fmt::Debug for Ring {
 }
 
 impl Ring {
-    /// A ring whose completions from io_uring's own workers (buffered
-    /// writes, reads of data not cached) do not interrupt the thread with
-    /// an inter-processor interrupt: they are posted at its next syscall,
-    /// or at once if it sleeps (`IORING_SETUP_COOP_TASKRUN`, Linux 5.19);
-    /// [`Ring::reap`] makes that syscall when the kernel flags such work
+    /// A ring whose task work (what the kernel finishes in the thread
+    /// that submitted: freeing a request io_uring's workers completed, a
+    /// buffered write; completing a read that went to the device) does not
+    /// interrupt that thread with an inter-processor interrupt: it runs at
+    /// the thread's next syscall, or at once if it sleeps
+    /// (`IORING_SETUP_COOP_TASKRUN`, Linux 5.19); [`Ring::reap`] makes
+    /// that syscall when the kernel flags such work
     /// (`IORING_SETUP_TASKRUN_FLAG`). Older kernels get a plain ring.
     pub(crate) fn new() -> io::Result<Self> {
         let ring = match IoUring::builder()
@@ -197,9 +199,9 @@ impl Ring {
     /// Handles the completions in the ring, without waiting; finished
     /// transfers go to `done`.
     pub(crate) fn reap(&mut self, done: &mut Vec<RingCompletion>) {
-        // Completions from io_uring's workers wait as task work until this
-        // thread enters the kernel: enter it (a thread that busy-polls
-        // makes no other syscall).
+        // Completions that wait as task work until this thread enters the
+        // kernel: enter it (a thread that busy-polls makes no other
+        // syscall).
         if self.ring.submission().taskrun() {
             if let Err(e) = self.ring.submit() {
                 crate::limited_warn!("running io_uring's completion work: {e}");
@@ -234,5 +236,87 @@ impl Ring {
             };
             done.push(RingCompletion { slot, end });
         }
+        // Retries go to the kernel now: nothing else submits until the
+        // next request is taken, which a guest waiting for this one may
+        // never send.
+        if !self.ring.submission().is_empty() {
+            if let Err(e) = self.ring.submit() {
+                crate::limited_warn!("resubmitting interrupted I/O: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::File;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+
+    /// A transfer the kernel answers "try again" is queued again by
+    /// `reap`, which must hand it to the kernel itself: the worker's loop
+    /// submits only when it takes new requests, so a retry left in the
+    /// submission queue would wait for the guest's next request (a guest
+    /// waiting for this one never sends it). The "try again": a read with
+    /// `RWF_NOWAIT` of data not in the page cache.
+    #[test]
+    fn a_transfer_retried_by_reap_reaches_the_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, vec![0x5a; 4096]).unwrap();
+        let file = File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: advice on a descriptor `file` owns; no memory involved.
+        let dropped =
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(dropped, 0);
+        let file = Arc::new(file);
+        let mem = Arc::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x1000)]).unwrap());
+        let buf = mem.get_slice(GuestAddress(0), 4096).unwrap();
+        let entry = opcode::Read::new(
+            types::Fd(file.as_raw_fd()),
+            buf.ptr_guard_mut().as_ptr(),
+            4096,
+        )
+        .offset(0)
+        .rw_flags(libc::RWF_NOWAIT)
+        .build();
+        let mut ring = Ring::new().unwrap();
+        let mut done = Vec::new();
+        let op = RingOp {
+            slot: 7,
+            len: 4096,
+            entry,
+            retries: 0,
+            _file: PinnedFile {
+                file: file.clone(),
+                nowait: true,
+            },
+            _mem: mem.clone(),
+        };
+        ring.push(op, &mut done).unwrap();
+        ring.submit().unwrap();
+        // The data in the page cache now: the next try succeeds.
+        let mut warm = [0u8; 4096];
+        file.read_exact_at(&mut warm, 0).unwrap();
+        for _ in 0..200 {
+            ring.reap(&mut done);
+            if !done.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(
+            ring.ops.iter().map(|(_, op)| op.retries).sum::<u8>(),
+            0,
+            "a retry still waits in the submission queue"
+        );
+        assert_eq!(done.len(), 1, "the retried read never completed");
+        assert_eq!((done[0].slot, done[0].end), (7, TransferEnd::Done));
+        let mut got = [0u8; 4];
+        mem.read_slice(&mut got, GuestAddress(0)).unwrap();
+        assert_eq!(got, [0x5a; 4]);
     }
 }
