@@ -203,9 +203,7 @@ impl Ring {
         // kernel: enter it (a thread that busy-polls makes no other
         // syscall).
         if self.ring.submission().taskrun() {
-            if let Err(e) = self.ring.submit() {
-                crate::limited_warn!("running io_uring's completion work: {e}");
-            }
+            self.submit_logged("running io_uring's completion work");
         }
         let cqes: Vec<(u64, i32)> = self
             .ring
@@ -240,9 +238,16 @@ impl Ring {
         // next request is taken, which a guest waiting for this one may
         // never send.
         if !self.ring.submission().is_empty() {
-            if let Err(e) = self.ring.submit() {
-                crate::limited_warn!("resubmitting interrupted I/O: {e}");
-            }
+            self.submit_logged("resubmitting interrupted I/O");
+        }
+    }
+
+    /// Enters the kernel (submitting what is queued) where a failure
+    /// leaves nothing to undo: it is logged as `what`, and the next reap
+    /// tries again.
+    fn submit_logged(&mut self, what: &str) {
+        if let Err(e) = self.ring.submit() {
+            crate::limited_warn!("{what}: {e}");
         }
     }
 }
