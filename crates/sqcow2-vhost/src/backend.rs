@@ -43,6 +43,16 @@ struct WorkerSlot {
     unsignalled: Vec<bool>,
 }
 
+impl WorkerSlot {
+    /// Marks worker-local queue `local` pending or not.
+    fn set_pending(&mut self, local: usize, pending: bool) {
+        if self.pending.len() <= local {
+            self.pending.resize(local + 1, false);
+        }
+        self.pending[local] = pending;
+    }
+}
+
 /// A vhost-user-blk device for one frontend connection.
 pub struct BlkBackend {
     device: Arc<BlkDevice>,
@@ -280,6 +290,10 @@ impl BlkBackend {
         // not be stopped or moved by the protocol side in the middle.
         let mut st = vring.lock();
         if !st.may_take() {
+            // Nothing to take until the ring (re)starts, which marks it
+            // pending again (`kick_now`): left pending, the thread would
+            // spin on it.
+            slot.set_pending(local, false);
             return false;
         }
         let used_before = st.queue.next_used();
@@ -312,10 +326,7 @@ impl BlkBackend {
                 Taken::default()
             }
         };
-        if slot.pending.len() <= local {
-            slot.pending.resize(local + 1, false);
-        }
-        slot.pending[local] = taken.more;
+        slot.set_pending(local, taken.more);
         // Reads of cached data often complete during the submission:
         // finish them now rather than after another epoll round.
         slot.worker.reap_ready();
@@ -487,7 +498,12 @@ impl BlkBackend {
     }
 
     /// Starts queue `queue` after a (re)start of its ring: what it holds
-    /// is taken as if it had been kicked.
+    /// is taken as if it had been kicked, by its worker thread (marked
+    /// pending, then woken). The caller (the vhost-user thread) does not
+    /// take requests itself: while worker threads run, only a ring's own
+    /// thread submits to it, so the task work the kernel leaves for the
+    /// ring's submitter (see `Ring::new`) is run by the thread that
+    /// checks for it.
     pub(crate) fn kick_now(&self, queue: usize) {
         let Some(thread) = self.thread_of(queue) else {
             return;
@@ -497,14 +513,8 @@ impl BlkBackend {
             self.workers.get(thread),
             queues.iter().position(|q| *q == queue),
         ) {
-            let mut slot = lock(w);
-            self.process(&mut slot, thread, local, queue, Notifications::Restore);
-            let pending = slot.pending.iter().any(|p| *p);
-            drop(slot);
-            if pending {
-                // The worker thread takes the rest: wake it.
-                self.wake(thread);
-            }
+            lock(w).set_pending(local, true);
+            self.wake(thread);
         }
     }
 
@@ -712,5 +722,51 @@ fn run(
             backend.handle(thread, wake);
         }
         backend.continue_pending(thread);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqcow2_format::create::{create, CreateOptions};
+    use sqcow2_format::{Chain, ChainOptions};
+
+    use crate::{ChainHandle, DeviceOptions};
+
+    fn backend(dir: &std::path::Path) -> BlkBackend {
+        let image = dir.join("disk.qcow2");
+        create(
+            &image,
+            &CreateOptions {
+                size: 1 << 20,
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        let chain = Chain::open(&image, &ChainOptions::default()).unwrap();
+        let device =
+            BlkDevice::new(Arc::new(ChainHandle::new(chain)), DeviceOptions::new(1, 16)).unwrap();
+        BlkBackend::new(Arc::new(device), 1).unwrap()
+    }
+
+    /// A ring restarted (`kick_now`) and stopped again before its worker
+    /// thread took from it, or stopped while requests were left at the
+    /// batch size: nothing can be taken until it starts again. Still
+    /// marked pending, the thread would poll it without sleeping (epoll
+    /// with a zero timeout) for as long as the ring stays stopped.
+    #[test]
+    fn a_ring_that_cannot_be_taken_from_is_not_left_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = backend(dir.path());
+        backend.kick_now(0);
+        assert!(
+            backend.has_pending(0),
+            "kick_now leaves the queue to its worker thread"
+        );
+        assert!(
+            !backend.continue_pending(0),
+            "a stopped ring stays pending: its worker thread would spin"
+        );
+        assert!(!backend.has_pending(0));
     }
 }
