@@ -272,3 +272,45 @@ fn a_driver_without_event_idx_is_interrupted_only_for_completions() {
     drop(fe);
     daemon.stop();
 }
+
+/// A request the driver put on the ring before the ring started (a
+/// restarted backend, or a driver that kicked too early) is taken when
+/// the ring starts, without a kick: the protocol thread hands the ring to
+/// its worker thread, which takes it (the protocol thread used to take
+/// it itself).
+#[test]
+fn a_request_on_the_ring_when_it_starts_is_taken_without_a_kick() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "16M", "0.5");
+    let expected = qemu_raw(&top, tmp.path());
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let guest = SharedGuestMemory::new(MEM);
+    let (mem, host) = (guest.mem.clone(), guest.host);
+
+    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    let features = fe.get_features().unwrap();
+    fe.set_features(features).unwrap();
+    let offered = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
+        .unwrap();
+    fe.set_mem_table(&[guest.region()]).unwrap();
+    let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
+    place_vring(&mut fe, &mock, host);
+    let sector = 40;
+    header(&mem, VIRTIO_BLK_T_IN, sector);
+    add_request(&mock, 0, true, 4096);
+    // The ring starts with the request on it; nobody writes the kick.
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+    wait_used(&mem, &mock, 1);
+    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    let mut got = vec![0u8; 4096];
+    mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    let at = sector as usize * 512;
+    assert!(got == expected[at..at + 4096], "read differs from qemu-img");
+    drop(fe);
+    daemon.stop();
+}

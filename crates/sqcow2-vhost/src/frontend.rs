@@ -127,15 +127,16 @@ impl FrontendHandler {
             let st = vring.lock();
             (st.is_live(), st.kick.as_ref().map(|k| k.as_raw_fd()))
         };
-        let Some(fd) = fd else {
-            return;
-        };
         if live {
-            if let Err(e) = self.threads.watch_kick(thread, fd, index) {
-                warn!(queue = index, "watching the kick eventfd: {e}");
+            if let Some(fd) = fd {
+                if let Err(e) = self.threads.watch_kick(thread, fd, index) {
+                    warn!(queue = index, "watching the kick eventfd: {e}");
+                }
             }
+            // Also without a kick eventfd (`SET_VRING_KICK` with no file):
+            // what the ring holds is taken all the same.
             self.backend.kick_now(index);
-        } else {
+        } else if let Some(fd) = fd {
             self.threads.unwatch_kick(thread, fd);
         }
     }
