@@ -99,6 +99,27 @@ fn place_vring(fe: &mut Frontend, mock: &MockSplitQueue<'_, Mem>, host: u64) {
     fe.set_vring_base(0, 0).unwrap();
 }
 
+/// A frontend connected to `daemon` that negotiates the features
+/// `features` keeps of those offered and, of the protocol features, only
+/// MQ; `guest`'s memory handed over and queue 0's rings placed at `mock`.
+fn frontend_with_ring(
+    daemon: &Daemon,
+    guest: &SharedGuestMemory,
+    mock: &MockSplitQueue<'_, Mem>,
+    features: impl FnOnce(u64) -> u64,
+) -> Frontend {
+    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
+    fe.set_owner().unwrap();
+    let offered = fe.get_features().unwrap();
+    fe.set_features(features(offered)).unwrap();
+    let offered = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
+        .unwrap();
+    fe.set_mem_table(&[guest.region()]).unwrap();
+    place_vring(&mut fe, mock, guest.host);
+    fe
+}
+
 fn header(mem: &Mem, t: u32, sector: u64) {
     let mut h = [0u8; 16];
     h[..4].copy_from_slice(&t.to_le_bytes());
@@ -211,19 +232,12 @@ fn a_driver_without_event_idx_is_interrupted_only_for_completions() {
     let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let guest = SharedGuestMemory::new(MEM);
-    let (mem, host) = (guest.mem.clone(), guest.host);
-
-    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
-    fe.set_owner().unwrap();
-    let features = fe.get_features().unwrap();
-    assert_ne!(features & EVENT_IDX, 0, "EVENT_IDX offered");
-    fe.set_features(features & !EVENT_IDX).unwrap();
-    let offered = fe.get_protocol_features().unwrap();
-    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
-        .unwrap();
-    fe.set_mem_table(&[guest.region()]).unwrap();
+    let mem = guest.mem.clone();
     let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
-    place_vring(&mut fe, &mock, host);
+    let mut fe = frontend_with_ring(&daemon, &guest, &mock, |offered| {
+        assert_ne!(offered & EVENT_IDX, 0, "EVENT_IDX offered");
+        offered & !EVENT_IDX
+    });
     let call = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
     fe.set_vring_call(0, &call).unwrap();
     let kick = EventFd::new(0).unwrap();
@@ -285,18 +299,9 @@ fn a_request_on_the_ring_when_it_starts_is_taken_without_a_kick() {
     let expected = qemu_raw(&top, tmp.path());
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let guest = SharedGuestMemory::new(MEM);
-    let (mem, host) = (guest.mem.clone(), guest.host);
-
-    let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
-    fe.set_owner().unwrap();
-    let features = fe.get_features().unwrap();
-    fe.set_features(features).unwrap();
-    let offered = fe.get_protocol_features().unwrap();
-    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
-        .unwrap();
-    fe.set_mem_table(&[guest.region()]).unwrap();
+    let mem = guest.mem.clone();
     let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
-    place_vring(&mut fe, &mock, host);
+    let mut fe = frontend_with_ring(&daemon, &guest, &mock, |offered| offered);
     let sector = 40;
     header(&mem, VIRTIO_BLK_T_IN, sector);
     add_request(&mock, 0, true, 4096);
