@@ -120,6 +120,20 @@ fn frontend_with_ring(
     fe
 }
 
+/// The request just completed succeeded and read 4 KiB at `sector` equal
+/// to `expected` (qemu-img's bytes of the disk).
+fn assert_read_4k(mem: &Mem, expected: &[u8], sector: u64, what: &str) {
+    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK, "{what}: status");
+    let mut got = vec![0u8; 4096];
+    mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    let at = sector as usize * 512;
+    assert!(
+        got == expected[at..at + 4096],
+        "{what} differs from qemu-img"
+    );
+}
+
 fn header(mem: &Mem, t: u32, sector: u64) {
     let mut h = [0u8; 16];
     h[..4].copy_from_slice(&t.to_le_bytes());
@@ -276,12 +290,7 @@ fn a_driver_without_event_idx_is_interrupted_only_for_completions() {
         add_request(&mock, first, true, 4096);
         kick.write(1).unwrap();
         assert_eq!(interrupts_for(round), 1, "interrupts for request {round}");
-        let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
-        assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
-        let mut got = vec![0u8; 4096];
-        mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
-        let at = sector as usize * 512;
-        assert!(got == expected[at..at + 4096], "read {round} differs");
+        assert_read_4k(&mem, &expected, sector, &format!("read {round}"));
     }
     drop(fe);
     daemon.stop();
@@ -310,12 +319,7 @@ fn a_request_on_the_ring_when_it_starts_is_taken_without_a_kick() {
     fe.set_vring_kick(0, &kick).unwrap();
     fe.set_vring_enable(0, true).unwrap();
     wait_used(&mem, &mock, 1);
-    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
-    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
-    let mut got = vec![0u8; 4096];
-    mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
-    let at = sector as usize * 512;
-    assert!(got == expected[at..at + 4096], "read differs from qemu-img");
+    assert_read_4k(&mem, &expected, sector, "the read");
     drop(fe);
     daemon.stop();
 }
