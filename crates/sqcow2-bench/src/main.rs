@@ -4,6 +4,7 @@
 //! chains and rewrites the README's benchmark section.
 
 mod load;
+mod page_cache;
 mod plot;
 mod remote;
 mod report;

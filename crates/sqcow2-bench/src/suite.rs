@@ -747,11 +747,13 @@ fn measure_writes(
                 )?,
                 WriteImage::Allocated => images.allocated.clone(),
             };
-            // Every server starts with none of the images' pages dirty: the
+            // Every server starts with none of the images' pages dirty (the
             // previous server's writes, still being written back, would
-            // slow this one's (overwrites wait for pages under writeback).
+            // slow this one's: overwrites wait for pages under writeback)
+            // and every page cached alone, whatever wrote or read it before
+            // (see `page_cache`).
             for image in [&top, &images.base, &images.allocated] {
-                std::fs::File::open(image)?.sync_all()?;
+                crate::page_cache::cache_in_pages(image)?;
             }
             let chain = ChainFiles { layers: vec![top] };
             let socket = setup.out.join("bench.sock");
