@@ -78,7 +78,7 @@ mod tests {
             .args(["--bytes", "--noheadings", "--output", "RES"])
             .arg(&path)
             .output()
-            .unwrap();
+            .expect("fincore (util-linux-extra; scripts/test.sh installs it)");
         let cached: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
         assert!(
             (3 * 4096..1 << 20).contains(&cached),
