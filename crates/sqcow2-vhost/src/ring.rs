@@ -273,10 +273,7 @@ mod tests {
         std::fs::write(&path, vec![0x5a; 4096]).unwrap();
         let file = File::open(&path).unwrap();
         file.sync_all().unwrap();
-        // SAFETY: advice on a descriptor `file` owns; no memory involved.
-        let dropped =
-            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        assert_eq!(dropped, 0);
+        rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
         let file = Arc::new(file);
         let mem = Arc::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x1000)]).unwrap());
         let buf = mem.get_slice(GuestAddress(0), 4096).unwrap();
