@@ -498,12 +498,9 @@ impl BlkBackend {
     }
 
     /// Starts queue `queue` after a (re)start of its ring: what it holds
-    /// is taken as if it had been kicked, by its worker thread (marked
-    /// pending, then woken). The caller (the vhost-user thread) does not
-    /// take requests itself: while worker threads run, only a ring's own
-    /// thread submits to it, so the task work the kernel leaves for the
-    /// ring's submitter (see `Ring::new`) is run by the thread that
-    /// checks for it.
+    /// is taken as if it had been kicked. (Handing this to the worker
+    /// thread instead, 0ad7078, made a kill-and-restart test fail about
+    /// one run in four with an I/O error; reverted until understood.)
     pub(crate) fn kick_now(&self, queue: usize) {
         let Some(thread) = self.thread_of(queue) else {
             return;
@@ -513,8 +510,14 @@ impl BlkBackend {
             self.workers.get(thread),
             queues.iter().position(|q| *q == queue),
         ) {
-            lock(w).set_pending(local, true);
-            self.wake(thread);
+            let mut slot = lock(w);
+            self.process(&mut slot, thread, local, queue, Notifications::Restore);
+            let pending = slot.pending.iter().any(|p| *p);
+            drop(slot);
+            if pending {
+                // The worker thread takes the rest: wake it.
+                self.wake(thread);
+            }
         }
     }
 
@@ -758,11 +761,8 @@ mod tests {
     fn a_ring_that_cannot_be_taken_from_is_not_left_pending() {
         let dir = tempfile::tempdir().unwrap();
         let backend = backend(dir.path());
-        backend.kick_now(0);
-        assert!(
-            backend.has_pending(0),
-            "kick_now leaves the queue to its worker thread"
-        );
+        // Requests left at the batch size when the ring stopped.
+        lock(&backend.workers[0]).set_pending(0, true);
         assert!(
             !backend.continue_pending(0),
             "a stopped ring stays pending: its worker thread would spin"
