@@ -298,9 +298,7 @@ fn a_driver_without_event_idx_is_interrupted_only_for_completions() {
 
 /// A request the driver put on the ring before the ring started (a
 /// restarted backend, or a driver that kicked too early) is taken when
-/// the ring starts, without a kick: the protocol thread hands the ring to
-/// its worker thread, which takes it (the protocol thread used to take
-/// it itself).
+/// the ring starts, without a kick.
 #[test]
 fn a_request_on_the_ring_when_it_starts_is_taken_without_a_kick() {
     let tmp = tempfile::tempdir().unwrap();
