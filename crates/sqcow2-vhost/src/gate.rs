@@ -7,6 +7,15 @@
 //! While the daemon is inactive (a disk handed over to another daemon)
 //! requests wait too, and once it has been inactive too long they are
 //! refused (IOERR) instead.
+//!
+//! A live snapshot's pause ([`RequestGate::pause_for_switch`]) waits for
+//! less: only for what uses the chain the request started on. A request
+//! whose only work left is [`DeferredWork`] (an engine write that looks
+//! up the chain when it begins, from a copy of the guest's data) no
+//! longer counts once it has [`RequestPermit::leave_chain`]; that work
+//! waits for the switch to end before it begins, and then writes into
+//! the new chain, as if the guest had sent it after the snapshot (it
+//! had not been completed, so either is what the guest may see).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -23,8 +32,16 @@ pub struct RequestGate {
     inactive: AtomicBool,
     refusing: AtomicBool,
     in_flight: AtomicUsize,
+    /// Switches held now ([`RequestGate::pause_for_switch`]): deferred
+    /// work waits while there is one.
+    switching: AtomicUsize,
+    /// Requests and begun deferred work that use the chain they started
+    /// on (what a switch waits for).
+    on_chain: AtomicUsize,
     idle_lock: Mutex<()>,
     idle: Condvar,
+    /// Signalled when the last switch ends (deferred work waits on it).
+    switched: Condvar,
     /// Worker wake-ups: written when a pause ends, so that workers start
     /// the requests the guest queued meanwhile.
     wakers: Mutex<Vec<Arc<EventFd>>>,
@@ -35,11 +52,77 @@ pub struct RequestGate {
 #[derive(Debug)]
 pub struct RequestPermit {
     gate: Arc<RequestGate>,
+    on_chain: bool,
+}
+
+impl RequestPermit {
+    /// The request no longer uses the chain it started on: what it has
+    /// left is [`DeferredWork`] and answers from the flusher. A switch no
+    /// longer waits for it (other pauses still do, until it completes).
+    pub fn leave_chain(&mut self) {
+        if std::mem::take(&mut self.on_chain) {
+            self.gate.leave_chain();
+        }
+    }
+
+    /// A ticket for work of this request that looks the chain up when it
+    /// begins.
+    pub fn deferred_work(&self) -> DeferredWork {
+        DeferredWork {
+            gate: self.gate.clone(),
+        }
+    }
 }
 
 impl Drop for RequestPermit {
     fn drop(&mut self) {
+        self.leave_chain();
         self.gate.release();
+    }
+}
+
+/// Work of a request in flight that has not begun and will look the
+/// chain up when it does ([`DeferredWork::begin`]).
+#[must_use = "deferred work must begin before it touches the chain"]
+#[derive(Debug)]
+pub struct DeferredWork {
+    gate: Arc<RequestGate>,
+}
+
+impl DeferredWork {
+    /// Waits while a switch is held, then counts the work as using the
+    /// chain until the guard is dropped (a switch waits for it).
+    pub fn begin(self) -> BegunWork {
+        loop {
+            self.gate.on_chain.fetch_add(1, Ordering::SeqCst);
+            if self.gate.switching.load(Ordering::SeqCst) == 0 {
+                return BegunWork { gate: self.gate };
+            }
+            self.gate.leave_chain();
+            let lock = self
+                .gate
+                .idle_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let _unused = self
+                .gate
+                .switched
+                .wait_while(lock, |_| self.gate.switching.load(Ordering::SeqCst) > 0)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// Deferred work that has begun: it uses the chain until dropped.
+#[must_use = "the work counts as using the chain only while this is held"]
+#[derive(Debug)]
+pub struct BegunWork {
+    gate: Arc<RequestGate>,
+}
+
+impl Drop for BegunWork {
+    fn drop(&mut self) {
+        self.gate.leave_chain();
     }
 }
 
@@ -48,10 +131,19 @@ impl Drop for RequestPermit {
 #[derive(Debug)]
 pub struct PauseGuard {
     gate: Arc<RequestGate>,
+    switch: bool,
 }
 
 impl Drop for PauseGuard {
     fn drop(&mut self) {
+        if self.switch && self.gate.switching.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let _lock = self
+                .gate
+                .idle_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            self.gate.switched.notify_all();
+        }
         if self.gate.paused.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.gate.wake();
         }
@@ -76,11 +168,16 @@ impl RequestGate {
             return Admission::Refuse;
         }
         self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.on_chain.fetch_add(1, Ordering::SeqCst);
         if self.waiting() {
+            self.leave_chain();
             self.release();
             return Admission::Wait;
         }
-        Admission::Start(RequestPermit { gate: self.clone() })
+        Admission::Start(RequestPermit {
+            gate: self.clone(),
+            on_chain: true,
+        })
     }
 
     fn waiting(&self) -> bool {
@@ -130,18 +227,44 @@ impl RequestGate {
     fn release(&self) {
         let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
         if before == 1 && self.waiting() {
-            let _lock = self
-                .idle_lock
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            self.idle.notify_all();
+            self.notify_idle();
         }
+    }
+
+    fn leave_chain(&self) {
+        let before = self.on_chain.fetch_sub(1, Ordering::SeqCst);
+        if before == 1 && self.waiting() {
+            self.notify_idle();
+        }
+    }
+
+    fn notify_idle(&self) {
+        let _lock = self
+            .idle_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.idle.notify_all();
     }
 
     /// Stops new requests from starting (those in flight go on).
     pub fn pause(self: &Arc<Self>) -> PauseGuard {
         self.paused.fetch_add(1, Ordering::SeqCst);
-        PauseGuard { gate: self.clone() }
+        PauseGuard {
+            gate: self.clone(),
+            switch: false,
+        }
+    }
+
+    /// A pause for switching the chain (a live snapshot): like
+    /// [`RequestGate::pause`], and deferred work does not begin until it
+    /// ends; wait with [`RequestGate::wait_off_chain`].
+    pub fn pause_for_switch(self: &Arc<Self>) -> PauseGuard {
+        self.switching.fetch_add(1, Ordering::SeqCst);
+        self.paused.fetch_add(1, Ordering::SeqCst);
+        PauseGuard {
+            gate: self.clone(),
+            switch: true,
+        }
     }
 
     /// Whether new requests wait (a pause, or inactive).
@@ -162,12 +285,23 @@ impl RequestGate {
     /// Waits (while paused) until no request is in flight, at most
     /// `timeout`; whether that happened.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
+        self.wait_until_zero(&self.in_flight, timeout)
+    }
+
+    /// Waits (while paused for a switch) until nothing uses the chain:
+    /// requests in flight whose only work left is deferred do not count.
+    /// At most `timeout`; whether that happened.
+    pub fn wait_off_chain(&self, timeout: Duration) -> bool {
+        self.wait_until_zero(&self.on_chain, timeout)
+    }
+
+    fn wait_until_zero(&self, count: &AtomicUsize, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let mut lock = self
             .idle_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        while self.in_flight.load(Ordering::SeqCst) != 0 {
+        while count.load(Ordering::SeqCst) != 0 {
             let now = Instant::now();
             if now >= deadline {
                 return false;
@@ -218,5 +352,75 @@ mod tests {
         assert!(matches!(gate.try_start(), Admission::Refuse));
         gate.set_inactive(false);
         assert!(matches!(gate.try_start(), Admission::Start(_)));
+    }
+
+    fn started(gate: &Arc<RequestGate>) -> RequestPermit {
+        match gate.try_start() {
+            Admission::Start(p) => p,
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_switch_waits_for_what_uses_the_chain_and_holds_deferred_work_back() {
+        let gate = Arc::new(RequestGate::default());
+        let mut left = started(&gate);
+        let queued = left.deferred_work();
+        let mut running = started(&gate);
+        let begun = running.deferred_work().begin();
+        running.leave_chain();
+        left.leave_chain();
+        let on_chain = started(&gate);
+        let switch = gate.pause_for_switch();
+        assert!(matches!(gate.try_start(), Admission::Wait));
+        // A request that still uses the chain, and begun work, hold it.
+        assert!(!gate.wait_off_chain(Duration::from_millis(20)));
+        drop(on_chain);
+        assert!(!gate.wait_off_chain(Duration::from_millis(20)));
+        drop(begun);
+        // Only a request whose work has not begun is left: the switch
+        // need not wait for it, a plain wait for idle still does.
+        assert!(gate.wait_off_chain(Duration::from_millis(20)));
+        assert!(!gate.wait_idle(Duration::from_millis(20)));
+        // That work waits for the switch to end before it begins.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = std::thread::spawn(move || {
+            let begun = queued.begin();
+            tx.send(()).unwrap();
+            drop(begun);
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_millis(100)).is_err(),
+            "deferred work began during a switch"
+        );
+        drop(switch);
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("deferred work did not begin after the switch");
+        worker.join().unwrap();
+        drop((left, running));
+        assert_eq!(gate.in_flight(), 0);
+        assert_eq!(gate.on_chain.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn deferred_work_is_not_held_back_by_a_plain_pause() {
+        let gate = Arc::new(RequestGate::default());
+        let mut request = started(&gate);
+        let work = request.deferred_work();
+        request.leave_chain();
+        let pause = gate.pause();
+        // A stop or a merge waits for the request to complete, which needs
+        // its work to run: it must not wait for the pause.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _begun = work.begin();
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("deferred work held back by a plain pause");
+        assert!(!gate.wait_idle(Duration::from_millis(20)));
+        drop(request);
+        assert!(gate.wait_idle(Duration::from_millis(20)));
+        drop(pause);
     }
 }

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::gate::DeferredWork;
 use crate::handle::ChainHandle;
 
 /// What an offloaded operation says when it is done: `Ok`, or why it
@@ -169,6 +170,8 @@ pub(crate) enum Persist {
 
 struct Job {
     work: Work,
+    /// Begun before the work runs (waits while the chain is switched).
+    ticket: DeferredWork,
     reply: ReturnAddress,
     /// The work changes mappings: published before the worker is told.
     publish: bool,
@@ -241,6 +244,9 @@ impl Offload {
                         let Ok(job) = job else {
                             return;
                         };
+                        // Counted as using the chain (a switch waits for
+                        // it) from here until its result is handed on.
+                        let _begun = job.ticket.begin();
                         let result = run_guarded(job.work, &handle, &panics);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
@@ -274,11 +280,13 @@ impl Offload {
         })
     }
 
-    /// Runs `work` on an engine thread; its result goes to `reply`, once
-    /// the mappings it changed are published if `publish`.
+    /// Runs `work` on an engine thread once `ticket` may begin; its result
+    /// goes to `reply`, once the mappings it changed are published if
+    /// `publish`.
     pub(crate) fn run(
         &self,
         reply: ReturnAddress,
+        ticket: DeferredWork,
         publish: bool,
         work: impl FnOnce() -> JobResult + Send + 'static,
     ) -> Result<(), ReturnAddress> {
@@ -287,6 +295,7 @@ impl Offload {
         };
         jobs.send(Job {
             work: Box::new(work),
+            ticket,
             reply,
             publish,
         })

@@ -86,8 +86,9 @@ struct InFlight {
     request: Request,
     /// Keeps the guest mapping alive while parts of the request use it.
     mem: Arc<GuestMem>,
-    /// Counts the request as in flight for pauses.
-    _permit: RequestPermit,
+    /// Counts the request as in flight for pauses (and as using the chain
+    /// it started on, until [`RequestPermit::leave_chain`]).
+    permit: RequestPermit,
     /// Held while data transfers of the request may still run.
     transfer: Option<TransferTicket>,
     /// Parts still being set up (blocks completion while set).
@@ -98,6 +99,24 @@ struct InFlight {
     short: bool,
     /// Flush once the data is written (write-through cache mode).
     flush_after: bool,
+}
+
+impl InFlight {
+    /// Whether the request, all its parts set up and its ring transfers
+    /// done, may stop counting as using the chain it started on: its
+    /// engine jobs look the chain up when they begin. Not a flush (the
+    /// flusher works on the chain it finds), nor a request that will
+    /// still read or flush here after its jobs.
+    fn may_leave_chain(&self) -> bool {
+        !self.submitting
+            && self.ring_pending == 0
+            && !self.short
+            && !self.flush_after
+            && !matches!(
+                self.request.kind,
+                RequestKind::Flush | RequestKind::GetId { .. }
+            )
+    }
 }
 
 /// The engine of one worker thread.
@@ -470,7 +489,7 @@ impl QueueWorker {
             queue,
             request,
             mem: mem.clone(),
-            _permit: permit,
+            permit,
             transfer,
             submitting: true,
             ring_pending: 0,
@@ -555,12 +574,7 @@ impl QueueWorker {
         slot: usize,
         work: impl FnOnce() -> JobResult + Send + 'static,
     ) -> Result<(), TransferError> {
-        self.device
-            .offload()
-            .run(self.mailbox.address(slot), true, work)
-            .map_err(|_| TransferError::Offload)?;
-        self.handed_off(slot);
-        Ok(())
+        self.run_job(slot, true, work)
     }
 
     /// Counts a job handed off for the request in `slot`.
@@ -596,7 +610,16 @@ impl QueueWorker {
     /// drops its transfer ticket, flushes (write-through), completes.
     fn progress(&mut self, slot: usize) -> Option<Completion> {
         let f = self.slots.get_mut(slot)?;
-        if f.submitting || f.ring_pending > 0 || f.jobs_pending > 0 {
+        if f.submitting || f.ring_pending > 0 {
+            return None;
+        }
+        if f.jobs_pending > 0 {
+            if f.may_leave_chain() {
+                // What is left are engine jobs, which look the chain up
+                // when they begin: a switch need not wait for them.
+                f.transfer = None;
+                f.permit.leave_chain();
+            }
             return None;
         }
         // No transfer of the request runs any more.
@@ -784,9 +807,25 @@ impl QueueWorker {
         slot: usize,
         work: impl FnOnce() -> JobResult + Send + 'static,
     ) -> Result<(), TransferError> {
+        self.run_job(slot, false, work)
+    }
+
+    /// Hands `work` of the request in `slot` to an engine thread (it
+    /// begins once no switch of the chain is held).
+    fn run_job(
+        &mut self,
+        slot: usize,
+        publish: bool,
+        work: impl FnOnce() -> JobResult + Send + 'static,
+    ) -> Result<(), TransferError> {
+        let ticket = self
+            .slots
+            .get(slot)
+            .map(|f| f.permit.deferred_work())
+            .ok_or(TransferError::Offload)?;
         self.device
             .offload()
-            .run(self.mailbox.address(slot), false, work)
+            .run(self.mailbox.address(slot), ticket, publish, work)
             .map_err(|_| TransferError::Offload)?;
         self.handed_off(slot);
         Ok(())

@@ -332,9 +332,12 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // before its close changes its header.
     let build_held = shared.index_builder.hold();
     // No new request starts; those in flight complete (the workers keep
-    // running, nothing they do waits for this thread).
-    let pause = shared.gate.pause();
-    if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+    // running, nothing they do waits for this thread), except engine jobs
+    // that have not begun: they look the chain up when they begin, after
+    // the switch, and write into the new top (as if the guest had sent
+    // them after the snapshot: none of them had been completed).
+    let pause = shared.gate.pause_for_switch();
+    if !shared.gate.wait_off_chain(SNAPSHOT_DRAIN_TIMEOUT) {
         return Err(fail(
             FailureKind::SnapshotFailed,
             format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
