@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::vhost::{connect_retry, Daemon, SharedGuestMemory};
+use common::vhost::{connect_retry, control, Daemon, SharedGuestMemory};
 use common::{gen_chain, qemu_raw, run_raw, s};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -82,6 +82,14 @@ fn wait_used(mem: &Mem, mock: &MockSplitQueue<'_, Mem>, want: u16) {
 /// Tells the daemon where queue 0's rings are (`mock`, in guest memory
 /// mapped at `host` in this process) and that it starts at index 0.
 fn place_vring(fe: &mut Frontend, mock: &MockSplitQueue<'_, Mem>, host: u64) {
+    let (desc, avail, used) = (mock.desc_table_addr(), mock.avail_addr(), mock.used_addr());
+    place_vring_at(fe, host, [desc.0, avail.0, used.0]);
+}
+
+/// Tells the daemon that queue 0's descriptor table, available and used
+/// rings are at `rings` (guest addresses, memory mapped at `host` in this
+/// process) and that it starts at index 0.
+fn place_vring_at(fe: &mut Frontend, host: u64, rings: [u64; 3]) {
     fe.set_vring_num(0, QSIZE).unwrap();
     fe.set_vring_addr(
         0,
@@ -89,9 +97,9 @@ fn place_vring(fe: &mut Frontend, mock: &MockSplitQueue<'_, Mem>, host: u64) {
             queue_max_size: QSIZE,
             queue_size: QSIZE,
             flags: 0,
-            desc_table_addr: host + mock.desc_table_addr().0,
-            used_ring_addr: host + mock.used_addr().0,
-            avail_ring_addr: host + mock.avail_addr().0,
+            desc_table_addr: host + rings[0],
+            used_ring_addr: host + rings[2],
+            avail_ring_addr: host + rings[1],
             log_addr: None,
         },
     )
@@ -108,15 +116,27 @@ fn frontend_with_ring(
     mock: &MockSplitQueue<'_, Mem>,
     features: impl FnOnce(u64) -> u64,
 ) -> Frontend {
+    let mut fe = frontend(daemon, guest, features, VhostUserProtocolFeatures::MQ);
+    place_vring(&mut fe, mock, guest.host);
+    fe
+}
+
+/// A frontend connected to `daemon` with the features `features` keeps
+/// and the protocol features `protocol` (of those offered), `guest`'s
+/// memory handed over; no ring placed yet.
+fn frontend(
+    daemon: &Daemon,
+    guest: &SharedGuestMemory,
+    features: impl FnOnce(u64) -> u64,
+    protocol: VhostUserProtocolFeatures,
+) -> Frontend {
     let mut fe = Frontend::connect(&daemon.socket, 1).unwrap();
     fe.set_owner().unwrap();
     let offered = fe.get_features().unwrap();
     fe.set_features(features(offered)).unwrap();
     let offered = fe.get_protocol_features().unwrap();
-    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
-        .unwrap();
+    fe.set_protocol_features(offered & protocol).unwrap();
     fe.set_mem_table(&[guest.region()]).unwrap();
-    place_vring(&mut fe, mock, guest.host);
     fe
 }
 
@@ -320,4 +340,169 @@ fn a_request_on_the_ring_when_it_starts_is_taken_without_a_kick() {
     assert_read_4k(&mem, &expected, sector, "the read");
     drop(fe);
     daemon.stop();
+}
+
+/// Queue 0's rings placed apart (`MockSplitQueue` puts its used ring
+/// over the available ring's entries past the eighth): the descriptor
+/// table at 0, the available ring at `AVAIL`, the used ring at `USED`.
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+
+/// Puts one request (header, data, status at the addresses given) on
+/// the ring at descriptors `first..first + 3`.
+fn push_request(mem: &Mem, first: u16, descs: [(u64, u32, u32); 3]) {
+    for (i, &(addr, len, flags)) in descs.iter().enumerate() {
+        let next = if i + 1 < descs.len() {
+            VRING_DESC_F_NEXT
+        } else {
+            0
+        };
+        let d = SplitDescriptor::new(addr, len, (flags | next) as u16, first + i as u16 + 1);
+        mem.write_obj(
+            RawDescriptor::from(d),
+            GuestAddress(u64::from(first + i as u16) * 16),
+        )
+        .unwrap();
+    }
+    let idx: u16 = mem.read_obj(GuestAddress(AVAIL + 2)).unwrap();
+    mem.write_obj(first, GuestAddress(AVAIL + 4 + u64::from(idx % QSIZE) * 2))
+        .unwrap();
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    mem.write_obj(idx.wrapping_add(1), GuestAddress(AVAIL + 2))
+        .unwrap();
+}
+
+/// Live snapshots while a write-through driver (its write cache turned
+/// off, as a guest does with `cache=writethrough`) writes into clusters
+/// the top does not have: allocating writes wait for the one engine
+/// thread, each is flushed before it completes. A snapshot's switch must
+/// not wait for writes whose engine job has not begun (they wait for the
+/// switch): it did (30 s, then the snapshot failed) when write-through
+/// requests kept counting as using the old chain. Every write lands, in
+/// the new top or the old one, as qemu-img reads the chain after.
+#[test]
+fn live_snapshots_under_write_through_allocating_writes() {
+    const WRITES: u16 = 5;
+    const LEN: u32 = 16 << 10;
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "64M", "0.3");
+    let mut model = qemu_raw(&top, tmp.path());
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--engine-threads", "1", "--control", s(&ctl)],
+    );
+    let guest = SharedGuestMemory::new(MEM);
+    let mem = guest.mem.clone();
+    let mut fe = frontend(
+        &daemon,
+        &guest,
+        |offered| offered,
+        VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG,
+    );
+    fe.set_config(32, VhostUserConfigFlags::WRITABLE, &[0])
+        .unwrap();
+    place_vring_at(&mut fe, guest.host, [0, AVAIL, USED]);
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+
+    let snapshots = std::thread::spawn({
+        let (ctl, dir) = (ctl.clone(), tmp.path().to_path_buf());
+        move || {
+            let mut last = None;
+            for i in 0..6 {
+                std::thread::sleep(Duration::from_millis(30));
+                let new = dir.join(format!("live{i}.qcow2"));
+                let reply = control(
+                    &ctl,
+                    serde_json::json!({"id": i, "command": "snapshot", "path": new}),
+                );
+                assert_eq!(reply["ok"], true, "snapshot {i}: {reply}");
+                last = Some(new);
+            }
+            last.unwrap()
+        }
+    });
+    let clusters = model.len() as u64 / (64 << 10);
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut used = 0u16;
+    let mut rounds = 0;
+    while !snapshots.is_finished() || rounds < 20 {
+        rounds += 1;
+        let mut placed = Vec::new();
+        for k in 0..WRITES {
+            let (hdr, data, status) = (
+                HEADER + u64::from(k) * 0x100,
+                DATA + u64::from(k) * u64::from(LEN),
+                STATUS + u64::from(k),
+            );
+            // A cluster not written in this round, 16 KiB inside it.
+            let at = loop {
+                let c = rng.u64(0..clusters) * (64 << 10) + rng.u64(0..4) * u64::from(LEN);
+                if !placed.contains(&at_cluster(c)) {
+                    placed.push(at_cluster(c));
+                    break c;
+                }
+            };
+            let mut h = [0u8; 16];
+            h[..4].copy_from_slice(&VIRTIO_BLK_T_OUT.to_le_bytes());
+            h[8..].copy_from_slice(&(at / 512).to_le_bytes());
+            mem.write_slice(&h, GuestAddress(hdr)).unwrap();
+            let fill = rng.u8(1..);
+            mem.write_slice(&vec![fill; LEN as usize], GuestAddress(data))
+                .unwrap();
+            mem.write_obj(0xFFu8, GuestAddress(status)).unwrap();
+            model[at as usize..(at + u64::from(LEN)) as usize].fill(fill);
+            push_request(
+                &mem,
+                k * 3,
+                [
+                    (hdr, 16, 0),
+                    (data, LEN, 0),
+                    (status, 1, VRING_DESC_F_WRITE),
+                ],
+            );
+        }
+        kick.write(1).unwrap();
+        used = used.wrapping_add(WRITES);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while mem.read_obj::<u16>(GuestAddress(USED + 2)).unwrap() != used {
+            assert!(Instant::now() < deadline, "round {rounds} not completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for k in 0..WRITES {
+            let status: u8 = mem.read_obj(GuestAddress(STATUS + u64::from(k))).unwrap();
+            assert_eq!(
+                u32::from(status),
+                VIRTIO_BLK_S_OK,
+                "write {k} of round {rounds}"
+            );
+        }
+    }
+    let last = snapshots.join().unwrap();
+    drop(fe);
+    daemon.stop();
+    let got = qemu_raw(&last, tmp.path());
+    assert!(
+        got == model,
+        "the chain after {rounds} rounds differs from the writes made"
+    );
+    for entry in std::fs::read_dir(tmp.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "qcow2") {
+            let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&path)]));
+            assert!(
+                check.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&check.stdout)
+            );
+        }
+    }
+}
+
+fn at_cluster(offset: u64) -> u64 {
+    offset / (64 << 10)
 }

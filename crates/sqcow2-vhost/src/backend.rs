@@ -226,6 +226,14 @@ impl BlkBackend {
     /// guest (if its ring is still live), running each worker's completions
     /// in the calling thread: for when the worker threads have stopped.
     pub fn drain(&self) {
+        // Every worker's ring transfers first: a live snapshot's switch
+        // may wait for them while the jobs that one worker's drain waits
+        // for wait for the switch.
+        for (thread, w) in self.workers.iter().enumerate() {
+            let mut slot = lock(w);
+            slot.worker.finish_ring_transfers();
+            self.complete(&mut slot, thread);
+        }
         for (thread, w) in self.workers.iter().enumerate() {
             let mut slot = lock(w);
             slot.worker.drain();
@@ -731,22 +739,10 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sqcow2_format::create::{create, CreateOptions};
-    use sqcow2_format::{Chain, ChainOptions};
-
     use crate::{ChainHandle, DeviceOptions};
 
     fn backend(dir: &std::path::Path) -> BlkBackend {
-        let image = dir.join("disk.qcow2");
-        create(
-            &image,
-            &CreateOptions {
-                size: 1 << 20,
-                ..CreateOptions::default()
-            },
-        )
-        .unwrap();
-        let chain = Chain::open(&image, &ChainOptions::default()).unwrap();
+        let chain = crate::test_support::small_chain(dir, "disk.qcow2");
         let device =
             BlkDevice::new(Arc::new(ChainHandle::new(chain)), DeviceOptions::new(1, 16)).unwrap();
         BlkBackend::new(Arc::new(device), 1).unwrap()

@@ -1,6 +1,7 @@
 //! The chain being served. A live snapshot replaces it while the device
-//! is paused (no request in flight); everything else takes the current one
-//! per request.
+//! is paused for a switch (nothing uses the old chain: see
+//! [`crate::gate`]); everything else takes the current one per request,
+//! engine jobs when they begin.
 
 use std::sync::{Arc, PoisonError, RwLock};
 

@@ -27,6 +27,8 @@ pub mod request;
 mod ring;
 pub mod server;
 mod stats;
+#[cfg(test)]
+mod test_support;
 mod vring;
 pub mod worker;
 

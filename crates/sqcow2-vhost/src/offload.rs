@@ -12,8 +12,10 @@
 //!
 //! Nothing here waits for a request in flight: engine jobs wait only for
 //! other jobs' claims on the same cluster (which those release without
-//! waiting for anything), and a flush never waits for transfers (released
-//! clusters it cannot hand out yet wait for a later flush).
+//! waiting for anything) and, before they begin, for a switch of the
+//! chain to end (a live snapshot's pause, which waits only for work that
+//! has begun: see [`crate::gate`]); a flush never waits for transfers
+//! (released clusters it cannot hand out yet wait for a later flush).
 
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -26,8 +28,9 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::gate::DeferredWork;
+use crate::gate::{BegunWork, DeferredWork};
 use crate::handle::ChainHandle;
+use sqcow2_format::Chain;
 
 /// What an offloaded operation says when it is done: `Ok`, or why it
 /// failed (for the log).
@@ -143,7 +146,14 @@ impl Mailbox {
     }
 }
 
-type Work = Box<dyn FnOnce() -> JobResult + Send>;
+/// What an engine thread runs for a job: given the chain current when
+/// the job begins (after any switch of the chain), never one captured
+/// when it was queued.
+pub(crate) trait EngineWork: FnOnce(&Chain) -> JobResult + Send + 'static {}
+
+impl<F: FnOnce(&Chain) -> JobResult + Send + 'static> EngineWork for F {}
+
+type Work = Box<dyn FnOnce(&Chain) -> JobResult + Send>;
 
 /// Journaled changes are written to the image (a checkpoint: a sync,
 /// then their L2 pages) at most this long after the first of them, so
@@ -177,9 +187,12 @@ struct Job {
     publish: bool,
 }
 
-/// A request to the flusher and where its result goes (none for a
-/// checkpoint).
-type PersistRequest = (Option<ReturnAddress>, Persist);
+/// A request to the flusher, where its result goes (none for a
+/// checkpoint), and the engine job it publishes for, if any: counted as
+/// using the chain until answered, so that a switch of the chain waits
+/// for the publish of work done on the old one (a publish of the old
+/// chain after its close would fail the request).
+type PersistRequest = (Option<ReturnAddress>, Persist, Option<BegunWork>);
 
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
@@ -197,7 +210,11 @@ impl std::fmt::Debug for Offload {
 }
 
 /// Runs `work`, turning a panic into a failed job and a failed chain.
-fn run_guarded(work: Work, chain: &ChainHandle, panics: &AtomicU64) -> JobResult {
+fn run_guarded(
+    work: impl FnOnce() -> JobResult,
+    chain: &ChainHandle,
+    panics: &AtomicU64,
+) -> JobResult {
     match catch_unwind(AssertUnwindSafe(work)) {
         Ok(result) => result,
         Err(panic) => {
@@ -245,15 +262,19 @@ impl Offload {
                             return;
                         };
                         // Counted as using the chain (a switch waits for
-                        // it) from here until its result is handed on.
-                        let _begun = job.ticket.begin();
-                        let result = run_guarded(job.work, &handle, &panics);
+                        // it) from here until its result is handed on, and
+                        // given the chain current now.
+                        let begun = job.ticket.begin();
+                        let chain = handle.get();
+                        let work = job.work;
+                        let result = run_guarded(|| work(&chain), &handle, &panics);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
-                        } else if handle.get().needs_publish() {
+                        } else if chain.needs_publish() {
                             // Completed only once its mappings are in the file.
-                            if let Err(e) = flushes.send((Some(job.reply), Persist::Publish)) {
-                                if let (Some(reply), _) = e.0 {
+                            let publish = (Some(job.reply), Persist::Publish, Some(begun));
+                            if let Err(e) = flushes.send(publish) {
+                                if let (Some(reply), _, _) = e.0 {
                                     reply.send(Err("flusher stopped".into()));
                                 }
                             }
@@ -261,7 +282,8 @@ impl Offload {
                             // Journaled: complete now, write it to the image
                             // in the background.
                             job.reply.send(result);
-                            let _ = flushes.send((None, Persist::Checkpoint));
+                            drop(begun);
+                            let _ = flushes.send((None, Persist::Checkpoint, None));
                         }
                     })?,
             );
@@ -288,7 +310,7 @@ impl Offload {
         reply: ReturnAddress,
         ticket: DeferredWork,
         publish: bool,
-        work: impl FnOnce() -> JobResult + Send + 'static,
+        work: impl EngineWork,
     ) -> Result<(), ReturnAddress> {
         let Some(jobs) = &self.jobs else {
             return Err(reply);
@@ -306,7 +328,7 @@ impl Offload {
     /// queued while one runs are served by the next, together).
     pub(crate) fn persist(&self, reply: ReturnAddress, what: Persist) -> Result<(), ReturnAddress> {
         match &self.flushes {
-            Some(f) => f.send((Some(reply.clone()), what)).map_err(|_| reply),
+            Some(f) => f.send((Some(reply.clone()), what, None)).map_err(|_| reply),
             None => Err(reply),
         }
     }
@@ -338,10 +360,13 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             batch.push(more);
         }
         let chain = handle.get();
-        if batch.iter().any(|(_, what)| *what == Persist::Checkpoint) {
+        if batch
+            .iter()
+            .any(|(_, what, _)| *what == Persist::Checkpoint)
+        {
             waiting_since.get_or_insert_with(Instant::now);
         }
-        let someone_waits = batch.iter().any(|(reply, _)| reply.is_some());
+        let someone_waits = batch.iter().any(|(reply, _, _)| reply.is_some());
         let due = closing
             || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
             || chain.journal_backlog() >= CHECKPOINT_BACKLOG;
@@ -349,20 +374,23 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             continue;
         }
         waiting_since = None;
-        let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
-        let work: Work = Box::new(move || {
+        let flush = batch.iter().any(|(_, what, _)| *what == Persist::Flush);
+        let work = move || {
             let done = if flush {
                 chain.flush()
             } else {
                 chain.publish()
             };
             done.map_err(|e| e.to_string())
-        });
+        };
         let result = run_guarded(work, &handle, &panics);
-        answer_all(
-            batch.into_iter().filter_map(|(reply, _)| reply).collect(),
-            &result,
-        );
+        // Engine work published here stops counting as using the chain
+        // once answered.
+        let (replies, _begun): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .map(|(reply, _, begun)| (reply, begun))
+            .unzip();
+        answer_all(replies.into_iter().flatten().collect(), &result);
     }
 }
 
@@ -376,5 +404,92 @@ impl Drop for Offload {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::mpsc::sync_channel;
+
+    use super::*;
+    use crate::gate::{Admission, RequestGate, RequestPermit};
+    use crate::test_support::small_chain as chain;
+
+    fn request(gate: &Arc<RequestGate>) -> RequestPermit {
+        match gate.try_start() {
+            Admission::Start(p) => p,
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
+
+    /// A live snapshot's switch waits for an engine job that has begun
+    /// (it uses the old chain), not for one queued behind it, which
+    /// begins only after the switch and is given the new chain.
+    #[test]
+    fn a_switch_waits_for_begun_jobs_and_queued_ones_get_the_new_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let handle = Arc::new(ChainHandle::new(chain(dir.path(), "old.qcow2")));
+        let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
+        let gate = Arc::new(RequestGate::default());
+        let mailbox = Mailbox::new().unwrap();
+        let (in_first, first_runs) = sync_channel::<PathBuf>(1);
+        let (let_first_end, first_may_end) = sync_channel::<()>(1);
+        let (in_second, second_runs) = sync_channel::<PathBuf>(1);
+
+        let mut first = request(&gate);
+        let ticket = first.deferred_work();
+        offload
+            .run(mailbox.address(0), ticket, false, move |chain: &Chain| {
+                in_first.send(chain.top().path().to_path_buf()).unwrap();
+                first_may_end.recv().unwrap();
+                Ok(())
+            })
+            .map_err(|_| "engine stopped")
+            .unwrap();
+        first.leave_chain();
+        let old_path = first_runs.recv().unwrap();
+        // The only engine thread is busy: the second job waits unbegun.
+        let mut second = request(&gate);
+        let ticket = second.deferred_work();
+        offload
+            .run(mailbox.address(1), ticket, false, move |chain: &Chain| {
+                in_second.send(chain.top().path().to_path_buf()).unwrap();
+                Ok(())
+            })
+            .map_err(|_| "engine stopped")
+            .unwrap();
+        second.leave_chain();
+
+        let switch = gate.pause_for_switch();
+        assert!(
+            !gate.wait_off_chain(Duration::from_millis(50)),
+            "the switch did not wait for a job running on the old chain"
+        );
+        let_first_end.send(()).unwrap();
+        assert!(
+            gate.wait_off_chain(Duration::from_secs(30)),
+            "the switch waited for a job that had not begun"
+        );
+        assert!(
+            second_runs
+                .recv_timeout(Duration::from_millis(100))
+                .is_err(),
+            "a job began during the switch"
+        );
+        let new = chain(dir.path(), "new.qcow2");
+        let new_path = new.top().path().to_path_buf();
+        drop(handle.replace(new));
+        drop(switch);
+        let got = second_runs
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the queued job never ran after the switch");
+        assert_eq!(got, new_path, "the queued job ran on the old chain");
+        assert_ne!(old_path, new_path);
+        for slot in [0, 1] {
+            let done = mailbox.wait(Duration::from_secs(30)).expect("no result");
+            assert!(done.result.is_ok(), "job {slot}: {:?}", done.result);
+        }
+        drop((first, second));
     }
 }

@@ -31,7 +31,7 @@ use vm_memory::{
 
 use crate::device::BlkDevice;
 use crate::gate::{Admission, RequestPermit};
-use crate::offload::{Finished, JobResult, Mailbox, Persist};
+use crate::offload::{EngineWork, Finished, Mailbox, Persist};
 use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
 use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
 use crate::stats::{QueueStats, WorkerStats};
@@ -104,14 +104,13 @@ struct InFlight {
 impl InFlight {
     /// Whether the request, all its parts set up and its ring transfers
     /// done, may stop counting as using the chain it started on: its
-    /// engine jobs look the chain up when they begin. Not a flush (the
-    /// flusher works on the chain it finds), nor a request that will
-    /// still read or flush here after its jobs.
+    /// engine jobs are given the chain when they begin, and what it may
+    /// still do here afterwards (a write-through flush, a short read read
+    /// again) takes the chain current then. Not a flush request itself:
+    /// a switch waits for the guest's flushes in flight.
     fn may_leave_chain(&self) -> bool {
         !self.submitting
             && self.ring_pending == 0
-            && !self.short
-            && !self.flush_after
             && !matches!(
                 self.request.kind,
                 RequestKind::Flush | RequestKind::GetId { .. }
@@ -510,8 +509,9 @@ impl QueueWorker {
         permit: RequestPermit,
         started: Instant,
     ) -> Option<Completion> {
-        // One chain for the whole request (the chain is replaced only
-        // while no request is in flight).
+        // One chain for the ring transfers of the whole request (a switch
+        // of the chain waits for them; engine jobs get the chain current
+        // when they begin).
         let chain = self.device.chain();
         let ticket = chain.begin_transfer();
         let kind = req.kind.clone();
@@ -552,12 +552,8 @@ impl QueueWorker {
                 }
                 self.send_flush(slot)
             }
-            RequestKind::Discard(ranges) => {
-                self.send_mapping_job(slot, zero_job(&self.device, ranges, false))
-            }
-            RequestKind::WriteZeroes(ranges) => {
-                self.send_mapping_job(slot, zero_job(&self.device, ranges, true))
-            }
+            RequestKind::Discard(ranges) => self.send_mapping_job(slot, zero_job(ranges, false)),
+            RequestKind::WriteZeroes(ranges) => self.send_mapping_job(slot, zero_job(ranges, true)),
             _ => Ok(()),
         };
         if let Err(e) = &sent {
@@ -572,7 +568,7 @@ impl QueueWorker {
     fn send_mapping_job(
         &mut self,
         slot: usize,
-        work: impl FnOnce() -> JobResult + Send + 'static,
+        work: impl EngineWork,
     ) -> Result<(), TransferError> {
         self.run_job(slot, true, work)
     }
@@ -710,10 +706,8 @@ impl QueueWorker {
         }
         let data = std::mem::take(&mut bounce.data);
         let start = bounce.start;
-        let handle = self.device.handle().clone();
-        self.send_mapping_job(slot, move || {
-            handle
-                .get()
+        self.send_mapping_job(slot, move |chain: &Chain| {
+            chain
                 .write_at(&data, start)
                 .map_err(|e| format!("write at {start}: {e}"))
         })
@@ -789,12 +783,10 @@ impl QueueWorker {
         let total: u64 = buffers.iter().map(|b| u64::from(b.len)).sum();
         let skip = pos - offset;
         let len = usize::try_from(total - skip).map_err(|_| TransferError::Memory)?;
-        let handle = self.device.handle().clone();
         let (mem, buffers) = (mem.clone(), buffers.to_vec());
-        self.send_job(slot, move || {
+        self.send_job(slot, move |chain: &Chain| {
             let mut data = vec![0u8; len];
-            handle
-                .get()
+            chain
                 .read_at(&mut data, pos)
                 .map_err(|e| format!("read at {pos}: {e}"))?;
             scatter(&mem, &buffers, skip, &data).map_err(|e| format!("copy into guest memory: {e}"))
@@ -802,11 +794,7 @@ impl QueueWorker {
     }
 
     /// Hands off a job that changes no mapping.
-    fn send_job(
-        &mut self,
-        slot: usize,
-        work: impl FnOnce() -> JobResult + Send + 'static,
-    ) -> Result<(), TransferError> {
+    fn send_job(&mut self, slot: usize, work: impl EngineWork) -> Result<(), TransferError> {
         self.run_job(slot, false, work)
     }
 
@@ -816,7 +804,7 @@ impl QueueWorker {
         &mut self,
         slot: usize,
         publish: bool,
-        work: impl FnOnce() -> JobResult + Send + 'static,
+        work: impl EngineWork,
     ) -> Result<(), TransferError> {
         let ticket = self
             .slots
@@ -995,30 +983,42 @@ impl QueueWorker {
     /// once the worker's own thread no longer runs it); their completions
     /// join [`QueueWorker::take_completions`].
     pub fn drain(&mut self) {
-        while !self.slots.is_empty() {
-            if self.ring.is_empty() && self.jobs_outstanding == 0 {
+        loop {
+            self.finish_ring_transfers();
+            if self.slots.is_empty() {
+                return;
+            }
+            if self.jobs_outstanding == 0 {
                 // Nothing left that could complete them (a bug): fail them
                 // rather than wait forever.
                 self.stats.next_round();
                 self.fail_orphans();
-                break;
+                return;
             }
-            if !self.ring.is_empty() {
-                if let Err(e) = self.ring.submit_and_wait() {
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        warn!("io_uring wait: {e}");
-                        std::thread::sleep(std::time::Duration::from_millis(1));
-                    }
-                }
-                self.reap_ready();
-            } else if let Some(finished) = self.mailbox.wait(std::time::Duration::from_millis(100))
-            {
+            if let Some(finished) = self.mailbox.wait(std::time::Duration::from_millis(100)) {
                 self.stats.next_round();
                 self.job_done(finished);
             }
             for finished in self.mailbox.take() {
                 self.job_done(finished);
             }
+        }
+    }
+
+    /// Waits for every io_uring transfer in flight and applies it to its
+    /// request (without waiting for engine jobs): once every worker has
+    /// done so, no request uses the chain through a ring any more, which
+    /// a switch of the chain may be waiting for while jobs of other
+    /// workers wait for the switch.
+    pub fn finish_ring_transfers(&mut self) {
+        while !self.ring.is_empty() {
+            if let Err(e) = self.ring.submit_and_wait() {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    warn!("io_uring wait: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            self.reap_ready();
         }
     }
 
@@ -1037,14 +1037,8 @@ impl QueueWorker {
 }
 
 /// The engine work of a discard or write-zeroes request.
-fn zero_job(
-    device: &BlkDevice,
-    ranges: Vec<ZeroRange>,
-    write_zeroes: bool,
-) -> impl FnOnce() -> JobResult + Send + 'static {
-    let handle = device.handle().clone();
-    move || {
-        let chain = handle.get();
+fn zero_job(ranges: Vec<ZeroRange>, write_zeroes: bool) -> impl EngineWork {
+    move |chain: &Chain| {
         for r in ranges {
             let result = if write_zeroes {
                 chain.write_zeroes(r.offset, r.len, r.unmap)

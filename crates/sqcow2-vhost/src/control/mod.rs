@@ -252,7 +252,8 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
 /// A live snapshot. While the guest runs: the new top created (empty,
 /// over the old top) and made durable, then the old top's dirty metadata
 /// written back. Then the pause, whose work does not grow with the disk or
-/// the chain: new requests wait, those in flight complete, what the old
+/// the chain: new requests wait, those in flight finish what they do on
+/// the old chain (engine jobs not begun run after the switch), what the old
 /// top still has dirty is written back (published: durable by the next
 /// flush), the new chain is made from the old one (headers only) and
 /// switched to. After it, while the guest runs: the old top closed and
