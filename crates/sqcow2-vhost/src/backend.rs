@@ -226,18 +226,21 @@ impl BlkBackend {
     /// guest (if its ring is still live), running each worker's completions
     /// in the calling thread: for when the worker threads have stopped.
     pub fn drain(&self) {
-        // Every worker's ring transfers first: a live snapshot's switch
-        // may wait for them while the jobs that one worker's drain waits
+        // All workers in turns, none waiting for its own jobs alone: a
+        // live snapshot's switch may wait for one worker's requests (ring
+        // transfers, a flush's answer) while the jobs another worker waits
         // for wait for the switch.
-        for (thread, w) in self.workers.iter().enumerate() {
-            let mut slot = lock(w);
-            slot.worker.finish_ring_transfers();
-            self.complete(&mut slot, thread);
-        }
-        for (thread, w) in self.workers.iter().enumerate() {
-            let mut slot = lock(w);
-            slot.worker.drain();
-            self.complete(&mut slot, thread);
+        loop {
+            let mut all_done = true;
+            for (thread, w) in self.workers.iter().enumerate() {
+                let mut slot = lock(w);
+                all_done &= slot.worker.drain_some();
+                self.complete(&mut slot, thread);
+            }
+            if all_done {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

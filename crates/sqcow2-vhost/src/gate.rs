@@ -412,12 +412,13 @@ mod tests {
         // A stop or a merge waits for the request to complete, which needs
         // its work to run: it must not wait for the pause.
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
+        let worker = std::thread::spawn(move || {
             let _begun = work.begin();
             tx.send(()).unwrap();
         });
         rx.recv_timeout(Duration::from_secs(30))
             .expect("deferred work held back by a plain pause");
+        worker.join().unwrap();
         assert!(!gate.wait_idle(Duration::from_millis(20)));
         drop(request);
         assert!(gate.wait_idle(Duration::from_millis(20)));

@@ -141,6 +141,7 @@ impl Mailbox {
     }
 
     /// Waits up to `timeout` for a result.
+    #[cfg(test)]
     pub(crate) fn wait(&self, timeout: std::time::Duration) -> Option<Finished> {
         self.rx.recv_timeout(timeout).ok()
     }
@@ -375,7 +376,7 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
         }
         waiting_since = None;
         let flush = batch.iter().any(|(_, what, _)| *what == Persist::Flush);
-        let work = move || {
+        let persist = |chain: &Chain| {
             let done = if flush {
                 chain.flush()
             } else {
@@ -383,7 +384,14 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             };
             done.map_err(|e| e.to_string())
         };
-        let result = run_guarded(work, &handle, &panics);
+        let mut result = run_guarded(|| persist(&chain), &handle, &panics);
+        let current = handle.get();
+        if result.is_err() && !Arc::ptr_eq(&chain, &current) {
+            // A live snapshot switched chains meanwhile and closed the old
+            // top (its data durable): the new chain's flush covers what
+            // the batch asked for (it syncs the old top too until then).
+            result = run_guarded(|| persist(&current), &handle, &panics);
+        }
         // Engine work published here stops counting as using the chain
         // once answered.
         let (replies, _begun): (Vec<_>, Vec<_>) = batch
@@ -414,7 +422,7 @@ mod tests {
 
     use super::*;
     use crate::gate::{Admission, RequestGate, RequestPermit};
-    use crate::test_support::small_chain as chain;
+    use crate::test_support::{small_chain as chain, small_writable_chain};
 
     fn request(gate: &Arc<RequestGate>) -> RequestPermit {
         match gate.try_start() {
@@ -491,5 +499,54 @@ mod tests {
             assert!(done.result.is_ok(), "job {slot}: {:?}", done.result);
         }
         drop((first, second));
+    }
+
+    /// A job that changed mappings on the old chain holds the switch
+    /// until the flusher has published them and answered: the switch's
+    /// own publish and the old top's close come after (a publish of the
+    /// closed old top would fail a write that is safe).
+    #[test]
+    fn a_switch_waits_for_the_publish_of_a_job_that_began_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let top = small_writable_chain(dir.path(), "top.qcow2");
+        let handle = Arc::new(ChainHandle::new(top));
+        let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
+        let gate = Arc::new(RequestGate::default());
+        let mailbox = Mailbox::new().unwrap();
+        let (began, job_began) = sync_channel::<()>(1);
+        let (go, job_may_go) = sync_channel::<()>(1);
+        let (published, needed_publish) = sync_channel::<bool>(1);
+        let mut write = request(&gate);
+        let ticket = write.deferred_work();
+        offload
+            .run(mailbox.address(0), ticket, true, move |chain: &Chain| {
+                began.send(()).unwrap();
+                job_may_go.recv().unwrap();
+                // The first write of an empty image: a new L2 table.
+                chain
+                    .write_at(&[0x5a; 4096], 0)
+                    .map_err(|e| e.to_string())?;
+                published.send(chain.needs_publish()).unwrap();
+                Ok(())
+            })
+            .map_err(|_| "engine stopped")
+            .unwrap();
+        write.leave_chain();
+        job_began.recv().unwrap();
+        let switch = gate.pause_for_switch();
+        go.send(()).unwrap();
+        assert!(
+            needed_publish.recv().unwrap(),
+            "the write needs no publish: the test does not test it"
+        );
+        assert!(gate.wait_off_chain(Duration::from_secs(30)));
+        let answered = mailbox.try_take();
+        assert!(
+            answered.is_some(),
+            "the switch stopped waiting before the job's publish was answered"
+        );
+        assert!(answered.unwrap().result.is_ok());
+        drop(switch);
+        drop(write);
     }
 }

@@ -5,8 +5,17 @@ use std::path::Path;
 use sqcow2_format::create::{create, CreateOptions};
 use sqcow2_format::{Chain, ChainOptions};
 
-/// A new empty 1 MiB image `name` in `dir`, opened read-write.
+/// A new empty 1 MiB image `name` in `dir`, opened read-only.
 pub(crate) fn small_chain(dir: &Path, name: &str) -> Chain {
+    open(dir, name, false)
+}
+
+/// [`small_chain`] opened read-write.
+pub(crate) fn small_writable_chain(dir: &Path, name: &str) -> Chain {
+    open(dir, name, true)
+}
+
+fn open(dir: &Path, name: &str, writable: bool) -> Chain {
     let image = dir.join(name);
     create(
         &image,
@@ -16,5 +25,9 @@ pub(crate) fn small_chain(dir: &Path, name: &str) -> Chain {
         },
     )
     .unwrap();
-    Chain::open(&image, &ChainOptions::default()).unwrap()
+    let options = ChainOptions {
+        writable,
+        ..ChainOptions::default()
+    };
+    Chain::open(&image, &options).unwrap()
 }

@@ -981,36 +981,44 @@ impl QueueWorker {
 
     /// Waits for every request of this worker to finish (from any thread,
     /// once the worker's own thread no longer runs it); their completions
-    /// join [`QueueWorker::take_completions`].
+    /// join [`QueueWorker::take_completions`]. With several workers use
+    /// [`QueueWorker::drain_some`] on each in turn (see `BlkBackend::drain`).
     pub fn drain(&mut self) {
-        loop {
-            self.finish_ring_transfers();
-            if self.slots.is_empty() {
-                return;
-            }
-            if self.jobs_outstanding == 0 {
-                // Nothing left that could complete them (a bug): fail them
-                // rather than wait forever.
-                self.stats.next_round();
-                self.fail_orphans();
-                return;
-            }
-            if let Some(finished) = self.mailbox.wait(std::time::Duration::from_millis(100)) {
-                self.stats.next_round();
-                self.job_done(finished);
-            }
-            for finished in self.mailbox.take() {
-                self.job_done(finished);
-            }
+        while !self.drain_some() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 
+    /// Moves this worker's requests on as far as they go without waiting
+    /// for engine jobs (from any thread, once the worker's own thread no
+    /// longer runs it): its ring transfers finished, the job results
+    /// waiting taken; whether none is left. Their completions join
+    /// [`QueueWorker::take_completions`].
+    pub fn drain_some(&mut self) -> bool {
+        self.finish_ring_transfers();
+        let results = self.mailbox.take();
+        if !results.is_empty() {
+            self.stats.next_round();
+        }
+        for finished in results {
+            self.job_done(finished);
+        }
+        if self.slots.is_empty() {
+            return true;
+        }
+        if self.ring.is_empty() && self.jobs_outstanding == 0 {
+            // Nothing left that could complete them (a bug): fail them
+            // rather than wait forever.
+            self.stats.next_round();
+            self.fail_orphans();
+            return true;
+        }
+        false
+    }
+
     /// Waits for every io_uring transfer in flight and applies it to its
-    /// request (without waiting for engine jobs): once every worker has
-    /// done so, no request uses the chain through a ring any more, which
-    /// a switch of the chain may be waiting for while jobs of other
-    /// workers wait for the switch.
-    pub fn finish_ring_transfers(&mut self) {
+    /// request (without waiting for engine jobs).
+    fn finish_ring_transfers(&mut self) {
         while !self.ring.is_empty() {
             if let Err(e) = self.ring.submit_and_wait() {
                 if e.kind() != io::ErrorKind::Interrupted {
