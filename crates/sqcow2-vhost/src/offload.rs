@@ -210,21 +210,20 @@ impl std::fmt::Debug for Offload {
     }
 }
 
-/// Runs `work`, turning a panic into a failed job and a failed chain.
+/// Runs `work` on `chain`, turning a panic into a failed job and a
+/// failed `chain` (the one the work ran on, not one switched to since).
 fn run_guarded(
-    work: impl FnOnce() -> JobResult,
-    chain: &ChainHandle,
+    work: impl FnOnce(&Chain) -> JobResult,
+    chain: &Chain,
     panics: &AtomicU64,
 ) -> JobResult {
-    match catch_unwind(AssertUnwindSafe(work)) {
+    match catch_unwind(AssertUnwindSafe(|| work(chain))) {
         Ok(result) => result,
         Err(panic) => {
             let what = panic_message(&*panic);
             error!("engine thread panicked (a bug): {what}");
             panics.fetch_add(1, Ordering::Relaxed);
-            chain
-                .get()
-                .fail(&format!("an engine thread panicked: {what}"));
+            chain.fail(&format!("an engine thread panicked: {what}"));
             Err(format!("panic: {what}"))
         }
     }
@@ -268,7 +267,7 @@ impl Offload {
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let work = job.work;
-                        let result = run_guarded(|| work(&chain), &handle, &panics);
+                        let result = run_guarded(work, &chain, &panics);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
                         } else if chain.needs_publish() {
@@ -384,13 +383,13 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             };
             done.map_err(|e| e.to_string())
         };
-        let mut result = run_guarded(|| persist(&chain), &handle, &panics);
+        let mut result = run_guarded(persist, &chain, &panics);
         let current = handle.get();
         if result.is_err() && !Arc::ptr_eq(&chain, &current) {
             // A live snapshot switched chains meanwhile and closed the old
             // top (its data durable): the new chain's flush covers what
             // the batch asked for (it syncs the old top too until then).
-            result = run_guarded(|| persist(&current), &handle, &panics);
+            result = run_guarded(persist, &current, &panics);
         }
         // Engine work published here stops counting as using the chain
         // once answered.
