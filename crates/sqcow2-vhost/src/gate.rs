@@ -354,12 +354,7 @@ mod tests {
         assert!(matches!(gate.try_start(), Admission::Start(_)));
     }
 
-    fn started(gate: &Arc<RequestGate>) -> RequestPermit {
-        match gate.try_start() {
-            Admission::Start(p) => p,
-            other => panic!("not admitted: {other:?}"),
-        }
-    }
+    use crate::test_support::admitted as started;
 
     #[test]
     fn a_switch_waits_for_what_uses_the_chain_and_holds_deferred_work_back() {

@@ -266,8 +266,7 @@ impl Offload {
                         // given the chain current now.
                         let begun = job.ticket.begin();
                         let chain = handle.get();
-                        let work = job.work;
-                        let result = run_guarded(work, &chain, &panics);
+                        let result = run_guarded(job.work, &chain, &panics);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
                         } else if chain.needs_publish() {
@@ -420,14 +419,20 @@ mod tests {
     use std::sync::mpsc::sync_channel;
 
     use super::*;
-    use crate::gate::{Admission, RequestGate, RequestPermit};
-    use crate::test_support::{small_chain as chain, small_writable_chain};
+    use crate::gate::RequestGate;
+    use crate::test_support::{admitted as request, small_chain as chain, small_writable_chain};
 
-    fn request(gate: &Arc<RequestGate>) -> RequestPermit {
-        match gate.try_start() {
-            Admission::Start(p) => p,
-            other => panic!("not admitted: {other:?}"),
-        }
+    /// One engine thread and its flusher serving `top`, a gate and a
+    /// worker's mailbox.
+    fn engine(top: Chain) -> (Arc<ChainHandle>, Offload, Arc<RequestGate>, Mailbox) {
+        let handle = Arc::new(ChainHandle::new(top));
+        let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
+        (
+            handle,
+            offload,
+            Arc::new(RequestGate::default()),
+            Mailbox::new().unwrap(),
+        )
     }
 
     /// A live snapshot's switch waits for an engine job that has begun
@@ -436,10 +441,7 @@ mod tests {
     #[test]
     fn a_switch_waits_for_begun_jobs_and_queued_ones_get_the_new_chain() {
         let dir = tempfile::tempdir().unwrap();
-        let handle = Arc::new(ChainHandle::new(chain(dir.path(), "old.qcow2")));
-        let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
-        let gate = Arc::new(RequestGate::default());
-        let mailbox = Mailbox::new().unwrap();
+        let (handle, offload, gate, mailbox) = engine(chain(dir.path(), "old.qcow2"));
         let (in_first, first_runs) = sync_channel::<PathBuf>(1);
         let (let_first_end, first_may_end) = sync_channel::<()>(1);
         let (in_second, second_runs) = sync_channel::<PathBuf>(1);
@@ -507,11 +509,8 @@ mod tests {
     #[test]
     fn a_switch_waits_for_the_publish_of_a_job_that_began_before_it() {
         let dir = tempfile::tempdir().unwrap();
-        let top = small_writable_chain(dir.path(), "top.qcow2");
-        let handle = Arc::new(ChainHandle::new(top));
-        let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
-        let gate = Arc::new(RequestGate::default());
-        let mailbox = Mailbox::new().unwrap();
+        let (_handle, offload, gate, mailbox) =
+            engine(small_writable_chain(dir.path(), "top.qcow2"));
         let (began, job_began) = sync_channel::<()>(1);
         let (go, job_may_go) = sync_channel::<()>(1);
         let (published, needed_publish) = sync_channel::<bool>(1);

@@ -1006,9 +1006,9 @@ impl QueueWorker {
         if self.slots.is_empty() {
             return true;
         }
-        if self.ring.is_empty() && self.jobs_outstanding == 0 {
-            // Nothing left that could complete them (a bug): fail them
-            // rather than wait forever.
+        if self.jobs_outstanding == 0 {
+            // No transfer or job left that could complete them (a bug):
+            // fail them rather than wait forever.
             self.stats.next_round();
             self.fail_orphans();
             return true;
