@@ -175,11 +175,11 @@ off = json.load(open(f"{root}/offline/offline.json"))
 json.dump({"live": runs, "offline": off}, open(f"{root}/results.json", "w"), indent=1)
 print(f"Live snapshots, {n} per size, random 4 KiB writes at depth 16 during them "
       "(10-layer chain, 2 % filled):\n")
-print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request | the same without snapshots | client IOPS | steps of the longest pause (drain / flush / switch) |")
+print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request | the same without snapshots | client IOPS | steps of the longest pause (drain / switch) |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
-    steps = f"{s['drain_ms']:.2f} / {s['flush_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
+    steps = f"{s['drain_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
     if s and "close_ms" in s:
         steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]

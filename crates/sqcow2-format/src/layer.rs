@@ -8,6 +8,7 @@ use crate::bytes::be_u64;
 use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
 use crate::error::{ErrorKind, Table};
 use crate::header::Header;
+use crate::held::{Busy, HolderSlot, TableHolder};
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
@@ -37,6 +38,9 @@ pub struct Qcow2Layer {
     /// at open, taken again once the writer that had the image open has
     /// closed it ([`Qcow2Layer::refresh_identity`]).
     identity: Arc<Mutex<Identity>>,
+    /// A writer of this process that may hold tables newer than the file
+    /// (a live snapshot's old top until it is closed): asked first.
+    holder: Option<HolderSlot>,
 }
 
 /// What identifies an image's file besides its L1 table: its size and the
@@ -126,7 +130,48 @@ impl Qcow2Layer {
             file_size: identity.file_size,
             l1_hash: xxh3_64(&raw),
             identity: Arc::new(Mutex::new(identity)),
+            holder: None,
         })
+    }
+
+    /// Opens an image that `holder`, a writer of this process, still has
+    /// open and has stopped changing: its L1 table is `l1` (the writer's,
+    /// which the file may not have yet), its L2 tables are asked of
+    /// `holder` before the file until [`Qcow2Layer::release_holder`]. L2
+    /// tables are checked against `min_len` (the writer's file length)
+    /// when it is more than the file's. The fingerprint is that of `l1`,
+    /// which [`Qcow2Layer::refresh_identity`] checks the file against
+    /// once the writer has closed it.
+    pub(crate) fn open_held(
+        path: &Path,
+        storage: Arc<dyn Storage>,
+        l1: Vec<u64>,
+        min_len: u64,
+        holder: Arc<dyn TableHolder>,
+    ) -> Result<Self, ErrorKind> {
+        let (header, identity, _) = read_image(&*storage)?;
+        if l1.len() != header.l1_size as usize {
+            return Err(ErrorKind::LayerChanged);
+        }
+        let raw: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
+        Ok(Self {
+            path: path.to_path_buf(),
+            storage,
+            header: Arc::new(header),
+            l1: Arc::new(OnceLock::from(l1)),
+            file_size: identity.file_size.max(min_len),
+            l1_hash: xxh3_64(&raw),
+            identity: Arc::new(Mutex::new(identity)),
+            holder: Some(HolderSlot::new(holder)),
+        })
+    }
+
+    /// The writer named at [`Qcow2Layer::open_held`] has written all its
+    /// tables to the file (and closed it): the file is read from now on.
+    pub(crate) fn release_holder(&self) {
+        if let Some(slot) = &self.holder {
+            slot.release();
+        }
     }
 
     /// Hashes of the header area (autoclear bits excluded) and of the L1
@@ -250,6 +295,9 @@ impl Qcow2Layer {
             .with_or_load(
                 key,
                 || {
+                    if let Some(held) = self.held_slice(l2_offset, &slice)? {
+                        return Ok(held);
+                    }
                     crate::nowait::may_load()?;
                     validate_l2_offset(g, l2_offset, self.file_size)?;
                     read_words(&*self.storage, slice.offset, slice.words)
@@ -257,6 +305,22 @@ impl Qcow2Layer {
                 |words| f(&slice, words),
             )
             .map(Some)
+    }
+
+    /// The slice as the writer that holds the image's tables has it
+    /// ([`Qcow2Layer::open_held`]), if it holds the table; waits for the
+    /// writer's lock only where metadata loads may wait.
+    fn held_slice(&self, l2_offset: u64, slice: &L2Slice) -> Result<Option<Slice>, ErrorKind> {
+        let Some(holder) = self.holder.as_ref().and_then(HolderSlot::holder) else {
+            return Ok(None);
+        };
+        match holder.try_held_slice(l2_offset, slice.offset, slice.words) {
+            Ok(held) => Ok(held),
+            Err(Busy) => {
+                crate::nowait::may_load()?;
+                Ok(holder.held_slice(l2_offset, slice.offset, slice.words))
+            }
+        }
     }
 
     /// The raw L2 entry of the cluster at `guest` (0 when unallocated).

@@ -34,6 +34,7 @@ pub mod files;
 pub mod gen;
 mod header;
 mod header_area;
+mod held;
 pub mod index;
 pub mod indexing;
 mod layer;

@@ -51,11 +51,11 @@ fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) ->
     // Before the pause (the daemon repeats this until it is short).
     chain.sync_data().expect("sync");
     chain.publish().expect("publish");
-    // The pause: the last changes published, the switch.
-    chain.publish().expect("publish");
+    // The pause: the switch alone (the next chain reads what the old top
+    // did not write back from its writer).
     let next = chain.successor(prepared, opts).expect("successor");
-    chain.hand_over_tables();
     chain.retire(&next).expect("retire");
+    chain.hand_over_tables();
     next
 }
 
@@ -292,10 +292,26 @@ fn watched_top(dir: &Path) -> (std::path::PathBuf, std::sync::Arc<SyncWatch>, Ch
     (top, watch, chain)
 }
 
-/// Inside the pause the old top's last changes are only published
-/// (written in crash-safe order, not synced); a guest flush after the
-/// switch, before the old top's close, must still make them durable: the
-/// next chain's flush syncs the old top too, until `retire` has closed it.
+/// What the file `path` alone maps at `offset` (4 KiB), read by another
+/// opener as QEMU's `-U` would (no lock, the writer still has it open).
+fn read_file_alone(path: &Path, offset: u64) -> Vec<u8> {
+    let opened = Chain::open(
+        path,
+        &ChainOptions {
+            force_share: true,
+            locking: sqcow2_format::Locking::Off,
+            ..options(false)
+        },
+    )
+    .expect("open the file alone");
+    read(&opened, offset)
+}
+
+/// Inside the pause nothing is written: the next chain reads the old
+/// top's tables that are not in its file yet from the old top's writer.
+/// A guest flush after the switch, before the old top's close, must
+/// still make them durable: the next chain's flush writes them back and
+/// syncs the old top too, until `retire` has closed it.
 #[test]
 fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     let dir = tempfile::tempdir().unwrap();
@@ -305,22 +321,38 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     indexing::snapshot_over(&chain, &top, &new).unwrap();
     let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
     chain.flush().unwrap();
-    // Written after the last flush before the pause: published in it.
-    for i in 1..8u64 {
-        chain.write_at(&[0xD2; 4096], i * 7 * CLUSTER).unwrap();
+    // Written after the last flush before the pause, not written back
+    // (one in a second L2 table: a new L1 entry too).
+    let places: Vec<u64> = (1..8u64)
+        .map(|i| i * 7 * CLUSTER)
+        .chain([700 * MIB])
+        .collect();
+    for &at in &places {
+        chain.write_at(&[0xD2; 4096], at).unwrap();
     }
-    chain.publish().unwrap();
     let next = chain.successor(prepared, &options(true)).unwrap();
-    assert!(
-        watch.unsynced(),
-        "the old top was synced in the pause (this test would show nothing)"
-    );
+    for &at in &places {
+        assert!(
+            read_file_alone(&top, at) != vec![0xD2; 4096],
+            "the old top's file has its last mappings (this test would show nothing)"
+        );
+        assert!(
+            read(&next, at) == vec![0xD2; 4096],
+            "the next chain misses a write the old top completed before the switch"
+        );
+    }
     next.write_at(&[0xD3; 4096], 3 * CLUSTER).unwrap();
     next.flush().unwrap();
     assert!(
         !watch.unsynced(),
         "a flush after the switch left the old top's last writes not durable"
     );
+    for &at in &places {
+        assert!(
+            read_file_alone(&top, at) == vec![0xD2; 4096],
+            "a flush after the switch did not write the old top's last tables back"
+        );
+    }
     chain.retire(&next).unwrap();
     for i in 1..8u64 {
         assert!(read(&next, i * 7 * CLUSTER) == vec![0xD2; 4096]);
@@ -343,8 +375,11 @@ fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     let prepared = first
         .prepare_successor(&second_path, &options(true))
         .unwrap();
-    first.publish().unwrap();
     let second = first.successor(prepared, &options(true)).unwrap();
+    assert!(
+        first.write_at(&[0xE0; 4096], 0).is_err(),
+        "the old top took a write after the switch"
+    );
     assert!(
         watch.unsynced(),
         "the first top was synced (nothing to show)"
@@ -361,6 +396,10 @@ fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     );
     assert!(read(&third, 0) == vec![0xE1; 4096]);
     assert!(read(&third, CLUSTER) == vec![0xE2; 4096]);
+    assert!(
+        read_file_alone(&top, 0) == vec![0xE1; 4096],
+        "a flush two snapshots later did not write the first top's tables back"
+    );
     drop(second);
     third.close().unwrap();
     drop(first);

@@ -181,6 +181,28 @@ impl Active {
         }
     }
 
+    /// Exclusive access for a write-back or a close: refused once the
+    /// engine has failed, but not once it is superseded (its tables are
+    /// still written back and the image closed, by the chain that follows
+    /// a live snapshot).
+    fn write_back_state(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
+        self.check_write_back()?;
+        self.state.write().map_err(|_| {
+            self.fail("a panic interrupted a metadata update");
+            self.top.err(ErrorKind::EngineFailed {
+                reason: "a panic interrupted a metadata update".to_string(),
+            })
+        })
+    }
+
+    /// Fails once the engine has failed, unless it is only superseded.
+    fn check_write_back(&self) -> Result<(), Error> {
+        if self.superseded() {
+            return Ok(());
+        }
+        self.check_failed()
+    }
+
     /// Exclusive access to give back a claim, whatever happened before.
     fn write_state_anyway(&self) -> RwLockWriteGuard<'_, ActiveState> {
         self.state.write().unwrap_or_else(PoisonError::into_inner)
@@ -198,9 +220,13 @@ impl Active {
         }
     }
 
-    /// Refuses writes from now on, quietly: the image is a backing layer
-    /// of the chain a live snapshot made ([`crate::Chain::retire`]), which
-    /// closed it (or will repair it at its next open if that failed).
+    /// Refuses changes from now on, quietly: the image is a backing layer
+    /// of the chain a live snapshot made ([`crate::Chain::successor`]),
+    /// which reads the tables held here until
+    /// [`crate::Chain::retire`] has written them back and closed the
+    /// image (or, if that failed, writes them back at its flushes; the
+    /// next read-write open repairs the image). Write-backs and the close
+    /// still run.
     pub(crate) fn supersede(&self) {
         let _ = self.failure.set(SUPERSEDED.to_string());
     }
@@ -523,9 +549,9 @@ impl Active {
 
     /// [`Active::flush`] with the flush order held.
     fn flush_locked(&self, fence: &TransferFence) -> Result<(), Error> {
-        self.check_failed()?;
+        self.check_write_back()?;
         let (wb, incompatible, l1_offset) = {
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             let wb = st.take_write_back(Some(fence.cut()));
             let h = &st.header;
             (wb, h.features.incompatible, h.l1_table_offset)
@@ -539,7 +565,7 @@ impl Active {
         }
         self.write_back_done(&wb);
         let rc = {
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             st.written(wb);
             let applied = st.apply_passed_frees(fence)?;
             (applied && !self.top.lazy_refcounts).then(|| st.refcounts.dirty_snapshot())
@@ -549,7 +575,7 @@ impl Active {
                 self.write_state_anyway().refcounts.restore(&rc);
                 return Err(e);
             }
-            self.write_state()?.refcounts_written(&rc);
+            self.write_back_state()?.refcounts_written(&rc);
         }
         Ok(())
     }
@@ -573,7 +599,7 @@ impl Active {
     fn write_back(&self, durability: Durability) -> Result<(), Error> {
         self.resume_journal();
         let (wb, incompatible, l1_offset) = {
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             let wb = st.take_write_back(None);
             (
                 wb,
@@ -587,7 +613,7 @@ impl Active {
         match self.top.write_out(&wb, incompatible, l1_offset, durability) {
             Ok(()) => {
                 self.write_back_done(&wb);
-                self.write_state()?.written(wb);
+                self.write_back_state()?.written(wb);
                 Ok(())
             }
             Err(e) => {
@@ -665,17 +691,21 @@ impl Active {
         crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
     }
 
-    /// Fails if some metadata is not written back (call
-    /// [`Active::close`] first).
-    pub(crate) fn written_back(&self) -> Result<(), Error> {
-        self.read_state().written_back()
-    }
-
     /// Puts the most recently used clean tables (at most `max_bytes`)
     /// into the unified cache for readers of the image as a backing
     /// layer.
     pub(crate) fn publish_recent(&self, max_bytes: u64) {
         self.read_state().publish_recent(max_bytes);
+    }
+
+    /// The L1 table as held in memory (the file may not have all of it).
+    pub(crate) fn l1_table(&self) -> Vec<u64> {
+        self.read_state().l1.clone()
+    }
+
+    /// The top file's length as last seen (clusters below it exist).
+    pub(crate) fn known_len(&self) -> u64 {
+        self.known_len.load(Ordering::Relaxed)
     }
 
     /// Flushes, gives the spare clusters back and, with lazy refcounts,
@@ -702,7 +732,7 @@ impl Active {
             .unwrap_or_else(PoisonError::into_inner);
         // Changes from now on are not journaled (a caller publishes them,
         // after this): the journal ends with this flush.
-        let journal = self.write_state()?.journal.take();
+        let journal = self.write_back_state()?.journal.take();
         if let Err(e) = self.flush_locked(fence) {
             if let Some(j) = journal {
                 self.write_state_anyway().journal = Some(j);
@@ -714,7 +744,7 @@ impl Active {
             self.discard_journal(&j);
         }
         let (rc, left, dirty) = {
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             let left: usize = st.deferred_frees.iter().map(|(_, f)| f.len()).sum();
             let spares = st.spares.take_all();
             if !spares.is_empty() {
@@ -742,7 +772,7 @@ impl Active {
             return Err(e);
         }
         let (incompatible, autoclear) = {
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             st.refcounts_written(&rc);
             let f = st.header.features;
             (
@@ -752,7 +782,7 @@ impl Active {
         };
         if dirty || ended {
             self.top.write_feature_bits(incompatible, autoclear)?;
-            let mut st = self.write_state()?;
+            let mut st = self.write_back_state()?;
             st.dirty_bit_on_disk = false;
             st.header.features.incompatible = incompatible;
             st.header.features.autoclear = autoclear;
@@ -934,5 +964,30 @@ impl Drop for Claim<'_> {
         }
         self.active.write_state_anyway().abort(&self.alloc);
         self.alloc.cell.end();
+    }
+}
+
+/// After a live snapshot's switch, the chain that follows reads the old
+/// top's tables from here until they are all in the file: nothing changes
+/// them any more (the engine is superseded), so what is held is the
+/// latest.
+impl crate::held::TableHolder for Active {
+    fn held_slice(&self, l2_offset: u64, offset: u64, words: usize) -> Option<sqcow2_cache::Slice> {
+        self.read_state().held_slice(l2_offset, offset, words)
+    }
+
+    fn try_held_slice(
+        &self,
+        l2_offset: u64,
+        offset: u64,
+        words: usize,
+    ) -> Result<Option<sqcow2_cache::Slice>, crate::held::Busy> {
+        match self.state.try_read() {
+            Ok(st) => Ok(st.held_slice(l2_offset, offset, words)),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                Ok(p.into_inner().held_slice(l2_offset, offset, words))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => Err(crate::held::Busy),
+        }
     }
 }

@@ -674,16 +674,6 @@ impl ActiveState {
         resident > limit
     }
 
-    /// Fails if a loaded table has changes not yet written to the file.
-    pub(crate) fn written_back(&self) -> Result<(), Error> {
-        if self.l2.values().any(|s| s.dirty.any()) {
-            return Err(self.top.err(ErrorKind::Io(std::io::Error::other(
-                "metadata not yet written back",
-            ))));
-        }
-        Ok(())
-    }
-
     /// Hands the loaded tables over to readers of this image as a backing
     /// layer (after a live snapshot's switch): the most recently used
     /// clean tables, up to `max_bytes`, go to the unified cache; the
@@ -712,6 +702,17 @@ impl ActiveState {
             }
             self.publish(offset, &slot.table);
         }
+    }
+
+    /// The `words` words at byte `offset` of the file inside the table
+    /// at `l2_offset`, if the table is held here (`None` if the slice does
+    /// not lie inside it).
+    pub(crate) fn held_slice(&self, l2_offset: u64, offset: u64, words: usize) -> Option<Slice> {
+        let slot = self.l2.get(&l2_offset)?;
+        let first = usize::try_from(offset.checked_sub(l2_offset)? / 8).ok()?;
+        slot.table
+            .get(first..first.checked_add(words)?)
+            .map(Slice::from)
     }
 
     /// Drops the unified cache's slices of the table at `offset` (a

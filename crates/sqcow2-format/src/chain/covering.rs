@@ -65,8 +65,13 @@ impl Chain {
     }
 
     /// The layers an index of this chain would cover now (every layer
-    /// below the top), `None` for a lone image.
+    /// below the top), `None` for a lone image, and while a live
+    /// snapshot's old top below is not closed (its file may lack tables
+    /// the chain reads from its writer: [`Chain::retire`]).
     pub fn indexable_layers(&self) -> Option<LayerIndex> {
+        if !self.unclosed_below().is_empty() {
+            return None;
+        }
         self.top_index().0.checked_sub(1).map(LayerIndex)
     }
 

@@ -9,11 +9,12 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferTicket;
 use crate::layer::Layer;
-use crate::storage::{PinnedFile, Storage};
+use crate::storage::PinnedFile;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use std::sync::Arc;
 
-use super::{Chain, Extent, ExtentKind};
+use super::{Chain, Extent, ExtentKind, UnclosedTop};
+use crate::active::Active;
 
 /// A run of guest bytes to read, and where its data is.
 #[derive(Debug, Clone)]
@@ -365,49 +366,41 @@ impl Chain {
     /// never waits for a transfer, so it may be called from anywhere, a
     /// ticket holder included.
     /// After a live snapshot, until the old top is closed
-    /// ([`Chain::retire`]), the old top's file is synced too: writes the
-    /// guest completed there before the switch are durable once a flush
-    /// after it completes.
+    /// ([`Chain::retire`]), the old top is flushed too (its last tables
+    /// written back, the file synced): writes the guest completed there
+    /// before the switch are durable once a flush after it completes.
     pub fn flush(&self) -> Result<(), Error> {
         if let Some(active) = &self.active {
             active.flush(&self.fence)?;
         }
-        self.sync_below()
+        self.flush_below()
     }
 
-    /// Syncs the old tops live snapshots left below this chain's top while
-    /// they may hold writes that are not durable yet (see
-    /// [`Chain::successor`]).
-    fn sync_below(&self) -> Result<(), Error> {
-        for storage in self.unsynced_below() {
-            storage.sync().map_err(|e| {
-                let path = self
-                    .layers
-                    .iter()
-                    .find(|l| Arc::ptr_eq(l.storage(), &storage))
-                    .map_or_else(|| self.top().path(), |l| l.path());
-                Error::new(path, e.into())
-            })?;
+    /// Flushes the old tops live snapshots left below this chain's top
+    /// whose writers have not closed them (see [`Chain::successor`]).
+    fn flush_below(&self) -> Result<(), Error> {
+        for below in self.unclosed_below() {
+            below.writer.flush(&below.fence)?;
         }
         Ok(())
     }
 
-    /// The old tops below this chain's top that flushes sync too (a copy:
-    /// no lock is held across their syncs).
-    pub(crate) fn unsynced_below(&self) -> Vec<Arc<dyn Storage>> {
-        self.unsynced_below
+    /// The old tops below this chain's top that flushes flush too (a
+    /// copy: no lock is held across their flushes).
+    pub(crate) fn unclosed_below(&self) -> Vec<UnclosedTop> {
+        self.unclosed_below
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    /// The old top in `storage` below this chain's top is durable
-    /// (closed): flushes no longer sync it.
-    pub(crate) fn below_synced(&self, storage: &Arc<dyn Storage>) {
-        self.unsynced_below
+    /// The old top `writer` wrote below this chain's top is closed (all
+    /// its tables durable in its file): flushes no longer flush it.
+    pub(crate) fn below_closed(&self, writer: &Arc<Active>) {
+        self.unclosed_below
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .retain(|s| !Arc::ptr_eq(s, storage));
+            .retain(|b| !Arc::ptr_eq(&b.writer, writer));
     }
 
     /// Syncs the writable top's file as it is (the data written so far),
@@ -432,7 +425,7 @@ impl Chain {
         if let Some(active) = &self.active {
             active.close(&self.fence)?;
         }
-        self.sync_below()
+        self.flush_below()
     }
 
     /// Flushes and leaves the image clean (clears the dirty bit of lazy
@@ -441,7 +434,7 @@ impl Chain {
         if let Some(active) = self.active.take() {
             active.close(&self.fence)?;
         }
-        self.sync_below()
+        self.flush_below()
     }
 }
 

@@ -156,7 +156,7 @@ pub struct Chain {
     /// assumed for splitting writes, which it refuses anyway).
     top_geometry: Geometry,
     data_reads: Vec<AtomicU64>,
-    active: Option<Active>,
+    active: Option<Arc<Active>>,
     /// Transfers in flight, which a flush waits for before it makes
     /// released clusters reusable.
     fence: Arc<TransferFence>,
@@ -168,10 +168,20 @@ pub struct Chain {
     /// Regions of the top that hold nothing (indexed mode only).
     summary: Option<Arc<TopSummary>>,
     /// Layers below the top that were tops of the chains this one follows
-    /// and whose last changes are written but maybe not durable
-    /// ([`Chain::successor`]; carried on from chain to chain): each flush
-    /// syncs them too, until [`Chain::retire`] has closed each.
-    unsynced_below: std::sync::Mutex<Vec<Arc<dyn Storage>>>,
+    /// and whose writers have not closed them yet ([`Chain::successor`];
+    /// carried on from chain to chain): each flush writes their tables
+    /// back and syncs them too, until [`Chain::retire`] has closed each.
+    unclosed_below: std::sync::Mutex<Vec<UnclosedTop>>,
+}
+
+/// A live snapshot's old top below a chain's top whose writer has not
+/// closed it yet: its last tables may be neither in its file nor durable
+/// (the chain reads them from the writer meanwhile).
+#[derive(Debug, Clone)]
+pub(crate) struct UnclosedTop {
+    writer: Arc<Active>,
+    /// The fence of the chain that wrote it.
+    fence: Arc<TransferFence>,
 }
 
 impl ChainOptions {
@@ -281,7 +291,7 @@ impl Chain {
     /// interrupted a metadata update, or [`Chain::fail`] was called); it
     /// must be reopened to take writes again.
     pub fn failure(&self) -> Option<&str> {
-        self.active.as_ref().and_then(Active::failure)
+        self.active.as_deref().and_then(Active::failure)
     }
 
     /// Refuses writes from now on, until the chain is reopened: for callers
@@ -303,7 +313,7 @@ impl Chain {
 
     pub(crate) fn active(&self) -> Result<&Active, Error> {
         self.active
-            .as_ref()
+            .as_deref()
             .ok_or_else(|| Error::new(self.top().path(), ErrorKind::ReadOnly))
     }
 }

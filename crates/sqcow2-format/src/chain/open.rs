@@ -382,7 +382,7 @@ impl Chain {
             let top = layers
                 .last()
                 .ok_or_else(|| Error::new(path, ErrorKind::BadMagic(0)))?;
-            Some(Active::open(top, layers.len() > 1, link)?)
+            Some(Arc::new(Active::open(top, layers.len() > 1, link)?))
         } else {
             None
         };
@@ -401,7 +401,7 @@ impl Chain {
                 state: index_state,
             }),
             summary,
-            unsynced_below: std::sync::Mutex::new(Vec::new()),
+            unclosed_below: std::sync::Mutex::new(Vec::new()),
         })
     }
 }

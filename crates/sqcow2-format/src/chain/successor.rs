@@ -20,7 +20,7 @@ use sqcow2_cache::Source;
 
 use super::covering::IndexInUse;
 use super::resolved::ResolvedSlices;
-use super::{Chain, ChainOptions};
+use super::{Chain, ChainOptions, UnclosedTop};
 
 /// Bytes of the old top's loaded tables handed to the unified cache after
 /// a live snapshot's switch (copying all of them took 12 ms at 1 TiB).
@@ -131,21 +131,24 @@ impl Chain {
     }
 
     /// The chain whose top is `prepared` ([`Chain::prepare_successor`]),
-    /// made inside the guest's pause. This chain's top must have all its
-    /// metadata written back, durable or not ([`Chain::publish`] is
-    /// enough: the next chain's flushes sync the old top too until
-    /// [`Chain::retire`] has closed it); it may still be open, its journal
-    /// and spare clusters kept. It becomes a backing layer (its
+    /// made inside the guest's pause, with no file write: nothing may
+    /// change this chain's top meanwhile or afterwards (no write in
+    /// flight; from this call on it refuses changes, so switch to the
+    /// chain returned). This chain's top becomes a backing layer (its
     /// image locks lowered to a reader's, which still keeps every other
-    /// writer away); the layers below it, the unified cache and the index
-    /// in use carry over, the old top walked above the index until the
-    /// new top's index is installed ([`crate::indexing::build_index`]).
-    /// Only the old top's header and L1 table are read. On failure this
-    /// chain stays as it was. Once the switch is done (outside the guest's
-    /// pause), [`Chain::hand_over_tables`] gives the next chain the tables
-    /// this one used last and [`Chain::retire`] closes the old top.
+    /// writer away) that the next chain reads through the L1 table and
+    /// the L2 tables held in memory here, which the file may not have
+    /// yet, until [`Chain::retire`] has written them back and closed the
+    /// image; until then the next chain's flushes flush this top too. The
+    /// layers below it, the unified cache and the index in use carry
+    /// over, the old top walked above the index until the new top's index
+    /// is installed ([`crate::indexing::build_index`]). Only the old
+    /// top's header is read. On failure this chain stays as it was. Once
+    /// the switch is done (outside the guest's pause),
+    /// [`Chain::hand_over_tables`] gives the next chain the tables this
+    /// one used last and [`Chain::retire`] closes the old top.
     pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
-        self.active()?.written_back()?;
+        let writer = self.active()?;
         let old = self.top();
         let old_storage = old.storage().clone();
         if prepared.backing_id != old_storage.file_id() || prepared.at.0 != self.top_index().0 + 1 {
@@ -161,9 +164,14 @@ impl Chain {
             .lock(options.lock_request(false), options.locking)
             .map_err(|k| Error::new(old.path(), k))?;
         let built = self.successor_from(prepared);
-        if built.is_err() {
+        match &built {
+            // The tables the next chain reads from the writer stay as
+            // they are.
+            Ok(_) => writer.supersede(),
             // Still this chain's writable top.
-            let _ = old_storage.lock(options.lock_request(true), options.locking);
+            Err(_) => {
+                let _ = old_storage.lock(options.lock_request(true), options.locking);
+            }
         }
         built
     }
@@ -180,14 +188,18 @@ impl Chain {
 
     /// Closes this chain's top, which `next` (made by
     /// [`Chain::successor`]) reads as a backing layer and nothing writes
-    /// any more: its journal ended, its spare clusters given back, lazy
-    /// refcounts written, its dirty bit cleared; then `next`'s layer of it
-    /// identified again ([`crate::Qcow2Layer::refresh_identity`]), so that
-    /// an index of `next` built from then on records the image as it
-    /// stays. Outside the guest's pause: nothing in it waits for this. A
-    /// process that dies before it is done leaves the old top open, which
-    /// the next read-write open of the chain repairs. This chain refuses
-    /// writes afterwards, and its drop closes nothing again.
+    /// any more: its tables written back and made durable, its journal
+    /// ended, its spare clusters given back, lazy refcounts written, its
+    /// dirty bit cleared; then `next` reads the image from its file alone
+    /// and no longer flushes it, and `next`'s layer of it is identified
+    /// again ([`crate::Qcow2Layer::refresh_identity`]), so that an index
+    /// of `next` built from then on records the image as it stays.
+    /// Outside the guest's pause: nothing in it waits for this. If it
+    /// fails, `next` goes on reading the tables from memory and writing
+    /// them back at its flushes; a process that dies first leaves the old
+    /// top open, which the next read-write open of the chain repairs
+    /// (its journal has every completed change). This chain's drop closes
+    /// nothing again.
     pub fn retire(&self, next: &Chain) -> Result<(), Error> {
         let old = self.top();
         let below = match next.layers.get(self.top_index().0) {
@@ -201,14 +213,12 @@ impl Chain {
                 ))
             }
         };
-        let active = self.active()?;
-        // Whatever the close does, this chain writes no more: the image
-        // is `next`'s backing layer (closed now, or repaired at its next
-        // read-write open).
-        let closed = active.close(&self.fence);
-        active.supersede();
-        closed?;
-        next.below_synced(old.storage());
+        let Some(writer) = &self.active else {
+            return Err(Error::new(old.path(), ErrorKind::ReadOnly));
+        };
+        writer.close(&self.fence)?;
+        below.release_holder();
+        next.below_closed(writer);
         below
             .refresh_identity()
             .map_err(|k| Error::new(old.path(), k))
@@ -217,11 +227,23 @@ impl Chain {
     fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {
         let mut prepared = prepared;
         let old = self.top();
-        // Its L1 table kept: the first lookups after the pause walk it
-        // (pending until the new top's index is installed), from queue
-        // workers that must not wait for metadata reads.
-        let reopened = Qcow2Layer::open(old.path(), old.storage().clone())
-            .map_err(|k| Error::new(old.path(), k))?;
+        let Some(writer) = self.active.clone() else {
+            return Err(Error::new(old.path(), ErrorKind::ReadOnly));
+        };
+        // Read through the writer's tables, which nothing changes any
+        // more, until it has closed the image: its L1 table kept (the
+        // first lookups after the pause walk it, pending until the new
+        // top's index is installed, from queue workers that must not wait
+        // for metadata reads).
+        let holder: Arc<dyn crate::held::TableHolder> = writer.clone();
+        let reopened = Qcow2Layer::open_held(
+            old.path(),
+            old.storage().clone(),
+            writer.l1_table(),
+            writer.known_len(),
+            holder,
+        )
+        .map_err(|k| Error::new(old.path(), k))?;
         let mut layers: Vec<Layer> = self.layers[..self.top_index().0].to_vec();
         layers.push(Layer::Qcow2(reopened));
         layers.push(prepared.layer.clone());
@@ -263,9 +285,12 @@ impl Chain {
             ));
         };
         // This chain's top, and any older top not closed yet (a retire that
-        // failed): the next chain's flushes sync them.
-        let mut unsynced_below = self.unsynced_below();
-        unsynced_below.push(self.top().storage().clone());
+        // failed): the next chain's flushes flush them.
+        let mut unclosed_below = self.unclosed_below();
+        unclosed_below.push(UnclosedTop {
+            writer,
+            fence: self.fence.clone(),
+        });
         let data_reads = (0..layers.len())
             .map(|i| {
                 let before = self
@@ -282,12 +307,12 @@ impl Chain {
             cache: self.cache.clone(),
             slice_size: self.slice_size,
             top_geometry,
-            active: Some(active),
+            active: Some(Arc::new(active)),
             fence: Arc::new(TransferFence::default()),
             resolved: ResolvedSlices::new(resolved_bits),
             index: arc_swap::ArcSwap::from_pointee(IndexInUse { covering, state }),
             summary,
-            unsynced_below: std::sync::Mutex::new(unsynced_below),
+            unclosed_below: std::sync::Mutex::new(unclosed_below),
         })
     }
 }

@@ -253,12 +253,12 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
 /// over the old top) and made durable, then the old top's dirty metadata
 /// written back. Then the pause, whose work does not grow with the disk or
 /// the chain: new requests wait, those in flight finish what they do on
-/// the old chain (engine jobs not begun run after the switch), what the old
-/// top still has dirty is written back (published: durable by the next
-/// flush), the new chain is made from the old one (headers only) and
-/// switched to. After it, while the guest runs: the old top closed and
-/// made durable (journal ended, spare clusters given back, dirty bit
-/// cleared), then, in the background, the new top's index
+/// the old chain (engine jobs not begun run after the switch), the new
+/// chain is made from the old one (a header read; it reads what the old
+/// top has not written back yet from memory) and switched to. After it,
+/// while the guest runs: the old top's last tables written back, it
+/// closed and made durable (journal ended, spare clusters given back,
+/// dirty bit cleared), then, in the background, the new top's index
 /// built and installed; until then the old top is walked above the old
 /// index.
 fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
@@ -346,13 +346,11 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     let drained = start.elapsed();
     let old = shared.handle.get();
-    // Every completed write's mapping written to the file (the new chain
-    // reads the old top from there), in crash-safe order but without the
-    // final sync: the new chain's flushes sync the old top too until it is
-    // closed, after the pause. Writes onto spare clusters over zeros, most
-    // of them, need no sync at all here.
-    old.publish().map_err(write_back_failed)?;
-    let flushed = start.elapsed();
+    // Nothing written here: the new chain reads the old top's last tables
+    // from its writer's memory (nothing changes them any more) until the
+    // close after the pause has written them back, and its flushes flush
+    // the old top meanwhile. A process death first leaves the old top's
+    // journal, which the next open replays.
     let chain = old
         .successor(next_top, &shared.options)
         .map_err(new_top_failure)?;
@@ -365,16 +363,18 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     created.switched = true;
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
-    // The tables the old top used last, to the cache the new chain reads
-    // it through (outside the pause: 0.4-1.8 ms of copying at 1 TiB).
-    old.hand_over_tables();
-    // The old top closed, nothing writing it any more. If this fails (or
-    // the process dies first), the old top stays open: the next
-    // read-write open of the chain repairs it; reads are not affected.
+    // The old top closed: its last tables written back and made durable
+    // (then the new chain reads them from the file). If this fails (or
+    // the process dies first), the old top stays open: the new chain
+    // reads its tables from memory and flushes it at its flushes, the
+    // next read-write open of the chain repairs it.
     let retire_start = Instant::now();
     if let Err(e) = old.retire(&shared.handle.get()) {
         warn!(path = %top.display(), error = %e, "closing the old top after the snapshot failed: the next open repairs it");
     }
+    // The tables the old top used last, to the cache the new chain reads
+    // it through (0.4-1.8 ms of copying at 1 TiB).
+    old.hand_over_tables();
     let retired = retire_start.elapsed();
     drop(old);
     drop(build_held);
@@ -388,8 +388,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let steps = SnapshotSteps {
         prepare_ms: ms(prepared),
         drain_ms: ms(drained),
-        flush_ms: ms(flushed - drained),
-        switch_ms: pause_ms - ms(flushed),
+        switch_ms: pause_ms - ms(drained),
         close_ms: ms(retired),
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");

@@ -336,12 +336,13 @@ pub struct SnapshotSteps {
     pub prepare_ms: f64,
     /// In the pause: waiting for requests in flight.
     pub drain_ms: f64,
-    /// In the pause: writing back what the old top still had dirty.
-    pub flush_ms: f64,
-    /// In the pause: the new chain made from the old one, switched to.
+    /// In the pause: the new chain made from the old one (no file
+    /// written: it reads the old top's last tables from memory until the
+    /// close), switched to.
     pub switch_ms: f64,
-    /// After the pause, while the guest runs: the old top closed (journal
-    /// ended, spare clusters given back, dirty bit cleared).
+    /// After the pause, while the guest runs: the old top closed (its
+    /// last tables written back and made durable, journal ended, spare
+    /// clusters given back, dirty bit cleared).
     #[serde(default)]
     pub close_ms: f64,
 }
