@@ -45,7 +45,11 @@ total = len(replies)
 replies = under_load or replies
 pauses = sorted(r["pause_ms"] for r in replies)
 q = lambda f: pauses[round((len(pauses) - 1) * f)]
-windows = [(r["started_unix_us"], r["paused_unix_us"] + r["pause_ms"] * 1000) for r in replies]
+# A snapshot lasts from its start to the old top's close after the pause
+# (the reply; QMP's command time for the peer).
+windows = [(r["started_unix_us"],
+            r["paused_unix_us"] + (r["pause_ms"] + (r.get("steps") or {}).get("close_ms", 0)) * 1000)
+           for r in replies]
 overlapping = [s["latency_us"] for s in load.get("slow", [])
                if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
                       for a, b in windows)]

@@ -6,8 +6,9 @@ use std::path::Path;
 
 use sqcow2_format::check::{check_storage, Repair};
 use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::reshape::{prepare_merge, LayerRef};
 use sqcow2_format::storage::FileStorage;
-use sqcow2_format::{indexing, Chain, ChainOptions};
+use sqcow2_format::{indexing, Chain, ChainOptions, FaultPoint};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -353,7 +354,16 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
             "a flush after the switch did not write the old top's last tables back"
         );
     }
+    // A merge copies the layers from their files: refused while the old
+    // top's writer may hold tables its file lacks, taken after the close.
+    let merged = dir.path().join("merged.qcow2");
+    let (first, last) = (LayerRef::Position(0), LayerRef::Position(0));
+    assert!(
+        prepare_merge(&next, &first, &last, &merged).is_err(),
+        "a merge took an old top that is not closed"
+    );
     chain.retire(&next).unwrap();
+    drop(prepare_merge(&next, &first, &last, &merged).expect("merge after the close"));
     for i in 1..8u64 {
         assert!(read(&next, i * 7 * CLUSTER) == vec![0xD2; 4096]);
     }
@@ -403,4 +413,25 @@ fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     drop(second);
     third.close().unwrap();
     drop(first);
+}
+
+/// An engine that failed (here a panic in the middle of a metadata
+/// update) may hold inconsistent tables: no next chain reads them.
+#[test]
+fn no_successor_reads_the_tables_of_a_failed_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    new_image(&top, GIB);
+    let chain = Chain::open(&top, &options(true)).unwrap();
+    chain.write_at(&[0xF1; 4096], 0).unwrap();
+    let new = dir.path().join("next.qcow2");
+    indexing::snapshot_over(&chain, &top, &new).unwrap();
+    let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
+    chain.arm_fault(FaultPoint::MidMetadataUpdate, 1);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = chain.write_at(&[0xF2; 4096], 3 * CLUSTER);
+    }));
+    assert!(panicked.is_err(), "the armed fault did not fire");
+    let next = chain.successor(prepared, &options(true));
+    assert!(next.is_err(), "a successor reads a failed engine's tables");
 }

@@ -837,7 +837,7 @@ impl Active {
     /// held).
     fn resume_journal(&self) {
         let stopped = self.journal_stopped_at.load(Ordering::Acquire);
-        if stopped == u64::MAX {
+        if stopped == u64::MAX || self.superseded() {
             return;
         }
         let changed = self.read_state().changes > stopped;

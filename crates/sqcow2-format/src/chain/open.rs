@@ -138,8 +138,9 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
 
 /// Whether the qcow2 v3 image in `file` names a mapping journal: an
 /// sqcow2 writer had it open and did not close it (a live snapshot's
-/// daemon that died between the switch and the old top's close, or
-/// before the pause's write-back); QEMU, opening an image for writing,
+/// daemon that died before the old top's close after the switch: its
+/// last changes are then only in the journal); QEMU, opening an image
+/// for writing,
 /// clears that bit. Reads the header's first 96 bytes; anything else says
 /// no (the open that follows reports a bad header). An image that is only
 /// dirty (a writer with lazy refcounts, or without a journal, that died)

@@ -150,6 +150,15 @@ impl Chain {
     pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
         let writer = self.active()?;
         let old = self.top();
+        if let Some(reason) = writer.failure() {
+            // Its tables in memory may be inconsistent: not for reading.
+            return Err(Error::new(
+                old.path(),
+                ErrorKind::EngineFailed {
+                    reason: reason.to_string(),
+                },
+            ));
+        }
         let old_storage = old.storage().clone();
         if prepared.backing_id != old_storage.file_id() || prepared.at.0 != self.top_index().0 + 1 {
             return Err(Error::new(
@@ -217,11 +226,12 @@ impl Chain {
             return Err(Error::new(old.path(), ErrorKind::ReadOnly));
         };
         writer.close(&self.fence)?;
-        below.release_holder();
-        next.below_closed(writer);
         below
             .refresh_identity()
-            .map_err(|k| Error::new(old.path(), k))
+            .map_err(|k| Error::new(old.path(), k))?;
+        below.release_holder();
+        next.below_closed(writer);
+        Ok(())
     }
 
     fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {

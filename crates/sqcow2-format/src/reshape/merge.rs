@@ -93,6 +93,15 @@ pub(crate) fn merge_range(
             "only layers below the top can be merged (the top is written)".into(),
         ));
     }
+    if !chain.unclosed_below().is_empty() {
+        // Its file may lack tables its writer still holds (the merge
+        // copies from the files).
+        return Err(invalid(
+            top,
+            "a live snapshot's old top is not closed yet: retry once the snapshot has finished"
+                .into(),
+        ));
+    }
     Ok(MergeRange { first, last })
 }
 

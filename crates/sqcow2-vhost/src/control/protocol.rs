@@ -329,10 +329,8 @@ pub struct Activity {
 /// Time of each step of a live snapshot, in milliseconds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotSteps {
-    /// Before the pause, while the guest runs: the old top's metadata
-    /// written back (its journal and spare clusters kept) and the new top
-    /// created (its index is built after the
-    /// pause, in the background).
+    /// Before the pause, while the guest runs: the new top created and
+    /// opened (its index is built after the pause, in the background).
     pub prepare_ms: f64,
     /// In the pause: waiting for requests in flight.
     pub drain_ms: f64,
