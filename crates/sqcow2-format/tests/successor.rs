@@ -435,3 +435,34 @@ fn no_successor_reads_the_tables_of_a_failed_engine() {
     let next = chain.successor(prepared, &options(true));
     assert!(next.is_err(), "a successor reads a failed engine's tables");
 }
+
+/// A change made on the old chain just before the switch that needs a
+/// publish (a new L2 table) may be published after the switch, through
+/// the next chain: its publish covers the old top until it is closed.
+#[test]
+fn the_next_chains_publish_covers_the_old_tops_last_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    new_image(&top, GIB);
+    let chain = Chain::open(&top, &options(true)).unwrap();
+    let new = dir.path().join("next.qcow2");
+    indexing::snapshot_over(&chain, &top, &new).unwrap();
+    let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
+    chain.write_at(&[0xA5; 4096], 300 * MIB).unwrap();
+    assert!(
+        chain.needs_publish(),
+        "the write needs no publish: the test does not test it"
+    );
+    let next = chain.successor(prepared, &options(true)).unwrap();
+    next.publish().unwrap();
+    assert!(
+        !chain.needs_publish(),
+        "the old top's change is still unpublished"
+    );
+    assert!(
+        read_file_alone(&top, 300 * MIB) == vec![0xA5; 4096],
+        "the next chain's publish left the old top's change out of its file"
+    );
+    chain.retire(&next).unwrap();
+    next.close().unwrap();
+}

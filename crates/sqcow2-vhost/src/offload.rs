@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::gate::{BegunWork, DeferredWork};
+use crate::gate::DeferredWork;
 use crate::handle::ChainHandle;
 use sqcow2_format::Chain;
 
@@ -188,12 +188,11 @@ struct Job {
     publish: bool,
 }
 
-/// A request to the flusher, where its result goes (none for a
-/// checkpoint), and the engine job it publishes for, if any: counted as
-/// using the chain until answered, so that a switch of the chain waits
-/// for the publish of work done on the old one (a publish of the old
-/// chain after its close would fail the request).
-type PersistRequest = (Option<ReturnAddress>, Persist, Option<BegunWork>);
+/// A request to the flusher and where its result goes (none for a
+/// checkpoint). A switch of the chain does not wait for it: whichever
+/// chain the flusher persists covers work done on the old one (the new
+/// chain publishes and flushes the old top until it is closed).
+type PersistRequest = (Option<ReturnAddress>, Persist);
 
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
@@ -267,13 +266,16 @@ impl Offload {
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let result = run_guarded(job.work, &chain, &panics);
+                        // Its changes are made: a switch may come (the
+                        // publish below covers them on either chain).
+                        drop(begun);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
                         } else if chain.needs_publish() {
                             // Completed only once its mappings are in the file.
-                            let publish = (Some(job.reply), Persist::Publish, Some(begun));
+                            let publish = (Some(job.reply), Persist::Publish);
                             if let Err(e) = flushes.send(publish) {
-                                if let (Some(reply), _, _) = e.0 {
+                                if let (Some(reply), _) = e.0 {
                                     reply.send(Err("flusher stopped".into()));
                                 }
                             }
@@ -281,8 +283,7 @@ impl Offload {
                             // Journaled: complete now, write it to the image
                             // in the background.
                             job.reply.send(result);
-                            drop(begun);
-                            let _ = flushes.send((None, Persist::Checkpoint, None));
+                            let _ = flushes.send((None, Persist::Checkpoint));
                         }
                     })?,
             );
@@ -327,7 +328,7 @@ impl Offload {
     /// queued while one runs are served by the next, together).
     pub(crate) fn persist(&self, reply: ReturnAddress, what: Persist) -> Result<(), ReturnAddress> {
         match &self.flushes {
-            Some(f) => f.send((Some(reply.clone()), what, None)).map_err(|_| reply),
+            Some(f) => f.send((Some(reply.clone()), what)).map_err(|_| reply),
             None => Err(reply),
         }
     }
@@ -359,13 +360,10 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             batch.push(more);
         }
         let chain = handle.get();
-        if batch
-            .iter()
-            .any(|(_, what, _)| *what == Persist::Checkpoint)
-        {
+        if batch.iter().any(|(_, what)| *what == Persist::Checkpoint) {
             waiting_since.get_or_insert_with(Instant::now);
         }
-        let someone_waits = batch.iter().any(|(reply, _, _)| reply.is_some());
+        let someone_waits = batch.iter().any(|(reply, _)| reply.is_some());
         let due = closing
             || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
             || chain.journal_backlog() >= CHECKPOINT_BACKLOG;
@@ -373,7 +371,7 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
             continue;
         }
         waiting_since = None;
-        let flush = batch.iter().any(|(_, what, _)| *what == Persist::Flush);
+        let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
         let persist = |chain: &Chain| {
             let done = if flush {
                 chain.flush()
@@ -385,18 +383,15 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
         let mut result = run_guarded(persist, &chain, &panics);
         let current = handle.get();
         if result.is_err() && !Arc::ptr_eq(&chain, &current) {
-            // A live snapshot switched chains meanwhile and closed the old
-            // top (its data durable): the new chain's flush covers what
-            // the batch asked for (it syncs the old top too until then).
+            // A live snapshot switched chains meanwhile: the new chain's
+            // persist covers what the batch asked for (it persists the
+            // old top too until it is closed).
             result = run_guarded(persist, &current, &panics);
         }
-        // Engine work published here stops counting as using the chain
-        // once answered.
-        let (replies, _begun): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .map(|(reply, _, begun)| (reply, begun))
-            .unzip();
-        answer_all(replies.into_iter().flatten().collect(), &result);
+        answer_all(
+            batch.into_iter().filter_map(|(reply, _)| reply).collect(),
+            &result,
+        );
     }
 }
 
@@ -420,7 +415,7 @@ mod tests {
 
     use super::*;
     use crate::gate::RequestGate;
-    use crate::test_support::{admitted as request, small_chain as chain, small_writable_chain};
+    use crate::test_support::{admitted as request, small_chain as chain};
 
     /// One engine thread and its flusher serving `top`, a gate and a
     /// worker's mailbox.
@@ -500,51 +495,5 @@ mod tests {
             assert!(done.result.is_ok(), "job {slot}: {:?}", done.result);
         }
         drop((first, second));
-    }
-
-    /// A job that changed mappings on the old chain holds the switch
-    /// until the flusher has published them and answered: the switch's
-    /// own publish and the old top's close come after (a publish of the
-    /// closed old top would fail a write that is safe).
-    #[test]
-    fn a_switch_waits_for_the_publish_of_a_job_that_began_before_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let (_handle, offload, gate, mailbox) =
-            engine(small_writable_chain(dir.path(), "top.qcow2"));
-        let (began, job_began) = sync_channel::<()>(1);
-        let (go, job_may_go) = sync_channel::<()>(1);
-        let (published, needed_publish) = sync_channel::<bool>(1);
-        let mut write = request(&gate);
-        let ticket = write.deferred_work();
-        offload
-            .run(mailbox.address(0), ticket, true, move |chain: &Chain| {
-                began.send(()).unwrap();
-                job_may_go.recv().unwrap();
-                // The first write of an empty image: a new L2 table.
-                chain
-                    .write_at(&[0x5a; 4096], 0)
-                    .map_err(|e| e.to_string())?;
-                published.send(chain.needs_publish()).unwrap();
-                Ok(())
-            })
-            .map_err(|_| "engine stopped")
-            .unwrap();
-        write.leave_chain();
-        job_began.recv().unwrap();
-        let switch = gate.pause_for_switch();
-        go.send(()).unwrap();
-        assert!(
-            needed_publish.recv().unwrap(),
-            "the write needs no publish: the test does not test it"
-        );
-        assert!(gate.wait_off_chain(Duration::from_secs(30)));
-        let answered = mailbox.try_take();
-        assert!(
-            answered.is_some(),
-            "the switch stopped waiting before the job's publish was answered"
-        );
-        assert!(answered.unwrap().result.is_ok());
-        drop(switch);
-        drop(write);
     }
 }

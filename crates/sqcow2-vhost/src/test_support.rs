@@ -10,15 +10,10 @@ use crate::gate::{Admission, RequestGate, RequestPermit};
 
 /// A new empty 1 MiB image `name` in `dir`, opened read-only.
 pub(crate) fn small_chain(dir: &Path, name: &str) -> Chain {
-    open(dir, name, false)
+    open(dir, name)
 }
 
-/// [`small_chain`] opened read-write.
-pub(crate) fn small_writable_chain(dir: &Path, name: &str) -> Chain {
-    open(dir, name, true)
-}
-
-fn open(dir: &Path, name: &str, writable: bool) -> Chain {
+fn open(dir: &Path, name: &str) -> Chain {
     let image = dir.join(name);
     create(
         &image,
@@ -28,11 +23,7 @@ fn open(dir: &Path, name: &str, writable: bool) -> Chain {
         },
     )
     .unwrap();
-    let options = ChainOptions {
-        writable,
-        ..ChainOptions::default()
-    };
-    Chain::open(&image, &options).unwrap()
+    Chain::open(&image, &ChainOptions::default()).unwrap()
 }
 
 /// A request admitted by `gate` (which must not be paused).

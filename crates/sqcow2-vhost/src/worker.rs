@@ -106,15 +106,14 @@ impl InFlight {
     /// done, may stop counting as using the chain it started on: its
     /// engine jobs are given the chain when they begin, and what it may
     /// still do here afterwards (a write-through flush, a short read read
-    /// again) takes the chain current then. Not a flush request itself:
-    /// a switch waits for the guest's flushes in flight.
+    /// again) takes the chain current then. A flush request too, once
+    /// handed to the flusher: whichever chain the flusher flushes covers
+    /// it (the old one, or the new one, which flushes the old top until
+    /// it is closed).
     fn may_leave_chain(&self) -> bool {
         !self.submitting
             && self.ring_pending == 0
-            && !matches!(
-                self.request.kind,
-                RequestKind::Flush | RequestKind::GetId { .. }
-            )
+            && !matches!(self.request.kind, RequestKind::GetId { .. })
     }
 }
 

@@ -320,11 +320,19 @@ impl Chain {
     /// that [`Chain::needs_publish`], and in the background as a
     /// checkpoint of the journal (concurrent calls are served in turn;
     /// batch them).
+    /// After a live snapshot, until the old top is closed, what the old
+    /// top still needs published (a change made before the switch) is
+    /// published too.
     pub fn publish(&self) -> Result<(), Error> {
-        match &self.active {
-            Some(active) => active.publish(),
-            None => Ok(()),
+        if let Some(active) = &self.active {
+            active.publish()?;
         }
+        for below in self.unclosed_below() {
+            if below.writer.needs_publish() {
+                below.writer.publish()?;
+            }
+        }
+        Ok(())
     }
 
     /// Whether a completed change is neither in the mapping journal nor
