@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 
+/// A switch that waits longer for the old chain's users is logged.
+const SLOW_SWITCH: Duration = Duration::from_millis(2);
+
 /// Counts the requests in flight; pauses new ones.
 #[derive(Debug, Default)]
 pub struct RequestGate {
@@ -38,6 +41,9 @@ pub struct RequestGate {
     /// Requests and begun deferred work that use the chain they started
     /// on (what a switch waits for).
     on_chain: AtomicUsize,
+    /// Of those, begun deferred work (engine jobs), for the log of a
+    /// slow switch.
+    begun: AtomicUsize,
     idle_lock: Mutex<()>,
     idle: Condvar,
     /// Signalled when the last switch ends (deferred work waits on it).
@@ -96,6 +102,7 @@ impl DeferredWork {
         loop {
             self.gate.on_chain.fetch_add(1, Ordering::SeqCst);
             if self.gate.switching.load(Ordering::SeqCst) == 0 {
+                self.gate.begun.fetch_add(1, Ordering::SeqCst);
                 return BegunWork { gate: self.gate };
             }
             self.gate.leave_chain();
@@ -122,6 +129,7 @@ pub struct BegunWork {
 
 impl Drop for BegunWork {
     fn drop(&mut self) {
+        self.gate.begun.fetch_sub(1, Ordering::SeqCst);
         self.gate.leave_chain();
     }
 }
@@ -292,7 +300,15 @@ impl RequestGate {
     /// requests in flight whose only work left is deferred do not count.
     /// At most `timeout`; whether that happened.
     pub fn wait_off_chain(&self, timeout: Duration) -> bool {
-        self.wait_until_zero(&self.on_chain, timeout)
+        if self.wait_until_zero(&self.on_chain, SLOW_SWITCH) {
+            return true;
+        }
+        tracing::info!(
+            users = self.on_chain.load(Ordering::SeqCst),
+            engine_jobs = self.begun.load(Ordering::SeqCst),
+            "a switch waits for requests using the old chain"
+        );
+        self.wait_until_zero(&self.on_chain, timeout.saturating_sub(SLOW_SWITCH))
     }
 
     fn wait_until_zero(&self, count: &AtomicUsize, timeout: Duration) -> bool {

@@ -330,7 +330,8 @@ pub struct Activity {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotSteps {
     /// Before the pause, while the guest runs: the new top created and
-    /// opened (its index is built after the pause, in the background).
+    /// opened (its index is built after the pause, in the background),
+    /// the old top written back (its journal and spare clusters kept).
     pub prepare_ms: f64,
     /// In the pause: waiting for requests in flight.
     pub drain_ms: f64,
