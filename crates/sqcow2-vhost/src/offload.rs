@@ -261,8 +261,8 @@ impl Offload {
                             return;
                         };
                         // Counted as using the chain (a switch waits for
-                        // it) from here until its result is handed on, and
-                        // given the chain current now.
+                        // it) from here until its work has run, and given
+                        // the chain current now.
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let result = run_guarded(job.work, &chain, &panics);
