@@ -466,3 +466,68 @@ fn the_next_chains_publish_covers_the_old_tops_last_change() {
     chain.retire(&next).unwrap();
     next.close().unwrap();
 }
+
+/// A process death between the switch and the old top's close (nothing
+/// closed, nothing dropped): the old top's last writes are only in its
+/// journal, not in its file; the next read-write open of the chain
+/// replays them, and every write reads back, the old top clean.
+#[test]
+fn a_death_between_the_switch_and_the_close_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    new_image(&top, GIB);
+    let unlocked = ChainOptions {
+        locking: sqcow2_format::Locking::Off,
+        ..options(true)
+    };
+    let chain = Chain::open(&top, &unlocked).unwrap();
+    chain.write_at(&[0xB1; 4096], 0).unwrap();
+    chain.flush().unwrap();
+    let places: Vec<u64> = (1..6u64)
+        .map(|i| i * 5 * CLUSTER)
+        .chain([600 * MIB])
+        .collect();
+    for &at in &places {
+        chain.write_at(&[0xB2; 4096], at).unwrap();
+        // What the daemon does before it completes such a write.
+        if chain.needs_publish() {
+            chain.publish().unwrap();
+        }
+    }
+    let new = dir.path().join("next.qcow2");
+    indexing::snapshot_over(&chain, &top, &new).unwrap();
+    let prepared = chain.prepare_successor(&new, &unlocked).unwrap();
+    let next = chain.successor(prepared, &unlocked).unwrap();
+    next.write_at(&[0xB3; 4096], 2 * CLUSTER).unwrap();
+    // The death: nothing closed, nothing dropped.
+    std::mem::forget(next);
+    std::mem::forget(chain);
+    assert!(
+        places
+            .iter()
+            .any(|&at| read_file_alone(&top, at) != vec![0xB2; 4096]),
+        "the old top's file has all its last mappings (this test would show nothing)"
+    );
+    let reopened = Chain::open(&new, &unlocked).expect("the next open repairs the old top");
+    assert!(read(&reopened, 0) == vec![0xB1; 4096]);
+    for &at in &places {
+        assert!(
+            read(&reopened, at) == vec![0xB2; 4096],
+            "a write completed before the switch is lost"
+        );
+    }
+    assert!(read(&reopened, 2 * CLUSTER) == vec![0xB3; 4096]);
+    reopened.close().unwrap();
+    let report = check_storage(
+        &top,
+        std::sync::Arc::new(FileStorage::open_read_only(&top).unwrap()),
+        Repair::None,
+    )
+    .unwrap();
+    assert_eq!(
+        (report.corruptions, report.leaks, report.check_errors),
+        (0, 0, 0),
+        "{:?}",
+        report.messages
+    );
+}
