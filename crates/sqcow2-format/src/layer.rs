@@ -56,6 +56,14 @@ struct Identity {
 /// An image's header, identity and active L1 table (bytes) as the file
 /// holds them now.
 fn read_image(storage: &dyn Storage) -> Result<(Header, Identity, Vec<u8>), ErrorKind> {
+    let (header, identity) = read_header(storage)?;
+    let mut raw = vec![0u8; header.l1_size as usize * 8];
+    storage.read_at(&mut raw, header.l1_table_offset)?;
+    Ok((header, identity, raw))
+}
+
+/// An image's header and identity as the file holds them now.
+fn read_header(storage: &dyn Storage) -> Result<(Header, Identity), ErrorKind> {
     let file_size = storage.len()?;
     let mut first = vec![0u8; 112];
     storage.read_at(&mut first, 0)?;
@@ -70,8 +78,6 @@ fn read_image(storage: &dyn Storage) -> Result<(Header, Identity, Vec<u8>), Erro
             first,
         ),
     };
-    let mut raw = vec![0u8; header.l1_size as usize * 8];
-    storage.read_at(&mut raw, header.l1_table_offset)?;
     area.truncate(header.area_len as usize);
     if let Some(autoclear) = area.get_mut(88..96) {
         if header.version == crate::header::Version::V3 {
@@ -82,7 +88,7 @@ fn read_image(storage: &dyn Storage) -> Result<(Header, Identity, Vec<u8>), Erro
         file_size,
         header_hash: xxh3_64(&area),
     };
-    Ok((header, identity, raw))
+    Ok((header, identity))
 }
 
 /// A raw file used as the base of a chain.
@@ -149,7 +155,7 @@ impl Qcow2Layer {
         min_len: u64,
         holder: Arc<dyn TableHolder>,
     ) -> Result<Self, ErrorKind> {
-        let (header, identity, _) = read_image(&*storage)?;
+        let (header, identity) = read_header(&*storage)?;
         if l1.len() != header.l1_size as usize {
             return Err(ErrorKind::LayerChanged);
         }

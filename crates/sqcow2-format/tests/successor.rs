@@ -60,6 +60,18 @@ fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) ->
     next
 }
 
+/// `qemu-img check`'s findings on `path`, by this crate's check: none.
+fn assert_checks_clean(path: &Path, what: &str) {
+    let storage = std::sync::Arc::new(FileStorage::open_read_only(path).unwrap());
+    let report = check_storage(path, storage, Repair::None).unwrap();
+    assert_eq!(
+        (report.corruptions, report.leaks, report.check_errors),
+        (0, 0, 0),
+        "{what}: {:?}",
+        report.messages
+    );
+}
+
 fn journal_of(p: &Path) -> std::path::PathBuf {
     let mut name = p.file_name().unwrap().to_os_string();
     name.push(".sqjournal");
@@ -93,18 +105,7 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
         chain.write_at(&[0xFF; 4096], 0).is_err(),
         "the chain before the snapshot still writes its old top"
     );
-    let report = check_storage(
-        &top,
-        std::sync::Arc::new(FileStorage::open_read_only(&top).unwrap()),
-        Repair::None,
-    )
-    .unwrap();
-    assert_eq!(
-        (report.corruptions, report.leaks, report.check_errors),
-        (0, 0, 0),
-        "old top after its close: {:?}",
-        report.messages
-    );
+    assert_checks_clean(&top, "old top after its close");
     let header =
         sqcow2_format::check::read_header(&FileStorage::open_read_only(&top).unwrap()).unwrap();
     assert!(!header.is_dirty(), "the old top is left dirty");
@@ -184,18 +185,7 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     drop(prepared);
     assert!(!journal_of(&unused).exists(), "journal left behind");
     assert_eq!(len(&unused), created, "spare clusters left behind");
-    let report = check_storage(
-        &unused,
-        std::sync::Arc::new(FileStorage::open_read_only(&unused).unwrap()),
-        Repair::None,
-    )
-    .unwrap();
-    assert_eq!(
-        (report.corruptions, report.leaks, report.check_errors),
-        (0, 0, 0),
-        "unused new top: {:?}",
-        report.messages
-    );
+    assert_checks_clean(&unused, "unused new top");
 
     let next_path = dir.path().join("next.qcow2");
     let next = successor(&chain, &top, &next_path);
@@ -518,16 +508,5 @@ fn a_death_between_the_switch_and_the_close_loses_nothing() {
     }
     assert!(read(&reopened, 2 * CLUSTER) == vec![0xB3; 4096]);
     reopened.close().unwrap();
-    let report = check_storage(
-        &top,
-        std::sync::Arc::new(FileStorage::open_read_only(&top).unwrap()),
-        Repair::None,
-    )
-    .unwrap();
-    assert_eq!(
-        (report.corruptions, report.leaks, report.check_errors),
-        (0, 0, 0),
-        "{:?}",
-        report.messages
-    );
+    assert_checks_clean(&top, "old top after the repair");
 }

@@ -172,13 +172,18 @@ impl Active {
     /// Exclusive access for a change; fails once the engine has failed.
     fn write_state(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
         self.check_failed()?;
-        match self.state.write() {
-            Ok(guard) => Ok(guard),
-            Err(_) => {
-                self.fail("a panic interrupted a metadata update");
-                self.check_failed().map(|()| unreachable!("just failed"))
-            }
-        }
+        self.lock_unpoisoned()
+    }
+
+    /// The exclusive lock, unless a panic poisoned it (the engine fails).
+    fn lock_unpoisoned(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
+        self.state.write().map_err(|_| {
+            const POISONED: &str = "a panic interrupted a metadata update";
+            self.fail(POISONED);
+            self.top.err(ErrorKind::EngineFailed {
+                reason: POISONED.to_string(),
+            })
+        })
     }
 
     /// Exclusive access for a write-back or a close: refused once the
@@ -187,12 +192,7 @@ impl Active {
     /// a live snapshot).
     fn write_back_state(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
         self.check_write_back()?;
-        self.state.write().map_err(|_| {
-            self.fail("a panic interrupted a metadata update");
-            self.top.err(ErrorKind::EngineFailed {
-                reason: "a panic interrupted a metadata update".to_string(),
-            })
-        })
+        self.lock_unpoisoned()
     }
 
     /// Fails once the engine has failed, unless it is only superseded.
@@ -250,7 +250,7 @@ impl Active {
         e
     }
 
-    fn check_failed(&self) -> Result<(), Error> {
+    pub(crate) fn check_failed(&self) -> Result<(), Error> {
         match self.failure.get() {
             Some(reason) => Err(self.top.err(ErrorKind::EngineFailed {
                 reason: reason.clone(),
@@ -549,7 +549,6 @@ impl Active {
 
     /// [`Active::flush`] with the flush order held.
     fn flush_locked(&self, fence: &TransferFence) -> Result<(), Error> {
-        self.check_write_back()?;
         let (wb, incompatible, l1_offset) = {
             let mut st = self.write_back_state()?;
             let wb = st.take_write_back(Some(fence.cut()));

@@ -316,14 +316,12 @@ impl Chain {
     /// is consistent for a reader. The data and refcounts the new mappings
     /// point to are synced first, so a power loss before the next
     /// [`Chain::flush`] leaves at worst leaked clusters, as always. Cheap
-    /// when nothing changed (an old top that still needs publishing after
-    /// a live snapshot may make it wait for that top's close). A daemon calls it before it completes a write
+    /// when nothing changed. A daemon calls it before it completes a write
     /// that [`Chain::needs_publish`], and in the background as a
     /// checkpoint of the journal (concurrent calls are served in turn;
-    /// batch them).
-    /// After a live snapshot, until the old top is closed, what the old
-    /// top still needs published (a change made before the switch) is
-    /// published too.
+    /// batch them). After a live snapshot, until the old top is closed,
+    /// what the old top still needs published (a change made before the
+    /// switch) is published too, which may wait for that close.
     pub fn publish(&self) -> Result<(), Error> {
         if let Some(active) = &self.active {
             active.publish()?;

@@ -148,17 +148,13 @@ impl Chain {
     /// [`Chain::hand_over_tables`] gives the next chain the tables this
     /// one used last and [`Chain::retire`] closes the old top.
     pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
-        let writer = self.active()?;
+        let Some(writer) = self.active.clone() else {
+            return Err(Error::new(self.top().path(), ErrorKind::ReadOnly));
+        };
+        // A failed engine's tables in memory may be inconsistent: not for
+        // reading.
+        writer.check_failed()?;
         let old = self.top();
-        if let Some(reason) = writer.failure() {
-            // Its tables in memory may be inconsistent: not for reading.
-            return Err(Error::new(
-                old.path(),
-                ErrorKind::EngineFailed {
-                    reason: reason.to_string(),
-                },
-            ));
-        }
         let old_storage = old.storage().clone();
         if prepared.backing_id != old_storage.file_id() || prepared.at.0 != self.top_index().0 + 1 {
             return Err(Error::new(
@@ -172,7 +168,7 @@ impl Chain {
         old_storage
             .lock(options.lock_request(false), options.locking)
             .map_err(|k| Error::new(old.path(), k))?;
-        let built = self.successor_from(prepared);
+        let built = self.successor_from(prepared, writer.clone());
         match &built {
             // The tables the next chain reads from the writer stay as
             // they are.
@@ -234,12 +230,9 @@ impl Chain {
         Ok(())
     }
 
-    fn successor_from(&self, prepared: PreparedTop) -> Result<Chain, Error> {
+    fn successor_from(&self, prepared: PreparedTop, writer: Arc<Active>) -> Result<Chain, Error> {
         let mut prepared = prepared;
         let old = self.top();
-        let Some(writer) = self.active.clone() else {
-            return Err(Error::new(old.path(), ErrorKind::ReadOnly));
-        };
         // Read through the writer's tables, which nothing changes any
         // more, until it has closed the image: its L1 table kept (the
         // first lookups after the pause walk it, pending until the new
