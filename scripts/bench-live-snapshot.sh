@@ -12,7 +12,8 @@
 # taking the same number of live snapshots through QMP
 # (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py); its pause is
 # the command's time (an upper bound). PEER=none skips it. SERVE_ARGS
-# adds options to `sqcow2 serve` (e.g. "--engine-threads 2").
+# adds options to `sqcow2 serve` (e.g. "--engine-threads 2"); QSD=path
+# runs another qemu-storage-daemon than the installed one.
 #
 #   scripts/bench-live-snapshot.sh [SIZES] [N] [DIR]
 #   (default "10G 50G 1T" 20 /tmp/sqcow2-live; prints a markdown table and
@@ -24,6 +25,7 @@ here=$PWD
 ensure_commands qemu-img:qemu-utils
 peer=${PEER:-qsd}
 [ "$peer" = none ] || ensure_commands qemu-storage-daemon:qemu-system-x86 qemu-img:qemu-utils
+qsd_bin=${QSD:-qemu-storage-daemon}
 sizes=${1:-10G 50G 1T}
 n=${2:-20}
 root=${3:-/tmp/sqcow2-live}
@@ -131,7 +133,7 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
     cd "$root/$size-qsd"
     echo "==> $size: qemu-storage-daemon, $n live snapshots through QMP" >&2
     top=layer0009.qcow2
-    qemu-storage-daemon \
+    "$qsd_bin" \
       --object iothread,id=iot0,poll-max-ns=32768 \
       --blockdev "driver=file,node-name=file,filename=$top,aio=io_uring" \
       --blockdev driver=qcow2,node-name=disk,file=file \
@@ -145,7 +147,7 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
     wait "$load"
     kill -TERM "$qsd"
     wait "$qsd" || true
-    python3 "$root/analyse.py" "qemu-storage-daemon $(qemu-storage-daemon --version | head -1 | awk '{print $3}')" "$size" >>"$root/runs.jsonl"
+    python3 "$root/analyse.py" "qemu-storage-daemon $("$qsd_bin" --version | head -1 | awk '{print $3}')" "$size" >>"$root/runs.jsonl"
     tail -1 "$root/runs.jsonl" >&2
   )
   [ -n "${KEEP:-}" ] || rm -rf "$root/$size-qsd"

@@ -9,12 +9,14 @@
 #   block-stream of the whole chain into the top, as the anchor.
 #
 #   scripts/bench-merge.sh [LAYERS=1000] [SIZE=10G] [FILL=0.05] [DIR=/tmp/sqcow2-merge]
-# Prints a markdown table; raw results in DIR/results.jsonl.
+# Prints a markdown table; raw results in DIR/results.jsonl. QSD=path runs
+# another qemu-storage-daemon than the installed one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 ensure_commands qemu-storage-daemon:qemu-system-x86
 ensure_commands qemu-img:qemu-utils
+qsd_bin=${QSD:-qemu-storage-daemon}
 layers=${1:-1000}
 size=${2:-10G}
 fill=${3:-0.05}
@@ -121,7 +123,7 @@ run_qsd() {
   local top; top=$(fresh_chain "$dir")
   cd "$dir"
   ulimit -n "$(ulimit -Hn)"
-  qemu-storage-daemon \
+  "$qsd_bin" \
     --object iothread,id=iot0,poll-max-ns=32768 \
     --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off --monitor chardev=qmp \
     --blockdev "driver=file,node-name=file,filename=$top,aio=io_uring" \

@@ -20,4 +20,5 @@ ensure_commands cc:gcc qemu-img:qemu-utils
 
 echo "==> building sqcow2 and sqcow2-bench (release)"
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench
-exec target/release/sqcow2-bench remote --out bench-results/remote --readme README.md "$@"
+# QSD=path compares with another qemu-storage-daemon than the installed one.
+exec target/release/sqcow2-bench remote --out bench-results/remote --readme README.md --qsd "${QSD:-qemu-storage-daemon}" "$@"

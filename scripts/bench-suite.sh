@@ -12,10 +12,13 @@
 #
 # --quick: lengths 1, 100, 1000 on 256 MiB, one repetition; default:
 # lengths 1, 50, 100, 500, 1000, 10000 on 1 GiB, 3 repetitions, plus the
-# write matrix (docs/benchmarks.md).
+# write matrix (docs/benchmarks.md). Compares with the fastest of the
+# installed qemu-storage-daemon and Debian 12's (QEMU 7.2, unpacked under
+# ~/.cache/sqcow2, not installed); QSD_CANDIDATES=path[,path] chooses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/qsd.sh
 
 # qemu-storage-daemon comes with qemu-system-common; installing it may
 # replace a qemu-utils from another release, which the next line restores.
@@ -28,4 +31,7 @@ ensure_commands cc:gcc qemu-img:qemu-utils
 
 echo "==> building sqcow2 and sqcow2-bench (release)"
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench
-exec target/release/sqcow2-bench suite --out bench-results --readme README.md "$@"
+# Every qemu-storage-daemon at hand is tried; the run compares with the
+# fastest (scripts/lib/qsd.sh; QSD_CANDIDATES=path[,path] chooses).
+qsds=$(qsd_candidates)
+exec target/release/sqcow2-bench suite --out bench-results --readme README.md --qsd "$qsds" "$@"

@@ -510,3 +510,30 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A made-up depth-32 random-read result for report tests.
+    pub(crate) fn sample(iops: f64, cpu_us_per_io: Option<f64>) -> LoadResult {
+        LoadResult {
+            pattern: Pattern::RandRead,
+            block_size: 4096,
+            iodepth: 32,
+            queues: 1,
+            seconds: 1.0,
+            ios: iops as u64,
+            flushes: 0,
+            errors: 0,
+            iops,
+            mb_per_s: 0.0,
+            lat_p50_us: 1.0,
+            lat_p99_us: 2.0,
+            lat_p999_us: 3.0,
+            lat_cdf_us: vec![1.0; 101],
+            server_cpu_us_per_io: cpu_us_per_io,
+            slow: Vec::new(),
+        }
+    }
+}

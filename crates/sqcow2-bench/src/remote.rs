@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
 
 use crate::load::{self, LoadResult, LoadSpec, Pattern, Target};
-use crate::servers::{self, ChainFiles, Export, Server};
+use crate::servers::{self, ChainFiles, Export, Programs, Server};
 use crate::slowfs::SlowFs;
 
 const START: &str = "<!-- bench-remote:start -->";
@@ -49,6 +49,10 @@ pub struct RemoteArgs {
     /// Rewrite the section between the bench-remote markers of this file.
     #[arg(long)]
     readme: Option<PathBuf>,
+    /// The qemu-storage-daemon to compare with (a path, or a name in
+    /// `PATH`).
+    #[arg(long, default_value = "qemu-storage-daemon")]
+    qsd: PathBuf,
 }
 
 /// The servers compared: sqcow2 with its index, and qemu-storage-daemon in
@@ -95,6 +99,9 @@ pub struct RemoteResults {
     pub lengths: Vec<usize>,
     pub runs: Vec<RemoteRun>,
     pub wall_seconds: f64,
+    /// `--version` of the qemu-storage-daemon compared with.
+    #[serde(default)]
+    pub qemu: String,
 }
 
 pub fn run(args: &RemoteArgs) -> anyhow::Result<()> {
@@ -108,6 +115,10 @@ pub fn run(args: &RemoteArgs) -> anyhow::Result<()> {
         "{} missing: build it first",
         sqcow2.display()
     );
+    let programs = Programs {
+        sqcow2,
+        qsd: args.qsd.clone(),
+    };
     std::fs::create_dir_all(&args.out)?;
     let out = args.out.canonicalize()?;
     let delay = Duration::from_micros(args.delay_us);
@@ -121,6 +132,7 @@ pub fn run(args: &RemoteArgs) -> anyhow::Result<()> {
         lengths: args.lengths.clone(),
         runs: Vec::new(),
         wall_seconds: 0.0,
+        qemu: servers::version(&programs.qsd),
     };
     for &layers in &args.lengths {
         let dir = out.join(format!("chain-{layers}"));
@@ -152,7 +164,7 @@ pub fn run(args: &RemoteArgs) -> anyhow::Result<()> {
                     server.name(),
                     rep + 1
                 );
-                let run = measure(server, &chain, &fs, &out, &sqcow2, args.seconds, rep);
+                let run = measure(server, &chain, &fs, &out, &programs, args.seconds, rep);
                 if let Some(e) = &run.error {
                     eprintln!("    failed: {e}");
                 }
@@ -181,7 +193,7 @@ fn start(
     server: Server,
     chain: &ChainFiles,
     out: &Path,
-    sqcow2: &Path,
+    programs: &Programs,
     ctl: &Path,
 ) -> anyhow::Result<std::process::Child> {
     let socket = out.join("remote.sock");
@@ -196,7 +208,7 @@ fn start(
         server,
         chain,
         &socket,
-        sqcow2,
+        programs,
         32 << 20,
         Export::READ,
         &log,
@@ -209,7 +221,7 @@ fn measure(
     chain: &ChainFiles,
     fs: &SlowFs,
     out: &Path,
-    sqcow2: &Path,
+    programs: &Programs,
     seconds: f64,
     repetition: usize,
 ) -> RemoteRun {
@@ -234,7 +246,7 @@ fn measure(
             // Each load on a freshly started server: cold caches.
             let before = fs.reads();
             let t0 = Instant::now();
-            let mut child = start(server, chain, out, sqcow2, &ctl)?;
+            let mut child = start(server, chain, out, programs, &ctl)?;
             let served = wait_first_read(&mut child, &target, Duration::from_secs(120));
             if let Err(e) = served {
                 servers::stop(&mut child);
@@ -354,7 +366,7 @@ pub fn markdown(r: &RemoteResults) -> String {
          clusters written, spread over the layers, {} MiB disk) behind a FUSE filesystem that \
          answers every read {} µs later (direct I/O at the mount: the page cache cannot hide \
          it); each server started cold for each load; random 4 KiB reads for {:.0} s; medians \
-         of {} repetitions. qemu-storage-daemon in its default (`aio=threads`), `aio=io_uring` \
+         of {} repetitions. {} in its default (`aio=threads`), `aio=io_uring` \
          and `aio=io_uring` + polling iothread configurations, sqcow2 with its chain index.",
         r.command,
         r.wall_seconds,
@@ -362,7 +374,12 @@ pub fn markdown(r: &RemoteResults) -> String {
         r.disk_size >> 20,
         r.delay_us,
         r.seconds,
-        r.repetitions
+        r.repetitions,
+        if r.qemu.is_empty() {
+            "qemu-storage-daemon"
+        } else {
+            &r.qemu
+        },
     );
     let servers: Vec<&str> = SERVERS.iter().map(|s| s.name()).collect();
     type Pick = fn(&RemoteRun) -> Option<f64>;

@@ -290,6 +290,41 @@ fn table(
     }
 }
 
+/// Which qemu-storage-daemon the run compared with, when it tried several.
+fn qsd_trials(md: &mut String, results: &Results) {
+    if results.qsd_trials.is_empty() {
+        return;
+    }
+    let _ = write!(
+        md,
+        "\nqemu-storage-daemon binaries tried first (`qsd-iothread`, the shortest chain, two runs \
+         each in alternating order, the better one shown; the run compares with the fastest, by \
+         the geometric mean of the three loads):"
+    );
+    for t in &results.qsd_trials {
+        let rate = |l: &Option<LoadResult>, f: fn(&LoadResult) -> f64| {
+            l.as_ref()
+                .map_or_else(|| "failed".into(), |l| format!("{:.0}", f(l)))
+        };
+        let _ = write!(
+            md,
+            " `{}` ({}): {} / {} IOPS at depth 1 / 32, {} MB/s{};",
+            t.program,
+            if t.version.is_empty() {
+                "?"
+            } else {
+                &t.version
+            },
+            rate(&t.run.rand_read_qd1, |l| l.iops),
+            rate(&t.run.rand_read_qd32, |l| l.iops),
+            rate(&t.run.seq_read_1m, |l| l.mb_per_s),
+            if t.chosen { ", chosen" } else { "" },
+        );
+    }
+    md.pop();
+    md.push_str(".\n");
+}
+
 /// The README section of a run.
 pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     let mut md = String::new();
@@ -322,6 +357,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
         results.repetitions,
         results.cache_bytes >> 20,
     );
+    qsd_trials(&mut md, results);
     table(
         &mut md,
         s,
@@ -731,24 +767,7 @@ mod tests {
     }
 
     fn load(iops: f64, cpu: f64) -> Option<LoadResult> {
-        Some(LoadResult {
-            pattern: crate::load::Pattern::RandRead,
-            block_size: 4096,
-            iodepth: 32,
-            queues: 1,
-            seconds: 1.0,
-            ios: iops as u64,
-            flushes: 0,
-            errors: 0,
-            iops,
-            mb_per_s: 0.0,
-            lat_p50_us: 1.0,
-            lat_p99_us: 2.0,
-            lat_p999_us: 3.0,
-            lat_cdf_us: vec![1.0; 101],
-            server_cpu_us_per_io: Some(cpu),
-            slow: Vec::new(),
-        })
+        Some(crate::load::tests::sample(iops, Some(cpu)))
     }
 
     fn run(server: &str, layers: usize, iops: f64, cpu: f64) -> Run {
@@ -793,6 +812,20 @@ mod tests {
             writes: Vec::new(),
             snapshots: Vec::new(),
             wall_seconds: 1.0,
+            qsd_trials: vec![
+                crate::suite::QsdTrial {
+                    program: "/q72/qemu-storage-daemon".into(),
+                    version: "qemu-storage-daemon version 7.2.22".into(),
+                    run: run("qsd-iothread", 1, 350.0, 3.0),
+                    chosen: true,
+                },
+                crate::suite::QsdTrial {
+                    program: "qemu-storage-daemon".into(),
+                    version: "qemu-storage-daemon version 10.0.2".into(),
+                    run: run("qsd-iothread", 1, 250.0, 3.0),
+                    chosen: false,
+                },
+            ],
         };
         let s = Summary::new(&results);
         let (cfg, best) = s.best_qemu(1, |c| c.iops_qd32, false).unwrap();
@@ -808,6 +841,14 @@ mod tests {
             "iothread"
         );
         let md = markdown(&results, &s, Path::new("bench-results"));
+        assert!(
+            md.contains(
+                "`/q72/qemu-storage-daemon` (qemu-storage-daemon version 7.2.22): 35 / 350 IOPS \
+                 at depth 1 / 32, 0 MB/s, chosen; `qemu-storage-daemon` (qemu-storage-daemon \
+                 version 10.0.2): 25 / 250 IOPS at depth 1 / 32, 0 MB/s."
+            ),
+            "{md}"
+        );
         assert!(
             md.contains("| IOPS, depth 32 | 1.10x (iothread) | 32.00x (default) |"),
             "{md}"

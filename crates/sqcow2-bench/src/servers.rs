@@ -75,6 +75,16 @@ impl Server {
     }
 }
 
+/// The programs the benchmarks start.
+#[derive(Debug, Clone)]
+pub struct Programs {
+    /// The `sqcow2` binary under test.
+    pub sqcow2: PathBuf,
+    /// The qemu-storage-daemon compared with (a path, or a name looked up
+    /// in `PATH`).
+    pub qsd: PathBuf,
+}
+
 /// A generated chain: its layers, base first.
 #[derive(Debug, Clone)]
 pub struct ChainFiles {
@@ -108,13 +118,14 @@ impl Export {
 /// The qemu-storage-daemon command line of `server` on `chain` (its top,
 /// or every layer for `QsdBudget`).
 fn qsd_command(
+    qsd: &Path,
     server: Server,
     chain: &ChainFiles,
     socket: &Path,
     cache_bytes: u64,
     export: Export,
 ) -> Command {
-    let mut c = Command::new("qemu-storage-daemon");
+    let mut c = Command::new(qsd);
     let ro = !export.writable;
     let aio = match server {
         Server::QsdDefault => None,
@@ -174,9 +185,9 @@ fn qsd_command(
 
 /// qemu-storage-daemon exporting a raw file (`aio=io_uring`, iothread):
 /// the vhost-user path's limit without qcow2.
-pub fn spawn_qsd_raw(raw: &Path, socket: &Path, log: &Path) -> anyhow::Result<Child> {
+pub fn spawn_qsd_raw(qsd: &Path, raw: &Path, socket: &Path, log: &Path) -> anyhow::Result<Child> {
     let _ = std::fs::remove_file(socket);
-    let mut c = Command::new("qemu-storage-daemon");
+    let mut c = Command::new(qsd);
     c.arg("--object")
         .arg(format!("iothread,id=iot0,poll-max-ns={QSD_POLL_MAX_NS}"));
     c.arg("--blockdev").arg(format!(
@@ -201,12 +212,21 @@ pub fn spawn(
     server: Server,
     chain: &ChainFiles,
     socket: &Path,
-    sqcow2: &Path,
+    programs: &Programs,
     cache_bytes: u64,
     export: Export,
     log: &Path,
 ) -> anyhow::Result<Child> {
-    spawn_with(server, chain, socket, sqcow2, cache_bytes, export, log, &[])
+    spawn_with(
+        server,
+        chain,
+        socket,
+        programs,
+        cache_bytes,
+        export,
+        log,
+        &[],
+    )
 }
 
 /// [`spawn`] with more arguments for `sqcow2 serve` (`extra`; ignored by
@@ -216,7 +236,7 @@ pub fn spawn_with(
     server: Server,
     chain: &ChainFiles,
     socket: &Path,
-    sqcow2: &Path,
+    programs: &Programs,
     cache_bytes: u64,
     export: Export,
     log: &Path,
@@ -224,9 +244,9 @@ pub fn spawn_with(
 ) -> anyhow::Result<Child> {
     let _ = std::fs::remove_file(socket);
     let cmd = if server.is_qemu() {
-        qsd_command(server, chain, socket, cache_bytes, export)
+        qsd_command(&programs.qsd, server, chain, socket, cache_bytes, export)
     } else {
-        let mut c = Command::new(sqcow2);
+        let mut c = Command::new(&programs.sqcow2);
         c.arg("--cache-size").arg(cache_bytes.to_string());
         if server == Server::Sqcow2Walk {
             c.arg("--walk");
@@ -265,6 +285,30 @@ fn export_arg(socket: &Path, node: &str, export: Export, iothread: bool) -> Stri
         a.push_str(",iothread=iot0");
     }
     a
+}
+
+/// The first line `program --version` prints (empty if it does not run).
+pub fn version(program: &Path) -> String {
+    first_output_line(program, &["--version"])
+}
+
+/// The first line `program args` prints on stdout (empty if it does not
+/// run).
+pub fn first_output_line(program: &Path, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .unwrap_or_default()
 }
 
 /// Peak resident set of process `pid` (VmHWM) in KiB.
@@ -327,7 +371,8 @@ mod tests {
             layers: vec!["/c/l0.qcow2".into(), "/c/l1.qcow2".into()],
         };
         let sock = Path::new("/s.sock");
-        let cmd = |s| args(&qsd_command(s, &chain, sock, 32 << 20, Export::READ)).join(" ");
+        let qsd = Path::new("qemu-storage-daemon");
+        let cmd = |s| args(&qsd_command(qsd, s, &chain, sock, 32 << 20, Export::READ)).join(" ");
         let default = cmd(Server::QsdDefault);
         assert!(!default.contains("aio=") && !default.contains("iothread"));
         let uring = cmd(Server::QsdIoUring);
@@ -339,6 +384,7 @@ mod tests {
         assert!(budget.contains("\"aio\":\"io_uring\"") && budget.contains("l2-cache-size"));
         assert!(budget.contains("node-name=l1"));
         let rw = args(&qsd_command(
+            qsd,
             Server::QsdIothread,
             &chain,
             sock,

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
 
 use crate::load::{self, LoadResult, LoadSpec, Pattern, Target};
-use crate::servers::{self, ChainFiles, Server};
+use crate::servers::{self, ChainFiles, Programs, Server};
 
 /// Arguments of `sqcow2 bench suite`.
 #[derive(Debug, clap::Args)]
@@ -55,6 +55,13 @@ pub struct SuiteArgs {
     /// this results.json.
     #[arg(long)]
     replot: Option<PathBuf>,
+    /// qemu-storage-daemon binaries to compare with (paths or names in
+    /// `PATH`): with more than one, each is tried first (`qsd-iothread` on
+    /// the shortest chain, the three read loads, twice in alternating
+    /// order) and the run compares with the fastest. QEMU releases differ
+    /// in speed, and the peer is taken at its best.
+    #[arg(long, value_delimiter = ',', default_value = "qemu-storage-daemon")]
+    qsd: Vec<PathBuf>,
 }
 
 /// Metrics of one server run on one chain.
@@ -243,6 +250,21 @@ pub struct Results {
     pub writes: Vec<WriteRun>,
     pub snapshots: Vec<SnapshotTimes>,
     pub wall_seconds: f64,
+    /// The qemu-storage-daemon binaries tried before the run, when there
+    /// was more than one: the run compares with the fastest.
+    #[serde(default)]
+    pub qsd_trials: Vec<QsdTrial>,
+}
+
+/// One qemu-storage-daemon binary tried before a run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QsdTrial {
+    pub program: String,
+    pub version: String,
+    /// `qsd-iothread` on the shortest chain: its best run.
+    pub run: Run,
+    /// Whether the run compared with this one.
+    pub chosen: bool,
 }
 
 pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
@@ -295,6 +317,11 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     );
     std::fs::create_dir_all(&args.out)?;
     let out = args.out.canonicalize()?;
+    let first_qsd = args.qsd.first().cloned().context("no --qsd given")?;
+    let mut programs = Programs {
+        sqcow2,
+        qsd: first_qsd,
+    };
     let mut results = Results {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: machine(),
@@ -310,6 +337,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         writes: Vec::new(),
         snapshots: Vec::new(),
         wall_seconds: 0.0,
+        qsd_trials: Vec::new(),
     };
 
     let mut chains = BTreeMap::new();
@@ -321,9 +349,27 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         );
     }
 
+    if args.qsd.len() > 1 {
+        if let Some(shortest) = chains.values().min_by_key(|c| c.layers.len()) {
+            let trial_setup = Setup {
+                out: &out,
+                programs: &programs,
+                cache_bytes,
+                seconds,
+                startup_limit,
+            };
+            results.qsd_trials = try_qsds(&args.qsd, shortest, &trial_setup);
+        }
+        if let Some(best) = results.qsd_trials.iter().find(|t| t.chosen) {
+            programs.qsd = PathBuf::from(&best.program);
+        }
+    }
+    results
+        .machine
+        .insert("qemu".into(), servers::version(&programs.qsd));
     let setup = Setup {
         out: &out,
-        sqcow2: &sqcow2,
+        programs: &programs,
         cache_bytes,
         seconds,
         startup_limit,
@@ -392,7 +438,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     }
     for &layers in &lengths {
         eprintln!("==> snapshot time at {layers} layers");
-        match snapshot_times(&chains[&layers], &sqcow2, 5) {
+        match snapshot_times(&chains[&layers], &programs.sqcow2, 5) {
             Ok(t) => results.snapshots.push(t),
             Err(e) => eprintln!("    failed: {e:#}"),
         }
@@ -450,22 +496,10 @@ fn machine() -> BTreeMap<String, String> {
         .map(|kb| format!("{} GiB", kb / (1 << 20)))
         .unwrap_or_default();
     m.insert("memory".into(), mem);
-    let run = |cmd: &str, args: &[&str]| {
-        std::process::Command::new(cmd)
-            .args(args)
-            .output()
-            .ok()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .to_string()
-            })
-            .unwrap_or_default()
-    };
-    m.insert("kernel".into(), run("uname", &["-r"]));
-    m.insert("qemu".into(), run("qemu-storage-daemon", &["--version"]));
+    m.insert(
+        "kernel".into(),
+        servers::first_output_line(Path::new("uname"), &["-r"]),
+    );
     m
 }
 
@@ -523,10 +557,80 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
     ]
 }
 
+/// Runs `qsd-iothread` of every qemu-storage-daemon in `qsds` on `chain`
+/// (the three read loads) twice, the second round in reverse order (so
+/// that none is favoured by going first), keeps each one's best run and
+/// marks the fastest. A binary that does not run is left out (with its
+/// error).
+fn try_qsds(qsds: &[PathBuf], chain: &ChainFiles, setup: &Setup<'_>) -> Vec<QsdTrial> {
+    let mut trials: Vec<Option<QsdTrial>> = vec![None; qsds.len()];
+    let order: Vec<usize> = (0..qsds.len()).chain((0..qsds.len()).rev()).collect();
+    for (round, &i) in order.iter().enumerate() {
+        let qsd = &qsds[i];
+        let version = servers::version(qsd);
+        eprintln!("==> trying {} ({version})", qsd.display());
+        let programs = Programs {
+            sqcow2: setup.programs.sqcow2.clone(),
+            qsd: qsd.clone(),
+        };
+        let trial_setup = Setup {
+            programs: &programs,
+            ..*setup
+        };
+        let run = measure_server(Server::QsdIothread, chain, &trial_setup, round);
+        if let Some(e) = &run.error {
+            eprintln!("    failed: {e}");
+        }
+        let better = match &trials[i] {
+            None => true,
+            Some(t) => trial_score(&run) > trial_score(&t.run),
+        };
+        if better {
+            trials[i] = Some(QsdTrial {
+                program: qsd.display().to_string(),
+                version,
+                run,
+                chosen: false,
+            });
+        }
+    }
+    let mut trials: Vec<QsdTrial> = trials.into_iter().flatten().collect();
+    mark_fastest(&mut trials);
+    trials
+}
+
+/// The geometric mean of a trial run's three rates (random reads at depth 1
+/// and 32 in IOPS, sequential reads in MB/s); none if it failed.
+fn trial_score(r: &Run) -> Option<f64> {
+    if r.error.is_some() {
+        return None;
+    }
+    let rates = [
+        r.rand_read_qd1.as_ref()?.iops,
+        r.rand_read_qd32.as_ref()?.iops,
+        r.seq_read_1m.as_ref()?.mb_per_s,
+    ];
+    Some((rates.iter().map(|x| x.max(1e-9).ln()).sum::<f64>() / 3.0).exp())
+}
+
+/// Marks the trial with the highest [`trial_score`] as chosen (none if
+/// every one failed).
+fn mark_fastest(trials: &mut [QsdTrial]) {
+    let best = trials
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| trial_score(&t.run).map(|s| (i, s)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i);
+    if let Some(i) = best {
+        trials[i].chosen = true;
+    }
+}
+
 /// What every server run shares.
 struct Setup<'a> {
     out: &'a Path,
-    sqcow2: &'a Path,
+    programs: &'a Programs,
     cache_bytes: u64,
     seconds: f64,
     startup_limit: Duration,
@@ -536,7 +640,7 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     let mut run = Run::new(server.name(), chain.layers.len(), repetition);
     let Setup {
         out,
-        sqcow2,
+        programs,
         cache_bytes,
         seconds,
         startup_limit,
@@ -545,14 +649,14 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     let log = out.join(format!("{}-{}.log", server.name(), chain.layers.len()));
     let t0 = Instant::now();
     let export = servers::Export::READ;
-    let mut child = match servers::spawn(server, chain, &socket, sqcow2, cache_bytes, export, &log)
-    {
-        Ok(c) => c,
-        Err(e) => {
-            run.error = Some(format!("{e:#}"));
-            return run;
-        }
-    };
+    let mut child =
+        match servers::spawn(server, chain, &socket, programs, cache_bytes, export, &log) {
+            Ok(c) => c,
+            Err(e) => {
+                run.error = Some(format!("{e:#}"));
+                return run;
+            }
+        };
     let result = (|| -> anyhow::Result<()> {
         let target = Target::Socket(socket.clone());
         wait_first_read(&mut child, &target, &log, startup_limit)?;
@@ -623,7 +727,7 @@ fn measure_qsd_raw(raw: &Path, setup: &Setup<'_>, repetition: usize) -> Run {
     let socket = setup.out.join("bench.sock");
     let log = setup.out.join("qsd-raw.log");
     let t0 = Instant::now();
-    let mut child = match servers::spawn_qsd_raw(raw, &socket, &log) {
+    let mut child = match servers::spawn_qsd_raw(&setup.programs.qsd, raw, &socket, &log) {
         Ok(c) => c,
         Err(e) => {
             run.error = Some(format!("{e:#}"));
@@ -738,12 +842,13 @@ fn measure_writes(
         );
         let result = (|| -> anyhow::Result<Vec<WriteRun>> {
             let top = match image {
-                WriteImage::Fresh => {
-                    images.fresh(&images.base, (!server.is_qemu()).then_some(setup.sqcow2))?
-                }
+                WriteImage::Fresh => images.fresh(
+                    &images.base,
+                    (!server.is_qemu()).then_some(setup.programs.sqcow2.as_path()),
+                )?,
                 WriteImage::FreshOverData => images.fresh(
                     &images.allocated,
-                    (!server.is_qemu()).then_some(setup.sqcow2),
+                    (!server.is_qemu()).then_some(setup.programs.sqcow2.as_path()),
                 )?,
                 WriteImage::Allocated => images.allocated.clone(),
             };
@@ -766,7 +871,7 @@ fn measure_writes(
                 server,
                 &chain,
                 &socket,
-                setup.sqcow2,
+                setup.programs,
                 setup.cache_bytes,
                 export,
                 &log,
@@ -909,4 +1014,53 @@ fn snapshot_times(chain: &ChainFiles, sqcow2: &Path, n: usize) -> anyhow::Result
     }
     cleanup();
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(iops: f64, mb_per_s: f64) -> Option<LoadResult> {
+        Some(LoadResult {
+            mb_per_s,
+            ..crate::load::tests::sample(iops, None)
+        })
+    }
+
+    fn trial(program: &str, qd1: f64, qd32: f64, seq: f64, error: bool) -> QsdTrial {
+        let mut run = Run::new("qsd-iothread", 1, 0);
+        run.rand_read_qd1 = load(qd1, 0.0);
+        run.rand_read_qd32 = load(qd32, 0.0);
+        run.seq_read_1m = load(0.0, seq);
+        run.error = error.then(|| "did not start".into());
+        QsdTrial {
+            program: program.into(),
+            version: String::new(),
+            run,
+            chosen: false,
+        }
+    }
+
+    #[test]
+    fn the_qsd_fastest_over_all_loads_is_chosen_and_a_failed_one_never() {
+        // Faster at depth 32 alone does not win against faster at every
+        // other load; a failed binary is never chosen, however fast.
+        let mut trials = [
+            trial("a", 10_000.0, 400_000.0, 5_000.0, false),
+            trial("b", 20_000.0, 300_000.0, 9_000.0, false),
+            trial("c", 90_000.0, 900_000.0, 90_000.0, true),
+        ];
+        mark_fastest(&mut trials);
+        let chosen: Vec<&str> = trials
+            .iter()
+            .filter(|t| t.chosen)
+            .map(|t| t.program.as_str())
+            .collect();
+        assert_eq!(chosen, ["b"]);
+        let mut failed = [trial("c", 1.0, 1.0, 1.0, true)];
+        mark_fastest(&mut failed);
+        assert!(!failed[0].chosen);
+        let geo = trial_score(&trials[0].run).unwrap();
+        assert!((geo - (10_000.0f64 * 400_000.0 * 5_000.0).cbrt()).abs() < 1e-3 * geo);
+    }
 }
