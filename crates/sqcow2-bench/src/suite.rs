@@ -627,6 +627,16 @@ fn mark_fastest(trials: &mut [QsdTrial]) {
     }
 }
 
+/// Reads every file of `chain`'s directory (its layers and index) into the
+/// page cache, so that every server starts on a warm cache whatever ran
+/// before it (see [`crate::page_cache::warm_dir`]).
+fn warm_chain(chain: &ChainFiles) -> std::io::Result<()> {
+    match chain.top().parent() {
+        Some(dir) => crate::page_cache::warm_dir(dir),
+        None => Ok(()),
+    }
+}
+
 /// What every server run shares.
 struct Setup<'a> {
     out: &'a Path,
@@ -647,6 +657,10 @@ fn measure_server(server: Server, chain: &ChainFiles, setup: &Setup<'_>, repetit
     } = *setup;
     let socket = out.join("bench.sock");
     let log = out.join(format!("{}-{}.log", server.name(), chain.layers.len()));
+    if let Err(e) = warm_chain(chain) {
+        run.error = Some(format!("reading the chain into the page cache: {e}"));
+        return run;
+    }
     let t0 = Instant::now();
     let export = servers::Export::READ;
     let mut child =
@@ -699,7 +713,10 @@ fn wait_first_read(
 
 fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
     let mut run = Run::new("raw-file-io_uring", 0, repetition);
-    if let Err(e) = run.measure_loads(Target::File(raw.to_owned()), seconds, None) {
+    let result = crate::page_cache::warm(raw)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| run.measure_loads(Target::File(raw.to_owned()), seconds, None));
+    if let Err(e) = result {
         run.error = Some(format!("{e:#}"));
     }
     run
@@ -710,11 +727,14 @@ fn measure_raw(raw: &Path, seconds: f64, repetition: usize) -> Run {
 fn measure_spread(dir: &Path, layers: usize, seconds: f64, repetition: usize) -> Run {
     let mut run = Run::new("raw-files-io_uring", layers, repetition);
     let duration = Duration::from_secs_f64(seconds);
-    let result = crate::spread::measure(dir, 1, duration).and_then(|qd1| {
-        run.rand_read_qd1 = Some(qd1);
-        run.rand_read_qd32 = Some(crate::spread::measure(dir, 32, duration)?);
-        Ok(())
-    });
+    let result = crate::page_cache::warm_dir(dir)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| crate::spread::measure(dir, 1, duration))
+        .and_then(|qd1| {
+            run.rand_read_qd1 = Some(qd1);
+            run.rand_read_qd32 = Some(crate::spread::measure(dir, 32, duration)?);
+            Ok(())
+        });
     if let Err(e) = result {
         run.error = Some(format!("{e:#}"));
     }
@@ -726,6 +746,10 @@ fn measure_qsd_raw(raw: &Path, setup: &Setup<'_>, repetition: usize) -> Run {
     let mut run = Run::new("qsd-raw", 0, repetition);
     let socket = setup.out.join("bench.sock");
     let log = setup.out.join("qsd-raw.log");
+    if let Err(e) = crate::page_cache::warm(raw) {
+        run.error = Some(format!("reading the raw file into the page cache: {e}"));
+        return run;
+    }
     let t0 = Instant::now();
     let mut child = match servers::spawn_qsd_raw(&setup.programs.qsd, raw, &socket, &log) {
         Ok(c) => c,
