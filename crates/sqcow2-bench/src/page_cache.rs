@@ -26,27 +26,7 @@ pub fn cache_in_pages(path: &std::path::Path) -> io::Result<()> {
     file.sync_all()?;
     advise(&file, Advice::DontNeed)?;
     advise(&file, Advice::Random)?;
-    let len = file.metadata()?.len();
-    let mut buf = vec![0u8; PAGE];
-    let mut at = 0u64;
-    while at < len {
-        let start = match seek(&file, SeekFrom::Data(at)) {
-            Ok(start) => start,
-            // No data past `at`.
-            Err(Errno::NXIO) => break,
-            Err(e) => return Err(e.into()),
-        };
-        let end = seek(&file, SeekFrom::Hole(start))?.min(len);
-        let mut page = start - start % PAGE as u64;
-        while page < end {
-            if file.read_at(&mut buf, page)? == 0 {
-                break;
-            }
-            page += PAGE as u64;
-        }
-        at = end.max(start + 1);
-    }
-    Ok(())
+    read_data(&file, PAGE)
 }
 
 /// Reads every byte of data of each regular file in `dir` (1 MiB reads,
@@ -69,20 +49,26 @@ pub fn warm_dir(dir: &std::path::Path) -> io::Result<()> {
 
 /// Reads every byte of data of `path` (1 MiB reads, holes skipped).
 pub fn warm(path: &std::path::Path) -> io::Result<()> {
-    let file = File::open(path)?;
+    read_data(&File::open(path)?, 1 << 20)
+}
+
+/// Reads every data range of `file` (holes skipped, from the page its
+/// data starts in) in reads of at most `chunk` bytes.
+fn read_data(file: &File, chunk: usize) -> io::Result<()> {
     let len = file.metadata()?.len();
-    let mut buf = vec![0u8; 1 << 20];
+    let mut buf = vec![0u8; chunk];
     let mut at = 0u64;
     while at < len {
-        let start = match seek(&file, SeekFrom::Data(at)) {
+        let start = match seek(file, SeekFrom::Data(at)) {
             Ok(start) => start,
+            // No data past `at`.
             Err(Errno::NXIO) => break,
             Err(e) => return Err(e.into()),
         };
-        let end = seek(&file, SeekFrom::Hole(start))?.min(len);
-        let mut pos = start;
+        let end = seek(file, SeekFrom::Hole(start))?.min(len);
+        let mut pos = start - start % PAGE as u64;
         while pos < end {
-            let want = buf.len().min((end - pos) as usize);
+            let want = chunk.min((end - pos) as usize);
             let n = file.read_at(&mut buf[..want], pos)?;
             if n == 0 {
                 break;
