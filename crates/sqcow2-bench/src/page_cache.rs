@@ -89,6 +89,16 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    /// What the page cache holds of `path` (util-linux's `fincore`).
+    fn cached_bytes(path: &std::path::Path) -> u64 {
+        let out = std::process::Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--output", "RES"])
+            .arg(path)
+            .output()
+            .expect("fincore (util-linux-extra; scripts/test.sh installs it)");
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+
     /// Only the data is read back: of a 1 TiB sparse file with two pieces
     /// of data, their three pages are cached and nothing else (its holes
     /// would be 268 million pages of zeros); a file with no data at all
@@ -105,12 +115,7 @@ mod tests {
         cache_in_pages(&path).unwrap();
         // What the page cache holds of it (util-linux's `fincore`): the
         // three pages of data, read back after they were dropped.
-        let out = std::process::Command::new("fincore")
-            .args(["--bytes", "--noheadings", "--output", "RES"])
-            .arg(&path)
-            .output()
-            .expect("fincore (util-linux-extra; scripts/test.sh installs it)");
-        let cached: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        let cached = cached_bytes(&path);
         assert!(
             (3 * 4096..1 << 20).contains(&cached),
             "{cached} bytes of the file cached"
@@ -134,12 +139,7 @@ mod tests {
         drop(f);
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         warm_dir(dir.path()).unwrap();
-        let out = std::process::Command::new("fincore")
-            .args(["--bytes", "--noheadings", "--output", "RES"])
-            .arg(&path)
-            .output()
-            .expect("fincore (util-linux-extra; scripts/test.sh installs it)");
-        let cached: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        let cached = cached_bytes(&path);
         assert!(
             ((3 << 20)..(8 << 20)).contains(&cached),
             "{cached} bytes of the file cached"
