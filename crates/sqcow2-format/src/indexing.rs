@@ -123,7 +123,7 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
                     )),
                 )
             })?;
-            set_autoclear_bit(&storage, header).map_err(io_err(layer.path()))?;
+            set_autoclear_bit(&storage).map_err(io_err(layer.path()))?;
         }
     }
     Ok(())
@@ -458,12 +458,22 @@ pub struct BuildReport {
 /// one appears by rename, complete. `cancelled` is asked every few
 /// thousand entries and before the file's sync, with no lock of the chain
 /// held: it may block (a daemon holds a build so while a guest is paused).
+/// Old tops that live snapshots left open below the top (a failed
+/// [`Chain::retire`]) are closed first ([`Chain::close_unclosed_below`]):
+/// an index records layers as their files hold them.
 pub fn build_index(
     chain: &Chain,
     locking: Locking,
     progress: Progress,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Option<BuildReport>, Error> {
+    if cancelled() {
+        return Err(Error::new(
+            chain.top().path(),
+            ErrorKind::Io(cancel_error()),
+        ));
+    }
+    chain.close_unclosed_below()?;
     let Some(upto) = chain.indexable_layers() else {
         return Ok(None);
     };

@@ -208,15 +208,15 @@ fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
     Ok(index)
 }
 
-/// Sets the sQcow2 autoclear bit of a qcow2 v3 image (durably). Returns
-/// `false` for images that cannot carry it (v2).
-pub fn set_autoclear_bit(storage: &dyn Storage, header: &Header) -> std::io::Result<bool> {
-    if header.version != Version::V3 {
-        return Ok(false);
-    }
-    let bits = header.features.autoclear | AUTOCLEAR_SQCOW2;
-    crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)?;
-    Ok(true)
+/// Sets the sQcow2 autoclear bit of a qcow2 v3 image (durably), the
+/// word's other bits kept as the file has them now: a header read earlier
+/// may be older (a live snapshot's old top, whose close cleared its
+/// journal's bit after this process read it).
+pub fn set_autoclear_bit(storage: &dyn Storage) -> std::io::Result<()> {
+    let mut word = [0u8; 8];
+    storage.read_at(&mut word, field::AUTOCLEAR_FEATURES as u64)?;
+    let bits = u64::from_be_bytes(word) | AUTOCLEAR_SQCOW2;
+    crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)
 }
 
 /// Rewrites the header area so that it names `index` (relative to the

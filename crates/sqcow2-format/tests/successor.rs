@@ -13,6 +13,8 @@ use sqcow2_format::{indexing, Chain, ChainOptions, FaultPoint};
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const CLUSTER: u64 = 64 << 10;
+/// The autoclear bit of an image whose writer keeps a mapping journal.
+const AUTOCLEAR_JOURNAL: u64 = 1 << 62;
 
 fn options(writable: bool) -> ChainOptions {
     ChainOptions {
@@ -114,6 +116,19 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
     })
     .unwrap();
     assert!(built.is_some(), "no index built");
+    // Marked as indexed by the build, with the autoclear bits its close
+    // left: not its journal's again (the next read-write open would take
+    // the image for one a writer left open, and repair it).
+    let autoclear = sqcow2_format::check::read_header(&FileStorage::open_read_only(&top).unwrap())
+        .unwrap()
+        .features
+        .autoclear;
+    assert_ne!(autoclear & sqcow2_format::index::AUTOCLEAR_SQCOW2, 0);
+    assert_eq!(
+        autoclear & AUTOCLEAR_JOURNAL,
+        0,
+        "the index build wrote the old top's journal bit back"
+    );
     drop(chain);
     next.close().unwrap();
     let reopened = Chain::open(&next_path, &indexed).unwrap();
@@ -205,14 +220,27 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     );
 }
 
-/// A file that remembers whether it was written since its last sync.
+/// A file that remembers whether it was written since its last sync, and
+/// refuses writes (`EIO`, as a failing disk) while told to.
 #[derive(Debug)]
 struct SyncWatch {
     file: FileStorage,
     unsynced: std::sync::atomic::AtomicBool,
+    failing: std::sync::atomic::AtomicBool,
 }
 
 impl SyncWatch {
+    fn new(path: &Path) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(SyncWatch {
+            file: FileStorage::open_read_write(path).unwrap(),
+            unsynced: Default::default(),
+            failing: Default::default(),
+        })
+    }
+    fn fail_writes(&self, failing: bool) {
+        self.failing
+            .store(failing, std::sync::atomic::Ordering::SeqCst);
+    }
     fn unsynced(&self) -> bool {
         self.unsynced.load(std::sync::atomic::Ordering::SeqCst)
     }
@@ -230,6 +258,9 @@ impl sqcow2_format::storage::Storage for SyncWatch {
         self.file.len()
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
         self.wrote();
         self.file.write_at(buf, offset)
     }
@@ -271,10 +302,7 @@ impl sqcow2_format::storage::Storage for SyncWatch {
 fn watched_top(dir: &Path) -> (std::path::PathBuf, std::sync::Arc<SyncWatch>, Chain) {
     let top = dir.join("top.qcow2");
     new_image(&top, GIB);
-    let watch = std::sync::Arc::new(SyncWatch {
-        file: FileStorage::open_read_write(&top).unwrap(),
-        unsynced: Default::default(),
-    });
+    let watch = SyncWatch::new(&top);
     let opts = ChainOptions {
         top_storage: Some(watch.clone()),
         ..options(true)
@@ -509,4 +537,92 @@ fn a_death_between_the_switch_and_the_close_loses_nothing() {
     assert!(read(&reopened, 2 * CLUSTER) == vec![0xB3; 4096]);
     reopened.close().unwrap();
     assert_checks_clean(&top, "old top after the repair");
+}
+
+/// The old top's close after the switch fails (its file refuses writes):
+/// the next chain goes on reading the old top's last tables from its
+/// writer, a later snapshot stacks on it, and the next index build closes
+/// it once the file takes writes again. Nothing is lost, every layer is
+/// clean and the chain indexed.
+#[test]
+fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    new_image(&top, GIB);
+    let watch = SyncWatch::new(&top);
+    let indexed = || ChainOptions {
+        use_index: true,
+        ..options(true)
+    };
+    let chain = Chain::open(
+        &top,
+        &ChainOptions {
+            top_storage: Some(watch.clone()),
+            ..indexed()
+        },
+    )
+    .unwrap();
+    chain.write_at(&[0x11; 4096], 0).unwrap();
+    let next_path = dir.path().join("next.qcow2");
+    indexing::snapshot_over(&chain, &top, &next_path).unwrap();
+    let prepared = chain.prepare_successor(&next_path, &indexed()).unwrap();
+    chain.sync_data().unwrap();
+    chain.publish().unwrap();
+    // Completed just before the pause: its mapping is in the old top's
+    // writer and journal only.
+    chain.write_at(&[0x22; 4096], 40 * CLUSTER).unwrap();
+    let next = chain.successor(prepared, &indexed()).unwrap();
+
+    watch.fail_writes(true);
+    assert!(
+        chain.retire(&next).is_err(),
+        "the old top's tables cannot have reached its file"
+    );
+    assert!(
+        next.indexable_layers().is_none(),
+        "an index must not record an old top its file does not hold yet"
+    );
+    assert!(read(&next, 40 * CLUSTER) == vec![0x22; 4096]);
+    next.write_at(&[0x33; 4096], 41 * CLUSTER).unwrap();
+    // Another snapshot: the old top left open is two layers down now.
+    let third_path = dir.path().join("third.qcow2");
+    let third = successor_with(&next, &next_path, &third_path, &indexed());
+    assert!(third.indexable_layers().is_none());
+    let build = |chain: &Chain| {
+        indexing::build_index(chain, sqcow2_format::Locking::Off, &mut |_, _| {}, &|| {
+            false
+        })
+    };
+    assert!(build(&third).is_err(), "the old top's file still fails");
+    watch.fail_writes(false);
+    let built = build(&third).expect("the build closes the old top first");
+    assert!(built.is_some(), "no index built");
+    assert!(third.is_indexed());
+    third.write_at(&[0x44; 4096], 42 * CLUSTER).unwrap();
+    drop(chain);
+    drop(next);
+    third.close().unwrap();
+
+    for path in [&top, &next_path, &third_path] {
+        assert_checks_clean(path, &path.display().to_string());
+        let header =
+            sqcow2_format::check::read_header(&FileStorage::open_read_only(path).unwrap()).unwrap();
+        assert!(!header.is_dirty(), "{} left dirty", path.display());
+        assert_eq!(header.features.autoclear & AUTOCLEAR_JOURNAL, 0);
+        assert!(
+            !journal_of(path).exists(),
+            "{}: journal left",
+            path.display()
+        );
+    }
+    let reopened = Chain::open(&third_path, &indexed()).unwrap();
+    assert!(reopened.is_indexed(), "{:?}", reopened.index_state());
+    for (offset, byte) in [
+        (0, 0x11),
+        (40 * CLUSTER, 0x22),
+        (41 * CLUSTER, 0x33),
+        (42 * CLUSTER, 0x44),
+    ] {
+        assert!(read(&reopened, offset) == vec![byte; 4096], "at {offset}");
+    }
 }

@@ -224,9 +224,10 @@ impl Active {
     /// of the chain a live snapshot made ([`crate::Chain::successor`]),
     /// which reads the tables held here until
     /// [`crate::Chain::retire`] has written them back and closed the
-    /// image (or, if that failed, writes them back at its flushes; the
-    /// next read-write open repairs the image). Write-backs and the close
-    /// still run.
+    /// image (or, if that failed, writes them back at its flushes until
+    /// [`crate::Chain::close_unclosed_below`] closes it; a process death
+    /// first leaves it to the next read-write open, which repairs it).
+    /// Write-backs and the close still run.
     pub(crate) fn supersede(&self) {
         let _ = self.failure.set(SUPERSEDED.to_string());
     }
@@ -257,6 +258,16 @@ impl Active {
             })),
             None => Ok(()),
         }
+    }
+
+    /// The top file this engine writes.
+    pub(crate) fn storage(&self) -> &Arc<dyn crate::storage::Storage> {
+        &self.top.storage
+    }
+
+    /// The path the top was opened by.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.top.path
     }
 
     /// Test hooks.

@@ -373,7 +373,8 @@ impl Chain {
     /// never waits for a transfer, so it may be called from anywhere, a
     /// ticket holder included.
     /// After a live snapshot, until the old top is closed
-    /// ([`Chain::retire`]), the old top is flushed too (its last tables
+    /// ([`Chain::retire`], [`Chain::close_unclosed_below`]), the old top
+    /// is flushed too (its last tables
     /// written back, the file synced): writes the guest completed there
     /// before the switch are durable once a flush after it completes.
     pub fn flush(&self) -> Result<(), Error> {
@@ -426,22 +427,24 @@ impl Chain {
     }
 
     /// Flushes like [`Chain::close`] (lazy refcounts written, dirty bit
-    /// cleared) but keeps the chain open: the image is clean for any reader
-    /// until the next write.
+    /// cleared, old tops left open below closed) but keeps the chain open:
+    /// the images are clean for any reader until the next write.
     pub fn flush_clean(&self) -> Result<(), Error> {
         if let Some(active) = &self.active {
             active.close(&self.fence)?;
         }
-        self.flush_below()
+        self.close_unclosed_below()
     }
 
     /// Flushes and leaves the image clean (clears the dirty bit of lazy
-    /// refcounts). Read-only chains close trivially.
+    /// refcounts), and closes the old tops live snapshots left open below
+    /// it ([`Chain::close_unclosed_below`]). Read-only chains close
+    /// trivially.
     pub fn close(mut self) -> Result<(), Error> {
         if let Some(active) = self.active.take() {
             active.close(&self.fence)?;
         }
-        self.flush_below()
+        self.close_unclosed_below()
     }
 }
 
@@ -463,6 +466,9 @@ impl Drop for Chain {
         }
         if let Err(e) = active.close(&self.fence) {
             tracing::error!(path = %self.top().path().display(), error = %e, "closing the image failed");
+        }
+        if let Err(e) = self.close_unclosed_below() {
+            tracing::error!(error = %e, "closing an old top of a live snapshot failed: the next read-write open repairs it");
         }
     }
 }

@@ -170,7 +170,8 @@ pub struct Chain {
     /// Layers below the top that were tops of the chains this one follows
     /// and whose writers have not closed them yet ([`Chain::successor`];
     /// carried on from chain to chain): each flush writes their tables
-    /// back and syncs them too, until [`Chain::retire`] has closed each.
+    /// back and syncs them too, until [`Chain::retire`] (or, after a
+    /// failed one, [`Chain::close_unclosed_below`]) has closed each.
     unclosed_below: std::sync::Mutex<Vec<UnclosedTop>>,
 }
 
@@ -182,6 +183,10 @@ pub(crate) struct UnclosedTop {
     writer: Arc<Active>,
     /// The fence of the chain that wrote it.
     fence: Arc<TransferFence>,
+    /// Its place in the chains that follow (layers below the top do not
+    /// move while it is open: no merge starts then, and a merge's switch
+    /// closes it first, in [`Chain::flush_clean`]).
+    at: LayerIndex,
 }
 
 impl ChainOptions {

@@ -201,32 +201,68 @@ impl Chain {
     /// of `next` built from then on records the image as it stays.
     /// Outside the guest's pause: nothing in it waits for this. If it
     /// fails, `next` goes on reading the tables from memory and writing
-    /// them back at its flushes; a process that dies first leaves the old
-    /// top open, which the next read-write open of the chain repairs
-    /// (its journal has every completed change). This chain's drop closes
-    /// nothing again.
+    /// them back at its flushes, and [`Chain::close_unclosed_below`] of
+    /// `next` (or of a chain after it) tries again; a process that dies
+    /// first leaves the old top open, which the next read-write open of
+    /// the chain repairs (its journal has every completed change). This
+    /// chain's drop closes nothing again.
     pub fn retire(&self, next: &Chain) -> Result<(), Error> {
         let old = self.top();
-        let below = match next.layers.get(self.top_index().0) {
-            Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), old.storage()) => l,
+        let at = self.top_index();
+        let is_successor = self.active.is_some()
+            && matches!(next.layers.get(at.0), Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), old.storage()));
+        if !is_successor {
+            return Err(Error::new(
+                old.path(),
+                ErrorKind::Io(std::io::Error::other(
+                    "the chain given is not this chain's successor",
+                )),
+            ));
+        }
+        match next.unclosed_below().into_iter().find(|b| b.at == at) {
+            Some(unclosed) => next.close_below(&unclosed),
+            // Closed already (by an index build of `next`).
+            None => Ok(()),
+        }
+    }
+
+    /// Closes every old top that live snapshots left open below this
+    /// chain's top, as [`Chain::retire`] does: for a retire that failed,
+    /// before an index of this chain is built
+    /// ([`Chain::indexable_layers`]), and before the chain's own close.
+    /// Each is tried; those that fail stay open (their tables read from
+    /// their writers, flushed at each flush) for the next call, and the
+    /// first error is returned.
+    pub fn close_unclosed_below(&self) -> Result<(), Error> {
+        let mut first_error = None;
+        for below in self.unclosed_below() {
+            if let Err(e) = self.close_below(&below) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Closes `below`, an old top this chain reads from its writer's
+    /// memory: then the chain reads it from its file and flushes no more.
+    fn close_below(&self, below: &UnclosedTop) -> Result<(), Error> {
+        let layer = match self.layers.get(below.at.0) {
+            Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), below.writer.storage()) => l,
             _ => {
                 return Err(Error::new(
-                    old.path(),
+                    below.writer.path(),
                     ErrorKind::Io(std::io::Error::other(
-                        "the chain given is not this chain's successor",
+                        "an old top left open is not where the chain has it",
                     )),
                 ))
             }
         };
-        let Some(writer) = &self.active else {
-            return Err(Error::new(old.path(), ErrorKind::ReadOnly));
-        };
-        writer.close(&self.fence)?;
-        below
+        below.writer.close(&below.fence)?;
+        layer
             .refresh_identity()
-            .map_err(|k| Error::new(old.path(), k))?;
-        below.release_holder();
-        next.below_closed(writer);
+            .map_err(|k| Error::new(below.writer.path(), k))?;
+        layer.release_holder();
+        self.below_closed(&below.writer);
         Ok(())
     }
 
@@ -293,6 +329,7 @@ impl Chain {
         unclosed_below.push(UnclosedTop {
             writer,
             fence: self.fence.clone(),
+            at: self.top_index(),
         });
         let data_reads = (0..layers.len())
             .map(|i| {

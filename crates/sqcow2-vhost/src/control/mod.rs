@@ -279,6 +279,12 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let begin = Instant::now();
     let started_unix_us = unix_us();
     let current = shared.handle.get();
+    // An old top an earlier snapshot could not close (below) is closed
+    // now, while the guest runs; if it still fails, it stays open below
+    // the new top too.
+    if let Err(e) = current.close_unclosed_below() {
+        warn!(error = %e, "closing an earlier snapshot's old top failed again: it stays open");
+    }
     // The new top, complete and durable under its name before the pause
     // (an empty image over the old top: the old top may go on changing
     // below it). The daemon holds the chain's image locks itself.
@@ -367,18 +373,30 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     // The old top closed: its last tables written back and made durable
-    // (then the new chain reads them from the file). If this fails (or
-    // the process dies first), the old top stays open: the new chain
-    // reads its tables from memory and flushes it at its flushes, the
-    // next read-write open of the chain repairs it.
+    // (then the new chain reads them from the file). If this fails, the
+    // old top stays open: the new chain reads its tables from memory and
+    // flushes it at its flushes, and the index build woken below (or the
+    // next snapshot) closes it; a process death first leaves it to the
+    // next read-write open of the chain, which repairs it.
     let retire_start = Instant::now();
-    if let Err(e) = old.retire(&shared.handle.get()) {
-        warn!(path = %top.display(), error = %e, "closing the old top after the snapshot failed: the next open repairs it");
+    let next = shared.handle.get();
+    // Writes completed on the old top just before the switch whose
+    // mappings are not journaled (a new L2 table) wait in the flusher for
+    // a publish through the old top's writer, whose flush order the close
+    // holds through all its syncs: published first, they wait for this
+    // publish only (nothing to do, no syscall, when none is waiting). A
+    // failure is the flusher's to report; the close tries again.
+    if let Err(e) = next.publish() {
+        warn!(error = %e, "publishing the old top's last changes failed");
+    }
+    if let Err(e) = old.retire(&next) {
+        warn!(path = %top.display(), error = %e, "closing the old top after the snapshot failed: the next index build or snapshot tries again");
     }
     // The tables the old top used last, to the cache the new chain reads
     // it through (0.4-1.8 ms of copying at 1 TiB).
     old.hand_over_tables();
     let retired = retire_start.elapsed();
+    drop(next);
     drop(old);
     drop(build_held);
     shared.index_builder.wake();
