@@ -133,11 +133,8 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
 /// header in memory is the one read at open: an old top marked by an
 /// earlier build of this process does not show it).
 fn autoclear_bit_on_disk(layer: &Layer) -> bool {
-    let mut field = [0u8; 8];
-    layer
-        .storage()
-        .read_at(&mut field, crate::header::field::AUTOCLEAR_FEATURES as u64)
-        .is_ok_and(|()| u64::from_be_bytes(field) & crate::index::AUTOCLEAR_SQCOW2 != 0)
+    crate::sqcow2_ext::autoclear_word(&**layer.storage())
+        .is_ok_and(|word| word & crate::index::AUTOCLEAR_SQCOW2 != 0)
 }
 
 /// What `upgrade` did.

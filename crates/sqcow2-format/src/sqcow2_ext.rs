@@ -213,10 +213,15 @@ fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
 /// may be older (a live snapshot's old top, whose close cleared its
 /// journal's bit after this process read it).
 pub fn set_autoclear_bit(storage: &dyn Storage) -> std::io::Result<()> {
+    let bits = autoclear_word(storage)? | AUTOCLEAR_SQCOW2;
+    crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)
+}
+
+/// The autoclear feature word as the image's file has it now.
+pub(crate) fn autoclear_word(storage: &dyn Storage) -> std::io::Result<u64> {
     let mut word = [0u8; 8];
     storage.read_at(&mut word, field::AUTOCLEAR_FEATURES as u64)?;
-    let bits = u64::from_be_bytes(word) | AUTOCLEAR_SQCOW2;
-    crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)
+    Ok(u64::from_be_bytes(word))
 }
 
 /// Rewrites the header area so that it names `index` (relative to the

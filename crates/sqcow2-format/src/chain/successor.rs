@@ -207,22 +207,30 @@ impl Chain {
     /// the chain repairs (its journal has every completed change). This
     /// chain's drop closes nothing again.
     pub fn retire(&self, next: &Chain) -> Result<(), Error> {
-        let old = self.top();
         let at = self.top_index();
-        let is_successor = self.active.is_some()
-            && matches!(next.layers.get(at.0), Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), old.storage()));
-        if !is_successor {
-            return Err(Error::new(
+        let listed = next.unclosed_below().into_iter().find(|b| b.at == at);
+        if let Some(unclosed) = listed.filter(|b| {
+            self.active
+                .as_ref()
+                .is_some_and(|w| Arc::ptr_eq(w, &b.writer))
+        }) {
+            return next.close_below(&unclosed);
+        }
+        // Not listed: closed already (by an index build of `next`), if
+        // `next` is this chain's successor at all.
+        let old = self.top();
+        match next.layers.get(at.0) {
+            Some(Layer::Qcow2(l))
+                if self.active.is_some() && Arc::ptr_eq(l.storage(), old.storage()) =>
+            {
+                Ok(())
+            }
+            _ => Err(Error::new(
                 old.path(),
                 ErrorKind::Io(std::io::Error::other(
                     "the chain given is not this chain's successor",
                 )),
-            ));
-        }
-        match next.unclosed_below().into_iter().find(|b| b.at == at) {
-            Some(unclosed) => next.close_below(&unclosed),
-            // Closed already (by an index build of `next`).
-            None => Ok(()),
+            )),
         }
     }
 
