@@ -186,6 +186,8 @@ print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
     steps = f"{s['drain_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
+    if s and "cpu_wait_ms" in s:
+        steps += f", of the pause {s['cpu_wait_ms']:.2f} ms waiting for a CPU"
     if s and "close_ms" in s:
         steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]

@@ -1,6 +1,7 @@
 //! The control socket (`sqcow2 serve --control PATH`): one JSON object per
 //! line each way ([`protocol`]); see `docs/control-api.md`.
 
+mod cpu_wait;
 mod index_builder;
 mod merge_job;
 pub mod prometheus;
@@ -36,6 +37,8 @@ pub(crate) const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const PRE_PAUSE_ROUNDS: usize = 6;
 /// A write-back before the pause this short: the device has caught up.
 const PRE_PAUSE_SETTLED: Duration = Duration::from_millis(2);
+/// A switch step this long is logged with its parts.
+const SLOW_SWITCH_STEP: Duration = Duration::from_millis(1);
 
 /// What the control socket and the vhost-user side share.
 #[derive(Debug)]
@@ -334,6 +337,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     drop(current);
     let prepared = begin.elapsed();
+    let cpu_wait_before = cpu_wait::thread_cpu_wait();
     let start = Instant::now();
     let paused_unix_us = unix_us();
     // A background index build (of an earlier snapshot) waits while the
@@ -355,6 +359,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     let drained = start.elapsed();
     let old = shared.handle.get();
+    let switch_start = Instant::now();
     // Nothing written here: the new chain reads the old top's last tables
     // from its writer's memory (nothing changes them any more) until the
     // close after the pause has written them back, and its flushes flush
@@ -363,6 +368,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let chain = old
         .successor(next_top, &shared.options)
         .map_err(new_top_failure)?;
+    let made = switch_start.elapsed();
     let layers = chain.layers().len();
     let indexed = chain.is_indexed();
     let old = {
@@ -370,8 +376,21 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         shared.handle.replace(chain)
     };
     created.switched = true;
+    let replaced = switch_start.elapsed();
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
+    // Read after the pause (a file read): the window is a little longer.
+    let cpu_wait_ms = cpu_wait_before
+        .zip(cpu_wait::thread_cpu_wait())
+        .map_or(0.0, |(a, b)| b.saturating_sub(a).as_secs_f64() * 1000.0);
+    if replaced >= SLOW_SWITCH_STEP {
+        info!(
+            made_ms = made.as_secs_f64() * 1000.0,
+            replaced_ms = replaced.as_secs_f64() * 1000.0,
+            cpu_wait_ms,
+            "a live snapshot's switch was slow"
+        );
+    }
     // The old top closed: its last tables written back and made durable
     // (then the new chain reads them from the file). If this fails, the
     // old top stays open: the new chain reads its tables from memory and
@@ -411,6 +430,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         drain_ms: ms(drained),
         switch_ms: pause_ms - ms(drained),
         close_ms: ms(retired),
+        cpu_wait_ms,
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
     Ok(SnapshotResult {

@@ -344,6 +344,11 @@ pub struct SnapshotSteps {
     /// clusters given back, dirty bit cleared).
     #[serde(default)]
     pub close_ms: f64,
+    /// Of the pause, how long the thread doing it was runnable but
+    /// waited for a CPU that other threads had (the kernel's run-queue
+    /// wait; 0 where the kernel does not keep it).
+    #[serde(default)]
+    pub cpu_wait_ms: f64,
 }
 
 /// The result of `snapshot`.
