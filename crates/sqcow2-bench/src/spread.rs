@@ -69,6 +69,14 @@ pub struct SpreadArgs {
     /// Where the files go (removed afterwards).
     #[arg(long, default_value = "bench-results/spread")]
     pub dir: std::path::PathBuf,
+    /// Registers the files with the ring (io_uring's fixed files: no
+    /// file-table lookup and reference count per read) and reads them so.
+    #[arg(long)]
+    pub registered_files: bool,
+    /// Opens the files with `O_NOATIME` (reads do not check whether the
+    /// access time needs an update).
+    #[arg(long)]
+    pub noatime: bool,
 }
 
 /// Runs [`SpreadArgs`]: a Markdown table of the medians.
@@ -84,8 +92,8 @@ pub fn run_cli(args: &SpreadArgs) -> anyhow::Result<()> {
         make_files(&dir, n, size)?;
         let (mut d1, mut d32, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.repeat.max(1) {
-            d1.push(measure(&dir, 1, duration)?.iops);
-            let r = measure(&dir, 32, duration)?;
+            d1.push(measure(&dir, 1, duration, args.registered_files, args.noatime)?.iops);
+            let r = measure(&dir, 32, duration, args.registered_files, args.noatime)?;
             d32.push(r.iops);
             cpu.extend(r.server_cpu_us_per_io);
         }
@@ -104,15 +112,30 @@ pub fn run_cli(args: &SpreadArgs) -> anyhow::Result<()> {
 
 /// Random 4 KiB reads over the files of `dir` (as [`make_files`] wrote
 /// them) at `depth` for `duration`; the CPU time of this thread per read
-/// is the result's `server_cpu_us_per_io`.
-pub fn measure(dir: &Path, depth: usize, duration: Duration) -> anyhow::Result<LoadResult> {
+/// is the result's `server_cpu_us_per_io`. With `registered`, the files
+/// are registered with the ring and read as fixed files.
+pub fn measure(
+    dir: &Path,
+    depth: usize,
+    duration: Duration,
+    registered: bool,
+    noatime: bool,
+) -> anyhow::Result<LoadResult> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut files = Vec::new();
     let mut names: Vec<_> = std::fs::read_dir(dir)?
         .map(|e| e.map(|e| e.path()))
         .collect::<Result<_, _>>()?;
     names.sort();
     for p in &names {
-        files.push(std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))?);
+        let flags = if noatime { libc::O_NOATIME } else { 0 };
+        files.push(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
+        );
     }
     let Some(first) = files.first() else {
         bail!("no files in {}", dir.display());
@@ -122,6 +145,12 @@ pub fn measure(dir: &Path, depth: usize, duration: Duration) -> anyhow::Result<L
         bail!("files in {} are empty", dir.display());
     }
     let mut ring = IoUring::new(depth.next_power_of_two() as u32)?;
+    if registered {
+        let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+        ring.submitter()
+            .register_files(&fds)
+            .context("registering the files with the ring")?;
+    }
     let mut buffers = vec![0u8; BLOCK * depth];
     let mut started = vec![Instant::now(); depth];
     let mut rng = fastrand::Rng::with_seed(0x5bead);
@@ -133,14 +162,17 @@ pub fn measure(dir: &Path, depth: usize, duration: Duration) -> anyhow::Result<L
     let base = buffers.as_mut_ptr();
     let submit =
         |ring: &mut IoUring, slot: usize, rng: &mut fastrand::Rng, started: &mut [Instant]| {
-            let f = &files[rng.usize(0..files.len())];
+            let i = rng.usize(0..files.len());
             let offset = rng.u64(0..blocks) * BLOCK as u64;
             // `base + slot * BLOCK` stays inside `buffers` (slot < depth).
             let buf = base.wrapping_add(slot * BLOCK);
-            let sqe = opcode::Read::new(types::Fd(f.as_raw_fd()), buf, BLOCK as u32)
-                .offset(offset)
-                .build()
-                .user_data(slot as u64);
+            let read = if registered {
+                // `i` indexes the table registered above, in `files` order.
+                opcode::Read::new(types::Fixed(i as u32), buf, BLOCK as u32)
+            } else {
+                opcode::Read::new(types::Fd(files[i].as_raw_fd()), buf, BLOCK as u32)
+            };
+            let sqe = read.offset(offset).build().user_data(slot as u64);
             started[slot] = Instant::now();
             // SAFETY: the buffer is `buffers[slot * BLOCK..][..BLOCK]`, owned
             // by this function, not reused until this read's completion is
@@ -230,7 +262,10 @@ mod tests {
         let files = dir.path().join("spread");
         make_files(&files, 8, 8 * 64 * 1024).unwrap();
         assert_eq!(std::fs::read_dir(&files).unwrap().count(), 8);
-        let r = measure(&files, 4, Duration::from_millis(50)).unwrap();
+        let r = measure(&files, 4, Duration::from_millis(50), false, false).unwrap();
+        assert!(r.ios > 0);
+        assert_eq!(r.errors, 0);
+        let r = measure(&files, 4, Duration::from_millis(50), true, true).unwrap();
         assert!(r.ios > 0);
         assert_eq!(r.errors, 0);
         assert!(r.server_cpu_us_per_io.is_some());
