@@ -139,6 +139,13 @@ fn live_snapshots_under_write_load() {
         let reply = control(&ctl, json!({"id": i, "command": "snapshot", "path": new}));
         assert_eq!(reply["ok"], true, "snapshot {i}: {reply}");
         assert_eq!(reply["id"], i);
+        // A daemon allowed to runs the pause ahead of the host's normal
+        // threads.
+        assert_eq!(
+            reply["result"]["steps"]["realtime"],
+            may_raise_priority(),
+            "snapshot {i}: {reply}"
+        );
         pauses.push(reply["result"]["pause_ms"].as_f64().unwrap());
     }
     std::thread::sleep(Duration::from_millis(100));
@@ -545,4 +552,17 @@ fn a_walking_daemon_builds_no_index() {
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     assert!(child.0.wait().unwrap().success());
+}
+
+/// Whether this process (and so the daemon it starts) has `CAP_SYS_NICE`,
+/// which real-time scheduling needs.
+fn may_raise_priority() -> bool {
+    const CAP_SYS_NICE: u32 = 23;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .expect("CapEff in /proc/self/status");
+    caps & (1 << CAP_SYS_NICE) != 0
 }

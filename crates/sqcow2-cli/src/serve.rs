@@ -63,6 +63,12 @@ pub struct ServeArgs {
     /// QEMU's iothreads default to 32.
     #[arg(long, default_value_t = 32, conflicts_with = "poll_us")]
     poll_max_us: u64,
+    /// Run a live snapshot's pause at normal priority. By default the
+    /// thread doing it runs at real-time priority (`SCHED_FIFO`, lowest
+    /// level) for the pause, where the daemon may (`CAP_SYS_NICE`), so
+    /// that no other thread of the host delays the guest's wait.
+    #[arg(long)]
+    no_realtime_pause: bool,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -128,6 +134,7 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
                 max: std::time::Duration::from_micros(max),
             },
         },
+        realtime_pause: !args.no_realtime_pause,
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

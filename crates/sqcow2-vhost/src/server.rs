@@ -60,6 +60,9 @@ pub struct ServeOptions {
     /// How a worker thread busy-polls its rings after its last piece of
     /// work before it sleeps.
     pub polling: crate::Polling,
+    /// Whether a live snapshot's pause runs at real-time priority (where
+    /// the daemon is allowed to raise it).
+    pub realtime_pause: bool,
 }
 
 /// Why serving failed.
@@ -160,7 +163,11 @@ pub fn serve(
     } else {
         Shared::new(handle, chain_options)
     };
-    let shared = Arc::new(shared.with_inactive_timeout(options.inactive_timeout));
+    let shared = Arc::new(
+        shared
+            .with_inactive_timeout(options.inactive_timeout)
+            .with_realtime_pause(options.realtime_pause),
+    );
     if !options.inactive {
         // A daemon killed during a build left the old index serving.
         shared.index_builder.wake();

@@ -6,6 +6,7 @@ mod index_builder;
 mod merge_job;
 pub mod prometheus;
 pub mod protocol;
+mod realtime;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -64,6 +65,8 @@ pub struct Shared {
     pub index_builder: IndexBuilder,
     /// The live merge.
     pub merge: MergeJob,
+    /// Whether a live snapshot's pause runs at real-time priority.
+    realtime_pause: bool,
     started: Instant,
 }
 
@@ -81,7 +84,17 @@ impl Shared {
             inactive_timeout: Duration::from_secs(60),
             snapshot_running: Mutex::new(()),
             pauses_ms: Mutex::new(Vec::new()),
+            realtime_pause: true,
             started: Instant::now(),
+        }
+    }
+
+    /// Whether a live snapshot's pause runs at real-time priority, where
+    /// the daemon may raise it (default: yes).
+    pub fn with_realtime_pause(self, realtime: bool) -> Self {
+        Shared {
+            realtime_pause: realtime,
+            ..self
         }
     }
 
@@ -337,6 +350,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     drop(current);
     let prepared = begin.elapsed();
+    // From here to the end of the pause this thread runs ahead of the
+    // normal threads (where allowed).
+    let realtime = realtime::RealtimeSection::enter(shared.realtime_pause);
     let cpu_wait_before = cpu_wait::thread_cpu_wait();
     let start = Instant::now();
     let paused_unix_us = unix_us();
@@ -383,6 +399,8 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let cpu_wait_ms = cpu_wait_before
         .zip(cpu_wait::thread_cpu_wait())
         .map_or(0.0, |(a, b)| b.saturating_sub(a).as_secs_f64() * 1000.0);
+    let realtime_pause = realtime.raised();
+    drop(realtime);
     if replaced >= SLOW_SWITCH_STEP {
         info!(
             made_ms = made.as_secs_f64() * 1000.0,
@@ -431,6 +449,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         switch_ms: pause_ms - ms(drained),
         close_ms: ms(retired),
         cpu_wait_ms,
+        realtime: realtime_pause,
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
     Ok(SnapshotResult {

@@ -349,6 +349,10 @@ pub struct SnapshotSteps {
     /// wait; 0 where the kernel does not keep it).
     #[serde(default)]
     pub cpu_wait_ms: f64,
+    /// Whether the pause ran at real-time priority (`sqcow2 serve`
+    /// without `--no-realtime-pause`, where the daemon may raise it).
+    #[serde(default)]
+    pub realtime: bool,
 }
 
 /// The result of `snapshot`.
