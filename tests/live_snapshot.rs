@@ -133,17 +133,30 @@ fn live_snapshots_under_write_load() {
     let mut rng = fastrand::Rng::with_seed(99);
     let mut pauses = Vec::new();
     let count = env_count("SQCOW2_LIVE_SNAPSHOTS", 50usize);
+    let may_raise = may_raise_priority();
+    // One connection for all of them: its thread, which does the pauses,
+    // stays for the check after them.
+    let conn = UnixStream::connect(&ctl).unwrap();
+    let mut replies = BufReader::new(conn.try_clone().unwrap());
+    let mut requests = conn;
     for i in 0..count {
         std::thread::sleep(Duration::from_millis(rng.u64(10..80)));
         let new = tmp.path().join(format!("live{i:03}.qcow2"));
-        let reply = control(&ctl, json!({"id": i, "command": "snapshot", "path": new}));
+        writeln!(
+            requests,
+            "{}",
+            json!({"id": i, "command": "snapshot", "path": new})
+        )
+        .unwrap();
+        let mut line = String::new();
+        replies.read_line(&mut line).unwrap();
+        let reply: Value = serde_json::from_str(&line).unwrap();
         assert_eq!(reply["ok"], true, "snapshot {i}: {reply}");
         assert_eq!(reply["id"], i);
         // A daemon allowed to runs the pause ahead of the host's normal
         // threads.
         assert_eq!(
-            reply["result"]["steps"]["realtime"],
-            may_raise_priority(),
+            reply["result"]["steps"]["realtime"], may_raise,
             "snapshot {i}: {reply}"
         );
         pauses.push(reply["result"]["pause_ms"].as_f64().unwrap());
@@ -156,6 +169,10 @@ fn live_snapshots_under_write_load() {
         assert_eq!(errors, 0, "I/O errors during live snapshots");
         total_writes += writes;
     }
+    // And every thread of the daemon back at normal scheduling after, the
+    // one that did the pauses still there.
+    assert_eq!(realtime_threads(daemon.pid()), 0);
+    drop((requests, replies));
     pauses.sort_by(f64::total_cmp);
     let q = |p: f64| pauses[((pauses.len() - 1) as f64 * p).round() as usize];
     println!(
@@ -554,15 +571,36 @@ fn a_walking_daemon_builds_no_index() {
     assert!(child.0.wait().unwrap().success());
 }
 
-/// Whether this process (and so the daemon it starts) has `CAP_SYS_NICE`,
-/// which real-time scheduling needs.
+/// Whether the daemon this test starts may run a thread real-time, asked
+/// of util-linux's `chrt` (an independent program started as the daemon
+/// is: capabilities, `RLIMIT_RTPRIO`, seccomp, cgroups), and whether it
+/// would (it raises only from the default policy at nice 0).
 fn may_raise_priority() -> bool {
-    const CAP_SYS_NICE: u32 = 23;
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let caps = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .expect("CapEff in /proc/self/status");
-    caps & (1 << CAP_SYS_NICE) != 0
+    let chrt = std::process::Command::new("chrt")
+        .args(["-f", "1", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    let (nice, policy) = nice_and_policy(&stat);
+    chrt && nice == "0" && policy == "0"
+}
+
+/// Fields 19 (nice) and 41 (scheduling policy) of a `stat` line.
+fn nice_and_policy(stat: &str) -> (String, String) {
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 1..]
+        .split_whitespace()
+        .collect();
+    (fields[19 - 3].to_string(), fields[41 - 3].to_string())
+}
+
+/// Threads of process `pid` running at a real-time policy now.
+fn realtime_threads(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("stat")).ok())
+        .filter(|stat| {
+            let (_, policy) = nice_and_policy(stat);
+            policy == "1" || policy == "2"
+        })
+        .count()
 }

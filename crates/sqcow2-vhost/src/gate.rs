@@ -247,10 +247,16 @@ impl RequestGate {
     }
 
     fn notify_idle(&self) {
-        let _lock = self
-            .idle_lock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        // Taken after the count changed and let go before the wake-up: a
+        // waiter checks the count under the lock, so it either sees the
+        // change or already waits; woken outside the lock, it does not
+        // preempt this thread only to block on it (a live snapshot's
+        // pause waits here at real-time priority).
+        drop(
+            self.idle_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         self.idle.notify_all();
     }
 

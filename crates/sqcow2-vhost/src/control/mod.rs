@@ -393,12 +393,13 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     };
     created.switched = true;
     let replaced = switch_start.elapsed();
-    drop(pause);
-    let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
-    // Read after the pause (a file read): the window is a little longer.
+    // Read in the pause (a file read, ~10 us), so that the wait counted is
+    // the pause's own.
     let cpu_wait_ms = cpu_wait_before
         .zip(cpu_wait::thread_cpu_wait())
         .map_or(0.0, |(a, b)| b.saturating_sub(a).as_secs_f64() * 1000.0);
+    drop(pause);
+    let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     let realtime_pause = realtime.raised();
     drop(realtime);
     if replaced >= SLOW_SWITCH_STEP {

@@ -1,32 +1,37 @@
 //! The thread doing a live snapshot's pause runs ahead of every normal
 //! thread while the guest waits: on a host with few CPUs the daemon's
 //! queue and engine threads, the guest's own threads and the kernel's
-//! write-back share them, and a pause's few microseconds of work waited
-//! up to 5 ms for a CPU (measured with `cpu_wait_ms`). `SCHED_FIFO` at
-//! its lowest priority: above every `SCHED_OTHER` thread, below every
-//! real-time one the host runs; the pause holds no CPU while it waits
-//! (its waits sleep), and the kernel's real-time throttling still leaves
-//! the other threads their share. Needs `CAP_SYS_NICE` (or an
+//! write-back share them, and a pause's 0.05-0.1 ms of work waited up to
+//! 5 ms for a CPU (measured with `cpu_wait_ms`). `SCHED_FIFO` at its
+//! lowest priority: above every `SCHED_OTHER` thread, below every
+//! real-time one the host runs; every wait of the pause sleeps (no CPU
+//! held meanwhile), and the kernel's real-time throttling still leaves the
+//! other threads their share. Needs `CAP_SYS_NICE` (or an
 //! `RLIMIT_RTPRIO`); without it the pause runs as before.
 
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use thread_priority::{
-    set_thread_priority_and_policy, thread_native_id, thread_schedule_policy,
-    NormalThreadSchedulePolicy, RealtimeThreadSchedulePolicy, ThreadPriority,
-    ThreadPriorityOsValue, ThreadSchedulePolicy,
+    set_thread_priority_and_policy, thread_native_id, NormalThreadSchedulePolicy,
+    RealtimeThreadSchedulePolicy, ThreadPriority, ThreadPriorityOsValue, ThreadSchedulePolicy,
 };
-use tracing::debug;
+use tracing::{info, warn};
 
 const NORMAL: ThreadSchedulePolicy =
     ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Other);
 const FIFO: ThreadSchedulePolicy =
     ThreadSchedulePolicy::Realtime(RealtimeThreadSchedulePolicy::Fifo);
+/// The kernel's number of `SCHED_OTHER`.
+const SCHED_OTHER: u32 = 0;
+
+/// Whether a refused raise was reported (once per process).
+static REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
 
 /// The calling thread raised to real-time scheduling until this is
 /// dropped, on the same thread (not `Send`). Raised only from the default
-/// policy at nice 0, which the drop restores exactly; a thread an operator
-/// scheduled otherwise is left as it is.
+/// policy at nice 0 as the kernel has them, which the drop restores
+/// exactly; a thread an operator scheduled otherwise is left as it is.
 #[must_use = "the thread goes back to normal scheduling when this is dropped"]
 #[derive(Debug)]
 pub(crate) struct RealtimeSection {
@@ -52,15 +57,15 @@ impl RealtimeSection {
 }
 
 fn raise() -> bool {
-    let normal_at_zero = matches!(thread_schedule_policy(), Ok(p) if p == NORMAL)
-        && rustix::process::getpriority_process(None) == Ok(0);
-    if !normal_at_zero {
+    if thread_scheduling() != Some(ThreadScheduling::NORMAL_AT_ZERO) {
         return false;
     }
     match set_thread_priority_and_policy(thread_native_id(), ThreadPriority::Min, FIFO) {
         Ok(()) => true,
         Err(e) => {
-            debug!(error = ?e, "running the pause at real-time priority is not allowed");
+            if !REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
+                info!(error = ?e, "live snapshots pause at normal priority: real-time scheduling is not allowed (CAP_SYS_NICE)");
+            }
             false
         }
     }
@@ -74,35 +79,97 @@ impl Drop for RealtimeSection {
             // default 0.
             let nice_zero = ThreadPriority::Os(ThreadPriorityOsValue::default());
             if let Err(e) = set_thread_priority_and_policy(thread_native_id(), nice_zero, NORMAL) {
-                tracing::warn!(error = ?e, "could not put the pause's thread back to normal scheduling");
+                warn!(error = ?e, "could not put the pause's thread back to normal scheduling");
             }
         }
     }
+}
+
+/// A thread's scheduling as the kernel has it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ThreadScheduling {
+    /// `SCHED_OTHER` 0, `SCHED_FIFO` 1, ...
+    pub(crate) policy: u32,
+    pub(crate) nice: i32,
+}
+
+impl ThreadScheduling {
+    const NORMAL_AT_ZERO: ThreadScheduling = ThreadScheduling {
+        policy: SCHED_OTHER,
+        nice: 0,
+    };
+}
+
+/// The calling thread's scheduling, from the kernel
+/// (`/proc/thread-self/stat`; glibc's own answer is a cache that misses
+/// a change made from outside, e.g. by `chrt -p`).
+pub(crate) fn thread_scheduling() -> Option<ThreadScheduling> {
+    parse_stat(&std::fs::read_to_string("/proc/thread-self/stat").ok()?)
+}
+
+/// Fields 19 (nice) and 41 (policy) of a `stat` line, counted after the
+/// command name (which may hold spaces and parentheses).
+fn parse_stat(stat: &str) -> Option<ThreadScheduling> {
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // `fields[0]` is field 3.
+    Some(ThreadScheduling {
+        nice: fields.get(19 - 3)?.parse().ok()?,
+        policy: fields.get(41 - 3)?.parse().ok()?,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn policy() -> ThreadSchedulePolicy {
-        thread_schedule_policy().expect("sched_getscheduler")
+    /// Whether this thread may take real-time scheduling, asked of
+    /// util-linux's `chrt` (an independent program, as the caller is
+    /// scheduled: capabilities, `RLIMIT_RTPRIO`, seccomp, cgroups).
+    fn chrt_may_raise() -> bool {
+        std::process::Command::new("chrt")
+            .args(["-f", "1", "true"])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    fn scheduling() -> ThreadScheduling {
+        thread_scheduling().expect("/proc/thread-self/stat")
     }
 
     #[test]
-    fn raised_while_held_and_normal_again_after() {
+    fn parses_the_kernels_stat_line() {
+        let line = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 -5 1 0 \
+                    1234 1000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 1 0 0 0 \
+                    0 0 0 0 0 0 0 0";
+        assert_eq!(
+            parse_stat(line),
+            Some(ThreadScheduling {
+                policy: 1,
+                nice: -5
+            })
+        );
+        assert_eq!(parse_stat("4242 (a) S 1"), None);
+    }
+
+    #[test]
+    fn raised_while_held_and_as_before_after() {
         std::thread::spawn(|| {
-            assert_eq!(policy(), NORMAL);
-            let permitted = rustix::process::geteuid().is_root();
+            let before = scheduling();
+            // Raised exactly where chrt may raise and the thread runs
+            // normally at nice 0.
+            let expected = chrt_may_raise() && before == ThreadScheduling::NORMAL_AT_ZERO;
             {
                 let section = RealtimeSection::enter(true);
-                // As root the raise must succeed; otherwise it may not.
-                if permitted {
-                    assert!(section.raised());
+                assert_eq!(section.raised(), expected);
+                let during = scheduling();
+                if expected {
+                    assert_eq!(during.policy, 1, "SCHED_FIFO while held");
+                } else {
+                    assert_eq!(during, before);
                 }
-                assert_eq!(policy() == FIFO, section.raised());
             }
-            assert_eq!(policy(), NORMAL);
-            assert_eq!(rustix::process::getpriority_process(None), Ok(0));
+            assert_eq!(scheduling(), before);
         })
         .join()
         .unwrap();
@@ -111,9 +178,10 @@ mod tests {
     #[test]
     fn not_wanted_leaves_the_thread_alone() {
         std::thread::spawn(|| {
+            let before = scheduling();
             let section = RealtimeSection::enter(false);
             assert!(!section.raised());
-            assert_eq!(policy(), NORMAL);
+            assert_eq!(scheduling(), before);
         })
         .join()
         .unwrap();
@@ -122,14 +190,17 @@ mod tests {
     #[test]
     fn a_thread_scheduled_otherwise_is_left_as_it_is() {
         std::thread::spawn(|| {
-            // A lower priority (nice 5) is always allowed.
-            rustix::process::setpriority_process(None, 5).unwrap();
+            // A lower priority is always allowed.
+            let nice = scheduling().nice.max(5);
+            rustix::process::setpriority_process(None, nice).unwrap();
+            let before = scheduling();
+            assert_eq!(before.nice, nice);
             {
                 let section = RealtimeSection::enter(true);
                 assert!(!section.raised());
-                assert_eq!(policy(), NORMAL);
+                assert_eq!(scheduling(), before);
             }
-            assert_eq!(rustix::process::getpriority_process(None), Ok(5));
+            assert_eq!(scheduling(), before);
         })
         .join()
         .unwrap();
