@@ -67,6 +67,22 @@ for (a, b), nxt in zip(windows, windows[1:]):
     mid, half = (b + nxt[0]) / 2, (b - a) / 2
     if mid - half > b and mid + half < nxt[0]:
         quiet.append((mid - half, mid + half))
+# Where the long requests of the snapshots' windows fall: the
+# preparation (new top, write-back rounds), the pause, the old top's close
+# after it (a request spanning two counts in both; sqcow2 only).
+def longest_over(phases):
+    return max((s["latency_us"] for s in load.get("slow", [])
+                if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
+                       for a, b in phases)), default=0) / 1000
+by_phase = None
+if all(r.get("steps") for r in replies):
+    paused_end = [r["paused_unix_us"] + r["pause_ms"] * 1000 for r in replies]
+    by_phase = {
+        "prepare": longest_over([(r["started_unix_us"], r["paused_unix_us"]) for r in replies]),
+        "pause": longest_over([(r["paused_unix_us"], e) for r, e in zip(replies, paused_end)]),
+        "close": longest_over([(e, e + r["steps"].get("close_ms", 0) * 1000)
+                               for r, e in zip(replies, paused_end)]),
+    }
 worst = max(replies, key=lambda r: r["pause_ms"])
 try:
     index = json.load(open("stats.json"))["index"]
@@ -77,6 +93,7 @@ print(json.dumps({
     "pause_p50_ms": q(0.5), "pause_p99_ms": q(0.99), "pause_max_ms": pauses[-1],
     "longest_overlapping_ms": max(overlapping, default=0) / 1000,
     "longest_without_snapshot_ms": longest_in(quiet), "quiet_windows": len(quiet),
+    "longest_overlapping_by_phase_ms": by_phase,
     "client_iops": load["iops"], "client_p999_us": load["lat_p999_us"],
     "worst_steps": worst.get("steps"), "index_builds": index["builds"],
     "last_build_ms": index["last_build_ms"],
@@ -91,6 +108,25 @@ start_load() {
   load=$!
   sleep 1
 }
+# Each size needs its chain (2 % of the disk, plus what the load and the
+# snapshots write) and, with the peer, a copy: refuse to start rather than
+# fill the disk halfway (a full disk ends the run with no result).
+need=0
+for size in $sizes; do
+  bytes=$(numfmt --from=iec "${size%B}")
+  per=$((bytes / 50 + (2 << 30)))
+  [ "$peer" = none ] || per=$((per * 2))
+  if [ -n "${KEEP:-}" ]; then
+    need=$((need + per))
+  elif [ "$per" -gt "$need" ]; then
+    need=$per
+  fi
+done
+avail=$(df --output=avail -B1 "$root" | tail -1)
+if [ "$avail" -lt "$need" ]; then
+  echo "bench-live-snapshot: $root has $(numfmt --to=iec "$avail") free, the run needs about $(numfmt --to=iec "$need") ($sizes${KEEP:+, KEEP=1})" >&2
+  exit 1
+fi
 for size in $sizes; do
   dir=$root/$size
   mkdir -p "$dir"
@@ -181,7 +217,7 @@ off = json.load(open(f"{root}/offline/offline.json"))
 json.dump({"live": runs, "offline": off}, open(f"{root}/results.json", "w"), indent=1)
 print(f"Live snapshots, {n} per size, random 4 KiB writes at depth 16 during them "
       "(10-layer chain, 2 % filled):\n")
-print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request | the same without snapshots | client IOPS | steps of the longest pause (drain / switch) |")
+print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request (in the preparation / pause / close) | the same without snapshots | client IOPS | steps of the longest pause (drain / switch) |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
@@ -192,6 +228,9 @@ for r in runs:
         steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]
     lo = f"{lo:.1f} ms" if lo else "< 1 ms"
+    ph = r.get("longest_overlapping_by_phase_ms")
+    if ph:
+        lo += " ({})".format(" / ".join(f"{ph[k]:.1f}" if ph[k] else "<1" for k in ("prepare", "pause", "close")))
     quiet = r.get("longest_without_snapshot_ms")
     quiet = f"{quiet:.1f} ms" if quiet else "< 1 ms"
     print(f"| {r['size']} | {r.get('server', 'sqcow2')} | {r.get('under_load', r['snapshots'])} of {r['snapshots']} | {r['pause_p50_ms']:.2f} ms | {r['pause_p99_ms']:.2f} ms | "
