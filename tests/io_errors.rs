@@ -155,3 +155,102 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     let out = tempfile::tempdir().unwrap();
     assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
 }
+
+/// A live snapshot whose old top cannot be closed after the switch (its
+/// file refuses writes) still succeeds: the guest goes on, reading the old
+/// top's tables from memory, and no index is built over the old top left
+/// open. Once the file takes writes again, the next snapshot closes it
+/// first: the index is built, every layer checks clean, and QEMU reads
+/// every write.
+#[test]
+fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
+    use common::vhost::control;
+    use serde_json::json;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
+    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let top = fs.mountpoint.join("top.qcow2");
+    // The new tops outside the faulty filesystem: only the old top fails.
+    let new = dir.join("new");
+    std::fs::create_dir(&new).unwrap();
+    let ctl = dir.join("c.sock");
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir), "--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(at(0), &[0x33; CLUSTER]);
+    client.flush();
+
+    let index = |ctl: &std::path::Path| {
+        control(ctl, json!({"command": "stats"}))["result"]["index"].clone()
+    };
+    fs.faults.set(false, true, false);
+    let first = new.join("live1.qcow2");
+    let reply = control(&ctl, json!({"command": "snapshot", "path": first}));
+    assert_eq!(reply["ok"], true, "{reply}");
+    // Open below the new top: the guest's data still right, no index over
+    // it (the builder woken by the snapshot tried and failed).
+    assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
+    assert_eq!(client.read(at(1), CLUSTER), vec![0x22; CLUSTER]);
+    let mut tried = serde_json::Value::Null;
+    for _ in 0..600 {
+        tried = index(&ctl);
+        if tried["failures"].as_u64() >= Some(1) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        tried["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("top.qcow2")),
+        "the builder did not meet the old top's failure: {tried}"
+    );
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(
+        info["result"]["indexed"], false,
+        "indexed over an open old top: {info}"
+    );
+
+    fs.faults.set(false, false, false);
+    client.write(at(1), &[0x44; CLUSTER]);
+    client.flush();
+    let second = new.join("live2.qcow2");
+    let reply = control(&ctl, json!({"command": "snapshot", "path": second}));
+    assert_eq!(reply["ok"], true, "{reply}");
+    let mut last = serde_json::Value::Null;
+    for _ in 0..600 {
+        last = index(&ctl);
+        if last["pending_layers"] == 0 && last["building"] == false {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(last["pending_layers"], 0, "never indexed: {last}");
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["indexed"], true, "{info}; {last}");
+    client.write(at(2), &[0x55; CLUSTER]);
+    client.flush();
+    drop(client);
+    daemon.stop();
+
+    // Checked through the mount (the new tops name the old top there).
+    for image in [top, first, second.clone()] {
+        assert_check_clean(&image);
+    }
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x22);
+    expected[..CLUSTER].fill(0x33);
+    expected[CLUSTER..2 * CLUSTER].fill(0x44);
+    expected[2 * CLUSTER..3 * CLUSTER].fill(0x55);
+    let out = tempfile::tempdir().unwrap();
+    assert!(
+        qemu_raw(&second, out.path()) == expected,
+        "qemu-img convert"
+    );
+    drop(fs);
+}
