@@ -100,11 +100,13 @@ print(json.dumps({
 }))
 PY
 # The write load on v.sock in the background (its pid in $load), its
-# start time in load.start; a second to settle.
+# start time in load.start; a second to settle. It lasts long enough for
+# every snapshot to fall under it (a snapshot takes 0.4 s apart plus its
+# preparation, up to ~0.5 s at 10 GiB; QMP's up to ~0.35 s).
 start_load() {
   date +%s%6N >load.start
   "$bench" load --socket v.sock --pattern rand-write --iodepth 16 \
-    --duration $((n / 2 + 6)) --slow-us 1000 --output json >load.json &
+    --duration $((n * 3 / 2 + 6)) --slow-us 1000 --output json >load.json &
   load=$!
   sleep 1
 }
