@@ -8,7 +8,7 @@
 mod common;
 
 use common::faulty_fs::FaultyFs;
-use common::vhost::{connect_retry, Daemon};
+use common::vhost::{connect_retry, control, wait_index_state, Daemon};
 use std::process::Command;
 
 use common::{assert_check_clean, qemu_img, qemu_io, qemu_overlay, qemu_raw, run_raw, s};
@@ -17,6 +17,19 @@ const CLUSTER: usize = 65536;
 
 fn at(c: usize) -> u64 {
     (c * CLUSTER) as u64
+}
+
+/// In `dir`: a 32 MiB base (its first 8 MiB 0x22) and over it `top.qcow2`
+/// in `dir/src`, mounted through the faulty filesystem at `dir/mnt`
+/// (the top at `mnt/top.qcow2`); the mount and `dir/src`.
+fn faulty_top(dir: &std::path::Path) -> (FaultyFs, std::path::PathBuf) {
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
+    (FaultyFs::mount(&src, &dir.join("mnt")), src)
 }
 
 #[test]
@@ -80,13 +93,7 @@ fn eio_reading_a_backing_file_fails_the_request_and_never_gives_wrong_data() {
 fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
-    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
-    let src = dir.join("src");
-    std::fs::create_dir(&src).unwrap();
-    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
-    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let (fs, src) = faulty_top(dir);
     let top = fs.mountpoint.join("top.qcow2");
 
     let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
@@ -164,17 +171,10 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
 /// every write.
 #[test]
 fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
-    use common::vhost::control;
     use serde_json::json;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
-    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
-    let src = dir.join("src");
-    std::fs::create_dir(&src).unwrap();
-    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
-    let fs = FaultyFs::mount(&src, &dir.join("mnt"));
+    let (fs, _) = faulty_top(dir);
     let top = fs.mountpoint.join("top.qcow2");
     // The new tops outside the faulty filesystem: only the old top fails.
     let new = dir.join("new");
@@ -185,9 +185,6 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
     client.write(at(0), &[0x33; CLUSTER]);
     client.flush();
 
-    let index = |ctl: &std::path::Path| {
-        control(ctl, json!({"command": "stats"}))["result"]["index"].clone()
-    };
     fs.faults.set(false, true, false);
     let first = new.join("live1.qcow2");
     let reply = control(&ctl, json!({"command": "snapshot", "path": first}));
@@ -196,16 +193,11 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
     // it (the builder woken by the snapshot tried and failed).
     assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
     assert_eq!(client.read(at(1), CLUSTER), vec![0x22; CLUSTER]);
-    let mut tried = serde_json::Value::Null;
-    for _ in 0..600 {
-        tried = index(&ctl);
-        if tried["failures"].as_u64() >= Some(1) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    let tried = wait_index_state(&ctl, "a failed index build", |index| {
+        index["failures"].as_u64() >= Some(1)
+    });
     assert!(
-        tried["last_error"]
+        tried["result"]["index"]["last_error"]
             .as_str()
             .is_some_and(|e| e.contains("top.qcow2")),
         "the builder did not meet the old top's failure: {tried}"
@@ -222,15 +214,9 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
     let second = new.join("live2.qcow2");
     let reply = control(&ctl, json!({"command": "snapshot", "path": second}));
     assert_eq!(reply["ok"], true, "{reply}");
-    let mut last = serde_json::Value::Null;
-    for _ in 0..600 {
-        last = index(&ctl);
-        if last["pending_layers"] == 0 && last["building"] == false {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    assert_eq!(last["pending_layers"], 0, "never indexed: {last}");
+    let last = wait_index_state(&ctl, "the index built after the close", |index| {
+        index["pending_layers"] == 0 && index["building"] == false
+    });
     let info = control(&ctl, json!({"command": "info"}));
     assert_eq!(info["result"]["indexed"], true, "{info}; {last}");
     client.write(at(2), &[0x55; CLUSTER]);

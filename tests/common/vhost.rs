@@ -384,18 +384,33 @@ pub fn wait_for_log(daemon: &Daemon, needle: &str) {
     }
 }
 
-/// Waits until the daemon behind `ctl` has built the top's index (no
-/// pending layer, no build running, no failed build); its `stats`.
-pub fn wait_indexed(ctl: &std::path::Path) -> serde_json::Value {
+/// Waits (at most 60 s) until the index statistics of the daemon behind
+/// `ctl` satisfy `done`; its `stats`.
+pub fn wait_index_state(
+    ctl: &std::path::Path,
+    what: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let mut stats = serde_json::Value::Null;
     for _ in 0..1200 {
         stats = control(ctl, serde_json::json!({"command": "stats"}));
-        let index = &stats["result"]["index"];
-        if index["pending_layers"] == 0 && index["building"] == false {
-            assert_eq!(index["failures"], 0, "index builds failed: {stats}");
+        if done(&stats["result"]["index"]) {
             return stats;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("the top's index was not built within 60 s: {stats}");
+    panic!("{what}: not within 60 s: {stats}");
+}
+
+/// Waits until the daemon behind `ctl` has built the top's index (no
+/// pending layer, no build running, no failed build); its `stats`.
+pub fn wait_indexed(ctl: &std::path::Path) -> serde_json::Value {
+    let stats = wait_index_state(ctl, "the top's index built", |index| {
+        index["pending_layers"] == 0 && index["building"] == false
+    });
+    assert_eq!(
+        stats["result"]["index"]["failures"], 0,
+        "index builds failed: {stats}"
+    );
+    stats
 }

@@ -69,6 +69,15 @@ pub struct SpreadArgs {
     /// Where the files go (removed afterwards).
     #[arg(long, default_value = "bench-results/spread")]
     pub dir: std::path::PathBuf,
+    /// How the files are opened and read.
+    #[command(flatten)]
+    pub access: FileAccess,
+}
+
+/// How [`measure`] opens and reads the files (the default: plain
+/// descriptors, as a server has them).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct FileAccess {
     /// Registers the files with the ring (io_uring's fixed files: no
     /// file-table lookup and reference count per read) and reads them so.
     #[arg(long)]
@@ -92,8 +101,8 @@ pub fn run_cli(args: &SpreadArgs) -> anyhow::Result<()> {
         make_files(&dir, n, size)?;
         let (mut d1, mut d32, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.repeat.max(1) {
-            d1.push(measure(&dir, 1, duration, args.registered_files, args.noatime)?.iops);
-            let r = measure(&dir, 32, duration, args.registered_files, args.noatime)?;
+            d1.push(measure(&dir, 1, duration, args.access)?.iops);
+            let r = measure(&dir, 32, duration, args.access)?;
             d32.push(r.iops);
             cpu.extend(r.server_cpu_us_per_io);
         }
@@ -112,14 +121,13 @@ pub fn run_cli(args: &SpreadArgs) -> anyhow::Result<()> {
 
 /// Random 4 KiB reads over the files of `dir` (as [`make_files`] wrote
 /// them) at `depth` for `duration`; the CPU time of this thread per read
-/// is the result's `server_cpu_us_per_io`. With `registered`, the files
-/// are registered with the ring and read as fixed files.
+/// is the result's `server_cpu_us_per_io`. The files are opened and read
+/// as `access` says.
 pub fn measure(
     dir: &Path,
     depth: usize,
     duration: Duration,
-    registered: bool,
-    noatime: bool,
+    access: FileAccess,
 ) -> anyhow::Result<LoadResult> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut files = Vec::new();
@@ -128,7 +136,7 @@ pub fn measure(
         .collect::<Result<_, _>>()?;
     names.sort();
     for p in &names {
-        let flags = if noatime { libc::O_NOATIME } else { 0 };
+        let flags = if access.noatime { libc::O_NOATIME } else { 0 };
         files.push(
             std::fs::OpenOptions::new()
                 .read(true)
@@ -145,7 +153,7 @@ pub fn measure(
         bail!("files in {} are empty", dir.display());
     }
     let mut ring = IoUring::new(depth.next_power_of_two() as u32)?;
-    if registered {
+    if access.registered_files {
         let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
         ring.submitter()
             .register_files(&fds)
@@ -166,7 +174,7 @@ pub fn measure(
             let offset = rng.u64(0..blocks) * BLOCK as u64;
             // `base + slot * BLOCK` stays inside `buffers` (slot < depth).
             let buf = base.wrapping_add(slot * BLOCK);
-            let read = if registered {
+            let read = if access.registered_files {
                 // `i` indexes the table registered above, in `files` order.
                 opcode::Read::new(types::Fixed(i as u32), buf, BLOCK as u32)
             } else {
@@ -262,10 +270,19 @@ mod tests {
         let files = dir.path().join("spread");
         make_files(&files, 8, 8 * 64 * 1024).unwrap();
         assert_eq!(std::fs::read_dir(&files).unwrap().count(), 8);
-        let r = measure(&files, 4, Duration::from_millis(50), false, false).unwrap();
+        let r = measure(&files, 4, Duration::from_millis(50), FileAccess::default()).unwrap();
         assert!(r.ios > 0);
         assert_eq!(r.errors, 0);
-        let r = measure(&files, 4, Duration::from_millis(50), true, true).unwrap();
+        let r = measure(
+            &files,
+            4,
+            Duration::from_millis(50),
+            FileAccess {
+                registered_files: true,
+                noatime: true,
+            },
+        )
+        .unwrap();
         assert!(r.ios > 0);
         assert_eq!(r.errors, 0);
         assert!(r.server_cpu_us_per_io.is_some());

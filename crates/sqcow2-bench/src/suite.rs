@@ -729,10 +729,15 @@ fn measure_spread(dir: &Path, layers: usize, seconds: f64, repetition: usize) ->
     let duration = Duration::from_secs_f64(seconds);
     let result = crate::page_cache::warm_dir(dir)
         .map_err(anyhow::Error::from)
-        .and_then(|()| crate::spread::measure(dir, 1, duration, false, false))
+        .and_then(|()| crate::spread::measure(dir, 1, duration, Default::default()))
         .and_then(|qd1| {
             run.rand_read_qd1 = Some(qd1);
-            run.rand_read_qd32 = Some(crate::spread::measure(dir, 32, duration, false, false)?);
+            run.rand_read_qd32 = Some(crate::spread::measure(
+                dir,
+                32,
+                duration,
+                Default::default(),
+            )?);
             Ok(())
         });
     if let Err(e) = result {

@@ -87,10 +87,10 @@ impl Drop for RealtimeSection {
 
 /// A thread's scheduling as the kernel has it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ThreadScheduling {
+struct ThreadScheduling {
     /// `SCHED_OTHER` 0, `SCHED_FIFO` 1, ...
-    pub(crate) policy: u32,
-    pub(crate) nice: i32,
+    policy: u32,
+    nice: i32,
 }
 
 impl ThreadScheduling {
@@ -103,7 +103,7 @@ impl ThreadScheduling {
 /// The calling thread's scheduling, from the kernel
 /// (`/proc/thread-self/stat`; glibc's own answer is a cache that misses
 /// a change made from outside, e.g. by `chrt -p`).
-pub(crate) fn thread_scheduling() -> Option<ThreadScheduling> {
+fn thread_scheduling() -> Option<ThreadScheduling> {
     parse_stat(&std::fs::read_to_string("/proc/thread-self/stat").ok()?)
 }
 
