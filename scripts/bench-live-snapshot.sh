@@ -108,6 +108,7 @@ start_load() {
   "$bench" load --socket v.sock --pattern rand-write --iodepth 16 \
     --duration $((n * 3 / 2 + 6)) --slow-us 1000 --output json >load.json &
   load=$!
+  echo "$load" >load.pid
   sleep 1
 }
 # Each size needs its chain (2 % of the disk, plus what the load and the
@@ -129,6 +130,35 @@ if [ "$avail" -lt "$need" ]; then
   echo "bench-live-snapshot: $root has $(numfmt --to=iec "$avail") free, the run needs about $(numfmt --to=iec "$need") ($sizes${KEEP:+, KEEP=1})" >&2
   exit 1
 fi
+# What the load writes is not known ahead (each 4 KiB write into a new
+# top allocates a 64 KiB cluster: 10-40 GB over a run, more with KEEP=1,
+# which keeps every size's tops): a watchdog stops the servers, and so
+# the run, when less than 4 GiB is left, before a full disk takes the
+# machine's other programs down with it (it did once). MIN_FREE sets
+# the floor (default 4G).
+floor=$(numfmt --from=iec "${MIN_FREE:-4G}")
+(
+  while sleep 0.5; do
+    left=$(df --output=avail -B1 "$root" | tail -1)
+    if [ "$left" -lt "$floor" ]; then
+      echo "bench-live-snapshot: $(numfmt --to=iec "$left") left on $root: stopping the run (results so far in $root/runs.jsonl)" >&2
+      : >"$root/disk-low"
+      for f in "$root"/*/load.pid "$root"/*/serve.pid "$root"/*/qsd.pid; do
+        [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null
+      done
+      exit 0
+    fi
+  done
+) &
+watchdog=$!
+# On the way out (a failure too) the chains go unless KEEP is set; the
+# results stay.
+cleanup() {
+  kill "$watchdog" 2>/dev/null || true
+  [ -n "${KEEP:-}" ] || rm -rf "$root"/*/
+  [ ! -e "$root/disk-low" ] || echo "bench-live-snapshot: cut short: the disk was almost full" >&2
+}
+trap cleanup EXIT
 for size in $sizes; do
   dir=$root/$size
   mkdir -p "$dir"
@@ -179,6 +209,7 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
       --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off \
       --monitor chardev=qmp 2>qsd.log &
     qsd=$!
+    echo "$qsd" >qsd.pid
     while [ ! -S v.sock ]; do sleep 0.1; done
     start_load
     python3 "$here/scripts/lib/qmp_snapshots.py" qmp.sock disk "$n" 0.4 replies.jsonl

@@ -44,6 +44,9 @@ pub struct RequestGate {
     /// Of those, begun deferred work (engine jobs), for the log of a
     /// slow switch.
     begun: AtomicUsize,
+    /// The threads running begun deferred work (one entry per piece of
+    /// work), so that a switch can tell what those it waits for do.
+    begun_threads: Mutex<Vec<libc::pid_t>>,
     idle_lock: Mutex<()>,
     idle: Condvar,
     /// Signalled when the last switch ends (deferred work waits on it).
@@ -103,7 +106,12 @@ impl DeferredWork {
             self.gate.on_chain.fetch_add(1, Ordering::SeqCst);
             if self.gate.switching.load(Ordering::SeqCst) == 0 {
                 self.gate.begun.fetch_add(1, Ordering::SeqCst);
-                return BegunWork { gate: self.gate };
+                let thread = rustix::thread::gettid().as_raw_nonzero().get();
+                self.gate.lock_begun_threads().push(thread);
+                return BegunWork {
+                    gate: self.gate,
+                    thread,
+                };
             }
             self.gate.leave_chain();
             let lock = self
@@ -125,10 +133,18 @@ impl DeferredWork {
 #[derive(Debug)]
 pub struct BegunWork {
     gate: Arc<RequestGate>,
+    /// The thread it runs on (kernel thread id).
+    thread: libc::pid_t,
 }
 
 impl Drop for BegunWork {
     fn drop(&mut self) {
+        {
+            let mut threads = self.gate.lock_begun_threads();
+            if let Some(i) = threads.iter().position(|t| *t == self.thread) {
+                threads.swap_remove(i);
+            }
+        }
         self.gate.begun.fetch_sub(1, Ordering::SeqCst);
         self.gate.leave_chain();
     }
@@ -291,6 +307,22 @@ impl RequestGate {
         self.refusing.load(Ordering::SeqCst)
     }
 
+    /// The threads running begun deferred work now (kernel thread ids,
+    /// one per thread): what a switch's drain waits for besides requests
+    /// being set up or transferring.
+    pub fn begun_threads(&self) -> Vec<libc::pid_t> {
+        let mut threads = self.lock_begun_threads().clone();
+        threads.sort_unstable();
+        threads.dedup();
+        threads
+    }
+
+    fn lock_begun_threads(&self) -> std::sync::MutexGuard<'_, Vec<libc::pid_t>> {
+        self.begun_threads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
@@ -440,5 +472,35 @@ mod tests {
         drop(request);
         assert!(gate.wait_idle(Duration::from_millis(20)));
         drop(pause);
+    }
+
+    #[test]
+    fn begun_work_names_its_thread_until_it_ends() {
+        let gate = Arc::new(RequestGate::default());
+        let (a, b) = (started(&gate), started(&gate));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        let (wa, wb) = (a.deferred_work(), b.deferred_work());
+        let worker = std::thread::spawn(move || {
+            let one = wa.begin();
+            let two = wb.begin();
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
+            end_rx.recv().unwrap();
+            drop(one);
+            tx.send(0).unwrap();
+            end_rx.recv().unwrap();
+            drop(two);
+        });
+        let tid = rx.recv().unwrap();
+        // Two pieces of work on one thread: the thread once.
+        assert_eq!(gate.begun_threads(), vec![tid]);
+        end_tx.send(()).unwrap();
+        rx.recv().unwrap();
+        assert_eq!(gate.begun_threads(), vec![tid], "one piece is still running");
+        end_tx.send(()).unwrap();
+        worker.join().unwrap();
+        assert!(gate.begun_threads().is_empty());
+        drop((a, b));
     }
 }

@@ -367,6 +367,10 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // the switch, and write into the new top (as if the guest had sent
     // them after the snapshot: none of them had been completed).
     let pause = shared.gate.pause_for_switch();
+    // The engine jobs it waits for, to tell afterwards whether they ran,
+    // waited for a CPU or slept (a procfs read per job, ~10 us, none when
+    // no job has begun).
+    let jobs = cpu_wait::ThreadsSince::sample(shared.gate.begun_threads());
     if !shared.gate.wait_off_chain(SNAPSHOT_DRAIN_TIMEOUT) {
         return Err(fail(
             FailureKind::SnapshotFailed,
@@ -374,6 +378,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         ));
     }
     let drained = start.elapsed();
+    let job_times = jobs.since();
     let old = shared.handle.get();
     let switch_start = Instant::now();
     // Nothing written here: the new chain reads the old top's last tables
@@ -444,12 +449,22 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         .unwrap_or_else(PoisonError::into_inner)
         .push(pause_ms);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    if drained >= SLOW_SWITCH_STEP {
+        info!(
+            drain_ms = ms(drained),
+            jobs = ?job_times,
+            "a live snapshot's drain was slow"
+        );
+    }
     let steps = SnapshotSteps {
         prepare_ms: ms(prepared),
         drain_ms: ms(drained),
         switch_ms: pause_ms - ms(drained),
         close_ms: ms(retired),
         cpu_wait_ms,
+        drain_jobs: job_times.len(),
+        drain_jobs_cpu_wait_ms: job_times.iter().map(|t| t.cpu_wait_ms).sum(),
+        drain_jobs_blocked_ms: job_times.iter().map(|t| t.blocked_ms).fold(0.0, f64::max),
         realtime: realtime_pause,
     };
     info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");

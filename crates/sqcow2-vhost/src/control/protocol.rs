@@ -349,6 +349,17 @@ pub struct SnapshotSteps {
     /// wait; 0 where the kernel does not keep it).
     #[serde(default)]
     pub cpu_wait_ms: f64,
+    /// Engine jobs that had begun on the old chain when the pause came
+    /// (the drain waits for them).
+    #[serde(default)]
+    pub drain_jobs: usize,
+    /// From the pause's start to the drain's end, how long those jobs'
+    /// threads waited for a CPU, summed over them.
+    #[serde(default)]
+    pub drain_jobs_cpu_wait_ms: f64,
+    /// The same span, the longest any of them slept (a lock, I/O).
+    #[serde(default)]
+    pub drain_jobs_blocked_ms: f64,
     /// Whether the pause ran at real-time priority (`sqcow2 serve`
     /// without `--no-realtime-pause`, where the daemon may raise it).
     #[serde(default)]
