@@ -17,7 +17,7 @@
 #
 #   scripts/bench-live-snapshot.sh [SIZES] [N] [DIR]
 #   (default "10G 50G 1T" 20 /tmp/sqcow2-live; prints a markdown table and
-#   writes DIR/results.json)
+#   writes DIR/results.json, each size's replies and daemon log next to it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 here=$PWD
@@ -194,6 +194,9 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
     wait
     python3 "$root/analyse.py" sqcow2 "$size" >>"$root/runs.jsonl"
     tail -1 "$root/runs.jsonl" >&2
+    # Each snapshot's reply and the daemon's log (slow steps) stay.
+    cp replies.jsonl "$root/$size-replies.jsonl"
+    cp serve.log "$root/$size-serve.log"
   )
   [ -n "${KEEP:-}" ] || rm -rf "$dir"
   [ "$peer" != none ] || continue

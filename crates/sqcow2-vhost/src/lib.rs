@@ -23,6 +23,7 @@ pub mod inflight;
 mod offload;
 mod polling;
 pub mod ratelimit;
+mod realtime;
 pub mod request;
 mod ring;
 pub mod server;

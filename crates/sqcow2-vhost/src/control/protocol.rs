@@ -353,6 +353,11 @@ pub struct SnapshotSteps {
     /// (the drain waits for them).
     #[serde(default)]
     pub drain_jobs: usize,
+    /// Of their threads, those raised to real-time scheduling until
+    /// their job ended (a drain not done after 0.1 ms, in a real-time
+    /// pause).
+    #[serde(default)]
+    pub drain_jobs_raised: usize,
     /// From the pause's start to the drain's end, how long those jobs'
     /// threads waited for a CPU, summed over them.
     #[serde(default)]

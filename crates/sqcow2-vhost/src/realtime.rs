@@ -1,13 +1,17 @@
-//! The thread doing a live snapshot's pause runs ahead of every normal
+//! Real-time scheduling for the few milliseconds a live snapshot pauses
+//! the guest. The thread doing the pause runs ahead of every normal
 //! thread while the guest waits: on a host with few CPUs the daemon's
 //! queue and engine threads, the guest's own threads and the kernel's
 //! write-back share them, and a pause's 0.05-0.1 ms of work waited up to
-//! 5 ms for a CPU (measured with `cpu_wait_ms`). `SCHED_FIFO` at its
-//! lowest priority: above every `SCHED_OTHER` thread, below every
-//! real-time one the host runs; every wait of the pause sleeps (no CPU
-//! held meanwhile), and the kernel's real-time throttling still leaves the
-//! other threads their share. Needs `CAP_SYS_NICE` (or an
-//! `RLIMIT_RTPRIO`); without it the pause runs as before.
+//! 5 ms for a CPU (measured with `cpu_wait_ms`). So do the engine jobs
+//! the pause's drain waits for, once it has waited a little: one such job
+//! waited 9.9 ms for a CPU in a 10.5 ms drain (`drain_jobs_cpu_wait_ms`).
+//! `SCHED_FIFO` at its lowest priority: above every `SCHED_OTHER` thread,
+//! below every real-time one the host runs; the kernel's real-time
+//! throttling still leaves the other threads their share. Needs
+//! `CAP_SYS_NICE` (or an `RLIMIT_RTPRIO`); without it the pause runs as
+//! before. Only threads at the default policy and nice 0 are raised, and
+//! each goes back to exactly that.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,7 +64,11 @@ fn raise() -> bool {
     if thread_scheduling() != Some(ThreadScheduling::NORMAL_AT_ZERO) {
         return false;
     }
-    match set_thread_priority_and_policy(thread_native_id(), ThreadPriority::Min, FIFO) {
+    raise_native(thread_native_id())
+}
+
+fn raise_native(native: thread_priority::ThreadId) -> bool {
+    match set_thread_priority_and_policy(native, ThreadPriority::Min, FIFO) {
         Ok(()) => true,
         Err(e) => {
             if !REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
@@ -74,14 +82,54 @@ fn raise() -> bool {
 impl Drop for RealtimeSection {
     fn drop(&mut self) {
         if self.raised {
-            // Back to the default policy at nice 0 (what it was): for the
-            // normal policies the crate's value is the nice value, and its
-            // default 0.
-            let nice_zero = ThreadPriority::Os(ThreadPriorityOsValue::default());
-            if let Err(e) = set_thread_priority_and_policy(thread_native_id(), nice_zero, NORMAL) {
-                warn!(error = ?e, "could not put the pause's thread back to normal scheduling");
-            }
+            lower_current_thread();
         }
+    }
+}
+
+/// Puts the calling thread back to the default policy at nice 0 (what
+/// it was before a raise, its own or [`RaisableThread::raise`]): for the
+/// normal policies the crate's value is the nice value, and its default 0.
+pub(crate) fn lower_current_thread() {
+    let nice_zero = ThreadPriority::Os(ThreadPriorityOsValue::default());
+    if let Err(e) = set_thread_priority_and_policy(thread_native_id(), nice_zero, NORMAL) {
+        warn!(error = ?e, "could not put a thread back to normal scheduling");
+    }
+}
+
+/// A thread of this process that another may raise: only while it is
+/// alive, which its owner guarantees (see [`RaisableThread::raise`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RaisableThread {
+    /// The kernel's thread id.
+    pub(crate) tid: libc::pid_t,
+    native: thread_priority::ThreadId,
+}
+
+impl RaisableThread {
+    /// The calling thread.
+    pub(crate) fn current() -> Self {
+        RaisableThread {
+            tid: rustix::thread::gettid().as_raw_nonzero().get(),
+            native: thread_native_id(),
+        }
+    }
+
+    /// Raises the thread to real-time scheduling if it runs the default
+    /// policy at nice 0; whether it did. The thread must then lower
+    /// itself ([`lower_current_thread`]). `_alive` is the caller's proof
+    /// that the thread has not ended: the gate's registry of threads
+    /// running begun work, which a thread leaves only through that lock,
+    /// before it ends (a handle of an ended thread must not be used).
+    pub(crate) fn raise(
+        &self,
+        _alive: &std::sync::MutexGuard<'_, Vec<crate::gate::BegunThread>>,
+    ) -> bool {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{}/stat", self.tid));
+        if stat.ok().as_deref().and_then(parse_stat) != Some(ThreadScheduling::NORMAL_AT_ZERO) {
+            return false;
+        }
+        raise_native(self.native)
     }
 }
 
@@ -119,19 +167,27 @@ fn parse_stat(stat: &str) -> Option<ThreadScheduling> {
     })
 }
 
+/// A thread's policy and nice value, as the kernel has them.
+#[cfg(test)]
+pub(crate) fn scheduling_of(tid: libc::pid_t) -> Option<(u32, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    parse_stat(&stat).map(|s| (s.policy, s.nice))
+}
+
+/// Whether a thread of this process may take real-time scheduling, asked
+/// of util-linux's `chrt` (an independent program, as the caller is
+/// scheduled: capabilities, `RLIMIT_RTPRIO`, seccomp, cgroups).
+#[cfg(test)]
+pub(crate) fn may_raise() -> bool {
+    std::process::Command::new("chrt")
+        .args(["-f", "1", "true"])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Whether this thread may take real-time scheduling, asked of
-    /// util-linux's `chrt` (an independent program, as the caller is
-    /// scheduled: capabilities, `RLIMIT_RTPRIO`, seccomp, cgroups).
-    fn chrt_may_raise() -> bool {
-        std::process::Command::new("chrt")
-            .args(["-f", "1", "true"])
-            .status()
-            .is_ok_and(|s| s.success())
-    }
 
     fn scheduling() -> ThreadScheduling {
         thread_scheduling().expect("/proc/thread-self/stat")
@@ -158,7 +214,7 @@ mod tests {
             let before = scheduling();
             // Raised exactly where chrt may raise and the thread runs
             // normally at nice 0.
-            let expected = chrt_may_raise() && before == ThreadScheduling::NORMAL_AT_ZERO;
+            let expected = may_raise() && before == ThreadScheduling::NORMAL_AT_ZERO;
             {
                 let section = RealtimeSection::enter(true);
                 assert_eq!(section.raised(), expected);
