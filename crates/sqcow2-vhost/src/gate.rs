@@ -17,14 +17,13 @@
 //! the new chain, as if the guest had sent it after the snapshot (it
 //! had not been completed, so either is what the guest may see).
 
-use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::realtime::RaisableThread;
+use crate::job_threads::{JobThreads, OnJobThread, RaisedJobThreads};
 
 /// A switch that waits longer for the old chain's users is logged.
 const SLOW_SWITCH: Duration = Duration::from_millis(2);
@@ -47,12 +46,9 @@ pub struct RequestGate {
     /// Of those, begun deferred work (engine jobs), for the log of a
     /// slow switch.
     begun: AtomicUsize,
-    /// The threads running begun deferred work (one entry per piece of
-    /// work), so that a switch can tell what those it waits for do, and
-    /// raise them. An entry leaves only on its own thread, through this
-    /// lock ([`BegunWork`]'s drop): while it is held, every thread named
-    /// here is alive.
-    begun_threads: Mutex<Vec<BegunThread>>,
+    /// The threads running begun deferred work, so that a switch can
+    /// tell what those it waits for do, and raise them.
+    job_threads: JobThreads,
     idle_lock: Mutex<()>,
     idle: Condvar,
     /// Signalled when the last switch ends (deferred work waits on it).
@@ -60,15 +56,6 @@ pub struct RequestGate {
     /// Worker wake-ups: written when a pause ends, so that workers start
     /// the requests the guest queued meanwhile.
     wakers: Mutex<Vec<Arc<EventFd>>>,
-}
-
-/// A thread running begun deferred work.
-#[derive(Debug)]
-pub(crate) struct BegunThread {
-    thread: RaisableThread,
-    /// Raised to real-time by a switch waiting for it: it lowers itself
-    /// when its last piece of work ends.
-    raised: bool,
 }
 
 /// Held by a request from before it starts until it has completed.
@@ -118,21 +105,18 @@ impl DeferredWork {
     /// chain until the guard is dropped (a switch waits for it).
     pub fn begin(self) -> BegunWork {
         loop {
+            // Named before it counts, so that a switch that waits for it
+            // finds its thread.
+            let on = self.gate.job_threads.enter();
             self.gate.on_chain.fetch_add(1, Ordering::SeqCst);
             if self.gate.switching.load(Ordering::SeqCst) == 0 {
                 self.gate.begun.fetch_add(1, Ordering::SeqCst);
-                let thread = RaisableThread::current();
-                let mut threads = self.gate.lock_begun_threads();
-                // A thread raised already (its other work) stays raised.
-                let raised = threads.iter().any(|t| t.thread == thread && t.raised);
-                threads.push(BegunThread { thread, raised });
-                drop(threads);
                 return BegunWork {
                     gate: self.gate,
-                    thread,
-                    _not_send: PhantomData,
+                    on,
                 };
             }
+            self.gate.job_threads.leave(&on);
             self.gate.leave_chain();
             let lock = self
                 .gate
@@ -149,29 +133,19 @@ impl DeferredWork {
 }
 
 /// Deferred work that has begun: it uses the chain until dropped, on the
-/// thread it began on (not `Send`: its thread is named in the gate, and
-/// lowered there if a switch raised it).
+/// thread it began on (not `Send`: its thread is named in the gate until
+/// then, and lowered there if a switch raised it).
 #[must_use = "the work counts as using the chain only while this is held"]
 #[derive(Debug)]
 pub struct BegunWork {
     gate: Arc<RequestGate>,
-    thread: RaisableThread,
-    _not_send: PhantomData<*const ()>,
+    on: OnJobThread,
 }
 
 impl Drop for BegunWork {
     fn drop(&mut self) {
-        let lower = {
-            let mut threads = self.gate.lock_begun_threads();
-            let raised = match threads.iter().position(|t| t.thread == self.thread) {
-                Some(i) => threads.swap_remove(i).raised,
-                None => false,
-            };
-            raised && !threads.iter().any(|t| t.thread == self.thread)
-        };
-        if lower {
-            crate::realtime::lower_current_thread();
-        }
+        // Lowered (if raised) before a switch can see it gone.
+        self.gate.job_threads.leave(&self.on);
         self.gate.begun.fetch_sub(1, Ordering::SeqCst);
         self.gate.leave_chain();
     }
@@ -338,47 +312,21 @@ impl RequestGate {
     /// one per thread): what a switch's drain waits for besides requests
     /// being set up or transferring.
     pub fn begun_threads(&self) -> Vec<libc::pid_t> {
-        let mut threads: Vec<_> = self
-            .lock_begun_threads()
-            .iter()
-            .map(|t| t.thread.tid)
-            .collect();
-        threads.sort_unstable();
-        threads.dedup();
-        threads
+        self.job_threads.tids()
     }
 
     /// Raises the threads running begun deferred work to real-time
     /// scheduling (where allowed: see [`crate::realtime`]) until their work
-    /// ends, so that a switch waiting for them does not wait for a CPU
-    /// too; how many threads were raised.
-    pub(crate) fn raise_begun_threads(&self) -> usize {
-        // Held across a procfs read and a syscall per thread (~15 us
-        // each): it is what keeps the threads alive while they are raised.
-        let mut threads = self.lock_begun_threads();
-        let mut raised = Vec::new();
-        for i in 0..threads.len() {
-            let thread = threads[i].thread;
-            if !threads[i].raised && !raised.contains(&thread) && thread.raise(&threads) {
-                raised.push(thread);
-            }
-        }
-        for t in threads.iter_mut() {
-            t.raised |= raised.contains(&t.thread);
-        }
-        raised.len()
+    /// ends or the guard goes, so that a switch waiting for them does not
+    /// wait for a CPU too.
+    pub(crate) fn raise_begun_threads(&self) -> RaisedJobThreads<'_> {
+        self.job_threads.raise()
     }
 
     /// Waits (while paused for a switch) at most `timeout` until nothing
     /// uses the chain, quietly; whether that happened.
     pub(crate) fn off_chain_within(&self, timeout: Duration) -> bool {
         self.wait_until_zero(&self.on_chain, timeout)
-    }
-
-    fn lock_begun_threads(&self) -> std::sync::MutexGuard<'_, Vec<BegunThread>> {
-        self.begun_threads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Requests in flight.
@@ -564,45 +512,5 @@ mod tests {
         worker.join().unwrap();
         assert!(gate.begun_threads().is_empty());
         drop((a, b));
-    }
-
-    #[test]
-    fn a_raised_thread_runs_real_time_until_its_work_ends() {
-        let gate = Arc::new(RequestGate::default());
-        let request = started(&gate);
-        let work = request.deferred_work();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (step_tx, step_rx) = std::sync::mpsc::channel::<()>();
-        let worker = std::thread::spawn(move || {
-            let begun = work.begin();
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
-            step_rx.recv().unwrap();
-            drop(begun);
-            tx.send(0).unwrap();
-            step_rx.recv().unwrap();
-        });
-        let tid = rx.recv().unwrap();
-        let before = crate::realtime::scheduling_of(tid).unwrap();
-        let expected = crate::realtime::may_raise() && before == (0, 0);
-        assert_eq!(gate.raise_begun_threads(), usize::from(expected));
-        let during = crate::realtime::scheduling_of(tid).unwrap();
-        assert_eq!(
-            during.0,
-            if expected { 1 } else { before.0 },
-            "SCHED_FIFO while its work runs"
-        );
-        // Raised once only.
-        assert_eq!(gate.raise_begun_threads(), 0);
-        step_tx.send(()).unwrap();
-        rx.recv().unwrap();
-        assert_eq!(
-            crate::realtime::scheduling_of(tid).unwrap(),
-            before,
-            "lowered when its work ended"
-        );
-        step_tx.send(()).unwrap();
-        worker.join().unwrap();
-        drop(request);
     }
 }

@@ -20,6 +20,7 @@ mod frontend;
 pub mod gate;
 pub mod handle;
 pub mod inflight;
+mod job_threads;
 mod offload;
 mod polling;
 pub mod ratelimit;

@@ -64,11 +64,7 @@ fn raise() -> bool {
     if thread_scheduling() != Some(ThreadScheduling::NORMAL_AT_ZERO) {
         return false;
     }
-    raise_native(thread_native_id())
-}
-
-fn raise_native(native: thread_priority::ThreadId) -> bool {
-    match set_thread_priority_and_policy(native, ThreadPriority::Min, FIFO) {
+    match set_thread_priority_and_policy(thread_native_id(), ThreadPriority::Min, FIFO) {
         Ok(()) => true,
         Err(e) => {
             if !REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
@@ -88,49 +84,57 @@ impl Drop for RealtimeSection {
 }
 
 /// Puts the calling thread back to the default policy at nice 0 (what
-/// it was before a raise, its own or [`RaisableThread::raise`]): for the
-/// normal policies the crate's value is the nice value, and its default 0.
-pub(crate) fn lower_current_thread() {
+/// it was before its raise): for the normal policies the crate's value is
+/// the nice value, and its default 0.
+fn lower_current_thread() {
     let nice_zero = ThreadPriority::Os(ThreadPriorityOsValue::default());
     if let Err(e) = set_thread_priority_and_policy(thread_native_id(), nice_zero, NORMAL) {
         warn!(error = ?e, "could not put a thread back to normal scheduling");
     }
 }
 
-/// A thread of this process that another may raise: only while it is
-/// alive, which its owner guarantees (see [`RaisableThread::raise`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RaisableThread {
-    /// The kernel's thread id.
-    pub(crate) tid: libc::pid_t,
-    native: thread_priority::ThreadId,
+/// Whether a refused raise of a job thread was reported.
+static JOB_REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
+
+/// Raises thread `tid` of this process to `SCHED_FIFO` at its lowest
+/// level if it runs the default policy at nice 0; whether it did. By
+/// kernel thread id, which names no memory: a thread that has ended makes
+/// it fail (`ESRCH`).
+pub(crate) fn raise_thread(tid: libc::pid_t) -> bool {
+    if scheduling_of_task(tid) != Some(ThreadScheduling::NORMAL_AT_ZERO) {
+        return false;
+    }
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: the call reads `param`, which this frame owns, and nothing
+    // else of this process; `tid` is a number, not a pointer.
+    let r = unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if !JOB_REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
+            info!(error = %e, "engine jobs a live snapshot waits for run at normal priority: real-time scheduling refused");
+        }
+        return false;
+    }
+    true
 }
 
-impl RaisableThread {
-    /// The calling thread.
-    pub(crate) fn current() -> Self {
-        RaisableThread {
-            tid: rustix::thread::gettid().as_raw_nonzero().get(),
-            native: thread_native_id(),
-        }
+/// Puts thread `tid` of this process, raised by [`raise_thread`], back to
+/// the default policy (its nice value, 0, unchanged by the raise), unless
+/// it no longer runs `SCHED_FIFO` (an operator changed it since: theirs).
+pub(crate) fn lower_thread(tid: libc::pid_t) {
+    if scheduling_of_task(tid).map(|s| s.policy) != Some(libc::SCHED_FIFO as u32) {
+        return;
     }
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in `raise_thread`: only `param`, owned here, is read.
+    let r = unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &param) };
+    if r != 0 {
+        warn!(tid, error = %std::io::Error::last_os_error(), "could not put an engine thread back to normal scheduling");
+    }
+}
 
-    /// Raises the thread to real-time scheduling if it runs the default
-    /// policy at nice 0; whether it did. The thread must then lower
-    /// itself ([`lower_current_thread`]). `_alive` is the caller's proof
-    /// that the thread has not ended: the gate's registry of threads
-    /// running begun work, which a thread leaves only through that lock,
-    /// before it ends (a handle of an ended thread must not be used).
-    pub(crate) fn raise(
-        &self,
-        _alive: &std::sync::MutexGuard<'_, Vec<crate::gate::BegunThread>>,
-    ) -> bool {
-        let stat = std::fs::read_to_string(format!("/proc/self/task/{}/stat", self.tid));
-        if stat.ok().as_deref().and_then(parse_stat) != Some(ThreadScheduling::NORMAL_AT_ZERO) {
-            return false;
-        }
-        raise_native(self.native)
-    }
+fn scheduling_of_task(tid: libc::pid_t) -> Option<ThreadScheduling> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?)
 }
 
 /// A thread's scheduling as the kernel has it.
@@ -170,8 +174,7 @@ fn parse_stat(stat: &str) -> Option<ThreadScheduling> {
 /// A thread's policy and nice value, as the kernel has them.
 #[cfg(test)]
 pub(crate) fn scheduling_of(tid: libc::pid_t) -> Option<(u32, i32)> {
-    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
-    parse_stat(&stat).map(|s| (s.policy, s.nice))
+    scheduling_of_task(tid).map(|s| (s.policy, s.nice))
 }
 
 /// Whether a thread of this process may take real-time scheduling, asked
