@@ -260,6 +260,9 @@ for r in runs:
     steps = f"{s['drain_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
     if s and "cpu_wait_ms" in s:
         steps += f", of the pause {s['cpu_wait_ms']:.2f} ms waiting for a CPU"
+    if s and "drain_jobs" in s:
+        steps += (f"; drained {s['drain_jobs']} engine jobs ({s.get('drain_jobs_raised', 0)} raised), "
+                  f"their CPU wait {s['drain_jobs_cpu_wait_ms']:.2f} ms")
     if s and "close_ms" in s:
         steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]
