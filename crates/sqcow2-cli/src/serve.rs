@@ -100,6 +100,9 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     let chain_options = ChainOptions {
         writable: !args.read_only,
         backing_root: Some(backing_root),
+        // The flusher thread writes tables back when they are due; no
+        // guest write waits for it.
+        background_write_back: true,
         ..options.clone()
     };
     let opened = if args.inactive {

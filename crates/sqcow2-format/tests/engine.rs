@@ -574,3 +574,74 @@ fn a_publish_writes_only_the_changed_pages_and_syncs_only_what_depends_on_it() {
     chain.close().unwrap();
     assert_clean(&storage);
 }
+
+/// With `background_write_back` (a server's), the writes that make the
+/// tables under change outgrow their share of the cache leave their
+/// write-back (and its syncs) to the caller, who is told once; only at
+/// four times the share does a write write them back itself (memory stays
+/// bounded). Without it, the write that finds them due writes them back.
+#[test]
+fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
+    // 512 MiB of guest per L2 table (64 KiB clusters); a 1 MiB cache
+    // gives the tables under change 256 KiB: four tables.
+    const REGION: u64 = 512 * MIB;
+    let syncs = |log: &[Op]| log.iter().filter(|op| matches!(op, Op::Sync)).count();
+    for background in [false, true] {
+        let storage = image(64 * 1024 * MIB, |_| {});
+        let chain = Chain::open(
+            &fake_path(),
+            &ChainOptions {
+                writable: true,
+                top_storage: Some(storage.clone() as Arc<dyn Storage>),
+                cache_size: MIB,
+                background_write_back: background,
+                ..ChainOptions::default()
+            },
+        )
+        .expect("open");
+        chain.write_at(&[1; 4096], 0).unwrap();
+        chain.flush().unwrap();
+        let before = storage.log().len();
+        // Eight tables: twice the share.
+        for r in 1..8u64 {
+            chain.write_at(&[r as u8; 4096], r * REGION).unwrap();
+        }
+        let written = syncs(&storage.log()[before..]);
+        if background {
+            assert_eq!(written, 0, "a write synced: its write-back is the caller's");
+            assert!(chain.take_write_back_due(), "the caller is told");
+            assert!(!chain.take_write_back_due(), "once");
+            let before = storage.log().len();
+            chain.publish().unwrap();
+            assert!(
+                syncs(&storage.log()[before..]) > 0,
+                "the caller's publish writes back"
+            );
+            // Far over the share (sixteen tables and more), the writes
+            // write back themselves.
+            let before = storage.log().len();
+            for r in 8..40u64 {
+                chain.write_at(&[r as u8; 4096], r * REGION).unwrap();
+            }
+            assert!(
+                syncs(&storage.log()[before..]) > 0,
+                "far over the share, no write wrote back"
+            );
+        } else {
+            assert!(written > 0, "no write wrote back early");
+            assert!(!chain.take_write_back_due());
+            for r in 8..40u64 {
+                chain.write_at(&[r as u8; 4096], r * REGION).unwrap();
+            }
+        }
+        for r in 1..40u64 {
+            assert_eq!(
+                read(&chain, r * REGION, 4096),
+                vec![r as u8; 4096],
+                "region {r}"
+            );
+        }
+        chain.close().unwrap();
+        assert_clean(&storage);
+    }
+}

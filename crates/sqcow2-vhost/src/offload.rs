@@ -177,6 +177,10 @@ pub(crate) enum Persist {
     /// Write journaled changes to the image in the background (a
     /// checkpoint: nobody waits for it).
     Checkpoint,
+    /// Write the top's tables back now, in the background: those under
+    /// change outgrew their share of the cache (nobody waits for it; the
+    /// engine thread that found it due goes on with the next job).
+    WriteBack,
 }
 
 struct Job {
@@ -266,6 +270,9 @@ impl Offload {
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let result = run_guarded(job.work, &chain, &panics);
+                        if chain.take_write_back_due() {
+                            let _ = flushes.send((None, Persist::WriteBack));
+                        }
                         // Its changes are made: a switch may come (the
                         // publish below covers them on either chain).
                         drop(begun);
@@ -365,6 +372,7 @@ fn flusher(rx: Receiver<PersistRequest>, handle: Arc<ChainHandle>, panics: Arc<A
         }
         let someone_waits = batch.iter().any(|(reply, _)| reply.is_some());
         let due = closing
+            || batch.iter().any(|(_, what)| *what == Persist::WriteBack)
             || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
             || chain.journal_backlog() >= CHECKPOINT_BACKLOG;
         if !someone_waits && !due {

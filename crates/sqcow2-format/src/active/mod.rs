@@ -40,7 +40,7 @@ use crate::types::{GuestOffset, HostOffset};
 use flush::Durability;
 pub(crate) use open::{end_journal, pending_journal, replay_journal, CacheLink};
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
-use state::{ActiveState, InPlace, TopFile};
+use state::{ActiveState, InPlace, Residency, TopFile};
 
 /// The guest view of the layers below the top, which does not change
 /// while the chain is open.
@@ -84,6 +84,11 @@ pub(crate) struct Active {
     spare_maker: Mutex<()>,
     /// A checkpoint could not be noted in the journal, which must end.
     journal_broken: AtomicBool,
+    /// Early write-backs are the caller's ([`Active::take_write_back_due`])
+    /// unless far over the share.
+    background_write_back: bool,
+    /// An early write-back is due and left to the caller.
+    write_back_due: AtomicBool,
 }
 
 impl Active {
@@ -99,6 +104,35 @@ impl Active {
             journal_stopped_at: AtomicU64::new(u64::MAX),
             spare_maker: Mutex::new(()),
             journal_broken: AtomicBool::new(false),
+            background_write_back: false,
+            write_back_due: AtomicBool::new(false),
+        }
+    }
+
+    /// Leaves early write-backs to the caller (see
+    /// [`crate::ChainOptions::background_write_back`]).
+    pub(crate) fn with_background_write_back(self, on: bool) -> Self {
+        Active {
+            background_write_back: on,
+            ..self
+        }
+    }
+
+    /// Whether an early write-back was left to the caller since it last
+    /// asked (it is then the caller's to run: [`Active::publish`]).
+    pub(crate) fn take_write_back_due(&self) -> bool {
+        self.write_back_due.swap(false, Ordering::AcqRel)
+    }
+
+    /// What a write that changed mappings does about the tables under
+    /// change once they are `over` their share of the cache.
+    fn after_settle(&self, over: Residency) {
+        match over {
+            Residency::Within => {}
+            Residency::Over if self.background_write_back => {
+                self.write_back_due.store(true, Ordering::Release);
+            }
+            Residency::Over | Residency::FarOver => self.write_back_early(),
         }
     }
 
@@ -525,12 +559,10 @@ impl Active {
                     changed(g.cluster_start(guest), g.cluster_size());
                     let records = st.record_change(l2, guest);
                     let change = st.changes;
-                    let early = st.settle();
+                    let over = st.settle();
                     drop(st);
                     self.settle_change(change, records);
-                    if early {
-                        self.write_back_early();
-                    }
+                    self.after_settle(over);
                     return Ok(true);
                 }
                 ZeroOutcome::WriteZeros => return Ok(false),
@@ -951,15 +983,13 @@ impl Claim<'_> {
         changed(self.alloc.start, active.top.geometry.cluster_size());
         let records = st.record_change(self.alloc.l2, self.alloc.start);
         let change = st.changes;
-        let early = st.settle();
+        let over = st.settle();
         drop(st);
         // Journaled (or noted as not) before anyone waiting for the claim
         // can write into the cluster and complete.
         active.settle_change(change, records);
         self.alloc.cell.end();
-        if early {
-            active.write_back_early();
-        }
+        active.after_settle(over);
         Ok(())
     }
 }

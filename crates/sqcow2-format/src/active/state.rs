@@ -102,6 +102,17 @@ pub(crate) struct L2Slot {
     pub(crate) l1_in_file: bool,
 }
 
+/// How much the tables under change take against their share of the
+/// cache ([`ActiveState::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Residency {
+    Within,
+    /// Over it: their metadata should be written back soon.
+    Over,
+    /// Over four times it: written back now, by the write that found it.
+    FarOver,
+}
+
 /// Whether a write may go straight to the top's own cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum InPlace {
@@ -646,14 +657,14 @@ impl ActiveState {
 
     /// Moves clean, unpinned tables out of the set under modification into
     /// the cache, least recently used first, while the set takes more than
-    /// its share of the budget; whether the tables left (dirty or pinned)
-    /// still take more, so that metadata should be written back early.
-    pub(crate) fn settle(&mut self) -> bool {
+    /// its share of the budget; how much the tables left (dirty or pinned)
+    /// take against it, so that metadata should be written back early.
+    pub(crate) fn settle(&mut self) -> Residency {
         let limit = self.top.cache_budget / RESIDENT_SHARE_OF_BUDGET;
         let bytes = |s: &L2Slot| s.table.len() as u64 * 8;
         let mut resident: u64 = self.l2.values().map(bytes).sum();
         if resident <= limit {
-            return false;
+            return Residency::Within;
         }
         let mut clean: Vec<(u64, u64)> = self
             .l2
@@ -671,7 +682,13 @@ impl ActiveState {
                 self.publish(offset, &slot.table);
             }
         }
-        resident > limit
+        if resident > limit.saturating_mul(4) {
+            Residency::FarOver
+        } else if resident > limit {
+            Residency::Over
+        } else {
+            Residency::Within
+        }
     }
 
     /// Hands the loaded tables over to readers of this image as a backing

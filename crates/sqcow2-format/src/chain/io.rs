@@ -334,6 +334,16 @@ impl Chain {
         Ok(())
     }
 
+    /// Whether an early write-back of the top's tables is due and left to
+    /// the caller ([`crate::ChainOptions::background_write_back`]): true
+    /// once per time it became due, and the caller then runs
+    /// [`Chain::publish`], off the path of any request.
+    pub fn take_write_back_due(&self) -> bool {
+        self.active
+            .as_ref()
+            .is_some_and(|a| a.take_write_back_due())
+    }
+
     /// Whether a completed change is neither in the mapping journal nor
     /// in the file yet, so that [`Chain::publish`] must run before a
     /// process death could not lose it (always false for a read-only

@@ -82,6 +82,14 @@ pub struct ChainOptions {
     /// recently used first, reopened on demand: [`crate::files`]); `None`:
     /// half the process's soft limit of open files.
     pub max_open_files: Option<usize>,
+    /// Early write-backs of the top's tables (when those under change
+    /// outgrow their share of the cache) are left to the caller instead
+    /// of run by the write that finds them due, so that no request waits
+    /// for their syncs: [`Chain::take_write_back_due`] says when, and
+    /// [`Chain::publish`] does it (a server's background thread). A write
+    /// that finds them far over their share (4x) still writes them back
+    /// itself, so memory stays bounded.
+    pub background_write_back: bool,
 }
 
 impl Default for ChainOptions {
@@ -101,6 +109,7 @@ impl Default for ChainOptions {
             inspect_only: false,
             inactive: false,
             max_open_files: None,
+            background_write_back: false,
         }
     }
 }

@@ -383,7 +383,10 @@ impl Chain {
             let top = layers
                 .last()
                 .ok_or_else(|| Error::new(path, ErrorKind::BadMagic(0)))?;
-            Some(Arc::new(Active::open(top, layers.len() > 1, link)?))
+            Some(Arc::new(
+                Active::open(top, layers.len() > 1, link)?
+                    .with_background_write_back(options.background_write_back),
+            ))
         } else {
             None
         };

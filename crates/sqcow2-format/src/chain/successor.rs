@@ -118,7 +118,8 @@ impl Chain {
             budget: options.cache_size,
             summary: summary.clone(),
         };
-        let active = Active::open(&layer, true, link)?;
+        let active = Active::open(&layer, true, link)?
+            .with_background_write_back(options.background_write_back);
         active.prefill_spares();
         Ok(PreparedTop {
             path: new_top.to_path_buf(),
