@@ -504,4 +504,74 @@ mod tests {
         }
         drop((first, second));
     }
+
+    /// The L1 entry `index` of the image at `path` as its file holds it.
+    fn l1_entry_in_file(path: &std::path::Path, index: u64) -> u64 {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::File::open(path).unwrap();
+        let mut word = [0u8; 8];
+        file.read_exact_at(&mut word, 40).unwrap();
+        let l1 = u64::from_be_bytes(word);
+        file.read_exact_at(&mut word, l1 + index * 8).unwrap();
+        u64::from_be_bytes(word)
+    }
+
+    /// With background write-back, an engine job whose writes make the
+    /// top's tables outgrow their share of the cache hands their
+    /// write-back to the flusher: the tables reach the file although
+    /// nobody publishes, flushes or asks for a checkpoint.
+    #[test]
+    fn an_early_write_back_found_by_a_job_is_done_by_the_flusher() {
+        const MIB: u64 = 1 << 20;
+        // One L2 table per 512 MiB; a 1 MiB cache gives the tables under
+        // change 256 KiB, four tables: eight is over (not four times).
+        const REGION: u64 = 512 * MIB;
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("big.qcow2");
+        sqcow2_format::create::create(
+            &image,
+            &sqcow2_format::create::CreateOptions {
+                size: 64 << 30,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let top = Chain::open(
+            &image,
+            &sqcow2_format::ChainOptions {
+                writable: true,
+                cache_size: MIB,
+                background_write_back: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let (_handle, offload, gate, mailbox) = engine(top);
+        for r in 1..=8u64 {
+            let mut req = request(&gate);
+            let ticket = req.deferred_work();
+            // Not published by the engine (publish: false): only the
+            // hand-over can write the tables.
+            offload
+                .run(mailbox.address(0), ticket, false, move |chain: &Chain| {
+                    chain
+                        .write_at(&[r as u8; 4096], r * REGION)
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(|_| "engine stopped")
+                .unwrap();
+            req.leave_chain();
+            let done = mailbox.wait(Duration::from_secs(30)).expect("no result");
+            assert!(done.result.is_ok(), "region {r}: {:?}", done.result);
+            drop(req);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (1..=8).any(|r| l1_entry_in_file(&image, r) == 0) {
+            assert!(
+                Instant::now() < deadline,
+                "the tables never reached the file: no write-back was handed over"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
