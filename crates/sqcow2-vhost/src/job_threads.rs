@@ -11,6 +11,15 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::realtime;
 
+/// The calling thread's kernel thread id (asked of the kernel once per
+/// thread).
+pub(crate) fn current_tid() -> libc::pid_t {
+    thread_local! {
+        static TID: libc::pid_t = rustix::thread::gettid().as_raw_nonzero().get();
+    }
+    TID.with(|t| *t)
+}
+
 /// The registry: one entry per thread running begun work.
 #[derive(Debug, Default)]
 pub(crate) struct JobThreads {
@@ -38,7 +47,7 @@ pub(crate) struct OnJobThread {
 impl JobThreads {
     /// Registers the calling thread as running one more piece of work.
     pub(crate) fn enter(&self) -> OnJobThread {
-        let tid = rustix::thread::gettid().as_raw_nonzero().get();
+        let tid = current_tid();
         let mut threads = self.lock();
         match threads.iter_mut().find(|t| t.tid == tid) {
             Some(t) => t.works += 1,
@@ -155,9 +164,7 @@ mod tests {
         let (done_tx, done_rx) = channel();
         let handle = std::thread::spawn(move || {
             let on: Vec<_> = (0..works).map(|_| threads.enter()).collect();
-            tid_tx
-                .send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
+            tid_tx.send(current_tid()).unwrap();
             for o in &on {
                 step_rx.recv().unwrap();
                 threads.leave(o);
@@ -248,8 +255,7 @@ mod tests {
             // A lower priority is always allowed.
             rustix::process::setpriority_process(None, 5).unwrap();
             let on = t.enter();
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
+            tx.send(current_tid()).unwrap();
             step_rx.recv().unwrap();
             t.leave(&on);
         });

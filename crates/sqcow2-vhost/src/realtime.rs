@@ -16,21 +16,12 @@
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use thread_priority::{
-    set_thread_priority_and_policy, thread_native_id, NormalThreadSchedulePolicy,
-    RealtimeThreadSchedulePolicy, ThreadPriority, ThreadPriorityOsValue, ThreadSchedulePolicy,
-};
 use tracing::{info, warn};
 
-const NORMAL: ThreadSchedulePolicy =
-    ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Other);
-const FIFO: ThreadSchedulePolicy =
-    ThreadSchedulePolicy::Realtime(RealtimeThreadSchedulePolicy::Fifo);
-/// The kernel's number of `SCHED_OTHER`.
-const SCHED_OTHER: u32 = 0;
-
-/// Whether a refused raise was reported (once per process).
-static REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
+/// Whether a refused raise of the pause's thread was reported.
+static PAUSE_REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
+/// Whether a refused raise of a job thread was reported.
+static JOB_REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
 
 /// The calling thread raised to real-time scheduling until this is
 /// dropped, on the same thread (not `Send`). Raised only from the default
@@ -47,7 +38,12 @@ pub(crate) struct RealtimeSection {
 impl RealtimeSection {
     /// Raises the calling thread if `wanted` and it is allowed to.
     pub(crate) fn enter(wanted: bool) -> Self {
-        let raised = wanted && raise();
+        let raised = wanted
+            && raise(
+                crate::job_threads::current_tid(),
+                &PAUSE_REFUSAL_REPORTED,
+                "live snapshots pause at normal priority",
+            );
         RealtimeSection {
             raised,
             _not_send: PhantomData,
@@ -60,47 +56,28 @@ impl RealtimeSection {
     }
 }
 
-fn raise() -> bool {
-    if thread_scheduling() != Some(ThreadScheduling::NORMAL_AT_ZERO) {
-        return false;
-    }
-    match set_thread_priority_and_policy(thread_native_id(), ThreadPriority::Min, FIFO) {
-        Ok(()) => true,
-        Err(e) => {
-            if !REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
-                info!(error = ?e, "live snapshots pause at normal priority: real-time scheduling is not allowed (CAP_SYS_NICE)");
-            }
-            false
-        }
-    }
-}
-
 impl Drop for RealtimeSection {
     fn drop(&mut self) {
         if self.raised {
-            lower_current_thread();
+            lower_thread(crate::job_threads::current_tid());
         }
     }
 }
-
-/// Puts the calling thread back to the default policy at nice 0 (what
-/// it was before its raise): for the normal policies the crate's value is
-/// the nice value, and its default 0.
-fn lower_current_thread() {
-    let nice_zero = ThreadPriority::Os(ThreadPriorityOsValue::default());
-    if let Err(e) = set_thread_priority_and_policy(thread_native_id(), nice_zero, NORMAL) {
-        warn!(error = ?e, "could not put a thread back to normal scheduling");
-    }
-}
-
-/// Whether a refused raise of a job thread was reported.
-static JOB_REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
 
 /// Raises thread `tid` of this process to `SCHED_FIFO` at its lowest
 /// level if it runs the default policy at nice 0; whether it did. By
 /// kernel thread id, which names no memory: a thread that has ended makes
 /// it fail (`ESRCH`).
 pub(crate) fn raise_thread(tid: libc::pid_t) -> bool {
+    raise(
+        tid,
+        &JOB_REFUSAL_REPORTED,
+        "engine jobs a live snapshot waits for run at normal priority",
+    )
+}
+
+/// [`raise_thread`], a refusal reported once per `reported` flag.
+fn raise(tid: libc::pid_t, reported: &AtomicBool, refused: &str) -> bool {
     if scheduling_of_task(tid) != Some(ThreadScheduling::NORMAL_AT_ZERO) {
         return false;
     }
@@ -110,8 +87,8 @@ pub(crate) fn raise_thread(tid: libc::pid_t) -> bool {
     let r = unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) };
     if r != 0 {
         let e = std::io::Error::last_os_error();
-        if !JOB_REFUSAL_REPORTED.swap(true, Ordering::Relaxed) {
-            info!(error = %e, "engine jobs a live snapshot waits for run at normal priority: real-time scheduling refused");
+        if !reported.swap(true, Ordering::Relaxed) {
+            info!(error = %e, "{refused}: real-time scheduling is not allowed (CAP_SYS_NICE)");
         }
         return false;
     }
@@ -126,13 +103,16 @@ pub(crate) fn lower_thread(tid: libc::pid_t) {
         return;
     }
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: as in `raise_thread`: only `param`, owned here, is read.
+    // SAFETY: as in `raise`: only `param`, owned here, is read.
     let r = unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &param) };
     if r != 0 {
-        warn!(tid, error = %std::io::Error::last_os_error(), "could not put an engine thread back to normal scheduling");
+        warn!(tid, error = %std::io::Error::last_os_error(), "could not put a thread back to normal scheduling");
     }
 }
 
+/// A thread's scheduling, from the kernel (`stat` in procfs; glibc's own
+/// answer is a cache that misses a change made from outside, e.g. by
+/// `chrt -p`).
 fn scheduling_of_task(tid: libc::pid_t) -> Option<ThreadScheduling> {
     parse_stat(&std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?)
 }
@@ -147,16 +127,9 @@ struct ThreadScheduling {
 
 impl ThreadScheduling {
     const NORMAL_AT_ZERO: ThreadScheduling = ThreadScheduling {
-        policy: SCHED_OTHER,
+        policy: libc::SCHED_OTHER as u32,
         nice: 0,
     };
-}
-
-/// The calling thread's scheduling, from the kernel
-/// (`/proc/thread-self/stat`; glibc's own answer is a cache that misses
-/// a change made from outside, e.g. by `chrt -p`).
-fn thread_scheduling() -> Option<ThreadScheduling> {
-    parse_stat(&std::fs::read_to_string("/proc/thread-self/stat").ok()?)
 }
 
 /// Fields 19 (nice) and 41 (policy) of a `stat` line, counted after the
@@ -193,7 +166,7 @@ mod tests {
     use super::*;
 
     fn scheduling() -> ThreadScheduling {
-        thread_scheduling().expect("/proc/thread-self/stat")
+        scheduling_of_task(crate::job_threads::current_tid()).expect("procfs stat")
     }
 
     #[test]

@@ -121,8 +121,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
         let sleeper = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
-                .unwrap();
+            tx.send(crate::job_threads::current_tid()).unwrap();
             stop_rx.recv().unwrap();
         });
         let tid = rx.recv().unwrap();

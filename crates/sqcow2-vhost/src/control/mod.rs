@@ -375,7 +375,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // Jobs still running after a moment run real-time too until they end
     // (where this thread could be raised): one job waited 9.9 ms for a CPU
     // in a 10.5 ms drain.
-    let raised_jobs = (realtime.raised() && !shared.gate.off_chain_within(RAISE_JOBS_AFTER))
+    let raised = (realtime.raised() && !shared.gate.off_chain_within(RAISE_JOBS_AFTER))
         .then(|| shared.gate.raise_begun_threads());
     if !shared.gate.wait_off_chain(SNAPSHOT_DRAIN_TIMEOUT) {
         return Err(fail(
@@ -385,7 +385,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     }
     let drained = start.elapsed();
     let job_times = jobs.since();
-    let raised_jobs = raised_jobs.map_or(0, |r| r.count());
+    let raised_jobs = raised.map_or(0, |r| r.count());
     let old = shared.handle.get();
     let switch_start = Instant::now();
     // Nothing written here: the new chain reads the old top's last tables
