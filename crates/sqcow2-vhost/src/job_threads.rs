@@ -132,7 +132,10 @@ impl Drop for RaisedJobThreads<'_> {
         if self.raised.is_empty() {
             return;
         }
-        // Those that left have lowered themselves.
+        // Those that left have lowered themselves. Under the lock (a
+        // procfs read and a syscall per thread still raised, rare: a
+        // failed drain), so that a thread leaving now sees its flag as
+        // this leaves it.
         for t in self.threads.lock().iter_mut() {
             if t.raised && self.raised.contains(&t.tid) {
                 realtime::lower_thread(t.tid);
