@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use crate::error::ErrorKind;
 use crate::lock::{LockRequest, Locking};
+use crate::read_once::DescriptorSlots;
 use crate::storage::{open_for_reading, FileStorage, PinnedFile, Storage};
 
 /// Descriptors kept for lower layers when the open-file limit cannot be
@@ -74,6 +75,11 @@ pub fn default_budget() -> usize {
 #[derive(Debug)]
 pub struct FileCache {
     budget: usize,
+    /// Files kept open at most: the budget less `once_slots`' share.
+    files: usize,
+    /// The second descriptors of copy-on-write reads (an eighth of the
+    /// budget; see [`crate::read_once`]).
+    once_slots: Arc<DescriptorSlots>,
     state: Mutex<Clock>,
     opened: AtomicU64,
 }
@@ -96,8 +102,12 @@ struct OpenFile {
 impl FileCache {
     /// A cache keeping at most `budget` descriptors open.
     pub fn new(budget: usize) -> Self {
+        let budget = budget.max(1);
+        let once = budget / 8;
         FileCache {
-            budget: budget.max(1),
+            budget,
+            files: budget - once,
+            once_slots: DescriptorSlots::new(once),
             state: Mutex::new(Clock::default()),
             opened: AtomicU64::new(0),
         }
@@ -110,7 +120,7 @@ impl FileCache {
 
     /// Descriptors open now.
     pub fn open_now(&self) -> usize {
-        self.clock().open.len()
+        self.clock().open.len() + self.once_slots.used()
     }
 
     /// Files opened so far (first opens and reopens).
@@ -142,7 +152,7 @@ impl FileCache {
         self.opened.fetch_add(1, Ordering::Relaxed);
         lazy.referenced.store(true, Ordering::Relaxed);
         clock.open.push(lazy.me.clone());
-        while clock.open.len() > self.budget {
+        while clock.open.len() > self.files {
             if clock.hand >= clock.open.len() {
                 clock.hand = 0;
             }
@@ -205,7 +215,10 @@ impl LazyFile {
             cache: cache.clone(),
             locks: Mutex::new((locks, mode)),
         });
-        cache.admit(&lazy, Arc::new(file))?;
+        cache.admit(
+            &lazy,
+            Arc::new(file.once_reads_within(cache.once_slots.clone())),
+        )?;
         Ok(lazy)
     }
 
@@ -249,6 +262,7 @@ impl LazyFile {
         let (want, mode) = *self.locks.lock().unwrap_or_else(PoisonError::into_inner);
         file.lock(want, mode)
             .map_err(|k| io::Error::other(k.to_string()))?;
+        let file = file.once_reads_within(self.cache.once_slots.clone());
         self.cache.admit(self, Arc::new(file))
     }
 }
@@ -256,6 +270,10 @@ impl LazyFile {
 impl Storage for LazyFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.get()?.storage.read_at(buf, offset)
+    }
+
+    fn read_once_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.get()?.storage.read_once_at(buf, offset)
     }
 
     fn len(&self) -> io::Result<u64> {

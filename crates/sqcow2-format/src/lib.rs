@@ -40,6 +40,7 @@ pub mod indexing;
 mod layer;
 mod lock;
 mod nowait;
+mod read_once;
 mod refcount;
 pub mod reshape;
 mod size;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use crate::error::ErrorKind;
 use crate::lock::{FileLock, LockRequest, Locking};
+use crate::read_once::{DescriptorSlots, OnceReader};
 
 /// Byte-addressed storage of one layer.
 ///
@@ -17,6 +18,12 @@ use crate::lock::{FileLock, LockRequest, Locking};
 pub trait Storage: Send + Sync + std::fmt::Debug {
     /// Reads `buf.len()` bytes at `offset`, zero-filling beyond the end.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// [`Storage::read_at`] of bytes read once, which no read goes on from
+    /// (a copy-on-write's source): files read them without the kernel's
+    /// readahead (see `read_once.rs`).
+    fn read_once_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_at(buf, offset)
+    }
     /// Current length in bytes.
     fn len(&self) -> io::Result<u64>;
     /// Whether the storage is empty.
@@ -97,6 +104,23 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn allocation(&self, _offset: u64, _len: u64) -> Option<(bool, u64)> {
         None
     }
+}
+
+/// Reads `buf.len()` bytes of `file` at `offset`, zeros past its end.
+fn read_zero_filled(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                buf[done..].fill(0);
+                break;
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Writes `len` zero bytes at `offset`.
@@ -185,6 +209,8 @@ pub struct FileStorage {
     sync_failed: std::sync::atomic::AtomicBool,
     lock: Mutex<FileLock>,
     allocations: AllocationGate,
+    /// The description [`Storage::read_once_at`] reads through.
+    once: OnceReader,
 }
 
 /// Keeps a file's block allocations apart from its syncs (see
@@ -254,6 +280,16 @@ impl FileStorage {
             sync_failed: std::sync::atomic::AtomicBool::new(false),
             lock: Mutex::new(FileLock::default()),
             allocations: AllocationGate::default(),
+            once: OnceReader::default(),
+        }
+    }
+
+    /// Counts the descriptor of its reads once in `slots` (lower layers,
+    /// whose descriptors share their chain's budget).
+    pub(crate) fn once_reads_within(self, slots: Arc<DescriptorSlots>) -> Self {
+        Self {
+            once: OnceReader::within(slots),
+            ..self
         }
     }
 
@@ -356,23 +392,11 @@ impl Storage for FileStorage {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let mut done = 0;
-        while done < buf.len() {
-            match self
-                .file
-                .file
-                .read_at(&mut buf[done..], offset + done as u64)
-            {
-                Ok(0) => {
-                    buf[done..].fill(0);
-                    break;
-                }
-                Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        read_zero_filled(&self.file.file, buf, offset)
+    }
+
+    fn read_once_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        read_zero_filled(self.once.file(&self.file.file), buf, offset)
     }
 
     fn len(&self) -> io::Result<u64> {

@@ -496,9 +496,10 @@ impl Active {
             let (st, n) = self.status(at, want)?;
             let out = &mut buf[pos..pos + n as usize];
             match st {
-                LayerStatus::Data { host } => {
-                    top.storage.read_at(out, host.0).map_err(|e| top.io(e))?
-                }
+                LayerStatus::Data { host } => top
+                    .storage
+                    .read_once_at(out, host.0)
+                    .map_err(|e| top.io(e))?,
                 LayerStatus::Zero { .. } => out.fill(0),
                 LayerStatus::Unallocated { .. } => below.read(out, at)?,
                 LayerStatus::Compressed(d) => {

@@ -9,6 +9,7 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferTicket;
 use crate::layer::Layer;
+use crate::read_once::ReadPattern;
 use crate::storage::PinnedFile;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use std::sync::Arc;
@@ -164,12 +165,18 @@ impl Chain {
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
         let _ticket = self.fence.begin();
-        self.read_from(self.top_index(), buf, offset)
+        self.read_from(self.top_index(), buf, offset, ReadPattern::Stream)
     }
 
     /// Reads what layer `index` and the layers below it hold at `offset`;
     /// zeros beyond that layer's virtual size. The caller holds a ticket.
-    fn read_from(&self, index: LayerIndex, buf: &mut [u8], offset: u64) -> Result<(), Error> {
+    fn read_from(
+        &self,
+        index: LayerIndex,
+        buf: &mut [u8],
+        offset: u64,
+        pattern: ReadPattern,
+    ) -> Result<(), Error> {
         let size = self.layers[index.0].virtual_size();
         let mut done = 0usize;
         while done < buf.len() {
@@ -192,10 +199,14 @@ impl Chain {
             }
             match extent.kind {
                 ExtentKind::Zero { .. } => out.fill(0),
-                ExtentKind::Data { host } => layer
-                    .storage()
-                    .read_at(out, host.0)
-                    .map_err(|e| Error::new(layer.path(), e.into()))?,
+                ExtentKind::Data { host } => {
+                    let storage = layer.storage();
+                    match pattern {
+                        ReadPattern::Stream => storage.read_at(out, host.0),
+                        ReadPattern::Once => storage.read_once_at(out, host.0),
+                    }
+                    .map_err(|e| Error::new(layer.path(), e.into()))?
+                }
                 ExtentKind::Compressed(d) => self.read_compressed(layer, d, pos, out)?,
             }
             done += n;
@@ -490,7 +501,10 @@ struct BelowTop<'a>(&'a Chain);
 impl crate::active::Below for BelowTop<'_> {
     fn read(&self, buf: &mut [u8], at: GuestOffset) -> Result<(), Error> {
         match self.0.top_index().0.checked_sub(1) {
-            Some(i) => self.0.read_from(LayerIndex(i), buf, at.0),
+            // A copy-on-write's source.
+            Some(i) => self
+                .0
+                .read_from(LayerIndex(i), buf, at.0, ReadPattern::Once),
             None => {
                 buf.fill(0);
                 Ok(())
