@@ -9,7 +9,10 @@
 //! binary raises to the hard limit first, as QEMU does
 //! ([`raise_open_file_limit`]): with the usual limits every layer of a long
 //! chain stays open (and locked, as QEMU holds them); only past the budget
-//! are descriptors closed and reopened.
+//! are descriptors closed and reopened. A lower layer that a
+//! copy-on-write reads from has a second descriptor for those reads (see
+//! `read_once.rs`): they count in the same budget, at most an eighth of
+//! it, and only in room the files leave.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -75,10 +78,8 @@ pub fn default_budget() -> usize {
 #[derive(Debug)]
 pub struct FileCache {
     budget: usize,
-    /// Files kept open at most: the budget less `once_slots`' share.
-    files: usize,
-    /// The second descriptors of copy-on-write reads (an eighth of the
-    /// budget; see [`crate::read_once`]).
+    /// The second descriptors of copy-on-write reads (at most an eighth
+    /// of the budget, in room the files leave; see `read_once.rs`).
     once_slots: Arc<DescriptorSlots>,
     state: Mutex<Clock>,
     opened: AtomicU64,
@@ -103,11 +104,9 @@ impl FileCache {
     /// A cache keeping at most `budget` descriptors open.
     pub fn new(budget: usize) -> Self {
         let budget = budget.max(1);
-        let once = budget / 8;
         FileCache {
             budget,
-            files: budget - once,
-            once_slots: DescriptorSlots::new(once),
+            once_slots: DescriptorSlots::new(budget / 8, budget),
             state: Mutex::new(Clock::default()),
             opened: AtomicU64::new(0),
         }
@@ -152,7 +151,9 @@ impl FileCache {
         self.opened.fetch_add(1, Ordering::Relaxed);
         lazy.referenced.store(true, Ordering::Relaxed);
         clock.open.push(lazy.me.clone());
-        while clock.open.len() > self.files {
+        // Past the budget (the files and the second descriptors of
+        // copy-on-write reads), files are closed; never the last one.
+        while clock.open.len() + self.once_slots.used() > self.budget && clock.open.len() > 1 {
             if clock.hand >= clock.open.len() {
                 clock.hand = 0;
             }
@@ -169,6 +170,7 @@ impl FileCache {
             *victim.open.write().unwrap_or_else(PoisonError::into_inner) = None;
             clock.open.swap_remove(i);
         }
+        self.once_slots.set_files(clock.open.len());
         Ok(open)
     }
 }
@@ -367,6 +369,41 @@ mod tests {
         }
         let err = lazy[0].read_at(&mut [0u8; 1], 0).unwrap_err();
         assert!(err.to_string().contains("replaced"), "{err}");
+    }
+
+    #[test]
+    fn second_descriptors_of_copy_on_write_reads_count_in_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = files(dir.path(), 12);
+        // A budget of 8: at most one second descriptor.
+        let cache = Arc::new(FileCache::new(8));
+        let adopt = |p: &PathBuf| {
+            let f = FileStorage::open_read_only(p).unwrap();
+            LazyFile::adopt(p, f, LockRequest::NONE, Locking::Off, cache.clone()).unwrap()
+        };
+        let mut lazy: Vec<Arc<LazyFile>> = paths[..7].iter().map(adopt).collect();
+        let mut b = [0u8; 4];
+        lazy[0].read_once_at(&mut b, 8).unwrap();
+        assert_eq!(b, [0; 4]);
+        assert_eq!(cache.open_now(), 8, "seven files and one second descriptor");
+        // The budget is full: another file closes one.
+        for (i, p) in paths.iter().enumerate().skip(7) {
+            lazy.push(adopt(p));
+            assert!(
+                cache.open_now() <= 8,
+                "after file {i}: {}",
+                cache.open_now()
+            );
+        }
+        for (i, l) in lazy.iter().enumerate() {
+            l.read_once_at(&mut b, 8).unwrap();
+            assert_eq!(b, [i as u8; 4]);
+            assert!(
+                cache.open_now() <= 8,
+                "after reading file {i}: {}",
+                cache.open_now()
+            );
+        }
     }
 
     #[test]

@@ -32,27 +32,35 @@ pub(crate) enum ReadPattern {
     Once,
 }
 
-/// At most `cap` second descriptors at once: a chain's lower layers share
-/// its descriptor budget, and their second descriptors take part of it.
+/// The second descriptors of one chain's lower layers: at most `cap` at
+/// once, and only while the chain's descriptors (its open layer files and
+/// these) stay within its budget. They take only room the files leave:
+/// past it, the file cache closes a file for them on its next opening.
 #[derive(Debug)]
 pub(crate) struct DescriptorSlots {
     used: AtomicUsize,
     cap: usize,
+    budget: usize,
+    /// The chain's layer files open now (kept by its file cache).
+    files: AtomicUsize,
 }
 
 impl DescriptorSlots {
-    pub(crate) fn new(cap: usize) -> Arc<Self> {
+    pub(crate) fn new(cap: usize, budget: usize) -> Arc<Self> {
         Arc::new(DescriptorSlots {
             used: AtomicUsize::new(0),
             cap,
+            budget,
+            files: AtomicUsize::new(0),
         })
     }
 
-    /// A slot, if fewer than `cap` are taken.
+    /// A slot, if fewer than `cap` are taken and the budget has room.
     fn take(self: &Arc<Self>) -> Option<DescriptorSlot> {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.cap).then_some(n + 1)
+                let room = self.files.load(Ordering::Acquire) + n < self.budget;
+                (n < self.cap && room).then_some(n + 1)
             })
             .ok()?;
         Some(DescriptorSlot(self.clone()))
@@ -61,6 +69,11 @@ impl DescriptorSlots {
     /// Slots taken now.
     pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Acquire)
+    }
+
+    /// Tells how many layer files are open now.
+    pub(crate) fn set_files(&self, open: usize) {
+        self.files.store(open, Ordering::Release);
     }
 }
 
@@ -183,7 +196,7 @@ mod tests {
         let path = dir.path().join("f");
         std::fs::write(&path, b"x").unwrap();
         let files: Vec<File> = (0..3).map(|_| File::open(&path).unwrap()).collect();
-        let slots = DescriptorSlots::new(2);
+        let slots = DescriptorSlots::new(2, 10);
         let readers: Vec<OnceReader> = (0..3).map(|_| OnceReader::within(slots.clone())).collect();
         let got: Vec<bool> = readers
             .iter()
@@ -198,5 +211,14 @@ mod tests {
         assert_eq!(slots.used(), 1);
         assert_ne!(readers[1].file(&files[2]).as_raw_fd(), files[2].as_raw_fd());
         assert_eq!(slots.used(), 2);
+        // No room left by the files: none.
+        let slots = DescriptorSlots::new(2, 10);
+        slots.set_files(10);
+        let full = OnceReader::within(slots.clone());
+        assert_eq!(full.file(&files[0]).as_raw_fd(), files[0].as_raw_fd());
+        slots.set_files(9);
+        let room = OnceReader::within(slots.clone());
+        assert_ne!(room.file(&files[0]).as_raw_fd(), files[0].as_raw_fd());
+        assert_eq!(slots.used(), 1);
     }
 }
