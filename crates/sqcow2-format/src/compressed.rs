@@ -7,15 +7,17 @@ use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
 use crate::entry::CompressedDescriptor;
 use crate::error::ErrorKind;
 use crate::header::CompressionType;
+use crate::read_once::ReadPattern;
 use crate::storage::Storage;
 use crate::types::Geometry;
 
 /// Reads and decompresses the compressed cluster `d` of an image.
-pub fn read_compressed_cluster(
+pub(crate) fn read_compressed_cluster(
     storage: &dyn Storage,
     kind: CompressionType,
     geometry: Geometry,
     d: CompressedDescriptor,
+    pattern: ReadPattern,
 ) -> Result<Vec<u8>, ErrorKind> {
     let file_size = storage.len()?;
     if d.offset.0 >= file_size {
@@ -26,7 +28,10 @@ pub fn read_compressed_cluster(
         });
     }
     let mut packed = vec![0u8; d.len as usize];
-    storage.read_at(&mut packed, d.offset.0)?;
+    match pattern {
+        ReadPattern::Stream => storage.read_at(&mut packed, d.offset.0)?,
+        ReadPattern::Once => storage.read_once_at(&mut packed, d.offset.0)?,
+    }
     let mut cluster = vec![0u8; geometry.cluster_size() as usize];
     decompress(kind, &packed, &mut cluster).map_err(|reason| ErrorKind::Decompression {
         offset: d.offset.0,

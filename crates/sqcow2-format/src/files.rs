@@ -117,7 +117,8 @@ impl FileCache {
         self.budget
     }
 
-    /// Descriptors open now.
+    /// Descriptors open now: layer files and the second descriptors of
+    /// their copy-on-write reads.
     pub fn open_now(&self) -> usize {
         self.clock().open.len() + self.once_slots.used()
     }
@@ -151,9 +152,10 @@ impl FileCache {
         self.opened.fetch_add(1, Ordering::Relaxed);
         lazy.referenced.store(true, Ordering::Relaxed);
         clock.open.push(lazy.me.clone());
+        self.once_slots.file_opened();
         // Past the budget (the files and the second descriptors of
         // copy-on-write reads), files are closed; never the last one.
-        while clock.open.len() + self.once_slots.used() > self.budget && clock.open.len() > 1 {
+        while self.once_slots.total() > self.budget && clock.open.len() > 1 {
             if clock.hand >= clock.open.len() {
                 clock.hand = 0;
             }
@@ -161,6 +163,7 @@ impl FileCache {
             let Some(victim) = clock.open[i].upgrade() else {
                 // Its chain is gone (the descriptor with it).
                 clock.open.swap_remove(i);
+                self.once_slots.file_closed();
                 continue;
             };
             if std::ptr::eq(&*victim, lazy) || victim.referenced.swap(false, Ordering::Relaxed) {
@@ -169,8 +172,8 @@ impl FileCache {
             }
             *victim.open.write().unwrap_or_else(PoisonError::into_inner) = None;
             clock.open.swap_remove(i);
+            self.once_slots.file_closed();
         }
-        self.once_slots.set_files(clock.open.len());
         Ok(open)
     }
 }

@@ -1,6 +1,7 @@
 //! Bytes read once, which the kernel should not read ahead of: a
 //! copy-on-write's source (the part of a cluster a guest write does not
-//! cover, read from the layers below or the top's own subclusters).
+//! cover, read from the layers below, or from the top itself where the
+//! cluster's data or compressed copy is there).
 //!
 //! Through a file's usual descriptor such a read, on a page-cache miss,
 //! starts the kernel's readahead, which takes the cached pages before it
@@ -17,7 +18,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::storage::open_for_reading;
@@ -34,33 +35,39 @@ pub(crate) enum ReadPattern {
 
 /// The second descriptors of one chain's lower layers: at most `cap` at
 /// once, and only while the chain's descriptors (its open layer files and
-/// these) stay within its budget. They take only room the files leave:
-/// past it, the file cache closes a file for them on its next opening.
+/// these) stay within its budget. They take only room the files leave;
+/// past it, the file cache closes files. The files and the slots are
+/// counted in one word, so that a slot taken while a file is opened is
+/// seen by the opening (which then closes another file) or sees the file.
+/// Past the budget (a chain longer than it), no slot is taken: the cache
+/// is full of files, and copy-on-write reads read ahead as before.
 #[derive(Debug)]
 pub(crate) struct DescriptorSlots {
-    used: AtomicUsize,
-    cap: usize,
-    budget: usize,
-    /// The chain's layer files open now (kept by its file cache).
-    files: AtomicUsize,
+    /// Open layer files in the high half, slots taken in the low half.
+    counts: AtomicU64,
+    cap: u64,
+    budget: u64,
 }
+
+const FILE: u64 = 1 << 32;
+const SLOTS: u64 = FILE - 1;
 
 impl DescriptorSlots {
     pub(crate) fn new(cap: usize, budget: usize) -> Arc<Self> {
+        let limit = |n: usize| (n as u64).min(SLOTS);
         Arc::new(DescriptorSlots {
-            used: AtomicUsize::new(0),
-            cap,
-            budget,
-            files: AtomicUsize::new(0),
+            counts: AtomicU64::new(0),
+            cap: limit(cap),
+            budget: limit(budget),
         })
     }
 
     /// A slot, if fewer than `cap` are taken and the budget has room.
     fn take(self: &Arc<Self>) -> Option<DescriptorSlot> {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                let room = self.files.load(Ordering::Acquire) + n < self.budget;
-                (n < self.cap && room).then_some(n + 1)
+        self.counts
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                let (files, used) = (v >> 32, v & SLOTS);
+                (used < self.cap && files + used < self.budget).then_some(v + 1)
             })
             .ok()?;
         Some(DescriptorSlot(self.clone()))
@@ -68,12 +75,26 @@ impl DescriptorSlots {
 
     /// Slots taken now.
     pub(crate) fn used(&self) -> usize {
-        self.used.load(Ordering::Acquire)
+        (self.counts.load(Ordering::Acquire) & SLOTS) as usize
     }
 
-    /// Tells how many layer files are open now.
-    pub(crate) fn set_files(&self, open: usize) {
-        self.files.store(open, Ordering::Release);
+    /// Counts a layer file opened; returns the descriptors counted now
+    /// (files and slots).
+    pub(crate) fn file_opened(&self) -> usize {
+        let v = self.counts.fetch_add(FILE, Ordering::AcqRel) + FILE;
+        ((v >> 32) + (v & SLOTS)) as usize
+    }
+
+    /// Counts a layer file closed; returns the descriptors counted now.
+    pub(crate) fn file_closed(&self) -> usize {
+        let v = self.counts.fetch_sub(FILE, Ordering::AcqRel) - FILE;
+        ((v >> 32) + (v & SLOTS)) as usize
+    }
+
+    /// The descriptors counted now (files and slots).
+    pub(crate) fn total(&self) -> usize {
+        let v = self.counts.load(Ordering::Acquire);
+        ((v >> 32) + (v & SLOTS)) as usize
     }
 }
 
@@ -83,7 +104,7 @@ struct DescriptorSlot(Arc<DescriptorSlots>);
 
 impl Drop for DescriptorSlot {
     fn drop(&mut self) {
-        self.0.used.fetch_sub(1, Ordering::AcqRel);
+        self.0.counts.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -95,8 +116,10 @@ pub(crate) struct OnceReader {
     /// Opening it failed (no `/proc`, ...): reads use the first
     /// description, and opening is not tried again.
     failed: AtomicBool,
-    /// Where its descriptor is counted (`None`: not counted, for files
-    /// that are few, such as a chain's top).
+    /// Where its descriptor is counted (`None`: not counted; a chain's
+    /// top, which keeps it when a live snapshot makes it a lower layer,
+    /// as it keeps its first descriptor: neither is in a file cache's
+    /// budget).
     slots: Option<Arc<DescriptorSlots>>,
 }
 
@@ -143,7 +166,13 @@ impl OnceReader {
                 &self.opened.get_or_init(move || opened).file
             }
             Err(e) => {
-                if !self.failed.swap(true, Ordering::Relaxed) {
+                // Out of descriptors or memory for now: tried again on a
+                // later read; anything else (no /proc, ...) for good.
+                let transient = matches!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM)
+                );
+                if !transient && !self.failed.swap(true, Ordering::Relaxed) {
                     tracing::debug!(error = %e, "no readahead-free descriptor; copy-on-write reads read ahead");
                 }
                 file
@@ -213,10 +242,12 @@ mod tests {
         assert_eq!(slots.used(), 2);
         // No room left by the files: none.
         let slots = DescriptorSlots::new(2, 10);
-        slots.set_files(10);
+        for _ in 0..10 {
+            slots.file_opened();
+        }
         let full = OnceReader::within(slots.clone());
         assert_eq!(full.file(&files[0]).as_raw_fd(), files[0].as_raw_fd());
-        slots.set_files(9);
+        assert_eq!(slots.file_closed(), 9);
         let room = OnceReader::within(slots.clone());
         assert_ne!(room.file(&files[0]).as_raw_fd(), files[0].as_raw_fd());
         assert_eq!(slots.used(), 1);

@@ -34,6 +34,7 @@ use crate::error::{Error, ErrorKind};
 use crate::features::{AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
 use crate::fence::TransferFence;
 use crate::layer::LayerStatus;
+use crate::read_once::ReadPattern;
 use crate::refcount::reserve_clusters;
 use crate::types::{GuestOffset, HostOffset};
 
@@ -536,8 +537,14 @@ impl Active {
 
     fn decompress_own(&self, d: CompressedDescriptor) -> Result<Vec<u8>, Error> {
         let compression = self.read_state().header.compression_type;
-        read_compressed_cluster(&*self.top.storage, compression, self.top.geometry, d)
-            .map_err(|k| self.top.err(k))
+        read_compressed_cluster(
+            &*self.top.storage,
+            compression,
+            self.top.geometry,
+            d,
+            ReadPattern::Once,
+        )
+        .map_err(|k| self.top.err(k))
     }
 
     /// Makes the whole cluster at `guest` read as zeros without writing

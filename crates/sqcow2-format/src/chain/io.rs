@@ -207,7 +207,7 @@ impl Chain {
                     }
                     .map_err(|e| Error::new(layer.path(), e.into()))?
                 }
-                ExtentKind::Compressed(d) => self.read_compressed(layer, d, pos, out)?,
+                ExtentKind::Compressed(d) => self.read_compressed(layer, d, pos, out, pattern)?,
             }
             done += n;
         }
@@ -236,6 +236,7 @@ impl Chain {
         d: CompressedDescriptor,
         pos: GuestOffset,
         out: &mut [u8],
+        pattern: ReadPattern,
     ) -> Result<(), Error> {
         let Some(header) = layer.header() else {
             return Err(Error::new(
@@ -244,8 +245,9 @@ impl Chain {
             ));
         };
         let g = header.geometry;
-        let cluster = read_compressed_cluster(&**layer.storage(), header.compression_type, g, d)
-            .map_err(|k| Error::new(layer.path(), k))?;
+        let cluster =
+            read_compressed_cluster(&**layer.storage(), header.compression_type, g, d, pattern)
+                .map_err(|k| Error::new(layer.path(), k))?;
         let from = g.offset_in_cluster(pos.0) as usize;
         out.copy_from_slice(&cluster[from..from + out.len()]);
         Ok(())
