@@ -11,7 +11,10 @@
 # best configuration) serving a copy of the same chain under the same load,
 # taking the same number of live snapshots through QMP
 # (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py); its pause is
-# the command's time (an upper bound). PEER=none skips it. SERVE_ARGS
+# the command's time (an upper bound). PEER=none skips it. With the
+# peer, each size also measures the file system's floor: the same load,
+# no snapshot, on a fresh sparse raw file served by qemu-storage-daemon
+# the same way (FLOOR=0 skips it). SERVE_ARGS
 # adds options to `sqcow2 serve` (e.g. "--engine-threads 2"); QSD=path
 # runs another qemu-storage-daemon than the installed one.
 #
@@ -34,6 +37,7 @@ bin=$PWD/target/release/sqcow2
 bench=$PWD/target/release/sqcow2-bench
 rm -rf "$root" && mkdir -p "$root"
 : >"$root/runs.jsonl"
+: >"$root/floor.jsonl"
 cat >"$root/analyse.py" <<'PY'
 import json, sys
 server, size = sys.argv[1], sys.argv[2]
@@ -223,6 +227,37 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
     tail -1 "$root/runs.jsonl" >&2
   )
   [ -n "${KEEP:-}" ] || rm -rf "$root/$size-qsd"
+  [ "${FLOOR:-1}" != 0 ] || continue
+  (
+    # The file system's floor: the same load on a fresh sparse raw file
+    # of the same size (no format, no snapshot), served by
+    # qemu-storage-daemon at its best; its longest request bounds from
+    # below what any server on this file system can promise.
+    mkdir -p "$root/$size-raw" && cd "$root/$size-raw"
+    echo "==> $size: the floor, a raw file under the same load" >&2
+    truncate -s "$size" disk.raw
+    "$qsd_bin" \
+      --object iothread,id=iot0,poll-max-ns=32768 \
+      --blockdev "driver=file,node-name=disk,filename=disk.raw,aio=io_uring" \
+      --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0 \
+      2>qsd.log &
+    qsd=$!
+    echo "$qsd" >qsd.pid
+    while [ ! -S v.sock ]; do sleep 0.1; done
+    start_load
+    wait "$load"
+    kill -TERM "$qsd"
+    wait "$qsd" || true
+    python3 - "$size" >>"$root/floor.jsonl" <<'FLOOR_PY'
+import json, sys
+load = json.load(open("load.json"))
+longest = max((s["latency_us"] for s in load.get("slow", [])), default=0) / 1000
+print(json.dumps({"size": sys.argv[1], "longest_ms": longest,
+                  "p999_us": load["lat_p999_us"], "iops": load["iops"]}))
+FLOOR_PY
+    tail -1 "$root/floor.jsonl" >&2
+  )
+  rm -rf "$root/$size-raw"
 done
 
 echo "==> offline snapshot of a fully allocated 50 GiB top" >&2
@@ -250,7 +285,11 @@ import json, sys
 root, n = sys.argv[1], sys.argv[2]
 runs = [json.loads(l) for l in open(f"{root}/runs.jsonl") if l.strip()]
 off = json.load(open(f"{root}/offline/offline.json"))
-json.dump({"live": runs, "offline": off}, open(f"{root}/results.json", "w"), indent=1)
+try:
+    floor = [json.loads(l) for l in open(f"{root}/floor.jsonl") if l.strip()]
+except FileNotFoundError:
+    floor = []
+json.dump({"live": runs, "offline": off, "floor": floor}, open(f"{root}/results.json", "w"), indent=1)
 print(f"Live snapshots, {n} per size, random 4 KiB writes at depth 16 during them "
       "(10-layer chain, 2 % filled):\n")
 print("| disk | server | snapshots under load | pause p50 | pause p99 | pause max | longest overlapping request (in the preparation / pause / close) | the same without snapshots | client IOPS | steps of the longest pause (drain / switch) |")
@@ -262,7 +301,7 @@ for r in runs:
         steps += f", of the pause {s['cpu_wait_ms']:.2f} ms waiting for a CPU"
     if s and "drain_jobs" in s:
         steps += (f"; drained {s['drain_jobs']} engine jobs ({s.get('drain_jobs_raised', 0)} raised), "
-                  f"their CPU wait {s['drain_jobs_cpu_wait_ms']:.2f} ms")
+                  f"their CPU wait {max(0.0, s['drain_jobs_cpu_wait_ms']):.2f} ms")
     if s and "close_ms" in s:
         steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]
@@ -282,6 +321,12 @@ print(f"Goals: pause p99 <= 5 ms at every size: worst {p99:.2f} ms — "
       f"{'met' if p99 <= 5 else 'missed by %.2f ms' % (p99 - 5)}; "
       f"longest overlapping request <= 10 ms: {lo:.1f} ms — "
       f"{'met' if lo <= 10 else 'missed by %.1f ms' % (lo - 10)}.")
+if floor:
+    print()
+    print("The file system's floor (the same load on a fresh sparse raw file of each size, "
+          "no format, no snapshot; qemu-storage-daemon, aio=io_uring, polling iothread): "
+          + "; ".join(f"{f['size']}: longest request {f['longest_ms']:.1f} ms, p99.9 "
+                      f"{f['p999_us'] / 1000:.1f} ms, {f['iops']:.0f} IOPS" for f in floor) + ".")
 peers = [r for r in runs if r.get("server", "sqcow2") != "sqcow2"]
 for p in peers:
     o = next((r for r in ours if r["size"] == p["size"]), None)
