@@ -28,10 +28,7 @@ pub(crate) fn read_compressed_cluster(
         });
     }
     let mut packed = vec![0u8; d.len as usize];
-    match pattern {
-        ReadPattern::Stream => storage.read_at(&mut packed, d.offset.0)?,
-        ReadPattern::Once => storage.read_once_at(&mut packed, d.offset.0)?,
-    }
+    pattern.read(storage, &mut packed, d.offset.0)?;
     let mut cluster = vec![0u8; geometry.cluster_size() as usize];
     decompress(kind, &packed, &mut cluster).map_err(|reason| ErrorKind::Decompression {
         offset: d.offset.0,

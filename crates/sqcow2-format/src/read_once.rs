@@ -21,7 +21,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::storage::open_for_reading;
+use crate::storage::{open_for_reading, Storage};
 
 /// How a read goes on: part of a stream the kernel may read ahead of, or
 /// read once.
@@ -31,6 +31,16 @@ pub(crate) enum ReadPattern {
     Stream,
     /// Bytes read once (a copy-on-write's source).
     Once,
+}
+
+impl ReadPattern {
+    /// Reads `buf.len()` bytes of `storage` at `offset` this way.
+    pub(crate) fn read(self, storage: &dyn Storage, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match self {
+            ReadPattern::Stream => storage.read_at(buf, offset),
+            ReadPattern::Once => storage.read_once_at(buf, offset),
+        }
+    }
 }
 
 /// The second descriptors of one chain's lower layers: at most `cap` at
@@ -51,6 +61,11 @@ pub(crate) struct DescriptorSlots {
 
 const FILE: u64 = 1 << 32;
 const SLOTS: u64 = FILE - 1;
+
+/// The descriptors a counts word holds: files and slots.
+fn descriptors(counts: u64) -> usize {
+    ((counts >> 32) + (counts & SLOTS)) as usize
+}
 
 impl DescriptorSlots {
     pub(crate) fn new(cap: usize, budget: usize) -> Arc<Self> {
@@ -81,20 +96,17 @@ impl DescriptorSlots {
     /// Counts a layer file opened; returns the descriptors counted now
     /// (files and slots).
     pub(crate) fn file_opened(&self) -> usize {
-        let v = self.counts.fetch_add(FILE, Ordering::AcqRel) + FILE;
-        ((v >> 32) + (v & SLOTS)) as usize
+        descriptors(self.counts.fetch_add(FILE, Ordering::AcqRel) + FILE)
     }
 
     /// Counts a layer file closed; returns the descriptors counted now.
     pub(crate) fn file_closed(&self) -> usize {
-        let v = self.counts.fetch_sub(FILE, Ordering::AcqRel) - FILE;
-        ((v >> 32) + (v & SLOTS)) as usize
+        descriptors(self.counts.fetch_sub(FILE, Ordering::AcqRel) - FILE)
     }
 
     /// The descriptors counted now (files and slots).
     pub(crate) fn total(&self) -> usize {
-        let v = self.counts.load(Ordering::Acquire);
-        ((v >> 32) + (v & SLOTS)) as usize
+        descriptors(self.counts.load(Ordering::Acquire))
     }
 }
 

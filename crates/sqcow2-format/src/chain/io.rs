@@ -199,14 +199,9 @@ impl Chain {
             }
             match extent.kind {
                 ExtentKind::Zero { .. } => out.fill(0),
-                ExtentKind::Data { host } => {
-                    let storage = layer.storage();
-                    match pattern {
-                        ReadPattern::Stream => storage.read_at(out, host.0),
-                        ReadPattern::Once => storage.read_once_at(out, host.0),
-                    }
-                    .map_err(|e| Error::new(layer.path(), e.into()))?
-                }
+                ExtentKind::Data { host } => pattern
+                    .read(&**layer.storage(), out, host.0)
+                    .map_err(|e| Error::new(layer.path(), e.into()))?,
                 ExtentKind::Compressed(d) => self.read_compressed(layer, d, pos, out, pattern)?,
             }
             done += n;
