@@ -604,3 +604,130 @@ fn realtime_threads(pid: i32) -> usize {
         })
         .count()
 }
+
+/// The descriptions the daemon `pid` has open on `path`: whether each was
+/// opened for writing.
+fn descriptions_of(pid: i32, path: &std::path::Path) -> Vec<bool> {
+    let want = std::fs::canonicalize(path).unwrap();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            (std::fs::read_link(e.path()).ok()? == want).then_some(e.file_name())
+        })
+        .filter_map(|fd| {
+            let info =
+                std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.to_str()?)).ok()?;
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())?;
+            Some(flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32)
+        })
+        .collect()
+}
+
+/// After live snapshots the old tops are lower layers like any other, as
+/// QEMU reopens an old top read-only after `blockdev-snapshot`: read
+/// through a read-only description (counted in the chain's descriptor
+/// budget, see `tests/successor.rs` of sqcow2-format) that holds a
+/// reader's image locks, QEMU refused writes and allowed reads, and the
+/// writer's read-write description closed.
+#[test]
+fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 2, "16M", "0.5");
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut tops = vec![top.clone()];
+    let mut want: Vec<Vec<u8>> = (0..4u64)
+        .map(|i| client.read(i * 2 * 65536, 3 * 4096))
+        .collect();
+    for i in 0..4u64 {
+        want[i as usize][..4096].fill(i as u8 + 1);
+        if i < 3 {
+            want[i as usize][8192..].fill(0xC0);
+        }
+        // A cluster of its own, and a copy-on-write over the one written
+        // before the last snapshot (a read of the old top).
+        client.write(i * 2 * 65536, &[i as u8 + 1; 4096]);
+        if i > 0 {
+            client.write((i - 1) * 2 * 65536 + 8192, &[0xC0; 4096]);
+        }
+        client.flush();
+        let path = tmp.path().join(format!("snap{i}.qcow2"));
+        let reply = control(&ctl, json!({"command": "snapshot", "path": path}));
+        assert_eq!(reply["ok"], true, "{reply}");
+        tops.push(path);
+    }
+    client.write(7 * 2 * 65536 + 8192, &[0xC1; 4096]);
+    client.flush();
+    let old_tops = &tops[..tops.len() - 1];
+    // The chains before each snapshot go once no request uses them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let writable: Vec<_> = old_tops
+            .iter()
+            .filter(|p| descriptions_of(daemon.pid(), p).contains(&true))
+            .collect();
+        if writable.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "old tops still open for writing 20 s after their snapshot: {writable:?}"
+        );
+        assert_eq!(client.read(0, 4096), vec![1u8; 4096]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for old in old_tops {
+        let open = descriptions_of(daemon.pid(), old);
+        assert!(
+            !open.is_empty() && open.len() <= 2,
+            "{}: {} descriptions open",
+            old.display(),
+            open.len()
+        );
+        // QEMU's own tools are the oracle of the image locks.
+        let write = run_raw(std::process::Command::new("qemu-io").args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write 0 512",
+            s(old),
+        ]));
+        let said = String::from_utf8_lossy(&write.stderr).to_string()
+            + &String::from_utf8_lossy(&write.stdout);
+        assert!(
+            said.contains("lock"),
+            "QEMU could open the old top {} for writing: {said}",
+            old.display()
+        );
+        let read = run_raw(std::process::Command::new("qemu-io").args([
+            "-r",
+            "-f",
+            "qcow2",
+            "-c",
+            "read 0 512",
+            s(old),
+        ]));
+        assert!(
+            read.status.success() && !String::from_utf8_lossy(&read.stdout).contains("failed"),
+            "QEMU could not read the old top {}: {}",
+            old.display(),
+            String::from_utf8_lossy(&read.stderr)
+        );
+    }
+    for (i, want) in want.iter().enumerate() {
+        assert!(
+            client.read(i as u64 * 2 * 65536, 3 * 4096) == *want,
+            "cluster {i}"
+        );
+    }
+    drop(client);
+    daemon.stop();
+    for layer in &tops {
+        common::assert_check_clean(layer);
+    }
+}

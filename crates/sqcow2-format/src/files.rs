@@ -71,6 +71,13 @@ pub fn default_budget() -> usize {
         .max(MIN_BUDGET)
 }
 
+/// Where an open file really lies (symlinks resolved), read from its
+/// descriptor.
+pub(crate) fn real_path(file: &std::fs::File) -> Option<PathBuf> {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
+}
+
 /// The open descriptors of one chain's lower layers. Past the budget, one
 /// that has not been used since the clock hand last passed it is closed
 /// (CLOCK, an approximation of least recently used that costs a hit no
@@ -225,6 +232,28 @@ impl LazyFile {
             Arc::new(file.once_reads_within(cache.once_slots.clone())),
         )?;
         Ok(lazy)
+    }
+
+    /// A second, read-only description of the file `of` has open (opened
+    /// through `/proc/self/fd`, so the same file whatever was renamed
+    /// since), in `cache`, holding no image lock until [`Storage::lock`]
+    /// gives it some: a live snapshot's top, read as a lower layer after
+    /// the switch like every other one.
+    pub(crate) fn reading_the_same_file(
+        of: &dyn Storage,
+        cache: Arc<FileCache>,
+    ) -> io::Result<Arc<Self>> {
+        use std::os::fd::AsRawFd;
+        let pinned = of
+            .pinned_file()?
+            .ok_or_else(|| io::Error::other("not a file"))?;
+        let fd = Path::new("/proc/self/fd").join(pinned.file.as_raw_fd().to_string());
+        let file = FileStorage::from_file(open_for_reading(&fd)?);
+        if file.file_id().is_none() || file.file_id() != of.file_id() {
+            return Err(io::Error::other("not the same file"));
+        }
+        let path = real_path(file.file()).ok_or_else(|| io::Error::other("no path"))?;
+        Self::adopt(&path, file, LockRequest::NONE, Locking::Off, cache)
     }
 
     /// The descriptor if it is open now.

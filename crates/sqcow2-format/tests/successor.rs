@@ -626,3 +626,75 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
         assert!(read(&reopened, offset) == vec![byte; 4096], "at {offset}");
     }
 }
+
+/// Descriptors this process has open on files under `dir`.
+fn descriptors_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.starts_with(dir))
+        .collect()
+}
+
+/// A daemon that takes a live snapshot a day keeps every old top as a
+/// lower layer: their descriptors (and the second ones their
+/// copy-on-write reads open) count in the chain's descriptor budget like
+/// every other lower layer's, so the process never holds more than the
+/// budget however many snapshots it took.
+#[test]
+fn old_tops_of_live_snapshots_count_in_the_descriptor_budget() {
+    const BUDGET: usize = 8;
+    const SNAPSHOTS: usize = 30;
+    let dir = tempfile::tempdir().unwrap();
+    let bounded = ChainOptions {
+        max_open_files: Some(BUDGET),
+        ..options(true)
+    };
+    let mut path = dir.path().join("layer-0.qcow2");
+    new_image(&path, GIB);
+    let mut chain = Chain::open(&path, &bounded).unwrap();
+    let mut most = 0;
+    for s in 0..SNAPSHOTS as u64 {
+        // A cluster of its own, and a copy-on-write over the cluster the
+        // layer before wrote (a read of the layer below).
+        chain
+            .write_at(&[s as u8 + 1; 4096], (2 * s) * CLUSTER)
+            .unwrap();
+        if s > 0 {
+            chain
+                .write_at(&[0xC0; 512], (2 * (s - 1)) * CLUSTER + 8192)
+                .unwrap();
+        }
+        let next_path = dir.path().join(format!("layer-{}.qcow2", s + 1));
+        let next = successor_with(&chain, &path, &next_path, &bounded);
+        // What the daemon does once the switch is done: the chain before
+        // goes.
+        drop(std::mem::replace(&mut chain, next));
+        path = next_path;
+        most = most.max(descriptors_under(dir.path()).len());
+    }
+    // The top: its file, its journal, the second description of its own
+    // copy-on-write reads; the index files are not opened (no index).
+    let allowed = BUDGET + 3;
+    assert!(
+        most <= allowed,
+        "{most} descriptors open on the chain's files after {SNAPSHOTS} live snapshots (budget {BUDGET}, top {}): {:#?}",
+        allowed - BUDGET,
+        descriptors_under(dir.path())
+    );
+    // Every layer reads back what was written into it.
+    for s in 0..SNAPSHOTS as u64 {
+        let mut want = vec![0u8; 3 * 4096];
+        want[..4096].fill(s as u8 + 1);
+        if s + 1 < SNAPSHOTS as u64 {
+            want[8192..8192 + 512].fill(0xC0);
+        }
+        let mut got = vec![0u8; 3 * 4096];
+        chain.read_at(&mut got, 2 * s * CLUSTER).unwrap();
+        assert!(got == want, "layer {s}");
+    }
+    chain.close().unwrap();
+    for s in 0..=SNAPSHOTS {
+        assert_checks_clean(&dir.path().join(format!("layer-{s}.qcow2")), "a layer");
+    }
+}

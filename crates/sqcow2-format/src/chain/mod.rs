@@ -159,6 +159,9 @@ pub struct Chain {
     /// (a `Layer` is a few hundred bytes: with 10,000 layers, touching it
     /// per read was a cache miss per request).
     storages: Vec<Arc<dyn Storage>>,
+    /// The descriptors of the layers below the top (the old tops of live
+    /// snapshots join them).
+    files: Arc<crate::files::FileCache>,
     cache: Arc<SliceCache>,
     slice_size: u64,
     /// The top's geometry (a raw-only chain has none; 64 KiB clusters are

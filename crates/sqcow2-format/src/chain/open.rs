@@ -17,7 +17,7 @@ use crate::check::Repair;
 use crate::error::{Error, ErrorKind, WithPath};
 use crate::features::AUTOCLEAR_JOURNAL;
 use crate::fence::TransferFence;
-use crate::files::{default_budget, FileCache, LazyFile};
+use crate::files::{default_budget, real_path, FileCache, LazyFile};
 use crate::header::{field, QCOW2_MAGIC};
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::lock::Locking;
@@ -75,7 +75,7 @@ fn open_layer(
                 _ => FileStorage::open_read_only(path)?,
             };
             file.lock(want, options.locking)?;
-            let real = real_path(&file).unwrap_or_else(|| path.to_path_buf());
+            let real = real_path(file.file()).unwrap_or_else(|| path.to_path_buf());
             LazyFile::adopt(&real, file, want, options.locking, files.clone())?
         }
     };
@@ -109,13 +109,6 @@ fn open_layer(
             Ok(Layer::Qcow2(Qcow2Layer::open_lazily(path, storage)?))
         }
     }
-}
-
-/// Where an opened file really lies (symlinks resolved), read from its
-/// descriptor.
-fn real_path(file: &FileStorage) -> Option<std::path::PathBuf> {
-    use std::os::fd::AsRawFd;
-    std::fs::read_link(format!("/proc/self/fd/{}", file.file().as_raw_fd())).ok()
 }
 
 /// Refuses an opened backing file whose real location (read from the open
@@ -205,7 +198,7 @@ fn open_layers(
     path: &Path,
     options: &ChainOptions,
     reuse: &[Arc<dyn Storage>],
-) -> Result<Vec<Layer>, Error> {
+) -> Result<(Vec<Layer>, Arc<FileCache>), Error> {
     let mut top_down: Vec<Layer> = Vec::new();
     let files = Arc::new(FileCache::new(
         options.max_open_files.unwrap_or_else(default_budget),
@@ -303,7 +296,7 @@ fn open_layers(
         top_down.push(layer);
     }
     top_down.reverse();
-    Ok(top_down)
+    Ok((top_down, files))
 }
 
 impl Chain {
@@ -329,7 +322,7 @@ impl Chain {
         if options.inactive && options.writable {
             return Err(Error::new(path, ErrorKind::ReadOnly));
         }
-        let layers = open_layers(path, options, reuse)?;
+        let (layers, files) = open_layers(path, options, reuse)?;
         let (index, index_state) = if options.use_index {
             open_index(&layers)
         } else {
@@ -394,6 +387,7 @@ impl Chain {
             data_reads: layers.iter().map(|_| AtomicU64::new(0)).collect(),
             storages: layers.iter().map(|l| l.storage().clone()).collect(),
             layers,
+            files,
             cache,
             slice_size: options.slice_size,
             top_geometry,

@@ -11,6 +11,7 @@ use crate::active::{Active, CacheLink};
 use crate::backing::resolve_backing_path;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
+use crate::files::LazyFile;
 use crate::layer::{Layer, Qcow2Layer};
 use crate::sqcow2_ext::{granularity_bits, IndexState};
 use crate::storage::{FileStorage, Storage};
@@ -44,6 +45,10 @@ pub struct PreparedTop {
     at: LayerIndex,
     /// The file the new top names as its backing file.
     backing_id: Option<(u64, u64)>,
+    /// The chain's top opened again read-only in the chain's file cache:
+    /// what the next chain reads it through as a lower layer (`None`: not
+    /// a file; then through the writer's own description).
+    old_top_reader: Option<Arc<LazyFile>>,
 }
 
 impl Drop for PreparedTop {
@@ -121,6 +126,15 @@ impl Chain {
         let active = Active::open(&layer, true, link)?
             .with_background_write_back(options.background_write_back);
         active.prefill_spares();
+        let old_top_reader =
+            match LazyFile::reading_the_same_file(&**old.storage(), self.files.clone()) {
+                Ok(reader) => Some(reader),
+                Err(e) => {
+                    tracing::debug!(path = %old.path().display(), error = %e,
+                        "the old top is read through its writer's descriptor");
+                    None
+                }
+            };
         Ok(PreparedTop {
             path: new_top.to_path_buf(),
             layer,
@@ -128,6 +142,7 @@ impl Chain {
             summary,
             at,
             backing_id,
+            old_top_reader,
         })
     }
 
@@ -148,7 +163,11 @@ impl Chain {
     /// the switch is done (outside the guest's pause),
     /// [`Chain::hand_over_tables`] gives the next chain the tables this
     /// one used last and [`Chain::retire`] closes the old top.
-    pub fn successor(&self, prepared: PreparedTop, options: &ChainOptions) -> Result<Chain, Error> {
+    pub fn successor(
+        &self,
+        mut prepared: PreparedTop,
+        options: &ChainOptions,
+    ) -> Result<Chain, Error> {
         let Some(writer) = self.active.clone() else {
             return Err(Error::new(self.top().path(), ErrorKind::ReadOnly));
         };
@@ -169,7 +188,21 @@ impl Chain {
         old_storage
             .lock(options.lock_request(false), options.locking)
             .map_err(|k| Error::new(old.path(), k))?;
-        let built = self.successor_from(prepared, writer.clone());
+        // The description the next chain reads the old top through takes
+        // a reader's locks too (once the writer's are a reader's: a
+        // writer's would conflict), before the writer's description may
+        // go.
+        let reader = prepared.old_top_reader.take().and_then(|reader| {
+            match reader.lock(options.lock_request(false), options.locking) {
+                Ok(()) => Some(reader as Arc<dyn Storage>),
+                Err(e) => {
+                    tracing::warn!(path = %old.path().display(), error = %e,
+                        "the old top is read through its writer's descriptor");
+                    None
+                }
+            }
+        });
+        let built = self.successor_from(prepared, writer.clone(), reader);
         match &built {
             // The tables the next chain reads from the writer stay as
             // they are.
@@ -222,7 +255,7 @@ impl Chain {
         let old = self.top();
         match next.layers.get(at.0) {
             Some(Layer::Qcow2(l))
-                if self.active.is_some() && Arc::ptr_eq(l.storage(), old.storage()) =>
+                if self.active.is_some() && same_file(l.storage(), old.storage()) =>
             {
                 Ok(())
             }
@@ -256,7 +289,7 @@ impl Chain {
     /// memory: then the chain reads it from its file and flushes no more.
     fn close_below(&self, below: &UnclosedTop) -> Result<(), Error> {
         let layer = match self.layers.get(below.at.0) {
-            Some(Layer::Qcow2(l)) if Arc::ptr_eq(l.storage(), below.writer.storage()) => l,
+            Some(Layer::Qcow2(l)) if same_file(l.storage(), below.writer.storage()) => l,
             _ => {
                 return Err(Error::new(
                     below.writer.path(),
@@ -275,7 +308,14 @@ impl Chain {
         Ok(())
     }
 
-    fn successor_from(&self, prepared: PreparedTop, writer: Arc<Active>) -> Result<Chain, Error> {
+    /// The next chain, the old top read through `reader` (else its
+    /// writer's storage).
+    fn successor_from(
+        &self,
+        prepared: PreparedTop,
+        writer: Arc<Active>,
+        reader: Option<Arc<dyn Storage>>,
+    ) -> Result<Chain, Error> {
         let mut prepared = prepared;
         let old = self.top();
         // Read through the writer's tables, which nothing changes any
@@ -286,7 +326,7 @@ impl Chain {
         let holder: Arc<dyn crate::held::TableHolder> = writer.clone();
         let reopened = Qcow2Layer::open_held(
             old.path(),
-            old.storage().clone(),
+            reader.unwrap_or_else(|| old.storage().clone()),
             writer.l1_table(),
             writer.known_len(),
             holder,
@@ -353,6 +393,7 @@ impl Chain {
             data_reads,
             storages: layers.iter().map(|l| l.storage().clone()).collect(),
             layers,
+            files: self.files.clone(),
             cache: self.cache.clone(),
             slice_size: self.slice_size,
             top_geometry,
@@ -364,4 +405,11 @@ impl Chain {
             unclosed_below: std::sync::Mutex::new(unclosed_below),
         })
     }
+}
+
+/// Whether `a` and `b` are the same file: the same storage, or the same
+/// device and inode (the next chain reads a live snapshot's old top
+/// through a description of its own).
+fn same_file(a: &Arc<dyn Storage>, b: &Arc<dyn Storage>) -> bool {
+    Arc::ptr_eq(a, b) || a.file_id().is_some_and(|id| b.file_id() == Some(id))
 }
