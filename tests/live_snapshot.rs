@@ -632,13 +632,19 @@ fn descriptions_of(pid: i32, path: &std::path::Path) -> Vec<bool> {
 /// through a read-only description (counted in the chain's descriptor
 /// budget, see `tests/successor.rs` of sqcow2-format) that holds a
 /// reader's image locks, QEMU refused writes and allowed reads, and the
-/// writer's read-write description closed.
+/// writer's read-write description closed. A budget of two descriptors
+/// closes and reopens them; each, reopened after the index builds (which
+/// mark every layer as indexed), is locked again.
 #[test]
 fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 2, "16M", "0.5");
     let ctl = tmp.path().join("control.sock");
-    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--control", s(&ctl), "--max-open-files", "2"],
+    );
     let mut client = connect_retry(&daemon, 1, false);
     let mut tops = vec![top.clone()];
     let mut want: Vec<Vec<u8>> = (0..4u64)
@@ -663,6 +669,7 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
     }
     client.write(7 * 2 * 65536 + 8192, &[0xC1; 4096]);
     client.flush();
+    wait_indexed(&ctl);
     let old_tops = &tops[..tops.len() - 1];
     // The chains before each snapshot go once no request uses them.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -681,7 +688,13 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
         assert_eq!(client.read(0, 4096), vec![1u8; 4096]);
         std::thread::sleep(Duration::from_millis(50));
     }
-    for old in old_tops {
+    for (i, old) in old_tops.iter().enumerate() {
+        // Its own cluster, read through the daemon: the layer's file is
+        // open (reopened if the budget had closed it).
+        assert!(
+            client.read(i as u64 * 2 * 65536, 3 * 4096) == want[i],
+            "cluster {i}"
+        );
         let open = descriptions_of(daemon.pid(), old);
         assert!(
             !open.is_empty() && open.len() <= 2,

@@ -315,6 +315,12 @@ impl Storage for LazyFile {
     }
 
     fn lock(&self, want: LockRequest, mode: Locking) -> Result<(), ErrorKind> {
+        // Locking off changes no lock (as for a `FileStorage`): what the
+        // next descriptor takes stays (an index build marks layers with
+        // its locking off).
+        if mode == Locking::Off {
+            return Ok(());
+        }
         let mut locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(open) = self.current() {
             open.storage.lock(want, mode)?;

@@ -129,9 +129,9 @@ pub(crate) struct OnceReader {
     /// description, and opening is not tried again.
     failed: AtomicBool,
     /// Where its descriptor is counted (`None`: not counted; a chain's
-    /// top, which keeps it when a live snapshot makes it a lower layer,
-    /// as it keeps its first descriptor: neither is in a file cache's
-    /// budget).
+    /// top, whose descriptors are outside the file cache's budget; after
+    /// a live snapshot the chain reads it as a lower layer through a
+    /// description of the file cache, and this one goes with its writer).
     slots: Option<Arc<DescriptorSlots>>,
 }
 

@@ -197,12 +197,18 @@ fn repair_left_open(path: &Path, opened: &File, locking: Locking) -> Result<(), 
 fn open_layers(
     path: &Path,
     options: &ChainOptions,
-    reuse: &[Arc<dyn Storage>],
+    reuse: Option<&Chain>,
 ) -> Result<(Vec<Layer>, Arc<FileCache>), Error> {
     let mut top_down: Vec<Layer> = Vec::new();
-    let files = Arc::new(FileCache::new(
-        options.max_open_files.unwrap_or_else(default_budget),
-    ));
+    // One budget for the chain and the chain it replaces, whose lower
+    // layers it reuses.
+    let files = match reuse {
+        Some(old) => old.files.clone(),
+        None => Arc::new(FileCache::new(
+            options.max_open_files.unwrap_or_else(default_budget),
+        )),
+    };
+    let reuse = reuse.map_or(&[][..], |old| &old.storages[..]);
     let mut seen = HashSet::new();
     let mut l1_bytes = 0u64;
     let mut next = Some((path.to_path_buf(), Expect::Top));
@@ -303,18 +309,23 @@ impl Chain {
     /// Opens the chain whose top image is `path`, following backing files
     /// iteratively, each file locked as QEMU would lock it.
     pub fn open(path: &Path, options: &ChainOptions) -> Result<Chain, Error> {
-        Chain::open_reusing(path, options, &[])
+        Chain::open_with(path, options, None)
     }
 
-    /// [`Chain::open`], where files that `reuse` has open already (the
-    /// layers of a chain this one replaces, at a live snapshot) are used
-    /// through that storage: the same open file description keeps its
-    /// image locks, changed to what this chain needs, instead of a second
-    /// open conflicting with the first.
-    pub fn open_reusing(
+    /// [`Chain::open`], where files that `old` (a chain this one replaces:
+    /// after a merge's switch, an activation, a handover) has open
+    /// already are used through its storage: the same open file
+    /// description keeps its image locks, changed to what this chain
+    /// needs, instead of a second open conflicting with the first; and
+    /// the lower layers' descriptors stay in one budget with `old`'s.
+    pub fn open_reusing(path: &Path, options: &ChainOptions, old: &Chain) -> Result<Chain, Error> {
+        Chain::open_with(path, options, Some(old))
+    }
+
+    fn open_with(
         path: &Path,
         options: &ChainOptions,
-        reuse: &[Arc<dyn Storage>],
+        reuse: Option<&Chain>,
     ) -> Result<Chain, Error> {
         if options.force_share && options.writable {
             return Err(Error::new(path, ErrorKind::ForceShareWritable));

@@ -420,8 +420,7 @@ fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
         });
     }
     let top = old.top().path().to_path_buf();
-    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
-    let chain = match Chain::open_reusing(&top, &shared.options, &reuse) {
+    let chain = match Chain::open_reusing(&top, &shared.options, &old) {
         Ok(c) => c,
         Err(e) => {
             warn!(error = %e, "reopening the chain after the merge failed: switching back");

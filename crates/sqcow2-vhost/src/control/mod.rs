@@ -532,8 +532,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     }
     let old = shared.handle.get();
     let top = old.top().path().to_path_buf();
-    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
-    let chain = Chain::open_reusing(&top, &shared.options, &reuse).map_err(|e| {
+    let chain = Chain::open_reusing(&top, &shared.options, &old).map_err(|e| {
         let kind = match e.kind {
             sqcow2_format::ErrorKind::Locked { .. } => FailureKind::Locked,
             _ => FailureKind::IoError,
@@ -578,13 +577,12 @@ fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
     old.flush_clean()
         .map_err(|e| undo(fail(FailureKind::IoError, format!("flush: {e}"))))?;
     let top = old.top().path().to_path_buf();
-    let reuse: Vec<_> = old.layers().iter().map(|l| l.storage().clone()).collect();
     let options = ChainOptions {
         writable: false,
         inactive: true,
         ..shared.options.clone()
     };
-    let chain = Chain::open_reusing(&top, &options, &reuse)
+    let chain = Chain::open_reusing(&top, &options, &old)
         .map_err(|e| undo(fail(FailureKind::IoError, e.to_string())))?;
     drop(old);
     drop(shared.handle.replace(chain));
