@@ -14,7 +14,8 @@
 # the command's time (an upper bound). PEER=none skips it. With the
 # peer, each size also measures the file system's floor: the same load,
 # no snapshot, on a fresh sparse raw file served by qemu-storage-daemon
-# the same way (FLOOR=0 skips it). SERVE_ARGS
+# the same way (scripts/bench-floor.sh; FLOOR=0 skips it, FLOOR_MODES=
+# "buffered direct" adds the file without the page cache). SERVE_ARGS
 # adds options to `sqcow2 serve` (e.g. "--engine-threads 2"); QSD=path
 # runs another qemu-storage-daemon than the installed one.
 #
@@ -228,36 +229,14 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
   )
   [ -n "${KEEP:-}" ] || rm -rf "$root/$size-qsd"
   [ "${FLOOR:-1}" != 0 ] || continue
-  (
-    # The file system's floor: the same load on a fresh sparse raw file
-    # of the same size (no format, no snapshot), served by
-    # qemu-storage-daemon at its best; its longest request bounds from
-    # below what any server on this file system can promise.
-    mkdir -p "$root/$size-raw" && cd "$root/$size-raw"
-    echo "==> $size: the floor, a raw file under the same load" >&2
-    truncate -s "$size" disk.raw
-    "$qsd_bin" \
-      --object iothread,id=iot0,poll-max-ns=32768 \
-      --blockdev "driver=file,node-name=disk,filename=disk.raw,aio=io_uring" \
-      --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0 \
-      2>qsd.log &
-    qsd=$!
-    echo "$qsd" >qsd.pid
-    while [ ! -S v.sock ]; do sleep 0.1; done
-    start_load
-    wait "$load"
-    kill -TERM "$qsd"
-    wait "$qsd" || true
-    python3 - "$size" >>"$root/floor.jsonl" <<'FLOOR_PY'
-import json, sys
-load = json.load(open("load.json"))
-longest = max((s["latency_us"] for s in load.get("slow", [])), default=0) / 1000
-print(json.dumps({"size": sys.argv[1], "longest_ms": longest,
-                  "p999_us": load["lat_p999_us"], "iops": load["iops"]}))
-FLOOR_PY
-    tail -1 "$root/floor.jsonl" >&2
-  )
-  rm -rf "$root/$size-raw"
+  # The file system's floor: the same load for as long on a fresh sparse
+  # raw file of the same size (no format, no snapshot), served by
+  # qemu-storage-daemon at its best; its longest request bounds from
+  # below what any server on this file system can promise.
+  echo "==> $size: the floor, a raw file under the same load" >&2
+  QSD=$qsd_bin scripts/bench-floor.sh "$size" $((n * 3 / 2 + 6)) "${FLOOR_MODES:-buffered}" 1 \
+    "$root/$size-raw" >>"$root/floor.jsonl"
+  tail -1 "$root/floor.jsonl" >&2
 done
 
 echo "==> offline snapshot of a fully allocated 50 GiB top" >&2
@@ -324,8 +303,9 @@ print(f"Goals: pause p99 <= 5 ms at every size: worst {p99:.2f} ms — "
 if floor:
     print()
     print("The file system's floor (the same load on a fresh sparse raw file of each size, "
-          "no format, no snapshot; qemu-storage-daemon, aio=io_uring, polling iothread): "
-          + "; ".join(f"{f['size']}: longest request {f['longest_ms']:.1f} ms, p99.9 "
+          "no format, no snapshot; qemu-storage-daemon, polling iothread; buffered: aio=io_uring, "
+          "direct: cache.direct=on, aio=native): "
+          + "; ".join(f"{f['size']} ({f.get('cache', 'buffered')}): longest request {f['longest_ms']:.1f} ms, p99.9 "
                       f"{f['p999_us'] / 1000:.1f} ms, {f['iops']:.0f} IOPS" for f in floor) + ".")
 peers = [r for r in runs if r.get("server", "sqcow2") != "sqcow2"]
 for p in peers:
