@@ -286,6 +286,17 @@ impl LazyFile {
         if crate::nowait::may_load().is_err() {
             return Err(io::ErrorKind::WouldBlock.into());
         }
+        // Held from reading the locks to take until the descriptor that
+        // took them serves, across the open (I/O): a lock change meanwhile
+        // (`Storage::lock`, which takes it too) must find the new
+        // descriptor, or the reopen would keep the request it read before
+        // the change. Only reopens of this one file and its lock changes
+        // wait for it.
+        let locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(open) = self.current() {
+            // Reopened by another thread meanwhile.
+            return Ok(open);
+        }
         let file = FileStorage::from_file(open_for_reading(&self.path)?);
         if file.file_id() != Some(self.identity) {
             return Err(io::Error::other(format!(
@@ -293,11 +304,13 @@ impl LazyFile {
                 self.path.display()
             )));
         }
-        let (want, mode) = *self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+        let (want, mode) = *locks;
         file.lock(want, mode)
             .map_err(|k| io::Error::other(k.to_string()))?;
         let file = file.once_reads_within(self.cache.once_slots.clone());
-        self.cache.admit(self, Arc::new(file))
+        let open = self.cache.admit(self, Arc::new(file));
+        drop(locks);
+        open
     }
 }
 
@@ -442,6 +455,48 @@ mod tests {
                 cache.open_now()
             );
         }
+    }
+
+    /// A lock change while the file is reopened: the descriptor that
+    /// serves afterwards holds what was asked last, never the request
+    /// the reopen read before the change.
+    #[test]
+    fn a_lock_change_during_a_reopen_is_not_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = files(dir.path(), 2);
+        let cache = Arc::new(FileCache::new(1));
+        let adopt = |p: &PathBuf| {
+            let f = FileStorage::open_read_only(p).unwrap();
+            f.lock(LockRequest::READER, Locking::On).unwrap();
+            LazyFile::adopt(p, f, LockRequest::READER, Locking::On, cache.clone()).unwrap()
+        };
+        let (a, b) = (adopt(&paths[0]), adopt(&paths[1]));
+        let mut lost = 0;
+        for round in 0..400 {
+            // `a` closed (the budget is one file), then reopened by a read
+            // while its locks change.
+            b.read_at(&mut [0u8; 1], 0).unwrap();
+            let want = if round % 2 == 0 {
+                LockRequest::NONE
+            } else {
+                LockRequest::READER
+            };
+            let start = std::sync::Barrier::new(2);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    start.wait();
+                    a.read_at(&mut [0u8; 1], 0).unwrap();
+                });
+                start.wait();
+                a.lock(want, Locking::On).unwrap();
+            });
+            a.read_at(&mut [0u8; 1], 0).unwrap();
+            let held = a.locks().unwrap_or(LockRequest::NONE);
+            if held != want {
+                lost += 1;
+            }
+        }
+        assert_eq!(lost, 0, "rounds whose lock change was lost");
     }
 
     #[test]
