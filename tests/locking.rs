@@ -141,8 +141,22 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        // SIGTERM, again each second: qemu-storage-daemon 7.2 once stayed
+        // asleep in its main loop after one (the signal caught, none
+        // pending; a CI run hung there on 2026-11-27), then SIGKILL
+        // after 20 s rather than hang (sqcow2's own exit on SIGTERM is
+        // asserted by the daemon tests).
+        for _ in 0..20 {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            for _ in 0..50 {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
