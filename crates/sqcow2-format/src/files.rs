@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use crate::error::ErrorKind;
 use crate::lock::{LockRequest, Locking};
 use crate::read_once::DescriptorSlots;
-use crate::storage::{open_for_reading, FileStorage, PinnedFile, Storage};
+use crate::storage::{fd_link, open_for_reading, real_path, FileStorage, PinnedFile, Storage};
 
 /// Descriptors kept for lower layers when the open-file limit cannot be
 /// read.
@@ -69,13 +69,6 @@ pub fn default_budget() -> usize {
     usize::try_from(lim.rlim_cur / 2)
         .unwrap_or(usize::MAX)
         .max(MIN_BUDGET)
-}
-
-/// Where an open file really lies (symlinks resolved), read from its
-/// descriptor.
-pub(crate) fn real_path(file: &std::fs::File) -> Option<PathBuf> {
-    use std::os::fd::AsRawFd;
-    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
 }
 
 /// The open descriptors of one chain's lower layers. Past the budget, one
@@ -243,16 +236,14 @@ impl LazyFile {
         of: &dyn Storage,
         cache: Arc<FileCache>,
     ) -> io::Result<Arc<Self>> {
-        use std::os::fd::AsRawFd;
         let pinned = of
             .pinned_file()?
             .ok_or_else(|| io::Error::other("not a file"))?;
-        let fd = Path::new("/proc/self/fd").join(pinned.file.as_raw_fd().to_string());
-        let file = FileStorage::from_file(open_for_reading(&fd)?);
+        let file = FileStorage::from_file(open_for_reading(&fd_link(&pinned.file))?);
         if file.file_id().is_none() || file.file_id() != of.file_id() {
             return Err(io::Error::other("not the same file"));
         }
-        let path = real_path(file.file()).ok_or_else(|| io::Error::other("no path"))?;
+        let path = real_path(file.file())?;
         Self::adopt(&path, file, LockRequest::NONE, Locking::Off, cache)
     }
 
@@ -383,6 +374,18 @@ mod tests {
             .collect()
     }
 
+    /// `path` opened, locked with `locks` and handed to `cache`.
+    fn adopt(cache: &Arc<FileCache>, path: &Path, locks: LockRequest) -> Arc<LazyFile> {
+        let mode = if locks == LockRequest::NONE {
+            Locking::Off
+        } else {
+            Locking::On
+        };
+        let f = FileStorage::open_read_only(path).unwrap();
+        f.lock(locks, mode).unwrap();
+        LazyFile::adopt(path, f, locks, mode, cache.clone()).unwrap()
+    }
+
     #[test]
     fn descriptors_stay_within_the_budget_and_reopen_the_same_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -390,10 +393,7 @@ mod tests {
         let cache = Arc::new(FileCache::new(3));
         let lazy: Vec<Arc<LazyFile>> = paths
             .iter()
-            .map(|p| {
-                let f = FileStorage::open_read_only(p).unwrap();
-                LazyFile::adopt(p, f, LockRequest::NONE, Locking::Off, cache.clone()).unwrap()
-            })
+            .map(|p| adopt(&cache, p, LockRequest::NONE))
             .collect();
         assert_eq!(cache.open_now(), 3);
         for round in 0..3 {
@@ -428,10 +428,7 @@ mod tests {
         let paths = files(dir.path(), 12);
         // A budget of 8: at most one second descriptor.
         let cache = Arc::new(FileCache::new(8));
-        let adopt = |p: &PathBuf| {
-            let f = FileStorage::open_read_only(p).unwrap();
-            LazyFile::adopt(p, f, LockRequest::NONE, Locking::Off, cache.clone()).unwrap()
-        };
+        let adopt = |p: &PathBuf| adopt(&cache, p, LockRequest::NONE);
         let mut lazy: Vec<Arc<LazyFile>> = paths[..7].iter().map(adopt).collect();
         let mut b = [0u8; 4];
         lazy[0].read_once_at(&mut b, 8).unwrap();
@@ -465,12 +462,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let paths = files(dir.path(), 2);
         let cache = Arc::new(FileCache::new(1));
-        let adopt = |p: &PathBuf| {
-            let f = FileStorage::open_read_only(p).unwrap();
-            f.lock(LockRequest::READER, Locking::On).unwrap();
-            LazyFile::adopt(p, f, LockRequest::READER, Locking::On, cache.clone()).unwrap()
-        };
-        let (a, b) = (adopt(&paths[0]), adopt(&paths[1]));
+        let (a, b) = (
+            adopt(&cache, &paths[0], LockRequest::READER),
+            adopt(&cache, &paths[1], LockRequest::READER),
+        );
         let mut lost = 0;
         for round in 0..400 {
             // `a` closed (the budget is one file), then reopened by a read

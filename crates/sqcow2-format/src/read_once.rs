@@ -17,11 +17,10 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::storage::{open_for_reading, Storage};
+use crate::storage::{fd_link, open_for_reading, Storage};
 
 /// How a read goes on: part of a stream the kernel may read ahead of, or
 /// read once.
@@ -197,8 +196,7 @@ impl OnceReader {
 /// `/proc/self/fd`, so a rename or unlink meanwhile cannot change which
 /// file), read-only, advised not to read ahead.
 fn reopen_without_readahead(file: &File) -> io::Result<File> {
-    let link = format!("/proc/self/fd/{}", file.as_raw_fd());
-    let second = open_for_reading(Path::new(&link))?;
+    let second = open_for_reading(&fd_link(file))?;
     // SAFETY: posix_fadvise on a descriptor `second` owns; no memory is
     // passed.
     let r = unsafe { libc::posix_fadvise(second.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };

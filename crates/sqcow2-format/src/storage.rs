@@ -238,6 +238,19 @@ impl AllocationGate {
     }
 }
 
+/// The `/proc/self/fd` link of `file`: where it really lies (read the
+/// link), or the same file to open again whatever was renamed since.
+pub(crate) fn fd_link(file: &File) -> std::path::PathBuf {
+    use std::os::fd::AsRawFd;
+    Path::new("/proc/self/fd").join(file.as_raw_fd().to_string())
+}
+
+/// Where an open file really lies (symlinks resolved), read from its
+/// descriptor.
+pub(crate) fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
+    std::fs::read_link(fd_link(file))
+}
+
 /// Opens `path` read-only without updating its access time on reads
 /// (`O_NOATIME`, allowed to the file's owner and to root; a plain open
 /// otherwise): reading a backing layer is not using it, and with

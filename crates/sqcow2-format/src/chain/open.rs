@@ -17,12 +17,12 @@ use crate::check::Repair;
 use crate::error::{Error, ErrorKind, WithPath};
 use crate::features::AUTOCLEAR_JOURNAL;
 use crate::fence::TransferFence;
-use crate::files::{default_budget, real_path, FileCache, LazyFile};
+use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::{field, QCOW2_MAGIC};
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::lock::Locking;
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
-use crate::storage::{open_for_reading, FileStorage, Storage};
+use crate::storage::{open_for_reading, real_path, FileStorage, Storage};
 use crate::summary::TopSummary;
 use crate::types::{Geometry, LayerIndex};
 use sqcow2_cache::{CacheConfig, SliceCache, Source};
@@ -75,7 +75,7 @@ fn open_layer(
                 _ => FileStorage::open_read_only(path)?,
             };
             file.lock(want, options.locking)?;
-            let real = real_path(file.file()).unwrap_or_else(|| path.to_path_buf());
+            let real = real_path(file.file()).unwrap_or_else(|_| path.to_path_buf());
             LazyFile::adopt(&real, file, want, options.locking, files.clone())?
         }
     };
@@ -115,9 +115,8 @@ fn open_layer(
 /// descriptor, so a symlink swapped after the check cannot fool it) is
 /// outside `root`.
 fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), ErrorKind> {
-    use std::os::fd::AsRawFd;
     let root = std::fs::canonicalize(root)?;
-    let resolved = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let resolved = real_path(file)?;
     if resolved.starts_with(&root) {
         Ok(())
     } else {
