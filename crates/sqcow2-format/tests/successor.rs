@@ -709,3 +709,204 @@ fn old_tops_of_live_snapshots_count_in_the_descriptor_budget() {
         assert_checks_clean(&dir.path().join(format!("layer-{s}.qcow2")), "a layer");
     }
 }
+
+/// A top whose next read fails (`EIO`) once armed; that read first lets
+/// another opener of the file try to take a reader's image locks, as
+/// `qemu-img check` would at that moment, and keeps what it got.
+#[derive(Debug)]
+struct IntrudedTop {
+    path: std::path::PathBuf,
+    file: FileStorage,
+    armed: std::sync::atomic::AtomicBool,
+    /// The other opener's attempt: `Some(true)` if it got its locks.
+    intruder_locked: std::sync::Mutex<Option<bool>>,
+    intruder: std::sync::Mutex<Option<FileStorage>>,
+    /// Lock changes to a reader's fail (`ENOLCK`) while set.
+    refuse_reader_locks: std::sync::atomic::AtomicBool,
+}
+
+impl IntrudedTop {
+    fn open(path: &Path) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(IntrudedTop {
+            path: path.to_path_buf(),
+            file: FileStorage::open_read_write(path).unwrap(),
+            armed: Default::default(),
+            intruder_locked: Default::default(),
+            intruder: Default::default(),
+            refuse_reader_locks: Default::default(),
+        })
+    }
+}
+
+impl sqcow2_format::storage::Storage for IntrudedTop {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let other = FileStorage::open_read_only(&self.path).unwrap();
+            let got = other
+                .lock(
+                    sqcow2_format::LockRequest::READER,
+                    sqcow2_format::Locking::On,
+                )
+                .is_ok();
+            *self.intruder_locked.lock().unwrap() = Some(got);
+            *self.intruder.lock().unwrap() = Some(other);
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.file.read_at(buf, offset)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.file.len()
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.file.write_at(buf, offset)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.file.set_len(len)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.file.sync()
+    }
+    fn lock(
+        &self,
+        want: sqcow2_format::LockRequest,
+        mode: sqcow2_format::Locking,
+    ) -> Result<(), sqcow2_format::ErrorKind> {
+        if want == sqcow2_format::LockRequest::READER
+            && self
+                .refuse_reader_locks
+                .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(sqcow2_format::ErrorKind::Io(
+                std::io::Error::from_raw_os_error(libc::ENOLCK),
+            ));
+        }
+        self.file.lock(want, mode)
+    }
+    fn locks(&self) -> Option<sqcow2_format::LockRequest> {
+        self.file.locks()
+    }
+    fn file_id(&self) -> Option<(u64, u64)> {
+        self.file.file_id()
+    }
+    fn is_writable(&self) -> bool {
+        self.file.is_writable()
+    }
+}
+
+/// A writable 1 GiB top over an [`IntrudedTop`], `fill` written at 0, a
+/// new top `new.qcow2` created and prepared over it.
+struct SwitchAttempt {
+    dir: tempfile::TempDir,
+    top: std::path::PathBuf,
+    new: std::path::PathBuf,
+    storage: std::sync::Arc<IntrudedTop>,
+    opts: ChainOptions,
+    chain: Chain,
+}
+
+impl SwitchAttempt {
+    fn prepare(fill: u8) -> (Self, sqcow2_format::PreparedTop) {
+        let dir = tempfile::tempdir().unwrap();
+        let top = dir.path().join("top.qcow2");
+        new_image(&top, GIB);
+        let storage = IntrudedTop::open(&top);
+        let opts = ChainOptions {
+            top_storage: Some(storage.clone()),
+            locking: sqcow2_format::Locking::On,
+            ..options(true)
+        };
+        let chain = Chain::open(&top, &opts).unwrap();
+        chain.write_at(&[fill; 4096], 0).unwrap();
+        let new = dir.path().join("new.qcow2");
+        indexing::snapshot_over(&chain, &top, &new).unwrap();
+        let prepared = chain.prepare_successor(&new, &opts).unwrap();
+        let attempt = SwitchAttempt {
+            dir,
+            top,
+            new,
+            storage,
+            opts,
+            chain,
+        };
+        (attempt, prepared)
+    }
+
+    /// After the failed switch: the top still the chain's, with a
+    /// writer's locks, taking writes; the unused new top left clean; the
+    /// next try switches and reads both writes.
+    fn assert_still_writing(self, fill: u8) {
+        assert_eq!(
+            sqcow2_format::storage::Storage::locks(&*self.storage),
+            Some(sqcow2_format::LockRequest::WRITER),
+            "the top's locks after the failed switch"
+        );
+        assert!(
+            !journal_of(&self.new).exists(),
+            "the unused new top's journal left behind"
+        );
+        assert_checks_clean(&self.new, "unused new top");
+        self.chain.write_at(&[fill ^ 0xFF; 4096], CLUSTER).unwrap();
+        self.chain.flush().unwrap();
+        let next = successor_with(
+            &self.chain,
+            &self.top,
+            &self.dir.path().join("next.qcow2"),
+            &self.opts,
+        );
+        assert!(read(&next, 0) == vec![fill; 4096]);
+        assert!(read(&next, CLUSTER) == vec![fill ^ 0xFF; 4096]);
+        drop(next);
+        assert_checks_clean(&self.top, "old top");
+    }
+}
+
+/// A live snapshot that fails inside the pause leaves the chain writing
+/// its top, so at no moment of it may the top's image locks let a reader
+/// in that refuses writers (`qemu-img check`, a backing user): a failed
+/// switch must not lower them, then find it cannot take them back and
+/// write on regardless.
+#[test]
+fn a_failed_switch_never_lets_a_reader_in_under_the_writer() {
+    let (attempt, prepared) = SwitchAttempt::prepare(0xD1);
+    let storage = attempt.storage.clone();
+    storage
+        .armed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        attempt.chain.successor(prepared, &attempt.opts).is_err(),
+        "the old top's header could not be read"
+    );
+    assert_eq!(
+        *storage.intruder_locked.lock().unwrap(),
+        Some(false),
+        "another opener took a reader's locks on the top while the chain kept writing it"
+    );
+    drop(storage.intruder.lock().unwrap().take());
+    attempt.assert_still_writing(0xD1);
+}
+
+/// A live snapshot whose lock change fails in the pause (after the next
+/// chain is built) switches nothing: the chain built for it is dropped
+/// with its new top closed clean, and the chain's own top, which that
+/// chain listed as an old top to close, stays open and writable.
+#[test]
+fn a_switch_whose_lock_change_fails_leaves_the_top_writing() {
+    let (attempt, prepared) = SwitchAttempt::prepare(0xE1);
+    let refuse = |on: bool| {
+        attempt
+            .storage
+            .refuse_reader_locks
+            .store(on, std::sync::atomic::Ordering::SeqCst)
+    };
+    assert!(journal_of(&attempt.top).exists());
+    refuse(true);
+    assert!(attempt.chain.successor(prepared, &attempt.opts).is_err());
+    refuse(false);
+    // Its writer not closed by the dropped chain (which would end its
+    // journal): still journaling the writes it takes.
+    assert!(
+        journal_of(&attempt.top).exists(),
+        "the top was closed under its chain"
+    );
+    attempt.assert_still_writing(0xE1);
+}

@@ -159,7 +159,10 @@ impl Chain {
     /// layers below it, the unified cache and the index in use carry
     /// over, the old top walked above the index until the new top's index
     /// is installed ([`crate::indexing::build_index`]). Only the old
-    /// top's header is read. On failure this chain stays as it was. Once
+    /// top's header is read, before any lock changes. On failure this
+    /// chain stays as it was, its top's locks a writer's throughout (if
+    /// they were lowered and cannot be taken back, its writes fail rather
+    /// than go on without them). Once
     /// the switch is done (outside the guest's pause),
     /// [`Chain::hand_over_tables`] gives the next chain the tables this
     /// one used last and [`Chain::retire`] closes the old top.
@@ -185,34 +188,42 @@ impl Chain {
                 ))),
             ));
         }
-        old_storage
-            .lock(options.lock_request(false), options.locking)
-            .map_err(|k| Error::new(old.path(), k))?;
+        // The next chain is built first (a header read, the only step
+        // that can fail for want of the disk), the locks changed last: a
+        // failed switch leaves this chain writing its top, and until then
+        // the top's locks must keep out every reader that refuses writers
+        // (lowered and taken back, they could have let one in).
+        let reader = prepared
+            .old_top_reader
+            .take()
+            .map(|reader| reader as Arc<dyn Storage>);
+        let built = self.successor_from(prepared, writer.clone(), reader.clone())?;
+        if let Err(k) = old_storage.lock(options.lock_request(false), options.locking) {
+            // A failed change changes nothing: still the writer's locks.
+            built.abandon();
+            return Err(Error::new(old.path(), k));
+        }
         // The description the next chain reads the old top through takes
         // a reader's locks too (once the writer's are a reader's: a
         // writer's would conflict), before the writer's description may
         // go.
-        let reader = prepared.old_top_reader.take().and_then(|reader| {
-            match reader.lock(options.lock_request(false), options.locking) {
-                Ok(()) => Some(reader as Arc<dyn Storage>),
-                Err(e) => {
-                    tracing::warn!(path = %old.path().display(), error = %e,
-                        "the old top is read through its writer's descriptor");
-                    None
+        if let Some(reader) = reader {
+            if let Err(k) = reader.lock(options.lock_request(false), options.locking) {
+                built.abandon();
+                if let Err(back) = old_storage.lock(options.lock_request(true), options.locking) {
+                    // Writing on without the writer's locks could write
+                    // under a reader promised no writer.
+                    writer.fail(&format!(
+                        "the image's write lock could not be taken back after a failed live snapshot: {back}"
+                    ));
                 }
-            }
-        });
-        let built = self.successor_from(prepared, writer.clone(), reader);
-        match &built {
-            // The tables the next chain reads from the writer stay as
-            // they are.
-            Ok(_) => writer.supersede(),
-            // Still this chain's writable top.
-            Err(_) => {
-                let _ = old_storage.lock(options.lock_request(true), options.locking);
+                return Err(Error::new(old.path(), k));
             }
         }
-        built
+        // The tables the next chain reads from the writer stay as they
+        // are.
+        writer.supersede();
+        Ok(built)
     }
 
     /// Puts the tables this chain's top used last (at most 1 MiB) into the
@@ -306,6 +317,17 @@ impl Chain {
         layer.release_holder();
         self.below_closed(&below.writer);
         Ok(())
+    }
+
+    /// Drops a chain [`Chain::successor`] built and did not switch to: its
+    /// new top closed clean, as an unused [`PreparedTop`] is; the old tops
+    /// it lists as not closed are still this chain's writer and the ones
+    /// it lists, and stay open.
+    fn abandon(self) {
+        self.unclosed_below
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
     }
 
     /// The next chain, the old top read through `reader` (else its
