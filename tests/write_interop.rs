@@ -502,3 +502,105 @@ fn a_copy_on_write_does_not_read_ahead_in_the_layer_below() {
     chain.close().unwrap();
     assert_eq!(qemu_check(&top).0, Some(0));
 }
+
+/// QEMU allocates an extended-L2 cluster and writes only the subclusters
+/// written: the file ends inside that cluster (its tail was never
+/// written). `qemu-img check` finds nothing wrong, so sqcow2 must write
+/// into the rest of the cluster as QEMU does, not refuse the write.
+#[test]
+fn writes_into_a_qemu_cluster_that_ends_past_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("ours.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on,cluster_size=128k",
+        s(&ours),
+        "64M",
+    ]);
+    // The last cluster QEMU allocates gets its second and third 4 KiB
+    // subclusters only.
+    qemu_io(&ours, &["write -P 0x11 4k 8k".into()]);
+    let len = std::fs::metadata(&ours).unwrap().len();
+    assert_eq!(
+        len % (128 << 10),
+        12 << 10,
+        "the file ends inside the cluster"
+    );
+    assert_eq!(qemu_check(&ours).0, Some(0));
+    let theirs = tmp.path().join("theirs.qcow2");
+    std::fs::copy(&ours, &theirs).unwrap();
+
+    // Into an unallocated subcluster (a copy-on-write), an allocated one
+    // (in place), and the cluster's last one, past the file's end.
+    let writes = [
+        "write -P 0x22 2k 4k",
+        "write -P 0x33 6k 1k",
+        "write -P 0x44 124k 4k",
+    ];
+    for w in writes {
+        let (code, out, err) = sqcow2_status(&["io", "-c", w, s(&ours)]);
+        assert_eq!(code, Some(0), "{w}: {out}{err}");
+    }
+    qemu_io(&theirs, &writes.map(String::from));
+    assert_eq!(qemu_check(&ours).0, Some(0), "{}", qemu_check(&ours).1);
+    assert_same_as_qemu(&ours);
+    qemu_img(&["compare", "-q", s(&ours), s(&theirs)]);
+    // And through the library, in place, into what is now written.
+    let chain = rw(&ours);
+    chain.write_at(&[0x55; 512], 100 << 10).unwrap();
+    chain.close().unwrap();
+    qemu_io(&theirs, &["write -P 0x55 100k 512".into()]);
+    assert_eq!(qemu_check(&ours).0, Some(0));
+    qemu_img(&["compare", "-q", s(&ours), s(&theirs)]);
+}
+
+/// A data cluster that starts at or past the end of the file is what
+/// `qemu-img check` counts as one corruption (and it compares no
+/// refcount there: no leak); `sqcow2 check` finds the same, and a write
+/// into it is refused with that reason rather than made.
+#[test]
+fn a_cluster_past_the_end_of_the_file_is_checked_and_refused_as_qemu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+    qemu_io(
+        &img,
+        &["write -P 0x77 0 64k".into(), "write -P 0x78 1M 64k".into()],
+    );
+    // Cut the last data cluster off, as a crash before the file grew
+    // could leave it.
+    let len = std::fs::metadata(&img).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(len - (64 << 10))
+        .unwrap();
+    let (qemu_code, qemu_out) = qemu_check(&img);
+    assert_eq!(qemu_code, Some(2), "{qemu_out}");
+    let (code, json, _) = sqcow2_status(&["check", "--output", "json", s(&img)]);
+    assert_eq!(code, qemu_code, "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(
+        qemu_out.contains("1 errors were found") && !qemu_out.contains("leaked"),
+        "{qemu_out}"
+    );
+    assert_eq!(
+        (v["corruptions"].as_u64(), v["leaks"].as_u64()),
+        (Some(1), Some(0)),
+        "{json}"
+    );
+    let (code, out, err) = sqcow2_status(&["io", "-c", "write -P 0x79 1M 4k", s(&img)]);
+    assert_eq!(code, Some(1), "{out}");
+    // Reported as `qemu-io` reports a failed write, on its output.
+    assert!(
+        format!("{out}{err}").contains("beyond the end of the file"),
+        "{out}{err}"
+    );
+    // Nothing written: the file as it was.
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), len - (64 << 10));
+}

@@ -168,8 +168,9 @@ pub enum ErrorKind {
         /// The host offset in the L2 entry.
         host_offset: u64,
     },
-    /// A data cluster that an L2 entry places beyond the end of the file,
-    /// found when writing to it.
+    /// A data cluster that an L2 entry places at or beyond the end of the
+    /// file (one that only ends past it is valid), found when writing to
+    /// it.
     #[error("data cluster {host_offset:#x} for guest offset {guest_offset:#x} lies beyond the end of the file ({file_size} bytes)")]
     ClusterBeyondEof {
         /// The guest offset being written.

@@ -329,7 +329,7 @@ impl ActiveState {
             Some(1) => {}
             Some(_) => return Ok(InPlace::No),
         }
-        if host + g.cluster_size() > file_len {
+        if host >= file_len {
             return Ok(InPlace::Unknown);
         }
         Ok(InPlace::At(HostOffset(host + in_cluster)))
