@@ -11,6 +11,7 @@ mod report;
 mod servers;
 mod slowfs;
 mod spread;
+mod spread_seq;
 mod suite;
 
 use std::process::ExitCode;
@@ -44,6 +45,10 @@ enum Command {
     /// over 1 to 10,000 raw files, random 4 KiB reads with io_uring in
     /// process.
     Spread(spread::SpreadArgs),
+    /// The kernel's cost of the suite's sequential reads of a long chain
+    /// alone: the chain's clusters in one raw file per layer, read 1 MiB
+    /// at a time, against one raw file.
+    SpreadSeq(spread_seq::SpreadSeqArgs),
 }
 
 /// How results are printed.
@@ -76,6 +81,7 @@ fn main() -> ExitCode {
         Command::Remote(a) => remote::run(a),
         Command::Slowfs(a) => slowfs::run_cli(a),
         Command::Spread(a) => spread::run_cli(a),
+        Command::SpreadSeq(a) => spread_seq::run_cli(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

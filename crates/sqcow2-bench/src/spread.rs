@@ -250,7 +250,7 @@ pub fn measure(
 }
 
 /// CPU time (user + system) of the calling thread, in microseconds.
-fn thread_cpu_us() -> Option<f64> {
+pub(crate) fn thread_cpu_us() -> Option<f64> {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

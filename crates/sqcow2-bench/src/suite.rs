@@ -243,7 +243,9 @@ pub struct Results {
     pub qsd_raw: Vec<Run>,
     /// The disk's bytes spread over as many raw files as each chain has
     /// layers, read in this process (server `raw-files-io_uring`, one run
-    /// per length and repetition; random reads only).
+    /// per length and repetition): random reads of the bytes spread
+    /// evenly, and sequential reads of each chain's data clusters in one
+    /// file per layer (`spread_seq`).
     #[serde(default)]
     pub spread_limit: Vec<Run>,
     #[serde(default)]
@@ -381,9 +383,18 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     // files.
     let spread_dir = |layers: usize| out.join(format!("spread-{layers}"));
     let spread_bytes = (size as f64 * CHAIN_FILL) as u64;
+    // And its sequential reads' cost: each chain's data clusters in one
+    // raw file per layer.
+    let mirror_dir = |layers: usize| out.join(format!("mirror-{layers}"));
+    let mut mirrors = BTreeMap::new();
     for &layers in &lengths {
         eprintln!("==> spreading {spread_bytes} bytes over {layers} files");
         crate::spread::make_files(&spread_dir(layers), layers, spread_bytes)?;
+        eprintln!("==> the {layers}-layer chain's clusters in {layers} files");
+        mirrors.insert(
+            layers,
+            crate::spread_seq::Mirror::make(&mirror_dir(layers), layers, size)?,
+        );
     }
     for rep in 0..repeat {
         for &layers in &lengths {
@@ -415,9 +426,12 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
                 "==> the same bytes in {layers} files (repetition {})",
                 rep + 1
             );
-            results
-                .spread_limit
-                .push(measure_spread(&spread_dir(layers), layers, seconds, rep));
+            let mut run = measure_spread(&spread_dir(layers), layers, seconds, rep);
+            match mirrors[&layers].measure(&mirror_dir(layers), Duration::from_secs_f64(seconds)) {
+                Ok(seq) => run.seq_read_1m = Some(seq),
+                Err(e) => run.error = Some(format!("{e:#}")),
+            }
+            results.spread_limit.push(run);
         }
         eprintln!(
             "==> qemu-storage-daemon raw export (repetition {})",
@@ -444,8 +458,10 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_file(&raw);
+    drop(mirrors);
     for &layers in &lengths {
         let _ = std::fs::remove_dir_all(spread_dir(layers));
+        let _ = std::fs::remove_dir_all(mirror_dir(layers));
     }
     results.wall_seconds = started.elapsed().as_secs_f64();
 
@@ -504,7 +520,7 @@ fn machine() -> BTreeMap<String, String> {
 }
 
 /// Share of the clusters the generated chains hold data in.
-const CHAIN_FILL: f64 = 0.5;
+pub(crate) const CHAIN_FILL: f64 = 0.5;
 
 fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles> {
     let _ = std::fs::remove_dir_all(dir);
@@ -524,7 +540,7 @@ fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles>
     })
 }
 
-fn make_raw(path: &Path, size: u64) -> anyhow::Result<()> {
+pub(crate) fn make_raw(path: &Path, size: u64) -> anyhow::Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path)?;
     let mut rng = fastrand::Rng::with_seed(7);
