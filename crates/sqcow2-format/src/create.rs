@@ -12,6 +12,9 @@ use crate::refcount::set_entry;
 use crate::storage::{FileStorage, Storage};
 use crate::types::Geometry;
 
+/// Bytes per sector: an image's size is a whole number of them.
+const SECTOR: u64 = 512;
+
 /// What to create.
 #[derive(Debug, Clone)]
 pub struct CreateOptions {
@@ -141,8 +144,14 @@ pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageL
         cluster_bits,
         extended_l2: opts.extended_l2,
     };
-    let l1_size = g.l1_entries_for(opts.size);
-    if opts.size > i64::MAX as u64 || l1_size * 8 > crate::header::MAX_L1_BYTES {
+    if opts.size > i64::MAX as u64 {
+        return Err(ErrorKind::SizeTooLarge(opts.size));
+    }
+    // Whole 512-byte sectors, rounded up (as `qemu-img create`; QEMU
+    // sees no partial sector at the end).
+    let size = opts.size.div_ceil(SECTOR) * SECTOR;
+    let l1_size = g.l1_entries_for(size);
+    if size > i64::MAX as u64 || l1_size * 8 > crate::header::MAX_L1_BYTES {
         return Err(ErrorKind::SizeTooLarge(opts.size));
     }
     let order = opts.refcount_bits.trailing_zeros();
@@ -183,7 +192,7 @@ pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageL
     h.extend_from_slice(&0u64.to_be_bytes()); // backing_file_offset, set below
     h.extend_from_slice(&0u32.to_be_bytes()); // backing_file_size, set below
     h.extend_from_slice(&cluster_bits.to_be_bytes());
-    h.extend_from_slice(&opts.size.to_be_bytes());
+    h.extend_from_slice(&size.to_be_bytes());
     h.extend_from_slice(&0u32.to_be_bytes()); // crypt_method
     h.extend_from_slice(&(l1_size as u32).to_be_bytes());
     h.extend_from_slice(&l1_offset.to_be_bytes());

@@ -460,6 +460,13 @@ impl Header {
                 .any(|e| matches!(e, HeaderExtension::Bitmaps(_)))
     }
 
+    /// The guest's disk size: the header's size in whole 512-byte
+    /// sectors, as QEMU counts it (a partial last sector is not part of
+    /// the disk).
+    pub fn virtual_size(&self) -> u64 {
+        self.size / 512 * 512
+    }
+
     /// Whether the dirty bit is set.
     pub fn is_dirty(&self) -> bool {
         self.features.incompatible & INCOMPAT_DIRTY != 0

@@ -557,7 +557,7 @@ impl Layer {
     /// file reads as zeros).
     pub fn virtual_size(&self) -> u64 {
         match self {
-            Layer::Qcow2(l) => l.header.size,
+            Layer::Qcow2(l) => l.header.virtual_size(),
             Layer::Raw(l) => l.file_size.div_ceil(512) * 512,
         }
     }

@@ -49,9 +49,9 @@ impl TopSummary {
         let region_bits = (entries_per_slice * g.cluster_size()).trailing_zeros();
         let tables = l1.iter().filter(|e| *e & OFFSET_MASK != 0).count() as u64;
         if tables * g.cluster_size() > MAX_SCAN_BYTES {
-            return Ok(Self::full(region_bits, header.size));
+            return Ok(Self::full(region_bits, header.virtual_size()));
         }
-        let summary = Self::full(region_bits, header.size);
+        let summary = Self::full(region_bits, header.virtual_size());
         summary
             .bits
             .iter()

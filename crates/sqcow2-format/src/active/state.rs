@@ -209,7 +209,7 @@ impl ActiveState {
 
     /// Virtual size of the disk.
     pub(crate) fn size(&self) -> u64 {
-        self.header.size
+        self.header.virtual_size()
     }
 
     pub(crate) fn l1_entry(&self, guest: GuestOffset) -> u64 {
