@@ -604,3 +604,169 @@ fn a_cluster_past_the_end_of_the_file_is_checked_and_refused_as_qemu_does() {
     // Nothing written: the file as it was.
     assert_eq!(std::fs::metadata(&img).unwrap().len(), len - (64 << 10));
 }
+
+/// Sizes that are not whole 512-byte sectors: `qemu-img create` rounds
+/// the size up to a sector, and QEMU opening an image whose header says
+/// otherwise sees the whole sectors only. sqcow2 must store and see the
+/// same size, or bytes it writes past QEMU's end would be lost to QEMU.
+#[test]
+fn sizes_that_are_not_whole_sectors_are_counted_as_qemu_counts_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("ours.qcow2");
+    let theirs = tmp.path().join("theirs.qcow2");
+    let virtual_size = |p: &Path| -> u64 {
+        let v: serde_json::Value =
+            serde_json::from_str(&qemu_img(&["info", "--output", "json", s(p)])).unwrap();
+        v["virtual-size"].as_u64().unwrap()
+    };
+    let header_size = |p: &Path| -> u64 {
+        let bytes = std::fs::read(p).unwrap();
+        u64::from_be_bytes(bytes[24..32].try_into().unwrap())
+    };
+    for size in ["1000001", "1", "511", "513"] {
+        sqcow2(&["create", s(&ours), size]);
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&theirs), size]);
+        assert_eq!(header_size(&ours), header_size(&theirs), "size {size}");
+        assert_eq!(qemu_check(&ours).0, Some(0), "size {size}");
+    }
+    // The size taken from a raw backing file of odd length.
+    let base = tmp.path().join("base.raw");
+    std::fs::write(&base, vec![7u8; 1_000_001]).unwrap();
+    std::fs::remove_file(&ours).unwrap();
+    std::fs::remove_file(&theirs).unwrap();
+    sqcow2(&["create", "-b", "base.raw", "-F", "raw", s(&ours)]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        s(&theirs),
+    ]);
+    assert_eq!(
+        header_size(&ours),
+        header_size(&theirs),
+        "from the backing file"
+    );
+
+    // An image whose header holds an odd size (another tool wrote it).
+    let odd = tmp.path().join("odd.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&odd), "1000448"]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&odd).unwrap();
+        f.write_all_at(&1_000_001u64.to_be_bytes(), 24).unwrap();
+    }
+    let expected = virtual_size(&odd);
+    assert_eq!(expected, 999_936, "QEMU's view of the image");
+    let json = sqcow2(&["info", "--output", "json", s(&odd)]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["virtual-size"].as_u64(), Some(expected), "{json}");
+    assert_same_as_qemu(&odd);
+    // A write past QEMU's end is refused as qemu-io refuses it.
+    let (code, out, err) = sqcow2_status(&["io", "-c", "write -P 1 999900 101", s(&odd)]);
+    assert_ne!(code, Some(0), "{out}{err}");
+    let (code, out, err) = sqcow2_status(&["io", "-c", "write -P 1 999424 512", s(&odd)]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    qemu_io(&odd, &["read -P 1 999424 512".into()]);
+}
+
+/// `qemu-img check --output json`'s counts and exit code.
+fn qemu_check_counts(img: &Path) -> (Option<i32>, [u64; 3]) {
+    let out = run_raw(Command::new("qemu-img").args(["check", "--output", "json", s(img)]));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    (
+        out.status.code(),
+        [n("corruptions"), n("leaks"), n("check-errors")],
+    )
+}
+
+fn sqcow2_check_counts(img: &Path) -> (Option<i32>, [u64; 3]) {
+    let (code, json, _) = sqcow2_status(&["check", "--output", "json", s(img)]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    (code, [n("corruptions"), n("leaks"), n("check-errors")])
+}
+
+fn poke(img: &Path, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(img)
+        .unwrap()
+        .write_all_at(bytes, at)
+        .unwrap();
+}
+
+/// Damaged refcount tables and a dirty lazy-refcounts image: `sqcow2
+/// check` counts what `qemu-img check` counts (a refcount table entry's
+/// offset is all of bits 9-63, unlike an L1 or L2 entry's; its low bits
+/// are reserved; a COPIED flag over a refcount of 0 is an error of its
+/// own), and a write that needs a block outside the file is refused.
+#[test]
+fn check_counts_damaged_refcount_tables_as_qemu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = |name: &str, writes: &[&str]| {
+        let img = tmp.path().join(name);
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "16M"]);
+        if !writes.is_empty() {
+            qemu_io(
+                &img,
+                &writes.iter().map(|w| w.to_string()).collect::<Vec<_>>(),
+            );
+        }
+        img
+    };
+    // The first refcount table entry's high bits set: its block is
+    // outside the file (QEMU: one corruption, and each cluster's
+    // refcount unreadable).
+    let high = fresh("high.qcow2", &["write -P 1 0 1M"]);
+    poke(&high, 0x10000, &[0xf2]);
+    let before = std::fs::read(&high).unwrap();
+    let qemu = qemu_check_counts(&high);
+    assert_eq!(qemu.0, Some(1), "{qemu:?}");
+    assert_eq!(sqcow2_check_counts(&high), qemu, "high bits");
+    let (code, out, err) = sqcow2_status(&["io", "-c", "write -P 2 2M 64k", s(&high)]);
+    assert_ne!(
+        code,
+        Some(0),
+        "a write through a block outside the file: {out}{err}"
+    );
+    assert!(std::fs::read(&high).unwrap() == before, "the image changed");
+
+    // An unused entry's reserved bits set.
+    let reserved = fresh("reserved.qcow2", &[]);
+    poke(&reserved, 0x10000 + 8 * 4 + 7, &[0x08]);
+    let qemu = qemu_check_counts(&reserved);
+    assert_eq!(qemu.0, Some(2), "{qemu:?}");
+    assert_eq!(sqcow2_check_counts(&reserved), qemu, "reserved bits");
+
+    // A writer with lazy refcounts killed: refcounts of 0 under COPIED.
+    let lazy = tmp.path().join("lazy.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "lazy_refcounts=on",
+        s(&lazy),
+        "16M",
+    ]);
+    let _ = run_raw(Command::new("qemu-io").args([
+        "-c",
+        "write -P 9 0 1M",
+        "-c",
+        "write -P 10 5M 100k",
+        "-c",
+        "sigraise 9",
+        s(&lazy),
+    ]));
+    let qemu = qemu_check_counts(&lazy);
+    assert_eq!(qemu.0, Some(2), "{qemu:?}");
+    assert_eq!(sqcow2_check_counts(&lazy), qemu, "dirty lazy refcounts");
+}

@@ -96,6 +96,13 @@ fn finish(
                     report.leaks
                 )?;
             }
+            if report.check_errors > 0 {
+                writeln!(
+                    out,
+                    "\n{} internal errors have occurred during the check.",
+                    report.check_errors
+                )?;
+            }
             let pct = |n: u64| {
                 if report.total_clusters == 0 {
                     0.0

@@ -14,6 +14,11 @@ pub const ZERO: u64 = 1;
 pub const L1_RESERVED_MASK: u64 = 0x7f00_0000_0000_01ff;
 /// Reserved bits of a standard L2 entry.
 pub const L2_STD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
+/// Bits 9-63 of a refcount table entry: a refcount block's offset (all of
+/// the high bits, unlike L1 and L2 entries).
+pub const REFT_OFFSET_MASK: u64 = 0xffff_ffff_ffff_fe00;
+/// Reserved bits of a refcount table entry.
+pub const REFT_RESERVED_MASK: u64 = 0x1ff;
 
 /// A compressed cluster's location: host byte offset and length of the
 /// compressed data (which may run past the data proper to the next sector

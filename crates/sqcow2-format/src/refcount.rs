@@ -10,7 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use crate::bytes::be_u64;
 use crate::dirty::{DirtyPages, PageWrites};
-use crate::entry::OFFSET_MASK;
+use crate::entry::REFT_OFFSET_MASK;
 use crate::error::{ErrorKind, Table};
 use crate::header::MAX_REFTABLE_BYTES;
 use crate::storage::Storage;
@@ -221,7 +221,7 @@ impl Refcounts {
         let Some(&entry) = usize::try_from(bi).ok().and_then(|i| self.table.get(i)) else {
             return Ok(None);
         };
-        let offset = entry & OFFSET_MASK;
+        let offset = entry & REFT_OFFSET_MASK;
         if offset == 0 {
             return Ok(None);
         }
@@ -259,7 +259,7 @@ impl Refcounts {
         let Some(&entry) = usize::try_from(bi).ok().and_then(|i| self.table.get(i)) else {
             return Some(0);
         };
-        if entry & OFFSET_MASK == 0 {
+        if entry & REFT_OFFSET_MASK == 0 {
             return Some(0);
         }
         let block = self.blocks.get(&bi)?;
@@ -349,7 +349,7 @@ impl Refcounts {
                 self.grow(storage, idx)?;
                 continue;
             }
-            if self.table[bi as usize] & OFFSET_MASK == 0 {
+            if self.table[bi as usize] & REFT_OFFSET_MASK == 0 {
                 // No block covers this range, so every cluster in it is
                 // free: the new block goes at `idx` and describes itself.
                 self.reserve(storage, idx, 1)?;
@@ -456,7 +456,10 @@ impl Refcounts {
         let mut snap = RefcountSnapshot::default();
         for (bi, block) in &self.blocks {
             if block.dirty.any() {
-                let offset = self.table.get(*bi as usize).map_or(0, |e| e & OFFSET_MASK);
+                let offset = self
+                    .table
+                    .get(*bi as usize)
+                    .map_or(0, |e| e & REFT_OFFSET_MASK);
                 let parts = block
                     .dirty
                     .ranges(block.data.len())

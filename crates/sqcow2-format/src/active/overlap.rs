@@ -85,7 +85,7 @@ impl MetadataClusters {
             )?;
         }
         for &e in reftable {
-            let block = e & OFFSET_MASK;
+            let block = e & crate::entry::REFT_OFFSET_MASK;
             if block != 0 {
                 add_range(&mut m, "refcount block", block, 1)?;
             }
