@@ -156,7 +156,8 @@ pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageL
     }
     let order = opts.refcount_bits.trailing_zeros();
     let block_entries = (cs * 8) >> order;
-    let l1_clusters = (l1_size * 8).div_ceil(cs).max(1);
+    // An empty disk has no L1 table at all (as QEMU writes it).
+    let l1_clusters = (l1_size * 8).div_ceil(cs);
     let (mut blocks, mut table) = (1u64, 1u64);
     loop {
         let total = 1 + table + blocks + l1_clusters + extra;
@@ -185,7 +186,11 @@ pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageL
         0
     };
     let reftable_offset = cs;
-    let l1_offset = (1 + table + blocks) * cs;
+    let l1_offset = if l1_size == 0 {
+        0
+    } else {
+        (1 + table + blocks) * cs
+    };
     let mut h = Vec::with_capacity(cs as usize);
     h.extend_from_slice(&QCOW2_MAGIC.to_be_bytes());
     h.extend_from_slice(&(if v3 { 3u32 } else { 2 }).to_be_bytes());
