@@ -771,3 +771,49 @@ fn check_counts_damaged_refcount_tables_as_qemu_does() {
     assert_eq!(qemu.0, Some(2), "{qemu:?}");
     assert_eq!(sqcow2_check_counts(&lazy), qemu, "dirty lazy refcounts");
 }
+
+/// A discard does what QEMU's does to the image: on a v2 image over a
+/// backing file (no zero flag) nothing at all (QEMU: unmapping would show
+/// the backing file's stale data, zeros would take space; sqcow2 wrote
+/// zeros and grew the file), elsewhere the clusters released, reading
+/// zeros.
+#[test]
+fn discards_leave_what_qemus_leave() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "4M"]);
+    qemu_io(&base, &["write -P 0x63 0 4M".into()]);
+    let cmds = ["discard 0 1M", "discard 2M 1M", "discard 3M 64k"];
+    for (compat, backing) in [
+        ("0.10", true),
+        ("0.10", false),
+        ("1.1", true),
+        ("1.1", false),
+    ] {
+        let ours = tmp.path().join("ours.qcow2");
+        let theirs = tmp.path().join("theirs.qcow2");
+        let mut args = vec!["create", "-q", "-f", "qcow2", "-o"];
+        let opts = format!("compat={compat}");
+        args.push(&opts);
+        if backing {
+            args.extend(["-b", "base.qcow2", "-F", "qcow2"]);
+        }
+        args.extend([s(&ours), "4M"]);
+        qemu_img(&args);
+        qemu_io(&ours, &["write -P 0x64 0 2M".into()]);
+        std::fs::copy(&ours, &theirs).unwrap();
+        for c in cmds {
+            let (code, out, err) = sqcow2_status(&["io", "-c", c, s(&ours)]);
+            assert_eq!(code, Some(0), "{c}: {out}{err}");
+        }
+        qemu_io(&theirs, &cmds.map(String::from));
+        let what = format!("compat={compat}, backing file: {backing}");
+        assert_eq!(qemu_check(&ours).0, Some(0), "{what}");
+        qemu_img(&["compare", "-q", s(&ours), s(&theirs)]);
+        assert_eq!(
+            std::fs::metadata(&ours).unwrap().len(),
+            std::fs::metadata(&theirs).unwrap().len(),
+            "{what}: file sizes"
+        );
+    }
+}

@@ -40,6 +40,7 @@ use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
 pub(crate) use open::{end_journal, pending_journal, replay_journal, CacheLink};
+pub(crate) use plan::Zeroing;
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use state::{ActiveState, InPlace, Residency, TopFile};
 
@@ -553,15 +554,12 @@ impl Active {
     pub(crate) fn zero_cluster(
         &self,
         guest: GuestOffset,
-        unmap: bool,
+        how: Zeroing,
         changed: &MappingChanged,
     ) -> Result<bool, Error> {
         loop {
             let mut st = self.write_state()?;
-            match st
-                .zero_cluster(guest, unmap)
-                .map_err(|e| self.on_error(e))?
-            {
+            match st.zero_cluster(guest, how).map_err(|e| self.on_error(e))? {
                 ZeroOutcome::Done { l2 } => {
                     let g = self.top.geometry;
                     changed(g.cluster_start(guest), g.cluster_size());
@@ -574,6 +572,7 @@ impl Active {
                     return Ok(true);
                 }
                 ZeroOutcome::WriteZeros => return Ok(false),
+                ZeroOutcome::Unchanged => return Ok(true),
                 ZeroOutcome::Wait(cell) => {
                     drop(st);
                     cell.wait();

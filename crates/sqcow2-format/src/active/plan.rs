@@ -206,22 +206,33 @@ impl ActiveState {
         self.claims.remove(&alloc.cluster);
     }
 
-    /// Makes the whole cluster at `guest` read as zeros without writing
-    /// data; `Ok(None)` when the image cannot express it (zeros must be
-    /// written), `Err` of a claim to wait for while the cluster is being
-    /// allocated.
+    /// Zeroes or discards the whole cluster at `guest` (as `how` says)
+    /// without writing data; `WriteZeros` when the image cannot express
+    /// it (zeros must be written), `Wait` of a claim to wait for while the
+    /// cluster is being allocated.
     pub(crate) fn zero_cluster(
         &mut self,
         guest: GuestOffset,
-        unmap: bool,
+        how: Zeroing,
     ) -> Result<ZeroOutcome, Error> {
         let g = self.top.geometry;
         if let Some(cell) = self.claims.get(&g.guest_cluster(guest)) {
             return Ok(ZeroOutcome::Wait(cell.clone()));
         }
         let v2 = self.top.version == Version::V2;
+        let unmap = match how {
+            Zeroing::Zeroes { unmap } => unmap,
+            Zeroing::Discard => true,
+        };
+        // v2 has no zero flag: over a backing file, only data reads as
+        // zeros, and a discard is not done at all (as QEMU: unmapping
+        // would show the backing file's stale data, zeros would take
+        // space).
         if v2 && self.top.has_backing {
-            return Ok(ZeroOutcome::WriteZeros);
+            return Ok(match how {
+                Zeroing::Discard => ZeroOutcome::Unchanged,
+                Zeroing::Zeroes { .. } => ZeroOutcome::WriteZeros,
+            });
         }
         if let Some(s) = &self.top.summary {
             s.mark(guest);
@@ -247,6 +258,16 @@ impl ActiveState {
     }
 }
 
+/// What a whole-cluster [`ActiveState::zero_cluster`] leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Zeroing {
+    /// Zeros to read (`unmap`: the cluster's space may be released).
+    Zeroes { unmap: bool },
+    /// A discard: the space released, zeros to read (not done on a v2
+    /// image over a backing file, which cannot say zeros without data).
+    Discard,
+}
+
 /// What [`ActiveState::zero_cluster`] did.
 #[derive(Debug)]
 pub(crate) enum ZeroOutcome {
@@ -254,6 +275,9 @@ pub(crate) enum ZeroOutcome {
     Done { l2: u64 },
     /// The image cannot express it: write zeros.
     WriteZeros,
+    /// A discard the image cannot express: nothing done (discard is
+    /// advisory).
+    Unchanged,
     /// The cluster is being allocated: wait, then try again.
     Wait(Arc<ClaimCell>),
 }

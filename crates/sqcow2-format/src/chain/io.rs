@@ -15,7 +15,7 @@ use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use std::sync::Arc;
 
 use super::{Chain, Extent, ExtentKind, UnclosedTop};
-use crate::active::Active;
+use crate::active::{Active, Zeroing};
 
 /// A run of guest bytes to read, and where its data is.
 #[derive(Debug, Clone)]
@@ -285,20 +285,21 @@ impl Chain {
     /// zero clusters (with `unmap`, their space is released); partial ones
     /// are written with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
-        self.zero_range(offset, len, unmap, true)
+        self.zero_range(offset, len, Zeroing::Zeroes { unmap }, true)
     }
 
-    /// Discards `[offset, offset + len)`: whole clusters read as zeros
-    /// afterwards and their space is released; partial clusters are left
+    /// Discards `[offset, offset + len)`: whole clusters have their space
+    /// released and read as zeros afterwards; partial clusters, and every
+    /// cluster of a v2 image over a backing file (no zero flag), are left
     /// as they are (discard is advisory, as in QEMU).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
-        self.zero_range(offset, len, true, false)
+        self.zero_range(offset, len, Zeroing::Discard, false)
     }
 
-    /// Zeroes whole clusters as metadata (writing zeros where the image
-    /// cannot express them) and, if `partial`, writes zeros over the
-    /// partial clusters at the ends.
-    fn zero_range(&self, offset: u64, len: u64, unmap: bool, partial: bool) -> Result<(), Error> {
+    /// Zeroes or discards whole clusters as metadata (writing zeros where
+    /// the image cannot express zeros) and, if `partial`, writes zeros over
+    /// the partial clusters at the ends.
+    fn zero_range(&self, offset: u64, len: u64, how: Zeroing, partial: bool) -> Result<(), Error> {
         self.check_range(offset, len)?;
         let active = self.active()?;
         let cluster_size = self.cluster_size();
@@ -310,7 +311,7 @@ impl Chain {
             if !whole && !partial {
                 return Ok(());
             }
-            if whole && active.zero_cluster(pos, unmap, &changed)? {
+            if whole && active.zero_cluster(pos, how, &changed)? {
                 return Ok(());
             }
             self.write_at(&zeros[..n as usize], pos.0)
