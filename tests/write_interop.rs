@@ -104,6 +104,8 @@ fn io_runs_qemu_io_scripts_unchanged() {
         "read -P 0 0 64k",
         "read -P 5 100000 3000",
         "read -P 0x11 3M 64k",
+        "write -q -P 0x6 5M 512",
+        "read -q -P 0x6 5M 512",
     ];
     let mut q = Command::new("qemu-io");
     let mut o = Command::new(sqcow2_bin());
@@ -130,6 +132,13 @@ fn io_runs_qemu_io_scripts_unchanged() {
         Some(0),
         "{}",
         String::from_utf8_lossy(&cmp.stdout)
+    );
+    // An invalid pattern byte is refused as qemu-io refuses it.
+    let (code, out, err) = sqcow2_status(&["io", "-c", "write -P 300 0 512", s(&ours)]);
+    assert_eq!(code, Some(1));
+    assert!(
+        format!("{out}{err}").contains("300 is not a valid pattern byte"),
+        "{out}{err}"
     );
     // A failed pattern check fails the command and the exit status.
     let (code, out, _) = sqcow2_status(&["io", "-c", "read -P 0x77 0 512", s(&ours)]);

@@ -33,20 +33,22 @@ enum Cmd {
     Flush,
 }
 
+/// A pattern byte, 0 to 255 in decimal or hex (as qemu-io takes it).
 fn parse_pattern(s: &str) -> anyhow::Result<u8> {
-    let v = if let Some(h) = s.strip_prefix("0x") {
-        u64::from_str_radix(h, 16)?
-    } else {
-        s.parse()?
+    let v = match s.strip_prefix("0x") {
+        Some(h) => u8::from_str_radix(h, 16).ok(),
+        None => s.parse().ok(),
     };
-    Ok(v as u8)
+    v.with_context(|| format!("{s} is not a valid pattern byte"))
 }
 
-fn parse(cmd: &str) -> anyhow::Result<Cmd> {
+/// A command and whether it runs quietly (`-q`: no report of what was
+/// done, as qemu-io; failures are still reported).
+fn parse(cmd: &str) -> anyhow::Result<(Cmd, bool)> {
     let mut words = cmd.split_whitespace();
     let name = words.next().context("empty command")?;
     let mut pattern = None;
-    let (mut zero, mut unmap) = (false, false);
+    let (mut zero, mut unmap, mut quiet) = (false, false, false);
     let mut args = Vec::new();
     let mut rest = words.peekable();
     while let Some(w) = rest.next() {
@@ -54,7 +56,7 @@ fn parse(cmd: &str) -> anyhow::Result<Cmd> {
             "-P" => pattern = Some(parse_pattern(rest.next().context("-P needs a pattern")?)?),
             "-z" => zero = true,
             "-u" => unmap = true,
-            "-q" => {}
+            "-q" => quiet = true,
             _ if w.starts_with('-') && w.len() > 1 && !w[1..].starts_with(char::is_numeric) => {
                 bail!("{name}: unsupported option {w}")
             }
@@ -67,7 +69,7 @@ fn parse(cmd: &str) -> anyhow::Result<Cmd> {
             _ => bail!("{name}: expected OFFSET LENGTH"),
         }
     };
-    Ok(match name {
+    let cmd = match name {
         "read" => {
             let (offset, len) = range(&args)?;
             Cmd::Read {
@@ -95,10 +97,11 @@ fn parse(cmd: &str) -> anyhow::Result<Cmd> {
         }
         "flush" => Cmd::Flush,
         other => bail!("command {other:?} is not supported (read, write, discard, flush)"),
-    })
+    };
+    Ok((cmd, quiet))
 }
 
-fn stats(out: &mut impl Write, len: u64, start: Instant) -> std::io::Result<()> {
+fn stats(out: &mut dyn Write, len: u64, start: Instant) -> std::io::Result<()> {
     let secs = start.elapsed().as_secs_f64().max(1e-9);
     writeln!(
         out,
@@ -110,7 +113,11 @@ fn stats(out: &mut impl Write, len: u64, start: Instant) -> std::io::Result<()> 
     )
 }
 
-fn execute(chain: &Chain, cmd: &Cmd, out: &mut impl Write) -> anyhow::Result<bool> {
+/// Runs `cmd`; `Ok(false)` if a read found other bytes than its
+/// pattern. What was done is reported on `out`, unless `quiet`.
+fn execute(chain: &Chain, cmd: &Cmd, quiet: bool, out: &mut dyn Write) -> anyhow::Result<bool> {
+    let mut sink = std::io::sink();
+    let done: &mut dyn Write = if quiet { &mut sink } else { &mut *out };
     let start = Instant::now();
     match *cmd {
         Cmd::Read {
@@ -131,8 +138,8 @@ fn execute(chain: &Chain, cmd: &Cmd, out: &mut impl Write) -> anyhow::Result<boo
                     return Ok(false);
                 }
             }
-            writeln!(out, "read {len}/{len} bytes at offset {offset}")?;
-            stats(out, len, start)?;
+            writeln!(done, "read {len}/{len} bytes at offset {offset}")?;
+            stats(done, len, start)?;
         }
         Cmd::Write {
             pattern,
@@ -146,13 +153,13 @@ fn execute(chain: &Chain, cmd: &Cmd, out: &mut impl Write) -> anyhow::Result<boo
             } else {
                 chain.write_at(&vec![pattern; usize::try_from(len)?], offset)?;
             }
-            writeln!(out, "wrote {len}/{len} bytes at offset {offset}")?;
-            stats(out, len, start)?;
+            writeln!(done, "wrote {len}/{len} bytes at offset {offset}")?;
+            stats(done, len, start)?;
         }
         Cmd::Discard { offset, len } => {
             chain.discard(offset, len)?;
-            writeln!(out, "discard {len}/{len} bytes at offset {offset}")?;
-            stats(out, len, start)?;
+            writeln!(done, "discard {len}/{len} bytes at offset {offset}")?;
+            stats(done, len, start)?;
         }
         Cmd::Flush => chain.flush()?,
     }
@@ -170,7 +177,7 @@ pub fn run(
         .iter()
         .map(|c| parse(c).with_context(|| format!("command {c:?}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let writes = cmds.iter().any(|c| !matches!(c, Cmd::Read { .. }));
+    let writes = cmds.iter().any(|(c, _)| !matches!(c, Cmd::Read { .. }));
     if writes && read_only {
         bail!(
             "{}: write commands on an image opened with -r",
@@ -184,8 +191,8 @@ pub fn run(
     let chain = Chain::open(image, &options)?;
     let mut out = std::io::stdout().lock();
     let mut ok = true;
-    for cmd in &cmds {
-        match execute(&chain, cmd, &mut out) {
+    for (cmd, quiet) in &cmds {
+        match execute(&chain, cmd, *quiet, &mut out) {
             Ok(true) => {}
             Ok(false) => ok = false,
             Err(e) => {
@@ -215,7 +222,7 @@ mod tests {
     #[test]
     fn qemu_io_syntax() {
         assert_eq!(
-            parse("write -P 0x5a 64k 1M").unwrap(),
+            parse("write -P 0x5a 64k 1M").unwrap().0,
             Cmd::Write {
                 pattern: 0x5a,
                 zero: false,
@@ -225,7 +232,7 @@ mod tests {
             }
         );
         assert_eq!(
-            parse("write -z -u 0 4096").unwrap(),
+            parse("write -z -u 0 4096").unwrap().0,
             Cmd::Write {
                 pattern: 0xcd,
                 zero: true,
@@ -235,7 +242,7 @@ mod tests {
             }
         );
         assert_eq!(
-            parse("read -P 7 512 512").unwrap(),
+            parse("read -P 7 512 512").unwrap().0,
             Cmd::Read {
                 pattern: Some(7),
                 offset: 512,
@@ -243,13 +250,23 @@ mod tests {
             }
         );
         assert_eq!(
-            parse("discard 0 1M").unwrap(),
+            parse("discard 0 1M").unwrap().0,
             Cmd::Discard {
                 offset: 0,
                 len: 1 << 20
             }
         );
-        assert_eq!(parse("flush").unwrap(), Cmd::Flush);
+        assert_eq!(parse("flush").unwrap(), (Cmd::Flush, false));
+        assert!(parse("write -q 0 512").unwrap().1);
+        // Pattern bytes as qemu-io takes them: 0-255, decimal or hex.
+        assert!(parse("write -P 255 0 512").is_ok());
+        for bad in ["300", "0x1ff", "-1", "x"] {
+            let e = parse(&format!("write -P {bad} 0 512")).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("not a valid pattern byte"),
+                "{bad}: {e:#}"
+            );
+        }
         assert!(parse("write -u 0 1").is_err());
         assert!(parse("truncate 1M").is_err());
         assert!(parse("read 0").is_err());
