@@ -366,6 +366,32 @@ fn read_only_and_bitmap_images_refuse_writes() {
     let (code, _, stderr) = sqcow2_status(&["io", "-c", "write 0 512", s(&img)]);
     assert_eq!(code, Some(1));
     assert!(stderr.contains("bitmaps"), "{stderr}");
+
+    // Changing only the header (`rebase -u`) keeps the bitmaps, as
+    // qemu-img rebase -u does.
+    let theirs = tmp.path().join("theirs.qcow2");
+    std::fs::copy(&img, &theirs).unwrap();
+    let base = tmp.path().join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "16M"]);
+    let (code, out, err) =
+        sqcow2_status(&["rebase", "-u", "-b", "base.qcow2", "-F", "qcow2", s(&img)]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    qemu_img(&[
+        "rebase",
+        "-u",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        s(&theirs),
+    ]);
+    let info = |p: &Path| -> serde_json::Value {
+        let v: serde_json::Value =
+            serde_json::from_str(&qemu_img(&["info", "--output", "json", s(p)])).unwrap();
+        serde_json::json!([v["backing-filename"], v["format-specific"]])
+    };
+    assert_eq!(info(&img), info(&theirs));
+    assert_eq!(qemu_check(&img).0, Some(0));
 }
 
 #[test]

@@ -40,6 +40,16 @@ pub struct BitmapsExtension {
 }
 
 impl BitmapsExtension {
+    /// The extension's data as the header holds it (the reserved word
+    /// zero).
+    pub(crate) fn to_bytes(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[0..4].copy_from_slice(&self.nb_bitmaps.to_be_bytes());
+        b[8..16].copy_from_slice(&self.directory_size.to_be_bytes());
+        b[16..24].copy_from_slice(&self.directory_offset.to_be_bytes());
+        b
+    }
+
     /// QEMU's checks, applied when the bitmaps autoclear bit is set.
     pub(crate) fn validate(&self, cluster_size: u64) -> Result<(), ErrorKind> {
         let fail = |reason: &str| Err(invalid(EXT_BITMAPS, 0, reason));

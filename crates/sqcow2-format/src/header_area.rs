@@ -5,7 +5,7 @@
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use crate::extension::{HeaderExtension, EXT_BACKING_FORMAT, EXT_FEATURE_TABLE};
+use crate::extension::{HeaderExtension, EXT_BACKING_FORMAT, EXT_BITMAPS, EXT_FEATURE_TABLE};
 use crate::header::Header;
 use crate::index::EXT_SQCOW2;
 use crate::storage::Storage;
@@ -79,7 +79,7 @@ pub(crate) fn write_word(storage: &dyn Storage, at: usize, value: u64) -> std::i
 /// the backing name after them, all of it in one write of the first
 /// cluster's head, then synced. Fails (writing nothing) if the area does
 /// not fit the first cluster or holds an extension this code cannot
-/// rewrite (bitmaps, crypto, data file: images refused for writing).
+/// rewrite (crypto, data file: images refused for writing).
 pub(crate) fn rewrite(
     storage: &dyn Storage,
     header: &Header,
@@ -120,6 +120,9 @@ pub(crate) fn rewrite(
                 push(&mut out, EXT_FEATURE_TABLE, &feature_table_bytes(t))
             }
             HeaderExtension::Unknown { ext_type, data } => push(&mut out, *ext_type, data),
+            // Where the bitmap directory is: kept (the header's other
+            // fields change nothing the bitmaps describe).
+            HeaderExtension::Bitmaps(b) => push(&mut out, EXT_BITMAPS, &b.to_bytes()),
             other => {
                 return Err(std::io::Error::other(format!(
                     "cannot rewrite header extension {:#x}",
