@@ -144,3 +144,31 @@ fn unknown_compatible_and_autoclear_bits_are_ignored() {
     assert!(bits.contains(&("compatible".into(), 40)), "{bits:?}");
     assert!(bits.contains(&("autoclear".into(), 63)), "{bits:?}");
 }
+
+/// The data-file-raw autoclear bit without an external data file: QEMU
+/// refuses to open the image for I/O ("data-file-raw requires a data
+/// file"), and so does sqcow2.
+#[test]
+fn data_file_raw_without_a_data_file_is_refused_as_qemu_refuses_it() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=65536");
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&(1u64 << 1).to_be_bytes(), 88).unwrap();
+    drop(f);
+    let qemu = Command::new("qemu-io")
+        .args(["-r", "-c", "read 0 512", s(&p)])
+        .output()
+        .unwrap();
+    let qemu_err = String::from_utf8_lossy(&qemu.stderr);
+    assert!(
+        qemu_err.contains("data-file-raw requires a data file"),
+        "{qemu_err}"
+    );
+    let err = Chain::open(&p, &ChainOptions::default()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("data-file-raw requires a data file"),
+        "{err}"
+    );
+}

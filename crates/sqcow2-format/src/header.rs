@@ -296,6 +296,13 @@ impl Header {
         if features.incompatible & INCOMPAT_DATA_FILE != 0 {
             return Err(ErrorKind::Unsupported(Feature::ExternalDataFile));
         }
+        if features.autoclear & crate::features::AUTOCLEAR_DATA_FILE_RAW != 0 {
+            // (QEMU's words: it refuses the image too.)
+            return Err(invalid(
+                "autoclear_features",
+                "data-file-raw requires a data file".to_string(),
+            ));
+        }
         let geometry = Geometry {
             cluster_bits,
             extended_l2: features.incompatible & INCOMPAT_EXTL2 != 0,
