@@ -525,6 +525,14 @@ pub fn check_storage(
     if repair == Repair::None || (first.report.corruptions == 0 && first.report.leaks == 0) {
         return Ok(first.report);
     }
+    if repair == Repair::Leaks && first.mismatches.iter().any(|&(_, v, e)| v < e) {
+        // Refcounts too low can only be rebuilt (`-r all`): as QEMU, fix
+        // nothing and fail the check.
+        let mut report = first.report;
+        report.check_errors += 1;
+        report.note("ERROR need to rebuild refcount structures".into());
+        return Ok(report);
+    }
     let (leaks, corruptions) = (first.report.leaks, first.report.corruptions);
     apply_repair(&header, &*storage, first, repair).map_err(e)?;
     // Double-check the result, as qemu-img does.
