@@ -868,3 +868,55 @@ fn discards_leave_what_qemus_leave() {
         );
     }
 }
+
+/// `check`'s allocation figures are QEMU's: fragmentation counted within
+/// each L2 table, every compressed cluster fragmented.
+#[test]
+fn check_counts_fragmentation_as_qemu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let raw = tmp.path().join("mix.raw");
+    qemu_img(&["create", "-q", "-f", "raw", s(&raw), "8M"]);
+    let out = run_raw(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x41 0 2M",
+        "-c",
+        "write -P 0x42 5M 1M",
+        s(&raw),
+    ]));
+    assert!(out.status.success());
+    let figures = |json: &str| -> [u64; 3] {
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+        [
+            n("allocated-clusters"),
+            n("fragmented-clusters"),
+            n("compressed-clusters"),
+        ]
+    };
+    for opts in [
+        &["-c", "-O", "qcow2", "-o", "cluster_size=4k"][..],
+        &["-c", "-O", "qcow2"][..],
+        &["-O", "qcow2", "-o", "cluster_size=512"][..],
+        &["-O", "qcow2"][..],
+    ] {
+        let img = tmp.path().join("img.qcow2");
+        let _ = std::fs::remove_file(&img);
+        let mut args = vec!["convert"];
+        args.extend_from_slice(opts);
+        args.extend([s(&raw), s(&img)]);
+        qemu_img(&args);
+        qemu_io(
+            &img,
+            &[
+                "write -P 1 3M 64k".into(),
+                "write -P 2 1M 4k".into(),
+                "write -P 3 7M 512".into(),
+            ],
+        );
+        let ours = figures(&sqcow2(&["check", "--output", "json", s(&img)]));
+        let theirs = figures(&qemu_img(&["check", "--output", "json", s(&img)]));
+        assert_eq!(ours, theirs, "{opts:?}");
+    }
+}

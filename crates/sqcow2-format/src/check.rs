@@ -182,7 +182,6 @@ fn count_l1(
         return Ok(());
     };
     let words = if g.extended_l2 { 2 } else { 1 };
-    let mut prev_host: Option<u64> = None;
     for (i, &l1e) in l1.iter().enumerate() {
         let l2 = l1e & OFFSET_MASK;
         if l2 == 0 {
@@ -206,6 +205,9 @@ fn count_l1(
         let Some(table) = read_table(storage, l2, cs / 8)? else {
             continue;
         };
+        // Fragmentation as QEMU counts it: within each L2 table, a data
+        // cluster not right after the one before; every compressed one.
+        let mut prev_host: Option<u64> = None;
         for (j, pair) in table.chunks_exact(words).enumerate() {
             let (e, bitmap) = (pair[0], if words == 2 { pair[1] } else { 0 });
             let entry_pos = l2 + (j * words) as u64 * 8;
@@ -221,6 +223,7 @@ fn count_l1(
                 if active && guest_cluster * cs < header.virtual_size() {
                     census.report.allocated_clusters += 1;
                     census.report.compressed_clusters += 1;
+                    census.report.fragmented_clusters += 1;
                 }
                 continue;
             }
