@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{
-    assert_same_as_qemu, qemu_img, qemu_io, qemu_overlay, run_raw, s, sqcow2, sqcow2_bin,
+    assert_same_as_qemu, qemu_create, qemu_img, qemu_io, qemu_overlay, run_raw, s, sqcow2,
+    sqcow2_bin,
 };
 use sqcow2_format::{Chain, ChainOptions};
 
@@ -41,7 +42,7 @@ fn sqcow2_status(args: &[&str]) -> (Option<i32>, String, String) {
 
 fn chain_of_two(dir: &Path) -> PathBuf {
     let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_create(&base, "", "32M");
     qemu_io(
         &base,
         &[
@@ -163,7 +164,7 @@ fn create_matches_qemu_for_every_option() {
         let ours = tmp.path().join("ours.qcow2");
         let theirs = tmp.path().join("theirs.qcow2");
         sqcow2(&["create", "-o", opts, s(&ours), "3G"]);
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", opts, s(&theirs), "3G"]);
+        qemu_create(&theirs, opts, "3G");
         assert_eq!(qemu_check(&ours).0, Some(0), "{opts}");
         let info = |p: &Path| -> serde_json::Value {
             let mut v: serde_json::Value =
@@ -388,7 +389,7 @@ fn read_only_and_bitmap_images_refuse_writes() {
     let theirs = tmp.path().join("theirs.qcow2");
     std::fs::copy(&img, &theirs).unwrap();
     let base = tmp.path().join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "16M"]);
+    qemu_create(&base, "", "16M");
     let (code, out, err) =
         sqcow2_status(&["rebase", "-u", "-b", "base.qcow2", "-F", "qcow2", s(&img)]);
     assert_eq!(code, Some(0), "{out}{err}");
@@ -496,7 +497,7 @@ fn a_copy_on_write_does_not_read_ahead_in_the_layer_below() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base.qcow2");
     let top = tmp.path().join("top.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "64M"]);
+    qemu_create(&base, "", "64M");
     // Written in order: guest and host offsets go up together.
     qemu_io(&base, &["write -P 7 0 64M".to_string()]);
     qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
@@ -562,16 +563,7 @@ fn a_copy_on_write_does_not_read_ahead_in_the_layer_below() {
 fn writes_into_a_qemu_cluster_that_ends_past_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let ours = tmp.path().join("ours.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "extended_l2=on,cluster_size=128k",
-        s(&ours),
-        "64M",
-    ]);
+    qemu_create(&ours, "extended_l2=on,cluster_size=128k", "64M");
     // The last cluster QEMU allocates gets its second and third 4 KiB
     // subclusters only.
     qemu_io(&ours, &["write -P 0x11 4k 8k".into()]);
@@ -617,7 +609,7 @@ fn writes_into_a_qemu_cluster_that_ends_past_the_file() {
 fn a_cluster_past_the_end_of_the_file_is_checked_and_refused_as_qemu_does() {
     let tmp = tempfile::tempdir().unwrap();
     let img = tmp.path().join("img.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "64M"]);
+    qemu_create(&img, "", "64M");
     qemu_io(
         &img,
         &["write -P 0x77 0 64k".into(), "write -P 0x78 1M 64k".into()],
@@ -677,7 +669,7 @@ fn sizes_that_are_not_whole_sectors_are_counted_as_qemu_counts_them() {
     // (And an empty disk: no L1 table, no cluster leaked.)
     for size in ["1000001", "1", "511", "513", "0"] {
         sqcow2(&["create", s(&ours), size]);
-        qemu_img(&["create", "-q", "-f", "qcow2", s(&theirs), size]);
+        qemu_create(&theirs, "", size);
         assert_eq!(header_size(&ours), header_size(&theirs), "size {size}");
         assert_eq!(qemu_check(&ours).0, Some(0), "size {size}");
     }
@@ -687,17 +679,7 @@ fn sizes_that_are_not_whole_sectors_are_counted_as_qemu_counts_them() {
     std::fs::remove_file(&ours).unwrap();
     std::fs::remove_file(&theirs).unwrap();
     sqcow2(&["create", "-b", "base.raw", "-F", "raw", s(&ours)]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        s(&theirs),
-    ]);
+    qemu_overlay(&theirs, "base.raw", "raw", &[], None);
     assert_eq!(
         header_size(&ours),
         header_size(&theirs),
@@ -706,7 +688,7 @@ fn sizes_that_are_not_whole_sectors_are_counted_as_qemu_counts_them() {
 
     // An image whose header holds an odd size (another tool wrote it).
     let odd = tmp.path().join("odd.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&odd), "1000448"]);
+    qemu_create(&odd, "", "1000448");
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(&odd).unwrap();
@@ -764,7 +746,7 @@ fn check_counts_damaged_refcount_tables_as_qemu_does() {
     let tmp = tempfile::tempdir().unwrap();
     let fresh = |name: &str, writes: &[&str]| {
         let img = tmp.path().join(name);
-        qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "16M"]);
+        qemu_create(&img, "", "16M");
         if !writes.is_empty() {
             qemu_io(
                 &img,
@@ -799,16 +781,7 @@ fn check_counts_damaged_refcount_tables_as_qemu_does() {
 
     // A writer with lazy refcounts killed: refcounts of 0 under COPIED.
     let lazy = tmp.path().join("lazy.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "lazy_refcounts=on",
-        s(&lazy),
-        "16M",
-    ]);
+    qemu_create(&lazy, "lazy_refcounts=on", "16M");
     let _ = run_raw(Command::new("qemu-io").args([
         "-c",
         "write -P 9 0 1M",
@@ -832,7 +805,7 @@ fn check_counts_damaged_refcount_tables_as_qemu_does() {
 fn discards_leave_what_qemus_leave() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "4M"]);
+    qemu_create(&base, "", "4M");
     qemu_io(&base, &["write -P 0x63 0 4M".into()]);
     let cmds = ["discard 0 1M", "discard 2M 1M", "discard 3M 64k"];
     for (compat, backing) in [
@@ -918,5 +891,28 @@ fn check_counts_fragmentation_as_qemu_does() {
         let ours = figures(&sqcow2(&["check", "--output", "json", s(&img)]));
         let theirs = figures(&qemu_img(&["check", "--output", "json", s(&img)]));
         assert_eq!(ours, theirs, "{opts:?}");
+    }
+}
+
+/// Preallocated clusters never written are holes of the file: QEMU's map
+/// calls them data that reads as zeros (it asks the file system), and so
+/// does sqcow2's, in JSON and in the human table.
+#[test]
+fn map_reads_preallocated_clusters_as_qemu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    for prealloc in ["metadata", "falloc", "full"] {
+        let img = tmp.path().join(format!("{prealloc}.qcow2"));
+        qemu_create(&img, &format!("preallocation={prealloc}"), "4M");
+        qemu_io(
+            &img,
+            &["write -P 1 1M 64k".into(), "write -z 2M 64k".into()],
+        );
+        common::assert_full_map_equal(&img);
+        assert_eq!(
+            sqcow2(&["map", s(&img)]),
+            qemu_img(&["map", s(&img)]),
+            "{prealloc}"
+        );
+        assert_same_as_qemu(&img);
     }
 }

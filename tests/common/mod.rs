@@ -120,6 +120,17 @@ pub fn qemu_img(args: &[&str]) -> String {
     run(Command::new("qemu-img").args(args))
 }
 
+/// `qemu-img create -f qcow2 [-o OPTS] PATH SIZE`, which must succeed
+/// (`opts` empty: QEMU's defaults).
+pub fn qemu_create(path: &Path, opts: &str, size: &str) {
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    args.extend([s(path), size]);
+    qemu_img(&args);
+}
+
 /// `qemu-img create -f qcow2 -b BACKING -F FORMAT [EXTRA...] PATH [SIZE]`:
 /// an overlay, the backing file named as given (relative to `path`'s
 /// directory), which must succeed.

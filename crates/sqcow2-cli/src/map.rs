@@ -4,7 +4,9 @@ use std::io::Write;
 use std::path::Path;
 
 use serde::Serialize;
-use sqcow2_format::{Chain, ChainOptions, ExtentKind};
+use sqcow2_format::prealloc::looks_metadata_preallocated;
+use sqcow2_format::storage::Storage;
+use sqcow2_format::{Chain, ChainOptions, ExtentKind, Layer};
 
 use crate::output::{print_json, OutputFormat};
 
@@ -32,14 +34,83 @@ fn c_hex(v: u64) -> String {
     format!("{s:<16}")
 }
 
+/// The runs of `[host, host + len)` in `storage`: `(offset from host,
+/// length, reads as zeros)`; a hole of the file reads as zeros (as QEMU
+/// asks the file system: a preallocated cluster never written).
+fn host_runs(storage: &dyn Storage, host: u64, len: u64) -> Vec<(u64, u64, bool)> {
+    let mut runs: Vec<(u64, u64, bool)> = Vec::new();
+    let mut done = 0;
+    while done < len {
+        let (is_data, run) = match storage.allocation(host + done, len - done) {
+            Some((is_data, run)) if run > 0 => (is_data, run.min(len - done)),
+            _ => (true, len - done),
+        };
+        match runs.last_mut() {
+            Some(last) if last.2 != is_data => last.1 += run,
+            _ => runs.push((done, run, !is_data)),
+        }
+        done += run;
+    }
+    runs
+}
+
+/// Whether `b` continues `a` (one entry in qemu-img's output).
+fn continues(a: &MapEntry, b: &MapEntry) -> bool {
+    a.start + a.length == b.start
+        && (a.depth, a.present, a.zero, a.data, a.compressed)
+            == (b.depth, b.present, b.zero, b.data, b.compressed)
+        && match (a.offset, b.offset) {
+            (Some(x), Some(y)) => x + a.length == y,
+            (None, None) => true,
+            _ => false,
+        }
+}
+
 /// Runs `sqcow2 map`.
 pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow::Result<()> {
     let chain = Chain::open(image, options)?;
     let top = chain.top_index().0;
-    let mut entries = Vec::new();
+    let mut entries: Vec<(MapEntry, sqcow2_format::LayerIndex)> = Vec::new();
+    let mut push = |entry: MapEntry, layer| match entries.last_mut() {
+        Some((last, l)) if *l == layer && continues(last, &entry) => last.length += entry.length,
+        _ => entries.push((entry, layer)),
+    };
+    // Layers whose holes read as zeros in the map (as QEMU's): raw files,
+    // and images that look preallocated with metadata only.
+    let mut holes_read_as_zeros: std::collections::HashMap<usize, bool> = Default::default();
     chain.map(|e| {
+        if let ExtentKind::Data { host } = e.kind {
+            let layer = &chain.layers()[e.layer.0];
+            let storage = layer.storage();
+            let holes = *holes_read_as_zeros
+                .entry(e.layer.0)
+                .or_insert_with(|| match layer {
+                    Layer::Qcow2(l) => looks_metadata_preallocated(l.header(), &**storage),
+                    _ => true,
+                });
+            let runs = if holes {
+                host_runs(&**storage, host.0, e.len)
+            } else {
+                vec![(0, e.len, false)]
+            };
+            for (at, len, zero) in runs {
+                push(
+                    MapEntry {
+                        start: e.start.0 + at,
+                        length: len,
+                        depth: top - e.layer.0,
+                        present: true,
+                        zero,
+                        data: true,
+                        compressed: false,
+                        offset: Some(host.0 + at),
+                    },
+                    e.layer,
+                );
+            }
+            return;
+        }
         let (present, zero, data, compressed, offset) = match e.kind {
-            ExtentKind::Data { host } => (true, false, true, false, Some(host.0)),
             ExtentKind::Compressed(_) => (true, false, true, true, None),
             ExtentKind::Zero { host, allocated } => {
                 (allocated, true, false, false, host.map(|h| h.0))
@@ -47,7 +118,7 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
             // A kind this version does not know: data, place not shown.
             _ => (true, false, true, false, None),
         };
-        entries.push((
+        push(
             MapEntry {
                 start: e.start.0,
                 length: e.len,
@@ -59,7 +130,7 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                 offset,
             },
             e.layer,
-        ));
+        );
     })?;
     let mut out = std::io::stdout().lock();
     match output {
@@ -74,7 +145,8 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                 "Offset", "Length", "Mapped to"
             )?;
             for (e, layer) in &entries {
-                if !e.data {
+                // As qemu-img: data that does not read as zeros.
+                if !e.data || e.zero {
                     continue;
                 }
                 let file = chain.layers()[layer.0].path().display();

@@ -40,6 +40,7 @@ pub mod indexing;
 mod layer;
 mod lock;
 mod nowait;
+pub mod prealloc;
 mod read_once;
 mod refcount;
 pub mod reshape;
