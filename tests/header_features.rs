@@ -33,7 +33,7 @@ fn persistent_bitmap() {
     qemu_img(&["bitmap", "--add", s(&p), "b0"]);
     assert_same_as_qemu(&p);
     let info = info_json(&p);
-    assert_eq!(info["format-specific"]["bitmaps"], true);
+    assert_eq!(info["format-specific"]["data"]["has-bitmaps"], true);
     let chain = Chain::open(&p, &ChainOptions::default()).unwrap();
     assert!(chain.top().header().unwrap().has_bitmaps());
 }
@@ -47,7 +47,10 @@ fn internal_snapshot() {
     qemu_io(&p, &["write -P 0x99 0 64k".into(), "write -z 3M 4k".into()]);
     assert_same_as_qemu(&p);
     assert_full_map_equal(&p);
-    assert_eq!(info_json(&p)["format-specific"]["internal-snapshots"], 1);
+    assert_eq!(
+        info_json(&p)["format-specific"]["data"]["internal-snapshots"],
+        1
+    );
 }
 
 #[test]
@@ -73,7 +76,7 @@ fn dirty_image_with_lazy_refcounts() {
     );
     let info = info_json(&p);
     assert_eq!(info["dirty-flag"], true, "{info}");
-    assert_eq!(info["format-specific"]["lazy-refcounts"], true);
+    assert_eq!(info["format-specific"]["data"]["lazy-refcounts"], true);
     assert_same_as_qemu(&p);
 }
 
@@ -112,7 +115,7 @@ fn unknown_extension_is_kept_verbatim() {
     });
     assert!(kept, "unknown extension not kept");
     assert_eq!(
-        info_json(&p)["format-specific"]["unknown-extensions"][0],
+        info_json(&p)["format-specific"]["data"]["unknown-extensions"][0],
         "0x5eedc0de"
     );
     // QEMU still reads the image, and so do we, identically.
@@ -131,7 +134,9 @@ fn unknown_compatible_and_autoclear_bits_are_ignored() {
     drop(f);
     assert_same_as_qemu(&p);
     let info = info_json(&p);
-    let features = info["format-specific"]["features"].as_array().unwrap();
+    let features = info["format-specific"]["data"]["features"]
+        .as_array()
+        .unwrap();
     let bits: Vec<(String, u64)> = features
         .iter()
         .map(|f| {
@@ -171,4 +176,37 @@ fn data_file_raw_without_a_data_file_is_refused_as_qemu_refuses_it() {
             .contains("data-file-raw requires a data file"),
         "{err}"
     );
+}
+
+/// `info --output json` is shaped as qemu-img's: `format-specific` is
+/// `{type, data}` with QEMU's fields (v3-only ones on v3 images only), and
+/// `snapshots` lists the internal snapshots as QEMU does.
+#[test]
+fn info_json_has_qemus_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    for opts in [
+        "compat=0.10",
+        "compat=1.1,extended_l2=on",
+        "lazy_refcounts=on",
+    ] {
+        let p = image(tmp.path(), opts);
+        qemu_img(&["snapshot", "-c", "first", s(&p)]);
+        qemu_img(&["snapshot", "-c", "second one", s(&p)]);
+        let ours = info_json(&p);
+        let theirs: serde_json::Value =
+            serde_json::from_str(&qemu_img(&["info", "--output", "json", s(&p)])).unwrap();
+        assert_eq!(ours["snapshots"], theirs["snapshots"], "{opts}");
+        assert_eq!(
+            ours["format-specific"]["type"],
+            theirs["format-specific"]["type"]
+        );
+        let (ours, theirs) = (
+            ours["format-specific"]["data"].as_object().unwrap(),
+            theirs["format-specific"]["data"].as_object().unwrap(),
+        );
+        for (k, v) in theirs {
+            assert_eq!(ours.get(k), Some(v), "{opts}: format-specific {k}");
+        }
+        std::fs::remove_file(&p).unwrap();
+    }
 }

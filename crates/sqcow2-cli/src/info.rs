@@ -10,22 +10,36 @@ use serde::Serialize;
 use sqcow2_format::backing_path_of;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
-use sqcow2_format::{Chain, ChainOptions, Layer, Version};
+use sqcow2_format::{describe_snapshots, Chain, ChainOptions, Layer, SnapshotInfo, Version};
 
 use crate::output::{human_size, print_json, OutputFormat};
 
-/// qcow2-specific information, shaped like qemu-img's `format-specific`.
+/// qemu-img's `format-specific`: the format's name and its details.
+#[derive(Debug, Serialize)]
+struct FormatSpecific {
+    #[serde(rename = "type")]
+    format: &'static str,
+    data: Qcow2Info,
+}
+
+/// qcow2-specific information: qemu-img's fields (those of v3 images only
+/// for v3 images, as it shows them), then sqcow2's.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "kebab-case")]
 struct Qcow2Info {
     compat: &'static str,
     compression_type: &'static str,
-    lazy_refcounts: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lazy_refcounts: Option<bool>,
     refcount_bits: u32,
-    corrupt: bool,
-    extended_l2: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    corrupt: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    extended_l2: Option<bool>,
     dirty: bool,
-    bitmaps: bool,
+    /// Whether persistent bitmaps are there (qemu-img lists them as
+    /// `bitmaps`).
+    has_bitmaps: bool,
     internal_snapshots: u32,
     features: Vec<SetFeature>,
     unknown_extensions: Vec<String>,
@@ -52,7 +66,10 @@ struct LayerInfo {
     /// Layers from this one down to the base, this one included.
     chain_length: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
-    format_specific: Option<Qcow2Info>,
+    format_specific: Option<FormatSpecific>,
+    /// Internal snapshots (none: not shown, as qemu-img).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    snapshots: Vec<SnapshotInfo>,
     /// The chain index (top layer only).
     #[serde(skip_serializing_if = "Option::is_none")]
     chain_index: Option<IndexState>,
@@ -81,28 +98,38 @@ fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
         chain_length,
         chain_index: None,
         journal_pending: None,
-        format_specific: header.map(|h| Qcow2Info {
-            compat: match h.version {
-                Version::V2 => "0.10",
-                Version::V3 => "1.1",
-            },
-            compression_type: h.compression_type.name(),
-            lazy_refcounts: h.lazy_refcounts(),
-            refcount_bits: 1 << h.refcount_order,
-            corrupt: false,
-            extended_l2: h.geometry.extended_l2,
-            dirty: h.is_dirty(),
-            bitmaps: h.has_bitmaps(),
-            internal_snapshots: h.nb_snapshots,
-            features: h.features.describe(&h.feature_names()),
-            unknown_extensions: h
-                .extensions
-                .iter()
-                .filter(|e| matches!(e, sqcow2_format::HeaderExtension::Unknown { .. }))
-                .map(|e| format!("{:#010x}", e.ext_type()))
-                .collect(),
+        snapshots: match header {
+            Some(h) if h.nb_snapshots > 0 => describe_snapshots(h, &**layer.storage())
+                .with_context(|| format!("{}: snapshot table", layer.path().display()))?,
+            _ => Vec::new(),
+        },
+        format_specific: header.map(|h| FormatSpecific {
+            format: "qcow2",
+            data: qcow2_info(h),
         }),
     })
+}
+
+fn qcow2_info(h: &sqcow2_format::Header) -> Qcow2Info {
+    let v3 = h.version == Version::V3;
+    Qcow2Info {
+        compat: if v3 { "1.1" } else { "0.10" },
+        compression_type: h.compression_type.name(),
+        lazy_refcounts: v3.then(|| h.lazy_refcounts()),
+        refcount_bits: 1 << h.refcount_order,
+        corrupt: v3.then_some(false),
+        extended_l2: v3.then_some(h.geometry.extended_l2),
+        dirty: h.is_dirty(),
+        has_bitmaps: h.has_bitmaps(),
+        internal_snapshots: h.nb_snapshots,
+        features: h.features.describe(&h.feature_names()),
+        unknown_extensions: h
+            .extensions
+            .iter()
+            .filter(|e| matches!(e, sqcow2_format::HeaderExtension::Unknown { .. }))
+            .map(|e| format!("{:#010x}", e.ext_type()))
+            .collect(),
+    }
 }
 
 fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
@@ -169,15 +196,21 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
              (any read-write open replays them, e.g. `sqcow2 io -c flush`; QEMU sees the image without them)"
         )?;
     }
-    if let Some(q) = &info.format_specific {
+    if let Some(FormatSpecific { data: q, .. }) = &info.format_specific {
         writeln!(out, "Format specific information:")?;
         writeln!(out, "    compat: {}", q.compat)?;
         writeln!(out, "    compression type: {}", q.compression_type)?;
-        writeln!(out, "    lazy refcounts: {}", q.lazy_refcounts)?;
-        writeln!(out, "    bitmaps: {}", q.bitmaps)?;
+        if let Some(lazy) = q.lazy_refcounts {
+            writeln!(out, "    lazy refcounts: {lazy}")?;
+        }
+        writeln!(out, "    bitmaps: {}", q.has_bitmaps)?;
         writeln!(out, "    refcount bits: {}", q.refcount_bits)?;
-        writeln!(out, "    corrupt: {}", q.corrupt)?;
-        writeln!(out, "    extended l2: {}", q.extended_l2)?;
+        if let Some(corrupt) = q.corrupt {
+            writeln!(out, "    corrupt: {corrupt}")?;
+        }
+        if let Some(extended_l2) = q.extended_l2 {
+            writeln!(out, "    extended l2: {extended_l2}")?;
+        }
         writeln!(out, "    dirty: {}", q.dirty)?;
         writeln!(out, "    internal snapshots: {}", q.internal_snapshots)?;
         for f in &q.features {

@@ -68,6 +68,7 @@ pub use header::{CompressionType, Header, Version};
 pub use layer::{Layer, Qcow2Layer, RawLayer};
 pub use lock::{LockRequest, Locking, Perms};
 pub use size::{parse_size, SizeError};
+pub use snapshot::{describe_snapshots, SnapshotInfo};
 pub use sqcow2_ext::IndexState;
 pub use types::{Geometry, GuestCluster, GuestOffset, HostOffset, LayerIndex};
 
