@@ -217,7 +217,9 @@ enum Command {
         top: PathBuf,
     },
     /// Create a new active volume over TOP (like `qemu-img create -b TOP -F
-    /// qcow2 NEW`) with its chain index; atomic.
+    /// qcow2 NEW`, but with TOP's cluster size, extended L2, compression
+    /// type and lazy refcounts, where qemu-img takes its defaults) with its
+    /// chain index; atomic.
     Snapshot {
         /// Show a progress bar even when standard error is not a terminal.
         #[arg(short = 'p')]
