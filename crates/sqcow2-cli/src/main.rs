@@ -272,10 +272,17 @@ enum Command {
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let slice_size = output::parse_size(&cli.slice_size)?;
+    if !slice_size.is_power_of_two() || slice_size < 512 {
+        anyhow::bail!(
+            "--slice-size {}: the slice size must be a power of two of at least 512 bytes",
+            cli.slice_size
+        );
+    }
     let options = ChainOptions {
         max_layers: cli.max_layers,
         cache_size: output::parse_size(&cli.cache_size)?,
-        slice_size: output::parse_size(&cli.slice_size)?,
+        slice_size,
         use_index: !cli.walk,
         locking: cli.locking.into(),
         max_open_files: cli.max_open_files,

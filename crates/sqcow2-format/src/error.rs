@@ -315,6 +315,10 @@ pub enum ErrorKind {
         /// share (someone holds it) rather than one it wants.
         shared: bool,
     },
+    /// A slice size that is not a power of two of at least 512 bytes (as
+    /// QEMU requires of its L2 cache entries).
+    #[error("slice size {0} is not a power of two of at least 512 bytes")]
+    SliceSize(u64),
     /// `--force-share` asked for an image opened for writing.
     #[error("force-share can only be used with read-only images")]
     ForceShareWritable,

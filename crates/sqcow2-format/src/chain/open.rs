@@ -326,6 +326,11 @@ impl Chain {
         options: &ChainOptions,
         reuse: Option<&Chain>,
     ) -> Result<Chain, Error> {
+        // The slice arithmetic (cached slices, resolved slices, the
+        // index's granularity) assumes a power of two.
+        if !options.slice_size.is_power_of_two() || options.slice_size < 512 {
+            return Err(Error::new(path, ErrorKind::SliceSize(options.slice_size)));
+        }
         if options.force_share && options.writable {
             return Err(Error::new(path, ErrorKind::ForceShareWritable));
         }
