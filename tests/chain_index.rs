@@ -596,7 +596,15 @@ fn slice_sizes_that_are_not_powers_of_two_are_refused() {
     }
     for good in ["512", "8k", "64k", "2M"] {
         let raw = tmp.path().join("out.raw");
-        sqcow2(&["--slice-size", good, "convert", "-O", "raw", s(&top), s(&raw)]);
+        sqcow2(&[
+            "--slice-size",
+            good,
+            "convert",
+            "-O",
+            "raw",
+            s(&top),
+            s(&raw),
+        ]);
         let theirs = tmp.path().join("theirs.raw");
         qemu_img(&["convert", "-O", "raw", s(&top), s(&theirs)]);
         assert!(
@@ -604,4 +612,45 @@ fn slice_sizes_that_are_not_powers_of_two_are_refused() {
             "--slice-size {good}"
         );
     }
+}
+
+/// A snapshot never writes through a symlink nor over a name that is
+/// taken: a symlink where its temporary file goes (to a file of the
+/// operator's) is refused and the file left alone, as is a dangling
+/// symlink at the new top's name; a leftover regular temporary file is an
+/// interrupted snapshot's and is replaced.
+#[test]
+fn snapshots_never_write_through_symlinks() {
+    let (tmp, top) = fresh_chain();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let new = tmp.path().join("new.qcow2");
+    std::os::unix::fs::symlink(&victim, tmp.path().join("new.qcow2.tmp")).unwrap();
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&new)]));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "through a symlinked temporary file"
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert!(std::fs::symlink_metadata(&new).is_err());
+    std::fs::remove_file(tmp.path().join("new.qcow2.tmp")).unwrap();
+
+    let dangling = tmp.path().join("dangling.qcow2");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere.qcow2"), &dangling).unwrap();
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&dangling)]));
+    assert_eq!(out.status.code(), Some(1), "over a dangling symlink");
+    assert!(!tmp.path().join("nowhere.qcow2").exists());
+
+    // The index's temporary file too (the new top's index is built
+    // later: here by `upgrade`).
+    sqcow2(&["snapshot", s(&top), s(&new)]);
+    std::os::unix::fs::symlink(&victim, tmp.path().join("new.qcow2.sqidx.tmp")).unwrap();
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["upgrade", s(&new)]));
+    assert_eq!(out.status.code(), Some(1), "through a symlinked index file");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    std::fs::remove_file(tmp.path().join("new.qcow2.sqidx.tmp")).unwrap();
+    sqcow2(&["upgrade", s(&new)]);
+    assert_valid(&new);
+    assert_same_as_qemu(&new);
 }

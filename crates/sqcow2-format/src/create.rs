@@ -292,8 +292,24 @@ pub fn create(path: &Path, opts: &CreateOptions) -> Result<(), Error> {
         .truncate(true)
         .open(path)
         .map_err(|io| e(io.into()))?;
+    write_image(path, &bytes)
+}
+
+/// Creates the image at `path` as a temporary file that nothing else
+/// made ([`crate::tmpfile::create_temporary`]: a leftover regular file
+/// replaced, anything else refused).
+pub(crate) fn create_temporary(path: &Path, opts: &CreateOptions) -> Result<(), Error> {
+    let e = |k: ErrorKind| Error::new(path, k);
+    let bytes = image_bytes(opts).map_err(e)?;
+    crate::tmpfile::create_temporary(path).map_err(|io| e(io.into()))?;
+    write_image(path, &bytes)
+}
+
+/// Writes an image's first `bytes` into the (empty) file at `path`, synced.
+fn write_image(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+    let e = |k: ErrorKind| Error::new(path, k);
     let storage = FileStorage::open_read_write(path).map_err(|io| e(io.into()))?;
-    storage.write_at(&bytes, 0).map_err(|io| e(io.into()))?;
+    storage.write_at(bytes, 0).map_err(|io| e(io.into()))?;
     storage.sync().map_err(|io| e(io.into()))?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Serialize;
 
 use crate::chain::{Chain, ChainOptions};
-use crate::create::{create, CreateOptions};
+use crate::create::CreateOptions;
 use crate::error::{Error, ErrorKind};
 use crate::header::Version;
 use crate::index::{IndexEntry, IndexGeometry, IndexWriter};
@@ -43,7 +43,7 @@ fn write_index(
     let geometry = chain.index_geometry(upto, covered_size);
     let fps = fingerprints(chain.layers(), upto.0, top_name);
     let tmp = path.with_extension("sqidx.tmp");
-    let file = File::create(&tmp).map_err(io_err(&tmp))?;
+    let file = crate::tmpfile::create_temporary(&tmp).map_err(io_err(&tmp))?;
     let mut writer = IndexWriter::new(file, geometry, &fps);
     let stopped = || Error::new(&tmp, ErrorKind::Io(cancel_error()));
     chain.index_entries(
@@ -295,7 +295,8 @@ impl PreparedSnapshot {
     /// directory).
     pub fn publish(mut self) -> Result<SnapshotReport, Error> {
         let new = self.report.new.clone();
-        std::fs::rename(&self.tmp, &new).map_err(io_err(&new))?;
+        // Never over a file that appeared since the check.
+        crate::tmpfile::rename_no_replace(&self.tmp, &new).map_err(io_err(&new))?;
         self.published = true;
         sync_dir(&new)?;
         Ok(self.report.clone())
@@ -321,15 +322,8 @@ pub fn prepare_snapshot(
     index: SnapshotIndex,
     progress: Progress,
 ) -> Result<PreparedSnapshot, Error> {
-    if new.exists() {
-        return Err(Error::new(
-            new,
-            ErrorKind::Io(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "refusing to overwrite an existing file",
-            )),
-        ));
-    }
+    // Anything there, a dangling symlink included.
+    crate::tmpfile::refuse_existing(new).map_err(io_err(new))?;
     let chain = Chain::open(
         top,
         &ChainOptions {
@@ -365,15 +359,8 @@ pub fn prepare_snapshot(
 /// The new top over `chain`'s top `top`, created and synced under a
 /// temporary name, naming its (not yet written) index.
 fn create_over(chain: &Chain, top: &Path, new: &Path) -> Result<PreparedSnapshot, Error> {
-    if new.exists() {
-        return Err(Error::new(
-            new,
-            ErrorKind::Io(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "refusing to overwrite an existing file",
-            )),
-        ));
-    }
+    // Anything there, a dangling symlink included.
+    crate::tmpfile::refuse_existing(new).map_err(io_err(new))?;
     let Some(top_header) = chain.top().header() else {
         return Err(Error::new(top, ErrorKind::BadMagic(0)));
     };
@@ -399,7 +386,7 @@ fn create_over(chain: &Chain, top: &Path, new: &Path) -> Result<PreparedSnapshot
         backing_format: Some("qcow2".into()),
         ..CreateOptions::default()
     };
-    create(&tmp, &opts)?;
+    crate::create::create_temporary(&tmp, &opts)?;
     let prepared = PreparedSnapshot {
         tmp: tmp.clone(),
         report: SnapshotReport {

@@ -49,6 +49,7 @@ mod snapshot;
 mod sqcow2_ext;
 pub mod storage;
 mod summary;
+mod tmpfile;
 mod types;
 
 /// Records the mapping journal holds (`<top>.sqjournal`, a ring).

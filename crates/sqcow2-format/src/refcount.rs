@@ -235,7 +235,10 @@ impl Refcounts {
             }
             let file_size = storage.len()?;
             // (All of bits 9-63 are the offset: a hostile one overflows.)
-            if offset.checked_add(cluster_size).is_none_or(|end| end > file_size) {
+            if offset
+                .checked_add(cluster_size)
+                .is_none_or(|end| end > file_size)
+            {
                 return Err(ErrorKind::TableBeyondEof {
                     table: Table::Refcount,
                     offset,

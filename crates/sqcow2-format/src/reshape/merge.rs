@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::chain::{Chain, ChainOptions};
-use crate::create::{create, CreateOptions};
-use crate::error::{Error, ErrorKind};
+use crate::create::CreateOptions;
+use crate::error::Error;
 use crate::header_area::{AreaEdit, Edit};
 use crate::indexing::{index_file_name, io_err, sync_dir, BuildReport};
 use crate::layer::Layer;
@@ -135,7 +135,9 @@ impl MergeFile {
             .open(&self.tmp)
             .and_then(|f| f.sync_all())
             .map_err(io_err(&self.tmp))?;
-        rename_noreplace(&self.tmp, &self.output).map_err(io_err(&self.output))?;
+        // Never over a file created at the merge's name meanwhile (a live
+        // snapshot's new top).
+        crate::tmpfile::rename_no_replace(&self.tmp, &self.output).map_err(io_err(&self.output))?;
         self.published = true;
         sync_dir(&self.output)?;
         Ok(self.output.clone())
@@ -150,34 +152,6 @@ impl Drop for MergeFile {
             journal.push(".sqjournal");
             let _ = std::fs::remove_file(journal);
         }
-    }
-}
-
-/// Renames `from` to `to` unless `to` exists (then `AlreadyExists`): a
-/// file created at the merge's name meanwhile (a live snapshot's new top)
-/// is never replaced.
-fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"))
-    };
-    let (f, t) = (c(from)?, c(to)?);
-    // SAFETY: both pointers are NUL-terminated strings owned by `f` and
-    // `t`, alive for the call.
-    let rc = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            f.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -197,19 +171,11 @@ pub(crate) fn create_merge_file(
     range: &MergeRange,
     output: &Path,
 ) -> Result<MergeFile, Error> {
-    if output.exists() {
-        return Err(Error::new(
-            output,
-            ErrorKind::Io(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "refusing to overwrite an existing file",
-            )),
-        ));
-    }
+    // Anything there, a dangling symlink included.
+    crate::tmpfile::refuse_existing(output).map_err(io_err(output))?;
     let tmp = merge_tmp_path(output);
-    if tmp.exists() {
+    if std::fs::symlink_metadata(&tmp).is_ok() {
         tracing::warn!(path = %tmp.display(), "removing the file of a merge that did not finish");
-        std::fs::remove_file(&tmp).map_err(io_err(&tmp))?;
         let mut journal = tmp.as_os_str().to_owned();
         journal.push(".sqjournal");
         let _ = std::fs::remove_file(journal);
@@ -245,7 +211,7 @@ pub(crate) fn create_merge_file(
         backing,
         published: false,
     };
-    create(&tmp, &opts)?;
+    crate::create::create_temporary(&tmp, &opts)?;
     if file.backing.is_some() {
         // The new layer names its own index (written later): the top's
         // index can then be built from it.
