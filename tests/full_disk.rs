@@ -145,3 +145,26 @@ fn enospc_fails_only_the_write_that_needs_space_and_leaks_nothing() {
     let out = tempfile::tempdir().unwrap();
     assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
 }
+
+/// A snapshot onto a full filesystem fails with the error and leaves no
+/// half-made file behind (neither the new top nor its temporary file).
+#[test]
+fn a_snapshot_onto_a_full_filesystem_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = tmp.path().join("top.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&top), "64M"]);
+    let small = SmallFs::mount(&tmp.path().join("small"), "64k");
+    // Most of the room taken.
+    std::fs::write(small.dir.join("filler"), vec![1u8; 48 << 10]).unwrap();
+    let new = small.dir.join("new.qcow2");
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&new)]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&small.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n != "filler")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -302,7 +302,10 @@ pub(crate) fn create_temporary(path: &Path, opts: &CreateOptions) -> Result<(), 
     let e = |k: ErrorKind| Error::new(path, k);
     let bytes = image_bytes(opts).map_err(e)?;
     crate::tmpfile::create_temporary(path).map_err(|io| e(io.into()))?;
-    write_image(path, &bytes)
+    // A file half written (a full disk) is not left behind.
+    write_image(path, &bytes).inspect_err(|_| {
+        let _ = std::fs::remove_file(path);
+    })
 }
 
 /// Writes an image's first `bytes` into the (empty) file at `path`, synced.
