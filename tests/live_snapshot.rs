@@ -291,6 +291,33 @@ fn bad_control_input_gets_error_replies() {
         json!({"command": "snapshot", "path": "/proc/sqcow2-live.qcow2"}),
     );
     assert_eq!(kind(&reply), "snapshot-failed", "{reply}");
+    // Outside the backing root (default: the top's directory), where the
+    // chain could not be opened again at the next start; and over a
+    // dangling symlink.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let outside = elsewhere.path().join("outside.qcow2");
+    let reply = control(&ctl, json!({"command": "snapshot", "path": outside}));
+    assert_eq!(kind(&reply), "snapshot-failed", "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("outside the backing root"),
+        "{reply}"
+    );
+    assert!(!outside.exists());
+    // (Timings are never negative zero: `-0.0` was printed.)
+    let ok_reply = control(
+        &ctl,
+        json!({"command": "snapshot", "path": tmp.path().join("fine.qcow2")}),
+    );
+    let text = ok_reply.to_string();
+    assert!(ok_reply["ok"] == true && !text.contains("-0.0"), "{text}");
+    let dangling = tmp.path().join("dangling.qcow2");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere.qcow2"), &dangling).unwrap();
+    let reply = control(&ctl, json!({"command": "snapshot", "path": dangling}));
+    assert_eq!(kind(&reply), "exists", "{reply}");
+    std::fs::remove_file(&dangling).unwrap();
     // Concurrent snapshots: each one succeeds or is told another runs.
     let threads: Vec<_> = (0..4)
         .map(|i| {
@@ -321,7 +348,7 @@ fn bad_control_input_gets_error_replies() {
         "{text}"
     );
     let info = control(&ctl, json!({"command": "info"}));
-    assert_eq!(info["result"]["layers"], 3 + ok, "{info}");
+    assert_eq!(info["result"]["layers"], 4 + ok, "{info}");
     drop(client);
     daemon.stop();
     assert!(!ctl.exists(), "control socket left behind");

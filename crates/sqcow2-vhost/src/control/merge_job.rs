@@ -113,7 +113,7 @@ impl MergeJob {
                 "the chain is served read-only",
             ));
         }
-        inside_backing_root(shared, &request.path)?;
+        super::inside_backing_root(shared, &request.path, FailureKind::MergeFailed)?;
         let first: LayerRef = (&request.first).into();
         let last: LayerRef = (&request.last).into();
         let prepared = prepare_merge(&chain, &first, &last, &request.path)
@@ -178,36 +178,6 @@ impl MergeJob {
 
 /// What a merge that stopped on request reports.
 const CANCELLED: &str = "cancelled";
-
-/// A merge file must lie where the daemon may open backing files (its
-/// `--backing-root`): else the chain could not be reopened after the
-/// switch.
-fn inside_backing_root(shared: &Shared, path: &std::path::Path) -> Result<(), Failure> {
-    let Some(root) = &shared.options.backing_root else {
-        return Ok(());
-    };
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let (Ok(dir), Ok(root)) = (std::fs::canonicalize(&dir), std::fs::canonicalize(root)) else {
-        return Err(fail(
-            FailureKind::MergeFailed,
-            format!("{}: no such directory", dir.display()),
-        ));
-    };
-    if !dir.starts_with(&root) {
-        return Err(fail(
-            FailureKind::MergeFailed,
-            format!(
-                "{} lies outside the backing root {} (serve --backing-root)",
-                path.display(),
-                root.display()
-            ),
-        ));
-    }
-    Ok(())
-}
 
 /// The guest's latency now, all queues together (`None`: no frontend).
 fn latencies(shared: &Shared) -> Option<hdrhistogram::Histogram<u64>> {

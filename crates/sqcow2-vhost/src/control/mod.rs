@@ -277,6 +277,34 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
 /// dirty bit cleared), then, in the background, the new top's index
 /// built and installed; until then the old top is walked above the old
 /// index.
+/// A file the chain will have as a layer (a live snapshot's new top, a
+/// merge file) must lie where the daemon may open backing files (its
+/// `--backing-root`): else the chain could not be opened again (after a
+/// merge's switch, at the next start).
+fn inside_backing_root(shared: &Shared, path: &Path, kind: FailureKind) -> Result<(), Failure> {
+    let Some(root) = &shared.options.backing_root else {
+        return Ok(());
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let (Ok(dir), Ok(root)) = (std::fs::canonicalize(&dir), std::fs::canonicalize(root)) else {
+        return Err(fail(kind, format!("{}: no such directory", dir.display())));
+    };
+    if !dir.starts_with(&root) {
+        return Err(fail(
+            kind,
+            format!(
+                "{} lies outside the backing root {} (serve --backing-root)",
+                path.display(),
+                root.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
     let Some(_running) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
@@ -287,12 +315,14 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
             "the daemon is inactive: activate it first",
         ));
     }
-    if new.exists() {
+    // Anything there, a dangling symlink included.
+    if std::fs::symlink_metadata(new).is_ok() {
         return Err(fail(
             FailureKind::Exists,
             format!("{} exists", new.display()),
         ));
     }
+    inside_backing_root(shared, new, FailureKind::SnapshotFailed)?;
     let begin = Instant::now();
     let started_unix_us = unix_us();
     let current = shared.handle.get();
@@ -471,7 +501,8 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         cpu_wait_ms,
         drain_jobs: job_times.len(),
         drain_jobs_raised: raised_jobs,
-        drain_jobs_cpu_wait_ms: job_times.iter().map(|t| t.cpu_wait_ms).sum(),
+        // (A float sum of nothing is -0.0.)
+        drain_jobs_cpu_wait_ms: job_times.iter().fold(0.0, |a, t| a + t.cpu_wait_ms),
         drain_jobs_blocked_ms: job_times.iter().map(|t| t.blocked_ms).fold(0.0, f64::max),
         realtime: realtime_pause,
     };
