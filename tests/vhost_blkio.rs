@@ -438,6 +438,37 @@ fn lifecycle_socket_mode_pidfile_signals() {
     ]));
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+
+    // A start that fails after the chain is open (a pidfile that cannot
+    // be written; a control socket another daemon has) leaves the image
+    // closed clean (no dirty bit, no journal) and none of its sockets.
+    let dirty = |p: &std::path::Path| std::fs::read(p).unwrap()[79] & 1 == 1;
+    for (what, extra) in [
+        ("pidfile", vec!["--pidfile", "/nonexistent-dir/pid"]),
+        ("control", vec!["--control", s(&precious)]),
+    ] {
+        let sock = tmp.path().join(format!("{what}.sock"));
+        let ctl = tmp.path().join(format!("{what}.ctl"));
+        let mut args = vec!["serve", "--socket", s(&sock)];
+        if what != "control" {
+            args.extend(["--control", s(&ctl)]);
+        }
+        args.extend(extra);
+        args.push(s(&top));
+        let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args(&args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {err}");
+        assert!(!dirty(&top), "{what}: the image was left dirty: {err}");
+        let mut journal = top.as_os_str().to_owned();
+        journal.push(".sqjournal");
+        assert!(
+            !std::path::Path::new(&journal).exists(),
+            "{what}: a journal left"
+        );
+        assert!(!sock.exists() && !ctl.exists(), "{what}: a socket left");
+        assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    }
+    assert_qemu_check_clean(&top);
 }
 
 /// SIGTERM while writes and reads are queued: the daemon finishes what it

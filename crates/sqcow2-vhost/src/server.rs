@@ -74,8 +74,8 @@ pub enum ServeError {
     /// The vhost-user daemon failed.
     #[error("vhost-user: {0}")]
     Daemon(String),
-    /// An I/O error.
-    #[error("{context}: {source}")]
+    /// An I/O error (its cause the source: shown once by `{:#}`).
+    #[error("{context}")]
     Io {
         context: String,
         #[source]
@@ -147,36 +147,82 @@ struct Server {
     signals: Signals,
 }
 
+/// Files a server made (its sockets, its pidfile): removed when it ends,
+/// however it ends (a start that fails half-way too).
+struct MadeFiles(Vec<std::path::PathBuf>);
+
+impl Drop for MadeFiles {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = fs::remove_file(path);
+        }
+    }
+}
+
 /// Serves `chain` until SIGTERM or SIGINT; flushes it then.
 /// `chain_options` are how the chain is opened while active (a live
 /// snapshot and an activation reuse them); with `options.inactive`, `chain`
-/// was opened inactive (read-only, no locks).
+/// was opened inactive (read-only, no locks). A start that fails leaves
+/// the chain closed clean and no file of this server behind.
 pub fn serve(
     chain: Chain,
     chain_options: ChainOptions,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
+    // Everything that can fail for want of a path first, before any
+    // thread holds the chain: a failure here drops it, closed clean.
+    let mut made = MadeFiles(Vec::new());
     let listener = bind(&options.socket, options.socket_mode)?;
+    made.0.push(options.socket.clone());
+    let control = match &options.control {
+        Some(path) => {
+            let control = crate::control::bind(path, options.socket_mode)
+                .map_err(io_err(format!("control socket {}", path.display())))?;
+            made.0.push(path.clone());
+            fs::set_permissions(path, fs::Permissions::from_mode(options.socket_mode))
+                .map_err(io_err(format!("chmod {}", path.display())))?;
+            Some(control)
+        }
+        None => None,
+    };
+    if let Some(pidfile) = &options.pidfile {
+        fs::write(pidfile, format!("{}\n", std::process::id()))
+            .map_err(io_err(format!("writing {}", pidfile.display())))?;
+        made.0.push(pidfile.clone());
+    }
     let handle = Arc::new(ChainHandle::new(chain));
     let shared = if options.inactive {
-        Shared::new_inactive(handle, chain_options)
+        Shared::new_inactive(handle.clone(), chain_options)
     } else {
-        Shared::new(handle, chain_options)
+        Shared::new(handle.clone(), chain_options)
     };
     let shared = Arc::new(
         shared
             .with_inactive_timeout(options.inactive_timeout)
             .with_realtime_pause(options.realtime_pause),
     );
+    let result = start_and_run(shared, control, listener, options);
+    drop(made);
+    // A control request may still hold the chain: leave it clean.
+    let closed = handle.get().flush_clean();
+    result?;
+    closed?;
+    info!("stopped");
+    Ok(())
+}
+
+/// The threads and event loop of a server whose files are made.
+fn start_and_run(
+    shared: Arc<Shared>,
+    control: Option<std::os::unix::net::UnixListener>,
+    listener: Listener,
+    options: &ServeOptions,
+) -> Result<(), ServeError> {
     if !options.inactive {
         // A daemon killed during a build left the old index serving.
         shared.index_builder.wake();
     }
-    if let Some(path) = &options.control {
-        let control = crate::control::bind(path, options.socket_mode)
-            .map_err(io_err(format!("control socket {}", path.display())))?;
-        fs::set_permissions(path, fs::Permissions::from_mode(options.socket_mode))
-            .map_err(io_err(format!("chmod {}", path.display())))?;
+    if let Some(control) = control {
         crate::control::spawn(control, shared.clone()).map_err(io_err("control thread"))?;
     }
     let epoll = Epoll::new().map_err(io_err("epoll"))?;
@@ -195,10 +241,6 @@ pub fn serve(
         epoll,
         signals,
     };
-    if let Some(pidfile) = &options.pidfile {
-        fs::write(pidfile, format!("{}\n", std::process::id()))
-            .map_err(io_err(format!("writing {}", pidfile.display())))?;
-    }
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         warn!("sd_notify: {e}");
     }
@@ -207,20 +249,7 @@ pub fn serve(
         image = %server.shared.handle.get().top().path().display(),
         "ready for a vhost-user frontend"
     );
-    let result = server.run();
-    let _ = fs::remove_file(&options.socket);
-    if let Some(path) = &options.control {
-        let _ = fs::remove_file(path);
-    }
-    if let Some(pidfile) = &options.pidfile {
-        let _ = fs::remove_file(pidfile);
-    }
-    // A control request may still hold the chain: leave it clean.
-    let closed = server.shared.handle.get().flush_clean();
-    result?;
-    closed?;
-    info!("stopped");
-    Ok(())
+    server.run()
 }
 
 impl Server {

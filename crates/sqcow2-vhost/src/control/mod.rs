@@ -703,10 +703,16 @@ fn stats(shared: &Shared) -> Stats {
 pub fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
-        if !meta.file_type().is_socket() || UnixStream::connect(path).is_ok() {
+        if !meta.file_type().is_socket() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::AlreadyExists,
-                format!("{} is in use", path.display()),
+                "a file that is not a socket is there (never removed)",
+            ));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "another server listens on it",
             ));
         }
         std::fs::remove_file(path)?;
