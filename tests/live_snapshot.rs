@@ -771,3 +771,53 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
         common::assert_check_clean(layer);
     }
 }
+
+/// SIGTERM with no frontend connected while a live snapshot or a merge
+/// runs: the stop waits for the snapshot and stops the merge (its file
+/// removed), then flushes; whatever the moment, the daemon exits 0 and
+/// leaves no temporary file, no journal, no dirty layer (before, it
+/// exited under them: `new.qcow2.tmp`, or a new top left dirty with its
+/// journal, or `m.qcow2.tmp`).
+#[test]
+fn sigterm_without_a_frontend_waits_for_snapshots_and_merges() {
+    use std::io::Write as _;
+    for round in 0..8u64 {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = gen_chain(tmp.path(), 3, "64M", "0.5");
+        let ctl = tmp.path().join("control.sock");
+        let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+        let request = if round % 2 == 0 {
+            json!({"command": "snapshot", "path": tmp.path().join("new.qcow2")})
+        } else {
+            json!({"command": "merge", "first": 0, "last": 1,
+                   "path": tmp.path().join("m.qcow2"), "rate_limit": 20_000_000})
+        };
+        let mut stream = UnixStream::connect(&ctl).unwrap();
+        stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(round * 2));
+        let status = daemon.stop_with(libc::SIGTERM);
+        assert!(
+            status.success(),
+            "round {round}: {status}\n{}",
+            daemon.log()
+        );
+        let mut left = Vec::new();
+        for entry in std::fs::read_dir(tmp.path()).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".tmp") || name.contains(".sqjournal") || name.ends_with(".sock") {
+                left.push(name);
+            }
+        }
+        assert!(left.is_empty(), "round {round}: left behind {left:?}");
+        for entry in std::fs::read_dir(tmp.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "qcow2") {
+                let check =
+                    run_raw(std::process::Command::new("qemu-img").args(["check", s(&path)]));
+                assert!(check.status.success(), "round {round}: {}", path.display());
+                let dirty = std::fs::read(&path).unwrap()[79] & 1 == 1;
+                assert!(!dirty, "round {round}: {} left dirty", path.display());
+            }
+        }
+    }
+}

@@ -44,6 +44,8 @@ fn write_index(
     let fps = fingerprints(chain.layers(), upto.0, top_name);
     let tmp = path.with_extension("sqidx.tmp");
     let file = crate::tmpfile::create_temporary(&tmp).map_err(io_err(&tmp))?;
+    // A build that stops (cancelled, failed) leaves no temporary file.
+    let unfinished = crate::tmpfile::RemovedUnlessKept::new(&tmp);
     let mut writer = IndexWriter::new(file, geometry, &fps);
     let stopped = || Error::new(&tmp, ErrorKind::Io(cancel_error()));
     chain.index_entries(
@@ -69,6 +71,7 @@ fn write_index(
     file.sync_all().map_err(io_err(&tmp))?;
     drop(file);
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    unfinished.keep();
     sync_dir(path)?;
     Ok((geometry, bytes))
 }

@@ -34,6 +34,30 @@ pub(crate) fn create_temporary(tmp: &Path) -> io::Result<File> {
         .open(tmp)
 }
 
+/// A temporary file removed when this is dropped, unless kept (renamed to
+/// its own name).
+#[must_use = "the file is removed when this is dropped"]
+pub(crate) struct RemovedUnlessKept<'a>(Option<&'a Path>);
+
+impl<'a> RemovedUnlessKept<'a> {
+    pub(crate) fn new(path: &'a Path) -> Self {
+        RemovedUnlessKept(Some(path))
+    }
+
+    /// The file stays (it was published).
+    pub(crate) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RemovedUnlessKept<'_> {
+    fn drop(&mut self) {
+        if let Some(path) = self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// Refuses `path` if anything is there, a dangling symlink included.
 pub(crate) fn refuse_existing(path: &Path) -> io::Result<()> {
     match std::fs::symlink_metadata(path) {

@@ -31,6 +31,8 @@ use crate::handle::ChainHandle;
 const POLL_INTERVAL_MS: i32 = 100;
 /// Longest wait for requests in flight when stopping.
 const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a stop waits for a merge to stop copying or switching.
+const STOP_MERGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How to serve a chain.
 #[derive(Debug, Clone)]
@@ -276,6 +278,11 @@ impl Server {
     fn run(&mut self) -> Result<(), ServeError> {
         loop {
             if self.stop_requested() {
+                // No frontend: a snapshot or merge may still run.
+                let _exclusive = self.end_control_jobs();
+                if let Err(e) = self.shared.handle.get().flush_clean() {
+                    warn!("flush: {e}");
+                }
                 return Ok(());
             }
             if !self.connection_waiting()? {
@@ -285,6 +292,20 @@ impl Server {
                 return Ok(());
             }
         }
+    }
+
+    /// Before a stop: a merge stops copying (its file removed) or, if it
+    /// is switching the chain, finishes; a live snapshot finishes; no
+    /// other starts while the guard is held; a background index build is
+    /// cancelled (its temporary file removed; the next start builds it).
+    /// The stop then flushes the chain served.
+    fn end_control_jobs(&self) -> std::sync::MutexGuard<'_, ()> {
+        if !self.shared.merge.cancel_and_wait(STOP_MERGE_TIMEOUT) {
+            warn!("the merge did not stop within {STOP_MERGE_TIMEOUT:?}; stopping anyway");
+        }
+        let exclusive = self.shared.exclusive();
+        self.shared.index_builder.suspend();
+        exclusive
     }
 
     /// Serves one frontend until it disconnects or a signal asks to stop.
@@ -337,10 +358,7 @@ impl Server {
             self.shared.tick();
             if self.stop_requested() {
                 end = SessionEnd::Stop;
-                // A merge stops copying, and one switching the chain
-                // finishes first: this stop flushes the chain served then.
-                self.shared.merge.cancel();
-                let _exclusive = self.shared.exclusive();
+                let _exclusive = self.end_control_jobs();
                 // Finish what the guest asked for (no new request starts),
                 // make it durable, then hang up.
                 let _paused = backend.pause();

@@ -68,6 +68,21 @@ impl MergeJob {
         running
     }
 
+    /// Asks the running merge to stop and waits (at most `timeout`) until
+    /// its thread has ended: its file removed, or its switch done. Whether
+    /// no merge runs any more.
+    pub fn cancel_and_wait(&self, timeout: Duration) -> bool {
+        self.cancel();
+        let deadline = Instant::now() + timeout;
+        while self.running.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Acquire)
     }
@@ -100,7 +115,11 @@ impl MergeJob {
         if !shared.is_active() {
             return Err(fail(FailureKind::Inactive, "the daemon is inactive"));
         }
-        if request.path.exists() {
+        if request.path.as_os_str().is_empty() {
+            return Err(fail(FailureKind::BadRequest, "path is empty"));
+        }
+        // Anything there, a dangling symlink included.
+        if std::fs::symlink_metadata(&request.path).is_ok() {
             return Err(fail(
                 FailureKind::Exists,
                 format!("{} exists", request.path.display()),

@@ -315,6 +315,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
             "the daemon is inactive: activate it first",
         ));
     }
+    if new.as_os_str().is_empty() {
+        return Err(fail(FailureKind::BadRequest, "path is empty"));
+    }
     // Anything there, a dangling symlink included.
     if std::fs::symlink_metadata(new).is_ok() {
         return Err(fail(
