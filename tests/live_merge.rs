@@ -132,6 +132,14 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
     wait_indexed(&ctl);
     drop(client);
     daemon.stop();
+    // Merges that succeed are no errors in the log (the old chain's
+    // writer was ended with a failure's ERROR line).
+    let log = daemon.log();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("ERROR") || l.contains("not writing metadata back")),
+        "{log}"
+    );
     println!("{writes} writes, {flushes} flushes during two merges");
     let reference = reference.lock().unwrap();
     reference.verify_files(&top, tmp.path());

@@ -268,9 +268,23 @@ impl Active {
         let _ = self.failure.set(SUPERSEDED.to_string());
     }
 
-    /// Whether [`Active::supersede`] ended this engine.
+    /// Refuses changes from now on, quietly: another chain of the same
+    /// files took over the image (a merge's switch), so nothing held here
+    /// is written back again, and closing does nothing.
+    pub(crate) fn hand_over(&self) {
+        let _ = self.failure.set(HANDED_OVER.to_string());
+    }
+
+    /// Whether [`Active::supersede`] ended this engine (its tables may
+    /// still be written back, by the chain after it).
     pub(crate) fn superseded(&self) -> bool {
         self.failure() == Some(SUPERSEDED)
+    }
+
+    /// Whether this engine ended without a failure: superseded, or handed
+    /// over ([`Active::hand_over`]: nothing written back any more).
+    pub(crate) fn ended_quietly(&self) -> bool {
+        matches!(self.failure(), Some(SUPERSEDED | HANDED_OVER))
     }
 
     /// Why writes are refused, if they are.
@@ -918,6 +932,8 @@ impl Active {
 
 /// Why a superseded engine refuses writes.
 const SUPERSEDED: &str = "the image is a backing layer now (a live snapshot was taken over it)";
+/// Why a handed-over engine refuses writes.
+const HANDED_OVER: &str = "another chain took over the image (after a merge)";
 
 /// Granule of the zero detection of new clusters.
 const ZERO_BLOCK: usize = 4096;

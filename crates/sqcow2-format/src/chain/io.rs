@@ -472,7 +472,7 @@ impl Drop for Chain {
         let Some(active) = self.active.take() else {
             return;
         };
-        if active.superseded() {
+        if active.ended_quietly() {
             return;
         }
         if let Some(reason) = active.failure() {

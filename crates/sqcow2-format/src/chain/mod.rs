@@ -320,6 +320,15 @@ impl Chain {
         }
     }
 
+    /// Refuses writes from now on, quietly, and its drop closes nothing:
+    /// another chain of the same files (a merge's switch) owns the top
+    /// now.
+    pub fn hand_over(&self) {
+        if let Some(a) = &self.active {
+            a.hand_over();
+        }
+    }
+
     /// Test hook: the writable engine panics at the `nth` next hit of
     /// `point` (cargo feature `fault-injection`; without it, nothing).
     pub fn arm_fault(&self, point: crate::fault::FaultPoint, nth: u32) {

@@ -427,8 +427,9 @@ fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
     let layers = chain.layers().len();
     // The old chain's writer is done: nothing it holds is written again
     // (its close would be a no-op after the flush above, and must stay
-    // one while the new chain's writer owns the top).
-    old.fail("replaced by the chain after a merge");
+    // one while the new chain's writer owns the top). Quietly: this is
+    // no failure.
+    old.hand_over();
     drop(old);
     let old = shared.handle.replace(chain);
     drop(pause);
