@@ -282,6 +282,19 @@ fn bad_control_input_gets_error_replies() {
         assert_eq!(reply["ok"], false, "{line}: {reply}");
         assert_eq!(kind(&reply), want, "{line}: {reply}");
     }
+    // Bytes that are not UTF-8 get a reply too, and the connection goes on.
+    stream.write_all(b"\xff\xfe\x00\x01\n").unwrap();
+    let mut reply = String::new();
+    reader.read_line(&mut reply).unwrap();
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(kind(&reply), "bad-request", "{reply}");
+    stream
+        .write_all(b"{\"id\":5,\"command\":\"info\"}\n")
+        .unwrap();
+    let mut reply = String::new();
+    reader.read_line(&mut reply).unwrap();
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
     // Snapshot onto an existing file, into a directory nobody can create
     // files in.
     let reply = control(&ctl, json!({"command": "snapshot", "path": top}));

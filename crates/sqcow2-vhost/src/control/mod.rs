@@ -193,18 +193,28 @@ fn connection(stream: UnixStream, shared: &Arc<Shared>) {
         return;
     };
     let mut reader = BufReader::new(stream);
-    let mut line = String::new();
+    let mut bytes = Vec::new();
     loop {
-        line.clear();
-        match (&mut reader).take(MAX_LINE as u64 + 1).read_line(&mut line) {
+        bytes.clear();
+        match (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut bytes)
+        {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
-        let too_long = line.len() > MAX_LINE;
+        let too_long = bytes.len() > MAX_LINE;
         let reply = if too_long {
             Reply::failure(Value::Null, fail(FailureKind::BadRequest, "line too long"))
         } else {
-            handle_line(line.trim(), shared)
+            match std::str::from_utf8(&bytes) {
+                Ok(line) => handle_line(line.trim(), shared),
+                // Every line gets a reply, this one too.
+                Err(_) => Reply::failure(
+                    Value::Null,
+                    fail(FailureKind::BadRequest, "the line is not UTF-8"),
+                ),
+            }
         };
         let mut text = serde_json::to_string(&reply).unwrap_or_else(|e| {
             format!("{{\"id\":null,\"ok\":false,\"error\":{{\"kind\":\"io-error\",\"message\":\"{e}\"}}}}")
