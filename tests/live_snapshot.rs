@@ -698,6 +698,9 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
         // A cluster of its own, and a copy-on-write over the one written
         // before the last snapshot (a read of the old top).
         client.write(i * 2 * 65536, &[i as u8 + 1; 4096]);
+        // And one no later write copies up: reads of it go to this top
+        // alone once it is an old top.
+        client.write(i * 2 * 65536 + 65536, &[0xA0 + i as u8; 4096]);
         if i > 0 {
             client.write((i - 1) * 2 * 65536 + 8192, &[0xC0; 4096]);
         }
@@ -729,11 +732,18 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
         std::thread::sleep(Duration::from_millis(50));
     }
     for (i, old) in old_tops.iter().enumerate() {
-        // Its own cluster, read through the daemon: the layer's file is
-        // open (reopened if the budget had closed it).
         assert!(
             client.read(i as u64 * 2 * 65536, 3 * 4096) == want[i],
             "cluster {i}"
+        );
+        // A cluster only it holds, read through the daemon: the layer's
+        // file is open (reopened if the budget had closed it). (The one
+        // above was copied up into the next top by a later write.)
+        assert!(
+            client.read(i as u64 * 2 * 65536 + 65536, 4096) == vec![0xA0 + i as u8; 4096],
+            "cluster {} of {}",
+            2 * i + 1,
+            old.display()
         );
         let open = descriptions_of(daemon.pid(), old);
         assert!(
