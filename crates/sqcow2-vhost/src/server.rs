@@ -31,8 +31,6 @@ use crate::handle::ChainHandle;
 const POLL_INTERVAL_MS: i32 = 100;
 /// Longest wait for requests in flight when stopping.
 const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long a stop waits for a merge to stop copying or switching.
-const STOP_MERGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How to serve a chain.
 #[derive(Debug, Clone)]
@@ -173,6 +171,9 @@ pub fn serve(
 ) -> Result<(), ServeError> {
     // Everything that can fail for want of a path first, before any
     // thread holds the chain: a failure here drops it, closed clean.
+    // Before the pidfile, which tells that a signal stops the server
+    // cleanly from now on.
+    let signals = Signals::new([SIGTERM, SIGINT]).map_err(io_err("signal handlers"))?;
     let mut made = MadeFiles(Vec::new());
     let listener = bind(&options.socket, options.socket_mode)?;
     made.0.push(options.socket.clone());
@@ -203,10 +204,13 @@ pub fn serve(
             .with_inactive_timeout(options.inactive_timeout)
             .with_realtime_pause(options.realtime_pause),
     );
-    let result = start_and_run(shared, control, listener, options);
-    drop(made);
-    // A control request may still hold the chain: leave it clean.
+    let result = start_and_run(shared.clone(), control, listener, signals, options);
+    // However the server ended (an error too): no control job goes on,
+    // and the chain is left clean; its files go after.
+    let stopped = shared.end_jobs_for_stop();
     let closed = handle.get().flush_clean();
+    drop(stopped);
+    drop(made);
     result?;
     closed?;
     info!("stopped");
@@ -218,6 +222,7 @@ fn start_and_run(
     shared: Arc<Shared>,
     control: Option<std::os::unix::net::UnixListener>,
     listener: Listener,
+    signals: Signals,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
     if !options.inactive {
@@ -235,7 +240,6 @@ fn start_and_run(
             EpollEvent::new(EventSet::IN, 0),
         )
         .map_err(io_err("epoll"))?;
-    let signals = Signals::new([SIGTERM, SIGINT]).map_err(io_err("signal handlers"))?;
     let mut server = Server {
         shared,
         options: options.clone(),
@@ -279,7 +283,7 @@ impl Server {
         loop {
             if self.stop_requested() {
                 // No frontend: a snapshot or merge may still run.
-                let _exclusive = self.end_control_jobs();
+                let _exclusive = self.shared.end_jobs_for_stop();
                 if let Err(e) = self.shared.handle.get().flush_clean() {
                     warn!("flush: {e}");
                 }
@@ -292,20 +296,6 @@ impl Server {
                 return Ok(());
             }
         }
-    }
-
-    /// Before a stop: a merge stops copying (its file removed) or, if it
-    /// is switching the chain, finishes; a live snapshot finishes; no
-    /// other starts while the guard is held; a background index build is
-    /// cancelled (its temporary file removed; the next start builds it).
-    /// The stop then flushes the chain served.
-    fn end_control_jobs(&self) -> std::sync::MutexGuard<'_, ()> {
-        if !self.shared.merge.cancel_and_wait(STOP_MERGE_TIMEOUT) {
-            warn!("the merge did not stop within {STOP_MERGE_TIMEOUT:?}; stopping anyway");
-        }
-        let exclusive = self.shared.exclusive();
-        self.shared.index_builder.suspend();
-        exclusive
     }
 
     /// Serves one frontend until it disconnects or a signal asks to stop.
@@ -358,7 +348,7 @@ impl Server {
             self.shared.tick();
             if self.stop_requested() {
                 end = SessionEnd::Stop;
-                let _exclusive = self.end_control_jobs();
+                let _exclusive = self.shared.end_jobs_for_stop();
                 // Finish what the guest asked for (no new request starts),
                 // make it durable, then hang up.
                 let _paused = backend.pause();

@@ -25,6 +25,8 @@ struct State {
     again: bool,
     /// No build starts (the daemon hands the disk over).
     suspended: bool,
+    /// Suspended for good: the daemon stops.
+    stopped: bool,
     /// Holds taken ([`IndexBuilder::hold`]): a running build waits at its
     /// next check while any is.
     holds: u32,
@@ -148,9 +150,18 @@ impl IndexBuilder {
         }
     }
 
-    /// Builds may start again (then [`IndexBuilder::wake`]).
+    /// Builds may start again (then [`IndexBuilder::wake`]), unless the
+    /// daemon stops.
     pub fn resume(&self) {
-        Self::lock(&self.shared).suspended = false;
+        let mut st = Self::lock(&self.shared);
+        st.suspended = st.stopped;
+    }
+
+    /// [`IndexBuilder::suspend`] for good: the daemon stops (a cancelled
+    /// build's temporary file is removed; the next start builds again).
+    pub fn stop(&self) {
+        Self::lock(&self.shared).stopped = true;
+        self.suspend();
     }
 
     /// Counters for `stats` (`pending_layers` filled in by the caller).

@@ -32,6 +32,8 @@ pub struct MergeJob {
     counters: Mutex<MergeCounters>,
     running: AtomicBool,
     cancel: AtomicBool,
+    /// The daemon stops: no merge starts (set under the counters' lock).
+    stopped: AtomicBool,
 }
 
 /// Clears `running` when the merge thread ends, however it ends.
@@ -68,10 +70,15 @@ impl MergeJob {
         running
     }
 
-    /// Asks the running merge to stop and waits (at most `timeout`) until
-    /// its thread has ended: its file removed, or its switch done. Whether
-    /// no merge runs any more.
-    pub fn cancel_and_wait(&self, timeout: Duration) -> bool {
+    /// For a stop: no merge starts any more, the running one is asked to
+    /// stop, and this waits (at most `timeout`) until its thread has
+    /// ended: its file removed, or its switch done. Whether no merge runs
+    /// any more.
+    pub fn stop(&self, timeout: Duration) -> bool {
+        {
+            let _c = self.counters();
+            self.stopped.store(true, Ordering::Release);
+        }
         self.cancel();
         let deadline = Instant::now() + timeout;
         while self.running.load(Ordering::Acquire) {
@@ -102,6 +109,9 @@ impl MergeJob {
         }
         {
             let _c = job.counters();
+            if job.stopped.load(Ordering::Acquire) {
+                return Err(fail(FailureKind::Busy, "the daemon is stopping"));
+            }
             if job
                 .running
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)

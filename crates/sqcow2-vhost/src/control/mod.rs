@@ -30,6 +30,8 @@ use protocol::{
 
 /// Longest request line accepted.
 const MAX_LINE: usize = 64 * 1024;
+/// How long a stop waits for a merge to stop copying or switching.
+const STOP_MERGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait for requests in flight before a live snapshot.
 pub(crate) const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most write-backs of the old top before a live snapshot's pause: each
@@ -69,6 +71,9 @@ pub struct Shared {
     /// Whether a live snapshot's pause runs at real-time priority.
     realtime_pause: bool,
     started: Instant,
+    /// The daemon stops: no snapshot or (in)activation starts (checked by
+    /// each under the exclusive right, set before it is taken).
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -87,7 +92,34 @@ impl Shared {
             pauses_ms: Mutex::new(Vec::new()),
             realtime_pause: true,
             started: Instant::now(),
+            stopping: Default::default(),
         }
+    }
+
+    /// Ends the control jobs for a stop (again and again: the same): no
+    /// snapshot, merge, (in)activation or index build starts any more; a
+    /// merge stops copying (its file removed) or, if it is switching the
+    /// chain, finishes; a live snapshot finishes; a background index build
+    /// is cancelled (its temporary file removed; the next start builds
+    /// it). The stop then flushes the chain served, holding the guard.
+    pub fn end_jobs_for_stop(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if !self.merge.stop(STOP_MERGE_TIMEOUT) {
+            tracing::warn!("the merge did not stop within {STOP_MERGE_TIMEOUT:?}; stopping anyway");
+        }
+        let exclusive = self.exclusive();
+        self.index_builder.stop();
+        exclusive
+    }
+
+    /// Refuses a change of the served chain once the daemon stops (call
+    /// with the exclusive right held).
+    fn refuse_if_stopping(&self) -> Result<(), Failure> {
+        if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(fail(FailureKind::Busy, "the daemon is stopping"));
+        }
+        Ok(())
     }
 
     /// Whether a live snapshot's pause runs at real-time priority, where
@@ -319,6 +351,7 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let Some(_running) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "another snapshot is running"));
     };
+    shared.refuse_if_stopping()?;
     if !shared.is_active() {
         return Err(fail(
             FailureKind::Inactive,
@@ -571,6 +604,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     let Some(_busy) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
+    shared.refuse_if_stopping()?;
     if shared.is_active() {
         return Ok(Activity { active: true });
     }
@@ -600,6 +634,7 @@ fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
     let Some(_busy) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
+    shared.refuse_if_stopping()?;
     if !shared.is_active() {
         return Ok(Activity { active: false });
     }
