@@ -51,29 +51,31 @@ pub struct SpreadSeqArgs {
 /// cluster that reads as zeros.
 type ClusterMap = Vec<Option<(usize, u64)>>;
 
-/// A chain's data clusters as raw files, one per layer, opened.
+/// A chain's data clusters as raw files, one per layer.
 pub(crate) struct Mirror {
-    files: Vec<std::fs::File>,
+    layers: usize,
     map: ClusterMap,
     size: u64,
 }
 
 impl Mirror {
     /// Writes the mirror of the suite's chain of `layers` layers over a
-    /// disk of `size` bytes into `dir` and opens it.
+    /// disk of `size` bytes into `dir`.
     pub(crate) fn make(dir: &Path, layers: usize, size: u64) -> anyhow::Result<Mirror> {
         let map = make_mirror(dir, layers, size)?;
-        let files = (0..layers)
-            .map(|i| std::fs::File::open(dir.join(format!("f{i:05}"))))
-            .collect::<Result<_, _>>()?;
-        Ok(Mirror { files, map, size })
+        Ok(Mirror { layers, map, size })
     }
 
-    /// Sequential 1 MiB reads at depth 4 for `duration` (the files in the
-    /// page cache first); CPU µs per request in `server_cpu_us_per_io`.
+    /// Sequential 1 MiB reads at depth 4 for `duration` of the mirror in
+    /// `dir` (its files opened for the run only, in the page cache first);
+    /// CPU µs per request in `server_cpu_us_per_io`.
     pub(crate) fn measure(&self, dir: &Path, duration: Duration) -> anyhow::Result<LoadResult> {
         crate::page_cache::warm_dir(dir)?;
-        measure(&self.files, Some(&self.map), self.size, duration)
+        let files = (0..self.layers)
+            .map(|i| std::fs::File::open(dir.join(format!("f{i:05}"))))
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("opening the files of {}", dir.display()))?;
+        measure(&files, Some(&self.map), self.size, duration)
     }
 }
 
