@@ -295,6 +295,30 @@ fn bad_control_input_gets_error_replies() {
     reader.read_line(&mut reply).unwrap();
     let reply: Value = serde_json::from_str(&reply).unwrap();
     assert_eq!(reply["ok"], true, "{reply}");
+    // Connections are bounded (a thread each): beyond 64 at a time one
+    // is told so and closed; once they go, connections work again.
+    let held: Vec<UnixStream> = (0..64)
+        .map(|_| UnixStream::connect(&ctl).unwrap())
+        .collect();
+    let extra = UnixStream::connect(&ctl).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reply = String::new();
+    BufReader::new(extra).read_line(&mut reply).unwrap();
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(kind(&reply), "busy", "{reply}");
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // (The connection threads end as they see their clients go.)
+        let reply = control(&ctl, json!({"command": "info"}));
+        if reply["ok"] == true {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{reply}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Snapshot onto an existing file, into a directory nobody can create
     // files in.
     let reply = control(&ctl, json!({"command": "snapshot", "path": top}));

@@ -202,22 +202,68 @@ fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
 
 /// Serves the control socket at `listener` until the process ends.
 pub fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()> {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             for stream in listener.incoming() {
                 match stream {
                     Ok(stream) => {
+                        // One thread per connection, so a bounded number.
+                        let Some(slot) = ConnectionSlot::take(&open) else {
+                            refuse(stream);
+                            continue;
+                        };
                         let shared = shared.clone();
                         let _ = std::thread::Builder::new()
                             .name("control-conn".into())
-                            .spawn(move || connection(stream, &shared));
+                            .spawn(move || {
+                                let _slot = slot;
+                                connection(stream, &shared)
+                            });
                     }
                     Err(e) => warn!("control socket: {e}"),
                 }
             }
         })
         .map(|_| ())
+}
+
+/// Control connections open at most at a time (each has a thread).
+const MAX_CONNECTIONS: usize = 64;
+
+/// One of the [`MAX_CONNECTIONS`], given back when dropped.
+struct ConnectionSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl ConnectionSlot {
+    fn take(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<ConnectionSlot> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        open.fetch_update(AcqRel, Acquire, |n| (n < MAX_CONNECTIONS).then_some(n + 1))
+            .ok()
+            .map(|_| ConnectionSlot(open.clone()))
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// Tells a connection beyond [`MAX_CONNECTIONS`] why it is closed.
+fn refuse(mut stream: UnixStream) {
+    let reply = Reply::failure(
+        Value::Null,
+        fail(
+            FailureKind::Busy,
+            format!("too many control connections (at most {MAX_CONNECTIONS})"),
+        ),
+    );
+    if let Ok(mut text) = serde_json::to_string(&reply) {
+        text.push('\n');
+        let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+        let _ = stream.write_all(text.as_bytes());
+    }
 }
 
 fn connection(stream: UnixStream, shared: &Arc<Shared>) {
