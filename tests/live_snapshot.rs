@@ -295,6 +295,23 @@ fn bad_control_input_gets_error_replies() {
     reader.read_line(&mut reply).unwrap();
     let reply: Value = serde_json::from_str(&reply).unwrap();
     assert_eq!(reply["ok"], true, "{reply}");
+    // A line over 64 KiB gets its reply before the connection closes,
+    // however much longer it is (unread bytes made the close reset the
+    // connection, and the client lost the reply).
+    for len in [65_537usize, 200_000, 3_000_000] {
+        let mut long = UnixStream::connect(&ctl).unwrap();
+        long.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut line = vec![b'x'; len];
+        line.push(b'\n');
+        long.write_all(&line).unwrap();
+        let mut reply = String::new();
+        BufReader::new(long)
+            .read_line(&mut reply)
+            .unwrap_or_else(|e| panic!("{len} bytes: {e}"));
+        let reply: Value = serde_json::from_str(&reply).unwrap();
+        assert_eq!(kind(&reply), "bad-request", "{len}: {reply}");
+    }
     // Connections are bounded (a thread each): beyond 64 at a time one
     // is told so and closed; once they go, connections work again.
     let held: Vec<UnixStream> = (0..64)

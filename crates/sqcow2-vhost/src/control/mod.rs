@@ -283,6 +283,10 @@ fn connection(stream: UnixStream, shared: &Arc<Shared>) {
         }
         let too_long = bytes.len() > MAX_LINE;
         let reply = if too_long {
+            // The rest of the line is read and dropped first (a bounded
+            // amount): closing with it unread would reset the connection
+            // and lose the reply on the client's side.
+            skip_line(&mut reader);
             Reply::failure(Value::Null, fail(FailureKind::BadRequest, "line too long"))
         } else {
             match std::str::from_utf8(&bytes) {
@@ -303,6 +307,28 @@ fn connection(stream: UnixStream, shared: &Arc<Shared>) {
         }
     }
 }
+
+/// Reads and drops what is left of an overlong line: up to its newline,
+/// at most [`MAX_SKIPPED`] bytes.
+fn skip_line(reader: &mut BufReader<UnixStream>) {
+    let mut skipped = 0;
+    while skipped < MAX_SKIPPED {
+        let Ok(buf) = reader.fill_buf() else { return };
+        if buf.is_empty() {
+            return;
+        }
+        if let Some(end) = buf.iter().position(|&b| b == b'\n') {
+            reader.consume(end + 1);
+            return;
+        }
+        let n = buf.len();
+        reader.consume(n);
+        skipped += n;
+    }
+}
+
+/// How much of an overlong line is read and dropped before the reply.
+const MAX_SKIPPED: usize = 16 << 20;
 
 /// Answers one request line.
 pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
