@@ -109,6 +109,11 @@ struct Census {
 }
 
 impl Census {
+    /// Clusters the file holds (a partial last one included).
+    fn clusters_in_file(&self) -> u64 {
+        self.file_size.div_ceil(1 << self.cluster_bits)
+    }
+
     fn corrupt(&mut self, msg: String) {
         self.report.corruptions += 1;
         self.report.note(format!("ERROR {msg}"));
@@ -133,7 +138,7 @@ impl Census {
         }
         let first = offset >> self.cluster_bits;
         let last = offset.saturating_add(len - 1) >> self.cluster_bits;
-        let in_file = self.file_size.div_ceil(1 << self.cluster_bits);
+        let in_file = self.clusters_in_file();
         if last >= in_file {
             self.corrupt(format!(
                 "{what} at {offset:#x} ({len} bytes) extends beyond the end of the file"
@@ -402,7 +407,7 @@ fn count_refcount_structures(
     let mut blocks = Vec::new();
     let mut unreadable = std::collections::HashSet::new();
     // As `qemu-img check` judges each entry.
-    let in_file = census.file_size.div_ceil(cs);
+    let in_file = census.clusters_in_file();
     for (i, &e) in table.iter().enumerate() {
         if e & REFT_RESERVED_MASK != 0 {
             census.corrupt(format!("refcount table entry {i} has reserved bits set"));
@@ -565,7 +570,7 @@ fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Chec
     // so this is bounded by its size) for the clusters of the file (as
     // QEMU: a refcount past its end is no leak), then the references no
     // block covers.
-    let in_file = census.file_size.div_ceil(cs);
+    let in_file = census.clusters_in_file();
     let mut on_disk: HashMap<u64, u64> = HashMap::new();
     let mut block = vec![0u8; cs as usize];
     let mut covered = std::collections::HashSet::new();

@@ -53,48 +53,86 @@ pub fn describe_snapshots(
 ) -> Result<Vec<SnapshotInfo>, ErrorKind> {
     let mut out = Vec::new();
     let file_size = storage.len()?;
-    let mut offset = header.snapshots_offset;
-    for _ in 0..header.nb_snapshots {
-        let mut fixed = [0u8; 40];
-        storage.read_at(&mut fixed, offset)?;
-        let id_len = u64::from(u16::from_be_bytes([fixed[12], fixed[13]]));
-        let name_len = u64::from(u16::from_be_bytes([fixed[14], fixed[15]]));
-        let extra_len = u64::from(be_u32(&fixed, 36));
-        let entry_len = 40 + extra_len + id_len + name_len;
-        if offset + entry_len > file_size {
-            return Err(ErrorKind::TableBeyondEof {
-                table: Table::Snapshots,
-                offset: header.snapshots_offset,
-                len: offset + entry_len - header.snapshots_offset,
-                file_size,
-            });
+    walk_entries(header, storage, |offset, fixed, lens| {
+        if offset + lens.entry() > file_size {
+            return Err(beyond_eof(header, offset + lens.entry(), file_size));
         }
         // Extra data (QEMU's: a 64-bit VM state size, the disk size, the
         // instruction count), then the id, then the name.
-        let mut rest = vec![0u8; (extra_len + id_len + name_len) as usize];
+        let mut rest = vec![0u8; (lens.extra + lens.id + lens.name) as usize];
         storage.read_at(&mut rest, offset + 40)?;
-        let (extra, strings) = rest.split_at(extra_len as usize);
-        let (id, name) = strings.split_at(id_len as usize);
-        let vm_clock = be_u64(&fixed, 24);
+        let (extra, strings) = rest.split_at(lens.extra as usize);
+        let (id, name) = strings.split_at(lens.id as usize);
+        let vm_clock = be_u64(fixed, 24);
         out.push(SnapshotInfo {
             id: String::from_utf8_lossy(id).into_owned(),
             name: String::from_utf8_lossy(name).into_owned(),
             vm_state_size: if extra.len() >= 8 {
                 be_u64(extra, 0)
             } else {
-                u64::from(be_u32(&fixed, 32))
+                u64::from(be_u32(fixed, 32))
             },
-            date_sec: u64::from(be_u32(&fixed, 16)),
-            date_nsec: u64::from(be_u32(&fixed, 20)),
+            date_sec: u64::from(be_u32(fixed, 16)),
+            date_nsec: u64::from(be_u32(fixed, 20)),
             vm_clock_sec: vm_clock / 1_000_000_000,
             vm_clock_nsec: vm_clock % 1_000_000_000,
             icount: (extra.len() >= 24)
                 .then(|| be_u64(extra, 16))
                 .filter(|&n| n != u64::MAX),
         });
-        offset += entry_len.div_ceil(8) * 8;
-    }
+        Ok(())
+    })?;
     Ok(out)
+}
+
+/// The variable parts of a snapshot table entry: bytes of extra data, of
+/// the id, of the name.
+struct EntryLens {
+    extra: u64,
+    id: u64,
+    name: u64,
+}
+
+impl EntryLens {
+    /// The entry's bytes, the 40 fixed ones included (before padding).
+    fn entry(&self) -> u64 {
+        40 + self.extra + self.id + self.name
+    }
+}
+
+fn beyond_eof(header: &Header, end: u64, file_size: u64) -> ErrorKind {
+    ErrorKind::TableBeyondEof {
+        table: Table::Snapshots,
+        offset: header.snapshots_offset,
+        len: end - header.snapshots_offset,
+        file_size,
+    }
+}
+
+/// Calls `f` with each snapshot table entry's offset, fixed 40 bytes (in
+/// the file: checked) and lengths; returns where the table ends.
+fn walk_entries(
+    header: &Header,
+    storage: &dyn Storage,
+    mut f: impl FnMut(u64, &[u8; 40], &EntryLens) -> Result<(), ErrorKind>,
+) -> Result<u64, ErrorKind> {
+    let file_size = storage.len()?;
+    let mut offset = header.snapshots_offset;
+    for _ in 0..header.nb_snapshots {
+        if offset + 40 > file_size {
+            return Err(beyond_eof(header, offset + 40, file_size));
+        }
+        let mut fixed = [0u8; 40];
+        storage.read_at(&mut fixed, offset)?;
+        let lens = EntryLens {
+            extra: u64::from(be_u32(&fixed, 36)),
+            id: u64::from(u16::from_be_bytes([fixed[12], fixed[13]])),
+            name: u64::from(u16::from_be_bytes([fixed[14], fixed[15]])),
+        };
+        f(offset, &fixed, &lens)?;
+        offset += lens.entry().div_ceil(8) * 8;
+    }
+    Ok(offset)
 }
 
 /// Reads the snapshot table of an image (bounded by QEMU's limits, which
@@ -104,28 +142,13 @@ pub fn read_snapshot_table(
     storage: &dyn Storage,
 ) -> Result<SnapshotTable, ErrorKind> {
     let mut table = SnapshotTable::default();
-    let file_size = storage.len()?;
-    let mut offset = header.snapshots_offset;
-    for _ in 0..header.nb_snapshots {
-        let mut fixed = [0u8; 40];
-        if offset + 40 > file_size {
-            return Err(ErrorKind::TableBeyondEof {
-                table: Table::Snapshots,
-                offset: header.snapshots_offset,
-                len: offset + 40 - header.snapshots_offset,
-                file_size,
-            });
-        }
-        storage.read_at(&mut fixed, offset)?;
-        let id_len = u64::from(u16::from_be_bytes([fixed[12], fixed[13]]));
-        let name_len = u64::from(u16::from_be_bytes([fixed[14], fixed[15]]));
-        let extra_len = u64::from(be_u32(&fixed, 36));
+    let end = walk_entries(header, storage, |_, fixed, _| {
         table.snapshots.push(SnapshotL1 {
-            l1_table_offset: be_u64(&fixed, 0),
-            l1_size: be_u32(&fixed, 8),
+            l1_table_offset: be_u64(fixed, 0),
+            l1_size: be_u32(fixed, 8),
         });
-        offset += (40 + extra_len + id_len + name_len).div_ceil(8) * 8;
-    }
-    table.len = offset - header.snapshots_offset;
+        Ok(())
+    })?;
+    table.len = end - header.snapshots_offset;
     Ok(table)
 }

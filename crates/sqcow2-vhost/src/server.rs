@@ -208,6 +208,9 @@ pub fn serve(
     // However the server ended (an error too): no control job goes on,
     // and the chain is left clean; its files go after.
     let stopped = shared.end_jobs_for_stop();
+    // Held across the flush (I/O) on purpose: no change of the served
+    // chain may slip in between; only control requests, which answer
+    // `busy` at once (`try_exclusive`), meet it.
     let closed = handle.get().flush_clean();
     drop(stopped);
     drop(made);
@@ -282,11 +285,8 @@ impl Server {
     fn run(&mut self) -> Result<(), ServeError> {
         loop {
             if self.stop_requested() {
-                // No frontend: a snapshot or merge may still run.
-                let _exclusive = self.shared.end_jobs_for_stop();
-                if let Err(e) = self.shared.handle.get().flush_clean() {
-                    warn!("flush: {e}");
-                }
+                // No frontend to drain: `serve` ends the control jobs and
+                // flushes, as after any end.
                 return Ok(());
             }
             if !self.connection_waiting()? {
