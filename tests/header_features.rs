@@ -210,3 +210,25 @@ fn info_json_has_qemus_shape() {
         std::fs::remove_file(&p).unwrap();
     }
 }
+
+/// Human `info` lists the internal snapshots as `qemu-img info` does: the
+/// same "Snapshot list:" section, line for line.
+#[test]
+fn info_lists_internal_snapshots_as_qemu_img() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "cluster_size=65536");
+    qemu_img(&["snapshot", "-c", "first", s(&p)]);
+    qemu_io(&p, &["write -P 0x55 0 64k".into()]);
+    qemu_img(&["snapshot", "-c", "a longer name than sixteen", s(&p)]);
+    let section = |text: &str| -> Vec<String> {
+        text.lines()
+            .skip_while(|l| *l != "Snapshot list:")
+            .take_while(|l| !l.starts_with("Format specific information:"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let theirs = section(&qemu_img(&["info", s(&p)]));
+    let ours = section(&sqcow2(&["info", s(&p)]));
+    assert_eq!(theirs.len(), 4, "{theirs:#?}");
+    assert_eq!(ours, theirs);
+}

@@ -196,6 +196,9 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
              (any read-write open replays them, e.g. `sqcow2 io -c flush`; QEMU sees the image without them)"
         )?;
     }
+    if !info.snapshots.is_empty() {
+        print_snapshots(out, &info.snapshots)?;
+    }
     if let Some(FormatSpecific { data: q, .. }) = &info.format_specific {
         writeln!(out, "Format specific information:")?;
         writeln!(out, "    compat: {}", q.compat)?;
@@ -226,6 +229,48 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         for e in &q.unknown_extensions {
             writeln!(out, "    unknown header extension: {e} (kept)")?;
         }
+    }
+    Ok(())
+}
+
+/// The internal snapshots as `qemu-img info` lists them (its columns and
+/// widths; the date in local time).
+fn print_snapshots(out: &mut impl Write, snapshots: &[SnapshotInfo]) -> io::Result<()> {
+    writeln!(out, "Snapshot list:")?;
+    writeln!(
+        out,
+        "{:<10}{:<17}{:>8}{:>20}{:>13}{:>11}",
+        "ID", "TAG", "VM SIZE", "DATE", "VM CLOCK", "ICOUNT"
+    )?;
+    for sn in snapshots {
+        let date = i64::try_from(sn.date_sec)
+            .ok()
+            .and_then(|secs| chrono::DateTime::from_timestamp(secs, 0))
+            .map(|d| {
+                d.with_timezone(&chrono::Local)
+                    .format("%Y-%m-%d %H:%M:%S")
+                    .to_string()
+            })
+            .unwrap_or_default();
+        let secs = sn.vm_clock_sec;
+        let clock = format!(
+            "{:02}:{:02}:{:02}.{:03}",
+            secs / 3600,
+            (secs / 60) % 60,
+            secs % 60,
+            (sn.vm_clock_nsec / 1_000_000) % 1000
+        );
+        let icount = sn.icount.map(|n| n.to_string()).unwrap_or_default();
+        writeln!(
+            out,
+            "{:<9} {:<16} {:>8}{:>20}{:>13}{:>11}",
+            sn.id,
+            sn.name,
+            human_size(sn.vm_state_size),
+            date,
+            clock,
+            icount
+        )?;
     }
     Ok(())
 }
