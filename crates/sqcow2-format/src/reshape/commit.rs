@@ -301,7 +301,7 @@ pub fn commit(
     if emptied {
         make_empty(image, locking)?;
     }
-    let index = rebuild_index(image, locking)?;
+    let index = rebuild_index(image, locking, &|| false)?;
     Ok(CommitReport {
         base: base_path,
         data_bytes: copied.data_bytes,

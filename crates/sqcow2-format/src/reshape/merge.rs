@@ -369,10 +369,15 @@ impl PreparedMerge {
     /// Builds the file's own index (when it has a backing file), then
     /// makes it visible under its name, durable. Nothing references it
     /// yet: [`MergedFile::switch_in`] (live) or the offline merge switches
-    /// the layer above onto it.
-    pub fn publish(self, locking: Locking) -> Result<MergedFile, Error> {
+    /// the layer above onto it. `cancelled` stops the index build (as
+    /// for [`crate::indexing::build_index`]; the temporary file is then removed).
+    pub fn publish(
+        self,
+        locking: Locking,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<MergedFile, Error> {
         if self.file.backing().is_some() {
-            rebuild_index(self.file.tmp(), locking)?;
+            rebuild_index(self.file.tmp(), locking, cancelled)?;
         }
         let backing = self.file.backing().map(Path::to_path_buf);
         let merged = self.file.publish()?;
@@ -518,9 +523,9 @@ pub fn merge(
         progress(done, total);
         true
     })?;
-    let merged = prepared.publish(locking)?;
+    let merged = prepared.publish(locking, &|| false)?;
     switch.set_backing(Some((&merged.backing_edit(), Some("qcow2"))))?;
     drop(switch);
-    let index = rebuild_index(&options.image, locking)?;
+    let index = rebuild_index(&options.image, locking, &|| false)?;
     Ok(merged.report(data_bytes, zero_bytes, index))
 }

@@ -150,8 +150,13 @@ impl HeaderWriter {
 }
 
 /// Rebuilds the index the image at `top` names, if any, after its chain
-/// changed (from the nearest valid index below, or a walk).
-fn rebuild_index(top: &Path, locking: Locking) -> Result<Option<BuildReport>, Error> {
+/// changed (from the nearest valid index below, or a walk); `cancelled`
+/// as for [`build_index`].
+fn rebuild_index(
+    top: &Path,
+    locking: Locking,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Option<BuildReport>, Error> {
     let chain = Chain::open(
         top,
         &ChainOptions {
@@ -159,5 +164,5 @@ fn rebuild_index(top: &Path, locking: Locking) -> Result<Option<BuildReport>, Er
             ..ChainOptions::default()
         },
     )?;
-    build_index(&chain, locking, &mut |_, _| {}, &|| false)
+    build_index(&chain, locking, &mut |_, _| {}, cancelled)
 }

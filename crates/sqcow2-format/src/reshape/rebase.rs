@@ -147,7 +147,7 @@ pub fn rebase(
         set_name(&writer, options, format)?;
         drop(writer);
     }
-    let index = rebuild_index(image, locking)?;
+    let index = rebuild_index(image, locking, &|| false)?;
     Ok(RebaseReport {
         copied_bytes,
         index,

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::protocol::{
     Failure, FailureKind, MergeCounters, MergeRequest, MergeStarted, MergeState,
 };
-use super::{Shared, SNAPSHOT_DRAIN_TIMEOUT};
+use super::{Shared, Term, SNAPSHOT_DRAIN_TIMEOUT};
 
 /// How long the guest's latency is measured before a latency-paced copy.
 const BASELINE: Duration = Duration::from_secs(1);
@@ -80,8 +80,18 @@ impl MergeJob {
             self.stopped.store(true, Ordering::Release);
         }
         self.cancel();
+        self.wait_ended(timeout)
+    }
+
+    /// Whether a merge runs (copies, or waits for its switch).
+    fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+
+    /// Waits (at most `timeout`) until no merge runs; whether none does.
+    pub(crate) fn wait_ended(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        while self.running.load(Ordering::Acquire) {
+        while self.is_running() {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -121,10 +131,12 @@ impl MergeJob {
             }
             job.cancel.store(false, Ordering::Release);
         }
+        // `running` is set before the activity is read: an inactivation
+        // after this read ends the term, which the merge sees.
         let running = Running(&job.running);
-        if !shared.is_active() {
+        let Some(term) = shared.term() else {
             return Err(fail(FailureKind::Inactive, "the daemon is inactive"));
-        }
+        };
         if request.path.as_os_str().is_empty() {
             return Err(fail(FailureKind::BadRequest, "path is empty"));
         }
@@ -173,17 +185,18 @@ impl MergeJob {
                 let _running = Running(&shared.merge.running);
                 let begin = Instant::now();
                 let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run(&shared, prepared, &request)
+                    run(&shared, term, prepared, &request)
                 }));
                 let mut c = shared.merge.counters();
                 c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
                 match outcome {
                     Ok(Ok(())) => c.state = MergeState::Done,
-                    Ok(Err(e)) if e == CANCELLED => {
+                    Ok(Err(MergeEnd::Cancelled(why))) => {
+                        info!(why, "merge cancelled");
                         c.state = MergeState::Cancelled;
-                        c.error = Some(e);
+                        c.error = Some(why.into());
                     }
-                    Ok(Err(e)) => {
+                    Ok(Err(MergeEnd::Failed(e))) => {
                         warn!(error = %e, "merge failed");
                         c.state = MergeState::Failed;
                         c.error = Some(e);
@@ -205,8 +218,37 @@ impl MergeJob {
     }
 }
 
-/// What a merge that stopped on request reports.
+/// How a merge ended without its switch.
+enum MergeEnd {
+    /// Stopped before the switch (its file removed): why.
+    Cancelled(&'static str),
+    /// An error.
+    Failed(String),
+}
+
+impl From<String> for MergeEnd {
+    fn from(e: String) -> Self {
+        MergeEnd::Failed(e)
+    }
+}
+
+/// What a merge stopped by `merge-cancel` or a stop reports.
 const CANCELLED: &str = "cancelled";
+/// What a merge stopped by an inactivation (a handover) reports.
+const INACTIVATED: &str = "cancelled: the daemon was inactivated";
+
+/// Why the merge begun in `term` must stop before its switch, if it
+/// must (for good: a cancel stays until the next merge, a term ends once).
+fn must_stop(shared: &Shared, term: Term) -> Option<&'static str> {
+    if shared.merge.cancelled() {
+        Some(CANCELLED)
+    } else if !shared.holds(term) {
+        // Another process may have owned, and changed, the chain since.
+        Some(INACTIVATED)
+    } else {
+        None
+    }
+}
 
 /// The guest's latency now, all queues together (`None`: no frontend).
 fn latencies(shared: &Shared) -> Option<hdrhistogram::Histogram<u64>> {
@@ -288,7 +330,12 @@ impl LatencyGuard {
     }
 }
 
-fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Result<(), String> {
+fn run(
+    shared: &Shared,
+    term: Term,
+    prepared: PreparedMerge,
+    request: &MergeRequest,
+) -> Result<(), MergeEnd> {
     let job = &shared.merge;
     let locking = shared.options.locking;
     let mut guard = None;
@@ -306,7 +353,7 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
     let filled = prepared.fill(locking, &mut |done, total, written| {
         written_b += written;
         (done_b, total_b) = (done, total);
-        let stop = || job.cancelled() || !shared.is_active();
+        let stop = || must_stop(shared, term).is_some();
         if let Some(l) = &mut limit {
             throttled += l.charge_unless(written, &stop);
         }
@@ -336,38 +383,52 @@ fn run(shared: &Shared, prepared: PreparedMerge, request: &MergeRequest) -> Resu
         c.written_bytes = written_b;
         c.throttled_ms = throttled.as_secs_f64() * 1e3;
     }
-    if job.cancelled() {
-        return Err(CANCELLED.into());
+    if let Some(why) = must_stop(shared, term) {
+        return Err(MergeEnd::Cancelled(why));
     }
     filled.map_err(|e| e.to_string())?;
     // The daemon holds the chain's image locks: the new file's index
-    // build takes none.
-    let merged = prepared.publish(Locking::Off).map_err(|e| e.to_string())?;
-    let forget = |merged: &MergedFile| {
-        // Never referenced by a chain: removed, so that a retry can use
-        // the name.
-        let _ = std::fs::remove_file(merged.path());
-        let mut idx = merged.path().as_os_str().to_owned();
-        idx.push(".sqidx");
-        let _ = std::fs::remove_file(PathBuf::from(idx));
-    };
-    if job.cancelled() {
-        forget(&merged);
-        return Err(CANCELLED.into());
-    }
-    job.counters().state = MergeState::Switching;
-    match switch(shared, &merged) {
-        Ok(()) => Ok(()),
-        Err(SwitchError::NotSwitched(e)) => {
-            forget(&merged);
-            Err(e)
+    // build takes none, and stops when the term ends (the inactivation
+    // waits for it before its reply).
+    let published = prepared.publish(Locking::Off, &|| must_stop(shared, term).is_some());
+    if let Some(why) = must_stop(shared, term) {
+        // A published file removed here; one not published went with
+        // its temporary name (a file at its name would be somebody
+        // else's).
+        if let Ok(merged) = &published {
+            forget(merged.path());
         }
-        Err(SwitchError::Switched(e)) => Err(e),
+        return Err(MergeEnd::Cancelled(why));
     }
+    let merged = published.map_err(|e| e.to_string())?;
+    job.counters().state = MergeState::Switching;
+    match switch(shared, term, &merged) {
+        Ok(()) => Ok(()),
+        Err(SwitchError::Inactivated) => {
+            forget(merged.path());
+            Err(MergeEnd::Cancelled(INACTIVATED))
+        }
+        Err(SwitchError::NotSwitched(e)) => {
+            forget(merged.path());
+            Err(MergeEnd::Failed(e))
+        }
+        Err(SwitchError::Switched(e)) => Err(MergeEnd::Failed(e)),
+    }
+}
+
+/// Removes a merge file no chain references, and its index, so that a
+/// retry can use the name.
+fn forget(merged: &std::path::Path) {
+    let _ = std::fs::remove_file(merged);
+    let mut idx = merged.as_os_str().to_owned();
+    idx.push(".sqidx");
+    let _ = std::fs::remove_file(PathBuf::from(idx));
 }
 
 /// How a switch failed.
 enum SwitchError {
+    /// The merge's term ended before the switch (nothing switched).
+    Inactivated,
     /// The files still describe the old chain (the merge file is not
     /// referenced).
     NotSwitched(String),
@@ -380,12 +441,12 @@ enum SwitchError {
 /// The pause: requests drained, the chain flushed clean, the layer above
 /// the merged ones switched onto the new file, the chain reopened (its
 /// open files reused), requests resumed; the top's index built after.
-fn switch(shared: &Shared, merged: &MergedFile) -> Result<(), SwitchError> {
+fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), SwitchError> {
     use SwitchError::{NotSwitched, Switched};
     // No snapshot, activation, handover or stop meanwhile.
     let _busy = shared.exclusive();
-    if !shared.is_active() {
-        return Err(NotSwitched("the daemon was inactivated".into()));
+    if !shared.holds(term) {
+        return Err(SwitchError::Inactivated);
     }
     // No build writes the top's index for the chain being replaced.
     shared.index_builder.suspend();

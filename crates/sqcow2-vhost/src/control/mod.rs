@@ -30,7 +30,8 @@ use protocol::{
 
 /// Longest request line accepted.
 const MAX_LINE: usize = 64 * 1024;
-/// How long a stop waits for a merge to stop copying or switching.
+/// How long a stop or an inactivation waits for a merge to stop copying
+/// or switching.
 const STOP_MERGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait for requests in flight before a live snapshot.
 pub(crate) const SNAPSHOT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -44,6 +45,30 @@ const RAISE_JOBS_AFTER: Duration = Duration::from_micros(100);
 /// A switch step this long is logged with its parts.
 const SLOW_SWITCH_STEP: Duration = Duration::from_millis(1);
 
+/// Whether the daemon holds its chain, and how often it let it go.
+#[derive(Debug, Default)]
+struct Ownership {
+    /// Since when the daemon is inactive, if it is.
+    inactive_since: Option<Instant>,
+    /// Inactivations so far.
+    inactivations: u64,
+}
+
+/// One period in which the daemon holds its chain: from its start or an
+/// activation to the next inactivation. A job begun in a term changes
+/// the chain only while that term lasts (another process may have
+/// changed the chain in between).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Term(u64);
+
+/// The right to change the served chain (a live snapshot, a merge's
+/// switch, an (in)activation, a stop's last flush): one holder at a time.
+#[must_use = "the right ends when this is dropped"]
+#[derive(Debug)]
+pub struct Exclusive<'a> {
+    _held: std::sync::MutexGuard<'a, ()>,
+}
+
 /// What the control socket and the vhost-user side share.
 #[derive(Debug)]
 pub struct Shared {
@@ -56,11 +81,12 @@ pub struct Shared {
     pub session: Mutex<Option<Arc<BlkBackend>>>,
     /// Which requests may start, across frontend sessions.
     pub gate: Arc<RequestGate>,
-    /// Since when the daemon is inactive, if it is.
-    inactive_since: Mutex<Option<Instant>>,
+    /// Whether the daemon holds its chain (changed only with the
+    /// exclusive right: [`Shared::set_active`]).
+    ownership: Mutex<Ownership>,
     /// How long requests wait while inactive before they fail.
     inactive_timeout: Duration,
-    /// Held by a running snapshot, activation or inactivation.
+    /// The exclusive right ([`Exclusive`]).
     snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
@@ -86,7 +112,7 @@ impl Shared {
             options,
             session: Mutex::new(None),
             gate: Arc::new(RequestGate::default()),
-            inactive_since: Mutex::new(None),
+            ownership: Mutex::new(Ownership::default()),
             inactive_timeout: Duration::from_secs(60),
             snapshot_running: Mutex::new(()),
             pauses_ms: Mutex::new(Vec::new()),
@@ -102,7 +128,7 @@ impl Shared {
     /// chain, finishes; a live snapshot finishes; a background index build
     /// is cancelled (its temporary file removed; the next start builds
     /// it). The stop then flushes the chain served, holding the guard.
-    pub fn end_jobs_for_stop(&self) -> std::sync::MutexGuard<'_, ()> {
+    pub fn end_jobs_for_stop(&self) -> Exclusive<'_> {
         self.stopping
             .store(true, std::sync::atomic::Ordering::SeqCst);
         if !self.merge.stop(STOP_MERGE_TIMEOUT) {
@@ -145,43 +171,73 @@ impl Shared {
     pub fn new_inactive(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         let shared = Shared::new(handle, options);
         shared.gate.set_inactive(true);
-        *shared.lock_inactive() = Some(Instant::now());
+        shared.lock_ownership().inactive_since = Some(Instant::now());
         shared
     }
 
-    /// The right to change the served chain (snapshot, merge switch,
-    /// handover), if nobody holds it; a holder that panicked left it
-    /// free (the daemon goes on).
-    pub(crate) fn try_exclusive(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+    /// The right to change the served chain, if nobody holds it; a
+    /// holder that panicked left it free (the daemon goes on).
+    pub(crate) fn try_exclusive(&self) -> Option<Exclusive<'_>> {
         match self.snapshot_running.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Ok(g) => Some(Exclusive { _held: g }),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(Exclusive {
+                _held: p.into_inner(),
+            }),
             Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
 
     /// [`Shared::try_exclusive`], waiting for the holder.
-    pub fn exclusive(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.snapshot_running
+    pub(crate) fn exclusive(&self) -> Exclusive<'_> {
+        Exclusive {
+            _held: self
+                .snapshot_running
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        }
+    }
+
+    fn lock_ownership(&self) -> std::sync::MutexGuard<'_, Ownership> {
+        self.ownership
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn lock_inactive(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
-        self.inactive_since
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    /// Marks the daemon active or inactive (an inactivation ends the
+    /// current [`Term`]); only with the exclusive right, so that a job
+    /// holding it sees the state stay as it checked it.
+    fn set_active(&self, _right: &Exclusive<'_>, active: bool) {
+        let mut o = self.lock_ownership();
+        if active {
+            o.inactive_since = None;
+        } else if o.inactive_since.is_none() {
+            o.inactive_since = Some(Instant::now());
+            o.inactivations += 1;
+        }
     }
 
     /// Whether the daemon is active (holds its image locks, serves).
     pub fn is_active(&self) -> bool {
-        self.lock_inactive().is_none()
+        self.lock_ownership().inactive_since.is_none()
+    }
+
+    /// The current term, if the daemon is active.
+    pub(crate) fn term(&self) -> Option<Term> {
+        let o = self.lock_ownership();
+        o.inactive_since.is_none().then_some(Term(o.inactivations))
+    }
+
+    /// Whether the daemon still holds its chain in `term` (no
+    /// inactivation since, whatever activation came after).
+    pub(crate) fn holds(&self, term: Term) -> bool {
+        self.term() == Some(term)
     }
 
     /// Called now and then: once inactive longer than the timeout,
     /// waiting requests fail (IOERR) and new ones fail at once.
     pub fn tick(&self) {
-        if let Some(since) = *self.lock_inactive() {
+        let since = self.lock_ownership().inactive_since;
+        if let Some(since) = since {
             if since.elapsed() >= self.inactive_timeout {
                 self.gate.refuse_while_inactive();
             }
@@ -673,7 +729,7 @@ impl Drop for CreatedTop {
 /// another process holds the chain), opens the chain afresh (metadata and
 /// index reloaded and checked), lets requests start.
 fn activate(shared: &Shared) -> Result<Activity, Failure> {
-    let Some(_busy) = shared.try_exclusive() else {
+    let Some(right) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
     shared.refuse_if_stopping()?;
@@ -691,7 +747,7 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     })?;
     drop(old);
     drop(shared.handle.replace(chain));
-    *shared.lock_inactive() = None;
+    shared.set_active(&right, true);
     shared.gate.set_inactive(false);
     shared.index_builder.resume();
     shared.index_builder.wake();
@@ -701,9 +757,30 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
 
 /// Hands the disk over to another daemon: new requests wait, those in
 /// flight complete, the chain is flushed and left clean, its metadata
-/// dropped and every image lock released.
+/// dropped and every image lock released; a merge that was copying stops
+/// (its file removed) before the reply.
 fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
-    let Some(_busy) = shared.try_exclusive() else {
+    let activity = inactivate_chain(shared)?;
+    // A merge begun before sees its term ended and stops, cancelled (none
+    // starts while the daemon is inactive). Waited for here, without the
+    // exclusive right its switch would take (and give back at once), so
+    // that nothing of it is left, nor written, when the next owner takes
+    // the chain: until then the reply says not to hand the disk over.
+    if !shared.merge.wait_ended(STOP_MERGE_TIMEOUT) {
+        return Err(fail(
+            FailureKind::Busy,
+            format!(
+                "inactive, but the merge did not end within {STOP_MERGE_TIMEOUT:?}: \
+                 do not hand the disk over yet (inactivate again to wait again)"
+            ),
+        ));
+    }
+    Ok(activity)
+}
+
+/// [`inactivate`]'s part under the exclusive right.
+fn inactivate_chain(shared: &Shared) -> Result<Activity, Failure> {
+    let Some(right) = shared.try_exclusive() else {
         return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
     };
     shared.refuse_if_stopping()?;
@@ -737,7 +814,7 @@ fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
         .map_err(|e| undo(fail(FailureKind::IoError, e.to_string())))?;
     drop(old);
     drop(shared.handle.replace(chain));
-    *shared.lock_inactive() = Some(Instant::now());
+    shared.set_active(&right, false);
     info!(top = %top.display(), "inactivated: image locks released");
     Ok(Activity { active: false })
 }
