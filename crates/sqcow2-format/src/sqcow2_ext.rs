@@ -120,8 +120,12 @@ pub const MAX_PENDING_LAYERS: usize = 64;
 /// When it is missing or stale (a crash before a new top's index was
 /// built, say), the nearest layer below whose own index is valid lends
 /// its index, which covers the layers below that layer: the layers in
-/// between are walked (at most [`MAX_PENDING_LAYERS`]).
-pub fn open_index(layers: &[Layer]) -> (Option<(ChainIndex, usize)>, IndexState) {
+/// between are walked (at most [`MAX_PENDING_LAYERS`]). No usable index
+/// is a warning unless `stale_expected` (the caller rebuilds it).
+pub fn open_index(
+    layers: &[Layer],
+    stale_expected: bool,
+) -> (Option<(ChainIndex, usize)>, IndexState) {
     let top = layers.len() - 1;
     let Some(path) = named_index(&layers[top]) else {
         return (None, IndexState::None);
@@ -147,7 +151,11 @@ pub fn open_index(layers: &[Layer]) -> (Option<(ChainIndex, usize)>, IndexState)
             return (Some((index, owner - 1)), state);
         }
     }
-    tracing::warn!(index = %path.display(), %reason, "chain index not used: walking the chain");
+    if stale_expected {
+        tracing::info!(index = %path.display(), %reason, "chain index not used until it is rebuilt: walking the chain");
+    } else {
+        tracing::warn!(index = %path.display(), %reason, "chain index not used: walking the chain");
+    }
     (
         None,
         IndexState::Stale {

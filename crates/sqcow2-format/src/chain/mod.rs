@@ -90,6 +90,10 @@ pub struct ChainOptions {
     /// that finds them far over their share (4x) still writes them back
     /// itself, so memory stays bounded.
     pub background_write_back: bool,
+    /// The caller builds the top's index right after this open (a merge,
+    /// commit or rebase just changed the chain below it): an index found
+    /// stale is logged at INFO, not as a warning for the operator.
+    pub stale_index_expected: bool,
 }
 
 impl Default for ChainOptions {
@@ -110,6 +114,7 @@ impl Default for ChainOptions {
             inactive: false,
             max_open_files: None,
             background_write_back: false,
+            stale_index_expected: false,
         }
     }
 }

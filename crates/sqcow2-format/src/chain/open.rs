@@ -339,7 +339,7 @@ impl Chain {
         }
         let (layers, files) = open_layers(path, options, reuse)?;
         let (index, index_state) = if options.use_index {
-            open_index(&layers)
+            open_index(&layers, options.stale_index_expected)
         } else {
             (None, IndexState::Disabled)
         };

@@ -267,6 +267,8 @@ pub(crate) fn fill_merge_file(
             writable: true,
             locking,
             cache_size: COPY_CACHE,
+            // Its own index is built once it is filled.
+            stale_index_expected: true,
             ..ChainOptions::default()
         },
     )?;

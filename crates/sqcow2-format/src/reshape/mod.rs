@@ -161,6 +161,7 @@ fn rebuild_index(
         top,
         &ChainOptions {
             locking,
+            stale_index_expected: true,
             ..ChainOptions::default()
         },
     )?;

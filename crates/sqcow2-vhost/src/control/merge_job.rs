@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sqcow2_format::reshape::{prepare_merge, LayerRef, MergedFile, PreparedMerge, RateLimit};
-use sqcow2_format::{Chain, Locking};
+use sqcow2_format::{Chain, ChainOptions, Locking};
 use tracing::{info, warn};
 
 use super::protocol::{
@@ -480,7 +480,12 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
         });
     }
     let top = old.top().path().to_path_buf();
-    let chain = match Chain::open_reusing(&top, &shared.options, &old) {
+    let reopen = ChainOptions {
+        // The top's index is rebuilt in the background after the switch.
+        stale_index_expected: true,
+        ..shared.options.clone()
+    };
+    let chain = match Chain::open_reusing(&top, &reopen, &old) {
         Ok(c) => c,
         Err(e) => {
             warn!(error = %e, "reopening the chain after the merge failed: switching back");
