@@ -31,6 +31,17 @@ fn wait_merge(ctl: &Path) -> Value {
     panic!("the merge did not end within 60 s");
 }
 
+/// Merges layers `first..=last` into `path` and waits until that is done.
+fn merge_to_the_end(ctl: &Path, first: usize, last: usize, path: &Path) {
+    let r = control(
+        ctl,
+        json!({"command": "merge", "first": first, "last": last, "path": path}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let m = wait_merge(ctl);
+    assert_eq!(m["state"], "done", "{m}");
+}
+
 fn layers(ctl: &Path) -> Vec<PathBuf> {
     let info = control(ctl, json!({"command": "info"}));
     info["result"]["chain"]
@@ -299,13 +310,7 @@ fn refusals_cancel_and_a_chain_made_by_qemu() {
     assert_eq!(layers(&ctl).len(), 5);
     assert!(!dir.join("m.qcow2").exists() && !dir.join("m.qcow2.tmp").exists());
     // The same merge to the end: the layers below it carry no sQcow2 bit.
-    let r = control(
-        &ctl,
-        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2")}),
-    );
-    assert_eq!(r["ok"], true, "{r}");
-    let m = wait_merge(&ctl);
-    assert_eq!(m["state"], "done", "{m}");
+    merge_to_the_end(&ctl, 1, 3, &dir.join("m.qcow2"));
     assert_eq!(layers(&ctl).len(), 3);
     let mut client = connect_retry(&daemon, 1, false);
     reference.verify_through(&mut client, "after the merge");
@@ -361,13 +366,7 @@ fn inactivating_cancels_a_running_merge() {
     }
     let r = control(&ctl, json!({"command": "activate"}));
     assert_eq!(r["result"]["active"], true, "{r}");
-    let r = control(
-        &ctl,
-        json!({"command": "merge", "first": 1, "last": 3, "path": merged}),
-    );
-    assert_eq!(r["ok"], true, "{r}");
-    let m = wait_merge(&ctl);
-    assert_eq!(m["state"], "done", "{m}");
+    merge_to_the_end(&ctl, 1, 3, &merged);
     assert_eq!(layers(&ctl).len(), 3);
     let mut client = connect_retry(&daemon, 1, false);
     reference.verify_through(&mut client, "after the handover and the merge");
@@ -390,13 +389,7 @@ fn live_merges_warn_of_nothing_they_rebuild() {
     let mut daemon = Daemon::start(dir, &top, &["--control", s(&ctl)]);
     wait_indexed(&ctl);
     for (first, last, name) in [(1, 3, "m.qcow2"), (0, 1, "m0.qcow2")] {
-        let r = control(
-            &ctl,
-            json!({"command": "merge", "first": first, "last": last, "path": dir.join(name)}),
-        );
-        assert_eq!(r["ok"], true, "{r}");
-        let m = wait_merge(&ctl);
-        assert_eq!(m["state"], "done", "{m}");
+        merge_to_the_end(&ctl, first, last, &dir.join(name));
         wait_indexed(&ctl);
     }
     assert_eq!(layers(&ctl).len(), 3);

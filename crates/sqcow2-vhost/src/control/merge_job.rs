@@ -5,7 +5,6 @@
 //! the copy finishes whatever the guest does; it can be paced by a byte
 //! rate and by the guest's own latency.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -420,9 +419,7 @@ fn run(
 /// retry can use the name.
 fn forget(merged: &std::path::Path) {
     let _ = std::fs::remove_file(merged);
-    let mut idx = merged.as_os_str().to_owned();
-    idx.push(".sqidx");
-    let _ = std::fs::remove_file(PathBuf::from(idx));
+    let _ = std::fs::remove_file(sqcow2_format::indexing::index_path_of(merged));
 }
 
 /// How a switch failed.

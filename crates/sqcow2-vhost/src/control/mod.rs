@@ -178,13 +178,12 @@ impl Shared {
     /// The right to change the served chain, if nobody holds it; a
     /// holder that panicked left it free (the daemon goes on).
     pub(crate) fn try_exclusive(&self) -> Option<Exclusive<'_>> {
-        match self.snapshot_running.try_lock() {
-            Ok(g) => Some(Exclusive { _held: g }),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(Exclusive {
-                _held: p.into_inner(),
-            }),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+        let held = match self.snapshot_running.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Exclusive { _held: held })
     }
 
     /// [`Shared::try_exclusive`], waiting for the holder.
@@ -218,7 +217,7 @@ impl Shared {
 
     /// Whether the daemon is active (holds its image locks, serves).
     pub fn is_active(&self) -> bool {
-        self.lock_ownership().inactive_since.is_none()
+        self.term().is_some()
     }
 
     /// The current term, if the daemon is active.
