@@ -63,6 +63,10 @@ pub(crate) struct Term(u64);
 
 /// The right to change the served chain (a live snapshot, a merge's
 /// switch, an (in)activation, a stop's last flush): one holder at a time.
+/// Held across the I/O of the change it guards (drain, flush, reopen) on
+/// purpose, so that no other change slips in between: control requests
+/// meet it through `Shared::try_exclusive` and answer `busy` at once;
+/// only a merge's switch and a stop wait for it.
 #[must_use = "the right ends when this is dropped"]
 #[derive(Debug)]
 pub struct Exclusive<'a> {
