@@ -257,6 +257,50 @@ fn upgraded_chain_is_clean_and_identical_for_qemu() {
     );
 }
 
+/// `map` answers from the index as from a walk: QEMU's map, entry for
+/// entry, the depth of unallocated ranges included (the layer the walk
+/// down ends at: the base, or the first layer whose backing is shorter),
+/// on a chain over a shorter raw base and one with a shorter middle
+/// layer.
+#[test]
+fn indexed_map_is_qemus_map() {
+    let (_tmp, top) = fresh_chain();
+    assert_valid(&top);
+    common::assert_full_map_equal(&top);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let layers = [
+        ("a.qcow2", "8M"),
+        ("b.qcow2", "2M"),
+        ("c.qcow2", "8M"),
+        ("d.qcow2", "8M"),
+    ];
+    for (i, (name, size)) in layers.iter().enumerate() {
+        let p = dir.join(name);
+        if i == 0 {
+            common::qemu_create(&p, "", size);
+        } else {
+            qemu_overlay(&p, layers[i - 1].0, "qcow2", &[], Some(size));
+        }
+        qemu_io(
+            &p,
+            &[format!(
+                "write -P {} {} 64k",
+                0x50 + i,
+                i as u64 * MIB + 65536
+            )],
+        );
+    }
+    // Beyond the shorter middle layer: hidden from the layers above it.
+    qemu_io(&dir.join("a.qcow2"), &["write -P 0x70 5M 64k".into()]);
+    let top = dir.join("d.qcow2");
+    sqcow2(&["upgrade", s(&top)]);
+    assert_valid(&top);
+    common::assert_full_map_equal(&top);
+    assert_same_as_qemu(&top);
+}
+
 /// A script that upgrades every top of a host meets lone images too: they
 /// have nothing to index, which is not an error.
 #[test]

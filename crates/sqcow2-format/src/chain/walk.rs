@@ -91,7 +91,20 @@ impl Chain {
             len = n;
             if let (LayerStatus::Unallocated { .. }, Some((ci, upto))) = (&status, covering) {
                 if index.0 == upto.0 + 1 {
-                    if let Some(extent) = self.index_extent(ci, upto, start, len) {
+                    if let Some(mut extent) = self.index_extent(ci, upto, start, len) {
+                        if precise
+                            && matches!(
+                                extent.kind,
+                                ExtentKind::Zero {
+                                    allocated: false,
+                                    ..
+                                }
+                            )
+                        {
+                            // Where a walk would have ended (`map` shows
+                            // it as the depth); reads need not know.
+                            extent.layer = self.walk_end_unallocated(index, start, &mut extent.len);
+                        }
                         return Ok(extent);
                     }
                 }
@@ -126,6 +139,29 @@ impl Chain {
                 kind,
             });
         }
+    }
+
+    /// The layer a walk down from layer `from` ends at for `start`, which
+    /// no layer from `from` down maps: the first whose backing ends at or
+    /// before `start` (QEMU reads zeros there), or the base; `len` is
+    /// trimmed as the walk trims it (to each lower layer it steps into).
+    /// One step per layer: for read-outs only.
+    fn walk_end_unallocated(
+        &self,
+        from: LayerIndex,
+        start: GuestOffset,
+        len: &mut u64,
+    ) -> LayerIndex {
+        let mut i = from.0;
+        while i > 0 {
+            let below = self.layers[i - 1].virtual_size();
+            if start.0 >= below {
+                break;
+            }
+            *len = (*len).min(below - start.0);
+            i -= 1;
+        }
+        LayerIndex(i)
     }
 
     /// The extent at `start` (at most `len` bytes) from the chain index,
