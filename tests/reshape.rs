@@ -260,6 +260,41 @@ fn rebase_matches_qemu_img_rebase() {
     }
 }
 
+/// `rebase -u` only renames the backing file, which need not exist yet
+/// (it may be copied or renamed into place later): it succeeds as QEMU's
+/// does and writes the same header.
+#[test]
+fn unsafe_rebase_onto_a_file_not_there_yet_succeeds_as_in_qemu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let orig = tmp.path().join("orig");
+    std::fs::create_dir(&orig).unwrap();
+    random_chain(&orig, 21, 3, false, false);
+    let (q, o) = (tmp.path().join("qemu"), tmp.path().join("sqcow2"));
+    copy_dir(&orig, &q);
+    copy_dir(&orig, &o);
+    let args = [
+        "rebase",
+        "-u",
+        "-b",
+        "later.qcow2",
+        "-F",
+        "qcow2",
+        "l2.qcow2",
+    ];
+    let (qc, qe) = code(Command::new("qemu-img").current_dir(&q).args(args));
+    let (oc, oe) = code(Command::new(sqcow2_bin()).current_dir(&o).args(args));
+    assert_eq!(
+        (qc, oc),
+        (Some(0), Some(0)),
+        "qemu-img: {qe} / sqcow2: {oe}"
+    );
+    assert_eq!(
+        std::fs::read(q.join("l2.qcow2")).unwrap(),
+        std::fs::read(o.join("l2.qcow2")).unwrap(),
+        "the headers differ"
+    );
+}
+
 /// Merges `first..=last` of a chain and checks the top's view (against
 /// `qemu-img convert` before), every file clean, the replaced files
 /// untouched, and the chain one file per merged range.

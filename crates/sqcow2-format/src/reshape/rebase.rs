@@ -147,7 +147,20 @@ pub fn rebase(
         set_name(&writer, options, format)?;
         drop(writer);
     }
-    let index = rebuild_index(image, locking, &|| false)?;
+    let index = match rebuild_index(image, locking, &|| false) {
+        Ok(index) => index,
+        // Unsafe mode only renames: the new backing file may not exist
+        // yet (QEMU does not open it either). The rename is done; the
+        // index, now stale, is rebuilt when the chain can be opened.
+        Err(e) if options.unsafe_names_only => {
+            tracing::warn!(
+                "{}: backing file renamed; chain index not rebuilt: {e}",
+                image.display()
+            );
+            None
+        }
+        Err(e) => return Err(e),
+    };
     Ok(RebaseReport {
         copied_bytes,
         index,
