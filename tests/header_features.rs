@@ -232,3 +232,56 @@ fn info_lists_internal_snapshots_as_qemu_img() {
     assert_eq!(theirs.len(), 4, "{theirs:#?}");
     assert_eq!(ours, theirs);
 }
+
+/// A backing file that cannot be opened: `info` shows the image itself
+/// (exit 0, its header's fields as `qemu-img info` shows them; qemu-img
+/// does not open the backing chain for it), `check` fails as `qemu-img
+/// check` fails (exit 1: the chain cannot be opened), before any repair.
+#[test]
+fn a_missing_backing_file_is_met_as_qemu_img_meets_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "8M"]);
+    let top = tmp.path().join("top.qcow2");
+    common::qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
+    qemu_io(&top, &["write -P 0x42 0 64k".into()]);
+    std::fs::remove_file(&base).unwrap();
+    let exit = |program: &Path, args: &[&str]| {
+        let out = common::run_raw(Command::new(program).args(args));
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (qemu, ours) = (Path::new("qemu-img"), common::sqcow2_bin());
+    let (qc, theirs) = exit(qemu, &["info", "--output", "json", s(&top)]);
+    let (oc, mine) = exit(&ours, &["info", "--output", "json", s(&top)]);
+    assert_eq!((oc, qc), (Some(0), Some(0)), "info: {mine}");
+    let (mine, theirs): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(&mine).unwrap(),
+        serde_json::from_str(&theirs).unwrap(),
+    );
+    for k in [
+        "virtual-size",
+        "cluster-size",
+        "backing-filename",
+        "backing-filename-format",
+        "format",
+    ] {
+        assert_eq!(mine[k], theirs[k], "info {k}");
+    }
+    assert_eq!(exit(&ours, &["info", s(&top)]).0, Some(0));
+    for args in [
+        &["check", s(&top)][..],
+        &["check", "-r", "all", s(&top)][..],
+    ] {
+        let before = std::fs::read(&top).unwrap();
+        assert_eq!(exit(&ours, args).0, exit(qemu, args).0, "{args:?}");
+        assert_eq!(exit(qemu, args).0, Some(1), "{args:?}");
+        assert_eq!(
+            std::fs::read(&top).unwrap(),
+            before,
+            "{args:?} changed the image"
+        );
+    }
+}

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
 use sqcow2_format::indexing::verify_index;
-use sqcow2_format::{IndexState, Locking};
+use sqcow2_format::{Chain, ChainOptions, ErrorKind, IndexState, Locking};
 
 use crate::output::{print_json, OutputFormat};
 
@@ -32,6 +32,18 @@ pub fn run(
         Some(RepairArg::Leaks) => Repair::Leaks,
         Some(RepairArg::All) => Repair::All,
     };
+    // `qemu-img check` opens the image with its backing chain: a backing
+    // file that cannot be opened fails it (exit 1) before any repair.
+    let probe = ChainOptions {
+        inspect_only: true,
+        locking,
+        ..ChainOptions::default()
+    };
+    if let Err(e) = Chain::open(image, &probe) {
+        if matches!(e.kind, ErrorKind::MissingBacking { .. }) {
+            return Err(e.into());
+        }
+    }
     let mut report = check(image, repair, locking, force_share)?;
     // An index the chain trusts must agree with a fresh walk.
     let index = match verify_index(image, locking, force_share) {

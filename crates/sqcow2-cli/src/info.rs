@@ -4,13 +4,17 @@
 use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
 use serde::Serialize;
 use sqcow2_format::backing_path_of;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
-use sqcow2_format::{describe_snapshots, Chain, ChainOptions, Layer, SnapshotInfo, Version};
+use sqcow2_format::storage::FileStorage;
+use sqcow2_format::{
+    describe_snapshots, Chain, ChainOptions, ErrorKind, Layer, Qcow2Layer, SnapshotInfo, Version,
+};
 
 use crate::output::{human_size, print_json, OutputFormat};
 
@@ -63,8 +67,10 @@ struct LayerInfo {
     backing_filename_format: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     dirty_flag: Option<bool>,
-    /// Layers from this one down to the base, this one included.
-    chain_length: usize,
+    /// Layers from this one down to the base, this one included (`None`:
+    /// a backing file cannot be opened).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chain_length: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     format_specific: Option<FormatSpecific>,
     /// Internal snapshots (none: not shown, as qemu-img).
@@ -79,7 +85,7 @@ struct LayerInfo {
     journal_pending: Option<usize>,
 }
 
-fn layer_info(layer: &Layer, chain_length: usize) -> anyhow::Result<LayerInfo> {
+fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<LayerInfo> {
     let meta = std::fs::metadata(layer.path())
         .with_context(|| format!("{}: cannot stat", layer.path().display()))?;
     let header = layer.header();
@@ -154,7 +160,10 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
     if let Some(f) = &info.backing_filename_format {
         writeln!(out, "backing file format: {f}")?;
     }
-    writeln!(out, "chain length: {}", info.chain_length)?;
+    match info.chain_length {
+        Some(n) => writeln!(out, "chain length: {n}")?,
+        None => writeln!(out, "chain length: unknown (a backing file cannot be opened)")?,
+    }
     match &info.chain_index {
         Some(IndexState::Valid {
             path,
@@ -275,6 +284,34 @@ fn print_snapshots(out: &mut impl Write, snapshots: &[SnapshotInfo]) -> io::Resu
     Ok(())
 }
 
+/// What `info` shows of an open chain: its top, or every layer.
+fn chain_info(chain: &Chain, backing_chain: bool) -> anyhow::Result<Vec<LayerInfo>> {
+    let layers = chain.layers();
+    let mut shown: Vec<LayerInfo> = if backing_chain {
+        layers
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, l)| layer_info(l, Some(i + 1)))
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        vec![layer_info(chain.top(), Some(layers.len()))?]
+    };
+    shown[0].chain_index = Some(chain.index_state().clone());
+    shown[0].journal_pending = chain.journal_pending().filter(|n| *n > 0);
+    Ok(shown)
+}
+
+/// What `info` shows of the qcow2 image at `image` opened alone (no lock:
+/// its header only, as `qemu-img info` reads it).
+fn lone_image_info(image: &Path) -> anyhow::Result<LayerInfo> {
+    let storage = FileStorage::open_read_only(image)
+        .with_context(|| format!("{}: cannot open", image.display()))?;
+    let layer = Qcow2Layer::open_lazily(image, Arc::new(storage))
+        .map_err(|kind| sqcow2_format::Error::new(image, kind))?;
+    layer_info(&Layer::Qcow2(layer), None)
+}
+
 /// Runs `sqcow2 info`.
 pub fn run(
     image: &Path,
@@ -282,20 +319,17 @@ pub fn run(
     output: OutputFormat,
     options: &ChainOptions,
 ) -> anyhow::Result<()> {
-    let chain = Chain::open(image, options)?;
-    let layers = chain.layers();
-    let mut shown: Vec<LayerInfo> = if backing_chain {
-        layers
-            .iter()
-            .enumerate()
-            .rev()
-            .map(|(i, l)| layer_info(l, i + 1))
-            .collect::<anyhow::Result<_>>()?
-    } else {
-        vec![layer_info(chain.top(), layers.len())?]
+    let shown = match Chain::open(image, options) {
+        Ok(chain) => chain_info(&chain, backing_chain)?,
+        // `qemu-img info` does not open the backing chain: it shows an
+        // image whose backing file is missing (with `--backing-chain` it
+        // fails too).
+        Err(e) if !backing_chain && matches!(e.kind, ErrorKind::MissingBacking { .. }) => {
+            tracing::warn!("{e}: the image alone is shown");
+            vec![lone_image_info(image)?]
+        }
+        Err(e) => return Err(e.into()),
     };
-    shown[0].chain_index = Some(chain.index_state().clone());
-    shown[0].journal_pending = chain.journal_pending().filter(|n| *n > 0);
     let mut out = io::stdout().lock();
     match output {
         OutputFormat::Json if backing_chain => print_json(&mut out, &shown)?,
