@@ -285,3 +285,85 @@ fn a_missing_backing_file_is_met_as_qemu_img_meets_it() {
         );
     }
 }
+
+/// Sets QEMU's "corrupt" mark (incompatible feature bit 1) on `p`.
+fn mark_corrupt(p: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(p)
+        .unwrap();
+    let mut word = [0u8; 8];
+    f.read_exact_at(&mut word, 72).unwrap();
+    let bits = u64::from_be_bytes(word) | 2;
+    f.write_all_at(&bits.to_be_bytes(), 72).unwrap();
+}
+
+fn incompatible_bits(p: &Path) -> u64 {
+    let b = std::fs::read(p).unwrap();
+    u64::from_be_bytes(b[72..80].try_into().unwrap())
+}
+
+/// An image QEMU marked corrupt opens read-only as in QEMU: `info` says
+/// so, `map` and `convert` read QEMU's extents and bytes, also as a
+/// backing file; nothing writes it (`io`, `upgrade`), as QEMU opens it
+/// read/write only to repair it; `check` reports as `qemu-img check`, and
+/// `check -r all` repairs it and clears the mark as QEMU's does.
+#[test]
+fn an_image_marked_corrupt_reads_as_in_qemu_and_is_written_by_repair_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = image(tmp.path(), "compat=1.1");
+    mark_corrupt(&p);
+    let info = info_json(&p);
+    let theirs: serde_json::Value =
+        serde_json::from_str(&qemu_img(&["info", "--output", "json", s(&p)])).unwrap();
+    assert_eq!(info["format-specific"]["data"]["corrupt"], true);
+    assert_eq!(theirs["format-specific"]["data"]["corrupt"], true);
+    assert_full_map_equal(&p);
+    assert_same_as_qemu(&p);
+    // As a backing file (read-only), under an overlay.
+    let top = tmp.path().join("top.qcow2");
+    common::qemu_overlay(&top, "img.qcow2", "qcow2", &[], None);
+    qemu_io(&top, &["write -P 0x55 64k 64k".into()]);
+    assert_same_as_qemu(&top);
+
+    let before = std::fs::read(&p).unwrap();
+    let status = |program: &Path, args: &[&str]| {
+        common::run_raw(Command::new(program).args(args))
+            .status
+            .code()
+    };
+    let ours = common::sqcow2_bin();
+    assert_ne!(
+        status(&ours, &["io", "-c", "write -P 1 0 4k", s(&p)]),
+        Some(0)
+    );
+    assert_ne!(
+        status(Path::new("qemu-io"), &["-c", "write -P 1 0 4k", s(&p)]),
+        Some(0)
+    );
+    assert_ne!(status(&ours, &["upgrade", s(&top)]), Some(0));
+    assert_eq!(std::fs::read(&p).unwrap(), before, "the image was written");
+
+    assert_eq!(
+        status(&ours, &["check", s(&p)]),
+        status(Path::new("qemu-img"), &["check", s(&p)])
+    );
+    let theirs_repaired = tmp.path().join("qemu-repaired.qcow2");
+    std::fs::copy(&p, &theirs_repaired).unwrap();
+    assert_eq!(
+        status(&ours, &["check", "-r", "all", s(&p)]),
+        status(
+            Path::new("qemu-img"),
+            &["check", "-r", "all", s(&theirs_repaired)]
+        )
+    );
+    assert_eq!(incompatible_bits(&p), incompatible_bits(&theirs_repaired));
+    assert_eq!(incompatible_bits(&p) & 2, 0, "the mark stayed");
+    assert_eq!(
+        status(&ours, &["io", "-c", "write -P 1 0 4k", s(&p)]),
+        Some(0)
+    );
+    common::assert_check_clean(&p);
+}

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use serde::Serialize;
 use sqcow2_format::backing_path_of;
+use sqcow2_format::storage::FileStorage;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
-use sqcow2_format::storage::FileStorage;
 use sqcow2_format::{
     describe_snapshots, Chain, ChainOptions, ErrorKind, Layer, Qcow2Layer, SnapshotInfo, Version,
 };
@@ -123,7 +123,7 @@ fn qcow2_info(h: &sqcow2_format::Header) -> Qcow2Info {
         compression_type: h.compression_type.name(),
         lazy_refcounts: v3.then(|| h.lazy_refcounts()),
         refcount_bits: 1 << h.refcount_order,
-        corrupt: v3.then_some(false),
+        corrupt: v3.then_some(h.is_marked_corrupt()),
         extended_l2: v3.then_some(h.geometry.extended_l2),
         dirty: h.is_dirty(),
         has_bitmaps: h.has_bitmaps(),
@@ -162,7 +162,10 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
     }
     match info.chain_length {
         Some(n) => writeln!(out, "chain length: {n}")?,
-        None => writeln!(out, "chain length: unknown (a backing file cannot be opened)")?,
+        None => writeln!(
+            out,
+            "chain length: unknown (a backing file cannot be opened)"
+        )?,
     }
     match &info.chain_index {
         Some(IndexState::Valid {

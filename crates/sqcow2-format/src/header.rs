@@ -178,11 +178,37 @@ impl Header {
         (9..=21).contains(&bits).then(|| 1u64 << bits)
     }
 
-    /// Parses and validates the header from the start of a file.
+    /// Parses and validates the header from the start of a file, for a
+    /// writer: an image marked corrupt is refused (QEMU refuses to open
+    /// one read/write, except to repair it).
     ///
     /// `cluster` holds the first cluster of the file (or the whole file if
     /// it is shorter, zero-padded is fine), `file_size` the real file size.
     pub fn parse(cluster: &[u8], file_size: u64) -> Result<Header, ErrorKind> {
+        let header = Self::parse_for_reading(cluster, file_size)?;
+        header.refuse_if_marked_corrupt()?;
+        Ok(header)
+    }
+
+    /// Refuses an image marked corrupt to a writer.
+    pub fn refuse_if_marked_corrupt(&self) -> Result<(), ErrorKind> {
+        if self.is_marked_corrupt() {
+            return Err(ErrorKind::Unsupported(Feature::CorruptBit));
+        }
+        Ok(())
+    }
+
+    /// Whether the image is marked corrupt (QEMU's incompatible bit 1: it
+    /// found an inconsistency while writing); QEMU still opens it
+    /// read-only, and `check -r all` clears the mark.
+    pub fn is_marked_corrupt(&self) -> bool {
+        self.features.incompatible & INCOMPAT_CORRUPT != 0
+    }
+
+    /// [`Header::parse`] for a reader, which may read an image marked
+    /// corrupt (as QEMU opens one read-only: `info`, `map`, `convert`, a
+    /// backing file, `check`).
+    pub fn parse_for_reading(cluster: &[u8], file_size: u64) -> Result<Header, ErrorKind> {
         let truncated = |needed: usize| ErrorKind::Truncated {
             what: "qcow2 header",
             offset: 0,
@@ -289,9 +315,6 @@ impl Header {
                 bit,
                 name,
             }));
-        }
-        if features.incompatible & INCOMPAT_CORRUPT != 0 {
-            return Err(ErrorKind::Unsupported(Feature::CorruptBit));
         }
         if features.incompatible & INCOMPAT_DATA_FILE != 0 {
             return Err(ErrorKind::Unsupported(Feature::ExternalDataFile));

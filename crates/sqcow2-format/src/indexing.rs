@@ -113,6 +113,10 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
             && header.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
             && !autoclear_bit_on_disk(layer)
         {
+            // Nothing is written into an image marked corrupt.
+            header
+                .refuse_if_marked_corrupt()
+                .map_err(|k| Error::new(layer.path(), k))?;
             layer
                 .storage()
                 .lock(LockRequest::WRITER, locking)
@@ -185,6 +189,9 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         .as_ref()
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default();
+    header
+        .refuse_if_marked_corrupt()
+        .map_err(|k| Error::new(top, k))?;
     let name = index_file_name(top);
     let index_path = top.with_file_name(&name);
     top_layer

@@ -71,10 +71,10 @@ fn read_header(storage: &dyn Storage) -> Result<(Header, Identity), ErrorKind> {
         Some(cluster_size) => {
             let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
             storage.read_at(&mut cluster, 0)?;
-            (Header::parse(&cluster, file_size)?, cluster)
+            (Header::parse_for_reading(&cluster, file_size)?, cluster)
         }
         None => (
-            Header::parse(&first[..file_size.min(112) as usize], file_size)?,
+            Header::parse_for_reading(&first[..file_size.min(112) as usize], file_size)?,
             first,
         ),
     };

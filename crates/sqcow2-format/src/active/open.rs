@@ -52,6 +52,8 @@ impl Active {
         let path = top.path();
         let storage = top.storage().clone();
         let e = |k: ErrorKind| Error::new(path, k);
+        // QEMU opens an image marked corrupt read-only only.
+        header.refuse_if_marked_corrupt().map_err(e)?;
         if header.has_bitmaps() {
             return Err(e(ErrorKind::Unsupported(Feature::WriteWithBitmaps)));
         }
@@ -147,8 +149,10 @@ impl Active {
 /// (a journal implies it), so its refcounts are repaired next
 /// ([`Active::open`]).
 pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize, ErrorKind> {
-    // A header that does not parse is reported by the open that follows.
-    let Ok(header) = read_header(storage) else {
+    // A header that does not parse is reported by the open that follows
+    // (an image marked corrupt is refused to writers before this; a
+    // repair replays it too).
+    let Ok(header) = crate::check::read_header_for_check(storage) else {
         return Ok(0);
     };
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
@@ -228,7 +232,7 @@ pub(crate) fn pending_journal(
 /// tables ([`replay_journal`]): the image stops naming it (synced), then
 /// the file goes.
 pub(crate) fn end_journal(path: &Path, storage: &dyn Storage) -> Result<(), ErrorKind> {
-    let header = read_header(storage)?;
+    let header = crate::check::read_header_for_check(storage)?;
     if header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
         let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
         write_word(storage, field::AUTOCLEAR_FEATURES, kept)?;

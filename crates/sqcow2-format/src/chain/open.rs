@@ -89,6 +89,11 @@ fn open_layer(
     match expect {
         Expect::Top => {
             if options.writable {
+                // Not written at all when marked corrupt (QEMU opens such
+                // an image read-only only).
+                if let Ok(header) = crate::check::read_header_for_check(&*storage) {
+                    header.refuse_if_marked_corrupt()?;
+                }
                 // What a dead writer completed is in the image before any
                 // of its tables is read.
                 crate::active::replay_journal(path, &*storage)?;
