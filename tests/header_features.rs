@@ -367,3 +367,37 @@ fn an_image_marked_corrupt_reads_as_in_qemu_and_is_written_by_repair_only() {
     );
     common::assert_check_clean(&p);
 }
+
+/// `info` lists persistent bitmaps as `qemu-img info` does: name,
+/// granularity and flags in JSON (`format-specific.data.bitmaps`, absent
+/// without bitmaps) and its "bitmaps:" block in the human output.
+#[test]
+fn info_lists_bitmaps_as_qemu_img() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("bm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&p), "10M"]);
+    let none = info_json(&p);
+    assert!(none["format-specific"]["data"].get("bitmaps").is_none());
+    qemu_img(&["bitmap", "--add", s(&p), "first"]);
+    qemu_img(&["bitmap", "--add", "-g", "131072", s(&p), "a longer name"]);
+    qemu_img(&["bitmap", "--add", "--disable", s(&p), "disabled"]);
+    let ours = info_json(&p);
+    let theirs: serde_json::Value =
+        serde_json::from_str(&qemu_img(&["info", "--output", "json", s(&p)])).unwrap();
+    let bitmaps = &theirs["format-specific"]["data"]["bitmaps"];
+    assert_eq!(bitmaps.as_array().map(Vec::len), Some(3), "{theirs}");
+    assert_eq!(&ours["format-specific"]["data"]["bitmaps"], bitmaps);
+    let block = |out: &str| -> Vec<String> {
+        out.lines()
+            .skip_while(|l| l.trim() != "bitmaps:")
+            .take_while(|l| l.starts_with("        ") || l.trim() == "bitmaps:")
+            .map(str::to_owned)
+            .collect()
+    };
+    let (mine, qemu) = (
+        block(&sqcow2(&["info", s(&p)])),
+        block(&qemu_img(&["info", s(&p)])),
+    );
+    assert!(qemu.len() > 10, "{qemu:?}");
+    assert_eq!(mine, qemu);
+}

@@ -13,7 +13,8 @@ use sqcow2_format::storage::FileStorage;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
 use sqcow2_format::{
-    describe_snapshots, Chain, ChainOptions, ErrorKind, Layer, Qcow2Layer, SnapshotInfo, Version,
+    describe_bitmaps, describe_snapshots, BitmapInfo, Chain, ChainOptions, ErrorKind, Layer,
+    Qcow2Layer, SnapshotInfo, Version,
 };
 
 use crate::output::{human_size, print_json, OutputFormat};
@@ -35,6 +36,9 @@ struct Qcow2Info {
     compression_type: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     lazy_refcounts: Option<bool>,
+    /// The persistent bitmaps (none: not shown, as qemu-img).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    bitmaps: Vec<BitmapInfo>,
     refcount_bits: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     corrupt: Option<bool>,
@@ -109,10 +113,17 @@ fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<Laye
                 .with_context(|| format!("{}: snapshot table", layer.path().display()))?,
             _ => Vec::new(),
         },
-        format_specific: header.map(|h| FormatSpecific {
-            format: "qcow2",
-            data: qcow2_info(h),
-        }),
+        format_specific: match header {
+            Some(h) => Some(FormatSpecific {
+                format: "qcow2",
+                data: Qcow2Info {
+                    bitmaps: describe_bitmaps(h, &**layer.storage())
+                        .with_context(|| format!("{}: bitmap directory", layer.path().display()))?,
+                    ..qcow2_info(h)
+                },
+            }),
+            None => None,
+        },
     })
 }
 
@@ -122,6 +133,7 @@ fn qcow2_info(h: &sqcow2_format::Header) -> Qcow2Info {
         compat: if v3 { "1.1" } else { "0.10" },
         compression_type: h.compression_type.name(),
         lazy_refcounts: v3.then(|| h.lazy_refcounts()),
+        bitmaps: Vec::new(),
         refcount_bits: 1 << h.refcount_order,
         corrupt: v3.then_some(h.is_marked_corrupt()),
         extended_l2: v3.then_some(h.geometry.extended_l2),
@@ -218,7 +230,9 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         if let Some(lazy) = q.lazy_refcounts {
             writeln!(out, "    lazy refcounts: {lazy}")?;
         }
-        writeln!(out, "    bitmaps: {}", q.has_bitmaps)?;
+        if !q.bitmaps.is_empty() {
+            print_bitmaps(out, &q.bitmaps)?;
+        }
         writeln!(out, "    refcount bits: {}", q.refcount_bits)?;
         if let Some(corrupt) = q.corrupt {
             writeln!(out, "    corrupt: {corrupt}")?;
@@ -241,6 +255,21 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         for e in &q.unknown_extensions {
             writeln!(out, "    unknown header extension: {e} (kept)")?;
         }
+    }
+    Ok(())
+}
+
+/// The persistent bitmaps as `qemu-img info` lists them.
+fn print_bitmaps(out: &mut impl Write, bitmaps: &[BitmapInfo]) -> io::Result<()> {
+    writeln!(out, "    bitmaps:")?;
+    for (i, b) in bitmaps.iter().enumerate() {
+        writeln!(out, "        [{i}]:")?;
+        writeln!(out, "            flags:")?;
+        for (j, f) in b.flags.iter().enumerate() {
+            writeln!(out, "                [{j}]: {f}")?;
+        }
+        writeln!(out, "            name: {}", b.name)?;
+        writeln!(out, "            granularity: {}", b.granularity)?;
     }
     Ok(())
 }

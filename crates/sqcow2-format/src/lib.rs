@@ -18,6 +18,7 @@
 
 mod active;
 mod backing;
+mod bitmaps;
 mod bytes;
 mod chain;
 pub mod check;
@@ -55,6 +56,7 @@ mod types;
 /// Records the mapping journal holds (`<top>.sqjournal`, a ring).
 pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
+pub use bitmaps::{describe_bitmaps, BitmapInfo};
 pub use chain::{
     backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed,
     PreparedTop, ReadExtent, DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,

@@ -1,0 +1,94 @@
+//! Persistent dirty bitmaps as `qemu-img info` lists them (name,
+//! granularity, flags), read from the bitmap directory. sqcow2 keeps no
+//! bitmap up to date: an image with any is not written (see `Active`).
+
+use serde::Serialize;
+
+use crate::bytes::be_u32;
+use crate::error::ErrorKind;
+use crate::extension::{HeaderExtension, EXT_BITMAPS};
+use crate::header::Header;
+use crate::storage::Storage;
+
+/// Bytes of a directory entry before its extra data and name.
+const ENTRY_FIXED: usize = 24;
+/// QEMU's limit on a bitmap's name.
+const MAX_NAME: usize = 1023;
+/// QEMU's granularity limits (bits).
+const GRANULARITY_BITS: std::ops::RangeInclusive<u8> = 9..=31;
+const FLAG_IN_USE: u32 = 1;
+const FLAG_AUTO: u32 = 2;
+
+/// One persistent bitmap, with `qemu-img info`'s fields.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BitmapInfo {
+    /// `in-use` (a writer had it open and did not store it back) and
+    /// `auto` (it tracks writes), as QEMU names them.
+    pub flags: Vec<&'static str>,
+    /// Its name.
+    pub name: String,
+    /// Bytes of guest data per bit.
+    pub granularity: u64,
+}
+
+/// The image's persistent bitmaps, in directory order (none when the
+/// bitmaps extension is absent or not in force).
+pub fn describe_bitmaps(
+    header: &Header,
+    storage: &dyn Storage,
+) -> Result<Vec<BitmapInfo>, ErrorKind> {
+    if !header.has_bitmaps() {
+        return Ok(Vec::new());
+    }
+    let Some(ext) = header.extensions.iter().find_map(|e| match e {
+        HeaderExtension::Bitmaps(b) => Some(b),
+        _ => None,
+    }) else {
+        return Ok(Vec::new());
+    };
+    let invalid = |offset: usize, reason: &str| ErrorKind::InvalidExtension {
+        ext_type: EXT_BITMAPS,
+        offset: offset as u64,
+        reason: format!("bitmap directory: {reason}"),
+    };
+    // Bounded by the extension's validation (QEMU's limit: 64 MiB).
+    let size = usize::try_from(ext.directory_size).map_err(|_| invalid(0, "too large"))?;
+    let end = ext.directory_offset.checked_add(ext.directory_size);
+    if end.is_none_or(|end| end > storage.len().unwrap_or(0)) {
+        return Err(invalid(0, "extends beyond the end of the file"));
+    }
+    let mut dir = vec![0u8; size];
+    storage.read_at(&mut dir, ext.directory_offset)?;
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    for _ in 0..ext.nb_bitmaps {
+        let fixed = dir
+            .get(pos..pos + ENTRY_FIXED)
+            .ok_or_else(|| invalid(pos, "entry beyond the directory"))?;
+        let flags = be_u32(fixed, 12);
+        let granularity_bits = fixed[17];
+        let name_size = usize::from(u16::from_be_bytes([fixed[18], fixed[19]]));
+        let extra = be_u32(fixed, 20) as usize;
+        if !GRANULARITY_BITS.contains(&granularity_bits) {
+            return Err(invalid(pos, "granularity out of range"));
+        }
+        if name_size == 0 || name_size > MAX_NAME {
+            return Err(invalid(pos, "name length out of range"));
+        }
+        let name_start = pos + ENTRY_FIXED + extra;
+        let name = dir
+            .get(name_start..name_start + name_size)
+            .ok_or_else(|| invalid(pos, "name beyond the directory"))?;
+        out.push(BitmapInfo {
+            flags: [(FLAG_IN_USE, "in-use"), (FLAG_AUTO, "auto")]
+                .into_iter()
+                .filter(|(bit, _)| flags & bit != 0)
+                .map(|(_, name)| name)
+                .collect(),
+            name: String::from_utf8_lossy(name).into_owned(),
+            granularity: 1u64 << granularity_bits,
+        });
+        pos = (name_start + name_size).next_multiple_of(8);
+    }
+    Ok(out)
+}
