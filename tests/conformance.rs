@@ -409,3 +409,40 @@ fn random_chains() {
         assert_full_map_equal(&top);
     }
 }
+
+/// An empty disk maps as QEMU maps it (one empty extent); the human map of
+/// compressed data stops as qemu-img's does (its table cannot show data
+/// without a place in a file): the same lines, the same exit code.
+#[test]
+fn map_edge_cases_as_qemu_img() {
+    let dir = tmp();
+    let empty = dir.path().join("empty.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&empty), "0"]);
+    assert_full_map_equal(&empty);
+
+    let plain = dir.path().join("plain.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&plain), "4M"]);
+    qemu_io(
+        &plain,
+        &[
+            "write -P 1 0 1M".to_string(),
+            "write -P 2 2M 64k".to_string(),
+        ],
+    );
+    let packed = dir.path().join("packed.qcow2");
+    qemu_img(&["convert", "-c", "-O", "qcow2", s(&plain), s(&packed)]);
+    qemu_io(&packed, &["write -P 3 3M 64k".to_string()]);
+    let run = |program: &std::path::Path| {
+        let out = common::run_raw(std::process::Command::new(program).args(["map", s(&packed)]));
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (theirs, ours) = (
+        run(std::path::Path::new("qemu-img")),
+        run(&common::sqcow2_bin()),
+    );
+    assert_eq!(theirs.0, Some(1), "qemu-img map: {theirs:?}");
+    assert_eq!(ours, theirs);
+}

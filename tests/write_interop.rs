@@ -916,3 +916,49 @@ fn map_reads_preallocated_clusters_as_qemu_does() {
         assert_same_as_qemu(&img);
     }
 }
+
+/// A leaked cluster at the end of the file (a refcount on disk, no
+/// reference) ends the image for `check` as for QEMU, which counts every
+/// cluster with a refcount: the same exit code (leaks), the same
+/// `image-end-offset`.
+#[test]
+fn check_ends_the_image_at_a_leaked_last_cluster_as_qemu_does() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("leak.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), "4M"]);
+    qemu_io(&img, &["write -P 1 0 64k".into()]);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .unwrap();
+    let len = f.metadata().unwrap().len();
+    let cluster = 65536;
+    assert_eq!(len % cluster, 0);
+    // One more cluster, with a refcount of 1 (16-bit refcounts; the first
+    // refcount block covers it).
+    f.set_len(len + 2 * cluster).unwrap();
+    let mut word = [0u8; 8];
+    f.read_exact_at(&mut word, 48).unwrap();
+    let table = u64::from_be_bytes(word);
+    f.read_exact_at(&mut word, table).unwrap();
+    let block = u64::from_be_bytes(word);
+    let leaked = len / cluster + 1;
+    f.write_all_at(&1u16.to_be_bytes(), block + leaked * 2)
+        .unwrap();
+    drop(f);
+    let report = |program: &Path| {
+        let out = run_raw(Command::new(program).args(["check", "--output", "json", s(&img)]));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            out.status.code(),
+            v["leaks"].clone(),
+            v["image-end-offset"].clone(),
+        )
+    };
+    let theirs = report(Path::new("qemu-img"));
+    assert_eq!(theirs.0, Some(3), "{theirs:?}");
+    assert_eq!(theirs.2, (leaked + 1) * cluster);
+    assert_eq!(report(&common::sqcow2_bin()), theirs);
+}

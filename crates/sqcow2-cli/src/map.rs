@@ -19,7 +19,9 @@ struct MapEntry {
     present: bool,
     zero: bool,
     data: bool,
-    compressed: bool,
+    /// Shown for every extent but the one of an empty disk (as QEMU).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    compressed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     offset: Option<u64>,
 }
@@ -102,7 +104,7 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                         present: true,
                         zero,
                         data: true,
-                        compressed: false,
+                        compressed: Some(false),
                         offset: Some(host.0 + at),
                     },
                     e.layer,
@@ -126,7 +128,7 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                 present,
                 zero,
                 data,
-                compressed,
+                compressed: Some(compressed),
                 offset,
             },
             e.layer,
@@ -135,7 +137,21 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
     let mut out = std::io::stdout().lock();
     match output {
         OutputFormat::Json => {
-            let list: Vec<&MapEntry> = entries.iter().map(|(e, _)| e).collect();
+            let mut list: Vec<&MapEntry> = entries.iter().map(|(e, _)| e).collect();
+            // An empty disk: one empty extent, as qemu-img shows it.
+            let empty = MapEntry {
+                start: 0,
+                length: 0,
+                depth: 0,
+                present: false,
+                zero: false,
+                data: false,
+                compressed: None,
+                offset: None,
+            };
+            if list.is_empty() {
+                list.push(&empty);
+            }
             print_json(&mut out, &list)?;
         }
         OutputFormat::Human => {
@@ -150,10 +166,13 @@ pub fn run(image: &Path, output: OutputFormat, options: &ChainOptions) -> anyhow
                     continue;
                 }
                 let file = chain.layers()[layer.0].path().display();
-                let mapped = match e.offset {
-                    Some(o) => c_hex(o),
-                    None => format!("{:<16}", "compressed"),
+                // Data without a place in a file cannot be shown in this
+                // table: qemu-img stops there with this error (exit 1).
+                let Some(offset) = e.offset else {
+                    out.flush()?;
+                    anyhow::bail!("File contains external, encrypted or compressed clusters.");
                 };
+                let mapped = c_hex(offset);
                 writeln!(
                     out,
                     "{}{}{}{}",

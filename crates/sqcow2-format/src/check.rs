@@ -646,7 +646,20 @@ fn run_check(path: &Path, header: &Header, storage: &dyn Storage) -> Result<Chec
             ));
         }
     }
-    let highest = census.counts.keys().max().copied().unwrap_or(0);
+    // As QEMU: the last cluster referenced or with a refcount on disk (a
+    // leaked cluster at the end counts).
+    let highest = census
+        .counts
+        .keys()
+        .chain(
+            on_disk
+                .iter()
+                .filter(|(&idx, &v)| v > 0 && idx < in_file)
+                .map(|(idx, _)| idx),
+        )
+        .max()
+        .copied()
+        .unwrap_or(0);
     census.report.image_end_offset = (highest + 1) << g.cluster_bits;
     Ok(Checked {
         report: census.report,
