@@ -401,3 +401,42 @@ fn info_lists_bitmaps_as_qemu_img() {
     assert!(qemu.len() > 10, "{qemu:?}");
     assert_eq!(mine, qemu);
 }
+
+/// `info --backing-chain --output json` has qemu-img's fields for every
+/// layer of a chain over a raw base (the raw layer's `dirty-flag` too).
+#[test]
+fn info_of_a_chain_over_a_raw_base_has_qemus_fields() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.raw");
+    qemu_img(&["create", "-q", "-f", "raw", s(&base), "4M"]);
+    let top = tmp.path().join("top.qcow2");
+    common::qemu_overlay(&top, "base.raw", "raw", &[], None);
+    let chain = |out: String| -> Vec<serde_json::Value> { serde_json::from_str(&out).unwrap() };
+    let ours = chain(sqcow2(&[
+        "info",
+        "--backing-chain",
+        "--output",
+        "json",
+        s(&top),
+    ]));
+    let theirs = chain(qemu_img(&[
+        "info",
+        "--backing-chain",
+        "--output",
+        "json",
+        s(&top),
+    ]));
+    assert_eq!(ours.len(), theirs.len());
+    for (o, t) in ours.iter().zip(&theirs) {
+        for k in [
+            "filename",
+            "format",
+            "virtual-size",
+            "dirty-flag",
+            "backing-filename",
+            "backing-filename-format",
+        ] {
+            assert_eq!(o.get(k), t.get(k), "{k} of {}", t["filename"]);
+        }
+    }
+}

@@ -104,7 +104,8 @@ fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<Laye
             .map(|p| p.display().to_string()),
         full_backing_filename: backing_path_of(layer).map(|p| p.display().to_string()),
         backing_filename_format: header.and_then(|h| h.backing_format()).map(str::to_owned),
-        dirty_flag: header.map(|h| h.is_dirty()),
+        // QEMU shows it for every format (raw: false).
+        dirty_flag: Some(header.is_some_and(|h| h.is_dirty())),
         chain_length,
         chain_index: None,
         journal_pending: None,
