@@ -100,7 +100,7 @@ pub fn run_snapshot(
             report.backing,
             report.index.display(),
             match (report.index_written, report.incremental) {
-                (false, _) => "deferred: the old top's index serves until it is written",
+                (false, _) => "deferred: written by the first `sqcow2 serve` or `sqcow2 upgrade`; until then the old top's index, if it has one, serves",
                 (true, true) => "incremental",
                 (true, false) => "walked the chain",
             },
