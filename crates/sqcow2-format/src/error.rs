@@ -385,7 +385,7 @@ impl fmt::Display for Feature {
                 )
             }
             Feature::CorruptBit => {
-                f.write_str("image is marked corrupt (run 'qemu-img check -r all')")
+                f.write_str("image is marked corrupt: only read; `sqcow2 check -r all` (or qemu-img's) repairs it")
             }
             Feature::UnknownIncompatible {
                 bit,

@@ -102,36 +102,59 @@ pub fn index_path_of(image: &Path) -> PathBuf {
     image.with_file_name(index_file_name(image))
 }
 
+/// The layers of `0..=upto` an index build marks: qcow2 v3 layers
+/// without the sQcow2 autoclear bit.
+fn layers_to_mark(chain: &Chain, upto: usize) -> impl Iterator<Item = &Layer> {
+    chain.layers()[..=upto].iter().filter(|layer| match layer {
+        Layer::Qcow2(q) => {
+            let header = q.header();
+            header.version == Version::V3
+                && header.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
+                && !autoclear_bit_on_disk(layer)
+        }
+        Layer::Raw(_) => false,
+    })
+}
+
+/// Refuses, before anything is written, an index build that would write
+/// into an image marked corrupt: a layer of `0..=upto` to mark, or `top`
+/// (which names the index).
+fn refuse_corrupt_targets(chain: &Chain, upto: usize, top: &Layer) -> Result<(), Error> {
+    for layer in layers_to_mark(chain, upto).chain(std::iter::once(top)) {
+        if let Some(header) = layer.header() {
+            header
+                .refuse_if_marked_corrupt()
+                .map_err(|k| Error::new(layer.path(), k))?;
+        }
+    }
+    Ok(())
+}
+
 /// Sets the sQcow2 autoclear bit on layers `0..=upto` that lack it; each
 /// one written is locked as a writer first (an image another process
 /// reads or writes is not touched).
 fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error> {
-    for layer in &chain.layers()[..=upto] {
-        let Layer::Qcow2(q) = layer else { continue };
-        let header = q.header();
-        if header.version == Version::V3
-            && header.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
-            && !autoclear_bit_on_disk(layer)
-        {
+    for layer in layers_to_mark(chain, upto) {
+        if let Some(header) = layer.header() {
             // Nothing is written into an image marked corrupt.
             header
                 .refuse_if_marked_corrupt()
                 .map_err(|k| Error::new(layer.path(), k))?;
-            layer
-                .storage()
-                .lock(LockRequest::WRITER, locking)
-                .map_err(|k| Error::new(layer.path(), k))?;
-            let storage = FileStorage::open_read_write(layer.path()).map_err(|e| {
-                Error::new(
-                    layer.path(),
-                    ErrorKind::Io(std::io::Error::new(
-                        e.kind(),
-                        format!("cannot mark the layer as indexed: {e}"),
-                    )),
-                )
-            })?;
-            set_autoclear_bit(&storage).map_err(io_err(layer.path()))?;
         }
+        layer
+            .storage()
+            .lock(LockRequest::WRITER, locking)
+            .map_err(|k| Error::new(layer.path(), k))?;
+        let storage = FileStorage::open_read_write(layer.path()).map_err(|e| {
+            Error::new(
+                layer.path(),
+                ErrorKind::Io(std::io::Error::new(
+                    e.kind(),
+                    format!("cannot mark the layer as indexed: {e}"),
+                )),
+            )
+        })?;
+        set_autoclear_bit(&storage).map_err(io_err(layer.path()))?;
     }
     Ok(())
 }
@@ -189,9 +212,7 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         .as_ref()
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default();
-    header
-        .refuse_if_marked_corrupt()
-        .map_err(|k| Error::new(top, k))?;
+    refuse_corrupt_targets(&chain, upto, top_layer)?;
     let name = index_file_name(top);
     let index_path = top.with_file_name(&name);
     top_layer
@@ -347,6 +368,10 @@ pub fn prepare_snapshot(
     let incremental =
         index == SnapshotIndex::Now && (chain.is_indexed() || chain.layers().len() == 1);
     let top_index = chain.top_index();
+    if index == SnapshotIndex::Now {
+        // The new top is a new file; the layers below are marked.
+        refuse_corrupt_targets(&chain, top_index.0, chain.top())?;
+    }
     let mut prepared = create_over(&chain, top, new)?;
     if index == SnapshotIndex::Now {
         let backing = prepared.report.backing.clone();
@@ -489,6 +514,7 @@ pub fn build_index(
         Ok(())
     };
     stop(&path)?;
+    refuse_corrupt_targets(chain, upto.0, top)?;
     mark_layers(chain, upto.0, locking)?;
     let top_name = crate::chain::backing_name_of(top);
     let (_, bytes) = write_index(

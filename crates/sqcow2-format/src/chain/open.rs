@@ -163,6 +163,22 @@ fn journal_left_behind(file: &File) -> bool {
 /// layer is opened and locked for reading; a read-write open of the chain
 /// only.
 fn repair_left_open(path: &Path, opened: &File, locking: Locking) -> Result<(), Error> {
+    // Marked corrupt: only an explicit `check -r` repairs it (as QEMU's
+    // opens refuse to write it); not replayed, not read without its
+    // journal either.
+    {
+        use std::os::unix::fs::FileExt;
+        let mut word = [0u8; 8];
+        opened
+            .read_exact_at(&mut word, field::INCOMPATIBLE_FEATURES as u64)
+            .map_err(|e| Error::new(path, e.into()))?;
+        if u64::from_be_bytes(word) & crate::features::INCOMPAT_CORRUPT != 0 {
+            return Err(Error::new(
+                path,
+                ErrorKind::Unsupported(crate::error::Feature::CorruptBit),
+            ));
+        }
+    }
     tracing::warn!(path = %path.display(), "a backing layer was left open by an sqcow2 writer: repairing it");
     // The repair opens the path again: it must still be the file checked
     // (inside the backing root, not a loop).

@@ -199,6 +199,13 @@ pub fn commit(
     if inspect.layers().len() < 2 {
         return Err(invalid(image, "image does not have a backing file".into()));
     }
+    // The top is emptied at the end (unless `-d`, which QEMU refuses as
+    // well): an image marked corrupt is refused before any copy.
+    if let Some(header) = inspect.top().header() {
+        header
+            .refuse_if_marked_corrupt()
+            .map_err(|k| Error::new(image, k))?;
+    }
     let base = match &options.base {
         Some(b) => {
             let at = find_layer(&inspect, b).map_err(|_| {

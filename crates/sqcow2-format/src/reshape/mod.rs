@@ -124,6 +124,9 @@ impl HeaderWriter {
         storage
             .lock(LockRequest::WRITER, locking)
             .map_err(|k| Error::new(path, k))?;
+        // An image marked corrupt is refused here, before any work whose
+        // end would edit it (a merge's copy, a rebase's).
+        crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
         Ok(HeaderWriter {
             path: path.to_path_buf(),
             storage,
