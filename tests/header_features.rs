@@ -513,3 +513,67 @@ fn nothing_writes_into_an_image_marked_corrupt() {
     fails(&["commit", "-d", "c.qcow2"], "commit -d of it");
     fails(&["commit", "c.qcow2"], "commit of it");
 }
+
+/// A bitmap directory QEMU refuses (an entry of an unknown type) makes
+/// `info` fail as `qemu-img info` fails, not list what it cannot read.
+#[test]
+fn a_broken_bitmap_directory_fails_info_as_in_qemu() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("bm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&p), "10M"]);
+    qemu_img(&["bitmap", "--add", s(&p), "uniquename"]);
+    let bytes = std::fs::read(&p).unwrap();
+    let name_at = bytes
+        .windows(10)
+        .position(|w| w == b"uniquename")
+        .expect("the bitmap's name in the directory") as u64;
+    // The entry's type byte: 24 bytes of fixed fields before the name
+    // (no extra data), the type at 16 of them.
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&[2], name_at - 24 + 16).unwrap();
+    let status = |program: &Path| {
+        common::run_raw(Command::new(program).args(["info", "--output", "json", s(&p)]))
+            .status
+            .code()
+    };
+    assert_ne!(status(Path::new("qemu-img")), Some(0));
+    assert_eq!(status(&common::sqcow2_bin()), Some(1));
+}
+
+/// A backing file of the wrong format (a raw file recorded as qcow2):
+/// `info` shows the image, `check` fails, as qemu-img's do.
+#[test]
+fn an_unusable_backing_file_is_met_as_qemu_img_meets_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.img");
+    std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+    let top = tmp.path().join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.img",
+        "-F",
+        "qcow2",
+        "-u",
+        s(&top),
+        "1M",
+    ]);
+    let code = |program: &Path, args: &[&str]| {
+        common::run_raw(Command::new(program).args(args))
+            .status
+            .code()
+    };
+    let ours = common::sqcow2_bin();
+    for args in [&["info", s(&top)][..], &["check", s(&top)][..]] {
+        assert_eq!(
+            code(&ours, args),
+            code(Path::new("qemu-img"), args),
+            "{args:?}"
+        );
+    }
+    assert_eq!(code(&ours, &["check", s(&top)]), Some(1));
+}

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
 use sqcow2_format::indexing::verify_index;
-use sqcow2_format::{Chain, ChainOptions, ErrorKind, IndexState, Locking};
+use sqcow2_format::{Chain, ChainOptions, IndexState, Locking};
 
 use crate::output::{print_json, OutputFormat};
 
@@ -33,14 +33,17 @@ pub fn run(
         Some(RepairArg::All) => Repair::All,
     };
     // `qemu-img check` opens the image with its backing chain: a backing
-    // file that cannot be opened fails it (exit 1) before any repair.
+    // chain that cannot be opened fails it (exit 1) before any repair
+    // (the image's own problems are what the check reports).
     let probe = ChainOptions {
         inspect_only: true,
         locking,
+        force_share,
+        use_index: false,
         ..ChainOptions::default()
     };
     if let Err(e) = Chain::open(image, &probe) {
-        if matches!(e.kind, ErrorKind::MissingBacking { .. }) {
+        if e.concerns_the_backing_chain_of(image) {
             return Err(e.into());
         }
     }

@@ -13,8 +13,8 @@ use sqcow2_format::storage::FileStorage;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
 use sqcow2_format::{
-    describe_bitmaps, describe_snapshots, BitmapInfo, Chain, ChainOptions, ErrorKind, Layer,
-    Qcow2Layer, SnapshotInfo, Version,
+    describe_bitmaps, describe_snapshots, BitmapInfo, Chain, ChainOptions, Layer, Qcow2Layer,
+    SnapshotInfo, Version,
 };
 
 use crate::output::{human_size, print_json, OutputFormat};
@@ -355,9 +355,9 @@ pub fn run(
     let shown = match Chain::open(image, options) {
         Ok(chain) => chain_info(&chain, backing_chain)?,
         // `qemu-img info` does not open the backing chain: it shows an
-        // image whose backing file is missing (with `--backing-chain` it
-        // fails too).
-        Err(e) if !backing_chain && matches!(e.kind, ErrorKind::MissingBacking { .. }) => {
+        // image whose backing file is missing or unusable (with
+        // `--backing-chain` it fails too).
+        Err(e) if !backing_chain && e.concerns_the_backing_chain_of(image) => {
             tracing::warn!("{e}: the image alone is shown");
             vec![lone_image_info(image)?]
         }

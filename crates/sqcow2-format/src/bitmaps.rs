@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::bytes::be_u32;
+use crate::bytes::{be_u32, be_u64};
 use crate::error::ErrorKind;
 use crate::extension::{HeaderExtension, EXT_BITMAPS};
 use crate::header::Header;
@@ -16,6 +16,10 @@ const ENTRY_FIXED: usize = 24;
 const MAX_NAME: usize = 1023;
 /// QEMU's granularity limits (bits).
 const GRANULARITY_BITS: std::ops::RangeInclusive<u8> = 9..=31;
+/// QEMU's limit on a bitmap table's entries.
+const MAX_TABLE_SIZE: u32 = 0x800_0000;
+/// The one bitmap type there is.
+const TYPE_DIRTY_TRACKING: u8 = 1;
 const FLAG_IN_USE: u32 = 1;
 const FLAG_AUTO: u32 = 2;
 
@@ -59,26 +63,42 @@ pub fn describe_bitmaps(
     }
     let mut dir = vec![0u8; size];
     storage.read_at(&mut dir, ext.directory_offset)?;
+    let cluster = header.geometry.cluster_size();
     let mut out = Vec::new();
     let mut pos = 0usize;
-    for _ in 0..ext.nb_bitmaps {
+    // QEMU's checks of each entry, and of the directory as a whole.
+    while pos < dir.len() {
         let fixed = dir
-            .get(pos..pos + ENTRY_FIXED)
+            .get(pos..pos.saturating_add(ENTRY_FIXED))
             .ok_or_else(|| invalid(pos, "entry beyond the directory"))?;
+        let table_offset = be_u64(fixed, 0);
+        let table_size = be_u32(fixed, 8);
         let flags = be_u32(fixed, 12);
+        let kind = fixed[16];
         let granularity_bits = fixed[17];
         let name_size = usize::from(u16::from_be_bytes([fixed[18], fixed[19]]));
-        let extra = be_u32(fixed, 20) as usize;
-        if !GRANULARITY_BITS.contains(&granularity_bits) {
-            return Err(invalid(pos, "granularity out of range"));
+        let extra = be_u32(fixed, 20);
+        if table_size == 0
+            || table_size > MAX_TABLE_SIZE
+            || table_offset == 0
+            || table_offset % cluster != 0
+            || !GRANULARITY_BITS.contains(&granularity_bits)
+            || flags & !(FLAG_IN_USE | FLAG_AUTO) != 0
+            || name_size > MAX_NAME
+            || kind != TYPE_DIRTY_TRACKING
+        {
+            return Err(invalid(pos, "invalid entry"));
         }
-        if name_size == 0 || name_size > MAX_NAME {
-            return Err(invalid(pos, "name length out of range"));
+        if extra != 0 {
+            return Err(invalid(pos, "extra data is not supported"));
         }
-        let name_start = pos + ENTRY_FIXED + extra;
+        let name_start = pos.saturating_add(ENTRY_FIXED);
+        let name_end = name_start.saturating_add(name_size);
         let name = dir
-            .get(name_start..name_start + name_size)
+            .get(name_start..name_end)
             .ok_or_else(|| invalid(pos, "name beyond the directory"))?;
+        // As QEMU reads it: up to the first NUL.
+        let name = name.split(|&b| b == 0).next().unwrap_or_default();
         out.push(BitmapInfo {
             flags: [(FLAG_IN_USE, "in-use"), (FLAG_AUTO, "auto")]
                 .into_iter()
@@ -88,7 +108,16 @@ pub fn describe_bitmaps(
             name: String::from_utf8_lossy(name).into_owned(),
             granularity: 1u64 << granularity_bits,
         });
-        pos = (name_start + name_size).next_multiple_of(8);
+        if out.len() > ext.nb_bitmaps as usize {
+            return Err(invalid(pos, "more entries than bitmaps"));
+        }
+        pos = name_end.next_multiple_of(8);
+    }
+    if out.len() != ext.nb_bitmaps as usize || pos != dir.len() {
+        return Err(invalid(
+            pos,
+            "fewer entries than bitmaps, or bytes after the last",
+        ));
     }
     Ok(out)
 }

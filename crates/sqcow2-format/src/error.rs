@@ -340,6 +340,29 @@ pub enum ErrorKind {
     },
 }
 
+impl Error {
+    /// Whether the error is about the image's backing chain rather than
+    /// the image itself: a layer below it, or the backing file it names
+    /// (missing, of the wrong format, a loop, too deep, ...). `qemu-img
+    /// info` (which does not open the chain) shows such an image; `qemu-img
+    /// check` (which does) fails on it.
+    pub fn concerns_the_backing_chain_of(&self, image: &std::path::Path) -> bool {
+        self.path != image
+            || matches!(
+                self.kind,
+                ErrorKind::MissingBacking { .. }
+                    | ErrorKind::BackingProtocol(_)
+                    | ErrorKind::UnsupportedBackingFormat(_)
+                    | ErrorKind::UnknownBackingFormat(_)
+                    | ErrorKind::BackingNotQcow2(_)
+                    | ErrorKind::BackingLoop(_)
+                    | ErrorKind::BackingOutsideRoot { .. }
+                    | ErrorKind::ChainTooDeep { .. }
+                    | ErrorKind::ChainMetadataTooLarge { .. }
+            )
+    }
+}
+
 /// A qcow2 feature that sqcow2 does not implement, named in errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -173,7 +173,10 @@ impl LayerFingerprint {
 pub enum Stale {
     /// The top has no sQcow2 extension.
     NotIndexed,
-    /// The index file is missing or unreadable.
+    /// The index file does not exist (not written yet: an offline
+    /// snapshot defers it; or removed).
+    NotWritten,
+    /// The index file cannot be opened or read.
     Missing(String),
     /// The file is shorter than its structures.
     Truncated,
@@ -207,7 +210,8 @@ impl fmt::Display for Stale {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Stale::NotIndexed => f.write_str("no chain index"),
-            Stale::Missing(e) => write!(f, "index file missing: {e}"),
+            Stale::NotWritten => f.write_str("index file missing: not written yet, or removed"),
+            Stale::Missing(e) => write!(f, "index file unreadable: {e}"),
             Stale::Truncated => f.write_str("index file truncated"),
             Stale::Format(e) => write!(f, "index file format: {e}"),
             Stale::Checksum(what) => write!(f, "{what} checksum mismatch"),
@@ -448,6 +452,16 @@ fn read(storage: &dyn Storage, offset: u64, len: u64, file_size: u64) -> Result<
         .read_at(&mut buf, offset)
         .map_err(|e| Stale::Missing(e.to_string()))?;
     Ok(buf)
+}
+
+impl Stale {
+    /// Why opening the index file at a path failed.
+    pub(crate) fn from_open_error(e: &std::io::Error) -> Stale {
+        match e.kind() {
+            std::io::ErrorKind::NotFound => Stale::NotWritten,
+            _ => Stale::Missing(e.to_string()),
+        }
+    }
 }
 
 impl ChainIndex {

@@ -153,7 +153,7 @@ pub fn open_index(
     }
     if stale_expected {
         tracing::info!(index = %path.display(), %reason, "chain index not used until it is rebuilt: walking the chain");
-    } else if matches!(reason, Stale::Missing(_)) && top <= MAX_PENDING_LAYERS {
+    } else if reason == Stale::NotWritten && top <= MAX_PENDING_LAYERS {
         // Not written yet (a snapshot defers it) over a chain no longer
         // than a lent index may leave to walk: nothing an operator must
         // chase.
@@ -203,7 +203,7 @@ fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
         });
     }
     let storage: Arc<dyn Storage> =
-        Arc::new(FileStorage::open_read_only(&path).map_err(|e| Stale::Missing(e.to_string()))?);
+        Arc::new(FileStorage::open_read_only(&path).map_err(|e| Stale::from_open_error(&e))?);
     let index = ChainIndex::open(&path, storage)?;
     let upto = owner - 1;
     let top_name = layers[owner]

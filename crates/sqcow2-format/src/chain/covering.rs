@@ -87,7 +87,7 @@ impl Chain {
     pub fn install_index(&self, path: &Path) -> Result<Installed, Error> {
         let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
         let storage: Arc<dyn Storage> = Arc::new(
-            FileStorage::open_read_only(path).map_err(|e| stale(Stale::Missing(e.to_string())))?,
+            FileStorage::open_read_only(path).map_err(|e| stale(Stale::from_open_error(&e)))?,
         );
         let index = ChainIndex::open(path, storage).map_err(stale)?;
         let covered = index.layers().len();

@@ -173,6 +173,11 @@ pub struct Chain {
     /// assumed for splitting writes, which it refuses anyway).
     top_geometry: Geometry,
     data_reads: Vec<AtomicU64>,
+    /// For each layer below the top, the smallest virtual size from it up
+    /// to the top (excluded): where a walk down for an unallocated offset
+    /// ends, found by a binary search (`map`'s depths). Built when first
+    /// needed.
+    size_floors: std::sync::OnceLock<Vec<u64>>,
     active: Option<Arc<Active>>,
     /// Transfers in flight, which a flush waits for before it makes
     /// released clusters reusable.

@@ -421,6 +421,7 @@ impl Chain {
         };
         Ok(Chain {
             data_reads: layers.iter().map(|_| AtomicU64::new(0)).collect(),
+            size_floors: Default::default(),
             storages: layers.iter().map(|l| l.storage().clone()).collect(),
             layers,
             files,

@@ -413,6 +413,7 @@ impl Chain {
             .collect();
         Ok(Chain {
             data_reads,
+            size_floors: Default::default(),
             storages: layers.iter().map(|l| l.storage().clone()).collect(),
             layers,
             files: self.files.clone(),

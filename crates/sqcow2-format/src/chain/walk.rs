@@ -145,23 +145,34 @@ impl Chain {
     /// no layer from `from` down maps: the first whose backing ends at or
     /// before `start` (QEMU reads zeros there), or the base; `len` is
     /// trimmed as the walk trims it (to each lower layer it steps into).
-    /// One step per layer: for read-outs only.
+    /// The walk reached `from`, so every layer from `from` up to the top
+    /// is larger than `start` and `len` already fits them: the floors
+    /// taken up to the top answer as floors taken up to `from` would.
     fn walk_end_unallocated(
         &self,
         from: LayerIndex,
         start: GuestOffset,
         len: &mut u64,
     ) -> LayerIndex {
-        let mut i = from.0;
-        while i > 0 {
-            let below = self.layers[i - 1].virtual_size();
-            if start.0 >= below {
-                break;
+        let floors = self.size_floors.get_or_init(|| {
+            let top = self.top_index().0;
+            let mut floors = vec![0u64; top];
+            let mut min = u64::MAX;
+            for j in (0..top).rev() {
+                min = min.min(self.layers[j].virtual_size());
+                floors[j] = min;
             }
-            *len = (*len).min(below - start.0);
-            i -= 1;
+            floors
+        });
+        // Floors grow with the layer: the layers at or below the last one
+        // whose floor is at most `start` are not stepped into.
+        let below = floors[..from.0.min(floors.len())].partition_point(|&f| f <= start.0);
+        if let Some(&floor) = floors.get(below) {
+            if below < from.0 {
+                *len = (*len).min(floor - start.0);
+            }
         }
-        LayerIndex(i)
+        LayerIndex(below)
     }
 
     /// The extent at `start` (at most `len` bytes) from the chain index,

@@ -152,7 +152,7 @@ pub fn rebase(
         // Unsafe mode only renames: the new backing file may not exist
         // yet (QEMU does not open it either). The rename is done; the
         // index, now stale, is rebuilt when the chain can be opened.
-        Err(e) if options.unsafe_names_only => {
+        Err(e) if options.unsafe_names_only && e.concerns_the_backing_chain_of(image) => {
             tracing::warn!(
                 "{}: backing file renamed; chain index not rebuilt: {e}",
                 image.display()
