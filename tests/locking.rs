@@ -399,3 +399,80 @@ fn a_chain_closed_while_children_start_can_be_opened_for_writing_at_once() {
         &failures[..failures.len().min(3)]
     );
 }
+
+/// `convert` and `create` never empty a file another process uses, nor
+/// the image being converted or a layer of its chain, nor make an image
+/// its own backing file: each refused as qemu-img refuses it, the file
+/// untouched.
+#[test]
+fn convert_and_create_never_overwrite_a_file_in_use() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let top = chain(dir);
+    let run = |program: &str, args: &[&str]| -> bool {
+        let program = if program == "sqcow2" {
+            sqcow2_bin()
+        } else {
+            PathBuf::from(program)
+        };
+        run_raw(Command::new(program).current_dir(dir).args(args))
+            .status
+            .success()
+    };
+    let unchanged = |what: &str, file: &Path, op: &dyn Fn() -> bool| {
+        let before = std::fs::read(file).unwrap();
+        assert!(!op(), "{what}: succeeded");
+        assert!(
+            std::fs::read(file).unwrap() == before,
+            "{what}: the file changed"
+        );
+    };
+    let other = dir.join("other.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&other), "1M"]);
+    let mid = dir.join("mid.qcow2");
+    {
+        let _qsd = Server::start(Who::Qemu, true, dir, "held", &top).unwrap();
+        for target in [&top, &mid] {
+            for program in ["qemu-img", "sqcow2"] {
+                unchanged(
+                    &format!("{program} convert onto {target:?} in use"),
+                    target,
+                    &|| run(program, &["convert", "-O", "raw", s(&other), s(target)]),
+                );
+                unchanged(
+                    &format!("{program} create over {target:?} in use"),
+                    target,
+                    &|| run(program, &["create", "-f", "qcow2", s(target), "1M"]),
+                );
+            }
+        }
+    }
+    for target in [&top, &mid] {
+        unchanged(
+            &format!("convert of the chain onto {target:?}"),
+            target,
+            &|| run("sqcow2", &["convert", "-O", "raw", s(&top), s(target)]),
+        );
+    }
+    for program in ["qemu-img", "sqcow2"] {
+        unchanged(
+            &format!("{program} create as its own backing file"),
+            &other,
+            &|| {
+                run(
+                    program,
+                    &[
+                        "create",
+                        "-f",
+                        "qcow2",
+                        "-b",
+                        "other.qcow2",
+                        "-F",
+                        "qcow2",
+                        "other.qcow2",
+                    ],
+                )
+            },
+        );
+    }
+}

@@ -3,12 +3,13 @@
 
 use std::fs::OpenOptions;
 use std::io::IsTerminal;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use sqcow2_format::{Chain, ChainOptions, ExtentKind, GuestOffset};
+use sqcow2_format::storage::{FileStorage, Storage};
+use sqcow2_format::{Chain, ChainOptions, ExtentKind, GuestOffset, LockRequest};
 
 /// Formats `convert` can write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -44,13 +45,36 @@ pub fn run(
 ) -> anyhow::Result<()> {
     let chain = Chain::open(src, options)?;
     let size = chain.virtual_size();
+    // Not truncated before it is known to be free: a file of the chain
+    // read here is refused by name, and any file another process (or
+    // this chain) holds is refused by its image lock, as `qemu-img
+    // convert` takes a writer's lock on its target first.
     let out = OpenOptions::new()
+        .read(true)
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .open(dst)
         .with_context(|| format!("{}: cannot create", dst.display()))?;
-    out.set_len(size)
+    let target = out
+        .metadata()
+        .with_context(|| format!("{}: cannot stat", dst.display()))?;
+    let id = (target.dev(), target.ino());
+    if chain
+        .layers()
+        .iter()
+        .any(|l| l.storage().file_id() == Some(id))
+    {
+        bail!(
+            "{}: is a file of the chain being converted; not overwritten",
+            dst.display()
+        );
+    }
+    let out = FileStorage::from_file(out);
+    out.lock(LockRequest::WRITER, options.locking)
+        .map_err(|k| sqcow2_format::Error::new(dst, k))?;
+    out.set_len(0)
+        .and_then(|()| out.set_len(size))
         .with_context(|| format!("{}: cannot set size", dst.display()))?;
     let bar = progress_bar(size, progress);
     let mut buf = vec![0u8; CHUNK as usize];
@@ -62,14 +86,14 @@ pub fn run(
             let chunk = &mut buf[..n as usize];
             chain.read_at(chunk, pos)?;
             if chunk.iter().any(|&b| b != 0) {
-                out.write_all_at(chunk, pos)
+                out.write_at(chunk, pos)
                     .with_context(|| format!("{}: write failed", dst.display()))?;
             }
         }
         pos += n;
         bar.inc(n);
     }
-    out.sync_all()
+    out.sync()
         .with_context(|| format!("{}: sync failed", dst.display()))?;
     bar.finish_and_clear();
     Ok(())

@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::create::{create_with_locking, CreateOptions};
 use sqcow2_format::resolve_backing_path;
-use sqcow2_format::{Chain, ChainOptions, CompressionType, Version};
+use sqcow2_format::{Chain, ChainOptions, CompressionType, Locking, Version};
 
 use crate::output::parse_size;
 
@@ -57,6 +57,7 @@ pub fn run(
     backing: Option<&Path>,
     backing_format: Option<&str>,
     options: &[String],
+    locking: Locking,
 ) -> anyhow::Result<()> {
     let mut opts = CreateOptions::default();
     for spec in options {
@@ -98,6 +99,6 @@ pub fn run(
         (None, Some(s)) => s,
         (None, None) => bail!("{}: give a size (or a backing file)", file.display()),
     };
-    create(file, &opts)?;
+    create_with_locking(file, &opts, locking)?;
     Ok(())
 }

@@ -307,6 +307,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             backing.as_deref(),
             backing_format.as_deref(),
             &options,
+            locking,
         )
         .map(|()| ExitCode::SUCCESS),
         Command::Check {

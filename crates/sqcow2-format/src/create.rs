@@ -8,9 +8,11 @@ use crate::error::{Error, ErrorKind};
 use crate::extension::{EXT_BACKING_FORMAT, EXT_FEATURE_TABLE};
 use crate::features::{COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION, INCOMPAT_EXTL2};
 use crate::header::{CompressionType, Version, MAX_BACKING_NAME, QCOW2_MAGIC};
+use crate::lock::{LockRequest, Locking};
 use crate::refcount::set_entry;
 use crate::storage::{FileStorage, Storage};
 use crate::types::Geometry;
+use std::os::unix::fs::MetadataExt;
 
 /// Bytes per sector: an image's size is a whole number of them.
 const SECTOR: u64 = 512;
@@ -282,17 +284,49 @@ pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageL
     Ok((image, layout))
 }
 
-/// Creates (or overwrites) the image at `path`.
+/// Creates (or overwrites) the image at `path` ([`create_with_locking`],
+/// QEMU's locks taken where the filesystem has them).
 pub fn create(path: &Path, opts: &CreateOptions) -> Result<(), Error> {
+    create_with_locking(path, opts, Locking::Auto)
+}
+
+/// Creates (or overwrites) the image at `path`, as `qemu-img create`: a
+/// file named as its own backing file is refused, and an existing file
+/// is emptied only once this process holds a writer's image lock on it
+/// (another process using it, or a chain of this one, refuses it,
+/// untouched).
+pub fn create_with_locking(
+    path: &Path,
+    opts: &CreateOptions,
+    locking: Locking,
+) -> Result<(), Error> {
     let e = |k: ErrorKind| Error::new(path, k);
+    if let Some(backing) = &opts.backing_file {
+        let resolved = crate::resolve_backing_path(path, backing).map_err(e)?;
+        let same_file = match (std::fs::metadata(path), std::fs::metadata(&resolved)) {
+            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+            _ => false,
+        };
+        if same_file || resolved == path {
+            return Err(e(ErrorKind::InvalidBackingName(
+                "the image cannot be its own backing file".into(),
+            )));
+        }
+    }
     let bytes = image_bytes(opts).map_err(e)?;
-    OpenOptions::new()
+    let file = OpenOptions::new()
+        .read(true)
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .open(path)
         .map_err(|io| e(io.into()))?;
-    write_image(path, &bytes)
+    let storage = FileStorage::from_file(file);
+    storage.lock(LockRequest::WRITER, locking).map_err(e)?;
+    storage.set_len(0).map_err(|io| e(io.into()))?;
+    storage.write_at(&bytes, 0).map_err(|io| e(io.into()))?;
+    storage.sync().map_err(|io| e(io.into()))?;
+    Ok(())
 }
 
 /// Creates the image at `path` as a temporary file that nothing else
