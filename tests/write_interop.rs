@@ -962,3 +962,31 @@ fn check_ends_the_image_at_a_leaked_last_cluster_as_qemu_does() {
     assert_eq!(theirs.2, (leaked + 1) * cluster);
     assert_eq!(report(&common::sqcow2_bin()), theirs);
 }
+
+/// `io` runs every command around one that does not parse, as qemu-io
+/// does (the bad one reported, exit code 1), instead of none of them.
+#[test]
+fn io_runs_every_command_around_a_bad_one_as_qemu_io() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (theirs, ours) = (tmp.path().join("q.qcow2"), tmp.path().join("s.qcow2"));
+    for p in [&theirs, &ours] {
+        qemu_img(&["create", "-q", "-f", "qcow2", s(p), "4M"]);
+    }
+    let cmds = ["write -P 3 0 512", "bogus", "read 0", "write -P 4 512 512"];
+    let mut q = Command::new("qemu-io");
+    let mut o = Command::new(common::sqcow2_bin());
+    o.arg("io");
+    for c in cmds {
+        q.args(["-c", c]);
+        o.args(["-c", c]);
+    }
+    let qc = run_raw(q.arg(&theirs)).status.code();
+    let oc = run_raw(o.arg(&ours)).status.code();
+    assert_eq!((oc, qc), (Some(1), Some(1)));
+    assert_eq!(
+        common::qemu_raw(&ours, tmp.path()),
+        common::qemu_raw(&theirs, tmp.path())
+    );
+    let data = common::qemu_raw(&ours, tmp.path());
+    assert_eq!(&data[..1024], &[[3u8; 512], [4u8; 512]].concat()[..]);
+}

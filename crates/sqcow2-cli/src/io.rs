@@ -173,11 +173,13 @@ pub fn run(
     read_only: bool,
     options: &ChainOptions,
 ) -> anyhow::Result<ExitCode> {
-    let cmds = commands
+    // As qemu-io: a command that does not parse is reported when its turn
+    // comes, and the others still run (exit code 1).
+    let cmds: Vec<(&String, anyhow::Result<(Cmd, bool)>)> =
+        commands.iter().map(|c| (c, parse(c))).collect();
+    let writes = cmds
         .iter()
-        .map(|c| parse(c).with_context(|| format!("command {c:?}")))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let writes = cmds.iter().any(|(c, _)| !matches!(c, Cmd::Read { .. }));
+        .any(|(_, c)| matches!(c, Ok((c, _)) if !matches!(c, Cmd::Read { .. })));
     if writes && read_only {
         bail!(
             "{}: write commands on an image opened with -r",
@@ -191,7 +193,16 @@ pub fn run(
     let chain = Chain::open(image, &options)?;
     let mut out = std::io::stdout().lock();
     let mut ok = true;
-    for (cmd, quiet) in &cmds {
+    for (text, parsed) in &cmds {
+        let (cmd, quiet) = match parsed {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                out.flush()?;
+                eprintln!("sqcow2: command {text:?}: {e:#}");
+                ok = false;
+                continue;
+            }
+        };
         match execute(&chain, cmd, *quiet, &mut out) {
             Ok(true) => {}
             Ok(false) => ok = false,
