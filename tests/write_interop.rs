@@ -990,3 +990,81 @@ fn io_runs_every_command_around_a_bad_one_as_qemu_io() {
     let data = common::qemu_raw(&ours, tmp.path());
     assert_eq!(&data[..1024], &[[3u8; 512], [4u8; 512]].concat()[..]);
 }
+
+/// `create -u` (the backing file not opened: it may not exist yet) and
+/// `-o preallocation=off` are accepted as qemu-img accepts them; `convert
+/// -p` shows its progress where standard error is not a terminal (a log).
+#[test]
+fn create_u_preallocation_off_and_convert_p_as_documented() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let ok = |program: &Path, args: &[&str]| {
+        let out = run_raw(Command::new(program).current_dir(dir).args(args));
+        assert!(
+            out.status.success(),
+            "{program:?} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    };
+    let ours = common::sqcow2_bin();
+    for (program, name) in [
+        (Path::new("qemu-img"), "q.qcow2"),
+        (ours.as_path(), "s.qcow2"),
+    ] {
+        ok(
+            program,
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-u",
+                "-b",
+                "later.qcow2",
+                "-F",
+                "qcow2",
+                name,
+                "1M",
+            ],
+        );
+        ok(
+            program,
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                "preallocation=off",
+                &format!("p{name}"),
+                "1M",
+            ],
+        );
+    }
+    let info = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&qemu_img(&[
+            "info",
+            "-U",
+            "--output",
+            "json",
+            s(&dir.join(name)),
+        ]))
+        .unwrap()
+    };
+    for k in [
+        "backing-filename",
+        "backing-filename-format",
+        "virtual-size",
+    ] {
+        assert_eq!(info("s.qcow2")[k], info("q.qcow2")[k], "{k}");
+    }
+    let src = dir.join("src.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&src), "64M"]);
+    let out = ok(
+        &ours,
+        &["convert", "-p", "-O", "raw", "src.qcow2", "dst.raw"],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains('%'),
+        "no progress line"
+    );
+}

@@ -2,12 +2,10 @@
 //! sparse raw file.
 
 use std::fs::OpenOptions;
-use std::io::IsTerminal;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use anyhow::{bail, Context};
-use indicatif::{ProgressBar, ProgressStyle};
 use sqcow2_format::storage::{FileStorage, Storage};
 use sqcow2_format::{Chain, ChainOptions, ExtentKind, GuestOffset, LockRequest};
 
@@ -20,20 +18,6 @@ pub enum TargetFormat {
 
 /// Largest read issued at once.
 const CHUNK: u64 = 4 << 20;
-
-fn progress_bar(len: u64, forced: bool) -> ProgressBar {
-    if !forced && !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:40} {percent:>3}% {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
-}
 
 /// Runs `sqcow2 convert -O raw`.
 pub fn run(
@@ -76,7 +60,11 @@ pub fn run(
     out.set_len(0)
         .and_then(|()| out.set_len(size))
         .with_context(|| format!("{}: cannot set size", dst.display()))?;
-    let bar = progress_bar(size, progress);
+    let bar = crate::output::progress_bar(
+        size,
+        progress,
+        "{bar:40} {percent:>3}% {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    );
     let mut buf = vec![0u8; CHUNK as usize];
     let mut pos = 0u64;
     while pos < size {

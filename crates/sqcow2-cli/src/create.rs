@@ -44,6 +44,14 @@ fn apply_options(opts: &mut CreateOptions, spec: &str) -> anyhow::Result<()> {
             "refcount_bits" => opts.refcount_bits = value.parse()?,
             "backing_file" => opts.backing_file = Some(PathBuf::from(value)),
             "backing_fmt" => opts.backing_format = Some(value.to_owned()),
+            "preallocation" => match value {
+                // qemu-img's default: nothing to do.
+                "off" => {}
+                "metadata" | "falloc" | "full" => {
+                    bail!("preallocation={value} is not supported (off only)")
+                }
+                _ => bail!("preallocation must be off, metadata, falloc or full"),
+            },
             _ => bail!("unknown option {key:?}"),
         }
     }
@@ -57,6 +65,7 @@ pub fn run(
     backing: Option<&Path>,
     backing_format: Option<&str>,
     options: &[String],
+    unsafe_backing: bool,
     locking: Locking,
 ) -> anyhow::Result<()> {
     let mut opts = CreateOptions::default();
@@ -70,6 +79,17 @@ pub fn run(
         opts.backing_format = Some(f.to_owned());
     }
     let backing_size = match &opts.backing_file {
+        // `-u`: the backing file is not opened (it may not exist yet): the
+        // size and the format must be given.
+        Some(_) if unsafe_backing => {
+            if opts.backing_format.is_none() {
+                bail!(
+                    "{}: give the backing format with -F when -u is given",
+                    file.display()
+                );
+            }
+            None
+        }
         Some(name) => {
             let path = resolve_backing_path(file, name)?;
             let format = match opts.backing_format.as_deref() {

@@ -1,24 +1,20 @@
 //! `sqcow2 upgrade` and `sqcow2 snapshot`: create chain indexes.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::Path;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use sqcow2_format::indexing::{snapshot, upgrade, SnapshotIndex};
 use sqcow2_format::Locking;
 
 use crate::output::{print_json, OutputFormat};
 
 fn bar(forced: bool) -> ProgressBar {
-    if !forced && !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{msg} {bar:40} {percent:>3}% {pos}/{len} chunks eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
+    crate::output::progress_bar(
+        0,
+        forced,
+        "{msg} {bar:40} {percent:>3}% {pos}/{len} chunks eta {eta}",
+    )
 }
 
 /// Runs `sqcow2 upgrade TOP`.

@@ -161,9 +161,14 @@ enum Command {
         #[arg(short = 'F')]
         backing_format: Option<String>,
         /// Options: cluster_size, extended_l2, compression_type,
-        /// lazy_refcounts, compat, refcount_bits.
+        /// lazy_refcounts, compat, refcount_bits, backing_file,
+        /// backing_fmt, preallocation (off only).
         #[arg(short = 'o')]
         options: Vec<String>,
+        /// Do not open the backing file (it may not exist yet): give the
+        /// size and -F (qemu-img's -u).
+        #[arg(short = 'u')]
+        unsafe_backing: bool,
         /// Image to create.
         file: PathBuf,
         /// Virtual size (defaults to the backing file's).
@@ -298,6 +303,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             backing,
             backing_format,
             options,
+            unsafe_backing,
             file,
             size,
             ..
@@ -307,6 +313,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             backing.as_deref(),
             backing_format.as_deref(),
             &options,
+            unsafe_backing,
             locking,
         )
         .map(|()| ExitCode::SUCCESS),

@@ -55,3 +55,77 @@ mod tests {
         assert_eq!(human_size(1536), "1.5 KiB");
     }
 }
+
+/// A progress bar with `template` on standard error: drawn in place on a
+/// terminal; where standard error is not one, hidden, or with `forced`
+/// (`-p`) one plain line a second (a log keeps them).
+pub fn progress_bar(len: u64, forced: bool, template: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
+    if !forced && !terminal {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = if terminal {
+        indicatif::ProgressBar::new(len)
+    } else {
+        indicatif::ProgressBar::with_draw_target(
+            Some(len),
+            indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(LineTerm::default()), 1),
+        )
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Standard error as a terminal that cannot move its cursor: a draw a
+/// second at most, each a new line.
+#[derive(Debug, Default)]
+struct LineTerm {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl indicatif::TermLike for LineTerm {
+    fn width(&self) -> u16 {
+        100
+    }
+    fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        self.write_str(s)
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        // Each draw a line of its own (the padding that would overwrite
+        // the previous one in place dropped).
+        let line = s.trim_end();
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if line.is_empty() || last.is_some_and(|t| t.elapsed().as_millis() < 1000) {
+            return Ok(());
+        }
+        *last = Some(std::time::Instant::now());
+        writeln!(std::io::stderr().lock(), "{line}")
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        use std::io::Write;
+        std::io::stderr().flush()
+    }
+}

@@ -1,10 +1,10 @@
 //! `sqcow2 commit`, `rebase` and `merge`: shortening and re-pointing
 //! chains (the first two with `qemu-img`'s options and exit codes).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use sqcow2_format::reshape::{
     commit, merge, rebase, CommitOptions, LayerRef, MergeOptions, RebaseOptions,
 };
@@ -124,15 +124,14 @@ pub struct MergeArgs {
 }
 
 fn bar(forced: bool, quiet: bool) -> ProgressBar {
-    if quiet || (!forced && !std::io::stderr().is_terminal()) {
+    if quiet {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {percent:>3}% {bytes}/{total_bytes} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
+    crate::output::progress_bar(
+        0,
+        forced,
+        "{bar:40} {percent:>3}% {bytes}/{total_bytes} eta {eta}",
+    )
 }
 
 fn progress_of(pb: &ProgressBar) -> impl FnMut(u64, u64) + '_ {
