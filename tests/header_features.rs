@@ -26,6 +26,13 @@ fn info_json(p: &Path) -> serde_json::Value {
     serde_json::from_str(&sqcow2(&["info", "--output", "json", s(p)])).unwrap()
 }
 
+/// The exit code of `program args`.
+fn exit_code(program: &Path, args: &[&str]) -> Option<i32> {
+    common::run_raw(Command::new(program).args(args))
+        .status
+        .code()
+}
+
 #[test]
 fn persistent_bitmap() {
     let tmp = tempfile::tempdir().unwrap();
@@ -329,11 +336,7 @@ fn an_image_marked_corrupt_reads_as_in_qemu_and_is_written_by_repair_only() {
     assert_same_as_qemu(&top);
 
     let before = std::fs::read(&p).unwrap();
-    let status = |program: &Path, args: &[&str]| {
-        common::run_raw(Command::new(program).args(args))
-            .status
-            .code()
-    };
+    let status = exit_code;
     let ours = common::sqcow2_bin();
     assert_ne!(
         status(&ours, &["io", "-c", "write -P 1 0 4k", s(&p)]),
@@ -532,11 +535,7 @@ fn a_broken_bitmap_directory_fails_info_as_in_qemu() {
     // (no extra data), the type at 16 of them.
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.write_all_at(&[2], name_at - 24 + 16).unwrap();
-    let status = |program: &Path| {
-        common::run_raw(Command::new(program).args(["info", "--output", "json", s(&p)]))
-            .status
-            .code()
-    };
+    let status = |program: &Path| exit_code(program, &["info", "--output", "json", s(&p)]);
     assert_ne!(status(Path::new("qemu-img")), Some(0));
     assert_eq!(status(&common::sqcow2_bin()), Some(1));
 }
@@ -549,24 +548,8 @@ fn an_unusable_backing_file_is_met_as_qemu_img_meets_it() {
     let base = tmp.path().join("base.img");
     std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
     let top = tmp.path().join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.img",
-        "-F",
-        "qcow2",
-        "-u",
-        s(&top),
-        "1M",
-    ]);
-    let code = |program: &Path, args: &[&str]| {
-        common::run_raw(Command::new(program).args(args))
-            .status
-            .code()
-    };
+    common::qemu_overlay(&top, "base.img", "qcow2", &["-u"], Some("1M"));
+    let code = exit_code;
     let ours = common::sqcow2_bin();
     for args in [&["info", s(&top)][..], &["check", s(&top)][..]] {
         assert_eq!(

@@ -117,24 +117,24 @@ fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<Laye
         format_specific: match header {
             Some(h) => Some(FormatSpecific {
                 format: "qcow2",
-                data: Qcow2Info {
-                    bitmaps: describe_bitmaps(h, &**layer.storage())
+                data: qcow2_info(
+                    h,
+                    describe_bitmaps(h, &**layer.storage())
                         .with_context(|| format!("{}: bitmap directory", layer.path().display()))?,
-                    ..qcow2_info(h)
-                },
+                ),
             }),
             None => None,
         },
     })
 }
 
-fn qcow2_info(h: &sqcow2_format::Header) -> Qcow2Info {
+fn qcow2_info(h: &sqcow2_format::Header, bitmaps: Vec<BitmapInfo>) -> Qcow2Info {
     let v3 = h.version == Version::V3;
     Qcow2Info {
         compat: if v3 { "1.1" } else { "0.10" },
         compression_type: h.compression_type.name(),
         lazy_refcounts: v3.then(|| h.lazy_refcounts()),
-        bitmaps: Vec::new(),
+        bitmaps,
         refcount_bits: 1 << h.refcount_order,
         corrupt: v3.then_some(h.is_marked_corrupt()),
         extended_l2: v3.then_some(h.geometry.extended_l2),

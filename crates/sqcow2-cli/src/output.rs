@@ -111,14 +111,17 @@ impl indicatif::TermLike for LineTerm {
         // Each draw a line of its own (the padding that would overwrite
         // the previous one in place dropped).
         let line = s.trim_end();
-        let mut last = self
-            .last
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if line.is_empty() || last.is_some_and(|t| t.elapsed().as_millis() < 1000) {
-            return Ok(());
+        {
+            // Not held across the write.
+            let mut last = self
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if line.is_empty() || last.is_some_and(|t| t.elapsed().as_millis() < 1000) {
+                return Ok(());
+            }
+            *last = Some(std::time::Instant::now());
         }
-        *last = Some(std::time::Instant::now());
         writeln!(std::io::stderr().lock(), "{line}")
     }
     fn clear_line(&self) -> std::io::Result<()> {

@@ -58,7 +58,8 @@ pub fn describe_bitmaps(
     // Bounded by the extension's validation (QEMU's limit: 64 MiB).
     let size = usize::try_from(ext.directory_size).map_err(|_| invalid(0, "too large"))?;
     let end = ext.directory_offset.checked_add(ext.directory_size);
-    if end.is_none_or(|end| end > storage.len().unwrap_or(0)) {
+    let file_size = storage.len()?;
+    if end.is_none_or(|end| end > file_size) {
         return Err(invalid(0, "extends beyond the end of the file"));
     }
     let mut dir = vec![0u8; size];

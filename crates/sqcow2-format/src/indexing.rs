@@ -117,10 +117,16 @@ fn layers_to_mark(chain: &Chain, upto: usize) -> impl Iterator<Item = &Layer> {
 }
 
 /// Refuses, before anything is written, an index build that would write
-/// into an image marked corrupt: a layer of `0..=upto` to mark, or `top`
+/// into an image marked corrupt: a layer of `0..=upto` that may need its
+/// mark (from the headers read at open: no file is read again), or `top`
 /// (which names the index).
 fn refuse_corrupt_targets(chain: &Chain, upto: usize, top: &Layer) -> Result<(), Error> {
-    for layer in layers_to_mark(chain, upto).chain(std::iter::once(top)) {
+    let unmarked = chain.layers()[..=upto].iter().filter(|layer| {
+        layer.header().is_some_and(|h| {
+            h.version == Version::V3 && h.features.autoclear & crate::index::AUTOCLEAR_SQCOW2 == 0
+        })
+    });
+    for layer in unmarked.chain(std::iter::once(top)) {
         if let Some(header) = layer.header() {
             header
                 .refuse_if_marked_corrupt()

@@ -133,6 +133,13 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
     }
 }
 
+/// What a qcow2 v3 image's header says of a writer that left it open.
+#[derive(Debug, Clone, Copy)]
+struct LeftOpen {
+    /// QEMU's corrupt mark is set too: only `check -r` may repair it.
+    marked_corrupt: bool,
+}
+
 /// Whether the qcow2 v3 image in `file` names a mapping journal: an
 /// sqcow2 writer had it open and did not close it (a live snapshot's
 /// daemon that died before the old top's close after the switch: its
@@ -143,15 +150,18 @@ fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), Error
 /// dirty (a writer with lazy refcounts, or without a journal, that died)
 /// is read as QEMU reads a backing file, without a repair: its mappings
 /// are all in its tables.
-fn journal_left_behind(file: &File) -> bool {
+fn journal_left_behind(file: &File) -> Option<LeftOpen> {
     use std::os::unix::fs::FileExt;
     let mut h = [0u8; field::REFCOUNT_ORDER];
-    if file.read_exact_at(&mut h, 0).is_err() {
-        return false;
-    }
-    crate::bytes::be_u32(&h, field::MAGIC) == QCOW2_MAGIC
+    file.read_exact_at(&mut h, 0).ok()?;
+    let journal = crate::bytes::be_u32(&h, field::MAGIC) == QCOW2_MAGIC
         && crate::bytes::be_u32(&h, field::VERSION) == 3
-        && crate::bytes::be_u64(&h, field::AUTOCLEAR_FEATURES) & AUTOCLEAR_JOURNAL != 0
+        && crate::bytes::be_u64(&h, field::AUTOCLEAR_FEATURES) & AUTOCLEAR_JOURNAL != 0;
+    journal.then(|| LeftOpen {
+        marked_corrupt: crate::bytes::be_u64(&h, field::INCOMPATIBLE_FEATURES)
+            & crate::features::INCOMPAT_CORRUPT
+            != 0,
+    })
 }
 
 /// Repairs the backing layer at `path` (opened as `opened`) that an
@@ -162,22 +172,20 @@ fn journal_left_behind(file: &File) -> bool {
 /// without locks gets no repair, the open fails and says why). Before the
 /// layer is opened and locked for reading; a read-write open of the chain
 /// only.
-fn repair_left_open(path: &Path, opened: &File, locking: Locking) -> Result<(), Error> {
+fn repair_left_open(
+    path: &Path,
+    opened: &File,
+    left: LeftOpen,
+    locking: Locking,
+) -> Result<(), Error> {
     // Marked corrupt: only an explicit `check -r` repairs it (as QEMU's
     // opens refuse to write it); not replayed, not read without its
     // journal either.
-    {
-        use std::os::unix::fs::FileExt;
-        let mut word = [0u8; 8];
-        opened
-            .read_exact_at(&mut word, field::INCOMPATIBLE_FEATURES as u64)
-            .map_err(|e| Error::new(path, e.into()))?;
-        if u64::from_be_bytes(word) & crate::features::INCOMPAT_CORRUPT != 0 {
-            return Err(Error::new(
-                path,
-                ErrorKind::Unsupported(crate::error::Feature::CorruptBit),
-            ));
-        }
+    if left.marked_corrupt {
+        return Err(Error::new(
+            path,
+            ErrorKind::Unsupported(crate::error::Feature::CorruptBit),
+        ));
     }
     tracing::warn!(path = %path.display(), "a backing layer was left open by an sqcow2 writer: repairing it");
     // The repair opens the path again: it must still be the file checked
@@ -284,8 +292,8 @@ fn open_layers(
         };
         if let (Some(_), Some(Opened::File(f))) = (&referrer, &file) {
             let raw = matches!(expect, Expect::Recorded(BackingFormat::Raw));
-            if options.writable && !raw && journal_left_behind(f) {
-                repair_left_open(&current, f, options.locking)?;
+            if let Some(left) = journal_left_behind(f).filter(|_| options.writable && !raw) {
+                repair_left_open(&current, f, left, options.locking)?;
             }
         }
         let layer =
