@@ -477,23 +477,41 @@ fn snapshots_extend_the_index_incrementally() {
     assert_eq!(out.status.code(), Some(1));
 }
 
-/// What a crash in the middle of `snapshot` leaves (temporary files) is
-/// ignored: the old chain reads as before and the snapshot can be redone.
+/// What a crash in the middle of `snapshot` leaves (its temporary files,
+/// recognised by their headers: an image marked unpublished, an index's
+/// magic) is removed by the next snapshot of that name; the old chain
+/// reads as before meanwhile. A file of the same name that sqcow2 did not
+/// make is refused, untouched.
 #[test]
 fn interrupted_snapshot_leaves_the_chain_usable() {
     let (tmp, top) = fresh_chain();
     let new = tmp.path().join("new.qcow2");
     // The state after a crash before the final rename: an index and a
-    // half-written image under their temporary names.
-    std::fs::write(tmp.path().join("new.qcow2.sqidx.tmp"), b"partial").unwrap();
-    std::fs::write(tmp.path().join("new.qcow2.tmp"), b"QFI\xfb partial").unwrap();
+    // half-written image under their temporary names (the image's header
+    // carries the unpublished bit, autoclear bit 61; the index its magic).
+    let mut image = std::fs::read(&top).unwrap();
+    image.truncate(4096);
+    image[88] |= 1 << 5;
+    std::fs::write(tmp.path().join("new.qcow2.sqtmp"), &image).unwrap();
+    std::fs::write(tmp.path().join("new.qcow2.sqidx.tmp"), b"SQC2INDX partial").unwrap();
     assert!(!new.exists());
     assert_valid(&top);
     assert_same_as_qemu(&top);
     sqcow2(&["snapshot", s(&top), s(&new)]);
+    assert!(!tmp.path().join("new.qcow2.sqtmp").exists());
+    assert!(!tmp.path().join("new.qcow2.sqidx.tmp").exists());
     assert_valid(&new);
     assert_same_as_qemu(&new);
     qemu_check_all(&new);
+    // Not sqcow2's: refused, kept.
+    let other = tmp.path().join("other.qcow2");
+    std::fs::write(tmp.path().join("other.qcow2.sqtmp"), b"QFI\xfb partial").unwrap();
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&other)]));
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        std::fs::read(tmp.path().join("other.qcow2.sqtmp")).unwrap(),
+        b"QFI\xfb partial"
+    );
 }
 
 /// An index whose checksums are intact but whose content is wrong (as a
@@ -669,7 +687,7 @@ fn snapshots_never_write_through_symlinks() {
     let victim = tmp.path().join("victim");
     std::fs::write(&victim, b"precious").unwrap();
     let new = tmp.path().join("new.qcow2");
-    std::os::unix::fs::symlink(&victim, tmp.path().join("new.qcow2.tmp")).unwrap();
+    std::os::unix::fs::symlink(&victim, tmp.path().join("new.qcow2.sqtmp")).unwrap();
     let out = run_raw(Command::new(common::sqcow2_bin()).args(["snapshot", s(&top), s(&new)]));
     assert_eq!(
         out.status.code(),
@@ -678,7 +696,7 @@ fn snapshots_never_write_through_symlinks() {
     );
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     assert!(std::fs::symlink_metadata(&new).is_err());
-    std::fs::remove_file(tmp.path().join("new.qcow2.tmp")).unwrap();
+    std::fs::remove_file(tmp.path().join("new.qcow2.sqtmp")).unwrap();
 
     let dangling = tmp.path().join("dangling.qcow2");
     std::os::unix::fs::symlink(tmp.path().join("nowhere.qcow2"), &dangling).unwrap();

@@ -308,7 +308,7 @@ fn refusals_cancel_and_a_chain_made_by_qemu() {
     let m = wait_merge(&ctl);
     assert_eq!(m["state"], "cancelled", "{m}");
     assert_eq!(layers(&ctl).len(), 5);
-    assert!(!dir.join("m.qcow2").exists() && !dir.join("m.qcow2.tmp").exists());
+    assert!(!dir.join("m.qcow2").exists() && !dir.join("m.qcow2.sqtmp").exists());
     // The same merge to the end: the layers below it carry no sQcow2 bit.
     merge_to_the_end(&ctl, 1, 3, &dir.join("m.qcow2"));
     assert_eq!(layers(&ctl).len(), 3);
@@ -350,9 +350,9 @@ fn inactivating_cancels_a_running_merge() {
     );
     for leftover in [
         "m.qcow2",
-        "m.qcow2.tmp",
+        "m.qcow2.sqtmp",
         "m.qcow2.sqidx",
-        "m.qcow2.tmp.sqjournal",
+        "m.qcow2.sqtmp.sqjournal",
     ] {
         assert!(
             !dir.join(leftover).exists(),

@@ -840,8 +840,8 @@ fn old_tops_are_read_only_locked_lower_layers_after_live_snapshots() {
 /// runs: the stop waits for the snapshot and stops the merge (its file
 /// removed), then flushes; whatever the moment, the daemon exits 0 and
 /// leaves no temporary file, no journal, no dirty layer (before, it
-/// exited under them: `new.qcow2.tmp`, or a new top left dirty with its
-/// journal, or `m.qcow2.tmp`).
+/// exited under them: the new top's temporary file, or a new top left
+/// dirty with its journal, or the merge's temporary file).
 #[test]
 fn sigterm_without_a_frontend_waits_for_snapshots_and_merges() {
     use std::io::Write as _;
@@ -868,7 +868,11 @@ fn sigterm_without_a_frontend_waits_for_snapshots_and_merges() {
         let mut left = Vec::new();
         for entry in std::fs::read_dir(tmp.path()).unwrap() {
             let name = entry.unwrap().file_name().to_string_lossy().into_owned();
-            if name.ends_with(".tmp") || name.contains(".sqjournal") || name.ends_with(".sock") {
+            if name.ends_with(".tmp")
+                || name.ends_with(".sqtmp")
+                || name.contains(".sqjournal")
+                || name.ends_with(".sock")
+            {
                 left.push(name);
             }
         }

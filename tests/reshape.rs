@@ -335,7 +335,7 @@ fn merge_and_check(dir: &Path, files: &[PathBuf], first: usize, last: usize) {
         files.len() - (last - first),
         "{chain}"
     );
-    assert!(!Path::new(&format!("{}.tmp", s(&merged))).exists());
+    assert!(!Path::new(&format!("{}.sqtmp", s(&merged))).exists());
 }
 
 #[test]
@@ -382,7 +382,7 @@ fn merge_refuses_the_top_and_a_served_chain() {
     let _ = qio.kill();
     let _ = qio.wait();
     assert_eq!(c, Some(1), "{e}");
-    assert!(!m.exists() && !tmp.path().join("m.qcow2.tmp").exists());
+    assert!(!m.exists() && !tmp.path().join("m.qcow2.sqtmp").exists());
 }
 
 #[test]

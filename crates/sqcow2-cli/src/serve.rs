@@ -115,6 +115,18 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         chain_options.clone()
     };
     let chain = Chain::open(&args.image, &opened)?;
+    if opened.writable {
+        // What killed snapshots and merges left beside the top (their
+        // temporary files, recognised by their headers, no longer made
+        // by anyone): removed; nothing else is touched.
+        let dir = match args.image.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if let Err(e) = sqcow2_format::remove_leftovers(&dir) {
+            tracing::warn!(error = %e, "could not look for what killed operations left");
+        }
+    }
     anyhow::ensure!(
         args.inactive_timeout.is_finite() && args.inactive_timeout >= 0.0,
         "--inactive-timeout must be a number of seconds"

@@ -52,6 +52,58 @@ pub fn resolve_backing_path(image: &Path, backing: &Path) -> Result<PathBuf, Err
     })
 }
 
+/// The directory backing files must lie in (`serve --backing-root`),
+/// opened once for a chain's open.
+#[derive(Debug)]
+pub(crate) struct BackingRoot {
+    dir: crate::sidefile::Dir,
+    /// Its canonical path.
+    real: PathBuf,
+}
+
+/// Why a backing file was not opened inside the root.
+#[derive(Debug)]
+pub(crate) enum RootRefusal {
+    /// It lies elsewhere (its canonical path).
+    Outside(PathBuf),
+    /// Resolving or opening it failed (`NotFound`: missing).
+    Io(std::io::Error),
+}
+
+impl BackingRoot {
+    /// Opens the root directory `root`.
+    pub(crate) fn open(root: &Path) -> std::io::Result<BackingRoot> {
+        let real = std::fs::canonicalize(root)?;
+        let dir = crate::sidefile::Dir::open(&real)?;
+        Ok(BackingRoot { dir, real })
+    }
+
+    /// Its canonical path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.real
+    }
+
+    /// The root directory, opened.
+    pub(crate) fn dir(&self) -> &crate::sidefile::Dir {
+        &self.dir
+    }
+
+    /// Opens the backing file named `named` for reading, checked before it
+    /// is opened: its name resolved (symlinks followed, nothing opened),
+    /// the result required inside the root, then opened from the root's
+    /// descriptor with no symlink followed (a symlink swapped in meanwhile
+    /// fails the open), and refused unless a regular file (a FIFO is never
+    /// waited on, a device never opened outside the root).
+    pub(crate) fn open_file(&self, named: &Path) -> Result<std::fs::File, RootRefusal> {
+        let resolved = std::fs::canonicalize(named).map_err(RootRefusal::Io)?;
+        let rel = match resolved.strip_prefix(&self.real) {
+            Ok(rel) if !rel.as_os_str().is_empty() => rel.to_path_buf(),
+            _ => return Err(RootRefusal::Outside(resolved)),
+        };
+        crate::sidefile::dir::open_file_beneath(&self.dir, &rel).map_err(RootRefusal::Io)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -448,8 +448,11 @@ pub fn check(
     force_share: bool,
 ) -> Result<CheckReport, Error> {
     let e = |k: ErrorKind| Error::new(path, k);
+    // Its directory opened once: the image opened by name in it, its
+    // journal read (and, repaired, removed) there.
+    let place = crate::sidefile::ImagePlace::of(path).map_err(|io| e(io.into()))?;
     let (storage, lock) = if repair == Repair::None {
-        let s = FileStorage::open_read_only(path).map_err(|io| e(io.into()))?;
+        let s = FileStorage::from_file(place.open_image(false).map_err(|io| e(io.into()))?);
         let lock = if force_share {
             LockRequest::READER.sharing_all()
         } else {
@@ -460,7 +463,10 @@ pub fn check(
         if force_share {
             return Err(e(ErrorKind::ForceShareWritable));
         }
-        let s = FileStorage::open_read_write(path).map_err(|io| e(io.into()))?;
+        let s = place
+            .open_image(true)
+            .and_then(FileStorage::from_writable_file)
+            .map_err(|io| e(io.into()))?;
         (s, LockRequest::WRITER)
     };
     storage.lock(lock, locking).map_err(e)?;
@@ -470,8 +476,8 @@ pub fn check(
     // too); otherwise the report says they are not counted.
     let mut notes = Vec::new();
     if repair == Repair::All {
-        let applied = crate::active::replay_journal(path, &storage).map_err(e)?;
-        crate::active::end_journal(path, &storage).map_err(e)?;
+        let applied = crate::active::replay_journal(&place, &storage).map_err(e)?;
+        crate::active::end_journal(&place, &storage).map_err(e)?;
         if applied > 0 {
             notes.push(format!(
                 "Applied {applied} mapping changes from the journal of a writer that did not close the image"
@@ -479,7 +485,7 @@ pub fn check(
         }
     } else if let Some(n) = read_header_for_check(&storage)
         .ok()
-        .and_then(|h| crate::active::pending_journal(path, storage.file_id(), &h))
+        .and_then(|h| crate::active::pending_journal(&place, storage.file_id(), &h))
         .filter(|n| *n > 0)
     {
         notes.push(format!(

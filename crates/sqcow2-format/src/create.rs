@@ -314,39 +314,23 @@ pub fn create_with_locking(
         }
     }
     let bytes = image_bytes(opts).map_err(e)?;
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)
-        .map_err(|io| e(io.into()))?;
+    // Never waiting on a FIFO; anything but a regular file refused.
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .and_then(|f| crate::sidefile::dir::blocking_regular(f.into()))
+            .map_err(|io| e(io.into()))?
+    };
     let storage = FileStorage::from_file(file);
     storage.lock(LockRequest::WRITER, locking).map_err(e)?;
     storage.set_len(0).map_err(|io| e(io.into()))?;
     storage.write_at(&bytes, 0).map_err(|io| e(io.into()))?;
-    storage.sync().map_err(|io| e(io.into()))?;
-    Ok(())
-}
-
-/// Creates the image at `path` as a temporary file that nothing else
-/// made ([`crate::tmpfile::create_temporary`]: a leftover regular file
-/// replaced, anything else refused).
-pub(crate) fn create_temporary(path: &Path, opts: &CreateOptions) -> Result<(), Error> {
-    let e = |k: ErrorKind| Error::new(path, k);
-    let bytes = image_bytes(opts).map_err(e)?;
-    crate::tmpfile::create_temporary(path).map_err(|io| e(io.into()))?;
-    // A file half written (a full disk) is not left behind.
-    write_image(path, &bytes).inspect_err(|_| {
-        let _ = std::fs::remove_file(path);
-    })
-}
-
-/// Writes an image's first `bytes` into the (empty) file at `path`, synced.
-fn write_image(path: &Path, bytes: &[u8]) -> Result<(), Error> {
-    let e = |k: ErrorKind| Error::new(path, k);
-    let storage = FileStorage::open_read_write(path).map_err(|io| e(io.into()))?;
-    storage.write_at(bytes, 0).map_err(|io| e(io.into()))?;
     storage.sync().map_err(|io| e(io.into()))?;
     Ok(())
 }

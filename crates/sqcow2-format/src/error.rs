@@ -45,6 +45,30 @@ impl<T> WithPath<T> for Result<T, ErrorKind> {
     }
 }
 
+impl From<io::Error> for ErrorKind {
+    fn from(e: io::Error) -> Self {
+        match e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<NotRegular>())
+        {
+            Some(NotRegular(kind)) => ErrorKind::NotRegularFile(kind),
+            None => ErrorKind::Io(e),
+        }
+    }
+}
+
+/// The payload of the I/O error of an open that found no regular file.
+#[derive(Debug)]
+pub(crate) struct NotRegular(pub(crate) &'static str);
+
+impl fmt::Display for NotRegular {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "not a regular file ({})", self.0)
+    }
+}
+
+impl std::error::Error for NotRegular {}
+
 /// A qcow2 metadata table, named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -79,7 +103,12 @@ impl fmt::Display for Table {
 pub enum ErrorKind {
     /// The operating system refused an operation.
     #[error("I/O error: {0}")]
-    Io(#[from] io::Error),
+    Io(io::Error),
+    /// Not a regular file (a FIFO, a socket, a device, a directory): never
+    /// opened as an image or a side file (a FIFO's open would wait
+    /// forever).
+    #[error("not a regular file ({0}): refused")]
+    NotRegularFile(&'static str),
     /// The file ends before the structure that was read.
     #[error(
         "file truncated: {what} needs {needed} bytes at offset {offset:#x}, file has {file_size}"
@@ -275,6 +304,15 @@ pub enum ErrorKind {
     /// when the chain was opened: another program changed the file.
     #[error("the image changed since the chain was opened (its L1 table no longer matches)")]
     LayerChanged,
+    /// A file is where sqcow2 would make one of its own (a new image, its
+    /// index, journal or temporary file): refused, the file untouched.
+    #[error("{role} goes here, but this is {found}: refused, nothing changed")]
+    NameInUse {
+        /// What sqcow2 would put there.
+        role: String,
+        /// What is there.
+        found: String,
+    },
     /// A chain index that cannot serve this chain.
     #[error("chain index not usable: {0}")]
     IndexStale(String),

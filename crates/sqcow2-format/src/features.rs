@@ -23,6 +23,11 @@ pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
 /// (`<top>.sqjournal`) is current. A writer that does not know it clears
 /// it, and the journal is then never replayed.
 pub const AUTOCLEAR_JOURNAL: u64 = 1 << 62;
+/// Autoclear bit 61 (sqcow2's): the file is a new image sqcow2 is still
+/// making under its temporary name (`<name>.sqtmp`); cleared before it
+/// is renamed to its name. It tells a killed operation's leftover from
+/// any other file of that name.
+pub const AUTOCLEAR_UNPUBLISHED: u64 = 1 << 61;
 
 /// The three feature bit fields of a v3 header (all zero for v2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -202,12 +202,7 @@ fn write_layer(
         let at = (layout.l1_offset + l1i * 8) as usize;
         prefix[at..at + 8].copy_from_slice(&(((l2_base + t as u64) * cs) | COPIED).to_be_bytes());
     }
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .map_err(e)?;
+    let file = create_generated(&path).map_err(e)?;
     file.write_all_at(&prefix, 0).map_err(e)?;
     file.write_all_at(&tables, l2_base * cs).map_err(e)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, &file);
@@ -223,6 +218,20 @@ fn write_layer(
     drop(w);
     file.sync_all().map_err(e)?;
     Ok(hosts)
+}
+
+/// Creates (or empties: the generator writes its files anew) the regular
+/// file `path`, never through a symlink, never a FIFO or device.
+fn create_generated(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .and_then(|f| crate::sidefile::dir::blocking_regular(f.into()))?;
+    file.set_len(0)?;
+    Ok(file)
 }
 
 /// Generates the chain in `dir` (created if needed); returns the top.
@@ -283,7 +292,9 @@ pub fn generate(
         let fps = fingerprints(chain.layers(), upto, layer_file_name(upto).as_bytes());
         let name = format!("{}.sqidx", layer_file_name(opts.layers - 1));
         let bytes = encode_index(geometry, &fps, &entries);
-        std::fs::write(dir.join(&name), &bytes).map_err(e)?;
+        create_generated(&dir.join(&name))
+            .and_then(|f| f.write_all_at(&bytes, 0))
+            .map_err(e)?;
         let header = chain.top().header().cloned();
         drop(chain);
         let storage = FileStorage::open_read_write(&top).map_err(e)?;

@@ -2,12 +2,13 @@
 //! in place), `snapshot` (a new top over the current one, with its index),
 //! and `verify_index` (compare an index with a fresh walk).
 
-use std::fs::{File, OpenOptions};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::backing::BackingRoot;
 use crate::chain::{Chain, ChainOptions};
 use crate::create::CreateOptions;
 use crate::error::{Error, ErrorKind};
@@ -15,8 +16,9 @@ use crate::header::Version;
 use crate::index::{IndexEntry, IndexGeometry, IndexWriter};
 use crate::layer::Layer;
 use crate::lock::{LockRequest, Locking};
+use crate::sidefile::{CreatedFile, Dir, FileId, NewImage, NewIndex};
 use crate::sqcow2_ext::{fingerprints, set_autoclear_bit, write_index_extension, IndexState};
-use crate::storage::FileStorage;
+use crate::storage::{FileStorage, Storage};
 use crate::types::LayerIndex;
 
 /// Callback for long operations: `(done, total)`.
@@ -27,25 +29,24 @@ pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 }
 
 /// Writes the index of layers `0..=upto` of `chain` over `covered_size`
-/// guest bytes to `path` atomically (a temporary file written slice by
-/// slice, fsync, rename, fsync of the directory); `top_name` is the
-/// backing name the layer above `upto` records. Returns the geometry and
-/// the file's size.
+/// guest bytes into `index`'s temporary file, slice by slice, synced;
+/// `top_name` is the backing name the layer above `upto` records. The
+/// caller installs it ([`NewIndex::install`]: rename, fsync of the
+/// directory). Returns the geometry and the file's size.
+#[allow(clippy::too_many_arguments)]
 fn write_index(
     chain: &Chain,
     upto: LayerIndex,
     covered_size: u64,
     top_name: &[u8],
-    path: &Path,
+    index: &NewIndex,
     progress: Progress,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<(IndexGeometry, u64), Error> {
     let geometry = chain.index_geometry(upto, covered_size);
     let fps = fingerprints(chain.layers(), upto.0, top_name);
-    let tmp = path.with_extension("sqidx.tmp");
-    let file = crate::tmpfile::create_temporary(&tmp).map_err(io_err(&tmp))?;
-    // A build that stops (cancelled, failed) leaves no temporary file.
-    let unfinished = crate::tmpfile::RemovedUnlessKept::new(&tmp);
+    let tmp = index.tmp_path();
+    let file = index.file().map_err(io_err(&tmp))?;
     let mut writer = IndexWriter::new(file, geometry, &fps);
     let stopped = || Error::new(&tmp, ErrorKind::Io(cancel_error()));
     chain.index_entries(
@@ -69,32 +70,38 @@ fn write_index(
         return Err(stopped());
     }
     file.sync_all().map_err(io_err(&tmp))?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(io_err(path))?;
-    unfinished.keep();
-    sync_dir(path)?;
     Ok((geometry, bytes))
+}
+
+/// The files of `chain`'s layers (named so in a refusal).
+fn layer_ids(chain: &Chain) -> Vec<FileId> {
+    chain
+        .layers()
+        .iter()
+        .filter_map(|l| l.storage().file_id())
+        .collect()
+}
+
+/// Opens `layer`'s file again for writing, by its path, refused unless it
+/// is still the file the chain has open.
+fn reopen_writable(layer: &Layer) -> Result<FileStorage, Error> {
+    let path = layer.path();
+    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    if storage.file_id().is_none() || storage.file_id() != layer.storage().file_id() {
+        return Err(Error::new(path, ErrorKind::LayerChanged));
+    }
+    Ok(storage)
 }
 
 fn cancel_error() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::Interrupted, "index build cancelled")
 }
 
-pub(crate) fn sync_dir(path: &Path) -> Result<(), Error> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    File::open(&dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err(&dir))
-}
-
 /// The index file name for an image: `<image file name>.sqidx`.
 pub(crate) fn index_file_name(image: &Path) -> PathBuf {
-    let mut name = image.file_name().unwrap_or_default().to_os_string();
-    name.push(".sqidx");
-    PathBuf::from(name)
+    PathBuf::from(crate::sidefile::index_name(
+        image.file_name().unwrap_or_default(),
+    ))
 }
 
 /// Where the index of `image` lives: `<image>.sqidx` beside it.
@@ -151,13 +158,13 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
             .storage()
             .lock(LockRequest::WRITER, locking)
             .map_err(|k| Error::new(layer.path(), k))?;
-        let storage = FileStorage::open_read_write(layer.path()).map_err(|e| {
+        let storage = reopen_writable(layer).map_err(|e| {
             Error::new(
                 layer.path(),
-                ErrorKind::Io(std::io::Error::new(
-                    e.kind(),
-                    format!("cannot mark the layer as indexed: {e}"),
-                )),
+                ErrorKind::Io(std::io::Error::other(format!(
+                    "cannot mark the layer as indexed: {}",
+                    e.kind
+                ))),
             )
         })?;
         set_autoclear_bit(&storage).map_err(io_err(layer.path()))?;
@@ -220,22 +227,30 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         .unwrap_or_default();
     refuse_corrupt_targets(&chain, upto, top_layer)?;
     let name = index_file_name(top);
-    let index_path = top.with_file_name(&name);
     top_layer
         .storage()
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(top, k))?;
+    // Checked before anything is written: the name may hold nothing but
+    // an older index of sqcow2's (not a layer, not another file).
+    let index = NewIndex::create(
+        chain.top_place()?.dir().clone(),
+        name.as_os_str(),
+        chain.top_place()?.name(),
+        &layer_ids(&chain),
+    )?;
     let (geometry, bytes) = write_index(
         &chain,
         LayerIndex(upto),
         chain.virtual_size(),
         &top_name,
-        &index_path,
+        &index,
         progress,
         &|| false,
     )?;
+    let index_path = index.install()?.path();
     mark_layers(&chain, upto, locking)?;
-    let storage = FileStorage::open_read_write(top).map_err(io_err(top))?;
+    let storage = reopen_writable(top_layer)?;
     write_index_extension(&storage, header, &name).map_err(io_err(top))?;
     Ok(UpgradeReport {
         index: Some(index_path),
@@ -305,6 +320,9 @@ pub enum SnapshotIndex {
 /// Atomic: `new` appears (by rename) only once complete. The chain is
 /// locked as a reader, and a layer whose header gains the index bit as a
 /// writer (`Locking::Off` for a caller that holds the locks itself).
+/// Refused before anything is written when `new`, or a name its side
+/// files take (`sidefile`), holds anything but a killed snapshot's
+/// leftovers.
 pub fn snapshot(
     top: &Path,
     new: &Path,
@@ -318,40 +336,35 @@ pub fn snapshot(
 
 /// A new top created under a temporary name, not yet visible under its
 /// own ([`PreparedSnapshot::publish`] renames it; dropped, it is
-/// removed).
+/// removed, with its index's temporary file).
 #[must_use = "a prepared snapshot is removed unless published"]
 #[derive(Debug)]
 pub struct PreparedSnapshot {
-    tmp: PathBuf,
+    image: NewImage,
+    index: Option<NewIndex>,
     report: SnapshotReport,
-    published: bool,
 }
 
 impl PreparedSnapshot {
     /// Makes the new top visible under its name (rename, fsync of the
-    /// directory).
-    pub fn publish(mut self) -> Result<SnapshotReport, Error> {
-        let new = self.report.new.clone();
-        // Never over a file that appeared since the check.
-        crate::tmpfile::rename_no_replace(&self.tmp, &new).map_err(io_err(&new))?;
-        self.published = true;
-        sync_dir(&new)?;
-        Ok(self.report.clone())
-    }
-}
-
-impl Drop for PreparedSnapshot {
-    fn drop(&mut self) {
-        if !self.published {
-            let _ = std::fs::remove_file(&self.tmp);
+    /// directory), then its index, if written (a crash between leaves the
+    /// top without its index: rebuilt by the next writer, walked until).
+    pub fn publish(self) -> Result<SnapshotReport, Error> {
+        let mut report = self.report;
+        self.image.publish()?;
+        if let Some(index) = self.index {
+            if let Err(e) = index.install() {
+                tracing::warn!(error = %e, "the new top is made, its index is not: it is rebuilt by the next writer");
+                report.index_written = false;
+            }
         }
+        Ok(report)
     }
 }
 
 /// The part of [`snapshot`] that does not need the old top to stay
 /// unchanged (with [`SnapshotIndex::Deferred`]): the new top created and
-/// synced under a temporary name. A daemon prepares a live snapshot this
-/// way while the guest runs and publishes it inside the pause.
+/// synced under a temporary name.
 pub fn prepare_snapshot(
     top: &Path,
     new: &Path,
@@ -359,8 +372,6 @@ pub fn prepare_snapshot(
     index: SnapshotIndex,
     progress: Progress,
 ) -> Result<PreparedSnapshot, Error> {
-    // Anything there, a dangling symlink included.
-    crate::tmpfile::refuse_existing(new).map_err(io_err(new))?;
     let chain = Chain::open(
         top,
         &ChainOptions {
@@ -378,45 +389,85 @@ pub fn prepare_snapshot(
         // The new top is a new file; the layers below are marked.
         refuse_corrupt_targets(&chain, top_index.0, chain.top())?;
     }
-    let mut prepared = create_over(&chain, top, new)?;
+    let (image, mut report) = create_over(&chain, top, new, None)?;
+    let mut written = None;
     if index == SnapshotIndex::Now {
-        let backing = prepared.report.backing.clone();
+        let pending = NewIndex::create(
+            image.dir().clone(),
+            crate::sidefile::index_name(image.name()).as_os_str(),
+            image.name(),
+            &layer_ids(&chain),
+        )?;
         write_index(
             &chain,
             top_index,
             chain.virtual_size(),
-            backing.as_os_str().as_bytes(),
-            &prepared.report.index,
+            report.backing.as_os_str().as_bytes(),
+            &pending,
             progress,
             &|| false,
         )?;
         mark_layers(&chain, top_index.0, locking)?;
+        written = Some(pending);
     }
-    prepared.report.index_written = index == SnapshotIndex::Now;
-    prepared.report.incremental = incremental;
-    Ok(prepared)
+    report.index_written = written.is_some();
+    report.incremental = incremental;
+    Ok(PreparedSnapshot {
+        image,
+        index: written,
+        report,
+    })
 }
 
-/// The new top over `chain`'s top `top`, created and synced under a
-/// temporary name, naming its (not yet written) index.
-fn create_over(chain: &Chain, top: &Path, new: &Path) -> Result<PreparedSnapshot, Error> {
-    // Anything there, a dangling symlink included.
-    crate::tmpfile::refuse_existing(new).map_err(io_err(new))?;
+/// The directory a new image `new` goes in, opened once: inside `root`
+/// when given (resolved and opened from the root's descriptor, no
+/// symlink followed), else as named.
+pub(crate) fn new_image_dir(new: &Path, root: Option<&Path>) -> Result<Arc<Dir>, Error> {
+    let parent = new.parent().unwrap_or(Path::new(""));
+    let dir = match root {
+        Some(root) => {
+            let root = BackingRoot::open(root).map_err(io_err(root))?;
+            Dir::beneath(root.dir(), root.path(), parent).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    Error::new(
+                        new,
+                        ErrorKind::BackingOutsideRoot {
+                            backing: new.to_path_buf(),
+                            resolved: std::fs::canonicalize(parent)
+                                .unwrap_or_else(|_| parent.to_path_buf()),
+                            root: root.path().to_path_buf(),
+                        },
+                    )
+                } else {
+                    Error::new(parent, e.into())
+                }
+            })?
+        }
+        None => Dir::open(parent).map_err(io_err(parent))?,
+    };
+    Ok(Arc::new(dir))
+}
+
+/// The new top over `chain`'s top `top`, created and synced under its
+/// temporary name, naming its (not yet written) index; its directory
+/// opened inside `root` when given.
+fn create_over(
+    chain: &Chain,
+    top: &Path,
+    new: &Path,
+    root: Option<&Path>,
+) -> Result<(NewImage, SnapshotReport), Error> {
     let Some(top_header) = chain.top().header() else {
         return Err(Error::new(top, ErrorKind::BadMagic(0)));
     };
+    let name = crate::sidefile::dir::file_name(new).map_err(io_err(new))?;
+    let dir = new_image_dir(new, root)?;
     let new_dir = new.parent().unwrap_or(Path::new(""));
     let backing = if top.is_absolute() {
         top.to_path_buf()
     } else {
         relative_to(top, new_dir)
     };
-    let name = index_file_name(new);
-    let index_path = new.with_file_name(&name);
-    // An index left by an earlier image of that name cannot serve this
-    // one (its fingerprints would say so); it goes.
-    let _ = std::fs::remove_file(&index_path);
-    let tmp = new.with_extension("qcow2.tmp");
     let opts = CreateOptions {
         size: chain.virtual_size(),
         cluster_size: top_header.geometry.cluster_size(),
@@ -427,38 +478,36 @@ fn create_over(chain: &Chain, top: &Path, new: &Path) -> Result<PreparedSnapshot
         backing_format: Some("qcow2".into()),
         ..CreateOptions::default()
     };
-    crate::create::create_temporary(&tmp, &opts)?;
-    let prepared = PreparedSnapshot {
-        tmp: tmp.clone(),
-        report: SnapshotReport {
-            new: new.to_path_buf(),
-            backing,
-            index: index_path,
-            index_written: false,
-            incremental: false,
-        },
-        published: false,
+    let bytes = crate::create::image_bytes(&opts).map_err(|k| Error::new(new, k))?;
+    let image = NewImage::create(dir, name, &layer_ids(chain), bytes)?;
+    image.name_its_index()?;
+    let report = SnapshotReport {
+        new: new.to_path_buf(),
+        backing,
+        index: new.with_file_name(crate::sidefile::index_name(name)),
+        index_written: false,
+        incremental: false,
     };
-    let storage = FileStorage::open_read_write(&tmp).map_err(io_err(&tmp))?;
-    let header = crate::check::read_header(&storage).map_err(|k| Error::new(&tmp, k))?;
-    write_index_extension(&storage, &header, &name).map_err(io_err(&tmp))?;
-    drop(storage);
-    OpenOptions::new()
-        .write(true)
-        .open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err(&tmp))?;
-    Ok(prepared)
+    Ok((image, report))
 }
 
 /// Creates `new` over `top`, the top of `chain` (which this process has
 /// open, writable or not, and whose locks it holds), with a deferred
 /// index: only the top's header is looked at, never its L1 or L2 tables
 /// (which a writer may be changing), so a daemon can create the new top
-/// of a live snapshot while the guest runs. Atomic and durable as
-/// [`snapshot`].
-pub fn snapshot_over(chain: &Chain, top: &Path, new: &Path) -> Result<SnapshotReport, Error> {
-    create_over(chain, top, new)?.publish()
+/// of a live snapshot while the guest runs. `new`'s directory must lie
+/// inside `root` when given (a daemon's backing root): it is opened once,
+/// from the root's descriptor, and every file is made in it by name.
+/// Atomic and durable as [`snapshot`]; what was created is returned, to
+/// be opened ([`Chain::prepare_successor`]) or removed.
+pub fn snapshot_over(
+    chain: &Chain,
+    top: &Path,
+    new: &Path,
+    root: Option<&Path>,
+) -> Result<CreatedFile, Error> {
+    let (image, _) = create_over(chain, top, new, root)?;
+    image.publish()
 }
 
 /// What [`build_index`] did.
@@ -509,10 +558,7 @@ pub fn build_index(
     if chain.index_covers() == Some(upto) {
         return Ok(None);
     }
-    let path = match top.path().parent() {
-        Some(dir) => dir.join(&name),
-        None => name,
-    };
+    let path = top.path().with_file_name(&name);
     let stop = |what: &Path| -> Result<(), Error> {
         if cancelled() {
             return Err(Error::new(what, ErrorKind::Io(cancel_error())));
@@ -521,6 +567,15 @@ pub fn build_index(
     };
     stop(&path)?;
     refuse_corrupt_targets(chain, upto.0, top)?;
+    // Where the index goes, checked before anything is written: nothing,
+    // or an older index of sqcow2's (a layer or another file there is
+    // refused, untouched).
+    let index = NewIndex::create(
+        chain.top_place()?.dir().clone(),
+        name.as_os_str(),
+        chain.top_place()?.name(),
+        &layer_ids(chain),
+    )?;
     mark_layers(chain, upto.0, locking)?;
     let top_name = crate::chain::backing_name_of(top);
     let (_, bytes) = write_index(
@@ -528,11 +583,12 @@ pub fn build_index(
         upto,
         top.virtual_size(),
         &top_name,
-        &path,
+        &index,
         progress,
         cancelled,
     )?;
     stop(&path)?;
+    let path = index.install()?.path();
     chain.install_index(&path)?;
     Ok(Some(BuildReport {
         index: path,

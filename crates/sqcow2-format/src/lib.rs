@@ -45,12 +45,12 @@ pub mod prealloc;
 mod read_once;
 mod refcount;
 pub mod reshape;
+mod sidefile;
 mod size;
 mod snapshot;
 mod sqcow2_ext;
 pub mod storage;
 mod summary;
-mod tmpfile;
 mod types;
 
 /// Records the mapping journal holds (`<top>.sqjournal`, a ring).
@@ -70,6 +70,7 @@ pub use fence::TransferTicket;
 pub use header::{CompressionType, Header, Version};
 pub use layer::{Layer, Qcow2Layer, RawLayer};
 pub use lock::{LockRequest, Locking, Perms};
+pub use sidefile::{remove_leftovers, CreatedFile};
 pub use size::{parse_size, SizeError};
 pub use snapshot::{describe_snapshots, SnapshotInfo};
 pub use sqcow2_ext::IndexState;

@@ -170,7 +170,8 @@ pub fn open_index(
     )
 }
 
-/// Where the index `layer` names lies.
+/// Where the index `layer` names lies (in the layer's directory: a name
+/// that is not one path component is refused when the index is opened).
 fn named_index(layer: &Layer) -> Option<PathBuf> {
     let name = layer.header().and_then(index_name)?;
     Some(match layer.path().parent() {
@@ -196,14 +197,24 @@ fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
     let Some(path) = named_index(&layers[owner]) else {
         return Err(Stale::NotIndexed);
     };
+    if !layers[owner]
+        .header()
+        .and_then(index_name)
+        .is_some_and(|n| crate::sidefile::dir::is_plain_name(n.as_os_str()))
+    {
+        return Err(Stale::Missing(
+            "the index name is not a file name in the image's directory".into(),
+        ));
+    }
     if owner < 1 {
         return Err(Stale::LayerCount {
             indexed: 0,
             actual: 0,
         });
     }
-    let storage: Arc<dyn Storage> =
-        Arc::new(FileStorage::open_read_only(&path).map_err(|e| Stale::from_open_error(&e))?);
+    let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(
+        crate::sidefile::open_side_file(&path).map_err(|e| Stale::from_open_error(&e))?,
+    ));
     let index = ChainIndex::open(&path, storage)?;
     let upto = owner - 1;
     let top_name = layers[owner]

@@ -255,30 +255,28 @@ pub(crate) fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
 /// (`O_NOATIME`, allowed to the file's owner and to root; a plain open
 /// otherwise): reading a backing layer is not using it, and with
 /// thousands of layers the inode updates cost a cache miss per request.
+/// Never waits on a FIFO: anything but a regular file is refused.
 pub fn open_for_reading(path: &Path) -> io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOATIME)
-        .open(path)
-    {
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) => File::open(path),
-        other => other,
-    }
+    crate::sidefile::dir::open_image_file(path, false)
 }
 
 impl FileStorage {
-    /// Opens `path` read-only.
+    /// Opens `path` read-only (a regular file only, never waiting on a
+    /// FIFO).
     pub fn open_read_only(path: &Path) -> io::Result<Self> {
-        Ok(Self::from_file(File::open(path)?))
+        Ok(Self::from_file(crate::sidefile::dir::open_image_file(
+            path, false,
+        )?))
     }
 
-    /// Opens `path` for reading and writing.
+    /// Opens `path` for reading and writing (a regular file only, never
+    /// waiting on a FIFO).
     pub fn open_read_write(path: &Path) -> io::Result<Self> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)?;
+        Self::from_writable_file(crate::sidefile::dir::open_image_file(path, true)?)
+    }
+
+    /// Wraps a file opened for reading and writing.
+    pub(crate) fn from_writable_file(file: File) -> io::Result<Self> {
         Ok(Self {
             writable: true,
             ..Self::from_file(file)

@@ -49,8 +49,8 @@ fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
 }
 
 fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) -> Chain {
-    indexing::snapshot_over(chain, top, new).expect("new top");
-    let prepared = chain.prepare_successor(new, opts).expect("prepare");
+    let created = indexing::snapshot_over(chain, top, new, None).expect("new top");
+    let prepared = chain.prepare_successor(&created, opts).expect("prepare");
     // Before the pause (the daemon repeats this until it is short).
     chain.sync_data().expect("sync");
     chain.publish().expect("publish");
@@ -192,14 +192,14 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     chain.write_at(&[0xC1; 4096], 0).unwrap();
 
     let unused = dir.path().join("unused.qcow2");
-    indexing::snapshot_over(&chain, &top, &unused).unwrap();
-    let created = len(&unused);
-    let prepared = chain.prepare_successor(&unused, &options(true)).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &unused, None).unwrap();
+    let created_len = len(&unused);
+    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
     assert!(journal_of(&unused).exists(), "journal made ahead");
-    assert!(len(&unused) > created, "no spare clusters made ahead");
+    assert!(len(&unused) > created_len, "no spare clusters made ahead");
     drop(prepared);
     assert!(!journal_of(&unused).exists(), "journal left behind");
-    assert_eq!(len(&unused), created, "spare clusters left behind");
+    assert_eq!(len(&unused), created_len, "spare clusters left behind");
     assert_checks_clean(&unused, "unused new top");
 
     let next_path = dir.path().join("next.qcow2");
@@ -337,8 +337,8 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     let (top, watch, chain) = watched_top(dir.path());
     chain.write_at(&[0xD1; 4096], 0).unwrap();
     let new = dir.path().join("next.qcow2");
-    indexing::snapshot_over(&chain, &top, &new).unwrap();
-    let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
+    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
     chain.flush().unwrap();
     // Written after the last flush before the pause, not written back
     // (one in a second L2 table: a new L1 entry too).
@@ -377,11 +377,11 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     let merged = dir.path().join("merged.qcow2");
     let (first, last) = (LayerRef::Position(0), LayerRef::Position(0));
     assert!(
-        prepare_merge(&next, &first, &last, &merged).is_err(),
+        prepare_merge(&next, &first, &last, &merged, None).is_err(),
         "a merge took an old top that is not closed"
     );
     chain.retire(&next).unwrap();
-    drop(prepare_merge(&next, &first, &last, &merged).expect("merge after the close"));
+    drop(prepare_merge(&next, &first, &last, &merged, None).expect("merge after the close"));
     for i in 1..8u64 {
         assert!(read(&next, i * 7 * CLUSTER) == vec![0xD2; 4096]);
     }
@@ -399,10 +399,8 @@ fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     first.write_at(&[0xE1; 4096], 0).unwrap();
     // The first snapshot, its old top never closed (a retire that failed).
     let second_path = dir.path().join("second.qcow2");
-    indexing::snapshot_over(&first, &top, &second_path).unwrap();
-    let prepared = first
-        .prepare_successor(&second_path, &options(true))
-        .unwrap();
+    let created = indexing::snapshot_over(&first, &top, &second_path, None).unwrap();
+    let prepared = first.prepare_successor(&created, &options(true)).unwrap();
     let second = first.successor(prepared, &options(true)).unwrap();
     assert!(
         first.write_at(&[0xE0; 4096], 0).is_err(),
@@ -443,8 +441,8 @@ fn no_successor_reads_the_tables_of_a_failed_engine() {
     let chain = Chain::open(&top, &options(true)).unwrap();
     chain.write_at(&[0xF1; 4096], 0).unwrap();
     let new = dir.path().join("next.qcow2");
-    indexing::snapshot_over(&chain, &top, &new).unwrap();
-    let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
+    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
     chain.arm_fault(FaultPoint::MidMetadataUpdate, 1);
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = chain.write_at(&[0xF2; 4096], 3 * CLUSTER);
@@ -464,8 +462,8 @@ fn the_next_chains_publish_covers_the_old_tops_last_change() {
     new_image(&top, GIB);
     let chain = Chain::open(&top, &options(true)).unwrap();
     let new = dir.path().join("next.qcow2");
-    indexing::snapshot_over(&chain, &top, &new).unwrap();
-    let prepared = chain.prepare_successor(&new, &options(true)).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
+    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
     chain.write_at(&[0xA5; 4096], 300 * MIB).unwrap();
     assert!(
         chain.needs_publish(),
@@ -513,8 +511,8 @@ fn a_death_between_the_switch_and_the_close_loses_nothing() {
         }
     }
     let new = dir.path().join("next.qcow2");
-    indexing::snapshot_over(&chain, &top, &new).unwrap();
-    let prepared = chain.prepare_successor(&new, &unlocked).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
+    let prepared = chain.prepare_successor(&created, &unlocked).unwrap();
     let next = chain.successor(prepared, &unlocked).unwrap();
     next.write_at(&[0xB3; 4096], 2 * CLUSTER).unwrap();
     // The death: nothing closed, nothing dropped.
@@ -564,8 +562,8 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
     .unwrap();
     chain.write_at(&[0x11; 4096], 0).unwrap();
     let next_path = dir.path().join("next.qcow2");
-    indexing::snapshot_over(&chain, &top, &next_path).unwrap();
-    let prepared = chain.prepare_successor(&next_path, &indexed()).unwrap();
+    let created = indexing::snapshot_over(&chain, &top, &next_path, None).unwrap();
+    let prepared = chain.prepare_successor(&created, &indexed()).unwrap();
     chain.sync_data().unwrap();
     chain.publish().unwrap();
     // Completed just before the pause: its mapping is in the old top's
@@ -818,8 +816,8 @@ impl SwitchAttempt {
         let chain = Chain::open(&top, &opts).unwrap();
         chain.write_at(&[fill; 4096], 0).unwrap();
         let new = dir.path().join("new.qcow2");
-        indexing::snapshot_over(&chain, &top, &new).unwrap();
-        let prepared = chain.prepare_successor(&new, &opts).unwrap();
+        let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
+        let prepared = chain.prepare_successor(&created, &opts).unwrap();
         let attempt = SwitchAttempt {
             dir,
             top,

@@ -147,16 +147,64 @@ struct Server {
     signals: Signals,
 }
 
-/// Files a server made (its sockets, its pidfile): removed when it ends,
-/// however it ends (a start that fails half-way too).
-struct MadeFiles(Vec<std::path::PathBuf>);
+/// Files a server made (its sockets, its pidfile), by path and identity:
+/// removed when it ends, however it ends (a start that fails half-way
+/// too), each only if its path still holds the file made.
+struct MadeFiles(Vec<(std::path::PathBuf, Option<(u64, u64)>)>);
+
+/// Device and inode of what `path` names (a symlink not followed).
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+impl MadeFiles {
+    fn push(&mut self, path: &Path) {
+        self.0.push((path.to_path_buf(), identity(path)));
+    }
+}
 
 impl Drop for MadeFiles {
     fn drop(&mut self) {
-        for path in &self.0 {
-            let _ = fs::remove_file(path);
+        for (path, id) in &self.0 {
+            if id.is_some() && identity(path) == *id {
+                let _ = fs::remove_file(path);
+            }
         }
     }
+}
+
+/// Writes this process's id to `path`: created, or a regular file there
+/// emptied first; never through a symlink, never a FIFO or device.
+fn write_pidfile(path: &Path) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    use std::io::Write;
+    let fd = rustix::fs::open(
+        path,
+        OFlags::WRONLY
+            | OFlags::CREATE
+            | OFlags::NOFOLLOW
+            | OFlags::NONBLOCK
+            | OFlags::NOCTTY
+            | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::LOOP => std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a symlink (never written through)",
+        ),
+        e => e.into(),
+    })?;
+    let mut file = fs::File::from(fd);
+    if !file.metadata()?.file_type().is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    file.set_len(0)?;
+    file.write_all(format!("{}\n", std::process::id()).as_bytes())
 }
 
 /// Serves `chain` until SIGTERM or SIGINT; flushes it then.
@@ -176,12 +224,12 @@ pub fn serve(
     let signals = Signals::new([SIGTERM, SIGINT]).map_err(io_err("signal handlers"))?;
     let mut made = MadeFiles(Vec::new());
     let listener = bind(&options.socket, options.socket_mode)?;
-    made.0.push(options.socket.clone());
+    made.push(&options.socket);
     let control = match &options.control {
         Some(path) => {
             let control = crate::control::bind(path, options.socket_mode)
                 .map_err(io_err(format!("control socket {}", path.display())))?;
-            made.0.push(path.clone());
+            made.push(path);
             fs::set_permissions(path, fs::Permissions::from_mode(options.socket_mode))
                 .map_err(io_err(format!("chmod {}", path.display())))?;
             Some(control)
@@ -189,9 +237,8 @@ pub fn serve(
         None => None,
     };
     if let Some(pidfile) = &options.pidfile {
-        fs::write(pidfile, format!("{}\n", std::process::id()))
-            .map_err(io_err(format!("writing {}", pidfile.display())))?;
-        made.0.push(pidfile.clone());
+        write_pidfile(pidfile).map_err(io_err(format!("writing {}", pidfile.display())))?;
+        made.push(pidfile);
     }
     let handle = Arc::new(ChainHandle::new(chain));
     let shared = if options.inactive {

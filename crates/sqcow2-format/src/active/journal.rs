@@ -25,11 +25,13 @@
 //! before it is still being written.
 
 use std::collections::BTreeSet;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::sidefile::{Dir, FileId, ImagePlace};
 
 /// Size of the header (the first page).
 const HEADER: u64 = 4096;
@@ -37,7 +39,7 @@ const HEADER: u64 = 4096;
 const RECORD: u64 = 64;
 /// Records the ring holds (4 MiB).
 pub(crate) const CAPACITY: u64 = 262144;
-const MAGIC: &[u8; 8] = b"SQJOURNL";
+pub(crate) const MAGIC: &[u8; 8] = b"SQJOURNL";
 const VERSION: u32 = 1;
 const RECORD_MAGIC: &[u8; 4] = b"SQJR";
 /// Where the header keeps the sequence number checkpoints have covered.
@@ -95,6 +97,10 @@ struct Progress {
 pub(crate) struct Journal {
     file: File,
     path: PathBuf,
+    /// Where it is: removed from there by name, if still this file.
+    dir: Arc<Dir>,
+    name: std::ffi::OsString,
+    id: FileId,
     epoch: u64,
     progress: Mutex<Progress>,
 }
@@ -109,13 +115,6 @@ pub(crate) struct Reservation {
     first: u64,
     writes: Vec<MetadataWrite>,
     done: bool,
-}
-
-/// The journal of `top`.
-pub(crate) fn path_of(top: &Path) -> PathBuf {
-    let mut name = top.file_name().unwrap_or_default().to_os_string();
-    name.push(".sqjournal");
-    top.with_file_name(name)
 }
 
 /// This boot's identity (`/proc/sys/kernel/random/boot_id`).
@@ -182,26 +181,34 @@ fn slot_offset(seq: u64) -> u64 {
 }
 
 impl Journal {
-    /// Starts a new, empty journal for `top` (any old one is replaced).
-    /// The caller then marks the image (dirty and journal bits, synced)
-    /// before the first record counts.
-    pub(crate) fn create(top: &Path, file_id: Option<(u64, u64)>) -> io::Result<Journal> {
+    /// Starts a new, empty journal for the top at `top` (made exclusively,
+    /// or over an old journal of sqcow2's, never through a symlink nor
+    /// over another file: a layer of `below` or anything else there is
+    /// refused, untouched). The caller then marks the image (dirty and
+    /// journal bits, synced) before the first record counts.
+    pub(crate) fn create(
+        top: &ImagePlace,
+        below: &[FileId],
+        file_id: Option<(u64, u64)>,
+    ) -> Result<Journal, crate::Error> {
+        let name = top.journal();
+        let path = top.dir().join(&name);
+        let e = |io: io::Error| crate::Error::new(&path, io.into());
         let id = Identity {
-            boot: boot_id()?,
+            boot: boot_id().map_err(e)?,
             file: file_id.unwrap_or((0, 0)),
         };
-        let path = path_of(top);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)?;
+        let (file, journal_id) =
+            crate::sidefile::open_journal(top.dir(), &name, top.name(), below)?;
+        file.set_len(0).map_err(e)?;
         let epoch = fastrand::u64(1..);
-        file.write_all_at(&header_bytes(id, epoch), 0)?;
+        file.write_all_at(&header_bytes(id, epoch), 0).map_err(e)?;
         Ok(Journal {
             file,
             path,
+            dir: top.dir().clone(),
+            name,
+            id: journal_id,
             epoch,
             progress: Mutex::new(Progress {
                 next: 1,
@@ -268,7 +275,7 @@ impl Journal {
     /// Removes the journal file (every change is in the image, and the
     /// image no longer names a journal).
     pub(crate) fn remove(&self) {
-        if let Err(e) = std::fs::remove_file(&self.path) {
+        if let Err(e) = self.dir.remove(&self.name, self.id) {
             tracing::debug!(path = %self.path.display(), error = %e, "could not remove the journal");
         }
     }
@@ -329,12 +336,11 @@ pub(crate) struct Replay {
 /// Reads the journal of `top`, if it was written on this boot for this
 /// file; `Ok(None)` when there is none to replay (no file, another boot,
 /// another file, malformed header).
-pub(crate) fn read(top: &Path, file_id: Option<(u64, u64)>) -> io::Result<Option<Replay>> {
-    let path = path_of(top);
-    let file = match File::open(&path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
+pub(crate) fn read(top: &ImagePlace, file_id: Option<(u64, u64)>) -> io::Result<Option<Replay>> {
+    let name = top.journal();
+    let path = top.dir().join(&name);
+    let Some(file) = crate::sidefile::read_journal_file(top.dir(), &name)? else {
+        return Ok(None);
     };
     let mut h = vec![0u8; HEADER as usize];
     if file.read_exact_at(&mut h, 0).is_err() {
@@ -408,11 +414,15 @@ mod tests {
         j.reserve(w).expect("room").write().expect("written");
     }
 
+    fn place(dir: &tempfile::TempDir) -> ImagePlace {
+        ImagePlace::of(&dir.path().join("top.qcow2")).unwrap()
+    }
+
     #[test]
     fn records_written_are_read_back_in_order_after_the_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
-        let top = dir.path().join("top.qcow2");
-        let j = Arc::new(Journal::create(&top, Some((1, 2))).unwrap());
+        let top = place(&dir);
+        let j = Arc::new(Journal::create(&top, &[], Some((1, 2))).unwrap());
         write(&j, vec![MetadataWrite::one(65536, 7)]);
         write(
             &j,
@@ -440,11 +450,14 @@ mod tests {
     #[test]
     fn another_boot_or_a_damaged_record_is_not_replayed() {
         let dir = tempfile::tempdir().unwrap();
-        let top = dir.path().join("top.qcow2");
-        let j = Arc::new(Journal::create(&top, None).unwrap());
+        let top = place(&dir);
+        let j = Arc::new(Journal::create(&top, &[], None).unwrap());
         write(&j, vec![MetadataWrite::one(65536, 7)]);
         write(&j, vec![MetadataWrite::one(65536 + 8, 8)]);
-        let f = OpenOptions::new().write(true).open(path_of(&top)).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("top.qcow2.sqjournal"))
+            .unwrap();
         // Tear the second record.
         f.write_all_at(&[0xff; 8], slot_offset(2) + 32).unwrap();
         let r = read(&top, None).unwrap().unwrap();
@@ -471,8 +484,8 @@ mod tests {
     #[test]
     fn a_slot_is_reused_only_once_its_record_is_covered_and_nothing_before_is_being_written() {
         let dir = tempfile::tempdir().unwrap();
-        let top = dir.path().join("top.qcow2");
-        let j = Arc::new(Journal::create(&top, None).unwrap());
+        let top = place(&dir);
+        let j = Arc::new(Journal::create(&top, &[], None).unwrap());
         let stalled = j.reserve(vec![MetadataWrite::one(0, 1)]).unwrap();
         for _ in 0..CAPACITY - 1 {
             write(&j, vec![MetadataWrite::one(8, 2)]);

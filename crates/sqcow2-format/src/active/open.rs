@@ -6,12 +6,13 @@ use std::sync::Arc;
 
 use crate::check::{check_storage, read_header, Repair};
 use crate::error::{Error, ErrorKind, Feature};
+use crate::sidefile::{FileId, ImagePlace};
 use std::collections::HashMap;
-use std::path::Path;
 
 use crate::entry::OFFSET_MASK;
 use crate::features::{
-    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY,
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_DATA_FILE_RAW, AUTOCLEAR_JOURNAL, AUTOCLEAR_UNPUBLISHED,
+    INCOMPAT_DIRTY,
 };
 use crate::header::{field, Version};
 use crate::header_area::write_word;
@@ -24,8 +25,10 @@ use super::journal::{self, Journal};
 use super::state::{ActiveState, TopFile};
 use super::Active;
 
-/// Autoclear bits this writer keeps consistent (or that do not apply).
-const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
+/// Autoclear bits this writer keeps consistent (or that do not apply:
+/// the unpublished bit of a merge's temporary file, which its writer
+/// fills, is about the file, not its content).
+const KNOWN_AUTOCLEAR: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW | AUTOCLEAR_UNPUBLISHED;
 
 /// Where the top's clean L2 slices are cached.
 #[derive(Debug, Clone)]
@@ -45,7 +48,13 @@ pub(crate) struct CacheLink {
 impl Active {
     /// Takes `top`, a freshly opened layer (with layers below it if
     /// `has_backing`), for writing.
-    pub(crate) fn open(top: &Layer, has_backing: bool, link: CacheLink) -> Result<Active, Error> {
+    pub(crate) fn open(
+        top: &Layer,
+        has_backing: bool,
+        link: CacheLink,
+        place: Option<ImagePlace>,
+        below: Vec<FileId>,
+    ) -> Result<Active, Error> {
         let Some(header) = top.header() else {
             return Err(Error::new(top.path(), ErrorKind::BadMagic(0)));
         };
@@ -78,6 +87,8 @@ impl Active {
         let len = storage.len().map_err(|io| e(io.into()))?;
         let top = Arc::new(TopFile {
             path: path.to_path_buf(),
+            place,
+            below,
             storage,
             geometry: header.geometry,
             version: header.version,
@@ -114,7 +125,10 @@ impl Active {
                 "no mapping journal: each allocating write is published (synced) before it completes"
             );
         };
-        let journal = match Journal::create(&top.path, top.storage.file_id()) {
+        let Some(place) = &top.place else {
+            return fail(&"the image's directory is not open");
+        };
+        let journal = match Journal::create(place, &top.below, top.storage.file_id()) {
             Ok(j) => Arc::new(j),
             Err(e) => return fail(&e),
         };
@@ -148,7 +162,11 @@ impl Active {
 /// goes), and the image is synced again. The image carries the dirty bit
 /// (a journal implies it), so its refcounts are repaired next
 /// ([`Active::open`]).
-pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize, ErrorKind> {
+pub(crate) fn replay_journal(
+    place: &ImagePlace,
+    storage: &dyn Storage,
+) -> Result<usize, ErrorKind> {
+    let path = &place.path();
     // A header that does not parse is reported by the open that follows
     // (an image marked corrupt is refused to writers before this; a
     // repair replays it too).
@@ -158,7 +176,7 @@ pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
         return Ok(0);
     }
-    let replay = match journal::read(path, storage.file_id()) {
+    let replay = match journal::read(place, storage.file_id()) {
         Ok(Some(r)) if !r.writes.is_empty() => r,
         Ok(_) => return Ok(0),
         Err(io) => {
@@ -215,30 +233,29 @@ pub(crate) fn replay_journal(path: &Path, storage: &dyn Storage) -> Result<usize
 /// at `path` (file `file_id`, header `header`) would apply (this boot's
 /// and this file's), if the image names one.
 pub(crate) fn pending_journal(
-    path: &Path,
+    place: &ImagePlace,
     file_id: Option<(u64, u64)>,
     header: &crate::Header,
 ) -> Option<usize> {
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
         return None;
     }
-    journal::read(path, file_id)
+    journal::read(place, file_id)
         .ok()
         .flatten()
         .map(|r| r.writes.len())
 }
 
-/// Ends the journal of the image at `path` once its records are in the
+/// Ends the journal of the image at `place` once its records are in the
 /// tables ([`replay_journal`]): the image stops naming it (synced), then
-/// the file goes.
-pub(crate) fn end_journal(path: &Path, storage: &dyn Storage) -> Result<(), ErrorKind> {
+/// the file goes (if it is a journal: a file of another kind at its name
+/// is left alone).
+pub(crate) fn end_journal(place: &ImagePlace, storage: &dyn Storage) -> Result<(), ErrorKind> {
     let header = crate::check::read_header_for_check(storage)?;
     if header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
         let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
         write_word(storage, field::AUTOCLEAR_FEATURES, kept)?;
     }
-    match std::fs::remove_file(journal::path_of(path)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
-        _ => Ok(()),
-    }
+    crate::sidefile::remove_journal(place.dir(), &place.journal())?;
+    Ok(())
 }

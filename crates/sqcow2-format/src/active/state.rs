@@ -37,6 +37,11 @@ const RESIDENT_SHARE_OF_BUDGET: u64 = 4;
 #[derive(Debug)]
 pub(crate) struct TopFile {
     pub(crate) path: PathBuf,
+    /// Its directory (opened once) and name: its journal is made there.
+    pub(crate) place: Option<crate::sidefile::ImagePlace>,
+    /// The files of the layers below it when it was opened (named in a
+    /// refusal when one of them is where its journal would go).
+    pub(crate) below: Vec<crate::sidefile::FileId>,
     pub(crate) storage: Arc<dyn Storage>,
     pub(crate) geometry: Geometry,
     pub(crate) version: Version,

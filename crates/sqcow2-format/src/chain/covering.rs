@@ -86,9 +86,9 @@ impl Chain {
     /// chain is open its image locks keep such writers away.
     pub fn install_index(&self, path: &Path) -> Result<Installed, Error> {
         let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
-        let storage: Arc<dyn Storage> = Arc::new(
-            FileStorage::open_read_only(path).map_err(|e| stale(Stale::from_open_error(&e)))?,
-        );
+        let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(
+            crate::sidefile::open_side_file(path).map_err(|e| stale(Stale::from_open_error(&e)))?,
+        ));
         let index = ChainIndex::open(path, storage).map_err(stale)?;
         let covered = index.layers().len();
         let Some(upto) = covered.checked_sub(1) else {

@@ -372,7 +372,11 @@ impl Chain {
             return None;
         }
         let top = self.top();
-        crate::active::pending_journal(top.path(), top.storage().file_id(), top.header()?)
+        crate::active::pending_journal(
+            self.top_place.as_ref()?,
+            top.storage().file_id(),
+            top.header()?,
+        )
     }
 
     /// Journal records that no checkpoint ([`Chain::publish`]) covers yet.

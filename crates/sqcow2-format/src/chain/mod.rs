@@ -195,6 +195,9 @@ pub struct Chain {
     /// back and syncs them too, until [`Chain::retire`] (or, after a
     /// failed one, [`Chain::close_unclosed_below`]) has closed each.
     unclosed_below: std::sync::Mutex<Vec<UnclosedTop>>,
+    /// Where the top is: its directory, opened once, in which its side
+    /// files (journal, index) are made by name.
+    top_place: Option<crate::sidefile::ImagePlace>,
 }
 
 /// A live snapshot's old top below a chain's top whose writer has not
@@ -234,6 +237,17 @@ impl ChainOptions {
 }
 
 impl Chain {
+    /// Where the top is: its directory (opened once) and name (none for
+    /// a top given as storage whose path names no directory).
+    pub(crate) fn top_place(&self) -> Result<&crate::sidefile::ImagePlace, Error> {
+        self.top_place.as_ref().ok_or_else(|| {
+            Error::new(
+                self.top().path(),
+                ErrorKind::Io(std::io::Error::other("the top's directory is not open")),
+            )
+        })
+    }
+
     /// Statistics of the unified cache.
     pub fn cache_stats(&self) -> StatsSnapshot {
         self.cache.stats().snapshot()

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tracing::debug;
 
 use crate::active::{Active, CacheLink};
-use crate::backing::{resolve_backing_path, BackingFormat};
+use crate::backing::{resolve_backing_path, BackingFormat, BackingRoot, RootRefusal};
 use crate::check::Repair;
 use crate::error::{Error, ErrorKind, WithPath};
 use crate::features::AUTOCLEAR_JOURNAL;
@@ -21,6 +21,7 @@ use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::{field, QCOW2_MAGIC};
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::lock::Locking;
+use crate::sidefile::ImagePlace;
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 use crate::storage::{open_for_reading, real_path, FileStorage, Storage};
 use crate::summary::TopSummary;
@@ -53,7 +54,9 @@ fn open_layer(
     expect: Expect,
     options: &ChainOptions,
     files: &Arc<FileCache>,
+    top_place: Option<&ImagePlace>,
 ) -> Result<Layer, ErrorKind> {
+    let place = || top_place.ok_or_else(|| ErrorKind::Io(std::io::ErrorKind::NotFound.into()));
     let top = matches!(expect, Expect::Top);
     let want = options.lock_request(top);
     let storage: Arc<dyn Storage> = match (&expect, &options.top_storage, file) {
@@ -61,12 +64,19 @@ fn open_layer(
         // A top to write that was open read-only (an inactive chain, which
         // holds no lock): opened again for writing.
         (Expect::Top, None, Some(Opened::Reused(s))) if options.writable && !s.is_writable() => {
-            Arc::new(FileStorage::open_read_write(path)?)
+            let file = place()?.open_image(true)?;
+            if crate::sidefile::file_id(&file)? != s.file_id().unwrap_or_default() {
+                return Err(ErrorKind::LayerChanged);
+            }
+            Arc::new(FileStorage::from_writable_file(file)?)
         }
         (_, _, Some(Opened::Reused(s))) => s,
-        (Expect::Top, None, _) if options.writable => Arc::new(FileStorage::open_read_write(path)?),
+        // Opened for writing in the first place (`open_layers`).
+        (Expect::Top, None, Some(Opened::File(file))) if options.writable => {
+            Arc::new(FileStorage::from_writable_file(file)?)
+        }
         (Expect::Top, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
-        (Expect::Top, _, None) => Arc::new(FileStorage::open_read_only(path)?),
+        (Expect::Top, _, None) => Arc::new(FileStorage::from_file(place()?.open_image(false)?)),
         // A layer below the top: its descriptor in the chain's cache, the
         // file reopened by its real path when it was closed.
         (_, _, file) => {
@@ -96,7 +106,9 @@ fn open_layer(
                 }
                 // What a dead writer completed is in the image before any
                 // of its tables is read.
-                crate::active::replay_journal(path, &*storage)?;
+                if let Some(place) = top_place {
+                    crate::active::replay_journal(place, &*storage)?;
+                }
             }
             Ok(Layer::Qcow2(Qcow2Layer::open(path, storage.clone())?))
         }
@@ -113,23 +125,6 @@ fn open_layer(
             }
             Ok(Layer::Qcow2(Qcow2Layer::open_lazily(path, storage)?))
         }
-    }
-}
-
-/// Refuses an opened backing file whose real location (read from the open
-/// descriptor, so a symlink swapped after the check cannot fool it) is
-/// outside `root`.
-fn check_inside_root(file: &File, named: &Path, root: &Path) -> Result<(), ErrorKind> {
-    let root = std::fs::canonicalize(root)?;
-    let resolved = real_path(file)?;
-    if resolved.starts_with(&root) {
-        Ok(())
-    } else {
-        Err(ErrorKind::BackingOutsideRoot {
-            backing: named.to_path_buf(),
-            resolved,
-            root,
-        })
     }
 }
 
@@ -224,6 +219,7 @@ fn repair_left_open(
 /// (and its open file description, which holds the image locks) serves.
 fn open_layers(
     path: &Path,
+    top_place: Option<&ImagePlace>,
     options: &ChainOptions,
     reuse: Option<&Chain>,
 ) -> Result<(Vec<Layer>, Arc<FileCache>), Error> {
@@ -237,6 +233,11 @@ fn open_layers(
         )),
     };
     let reuse = reuse.map_or(&[][..], |old| &old.storages[..]);
+    // Backing files are checked against the root before they are opened.
+    let root = match &options.backing_root {
+        Some(root) => Some(BackingRoot::open(root).map_err(|e| Error::new(root, e.into()))?),
+        None => None,
+    };
     let mut seen = HashSet::new();
     let mut l1_bytes = 0u64;
     let mut next = Some((path.to_path_buf(), Expect::Top));
@@ -255,10 +256,26 @@ fn open_layers(
         let file = if injected {
             None
         } else {
-            let opened = if referrer.is_some() {
-                open_for_reading(&current)
-            } else {
-                File::open(&current)
+            let opened = match (&referrer, &root) {
+                (None, _) => match top_place {
+                    Some(place) => place.open_image(options.writable),
+                    None => Err(std::io::ErrorKind::NotFound.into()),
+                },
+                (Some(_), None) => open_for_reading(&current),
+                (Some(_), Some(root)) => match root.open_file(&current) {
+                    Ok(file) => Ok(file),
+                    Err(RootRefusal::Io(e)) => Err(e),
+                    Err(RootRefusal::Outside(resolved)) => {
+                        return Err(Error::new(
+                            &blame,
+                            ErrorKind::BackingOutsideRoot {
+                                backing: current,
+                                resolved,
+                                root: root.path().to_path_buf(),
+                            },
+                        ))
+                    }
+                },
             };
             let file = match opened {
                 Ok(f) => f,
@@ -273,9 +290,6 @@ fn open_layers(
                 }
                 Err(e) => return Err(Error::new(current, ErrorKind::Io(e))),
             };
-            if let (Some(root), Some(_)) = (&options.backing_root, &referrer) {
-                check_inside_root(&file, &current, root).map_err(|k| Error::new(&blame, k))?;
-            }
             let meta = file
                 .metadata()
                 .map_err(|e| Error::new(&current, e.into()))?;
@@ -297,12 +311,14 @@ fn open_layers(
             }
         }
         let layer =
-            open_layer(&current, file, expect, options, &files).map_err(|kind| match kind {
-                // The referring image records the wrong format: blame it.
-                ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
-                    Error::new(&blame, kind)
+            open_layer(&current, file, expect, options, &files, top_place).map_err(|kind| {
+                match kind {
+                    // The referring image records the wrong format: blame it.
+                    ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
+                        Error::new(&blame, kind)
+                    }
+                    kind => Error::new(&current, kind),
                 }
-                kind => Error::new(&current, kind),
             })?;
         if let Some(header) = layer.header() {
             if let Some(name) = &header.backing_file {
@@ -366,7 +382,16 @@ impl Chain {
         if options.inactive && options.writable {
             return Err(Error::new(path, ErrorKind::ReadOnly));
         }
-        let (layers, files) = open_layers(path, options, reuse)?;
+        // The top's directory, opened once: the top is opened by name in
+        // it, and its side files (journal, index) are made there.
+        let top_place = match ImagePlace::of(path) {
+            Ok(place) => Some(place),
+            // A top given as storage (tests) may name a directory that
+            // does not exist: it has no side files then (no journal).
+            Err(_) if options.top_storage.is_some() => None,
+            Err(e) => return Err(Error::new(path, e.into())),
+        };
+        let (layers, files) = open_layers(path, top_place.as_ref(), options, reuse)?;
         let (index, index_state) = if options.use_index {
             open_index(&layers, options.stale_index_expected)
         } else {
@@ -420,8 +445,12 @@ impl Chain {
             let top = layers
                 .last()
                 .ok_or_else(|| Error::new(path, ErrorKind::BadMagic(0)))?;
+            let below: Vec<_> = layers[..layers.len() - 1]
+                .iter()
+                .filter_map(|l| l.storage().file_id())
+                .collect();
             Some(Arc::new(
-                Active::open(top, layers.len() > 1, link)?
+                Active::open(top, layers.len() > 1, link, top_place.clone(), below)?
                     .with_background_write_back(options.background_write_back),
             ))
         } else {
@@ -445,6 +474,7 @@ impl Chain {
             }),
             summary,
             unclosed_below: std::sync::Mutex::new(Vec::new()),
+            top_place,
         })
     }
 }

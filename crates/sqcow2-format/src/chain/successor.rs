@@ -3,7 +3,6 @@
 //! pause only headers are read, whatever the disk size and the chain
 //! length.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -13,6 +12,7 @@ use crate::error::{Error, ErrorKind};
 use crate::fence::TransferFence;
 use crate::files::LazyFile;
 use crate::layer::{Layer, Qcow2Layer};
+use crate::sidefile::{CreatedFile, ImagePlace};
 use crate::sqcow2_ext::{granularity_bits, IndexState};
 use crate::storage::{FileStorage, Storage};
 use crate::summary::TopSummary;
@@ -36,6 +36,8 @@ const HANDED_OVER: u64 = 1 << 20;
 #[must_use = "prepared for Chain::successor"]
 pub struct PreparedTop {
     path: std::path::PathBuf,
+    /// Where the new top is (its directory, opened when it was made).
+    place: ImagePlace,
     layer: Layer,
     active: Option<Active>,
     /// Regions of the new top known to be empty, kept up to date by its
@@ -62,19 +64,31 @@ impl Drop for PreparedTop {
 }
 
 impl Chain {
-    /// Prepares `new_top`, an empty image created over this chain's top
-    /// (which must be writable), for [`Chain::successor`]: everything that
-    /// does not need the guest paused. Fails if the new top does not stand
-    /// on this chain's top or the chain would grow too deep.
+    /// Prepares `created`, an empty image this process created over this
+    /// chain's top (which must be writable), for [`Chain::successor`]:
+    /// everything that does not need the guest paused. The file is opened
+    /// by name in the directory it was made in, and must still be the file
+    /// made. Fails if the new top does not stand on this chain's top or
+    /// the chain would grow too deep.
     pub fn prepare_successor(
         &self,
-        new_top: &Path,
+        created: &CreatedFile,
         options: &ChainOptions,
     ) -> Result<PreparedTop, Error> {
         self.active()?;
         let old = self.top();
+        let new_path = created.path();
+        let new_top = new_path.as_path();
+        let place = created.place();
+        let file = created
+            .dir()
+            .open_file(place.name(), true)
+            .map_err(|e| Error::new(new_top, e.into()))?;
+        if crate::sidefile::file_id(&file).ok() != Some(created.id()) {
+            return Err(Error::new(new_top, ErrorKind::LayerChanged));
+        }
         let storage: Arc<dyn Storage> = Arc::new(
-            FileStorage::open_read_write(new_top).map_err(|e| Error::new(new_top, e.into()))?,
+            FileStorage::from_writable_file(file).map_err(|e| Error::new(new_top, e.into()))?,
         );
         let layer =
             Qcow2Layer::open(new_top, storage.clone()).map_err(|k| Error::new(new_top, k))?;
@@ -123,7 +137,8 @@ impl Chain {
             budget: options.cache_size,
             summary: summary.clone(),
         };
-        let active = Active::open(&layer, true, link)?
+        let below: Vec<_> = self.storages.iter().filter_map(|s| s.file_id()).collect();
+        let active = Active::open(&layer, true, link, Some(place.clone()), below)?
             .with_background_write_back(options.background_write_back);
         active.prefill_spares();
         let old_top_reader =
@@ -137,6 +152,7 @@ impl Chain {
             };
         Ok(PreparedTop {
             path: new_top.to_path_buf(),
+            place,
             layer,
             active: Some(active),
             summary,
@@ -426,6 +442,7 @@ impl Chain {
             index: arc_swap::ArcSwap::from_pointee(IndexInUse { covering, state }),
             summary,
             unclosed_below: std::sync::Mutex::new(unclosed_below),
+            top_place: Some(prepared.place.clone()),
         })
     }
 }

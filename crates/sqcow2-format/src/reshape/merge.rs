@@ -11,10 +11,10 @@ use crate::chain::{Chain, ChainOptions};
 use crate::create::CreateOptions;
 use crate::error::Error;
 use crate::header_area::{AreaEdit, Edit};
-use crate::indexing::{index_file_name, io_err, sync_dir, BuildReport};
+use crate::indexing::{io_err, new_image_dir, BuildReport};
 use crate::layer::Layer;
 use crate::lock::Locking;
-use crate::storage::FileStorage;
+use crate::sidefile::{CreatedFile, NewImage};
 use crate::types::LayerIndex;
 
 use super::copy::{has_short_layers, Pace, ViewCopy, Zeros};
@@ -105,81 +105,38 @@ pub(crate) fn merge_range(
     Ok(MergeRange { first, last })
 }
 
-/// The new file of a merge, created and synced under a temporary name
-/// (`<output>.tmp`), backing onto layer `first - 1`, naming its own
+/// The new file of a merge, created and synced under its temporary name
+/// (`<output>.sqtmp`), backing onto layer `first - 1`, naming its own
 /// (deferred) index. Removed when dropped unless published.
 #[must_use = "a merge file is removed unless published"]
 pub(crate) struct MergeFile {
-    tmp: PathBuf,
-    output: PathBuf,
+    image: NewImage,
     backing: Option<PathBuf>,
-    published: bool,
 }
 
 impl MergeFile {
     /// The temporary file (written by the copy).
-    pub(crate) fn tmp(&self) -> &Path {
-        &self.tmp
+    pub(crate) fn tmp(&self) -> PathBuf {
+        self.image.tmp_path()
     }
 
     /// Its backing file name.
     pub(crate) fn backing(&self) -> Option<&Path> {
         self.backing.as_deref()
     }
-
-    /// Makes the file visible under its name (synced, renamed, directory
-    /// synced).
-    pub(crate) fn publish(mut self) -> Result<PathBuf, Error> {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&self.tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(io_err(&self.tmp))?;
-        // Never over a file created at the merge's name meanwhile (a live
-        // snapshot's new top).
-        crate::tmpfile::rename_no_replace(&self.tmp, &self.output).map_err(io_err(&self.output))?;
-        self.published = true;
-        sync_dir(&self.output)?;
-        Ok(self.output.clone())
-    }
-}
-
-impl Drop for MergeFile {
-    fn drop(&mut self) {
-        if !self.published {
-            let _ = std::fs::remove_file(&self.tmp);
-            let mut journal = self.tmp.as_os_str().to_owned();
-            journal.push(".sqjournal");
-            let _ = std::fs::remove_file(journal);
-        }
-    }
-}
-
-/// The temporary name of a merge file being written: a file of this name
-/// is a merge that did not finish (it is never referenced by a chain).
-pub fn merge_tmp_path(output: &Path) -> PathBuf {
-    let mut name = output.as_os_str().to_owned();
-    name.push(".tmp");
-    PathBuf::from(name)
 }
 
 /// Creates the (empty) merge file for `range` of `chain` under its
-/// temporary name. A temporary file left by a merge that died is removed
-/// first; an existing `output` is refused.
+/// temporary name, in `output`'s directory (opened inside `root` when
+/// given). Refused, before anything is written, when `output` or a name
+/// its side files take holds anything but a killed merge's leftovers
+/// (those are removed).
 pub(crate) fn create_merge_file(
     chain: &Chain,
     range: &MergeRange,
     output: &Path,
+    root: Option<&Path>,
 ) -> Result<MergeFile, Error> {
-    // Anything there, a dangling symlink included.
-    crate::tmpfile::refuse_existing(output).map_err(io_err(output))?;
-    let tmp = merge_tmp_path(output);
-    if std::fs::symlink_metadata(&tmp).is_ok() {
-        tracing::warn!(path = %tmp.display(), "removing the file of a merge that did not finish");
-        let mut journal = tmp.as_os_str().to_owned();
-        journal.push(".sqjournal");
-        let _ = std::fs::remove_file(journal);
-    }
     let last = &chain.layers()[range.last.0];
     let below = range.first.0.checked_sub(1).map(|i| &chain.layers()[i]);
     let backing = below.map(|b| backing_name_for(output, b.path()));
@@ -205,31 +162,21 @@ pub(crate) fn create_merge_file(
         backing_format: below.map(|b| format_name(b).to_string()),
         ..CreateOptions::default()
     };
-    let file = MergeFile {
-        tmp: tmp.clone(),
-        output: output.to_path_buf(),
-        backing,
-        published: false,
-    };
-    crate::create::create_temporary(&tmp, &opts)?;
-    if file.backing.is_some() {
-        // The new layer names its own index (written later): the top's
-        // index can then be built from it.
-        let storage = FileStorage::open_read_write(&tmp).map_err(io_err(&tmp))?;
-        let header = crate::check::read_header(&storage).map_err(|k| Error::new(&tmp, k))?;
-        let name = index_file_name(output);
-        let _ = std::fs::remove_file(output.with_file_name(&name));
-        crate::header_area::rewrite(
-            &storage,
-            &header,
-            &AreaEdit {
-                index: Edit::Set(&name),
-                backing: Edit::Keep,
-            },
-        )
-        .map_err(io_err(&tmp))?;
+    let bytes = crate::create::image_bytes(&opts).map_err(|k| Error::new(output, k))?;
+    let name = crate::sidefile::dir::file_name(output).map_err(io_err(output))?;
+    let dir = new_image_dir(output, root)?;
+    let layers: Vec<_> = chain
+        .layers()
+        .iter()
+        .filter_map(|l| l.storage().file_id())
+        .collect();
+    let image = NewImage::create(dir, name, &layers, bytes)?;
+    if backing.is_some() {
+        // The new layer names its own index (written once it is
+        // published): the top's index can then be built from it.
+        image.name_its_index()?;
     }
-    Ok(file)
+    Ok(MergeFile { image, backing })
 }
 
 /// Copies the view of `range` of `chain` (any chain whose layers include
@@ -261,8 +208,9 @@ pub(crate) fn fill_merge_file(
     } else {
         probe
     };
+    let tmp = file.tmp();
     let target = Chain::open(
-        file.tmp(),
+        &tmp,
         &ChainOptions {
             writable: true,
             locking,
@@ -272,6 +220,10 @@ pub(crate) fn fill_merge_file(
             ..ChainOptions::default()
         },
     )?;
+    // Opened again by name: it must still be the file made.
+    if target.top().storage().file_id() != Some(file.image.id()) {
+        return Err(Error::new(&tmp, crate::error::ErrorKind::LayerChanged));
+    }
     let copied = ViewCopy {
         source: &source,
         from: range.first,
@@ -329,10 +281,11 @@ pub fn prepare_merge(
     first: &LayerRef,
     last: &LayerRef,
     output: &Path,
+    root: Option<&Path>,
 ) -> Result<PreparedMerge, Error> {
     let range = merge_range(chain, first, last)?;
     let above_at = LayerIndex(range.last.0 + 1);
-    let file = create_merge_file(chain, &range, output)?;
+    let file = create_merge_file(chain, &range, output, root)?;
     Ok(PreparedMerge {
         last_path: chain.layers()[range.last.0].path().to_path_buf(),
         above: chain.layers()[above_at.0].path().to_path_buf(),
@@ -368,23 +321,22 @@ impl PreparedMerge {
         fill_merge_file(&self.last_path, &self.range, &self.file, locking, pace)
     }
 
-    /// Builds the file's own index (when it has a backing file), then
-    /// makes it visible under its name, durable. Nothing references it
+    /// Makes the file visible under its name, durable, then builds its
+    /// own index (when it has a backing file). Nothing references it
     /// yet: [`MergedFile::switch_in`] (live) or the offline merge switches
     /// the layer above onto it. `cancelled` stops the index build (as
-    /// for [`crate::indexing::build_index`]; the temporary file is then removed).
+    /// for [`crate::indexing::build_index`]); on a failure the file is
+    /// removed (with its index).
     pub fn publish(
         self,
         locking: Locking,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<MergedFile, Error> {
-        if self.file.backing().is_some() {
-            rebuild_index(self.file.tmp(), locking, cancelled)?;
-        }
         let backing = self.file.backing().map(Path::to_path_buf);
-        let merged = self.file.publish()?;
-        Ok(MergedFile {
-            merged,
+        let created = self.file.image.publish()?;
+        let merged = MergedFile {
+            merged: created.path(),
+            created,
             backing,
             above: self.above,
             above_id: self.above_id,
@@ -392,7 +344,14 @@ impl PreparedMerge {
             replaced: self.replaced,
             layers_before: self.layers_before,
             layers_after: self.layers_before - (self.range.last.0 - self.range.first.0),
-        })
+        };
+        if merged.backing.is_some() {
+            if let Err(e) = rebuild_index(&merged.merged, locking, cancelled) {
+                merged.remove();
+                return Err(e);
+            }
+        }
+        Ok(merged)
     }
 }
 
@@ -400,6 +359,8 @@ impl PreparedMerge {
 #[derive(Debug, Clone)]
 pub struct MergedFile {
     merged: PathBuf,
+    /// The file made (removed by identity).
+    created: CreatedFile,
     backing: Option<PathBuf>,
     above: PathBuf,
     above_id: Option<(u64, u64)>,
@@ -418,6 +379,17 @@ impl MergedFile {
     /// The layers it replaces once switched in, lowest first.
     pub fn replaced(&self) -> &[PathBuf] {
         &self.replaced
+    }
+
+    /// Removes the file (no chain references it: not switched in) and its
+    /// index, each only if it is still the file made (the index: sqcow2's
+    /// own), so that a retry can use the name.
+    pub fn remove(&self) {
+        let index = crate::sidefile::index_name(self.created.place().name());
+        if let Err(e) = crate::sidefile::remove_index(self.created.dir(), &index) {
+            tracing::warn!(error = %e, "could not remove the merge file's index");
+        }
+        self.created.remove();
     }
 
     /// Layers of the chain after the switch.
@@ -516,7 +488,7 @@ pub fn merge(
             ..ChainOptions::default()
         },
     )?;
-    let prepared = prepare_merge(&chain, &options.first, &options.last, &options.output)?;
+    let prepared = prepare_merge(&chain, &options.first, &options.last, &options.output, None)?;
     drop(chain);
     // The layer switched at the end, locked now: a chain served by a
     // daemon is refused before the copy.

@@ -24,9 +24,7 @@ use crate::types::LayerIndex;
 
 pub use commit::{commit, CommitOptions, CommitReport};
 pub use copy::{Pace, RateLimit};
-pub use merge::{
-    merge, merge_tmp_path, prepare_merge, MergeOptions, MergeReport, MergedFile, PreparedMerge,
-};
+pub use merge::{merge, prepare_merge, MergeOptions, MergeReport, MergedFile, PreparedMerge};
 pub use rebase::{rebase, RebaseOptions, RebaseReport};
 
 /// A layer of a chain, as an operator names it.

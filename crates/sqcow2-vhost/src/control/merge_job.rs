@@ -156,8 +156,14 @@ impl MergeJob {
         super::inside_backing_root(shared, &request.path, FailureKind::MergeFailed)?;
         let first: LayerRef = (&request.first).into();
         let last: LayerRef = (&request.last).into();
-        let prepared = prepare_merge(&chain, &first, &last, &request.path)
-            .map_err(|e| fail(FailureKind::MergeFailed, e.to_string()))?;
+        let prepared = prepare_merge(
+            &chain,
+            &first,
+            &last,
+            &request.path,
+            shared.options.backing_root.as_deref(),
+        )
+        .map_err(|e| fail(FailureKind::MergeFailed, e.to_string()))?;
         drop(chain);
         let (a, b) = prepared.range();
         let started = MergeStarted {
@@ -395,7 +401,7 @@ fn run(
         // its temporary name (a file at its name would be somebody
         // else's).
         if let Ok(merged) = &published {
-            forget(merged.path());
+            merged.remove();
         }
         return Err(MergeEnd::Cancelled(why));
     }
@@ -404,22 +410,15 @@ fn run(
     match switch(shared, term, &merged) {
         Ok(()) => Ok(()),
         Err(SwitchError::Inactivated) => {
-            forget(merged.path());
+            merged.remove();
             Err(MergeEnd::Cancelled(INACTIVATED))
         }
         Err(SwitchError::NotSwitched(e)) => {
-            forget(merged.path());
+            merged.remove();
             Err(MergeEnd::Failed(e))
         }
         Err(SwitchError::Switched(e)) => Err(MergeEnd::Failed(e)),
     }
-}
-
-/// Removes a merge file no chain references, and its index, so that a
-/// retry can use the name.
-fn forget(merged: &std::path::Path) {
-    let _ = std::fs::remove_file(merged);
-    let _ = std::fs::remove_file(sqcow2_format::indexing::index_path_of(merged));
 }
 
 /// How a switch failed.

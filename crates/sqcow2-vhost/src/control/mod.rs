@@ -513,18 +513,30 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // (an empty image over the old top: the old top may go on changing
     // below it). The daemon holds the chain's image locks itself.
     let top = current.top().path().to_path_buf();
-    let created = sqcow2_format::indexing::snapshot_over(&current, &top, new)
-        .map_err(|e| fail(FailureKind::SnapshotFailed, e.to_string()))?;
+    // Made in the new top's directory, opened once inside the backing
+    // root; refused if its name or its side files' are taken.
+    let created = sqcow2_format::indexing::snapshot_over(
+        &current,
+        &top,
+        new,
+        shared.options.backing_root.as_deref(),
+    )
+    .map_err(|e| {
+        let kind = match e.kind {
+            sqcow2_format::ErrorKind::NameInUse { .. } => FailureKind::Exists,
+            _ => FailureKind::SnapshotFailed,
+        };
+        fail(kind, e.to_string())
+    })?;
     // Removes the new top unless the switch happened.
     let mut created = CreatedTop {
-        path: created.new,
-        index: created.index,
+        file: created,
         switched: false,
     };
     // Opened, locked and given its mapping journal (a sync) before the
     // pause too.
     let next_top = current
-        .prepare_successor(&created.path, &shared.options)
+        .prepare_successor(&created.file, &shared.options)
         .map_err(new_top_failure)?;
     // Then what the guest wrote written back while it still runs, in
     // rounds until one is short (each writes back what was written during
@@ -711,19 +723,17 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
-/// A new top created for a live snapshot: removed (with any index file)
-/// unless the daemon switched to it.
+/// A new top created for a live snapshot: removed (if it is still the
+/// file made) unless the daemon switched to it.
 struct CreatedTop {
-    path: std::path::PathBuf,
-    index: std::path::PathBuf,
+    file: sqcow2_format::CreatedFile,
     switched: bool,
 }
 
 impl Drop for CreatedTop {
     fn drop(&mut self) {
         if !self.switched {
-            let _ = std::fs::remove_file(&self.path);
-            let _ = std::fs::remove_file(&self.index);
+            self.file.remove();
         }
     }
 }

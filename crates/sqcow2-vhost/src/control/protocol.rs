@@ -49,6 +49,7 @@ pub enum Command {
 
 /// What a `merge` request asks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MergeRequest {
     /// The lowest layer merged: a position (0 the base) or a file of the
     /// chain.
@@ -98,11 +99,13 @@ pub enum StatsFormat {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct SnapshotArgs {
     path: PathBuf,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct StatsArgs {
     #[serde(default)]
     format: StatsFormat,
@@ -221,13 +224,48 @@ impl Reply {
     }
 }
 
+/// A JSON object whose keys are all different (a key given twice is an
+/// error, not the last value silently kept).
+struct UniqueKeys(Map<String, Value>);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut out = Map::new();
+                while let Some((key, value)) = map.next_entry::<String, Value>()? {
+                    if out.contains_key(&key) {
+                        return Err(serde::de::Error::custom(format!(
+                            "the key {key:?} is given twice"
+                        )));
+                    }
+                    out.insert(key, value);
+                }
+                Ok(UniqueKeys(out))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 impl Request {
     /// Parses a request line; on failure, the reply's `id` (when the line
     /// had one) and why.
     pub fn parse(line: &str) -> Result<Request, (Value, Failure)> {
         let bad = |m: String| Failure::new(FailureKind::BadRequest, m);
-        let mut object: Map<String, Value> = match serde_json::from_str(line) {
-            Ok(Value::Object(o)) => o,
+        let mut object: Map<String, Value> = match serde_json::from_str::<Value>(line) {
+            Ok(Value::Object(_)) => match serde_json::from_str::<UniqueKeys>(line) {
+                Ok(UniqueKeys(o)) => o,
+                Err(e) => return Err((Value::Null, bad(format!("invalid request: {e}")))),
+            },
             Ok(_) => return Err((Value::Null, bad("a request is a JSON object".into()))),
             Err(e) => return Err((Value::Null, bad(format!("invalid JSON: {e}")))),
         };
@@ -237,30 +275,30 @@ impl Request {
             Some(_) => return Err((id, bad("\"command\" must be a string".into()))),
             None => return Err((id, bad("missing \"command\"".into()))),
         };
-        let args = Value::Object(object);
+        // Each command's arguments, no key it does not take.
+        fn args<T: serde::de::DeserializeOwned>(
+            name: &str,
+            object: Map<String, Value>,
+        ) -> Result<T, String> {
+            serde_json::from_value(Value::Object(object)).map_err(|e| format!("{name}: {e}"))
+        }
+        let no_args = |command: Command| match object.keys().next() {
+            Some(key) => Err(format!("{name} takes no argument (got {key:?})")),
+            None => Ok(command),
+        };
         let command = match name.as_str() {
-            "snapshot" => match serde_json::from_value::<SnapshotArgs>(args) {
-                Ok(a) => Command::Snapshot { path: a.path },
-                Err(e) => return Err((id, bad(format!("snapshot needs \"path\": {e}")))),
-            },
-            "flush" => Command::Flush,
-            "info" => Command::Info,
-            "activate" => Command::Activate,
-            "inactivate" => Command::Inactivate,
-            "merge" => match serde_json::from_value::<MergeRequest>(args) {
-                Ok(a) => Command::Merge(a),
-                Err(e) => {
-                    return Err((
-                        id,
-                        bad(format!("merge needs \"first\", \"last\" and \"path\": {e}")),
-                    ))
-                }
-            },
-            "merge-cancel" => Command::MergeCancel,
-            "stats" => match serde_json::from_value::<StatsArgs>(args) {
-                Ok(a) => Command::Stats { format: a.format },
-                Err(e) => return Err((id, bad(format!("stats: {e}")))),
-            },
+            "flush" => no_args(Command::Flush),
+            "info" => no_args(Command::Info),
+            "activate" => no_args(Command::Activate),
+            "inactivate" => no_args(Command::Inactivate),
+            "merge-cancel" => no_args(Command::MergeCancel),
+            "snapshot" => args::<SnapshotArgs>("snapshot needs \"path\"", object)
+                .map(|a| Command::Snapshot { path: a.path }),
+            "merge" => args::<MergeRequest>("merge needs \"first\", \"last\" and \"path\"", object)
+                .map(Command::Merge),
+            "stats" => {
+                args::<StatsArgs>("stats", object).map(|a| Command::Stats { format: a.format })
+            }
             other => {
                 return Err((
                     id,
@@ -271,6 +309,7 @@ impl Request {
                 ))
             }
         };
+        let command = command.map_err(|m| (id.clone(), bad(m)))?;
         Ok(Request { id, command })
     }
 

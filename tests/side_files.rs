@@ -1,0 +1,834 @@
+//! Nothing sqcow2 did not create is deleted, emptied or written through
+//! (issue 42): side files (index, journal, temporaries) whose names are
+//! taken by layers or other files, symlinks where side files go, backing
+//! files that are FIFOs, a pidfile that is a symlink, and control lines
+//! that say one thing twice. Every file the operation did not create,
+//! inside the directory and outside it, has the same content and inode
+//! afterwards; QEMU's tools read and check what is left.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::reference::Reference;
+use common::vhost::{connect_retry, control, Daemon};
+use common::{qemu_img, qemu_io, run_raw, s, sha256_file, sqcow2, sqcow2_bin};
+use serde_json::json;
+
+/// What every entry below `dirs` is: inode and content hash, symlink
+/// target, or kind (symlinks not followed).
+fn state(dirs: &[&Path]) -> BTreeMap<PathBuf, String> {
+    let mut out = BTreeMap::new();
+    let mut todo: Vec<PathBuf> = dirs.iter().map(|d| d.to_path_buf()).collect();
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let ft = meta.file_type();
+            let what = if ft.is_symlink() {
+                format!("link {}", std::fs::read_link(&path).unwrap().display())
+            } else if ft.is_dir() {
+                todo.push(path.clone());
+                format!("dir {}", meta.ino())
+            } else if ft.is_file() {
+                format!("file {} {}", meta.ino(), sha256_file(&path))
+            } else {
+                format!("special {}", meta.ino())
+            };
+            out.insert(path, what);
+        }
+    }
+    out
+}
+
+/// Asserts that every entry of `before` is unchanged in `after`.
+fn assert_untouched(
+    before: &BTreeMap<PathBuf, String>,
+    after: &BTreeMap<PathBuf, String>,
+    when: &str,
+) {
+    for (path, what) in before {
+        assert_eq!(
+            after.get(path),
+            Some(what),
+            "{when}: {} changed or went",
+            path.display()
+        );
+    }
+}
+
+/// Runs the sqcow2 binary with `args`; its exit code (`None`: still
+/// running after 20 s, then killed) and standard error.
+fn run_sqcow2(args: &[&str]) -> (Option<i32>, String) {
+    let mut child = Command::new(sqcow2_bin())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            return (
+                status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            );
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            return (None, String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Asserts a refusal: exit 1, the error naming `name`.
+fn assert_refused(args: &[&str], name: &str) -> String {
+    let (code, stderr) = run_sqcow2(args);
+    assert_eq!(code, Some(1), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(name),
+        "{args:?} should name {name}: {stderr}"
+    );
+    stderr
+}
+
+fn create(path: &Path, size: &str) {
+    qemu_img(&["create", "-q", "-f", "qcow2", s(path), size]);
+}
+
+fn overlay(path: &Path, backing: &str) {
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        backing,
+        "-F",
+        "qcow2",
+        s(path),
+    ]);
+}
+
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(s(path)).unwrap();
+    // SAFETY: a NUL-terminated path this test owns.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+/// `sqcow2 snapshot foo.sqidx foo`: the new top's index would be the
+/// chain's own top; `upgrade` of a top whose base is named as its index:
+/// both refused, nothing written (before: the layer deleted or replaced by
+/// an index, exit 0).
+#[test]
+fn a_layer_named_as_a_side_file_is_never_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let foo_idx = d.join("foo.sqidx");
+    sqcow2(&["create", s(&foo_idx), "64M"]);
+    sqcow2(&["io", "-c", "write -P 0x5a 0 1M", s(&foo_idx)]);
+    let before = state(&[d]);
+    assert_refused(&["snapshot", s(&foo_idx), s(&d.join("foo"))], "foo.sqidx");
+    assert_untouched(&before, &state(&[d]), "snapshot to foo");
+    assert!(!d.join("foo").exists());
+    qemu_io(&foo_idx, &["read -P 0x5a 0 1M".into()]);
+
+    let t_idx = d.join("t.sqidx");
+    create(&t_idx, "64M");
+    qemu_io(&t_idx, &["write -P 0x33 0 64k".into()]);
+    overlay(&d.join("t"), "t.sqidx");
+    let before = state(&[d]);
+    assert_refused(&["upgrade", s(&d.join("t"))], "t.sqidx");
+    assert_untouched(&before, &state(&[d]), "upgrade t");
+    qemu_io(&d.join("t"), &["read -P 0x33 0 64k".into()]);
+}
+
+/// A base named as its top's journal (`x.sqjournal` under `x`), and a
+/// top whose journal's name is a symlink to a file elsewhere: writes into
+/// the top go on (without a journal: each change published before it
+/// completes) and neither file is touched (before: the base emptied and
+/// deleted, the symlink's target truncated to a journal).
+#[test]
+fn a_journal_is_never_made_over_another_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let base = d.join("x.sqjournal");
+    create(&base, "64M");
+    qemu_io(&base, &["write -P 0x11 0 1M".into()]);
+    let x = d.join("x");
+    overlay(&x, "x.sqjournal");
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, vec![0xEE; 8192]).unwrap();
+    let n = d.join("n");
+    create(&n, "64M");
+    std::os::unix::fs::symlink(&victim, d.join("n.sqjournal")).unwrap();
+    let before = state(&[d, outside.path()]);
+    let (code, stderr) = run_sqcow2(&["io", "-c", "write -P 0x22 64k 64k", s(&x)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("x.sqjournal"),
+        "the collision is named: {stderr}"
+    );
+    let (code, stderr) = run_sqcow2(&["io", "-c", "write -P 0x44 0 64k", s(&n)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let after = state(&[d, outside.path()]);
+    for keep in [&base, &victim, &d.join("n.sqjournal")] {
+        assert_eq!(before.get(keep), after.get(keep), "{}", keep.display());
+    }
+    qemu_io(
+        &x,
+        &["read -P 0x11 0 64k".into(), "read -P 0x22 64k 64k".into()],
+    );
+    qemu_io(&n, &["read -P 0x44 0 64k".into()]);
+    for image in [&base, &x, &n] {
+        qemu_img(&["check", s(image)]);
+    }
+}
+
+/// Files of other programs at the names of a new top's side files
+/// (`C.sqidx`, `D.sqjournal`, `F.sqidx.tmp`, `P.sqtmp`, a symlink at
+/// `S.sqtmp` to a file outside): each snapshot is refused in one line
+/// naming the file, and nothing changes (before: deleted or overwritten
+/// without a word). The old temporary names (`P.qcow2.tmp`) are not
+/// sqcow2's any more: a snapshot to `P.other` leaves them alone.
+#[test]
+fn files_at_a_new_tops_side_file_names_are_refused_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    create(&top, "64M");
+    qemu_io(&top, &["write -P 0x66 0 64k".into()]);
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    for name in [
+        "C.sqidx",
+        "D.sqjournal",
+        "F.sqidx.tmp",
+        "P.sqtmp",
+        "P.qcow2.tmp",
+    ] {
+        std::fs::write(d.join(name), format!("{name} belongs to someone")).unwrap();
+    }
+    std::os::unix::fs::symlink(&victim, d.join("S.sqtmp")).unwrap();
+    std::os::unix::fs::symlink(&victim, d.join("L.sqidx")).unwrap();
+    // A real qcow2 image of someone else's at a temporary name.
+    create(&d.join("Q.sqtmp"), "1M");
+    let before = state(&[d, outside.path()]);
+    for (new, taken) in [
+        ("C", "C.sqidx"),
+        ("D", "D.sqjournal"),
+        ("F", "F.sqidx.tmp"),
+        ("P", "P.sqtmp"),
+        ("S", "S.sqtmp"),
+        ("L", "L.sqidx"),
+        ("Q", "Q.sqtmp"),
+    ] {
+        let stderr = assert_refused(&["snapshot", s(&top), s(&d.join(new))], taken);
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        assert!(!d.join(new).exists(), "{new}");
+    }
+    sqcow2(&["snapshot", s(&top), s(&d.join("P.other"))]);
+    assert_untouched(&before, &state(&[d, outside.path()]), "snapshots");
+    qemu_img(&["check", s(&d.join("P.other"))]);
+}
+
+/// A backing file that is a FIFO (outside the backing root or not), and a
+/// top that is one: `info`, `check`, `map` and `serve` refuse it in one
+/// line at once (before: they waited forever in `open`).
+#[test]
+fn a_fifo_is_never_opened_as_an_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let fifo = outside.path().join("fifo");
+    mkfifo(&fifo);
+    let top = d.join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        s(&fifo),
+        "-F",
+        "raw",
+        s(&top),
+        "64M",
+    ]);
+    let inner = d.join("inner-fifo");
+    mkfifo(&inner);
+    let top2 = d.join("top2.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "inner-fifo",
+        "-F",
+        "raw",
+        s(&top2),
+        "64M",
+    ]);
+    for args in [
+        vec!["info", "--backing-chain", s(&top)],
+        vec!["map", s(&top)],
+        vec!["check", s(&top)],
+        vec!["map", s(&top2)],
+        vec!["info", s(&inner)],
+        vec!["map", s(&inner)],
+    ] {
+        let (code, stderr) = run_sqcow2(&args);
+        assert_eq!(code, Some(1), "{args:?} (None: it hung): {stderr}");
+        assert!(stderr.contains("fifo"), "{args:?}: {stderr}");
+    }
+    for image in [&top, &top2] {
+        let sock = d.join("v.sock");
+        let (code, stderr) = run_sqcow2(&["serve", "--socket", s(&sock), s(image)]);
+        assert_eq!(
+            code,
+            Some(1),
+            "serve {} (None: it hung): {stderr}",
+            image.display()
+        );
+        assert!(stderr.contains("fifo"), "{stderr}");
+    }
+}
+
+/// `--pidfile` naming a symlink: the daemon refuses to start and the
+/// symlink's target is untouched (before: written through).
+#[test]
+fn the_pidfile_is_never_written_through_a_symlink() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    create(&top, "16M");
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let pidfile = d.join("serve.pid");
+    std::os::unix::fs::symlink(&victim, &pidfile).unwrap();
+    let sock = d.join("v.sock");
+    let (code, stderr) = run_sqcow2(&[
+        "serve",
+        "--socket",
+        s(&sock),
+        "--pidfile",
+        s(&pidfile),
+        s(&top),
+    ]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("serve.pid"), "{stderr}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+}
+
+const BLOCK: u64 = 64 << 10;
+
+fn write_blocks(
+    client: &mut common::vhost::Client,
+    reference: &mut Reference,
+    seed: u64,
+    count: u64,
+) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let blocks = client.capacity() / BLOCK;
+    for _ in 0..count {
+        let offset = rng.u64(0..blocks) * BLOCK;
+        let fill = rng.u8(1..);
+        client.write(offset, &vec![fill; BLOCK as usize]);
+        reference.wrote(offset, fill);
+    }
+}
+
+/// Live snapshots whose new top's side files are layers of the served
+/// chain: a new top `B` over a top named `B.sqjournal`, a new top `A`
+/// over a top named `A.sqidx`. Both are refused with an error reply; the
+/// served top is neither emptied nor unlinked; every acknowledged write
+/// reads back, through the daemon and through QEMU after the stop (before:
+/// the live top truncated into a journal and unlinked, every write since
+/// the first snapshot lost).
+#[test]
+fn live_snapshots_never_take_a_layers_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let base = d.join("base.qcow2");
+    create(&base, "64M");
+    let mut reference = Reference::new(&base, d, BLOCK);
+    let ctl = d.join("control.sock");
+    let mut daemon = Daemon::start(d, &base, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    write_blocks(&mut client, &mut reference, 8, 200);
+    let b_journal = d.join("B.sqjournal");
+    let r = control(&ctl, json!({"command": "snapshot", "path": b_journal}));
+    assert_eq!(r["ok"], true, "{r}");
+    write_blocks(&mut client, &mut reference, 9, 200);
+    reference.verify_through(&mut client, "after the first snapshot");
+    let ino = std::fs::metadata(&b_journal).unwrap().ino();
+    let r = control(&ctl, json!({"command": "snapshot", "path": d.join("B")}));
+    assert_eq!(r["ok"], false, "{r}");
+    let message = r["error"]["message"].as_str().unwrap();
+    assert!(message.contains("B.sqjournal"), "{r}");
+    assert!(!d.join("B").exists());
+    assert_eq!(std::fs::metadata(&b_journal).unwrap().ino(), ino);
+    write_blocks(&mut client, &mut reference, 10, 100);
+    reference.verify_through(&mut client, "after the refused snapshot");
+    // A top named as an index.
+    let a_idx = d.join("A.sqidx");
+    let r = control(&ctl, json!({"command": "snapshot", "path": a_idx}));
+    assert_eq!(r["ok"], true, "{r}");
+    write_blocks(&mut client, &mut reference, 11, 100);
+    let ino = std::fs::metadata(&a_idx).unwrap().ino();
+    let r = control(&ctl, json!({"command": "snapshot", "path": d.join("A")}));
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"]["message"].as_str().unwrap().contains("A.sqidx"),
+        "{r}"
+    );
+    assert_eq!(std::fs::metadata(&a_idx).unwrap().ino(), ino);
+    write_blocks(&mut client, &mut reference, 12, 100);
+    reference.verify_through(&mut client, "after the second refusal");
+    drop(client);
+    daemon.stop();
+    reference.verify_for_qemu(&a_idx, d);
+    for layer in [&base, &b_journal, &a_idx] {
+        qemu_img(&["check", s(layer)]);
+    }
+}
+
+/// A live merge whose temporary file's journal (`m.qcow2.sqtmp.sqjournal`)
+/// or temporary file is a symlink to a file outside: refused before it
+/// starts, the file outside untouched; a live snapshot during a merge
+/// never touches the merge's files.
+#[test]
+fn a_live_merge_never_writes_through_symlinks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = common::gen_chain(d, 4, "64M", "0.3");
+    let ctl = d.join("control.sock");
+    let mut daemon = Daemon::start(d, &top, &["--control", s(&ctl)]);
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, vec![0x5a; 4096]).unwrap();
+    let m = d.join("m.qcow2");
+    for side in ["m.qcow2.sqtmp.sqjournal", "m.qcow2.sqtmp", "m.qcow2.sqidx"] {
+        std::os::unix::fs::symlink(&victim, d.join(side)).unwrap();
+        let before = state(&[d, outside.path()]);
+        let r = control(
+            &ctl,
+            json!({"command": "merge", "first": 0, "last": 1, "path": m}),
+        );
+        assert_eq!(r["ok"], false, "{side}: {r}");
+        assert!(
+            r["error"]["message"].as_str().unwrap().contains(side),
+            "{r}"
+        );
+        let after = state(&[d, outside.path()]);
+        for keep in [&victim, &d.join(side)] {
+            assert_eq!(before.get(keep), after.get(keep), "{side}");
+        }
+        std::fs::remove_file(d.join(side)).unwrap();
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), vec![0x5a; 4096]);
+    // A live snapshot named `m.snap` while the merge to `m.qcow2` copies:
+    // their temporary files are each its own (before: the snapshot
+    // deleted the merge's).
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": 1, "path": m, "rate_limit": 8 << 20}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let r = control(
+        &ctl,
+        json!({"command": "snapshot", "path": d.join("m.snap")}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let mut state = serde_json::Value::Null;
+    for _ in 0..1200 {
+        state = control(&ctl, json!({"command": "stats"}))["result"]["merge"]["state"].clone();
+        if state != "copying" && state != "switching" && state != "measuring" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(state, "done");
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["chain"][0], s(&m), "{info}");
+    daemon.stop();
+    qemu_img(&["check", s(&m)]);
+}
+
+/// Control lines that say a key twice, carry a key the command does not
+/// take, or give a value of the wrong type: refused with `bad-request`,
+/// nothing done (before: the last of two `command`s ran).
+#[test]
+fn control_lines_with_duplicate_or_unknown_keys_are_refused() {
+    use std::io::{BufRead, BufReader, Write};
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    create(&top, "16M");
+    let ctl = d.join("control.sock");
+    let mut daemon = Daemon::start(d, &top, &["--control", s(&ctl)]);
+    let new = d.join("new.qcow2");
+    let lines = [
+        format!(
+            r#"{{"command":"info","command":"snapshot","path":"{}"}}"#,
+            s(&new)
+        ),
+        format!(
+            r#"{{"command":"snapshot","path":"{}","path":"{}"}}"#,
+            s(&new),
+            s(&new)
+        ),
+        r#"{"id":1,"id":2,"command":"info"}"#.to_string(),
+        format!(
+            r#"{{"command":"snapshot","path":"{}","force":true}}"#,
+            s(&new)
+        ),
+        r#"{"command":"info","verbose":1}"#.to_string(),
+        r#"{"command":"stats","format":7}"#.to_string(),
+        r#"{"command":"snapshot","path":7}"#.to_string(),
+        r#"{"command":"merge","first":0,"last":"x","path":7}"#.to_string(),
+    ];
+    for line in &lines {
+        let mut stream = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+        stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+        let mut reply = String::new();
+        BufReader::new(stream).read_line(&mut reply).unwrap();
+        let r: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        assert_eq!(r["ok"], false, "{line}: {r}");
+        assert_eq!(r["error"]["kind"], "bad-request", "{line}: {r}");
+    }
+    assert!(!new.exists());
+    let r = control(&ctl, json!({"command": "info"}));
+    assert_eq!(r["result"]["layers"], 1, "{r}");
+    daemon.stop();
+    let out = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
+    assert!(out.status.success());
+}
+
+/// Names the property tests draw from: stems that end in side-file
+/// suffixes themselves, and every suffix.
+const STEMS: [&str; 3] = ["n", "m", "n.qcow2"];
+const SUFFIXES: [&str; 8] = [
+    "",
+    ".qcow2",
+    ".sqidx",
+    ".sqjournal",
+    ".sqtmp",
+    ".sqidx.tmp",
+    ".sqtmp.sqjournal",
+    ".tmp",
+];
+
+fn random_name(rng: &mut fastrand::Rng) -> String {
+    format!(
+        "{}{}",
+        STEMS[rng.usize(..STEMS.len())],
+        SUFFIXES[rng.usize(..SUFFIXES.len())]
+    )
+}
+
+/// A chain of three layers with random names in `d` (some data in each);
+/// its files, base first.
+fn random_chain(d: &Path, rng: &mut fastrand::Rng) -> Vec<PathBuf> {
+    let mut names: Vec<String> = Vec::new();
+    while names.len() < 3 {
+        let n = random_name(rng);
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    let files: Vec<PathBuf> = names.iter().map(|n| d.join(n)).collect();
+    create(&files[0], "16M");
+    overlay(&files[1], &names[0]);
+    overlay(&files[2], &names[1]);
+    for (i, f) in files.iter().enumerate() {
+        qemu_io(f, &[format!("write -P {} {}M 64k", 0x10 + i, i * 3)]);
+    }
+    files
+}
+
+/// Puts things of other owners at `count` random names of `d` (and at
+/// names of `extra`'s side files) that are free: regular files, qcow2
+/// images, symlinks to a file and to a directory in `outside`, dangling
+/// symlinks, FIFOs, directories.
+fn distractors(d: &Path, outside: &Path, extra: &[&str], count: usize, rng: &mut fastrand::Rng) {
+    let victim = outside.join("victim");
+    if !victim.exists() {
+        std::fs::write(&victim, b"precious outside").unwrap();
+        std::fs::create_dir_all(outside.join("victim-dir")).unwrap();
+    }
+    let mut names: Vec<String> = (0..count).map(|_| random_name(rng)).collect();
+    for e in extra {
+        for suffix in SUFFIXES.iter().skip(1) {
+            if rng.bool() {
+                names.push(format!("{e}{suffix}"));
+            }
+        }
+    }
+    for name in names {
+        let path = d.join(&name);
+        if std::fs::symlink_metadata(&path).is_ok() {
+            continue;
+        }
+        match rng.u8(..7) {
+            0 => std::fs::write(&path, format!("{name} of another program")).unwrap(),
+            1 => create(&path, "1M"),
+            2 => std::os::unix::fs::symlink(&victim, &path).unwrap(),
+            3 => std::os::unix::fs::symlink(outside.join("victim-dir"), &path).unwrap(),
+            4 => std::os::unix::fs::symlink(outside.join("nowhere"), &path).unwrap(),
+            5 => mkfifo(&path),
+            _ => std::fs::create_dir(&path).unwrap(),
+        }
+    }
+}
+
+/// A round of a property: a chain of three layers with random names in a
+/// directory, files of other owners at random names and at the names of
+/// side files of the layers and of the target, a directory outside.
+struct Scene {
+    tmp: tempfile::TempDir,
+    outside: tempfile::TempDir,
+    layers: Vec<PathBuf>,
+    /// The layers' file names.
+    names: Vec<String>,
+    /// The name of the file an operation makes.
+    target: String,
+}
+
+impl Scene {
+    fn new(rng: &mut fastrand::Rng) -> Scene {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let layers = random_chain(tmp.path(), rng);
+        let target = random_name(rng);
+        let names: Vec<String> = layers
+            .iter()
+            .map(|l| l.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        let mut extra: Vec<&str> = names.iter().map(String::as_str).collect();
+        extra.push(&target);
+        distractors(tmp.path(), outside.path(), &extra, 4, rng);
+        Scene {
+            tmp,
+            outside,
+            layers,
+            names,
+            target,
+        }
+    }
+}
+
+/// sha256 of the guest's view of `top` (as QEMU reads it).
+fn view(top: &Path, d: &Path) -> String {
+    let raw = d.join("view.raw");
+    qemu_img(&["convert", "-U", "-O", "raw", s(top), s(&raw)]);
+    let h = sha256_file(&raw);
+    std::fs::remove_file(&raw).unwrap();
+    h
+}
+
+/// Every file below the directory and outside it that is not a layer of
+/// the chain is as it was; a layer's guest view too (the operations
+/// change headers and move data between layers, never what the top
+/// reads).
+fn assert_only_own_files_changed(
+    before: &BTreeMap<PathBuf, String>,
+    after: &BTreeMap<PathBuf, String>,
+    layers: &[PathBuf],
+    when: &str,
+) {
+    for (path, what) in before {
+        if layers.contains(path) {
+            continue;
+        }
+        assert_eq!(
+            after.get(path),
+            Some(what),
+            "{when}: {} changed or went",
+            path.display()
+        );
+    }
+}
+
+/// A property over random names and directory contents (side-file
+/// suffixes on the layers' own names, files of other programs at the
+/// names of side files, symlinks to a file and to a directory outside,
+/// FIFOs, names of chain layers as targets): `snapshot`, `merge`,
+/// `commit`, `rebase`, `upgrade` and `io`, offline. Each succeeds or is
+/// refused in one line (exit 1), never hangs nor panics; every file it did
+/// not create, inside the directory and outside it, has the same content
+/// and inode afterwards; what QEMU reads through the top is unchanged
+/// (or holds the write), and every layer is clean for `qemu-img check`.
+#[test]
+fn offline_operations_touch_only_what_they_create() {
+    let rounds = common::env_count("SQCOW2_SIDE_FILE_ROUNDS", 30u64);
+    let (mut refused, mut done) = (0, 0);
+    for round in 0..rounds {
+        let mut rng = fastrand::Rng::with_seed(0x42_0000 + round);
+        let Scene {
+            tmp,
+            outside,
+            layers,
+            names,
+            target,
+        } = Scene::new(&mut rng);
+        let d = tmp.path();
+        let top = layers[2].clone();
+        let before_view = view(&top, outside.path());
+        let before = state(&[d, outside.path()]);
+        let new = d.join(&target);
+        let op = rng.u8(..6);
+        let args: Vec<String> = match op {
+            0 => vec!["snapshot".into(), s(&top).into(), s(&new).into()],
+            1 => vec![
+                "merge".into(),
+                s(&top).into(),
+                "0".into(),
+                "1".into(),
+                s(&new).into(),
+            ],
+            2 => vec!["commit".into(), s(&top).into()],
+            3 => vec![
+                "rebase".into(),
+                "-b".into(),
+                names[0].clone(),
+                "-F".into(),
+                "qcow2".into(),
+                s(&top).into(),
+            ],
+            4 => vec!["upgrade".into(), s(&top).into()],
+            _ => vec![
+                "io".into(),
+                "-c".into(),
+                "write -P 0x7e 5M 64k".into(),
+                s(&top).into(),
+            ],
+        };
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = run_sqcow2(&args);
+        let when = format!("round {round}: {args:?}");
+        assert!(
+            matches!(code, Some(0) | Some(1)),
+            "{when}: exit {code:?} (None: hung): {stderr}"
+        );
+        if code == Some(1) {
+            refused += 1;
+            assert_eq!(
+                stderr.trim().lines().count(),
+                1,
+                "{when}: one line: {stderr}"
+            );
+        } else {
+            done += 1;
+        }
+        let after = state(&[d, outside.path()]);
+        assert_only_own_files_changed(&before, &after, &layers, &when);
+        // The guest's view through the top: unchanged, or with the write.
+        if op == 5 && code == Some(0) {
+            qemu_io(&top, &["read -P 0x7e 5M 64k".into()]);
+        } else {
+            assert_eq!(
+                view(&top, outside.path()),
+                before_view,
+                "{when}: the top's view changed"
+            );
+        }
+        if code == Some(0) && matches!(op, 0 | 1) {
+            qemu_img(&["check", s(&new)]);
+        }
+        for layer in &layers {
+            qemu_img(&["check", "-U", s(layer)]);
+        }
+    }
+    eprintln!("{done} operations done, {refused} refused");
+    assert!(
+        done > 0 && refused > 0,
+        "both outcomes seen ({done} done, {refused} refused)"
+    );
+}
+
+/// The same property live: `serve` of a chain with random names and
+/// files of other owners at its side files' names, a client writing, then
+/// a live snapshot or merge to a random name (a layer's name among them).
+/// The daemon starts (or refuses in one line), every acknowledged write
+/// reads back through it and through QEMU after the stop, and nothing it
+/// did not create changes.
+#[test]
+fn live_operations_touch_only_what_they_create() {
+    let rounds = common::env_count("SQCOW2_SIDE_FILE_LIVE_ROUNDS", 8u64);
+    for round in 0..rounds {
+        let mut rng = fastrand::Rng::with_seed(0x42_1000 + round);
+        let Scene {
+            tmp,
+            outside,
+            layers,
+            names,
+            target,
+        } = Scene::new(&mut rng);
+        let d = tmp.path();
+        let top = layers[2].clone();
+        let before = state(&[d, outside.path()]);
+        let when = format!("round {round}: layers {names:?}, target {target}");
+        // (The reference's own file elsewhere: its check of every
+        // `.qcow2` file of a directory would meet the distractors.)
+        let scratch = tempfile::tempdir().unwrap();
+        let mut reference = Reference::new(&top, scratch.path(), BLOCK);
+        let ctl = d.join("control.sock");
+        let mut daemon = Daemon::start(d, &top, &["--control", s(&ctl)]);
+        let mut client = connect_retry(&daemon, 1, false);
+        write_blocks(&mut client, &mut reference, round, 40);
+        let new = d.join(&target);
+        let request = if rng.bool() {
+            json!({"command": "snapshot", "path": new})
+        } else {
+            json!({"command": "merge", "first": 0, "last": 1, "path": new})
+        };
+        let r = control(&ctl, request.clone());
+        let mut chain_files = layers.clone();
+        if r["ok"] == true {
+            if request["command"] == "merge" {
+                for _ in 0..600 {
+                    let m = control(&ctl, json!({"command": "stats"}))["result"]["merge"].clone();
+                    if m["state"] == "done" || m["state"] == "failed" || m["state"] == "cancelled" {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+            chain_files.push(new.clone());
+        } else {
+            let message = r["error"]["message"].as_str().unwrap_or("");
+            assert!(
+                !message.is_empty() && !message.contains('\n'),
+                "{when}: {r}"
+            );
+        }
+        write_blocks(&mut client, &mut reference, round + 100, 40);
+        reference.verify_through(&mut client, &when);
+        drop(client);
+        let info = control(&ctl, json!({"command": "info"}));
+        let served_top = PathBuf::from(info["result"]["top"].as_str().unwrap());
+        daemon.stop();
+        let after = state(&[d, outside.path()]);
+        assert_only_own_files_changed(&before, &after, &chain_files, &when);
+        reference.verify_for_qemu(&served_top, scratch.path());
+        for layer in &chain_files {
+            if layer.exists() {
+                qemu_img(&["check", s(layer)]);
+            }
+        }
+    }
+}
