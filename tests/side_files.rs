@@ -293,6 +293,19 @@ fn a_fifo_is_never_opened_as_an_image() {
         assert_eq!(code, Some(1), "{args:?} (None: it hung): {stderr}");
         assert!(stderr.contains("fifo"), "{args:?}: {stderr}");
     }
+    // Nor written as a conversion's output.
+    let plain = d.join("plain.qcow2");
+    create(&plain, "1M");
+    let (code, stderr) = run_sqcow2(&["convert", "-O", "raw", s(&plain), s(&inner)]);
+    assert_eq!(
+        code,
+        Some(1),
+        "convert onto a FIFO (None: it hung): {stderr}"
+    );
+    assert!(
+        stderr.contains("inner-fifo") && stderr.contains("not a regular file"),
+        "{stderr}"
+    );
     for image in [&top, &top2] {
         let sock = d.join("v.sock");
         let (code, stderr) = run_sqcow2(&["serve", "--socket", s(&sock), s(image)]);

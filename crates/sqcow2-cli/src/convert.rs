@@ -1,7 +1,6 @@
 //! `sqcow2 convert`: the whole virtual disk, read through the engine, into a
 //! sparse raw file.
 
-use std::fs::OpenOptions;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -33,12 +32,8 @@ pub fn run(
     // read here is refused by name, and any file another process (or
     // this chain) holds is refused by its image lock, as `qemu-img
     // convert` takes a writer's lock on its target first.
-    let out = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(dst)
+    // Never waiting on a FIFO: a regular file or a block device only.
+    let out = sqcow2_format::storage::open_output(dst)
         .with_context(|| format!("{}: cannot create", dst.display()))?;
     let target = out
         .metadata()

@@ -260,6 +260,13 @@ pub fn open_for_reading(path: &Path) -> io::Result<File> {
     crate::sidefile::dir::open_image_file(path, false)
 }
 
+/// Opens (or creates) `path` to write a whole image into (a conversion's
+/// output), not truncated: a regular file or a block device, never
+/// waiting on a FIFO; anything else is refused.
+pub fn open_output(path: &Path) -> io::Result<File> {
+    crate::sidefile::dir::open_output_file(path)
+}
+
 impl FileStorage {
     /// Opens `path` read-only (a regular file only, never waiting on a
     /// FIFO).

@@ -354,6 +354,27 @@ pub(crate) fn open_image_file(path: &Path, write: bool) -> io::Result<File> {
     blocking_regular(fd)
 }
 
+/// Opens (or creates) the file at `path` for writing a whole image into
+/// (a conversion's output, named by the caller: a symlink at the name is
+/// followed, as `qemu-img convert` follows it), not truncated, without
+/// waiting on a FIFO: a regular file or a block device; anything else is
+/// refused.
+pub(crate) fn open_output_file(path: &Path) -> io::Result<File> {
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o666),
+    )?;
+    let st = rustix::fs::fstat(&fd)?;
+    match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile | FileType::BlockDevice => {}
+        _ => return Err(not_regular(EntryKind::of(st.st_mode))),
+    }
+    let flags = rustix::fs::fcntl_getfl(&fd)?;
+    rustix::fs::fcntl_setfl(&fd, flags - OFlags::NONBLOCK)?;
+    Ok(File::from(fd))
+}
+
 /// Whether the descriptor allows `fd`'s file to be looked at (for tests).
 #[cfg(test)]
 fn is_blocking(file: &File) -> bool {
