@@ -171,7 +171,7 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
     let rounds = env_count("SQCOW2_MERGE_KILLS", 4usize);
     let seed = env_count("SQCOW2_MERGE_SEED", 41u64);
     let mut rng = fastrand::Rng::with_seed(seed);
-    let (mut old_chain, mut new_chain) = (0, 0);
+    let (mut old_chain, mut new_chain, mut cleaned) = (0, 0, 0);
     for round in 0..rounds {
         let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
         let mut client = connect_retry(&daemon, 1, false);
@@ -222,8 +222,27 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
         }
         drop(client);
         daemon.stop_with(libc::SIGKILL);
-        // Restart: the old chain or the new one, nothing else.
+        // Restart: the old chain or the new one, nothing else; what the
+        // killed merge left under temporary names (recognised by their
+        // headers) removed at the start.
         let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+        let leftovers: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| {
+                n.ends_with(".sqtmp")
+                    || n.ends_with(".sqtmp.sqjournal")
+                    || n.ends_with(".sqidx.tmp")
+            })
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "round {round}: left after the restart: {leftovers:?}"
+        );
+        cleaned += daemon
+            .log()
+            .matches("removed what a killed operation left")
+            .count();
         let now = layers(&ctl);
         if now == before {
             old_chain += 1;
@@ -246,7 +265,7 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     wait_indexed(&ctl);
     daemon.stop();
-    println!("{rounds} kills during merges: {old_chain} restarts on the old chain, {new_chain} on the new one");
+    println!("{rounds} kills during merges: {old_chain} restarts on the old chain, {new_chain} on the new one, {cleaned} leftover files removed at restarts");
     reference.verify_files(&top, tmp.path());
 }
 
