@@ -845,3 +845,74 @@ fn live_operations_touch_only_what_they_create() {
         }
     }
 }
+
+/// Live snapshots into a subdirectory of the backing root while another
+/// thread swaps that subdirectory for a symlink to a directory outside
+/// the root, back and forth: each snapshot is made inside the root or
+/// refused, nothing is ever created outside it (before: temporary files
+/// and indexes appeared there), and every acknowledged write reads back.
+#[test]
+fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let sub = root.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let base = sub.join("base.qcow2");
+    create(&base, "64M");
+    let scratch = tempfile::tempdir().unwrap();
+    let mut reference = Reference::new(&base, scratch.path(), BLOCK);
+    let ctl = root.join("control.sock");
+    let mut daemon = Daemon::start(
+        root,
+        &base,
+        &["--control", s(&ctl), "--backing-root", s(root)],
+    );
+    let mut client = connect_retry(&daemon, 1, false);
+    let stop = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let (sub, outside, stop) = (sub.clone(), outside.path().to_path_buf(), stop.clone());
+        let aside = sub.with_file_name("sub.real");
+        std::thread::spawn(move || {
+            let mut swaps = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                std::fs::rename(&sub, &aside).unwrap();
+                std::os::unix::fs::symlink(&outside, &sub).unwrap();
+                std::thread::sleep(Duration::from_micros(300));
+                std::fs::remove_file(&sub).unwrap();
+                std::fs::rename(&aside, &sub).unwrap();
+                std::thread::sleep(Duration::from_micros(300));
+                swaps += 1;
+            }
+            swaps
+        })
+    };
+    let (mut made, mut refused) = (0, 0);
+    for i in 0..60u64 {
+        let r = control(
+            &ctl,
+            json!({"command": "snapshot", "path": sub.join(format!("snap{i:03}.qcow2"))}),
+        );
+        if r["ok"] == true {
+            made += 1;
+        } else {
+            refused += 1;
+        }
+        write_blocks(&mut client, &mut reference, i, 4);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let swaps = swapper.join().unwrap();
+    let escaped: Vec<_> = std::fs::read_dir(outside.path()).unwrap().collect();
+    assert!(escaped.is_empty(), "created outside the root: {escaped:?}");
+    reference.verify_through(&mut client, "after the swaps");
+    drop(client);
+    let info = control(&ctl, json!({"command": "info"}));
+    let top = PathBuf::from(info["result"]["top"].as_str().unwrap());
+    daemon.stop();
+    eprintln!("{made} snapshots made, {refused} refused, {swaps} swaps");
+    assert!(made > 0, "no snapshot was made");
+    reference.verify_for_qemu(&top, scratch.path());
+    assert!(std::fs::read_dir(outside.path()).unwrap().next().is_none());
+}
