@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # qemu-system-x86 first: on a machine whose qemu-utils comes from another
 # release, installing it replaces qemu-utils, which the next line restores.
 ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
-ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra
+ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra strace:strace
 ensure_rust_components fmt clippy
 # Kernel and initramfs of the QEMU guest test (tests/qemu_guest.rs).
 echo "==> guest kit"

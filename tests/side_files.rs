@@ -916,3 +916,254 @@ fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
     reference.verify_for_qemu(&top, scratch.path());
     assert!(std::fs::read_dir(outside.path()).unwrap().next().is_none());
 }
+
+/// Waits for the live merge to end; its final state.
+fn merge_end(ctl: &Path) -> serde_json::Value {
+    for _ in 0..1200 {
+        let m = control(ctl, json!({"command": "stats"}))["result"]["merge"].clone();
+        if m["state"] != "copying" && m["state"] != "switching" && m["state"] != "measuring" {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the merge did not end within 60 s");
+}
+
+/// A file outside the root, with data, and its state.
+fn victim_image(outside: &Path) -> PathBuf {
+    let victim = outside.join("victim.qcow2");
+    create(&victim, "64M");
+    qemu_io(&victim, &["write -P 0x77 0 1M".into()]);
+    victim
+}
+
+/// Files swapped at the names of a served chain's layers while it is
+/// served (an attacker who can write inside the backing root): the served
+/// top replaced by a symlink to an image outside the root before a live
+/// merge reopens the chain; the layer above a merge's range replaced by
+/// such a symlink before the switch rewrites its backing name; the base
+/// replaced by an image whose backing file is a file outside the root
+/// before the merge copies it. Each merge fails, the daemon keeps serving
+/// the chain it served (every write reads back), the file outside is never
+/// written, and no byte of it reaches the guest's disk (before: the daemon
+/// took the image outside as its writable top; wrote the old backing name
+/// into it; copied the secret into the merge file).
+#[test]
+fn live_merges_never_reopen_a_swapped_layer() {
+    for case in ["top", "above", "base"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let vm = root.join("vm");
+        let top = common::gen_chain(&vm, 4, "64M", "0.3");
+        let mut reference = Reference::new(&top, outside.path(), BLOCK);
+        let ctl = root.join("control.sock");
+        let mut daemon = Daemon::start(
+            root,
+            &top,
+            &["--control", s(&ctl), "--backing-root", s(root)],
+        );
+        let mut client = connect_retry(&daemon, 1, false);
+        write_blocks(&mut client, &mut reference, 1, 20);
+        let victim = victim_image(outside.path());
+        let secret = outside.path().join("secret.raw");
+        std::fs::write(&secret, b"TOPSECRET-OUTSIDE-ROOT".repeat(3000)).unwrap();
+        let swap = |name: &Path, to: &Path| {
+            let aside = name.with_extension("swap");
+            std::os::unix::fs::symlink(to, &aside).unwrap();
+            std::fs::rename(&aside, name).unwrap();
+        };
+        match case {
+            "top" => {
+                let r = control(
+                    &ctl,
+                    json!({"command": "snapshot", "path": vm.join("s.qcow2")}),
+                );
+                assert_eq!(r["ok"], true, "{r}");
+                swap(&vm.join("s.qcow2"), &victim);
+            }
+            "above" => swap(&vm.join("layer0002.qcow2"), &victim),
+            _ => {
+                let evil = vm.join("evil.qcow2");
+                qemu_img(&[
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-b",
+                    s(&secret),
+                    "-F",
+                    "raw",
+                    s(&evil),
+                    "64M",
+                ]);
+                std::fs::rename(&evil, vm.join("layer0000.qcow2")).unwrap();
+            }
+        }
+        let before = state(&[outside.path()]);
+        write_blocks(&mut client, &mut reference, 2, 20);
+        let m = vm.join("m.qcow2");
+        let r = control(
+            &ctl,
+            json!({"command": "merge", "first": 0, "last": 1, "path": m}),
+        );
+        if r["ok"] == true {
+            let end = merge_end(&ctl);
+            assert_eq!(end["state"], "failed", "{case}: {end}");
+        }
+        write_blocks(&mut client, &mut reference, 3, 20);
+        reference.verify_through(&mut client, case);
+        // What the daemon serves holds no byte of the file outside (QEMU,
+        // reading the files by name now, would read the swapped base).
+        let disk = client.capacity();
+        let mut at = 0;
+        while at < disk {
+            let bytes = client.read(at, 1 << 20);
+            assert!(
+                !bytes.windows(9).any(|w| w == b"TOPSECRET"),
+                "{case}: served at {at}"
+            );
+            at += 1 << 20;
+        }
+        let info = control(&ctl, json!({"command": "info"}));
+        assert!(
+            info["result"]["layers"].as_u64().unwrap() >= 4,
+            "{case}: {info}"
+        );
+        drop(client);
+        daemon.stop();
+        let after = state(&[outside.path()]);
+        for path in [&victim, &secret] {
+            assert_eq!(
+                before.get(path),
+                after.get(path),
+                "{case}: {} written",
+                path.display()
+            );
+        }
+        if m.exists() {
+            let bytes = std::fs::read(&m).unwrap();
+            assert!(
+                !bytes.windows(9).any(|w| w == b"TOPSECRET"),
+                "{case}: the secret reached the merge file"
+            );
+        }
+    }
+}
+
+/// `--pidfile` naming an existing file that is not a stale pidfile (a
+/// file of other content, the pidfile of a running process): refused,
+/// the file untouched and not removed (before: emptied, then deleted at
+/// exit). A stale pidfile (a dead process's) is taken over and removed at
+/// exit.
+#[test]
+fn the_pidfile_takes_over_only_a_stale_pidfile() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    create(&top, "16M");
+    let sock = d.join("v.sock");
+    for (content, why) in [
+        ("precious notes\n".to_string(), "not a pidfile"),
+        (format!("{}\n", std::process::id()), "running process"),
+    ] {
+        let pidfile = d.join("other.pid");
+        std::fs::write(&pidfile, &content).unwrap();
+        let (code, stderr) = run_sqcow2(&[
+            "serve",
+            "--socket",
+            s(&sock),
+            "--pidfile",
+            s(&pidfile),
+            s(&top),
+        ]);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(stderr.contains(why), "{stderr}");
+        assert_eq!(std::fs::read_to_string(&pidfile).unwrap(), content);
+    }
+    // A dead process's pidfile: taken over, removed at exit.
+    let mut dead = Command::new("true").spawn().unwrap();
+    let pid = dead.id();
+    dead.wait().unwrap();
+    let pidfile = d.join("serve.pid");
+    std::fs::write(&pidfile, format!("{pid}\n")).unwrap();
+    let mut child = Command::new(sqcow2_bin())
+        .args([
+            "serve",
+            "--socket",
+            s(&sock),
+            "--pidfile",
+            s(&pidfile),
+            s(&top),
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&pidfile).unwrap_or_default() != format!("{}\n", child.id()) {
+        assert!(
+            Instant::now() < deadline,
+            "the stale pidfile was not taken over"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    assert!(!pidfile.exists());
+}
+
+/// A snapshot or merge killed right at its rename (`strace` injects
+/// SIGKILL into `renameat2`) leaves its temporary file marked in its
+/// header: the next snapshot or merge to the same name removes it and
+/// succeeds (before: the mark was cleared before the rename, and the
+/// leftover was refused forever).
+#[test]
+fn a_kill_at_the_rename_leaves_a_leftover_that_is_cleaned() {
+    if Command::new("strace").arg("-V").output().is_err() {
+        panic!("strace is needed (scripts/test.sh installs it)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = common::gen_chain(d, 3, "64M", "0.3");
+    for (args, leftover) in [
+        (
+            vec![
+                "snapshot".to_string(),
+                s(&top).into(),
+                s(&d.join("new.qcow2")).into(),
+            ],
+            "new.qcow2.sqtmp",
+        ),
+        (
+            vec![
+                "merge".into(),
+                s(&top).into(),
+                "0".into(),
+                "1".into(),
+                s(&d.join("m.qcow2")).into(),
+            ],
+            "m.qcow2.sqtmp",
+        ),
+    ] {
+        let out = run_raw(
+            Command::new("strace")
+                .args([
+                    "-f",
+                    "-o",
+                    "/dev/null",
+                    "-e",
+                    "inject=renameat2:signal=SIGKILL",
+                ])
+                .arg(sqcow2_bin())
+                .args(&args),
+        );
+        assert!(!out.status.success());
+        assert!(d.join(leftover).exists(), "{args:?}: no leftover to clean");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        sqcow2(&args);
+        assert!(!d.join(leftover).exists(), "{args:?}: the leftover stayed");
+    }
+    qemu_img(&["check", s(&d.join("new.qcow2"))]);
+    qemu_img(&["check", s(&d.join("m.qcow2"))]);
+}

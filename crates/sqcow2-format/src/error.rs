@@ -306,13 +306,17 @@ pub enum ErrorKind {
     LayerChanged,
     /// A file is where sqcow2 would make one of its own (a new image, its
     /// index, journal or temporary file): refused, the file untouched.
-    #[error("{role} goes here, but this is {found}: refused, nothing changed")]
+    #[error("{role} goes here, but this is {found}: refused, the file left as it is")]
     NameInUse {
         /// What sqcow2 would put there.
         role: String,
         /// What is there.
         found: String,
     },
+    /// Another file is at the name of a file opened before (or made by
+    /// this process): refused before anything is read or written.
+    #[error("not the file expected: another file was put at this name (nothing read or written)")]
+    FileReplaced,
     /// A chain index that cannot serve this chain.
     #[error("chain index not usable: {0}")]
     IndexStale(String),

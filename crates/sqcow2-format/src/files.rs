@@ -288,7 +288,8 @@ impl LazyFile {
             // Reopened by another thread meanwhile.
             return Ok(open);
         }
-        let file = FileStorage::from_file(open_for_reading(&self.path)?);
+        // By its real path, no symlink followed on the way.
+        let file = FileStorage::from_file(crate::sidefile::dir::open_resolved(&self.path)?);
         if file.file_id() != Some(self.identity) {
             return Err(io::Error::other(format!(
                 "{} was replaced since the chain was opened",

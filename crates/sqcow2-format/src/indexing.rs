@@ -88,7 +88,7 @@ fn reopen_writable(layer: &Layer) -> Result<FileStorage, Error> {
     let path = layer.path();
     let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
     if storage.file_id().is_none() || storage.file_id() != layer.storage().file_id() {
-        return Err(Error::new(path, ErrorKind::LayerChanged));
+        return Err(Error::new(path, ErrorKind::FileReplaced));
     }
     Ok(storage)
 }

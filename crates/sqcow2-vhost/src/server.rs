@@ -5,7 +5,7 @@
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -121,6 +121,31 @@ pub(crate) fn with_umask<T>(mode: u32, f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Gives the socket just bound at `path` `mode` (a default ACL of the
+/// directory may have widened what the umask gave), never following a
+/// symlink put at its name meanwhile: the name opened without following
+/// (`O_PATH|O_NOFOLLOW`), checked to be a socket, changed through that
+/// descriptor.
+pub(crate) fn chmod_socket(path: &Path, mode: u32) -> io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(
+        path,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let st = rustix::fs::fstat(&fd)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return Err(io::Error::other(
+            "not the socket bound: refusing to change it",
+        ));
+    }
+    rustix::fs::chmod(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()),
+        Mode::from_raw_mode(mode),
+    )?;
+    Ok(())
+}
+
 /// Binds the socket with `mode` from the start.
 fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
     claim_socket_path(path)?;
@@ -129,8 +154,7 @@ fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
             path: path.to_owned(),
             reason: e.to_string(),
         })?;
-    fs::set_permissions(path, fs::Permissions::from_mode(mode))
-        .map_err(io_err(format!("chmod {}", path.display())))?;
+    chmod_socket(path, mode).map_err(io_err(format!("chmod {}", path.display())))?;
     // Accepted only when epoll says a connection waits; never blocks.
     listener
         .set_nonblocking(true)
@@ -174,37 +198,55 @@ impl Drop for MadeFiles {
     }
 }
 
-/// Writes this process's id to `path`: created, or a regular file there
-/// emptied first; never through a symlink, never a FIFO or device.
+/// Writes this process's id to `path`: created (exclusively, never
+/// through a symlink), or over a stale pidfile there (a regular file
+/// holding only the id of a process that no longer runs). Anything else
+/// there (a live process's pidfile, a file of other content, a symlink,
+/// a FIFO) is refused, untouched.
 fn write_pidfile(path: &Path) -> std::io::Result<()> {
     use rustix::fs::{Mode, OFlags};
-    use std::io::Write;
-    let fd = rustix::fs::open(
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    let base = OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::AlreadyExists, why);
+    let fd = match rustix::fs::open(
         path,
-        OFlags::WRONLY
-            | OFlags::CREATE
-            | OFlags::NOFOLLOW
-            | OFlags::NONBLOCK
-            | OFlags::NOCTTY
-            | OFlags::CLOEXEC,
+        base | OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL,
         Mode::from_raw_mode(0o644),
-    )
-    .map_err(|e| match e {
-        rustix::io::Errno::LOOP => std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "a symlink (never written through)",
-        ),
-        e => e.into(),
-    })?;
-    let mut file = fs::File::from(fd);
+    ) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::EXIST) => {
+            let fd = rustix::fs::open(path, base | OFlags::RDWR, Mode::empty()).map_err(
+                |e| match e {
+                    rustix::io::Errno::LOOP => refuse("a symlink (never written through)".into()),
+                    e => e.into(),
+                },
+            )?;
+            let mut file = fs::File::from(fd);
+            if !file.metadata()?.file_type().is_file() {
+                return Err(refuse("not a regular file".into()));
+            }
+            let mut text = String::new();
+            (&mut file).take(32).read_to_string(&mut text).ok();
+            let Ok(pid) = text.trim().parse::<u32>() else {
+                return Err(refuse("exists and is not a pidfile (not removed)".into()));
+            };
+            if Path::new(&format!("/proc/{pid}")).exists() {
+                return Err(refuse(format!("the pidfile of running process {pid}")));
+            }
+            file.into()
+        }
+        Err(rustix::io::Errno::LOOP) => {
+            return Err(refuse("a symlink (never written through)".into()))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let file = fs::File::from(fd);
     if !file.metadata()?.file_type().is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+        return Err(refuse("not a regular file".into()));
     }
     file.set_len(0)?;
-    file.write_all(format!("{}\n", std::process::id()).as_bytes())
+    file.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0)
 }
 
 /// Serves `chain` until SIGTERM or SIGINT; flushes it then.
@@ -230,7 +272,7 @@ pub fn serve(
             let control = crate::control::bind(path, options.socket_mode)
                 .map_err(io_err(format!("control socket {}", path.display())))?;
             made.push(path);
-            fs::set_permissions(path, fs::Permissions::from_mode(options.socket_mode))
+            chmod_socket(path, options.socket_mode)
                 .map_err(io_err(format!("chmod {}", path.display())))?;
             Some(control)
         }

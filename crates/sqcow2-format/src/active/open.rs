@@ -77,10 +77,19 @@ impl Active {
                 .map_err(|io| e(io.into()))?;
             header.features.incompatible = clean;
         }
-        let unknown_autoclear = header.features.autoclear & !KNOWN_AUTOCLEAR;
+        // The unpublished bit is about the file, not its content: kept
+        // while a temporary file is filled (a merge's), cleared anywhere
+        // else (a crash after a publish's rename left it).
+        let known = match &place {
+            Some(p) if crate::sidefile::is_temporary_name(p.name()) => {
+                KNOWN_AUTOCLEAR | AUTOCLEAR_UNPUBLISHED
+            }
+            _ => KNOWN_AUTOCLEAR,
+        };
+        let unknown_autoclear = header.features.autoclear & !known;
         if header.version == Version::V3 && unknown_autoclear != 0 {
             // A writer that does not know an autoclear feature clears it.
-            let kept = header.features.autoclear & KNOWN_AUTOCLEAR;
+            let kept = header.features.autoclear & known;
             write_word(&*storage, field::AUTOCLEAR_FEATURES, kept).map_err(|io| e(io.into()))?;
             header.features.autoclear = kept;
         }

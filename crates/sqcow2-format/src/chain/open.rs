@@ -21,7 +21,7 @@ use crate::files::{default_budget, FileCache, LazyFile};
 use crate::header::{field, QCOW2_MAGIC};
 use crate::layer::{Layer, Qcow2Layer, RawLayer};
 use crate::lock::Locking;
-use crate::sidefile::ImagePlace;
+use crate::sidefile::{FileId, ImagePlace};
 use crate::sqcow2_ext::{granularity_bits, open_index, IndexState};
 use crate::storage::{open_for_reading, real_path, FileStorage, Storage};
 use crate::summary::TopSummary;
@@ -66,7 +66,7 @@ fn open_layer(
         (Expect::Top, None, Some(Opened::Reused(s))) if options.writable && !s.is_writable() => {
             let file = place()?.open_image(true)?;
             if crate::sidefile::file_id(&file)? != s.file_id().unwrap_or_default() {
-                return Err(ErrorKind::LayerChanged);
+                return Err(ErrorKind::FileReplaced);
             }
             Arc::new(FileStorage::from_writable_file(file)?)
         }
@@ -220,6 +220,7 @@ fn repair_left_open(
 fn open_layers(
     path: &Path,
     top_place: Option<&ImagePlace>,
+    expect_top: Option<FileId>,
     options: &ChainOptions,
     reuse: Option<&Chain>,
 ) -> Result<(Vec<Layer>, Arc<FileCache>), Error> {
@@ -293,6 +294,11 @@ fn open_layers(
             let meta = file
                 .metadata()
                 .map_err(|e| Error::new(&current, e.into()))?;
+            // A top that must be a given file (reopened, or made by this
+            // process): checked before anything reads or writes it.
+            if referrer.is_none() && expect_top.is_some_and(|id| id != (meta.dev(), meta.ino())) {
+                return Err(Error::new(&current, ErrorKind::FileReplaced));
+            }
             if !seen.insert((meta.dev(), meta.ino())) {
                 return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
             }
@@ -353,7 +359,7 @@ impl Chain {
     /// Opens the chain whose top image is `path`, following backing files
     /// iteratively, each file locked as QEMU would lock it.
     pub fn open(path: &Path, options: &ChainOptions) -> Result<Chain, Error> {
-        Chain::open_with(path, options, None)
+        Chain::open_with(path, None, None, options, None)
     }
 
     /// [`Chain::open`], where files that `old` (a chain this one replaces:
@@ -362,12 +368,33 @@ impl Chain {
     /// description keeps its image locks, changed to what this chain
     /// needs, instead of a second open conflicting with the first; and
     /// the lower layers' descriptors stay in one budget with `old`'s.
+    ///
+    /// The top must be `old`'s top (`path` its path): it is opened by name
+    /// in the directory `old` opened, and must still be the same file
+    /// (else [`ErrorKind::FileReplaced`], nothing written).
     pub fn open_reusing(path: &Path, options: &ChainOptions, old: &Chain) -> Result<Chain, Error> {
-        Chain::open_with(path, options, Some(old))
+        let place = (path == old.top().path())
+            .then(|| old.top_place.clone())
+            .flatten();
+        let expect = old.top().storage().file_id();
+        Chain::open_with(path, place, expect, options, Some(old))
+    }
+
+    /// Opens the chain whose top is the image at `place` (its directory
+    /// opened already: nothing of its path is resolved again), which must
+    /// be the file `expect`: checked before anything is read or written.
+    pub(crate) fn open_at(
+        place: ImagePlace,
+        expect: FileId,
+        options: &ChainOptions,
+    ) -> Result<Chain, Error> {
+        Chain::open_with(&place.path(), Some(place), Some(expect), options, None)
     }
 
     fn open_with(
         path: &Path,
+        place: Option<ImagePlace>,
+        expect_top: Option<FileId>,
         options: &ChainOptions,
         reuse: Option<&Chain>,
     ) -> Result<Chain, Error> {
@@ -384,14 +411,14 @@ impl Chain {
         }
         // The top's directory, opened once: the top is opened by name in
         // it, and its side files (journal, index) are made there.
-        let top_place = match ImagePlace::of(path) {
+        let top_place = match place.map_or_else(|| ImagePlace::of(path), Ok) {
             Ok(place) => Some(place),
             // A top given as storage (tests) may name a directory that
             // does not exist: it has no side files then (no journal).
             Err(_) if options.top_storage.is_some() => None,
             Err(e) => return Err(Error::new(path, e.into())),
         };
-        let (layers, files) = open_layers(path, top_place.as_ref(), options, reuse)?;
+        let (layers, files) = open_layers(path, top_place.as_ref(), expect_top, options, reuse)?;
         let (index, index_state) = if options.use_index {
             open_index(&layers, options.stale_index_expected)
         } else {

@@ -85,7 +85,7 @@ impl Chain {
             .open_file(place.name(), true)
             .map_err(|e| Error::new(new_top, e.into()))?;
         if crate::sidefile::file_id(&file).ok() != Some(created.id()) {
-            return Err(Error::new(new_top, ErrorKind::LayerChanged));
+            return Err(Error::new(new_top, ErrorKind::FileReplaced));
         }
         let storage: Arc<dyn Storage> = Arc::new(
             FileStorage::from_writable_file(file).map_err(|e| Error::new(new_top, e.into()))?,

@@ -10,11 +10,12 @@ use serde::Serialize;
 use crate::chain::{Chain, ChainOptions};
 use crate::create::CreateOptions;
 use crate::error::Error;
+use crate::error::ErrorKind;
 use crate::header_area::{AreaEdit, Edit};
 use crate::indexing::{io_err, new_image_dir, BuildReport};
 use crate::layer::Layer;
 use crate::lock::Locking;
-use crate::sidefile::{CreatedFile, NewImage};
+use crate::sidefile::{CreatedFile, FileId, NewImage};
 use crate::types::LayerIndex;
 
 use super::copy::{has_short_layers, Pace, ViewCopy, Zeros};
@@ -59,6 +60,31 @@ pub struct MergeReport {
     pub zero_bytes: u64,
     /// The top's index, rebuilt.
     pub index: Option<BuildReport>,
+}
+
+/// How a merge opens again the layers of the chain it was prepared on: as
+/// the served chain has them (each the same file: device and inode),
+/// backing files inside the same root.
+#[derive(Debug, Clone)]
+pub(crate) struct Reopen {
+    /// The backing root (a daemon's), if any.
+    root: Option<PathBuf>,
+    /// The files of the chain's layers `0..=last`, lowest first.
+    ids: Vec<Option<FileId>>,
+}
+
+impl Reopen {
+    /// `chain` (whose top is a layer of the prepared range or above it)
+    /// if each of its layers is the file the prepared chain had at that
+    /// position; else the first that differs is refused.
+    fn checked(&self, chain: Chain) -> Result<Chain, Error> {
+        for (layer, id) in chain.layers().iter().zip(&self.ids) {
+            if layer.storage().file_id() != *id || id.is_none() {
+                return Err(Error::new(layer.path(), ErrorKind::FileReplaced));
+            }
+        }
+        Ok(chain)
+    }
 }
 
 /// Metadata cache of each chain a merge opens for its copy.
@@ -115,11 +141,6 @@ pub(crate) struct MergeFile {
 }
 
 impl MergeFile {
-    /// The temporary file (written by the copy).
-    pub(crate) fn tmp(&self) -> PathBuf {
-        self.image.tmp_path()
-    }
-
     /// Its backing file name.
     pub(crate) fn backing(&self) -> Option<&Path> {
         self.backing.as_deref()
@@ -188,6 +209,7 @@ pub(crate) fn fill_merge_file(
     file: &MergeFile,
     locking: Locking,
     pace: Pace<'_>,
+    reopen: &Reopen,
 ) -> Result<(u64, u64), Error> {
     // The view at layer `last`, read through a chain whose top it is (the
     // index of the whole chain covers it too, but a lookup through the top
@@ -197,33 +219,33 @@ pub(crate) fn fill_merge_file(
     let mut options = ChainOptions {
         locking,
         cache_size: COPY_CACHE,
+        backing_root: reopen.root.clone(),
         ..ChainOptions::default()
     };
-    let probe = Chain::open(last_path, &options)?;
+    let probe = reopen.checked(Chain::open(last_path, &options)?)?;
     let masks_ends = has_short_layers(&probe, range.first);
     let source = if masks_ends {
         drop(probe);
         options.use_index = false;
-        Chain::open(last_path, &options)?
+        reopen.checked(Chain::open(last_path, &options)?)?
     } else {
         probe
     };
-    let tmp = file.tmp();
-    let target = Chain::open(
-        &tmp,
+    // The temporary file, opened by name in the directory it was made in,
+    // checked to be the file made before anything is written.
+    let target = Chain::open_at(
+        file.image.tmp_place(),
+        file.image.id(),
         &ChainOptions {
             writable: true,
             locking,
             cache_size: COPY_CACHE,
             // Its own index is built once it is filled.
             stale_index_expected: true,
+            backing_root: reopen.root.clone(),
             ..ChainOptions::default()
         },
     )?;
-    // Opened again by name: it must still be the file made.
-    if target.top().storage().file_id() != Some(file.image.id()) {
-        return Err(Error::new(&tmp, crate::error::ErrorKind::LayerChanged));
-    }
     let copied = ViewCopy {
         source: &source,
         from: range.first,
@@ -247,6 +269,7 @@ pub(crate) fn fill_merge_file(
 pub struct PreparedMerge {
     file: MergeFile,
     range: MergeRange,
+    reopen: Reopen,
     last_path: PathBuf,
     above: PathBuf,
     above_id: Option<(u64, u64)>,
@@ -286,7 +309,15 @@ pub fn prepare_merge(
     let range = merge_range(chain, first, last)?;
     let above_at = LayerIndex(range.last.0 + 1);
     let file = create_merge_file(chain, &range, output, root)?;
+    let reopen = Reopen {
+        root: root.map(Path::to_path_buf),
+        ids: chain.layers()[..=range.last.0]
+            .iter()
+            .map(|l| l.storage().file_id())
+            .collect(),
+    };
     Ok(PreparedMerge {
+        reopen,
         last_path: chain.layers()[range.last.0].path().to_path_buf(),
         above: chain.layers()[above_at.0].path().to_path_buf(),
         above_id: layer_id(chain, above_at),
@@ -318,7 +349,14 @@ impl PreparedMerge {
     /// cancels it by returning `false`. Returns the bytes written as data
     /// and as zeros.
     pub fn fill(&self, locking: Locking, pace: Pace<'_>) -> Result<(u64, u64), Error> {
-        fill_merge_file(&self.last_path, &self.range, &self.file, locking, pace)
+        fill_merge_file(
+            &self.last_path,
+            &self.range,
+            &self.file,
+            locking,
+            pace,
+            &self.reopen,
+        )
     }
 
     /// Makes the file visible under its name, durable, then builds its
@@ -336,6 +374,7 @@ impl PreparedMerge {
         let created = self.file.image.publish()?;
         let merged = MergedFile {
             merged: created.path(),
+            range: self.range,
             created,
             backing,
             above: self.above,
@@ -346,7 +385,10 @@ impl PreparedMerge {
             layers_after: self.layers_before - (self.range.last.0 - self.range.first.0),
         };
         if merged.backing.is_some() {
-            if let Err(e) = rebuild_index(&merged.merged, locking, cancelled) {
+            if let Err(e) = self
+                .reopen
+                .build_index(&merged.created, self.range, locking, cancelled)
+            {
                 merged.remove();
                 return Err(e);
             }
@@ -355,10 +397,46 @@ impl PreparedMerge {
     }
 }
 
+impl Reopen {
+    /// Builds the index of the merge file `created` (opened by name in the
+    /// directory it was made in, checked to be the file made; the layers
+    /// below it checked to be the chain's layers below the range).
+    fn build_index(
+        &self,
+        created: &CreatedFile,
+        range: MergeRange,
+        locking: Locking,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<BuildReport>, Error> {
+        let chain = Chain::open_at(
+            created.place(),
+            created.id(),
+            &ChainOptions {
+                locking,
+                stale_index_expected: true,
+                backing_root: self.root.clone(),
+                ..ChainOptions::default()
+            },
+        )?;
+        let below = Reopen {
+            root: None,
+            ids: self.ids[..range.first.0].to_vec(),
+        };
+        for (layer, id) in chain.layers().iter().zip(&below.ids) {
+            if layer.storage().file_id() != *id || id.is_none() {
+                return Err(Error::new(layer.path(), ErrorKind::FileReplaced));
+            }
+        }
+        crate::indexing::build_index(&chain, locking, &mut |_, _| {}, cancelled)
+    }
+}
+
 /// A complete merge file, not yet in the chain.
 #[derive(Debug, Clone)]
 pub struct MergedFile {
     merged: PathBuf,
+    /// The layers merged (positions in the chain).
+    range: MergeRange,
     /// The file made (removed by identity).
     created: CreatedFile,
     backing: Option<PathBuf>,
@@ -379,6 +457,39 @@ impl MergedFile {
     /// The layers it replaces once switched in, lowest first.
     pub fn replaced(&self) -> &[PathBuf] {
         &self.replaced
+    }
+
+    /// Checks that `new`, the chain opened after the switch, is `old` with
+    /// the merged layers replaced by the merge file: each layer the same
+    /// file (device and inode) as the one it must be. Another file put at
+    /// a name meanwhile is refused, named.
+    pub fn check_switched(&self, old: &Chain, new: &Chain) -> Result<(), Error> {
+        let ids =
+            |c: &Chain| -> Vec<_> { c.layers().iter().map(|l| l.storage().file_id()).collect() };
+        let before = ids(old);
+        let (first, last) = (self.range.first.0, self.range.last.0);
+        let mut want = before[..first].to_vec();
+        want.push(Some(self.created.id()));
+        want.extend_from_slice(&before[last + 1..]);
+        let got = ids(new);
+        if got.len() != want.len() {
+            return Err(Error::new(
+                new.top().path(),
+                ErrorKind::Io(std::io::Error::other(format!(
+                    "the chain has {} layers after the switch, {} expected",
+                    got.len(),
+                    want.len()
+                ))),
+            ));
+        }
+        match got
+            .iter()
+            .zip(&want)
+            .position(|(g, w)| g != w || g.is_none())
+        {
+            Some(i) => Err(Error::new(new.layers()[i].path(), ErrorKind::FileReplaced)),
+            None => Ok(()),
+        }
     }
 
     /// Removes the file (no chain references it: not switched in) and its
@@ -450,7 +561,8 @@ impl MergedFile {
         } else {
             let path = chain.layers()[at].path();
             let name = Path::new(std::ffi::OsStr::from_bytes(name));
-            HeaderWriter::open(path, Locking::Off)?.set_backing(Some((name, format)))
+            HeaderWriter::open_expecting(path, Locking::Off, self.above_id)?
+                .set_backing(Some((name, format)))
         }
     }
 
@@ -492,7 +604,7 @@ pub fn merge(
     drop(chain);
     // The layer switched at the end, locked now: a chain served by a
     // daemon is refused before the copy.
-    let switch = HeaderWriter::open(&prepared.above, locking)?;
+    let switch = HeaderWriter::open_expecting(&prepared.above, locking, prepared.above_id)?;
     let (data_bytes, zero_bytes) = prepared.fill(locking, &mut |done, total, _| {
         progress(done, total);
         true

@@ -118,7 +118,21 @@ pub(crate) struct HeaderWriter {
 
 impl HeaderWriter {
     pub(crate) fn open(path: &Path, locking: Locking) -> Result<HeaderWriter, Error> {
+        HeaderWriter::open_expecting(path, locking, None)
+    }
+
+    /// [`HeaderWriter::open`] of a layer that must be the file `expect`
+    /// (a layer of a chain opened before): checked before anything is
+    /// written or locked.
+    pub(crate) fn open_expecting(
+        path: &Path,
+        locking: Locking,
+        expect: Option<(u64, u64)>,
+    ) -> Result<HeaderWriter, Error> {
         let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+        if expect.is_some() && storage.file_id() != expect {
+            return Err(Error::new(path, crate::error::ErrorKind::FileReplaced));
+        }
         storage
             .lock(LockRequest::WRITER, locking)
             .map_err(|k| Error::new(path, k))?;
@@ -152,7 +166,9 @@ impl HeaderWriter {
 
 /// Rebuilds the index the image at `top` names, if any, after its chain
 /// changed (from the nearest valid index below, or a walk); `cancelled`
-/// as for [`build_index`].
+/// as for [`build_index`]. Where the index goes holding a file that is
+/// not sqcow2's index, the operation before stands: the index is not
+/// rebuilt (a warning names the file; the chain is walked).
 fn rebuild_index(
     top: &Path,
     locking: Locking,
@@ -166,5 +182,11 @@ fn rebuild_index(
             ..ChainOptions::default()
         },
     )?;
-    build_index(&chain, locking, &mut |_, _| {}, cancelled)
+    match build_index(&chain, locking, &mut |_, _| {}, cancelled) {
+        Err(e) if matches!(e.kind, crate::error::ErrorKind::NameInUse { .. }) => {
+            tracing::warn!("chain index not rebuilt (the chain is walked): {e}");
+            Ok(None)
+        }
+        other => other,
+    }
 }

@@ -21,6 +21,8 @@ pub(crate) type FileId = (u64, u64);
 pub(crate) struct Entry {
     pub(crate) id: FileId,
     pub(crate) kind: EntryKind,
+    /// Names the file has (hard links).
+    pub(crate) links: u64,
 }
 
 /// The kind of a directory entry.
@@ -144,6 +146,7 @@ impl Dir {
             Ok(st) => Ok(Some(Entry {
                 id: (st.st_dev, st.st_ino),
                 kind: EntryKind::of(st.st_mode),
+                links: st.st_nlink,
             })),
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(e.into()),
@@ -165,6 +168,11 @@ impl Dir {
     /// Opens the regular file `name` (never through a symlink; a FIFO, a
     /// socket, a device or a directory is refused without waiting on it).
     pub(crate) fn open_file(&self, name: &OsStr, write: bool) -> io::Result<File> {
+        refuse_special(rustix::fs::statat(
+            &self.fd,
+            name,
+            AtFlags::SYMLINK_NOFOLLOW,
+        ))?;
         let access = if write { OFlags::RDWR } else { OFlags::RDONLY };
         let fd = rustix::fs::openat(&self.fd, name, file_flags() | access, Mode::empty())?;
         blocking_regular(fd)
@@ -174,6 +182,8 @@ impl Dir {
     /// caller named it), refused unless a regular file, never waiting on a
     /// FIFO.
     pub(crate) fn open_image(&self, name: &OsStr, write: bool) -> io::Result<File> {
+        // Looked at first: a device is not even opened.
+        refuse_special(rustix::fs::statat(&self.fd, name, AtFlags::empty()))?;
         let base = OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
         let fd = if write {
             rustix::fs::openat(&self.fd, name, base | OFlags::RDWR, Mode::empty())?
@@ -302,6 +312,7 @@ fn open_beneath(dir: &OwnedFd, rel: &Path, flags: OFlags) -> io::Result<OwnedFd>
 /// Opens the file `rel` (a path relative to `dir`, all of whose components
 /// are real directories) for reading, as [`Dir::open_file`] opens a name.
 pub(crate) fn open_file_beneath(dir: &Dir, rel: &Path) -> io::Result<File> {
+    refuse_special(rustix::fs::statat(&dir.fd, rel, AtFlags::SYMLINK_NOFOLLOW))?;
     let fd = open_beneath(
         &dir.fd,
         rel,
@@ -312,6 +323,45 @@ pub(crate) fn open_file_beneath(dir: &Dir, rel: &Path) -> io::Result<File> {
         Some(libc::EPERM) => open_beneath(&dir.fd, rel, file_flags() | OFlags::RDONLY),
         _ => Err(e),
     })?;
+    blocking_regular(fd)
+}
+
+/// Refuses, from a `stat` taken before the open, anything but a regular
+/// file: a device or a FIFO is then never opened at all (the descriptor
+/// is checked again after the open: the name may change in between).
+/// A missing name passes (the open reports it).
+fn refuse_special(st: rustix::io::Result<rustix::fs::Stat>) -> io::Result<()> {
+    match st {
+        Ok(st) if EntryKind::of(st.st_mode) == EntryKind::Regular => Ok(()),
+        Ok(st) if EntryKind::of(st.st_mode) == EntryKind::Symlink => {
+            Err(rustix::io::Errno::LOOP.into())
+        }
+        Ok(st) => Err(not_regular(EntryKind::of(st.st_mode))),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Opens for reading the file at `path`, a canonical path (its real
+/// location, as read back from an earlier open), with no symlink followed
+/// on the way (`openat2`, `RESOLVE_NO_SYMLINKS`): a directory swapped
+/// for a symlink since fails the open.
+pub(crate) fn open_resolved(path: &Path) -> io::Result<File> {
+    refuse_special(rustix::fs::stat(path))?;
+    let resolve = ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = match rustix::fs::openat2(
+        rustix::fs::CWD,
+        path,
+        flags | OFlags::NOATIME,
+        Mode::empty(),
+        resolve,
+    ) {
+        Err(rustix::io::Errno::PERM) => {
+            rustix::fs::openat2(rustix::fs::CWD, path, flags, Mode::empty(), resolve)?
+        }
+        Err(rustix::io::Errno::NOSYS) => return open_image_file(path, false),
+        other => other?,
+    };
     blocking_regular(fd)
 }
 
@@ -340,6 +390,7 @@ pub(crate) fn not_regular(kind: EntryKind) -> io::Error {
 /// or taking a terminal, and refuses anything but a regular file: for
 /// reading (`O_NOATIME` where allowed) or for reading and writing.
 pub(crate) fn open_image_file(path: &Path, write: bool) -> io::Result<File> {
+    refuse_special(rustix::fs::stat(path))?;
     let base = OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
     let fd = if write {
         rustix::fs::open(path, base | OFlags::RDWR, Mode::empty())?
@@ -360,6 +411,12 @@ pub(crate) fn open_image_file(path: &Path, write: bool) -> io::Result<File> {
 /// waiting on a FIFO: a regular file or a block device; anything else is
 /// refused.
 pub(crate) fn open_output_file(path: &Path) -> io::Result<File> {
+    if let Ok(st) = rustix::fs::stat(path) {
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::RegularFile | FileType::BlockDevice => {}
+            _ => return Err(not_regular(EntryKind::of(st.st_mode))),
+        }
+    }
     let fd = rustix::fs::open(
         path,
         OFlags::RDWR | OFlags::CREATE | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,

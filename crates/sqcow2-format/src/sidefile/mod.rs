@@ -310,6 +310,10 @@ fn look(
     if entry.kind != EntryKind::Regular {
         return Err(refuse(entry.kind.describe()));
     }
+    if entry.links != 1 {
+        // Writing it, or removing it, would reach its other names.
+        return Err(refuse("a file with other names (hard links)"));
+    }
     let Some(content) = role.content() else {
         return Err(refuse("an existing file"));
     };
@@ -390,10 +394,20 @@ pub(crate) fn make_way_for_image(dir: &Dir, image: &OsStr, layers: &[FileId]) ->
     ];
     for (name, role) in &taken {
         if let Some(entry) = dir.entry(name).map_err(io_error(dir, name))? {
+            let own = || {
+                let content = role.content()?;
+                let file = dir.open_file(name, false).ok()?;
+                content.is_in(&file).then_some(content)
+            };
             let found = if layers.contains(&entry.id) {
                 "a layer of the chain"
             } else if entry.kind != EntryKind::Regular {
                 entry.kind.describe()
+            } else if let Some(content) = own() {
+                match content {
+                    Content::Index => "an index sqcow2 wrote for an earlier image of that name (remove it if that image is gone)",
+                    _ => "a journal an earlier writer of an image of that name left (remove it if that image is gone)",
+                }
             } else {
                 "an existing file"
             };
@@ -567,6 +581,11 @@ impl NewImage {
         self.dir.join(&self.tmp)
     }
 
+    /// Where the temporary file is.
+    pub(crate) fn tmp_place(&self) -> ImagePlace {
+        ImagePlace::new(self.dir.clone(), self.tmp.clone())
+    }
+
     /// The image's own path.
     pub(crate) fn path(&self) -> PathBuf {
         self.dir.join(&self.name)
@@ -606,17 +625,15 @@ impl NewImage {
         .map_err(e)
     }
 
-    /// Makes the image visible under its name: the unpublished bit
-    /// cleared (the autoclear word as the file has it now), the file
-    /// synced, renamed without replacing anything, the directory synced.
+    /// Makes the image visible under its name: the file synced (the
+    /// unpublished bit still set: a crash before the rename leaves a
+    /// leftover that is recognised), renamed without replacing anything,
+    /// the directory synced; then the bit cleared and synced (a crash
+    /// before leaves it on the published image, where it means nothing:
+    /// the next writable open clears it, sqcow2's or QEMU's).
     pub(crate) fn publish(mut self) -> Result<CreatedFile, Error> {
         let tmp_path = self.tmp_path();
         let e = |io: io::Error| Error::new(&tmp_path, ErrorKind::Io(io));
-        let at = crate::header::field::AUTOCLEAR_FEATURES as u64;
-        let mut word = [0u8; 8];
-        self.file.read_exact_at(&mut word, at).map_err(e)?;
-        let word = u64::from_be_bytes(word) & !crate::features::AUTOCLEAR_UNPUBLISHED;
-        self.file.write_all_at(&word.to_be_bytes(), at).map_err(e)?;
         self.file.sync_all().map_err(e)?;
         // The temporary is still the file made (identity), then renamed.
         match self.dir.entry(&self.tmp).map_err(e)? {
@@ -624,19 +641,27 @@ impl NewImage {
             _ => return Err(e(io::Error::other("the temporary file was replaced"))),
         }
         let path = self.path();
-        self.dir
-            .rename_new(&self.tmp, &self.name)
-            .map_err(|io| Error::new(&path, ErrorKind::Io(io)))?;
+        let e = |io: io::Error| Error::new(&path, ErrorKind::Io(io));
+        self.dir.rename_new(&self.tmp, &self.name).map_err(e)?;
         self.published = true;
-        self.dir
-            .sync()
-            .map_err(|io| Error::new(self.dir.path(), ErrorKind::Io(io)))?;
+        self.dir.sync().map_err(e)?;
+        let at = crate::header::field::AUTOCLEAR_FEATURES as u64;
+        let mut word = [0u8; 8];
+        self.file.read_exact_at(&mut word, at).map_err(e)?;
+        let word = u64::from_be_bytes(word) & !crate::features::AUTOCLEAR_UNPUBLISHED;
+        self.file.write_all_at(&word.to_be_bytes(), at).map_err(e)?;
+        self.file.sync_data().map_err(e)?;
         Ok(CreatedFile {
             dir: self.dir.clone(),
             name: self.name.clone(),
             id: self.id,
         })
     }
+}
+
+/// Whether `name` is a temporary image's (`*.sqtmp`).
+pub(crate) fn is_temporary_name(name: &OsStr) -> bool {
+    name.as_bytes().ends_with(TEMPORARY_SUFFIX.as_bytes())
 }
 
 impl Drop for NewImage {

@@ -466,6 +466,11 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     old.flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     if let Err(e) = merged.switch_in(&old) {
+        // Another file at the layer's name: refused before anything was
+        // written (nothing to put back, and nothing to write into it).
+        if matches!(e.kind, sqcow2_format::ErrorKind::FileReplaced) {
+            return Err(NotSwitched(format!("switching the layer above: {e}")));
+        }
         // The header may have been written before the error: put the old
         // name back (the chain it names is unchanged).
         return Err(match merged.switch_back(&old) {
@@ -481,7 +486,12 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
         stale_index_expected: true,
         ..shared.options.clone()
     };
-    let chain = match Chain::open_reusing(&top, &reopen, &old) {
+    // Each layer as it must be: the old chain's, the merge file made by
+    // this process in place of the merged ones (a file put at a name
+    // meanwhile is refused).
+    let chain = match Chain::open_reusing(&top, &reopen, &old)
+        .and_then(|c| merged.check_switched(&old, &c).map(|()| c))
+    {
         Ok(c) => c,
         Err(e) => {
             warn!(error = %e, "reopening the chain after the merge failed: switching back");

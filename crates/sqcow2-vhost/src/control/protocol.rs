@@ -224,9 +224,9 @@ impl Reply {
     }
 }
 
-/// A JSON object whose keys are all different (a key given twice is an
-/// error, not the last value silently kept).
-struct UniqueKeys(Map<String, Value>);
+/// A JSON value in which no object gives a key twice, at any depth (a
+/// key given twice is an error, not the last value silently kept).
+struct UniqueKeys(Value);
 
 impl<'de> Deserialize<'de> for UniqueKeys {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -234,14 +234,51 @@ impl<'de> Deserialize<'de> for UniqueKeys {
         impl<'de> serde::de::Visitor<'de> for Visitor {
             type Value = UniqueKeys;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
+                f.write_str("a JSON value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::Bool(v)))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::from(v)))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::from(v)))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::from(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::String(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::String(v)))
+            }
+            fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::Null))
+            }
+            fn visit_none<E>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::Null))
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<UniqueKeys, D::Error> {
+                UniqueKeys::deserialize(d)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut out = Vec::new();
+                while let Some(UniqueKeys(v)) = seq.next_element()? {
+                    out.push(v);
+                }
+                Ok(UniqueKeys(Value::Array(out)))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
             ) -> Result<UniqueKeys, A::Error> {
                 let mut out = Map::new();
-                while let Some((key, value)) = map.next_entry::<String, Value>()? {
+                while let Some((key, UniqueKeys(value))) = map.next_entry::<String, UniqueKeys>()? {
                     if out.contains_key(&key) {
                         return Err(serde::de::Error::custom(format!(
                             "the key {key:?} is given twice"
@@ -249,10 +286,10 @@ impl<'de> Deserialize<'de> for UniqueKeys {
                     }
                     out.insert(key, value);
                 }
-                Ok(UniqueKeys(out))
+                Ok(UniqueKeys(Value::Object(out)))
             }
         }
-        d.deserialize_map(Visitor)
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -261,11 +298,8 @@ impl Request {
     /// had one) and why.
     pub fn parse(line: &str) -> Result<Request, (Value, Failure)> {
         let bad = |m: String| Failure::new(FailureKind::BadRequest, m);
-        let mut object: Map<String, Value> = match serde_json::from_str::<Value>(line) {
-            Ok(Value::Object(_)) => match serde_json::from_str::<UniqueKeys>(line) {
-                Ok(UniqueKeys(o)) => o,
-                Err(e) => return Err((Value::Null, bad(format!("invalid request: {e}")))),
-            },
+        let mut object: Map<String, Value> = match serde_json::from_str::<UniqueKeys>(line) {
+            Ok(UniqueKeys(Value::Object(o))) => o,
             Ok(_) => return Err((Value::Null, bad("a request is a JSON object".into()))),
             Err(e) => return Err((Value::Null, bad(format!("invalid JSON: {e}")))),
         };
@@ -684,6 +718,17 @@ mod tests {
         assert_eq!(kind("[1]"), FailureKind::BadRequest);
         assert_eq!(kind("{\"id\":1}"), FailureKind::BadRequest);
         assert_eq!(kind("{\"command\":\"nope\"}"), FailureKind::UnknownCommand);
+        // A key twice, at any depth; a key a command does not take.
+        for line in [
+            r#"{"command":"info","command":"flush"}"#,
+            r#"{"command":"info","id":{"a":1,"a":2}}"#,
+            r#"{"command":"info","id":[{"a":1,"a":2}]}"#,
+            r#"{"command":"info","x":1}"#,
+            r#"{"command":"snapshot","path":"/p","x":1}"#,
+        ] {
+            assert_eq!(kind(line), FailureKind::BadRequest, "{line}");
+        }
+        assert!(Request::parse(r#"{"command":"info","id":{"a":1,"b":[2,{"c":null}]}}"#).is_ok());
         assert_eq!(kind("{\"command\":\"snapshot\"}"), FailureKind::BadRequest);
         assert_eq!(
             kind("{\"command\":\"merge\",\"first\":0,\"path\":\"/m\"}"),
