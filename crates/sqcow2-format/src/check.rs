@@ -470,14 +470,26 @@ pub fn check(
         (s, LockRequest::WRITER)
     };
     storage.lock(lock, locking).map_err(e)?;
+    check_opened(&place, storage, repair)
+}
+
+/// [`check`] of the image at `place`, open (and locked) in `storage`:
+/// writable for a repair.
+pub(crate) fn check_opened(
+    place: &crate::sidefile::ImagePlace,
+    storage: FileStorage,
+    repair: Repair,
+) -> Result<CheckReport, Error> {
+    let path = &place.path();
+    let e = |k: ErrorKind| Error::new(path, k);
     // A writer that died leaves the mappings of its last completed writes
     // in its journal: a full repair applies them first, as a read-write
     // open would (then QEMU, which does not know the journal, reads them
     // too); otherwise the report says they are not counted.
     let mut notes = Vec::new();
     if repair == Repair::All {
-        let applied = crate::active::replay_journal(&place, &storage).map_err(e)?;
-        crate::active::end_journal(&place, &storage).map_err(e)?;
+        let applied = crate::active::replay_journal(place, &storage).map_err(e)?;
+        crate::active::end_journal(place, &storage).map_err(e)?;
         if applied > 0 {
             notes.push(format!(
                 "Applied {applied} mapping changes from the journal of a writer that did not close the image"
@@ -485,7 +497,7 @@ pub fn check(
         }
     } else if let Some(n) = read_header_for_check(&storage)
         .ok()
-        .and_then(|h| crate::active::pending_journal(&place, storage.file_id(), &h))
+        .and_then(|h| crate::active::pending_journal(place, storage.file_id(), &h))
         .filter(|n| *n > 0)
     {
         notes.push(format!(

@@ -2,7 +2,6 @@
 //! natively, each data cluster tagged with the layer and guest cluster it
 //! belongs to, so that a wrong read is recognised.
 
-use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -14,8 +13,8 @@ use crate::create::{image_layout, CreateOptions};
 use crate::entry::COPIED;
 use crate::error::{Error, ErrorKind};
 use crate::index::{encode_index, IndexEntry, IndexGeometry, AUTOCLEAR_SQCOW2};
+use crate::sidefile::Dir;
 use crate::sqcow2_ext::{fingerprints, write_index_extension};
-use crate::storage::FileStorage;
 use crate::types::{Geometry, GuestOffset};
 
 /// Magic at the start of every tagged 4 KiB block.
@@ -155,13 +154,14 @@ pub fn owners(plan: &[Vec<u64>], clusters: u64, upto: usize) -> Vec<Option<u32>>
 
 /// Writes layer `i` with its clusters; returns the host offset of each.
 fn write_layer(
-    dir: &Path,
+    dir: &Dir,
     i: usize,
     opts: &GenOptions,
     clusters: &[u64],
     mark: bool,
-) -> Result<Vec<u64>, Error> {
-    let path = dir.join(layer_file_name(i));
+) -> Result<(Vec<u64>, crate::sidefile::FileId), Error> {
+    let name = layer_file_name(i);
+    let path = dir.join(std::ffi::OsStr::new(&name));
     let e = |err: std::io::Error| Error::new(&path, ErrorKind::Io(err));
     let g = Geometry {
         cluster_bits: opts.cluster_size.trailing_zeros(),
@@ -202,7 +202,8 @@ fn write_layer(
         let at = (layout.l1_offset + l1i * 8) as usize;
         prefix[at..at + 8].copy_from_slice(&(((l2_base + t as u64) * cs) | COPIED).to_be_bytes());
     }
-    let file = create_generated(&path).map_err(e)?;
+    let file = create_generated(dir, &name).map_err(e)?;
+    let id = crate::sidefile::file_id(&file).map_err(e)?;
     file.write_all_at(&prefix, 0).map_err(e)?;
     file.write_all_at(&tables, l2_base * cs).map_err(e)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, &file);
@@ -217,19 +218,19 @@ fn write_layer(
     w.flush().map_err(e)?;
     drop(w);
     file.sync_all().map_err(e)?;
-    Ok(hosts)
+    Ok((hosts, id))
 }
 
 /// Creates (or empties: the generator writes its files anew) the regular
-/// file `path`, never through a symlink, never a FIFO or device.
-fn create_generated(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .and_then(|f| crate::sidefile::dir::blocking_regular(f.into()))?;
+/// file `name` in `dir` (a directory opened once), never through a
+/// symlink, never a FIFO or device.
+fn create_generated(dir: &Dir, name: &str) -> std::io::Result<std::fs::File> {
+    let name = std::ffi::OsStr::new(name);
+    let file = match dir.create(name) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => dir.open_file(name, true)?,
+        Err(e) => return Err(e),
+    };
     file.set_len(0)?;
     Ok(file)
 }
@@ -251,12 +252,17 @@ pub fn generate(
         ));
     }
     std::fs::create_dir_all(dir).map_err(e)?;
+    // Opened once: every file is made in it by name.
+    let gdir = Dir::open(dir).map_err(e)?;
     let plan = plan(opts);
     let clusters = opts.size.div_ceil(opts.cluster_size);
     let mut hosts: Vec<Vec<u64>> = Vec::with_capacity(opts.layers);
+    let mut top_id = None;
     for (i, list) in plan.iter().enumerate() {
         let mark = opts.index && i + 1 < opts.layers;
-        hosts.push(write_layer(dir, i, opts, list, mark)?);
+        let (h, id) = write_layer(&gdir, i, opts, list, mark)?;
+        hosts.push(h);
+        top_id = Some(id);
         progress(i as u64 + 1, opts.layers as u64);
     }
     let top = dir.join(layer_file_name(opts.layers - 1));
@@ -282,8 +288,11 @@ pub fn generate(
             granularity_bits: opts.cluster_size.trailing_zeros(),
             covered_size: opts.size,
         };
-        let chain = Chain::open(
+        // The top written above (another file put at its name since is
+        // refused).
+        let chain = Chain::open_expecting(
             &top,
+            top_id,
             &ChainOptions {
                 use_index: false,
                 ..ChainOptions::default()
@@ -292,12 +301,14 @@ pub fn generate(
         let fps = fingerprints(chain.layers(), upto, layer_file_name(upto).as_bytes());
         let name = format!("{}.sqidx", layer_file_name(opts.layers - 1));
         let bytes = encode_index(geometry, &fps, &entries);
-        create_generated(&dir.join(&name))
+        create_generated(&gdir, &name)
             .and_then(|f| f.write_all_at(&bytes, 0))
             .map_err(e)?;
         let header = chain.top().header().cloned();
+        // The top the chain read, through its descriptor.
+        let storage =
+            crate::storage::writable_same_file(&**chain.top().storage(), &top).map_err(e)?;
         drop(chain);
-        let storage = FileStorage::open_read_write(&top).map_err(e)?;
         if let Some(h) = header {
             write_index_extension(&storage, &h, Path::new(&name)).map_err(e)?;
         }

@@ -18,7 +18,7 @@ use crate::layer::Layer;
 use crate::lock::{LockRequest, Locking};
 use crate::sidefile::{CreatedFile, Dir, FileId, NewImage, NewIndex};
 use crate::sqcow2_ext::{fingerprints, set_autoclear_bit, write_index_extension, IndexState};
-use crate::storage::{FileStorage, Storage};
+use crate::storage::FileStorage;
 use crate::types::LayerIndex;
 
 /// Callback for long operations: `(done, total)`.
@@ -82,15 +82,11 @@ fn layer_ids(chain: &Chain) -> Vec<FileId> {
         .collect()
 }
 
-/// Opens `layer`'s file again for writing, by its path, refused unless it
-/// is still the file the chain has open.
+/// Opens `layer`'s file again for writing: the file the chain has open
+/// (through its descriptor, not its name).
 fn reopen_writable(layer: &Layer) -> Result<FileStorage, Error> {
-    let path = layer.path();
-    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
-    if storage.file_id().is_none() || storage.file_id() != layer.storage().file_id() {
-        return Err(Error::new(path, ErrorKind::FileReplaced));
-    }
-    Ok(storage)
+    crate::storage::writable_same_file(&**layer.storage(), layer.path())
+        .map_err(io_err(layer.path()))
 }
 
 fn cancel_error() -> std::io::Error {

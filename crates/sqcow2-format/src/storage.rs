@@ -267,6 +267,22 @@ pub fn open_output(path: &Path) -> io::Result<File> {
     crate::sidefile::dir::open_output_file(path)
 }
 
+/// A writable description of the file `of` has open, opened through
+/// `/proc/self/fd` (the same file whatever is at its name now: no path is
+/// resolved), checked to be that file. Storage that shows no file of its
+/// own (a wrapper, in tests) is opened by `path`, and checked the same.
+pub(crate) fn writable_same_file(of: &dyn Storage, path: &Path) -> io::Result<FileStorage> {
+    let file = match of.pinned_file()? {
+        Some(pinned) => crate::sidefile::dir::open_image_file(&fd_link(&pinned.file), true)?,
+        None => crate::sidefile::dir::open_image_file(path, true)?,
+    };
+    let storage = FileStorage::from_writable_file(file)?;
+    if storage.file_id().is_none() || storage.file_id() != of.file_id() {
+        return Err(io::Error::other("not the same file"));
+    }
+    Ok(storage)
+}
+
 impl FileStorage {
     /// Opens `path` read-only (a regular file only, never waiting on a
     /// FIFO).

@@ -198,11 +198,14 @@ impl Journal {
             boot: boot_id().map_err(e)?,
             file: file_id.unwrap_or((0, 0)),
         };
-        let (file, journal_id) =
-            crate::sidefile::open_journal(top.dir(), &name, top.name(), below)?;
-        file.set_len(0).map_err(e)?;
         let epoch = fastrand::u64(1..);
-        file.write_all_at(&header_bytes(id, epoch), 0).map_err(e)?;
+        let (file, journal_id) = crate::sidefile::open_journal(
+            top.dir(),
+            &name,
+            top.name(),
+            below,
+            &header_bytes(id, epoch),
+        )?;
         Ok(Journal {
             file,
             path,

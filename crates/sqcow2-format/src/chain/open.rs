@@ -64,11 +64,8 @@ fn open_layer(
         // A top to write that was open read-only (an inactive chain, which
         // holds no lock): opened again for writing.
         (Expect::Top, None, Some(Opened::Reused(s))) if options.writable && !s.is_writable() => {
-            let file = place()?.open_image(true)?;
-            if crate::sidefile::file_id(&file)? != s.file_id().unwrap_or_default() {
-                return Err(ErrorKind::FileReplaced);
-            }
-            Arc::new(FileStorage::from_writable_file(file)?)
+            // The same file (through its descriptor, not its name).
+            Arc::new(crate::storage::writable_same_file(&*s, path)?)
         }
         (_, _, Some(Opened::Reused(s))) => s,
         // Opened for writing in the first place (`open_layers`).
@@ -172,6 +169,7 @@ fn repair_left_open(
     opened: &File,
     left: LeftOpen,
     locking: Locking,
+    root: Option<&BackingRoot>,
 ) -> Result<(), Error> {
     // Marked corrupt: only an explicit `check -r` repairs it (as QEMU's
     // opens refuse to write it); not replayed, not read without its
@@ -183,25 +181,35 @@ fn repair_left_open(
         ));
     }
     tracing::warn!(path = %path.display(), "a backing layer was left open by an sqcow2 writer: repairing it");
-    // The repair opens the path again: it must still be the file checked
-    // (inside the backing root, not a loop).
-    let same = match (opened.metadata(), std::fs::metadata(path)) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
+    // The file opened (and checked: inside the backing root, not a
+    // loop), written through its descriptor, never reopened by its name;
+    // its journal read in its directory, opened inside the root when one
+    // is set.
+    let e = |io: std::io::Error| Error::new(path, ErrorKind::Io(io));
+    let storage = crate::storage::writable_same_file(
+        &FileStorage::from_file(opened.try_clone().map_err(e)?),
+        path,
+    )
+    .map_err(e)?;
+    let place = match root {
+        Some(root) => {
+            let parent = path.parent().unwrap_or(Path::new(""));
+            let name = crate::sidefile::dir::file_name(path).map_err(e)?;
+            let real_parent = std::fs::canonicalize(parent).map_err(e)?;
+            let dir =
+                crate::sidefile::Dir::beneath(root.dir(), root.path(), &real_parent).map_err(e)?;
+            ImagePlace::new(Arc::new(dir), name.to_os_string())
+        }
+        None => ImagePlace::of(path).map_err(e)?,
     };
-    if !same {
-        return Err(Error::new(
-            path,
-            ErrorKind::Io(std::io::Error::other(
-                "the backing file changed while the chain was opened",
-            )),
-        ));
-    }
     let locking = match locking {
         Locking::Off => Locking::Off,
         Locking::Auto | Locking::On => Locking::On,
     };
-    let report = crate::check::check(path, Repair::All, locking, false)?;
+    storage
+        .lock(crate::lock::LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(path, k))?;
+    let report = crate::check::check_opened(&place, storage, Repair::All)?;
     if report.corruptions > 0 || report.check_errors > 0 {
         return Err(Error::new(
             path,
@@ -233,6 +241,9 @@ fn open_layers(
             options.max_open_files.unwrap_or_else(default_budget),
         )),
     };
+    // A chain reopened in place of another has the same top: its open
+    // file, not whatever is at its name now.
+    let old_top = reuse.map(|old| old.top().storage().clone());
     let reuse = reuse.map_or(&[][..], |old| &old.storages[..]);
     // Backing files are checked against the root before they are opened.
     let root = match &options.backing_root {
@@ -256,6 +267,13 @@ fn open_layers(
         let injected = referrer.is_none() && options.top_storage.is_some();
         let file = if injected {
             None
+        } else if let (None, Some(old)) = (&referrer, &old_top) {
+            let id = old.file_id();
+            if id.is_none() || expect_top.is_some_and(|e| Some(e) != id) {
+                return Err(Error::new(&current, ErrorKind::FileReplaced));
+            }
+            seen.insert(id.unwrap_or_default());
+            Some(Opened::Reused(old.clone()))
         } else {
             let opened = match (&referrer, &root) {
                 (None, _) => match top_place {
@@ -313,7 +331,7 @@ fn open_layers(
         if let (Some(_), Some(Opened::File(f))) = (&referrer, &file) {
             let raw = matches!(expect, Expect::Recorded(BackingFormat::Raw));
             if let Some(left) = journal_left_behind(f).filter(|_| options.writable && !raw) {
-                repair_left_open(&current, f, left, options.locking)?;
+                repair_left_open(&current, f, left, options.locking, root.as_ref())?;
             }
         }
         let layer =
@@ -378,6 +396,17 @@ impl Chain {
             .flatten();
         let expect = old.top().storage().file_id();
         Chain::open_with(path, place, expect, options, Some(old))
+    }
+
+    /// [`Chain::open`] of a top that must be the file `expect` (a file an
+    /// operation opened before by the same name): checked before anything
+    /// is read or written ([`ErrorKind::FileReplaced`]).
+    pub(crate) fn open_expecting(
+        path: &Path,
+        expect: Option<FileId>,
+        options: &ChainOptions,
+    ) -> Result<Chain, Error> {
+        Chain::open_with(path, None, expect, options, None)
     }
 
     /// Opens the chain whose top is the image at `place` (its directory

@@ -17,6 +17,7 @@ use crate::types::LayerIndex;
 
 use super::copy::{has_short_layers, CopyTarget, RateLimit, RawTarget, ViewCopy, Zeros};
 use super::{find_layer, invalid, rebuild_index, LayerRef};
+use crate::sidefile::FileId;
 
 /// What to commit.
 #[derive(Debug, Clone)]
@@ -50,17 +51,27 @@ pub struct CommitReport {
 
 /// Opens and closes `path` for writing if a writer left it dirty or with
 /// a journal (replayed and repaired as any read-write open does), so that
-/// what follows reads and changes a consistent image.
-pub(super) fn settle(path: &Path, locking: Locking) -> Result<(), Error> {
+/// what follows reads and changes a consistent image. `expect`: the file
+/// it must be (an operation's earlier open); returns the file's identity.
+pub(super) fn settle(
+    path: &Path,
+    locking: Locking,
+    expect: Option<FileId>,
+) -> Result<Option<FileId>, Error> {
     let storage = FileStorage::open_read_only(path).map_err(io_err(path))?;
+    let id = storage.file_id();
+    if expect.is_some() && id != expect {
+        return Err(Error::new(path, ErrorKind::FileReplaced));
+    }
     let Ok(header) = crate::check::read_header(&storage) else {
-        return Ok(()); // raw, or refused later with a proper error
+        return Ok(id); // raw, or refused later with a proper error
     };
     let journal = header.features.autoclear & crate::features::AUTOCLEAR_JOURNAL != 0;
     if header.is_dirty() || journal {
         drop(storage);
-        let chain = Chain::open(
+        let chain = Chain::open_expecting(
             path,
+            id,
             &ChainOptions {
                 writable: true,
                 locking,
@@ -69,15 +80,25 @@ pub(super) fn settle(path: &Path, locking: Locking) -> Result<(), Error> {
         )?;
         chain.close()?;
     }
-    Ok(())
+    Ok(id)
+}
+
+/// Opens `path` for writing; refused unless it is the file `expect` (an
+/// operation's earlier open), before anything is written.
+fn open_writable_expecting(path: &Path, expect: Option<FileId>) -> Result<FileStorage, Error> {
+    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    if expect.is_some() && storage.file_id() != expect {
+        return Err(Error::new(path, ErrorKind::FileReplaced));
+    }
+    Ok(storage)
 }
 
 /// Makes the qcow2 image at `path` empty, as QEMU's `make_empty`: every
 /// active L1 entry cleared in one write, then the clusters that freed
 /// given back by a leak repair (a crash between the two leaves leaks,
 /// never a wrong read).
-fn make_empty(path: &Path, locking: Locking) -> Result<(), Error> {
-    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+fn make_empty(path: &Path, locking: Locking, expect: Option<FileId>) -> Result<(), Error> {
+    let storage = open_writable_expecting(path, expect)?;
     storage
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
@@ -97,14 +118,14 @@ fn make_empty(path: &Path, locking: Locking) -> Result<(), Error> {
 /// clusters the table occupies already, and are zero (QEMU pads the table
 /// with zeros to whole clusters). Images with internal snapshots are not
 /// resized (as in QEMU); growing past the table's clusters is not done.
-fn grow(path: &Path, size: u64, locking: Locking) -> Result<(), Error> {
+fn grow(path: &Path, size: u64, locking: Locking, expect: Option<FileId>) -> Result<(), Error> {
     let unsupported = || {
         Error::new(
             path,
             ErrorKind::Unsupported(crate::error::Feature::CommitGrowsBase),
         )
     };
-    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+    let storage = open_writable_expecting(path, expect)?;
     storage
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
@@ -165,8 +186,13 @@ impl CommitTarget {
 /// Opens the raw base at `path` for a commit, locked as a writer, grown
 /// to `size` bytes if it is shorter (as QEMU's commit truncates its base
 /// up to the image's length; the new range reads zeros).
-fn open_raw_base(path: &Path, size: u64, locking: Locking) -> Result<RawTarget, Error> {
-    let storage = FileStorage::open_read_write(path).map_err(io_err(path))?;
+fn open_raw_base(
+    path: &Path,
+    size: u64,
+    locking: Locking,
+    expect: Option<FileId>,
+) -> Result<RawTarget, Error> {
+    let storage = open_writable_expecting(path, expect)?;
     storage
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
@@ -187,9 +213,13 @@ pub fn commit(
 ) -> Result<CommitReport, Error> {
     let image = &options.image;
     let locking = options.locking;
-    settle(image, locking)?;
-    let inspect = Chain::open(
+    // Every later open of the image and of the base by name must find
+    // the file opened first (another file put at a name meanwhile is
+    // refused before anything is written into it).
+    let image_id = settle(image, locking, None)?;
+    let inspect = Chain::open_expecting(
         image,
+        image_id,
         &ChainOptions {
             locking,
             inspect_only: true,
@@ -232,17 +262,19 @@ pub fn commit(
     let old_size = base_layer.virtual_size();
     let grows = old_size < size;
     let base_has_backing = base.0 > 0;
+    let base_id = base_layer.storage().file_id();
     drop(inspect);
     let target = if base_is_raw {
-        CommitTarget::Raw(open_raw_base(&base_path, size, locking)?)
+        CommitTarget::Raw(open_raw_base(&base_path, size, locking, base_id)?)
     } else {
-        settle(&base_path, locking)?;
+        settle(&base_path, locking, base_id)?;
         if grows {
             // As QEMU: a base smaller than the image grows to its size.
-            grow(&base_path, size, locking)?;
+            grow(&base_path, size, locking, base_id)?;
         }
-        let chain = Chain::open(
+        let chain = Chain::open_expecting(
             &base_path,
+            base_id,
             &ChainOptions {
                 writable: true,
                 locking,
@@ -260,8 +292,9 @@ pub fn commit(
     // through another descriptor); the layers above the base are then
     // locked as what they are to the commit.
     let open_source = |use_index| {
-        Chain::open(
+        Chain::open_expecting(
             image,
+            image_id,
             &ChainOptions {
                 locking,
                 force_share: true,
@@ -306,9 +339,9 @@ pub fn commit(
     target.close()?;
     drop(source);
     if emptied {
-        make_empty(image, locking)?;
+        make_empty(image, locking, image_id)?;
     }
-    let index = rebuild_index(image, locking, &|| false)?;
+    let index = rebuild_index(image, locking, &|| false, image_id)?;
     Ok(CommitReport {
         base: base_path,
         data_bytes: copied.data_bytes,

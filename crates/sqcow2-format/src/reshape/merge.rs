@@ -559,9 +559,8 @@ impl MergedFile {
         if LayerIndex(at) == chain.top_index() && chain.is_writable() {
             chain.active()?.rewrite_header_area(&edit)
         } else {
-            let path = chain.layers()[at].path();
             let name = Path::new(std::ffi::OsStr::from_bytes(name));
-            HeaderWriter::open_expecting(path, Locking::Off, self.above_id)?
+            HeaderWriter::of_layer(&chain.layers()[at], Locking::Off)?
                 .set_backing(Some((name, format)))
         }
     }
@@ -601,6 +600,7 @@ pub fn merge(
         },
     )?;
     let prepared = prepare_merge(&chain, &options.first, &options.last, &options.output, None)?;
+    let image_id = chain.top().storage().file_id();
     drop(chain);
     // The layer switched at the end, locked now: a chain served by a
     // daemon is refused before the copy.
@@ -612,6 +612,6 @@ pub fn merge(
     let merged = prepared.publish(locking, &|| false)?;
     switch.set_backing(Some((&merged.backing_edit(), Some("qcow2"))))?;
     drop(switch);
-    let index = rebuild_index(&options.image, locking, &|| false)?;
+    let index = rebuild_index(&options.image, locking, &|| false, image_id)?;
     Ok(merged.report(data_bytes, zero_bytes, index))
 }

@@ -121,6 +121,26 @@ impl HeaderWriter {
         HeaderWriter::open_expecting(path, locking, None)
     }
 
+    /// A writer of the header of `layer`, a layer of a chain this process
+    /// has open: the same file (through its descriptor, not its name),
+    /// locked as a writer.
+    pub(crate) fn of_layer(
+        layer: &crate::layer::Layer,
+        locking: Locking,
+    ) -> Result<HeaderWriter, Error> {
+        let path = layer.path();
+        let storage =
+            crate::storage::writable_same_file(&**layer.storage(), path).map_err(io_err(path))?;
+        storage
+            .lock(LockRequest::WRITER, locking)
+            .map_err(|k| Error::new(path, k))?;
+        crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+        Ok(HeaderWriter {
+            path: path.to_path_buf(),
+            storage,
+        })
+    }
+
     /// [`HeaderWriter::open`] of a layer that must be the file `expect`
     /// (a layer of a chain opened before): checked before anything is
     /// written or locked.
@@ -143,6 +163,11 @@ impl HeaderWriter {
             path: path.to_path_buf(),
             storage,
         })
+    }
+
+    /// The file's identity.
+    pub(crate) fn id(&self) -> Option<(u64, u64)> {
+        self.storage.file_id()
     }
 
     /// Rewrites the backing file name and format (the header area in one
@@ -169,13 +194,16 @@ impl HeaderWriter {
 /// as for [`build_index`]. Where the index goes holding a file that is
 /// not sqcow2's index, the operation before stands: the index is not
 /// rebuilt (a warning names the file; the chain is walked).
+/// `expect`: the top's file, when the operation opened it before.
 fn rebuild_index(
     top: &Path,
     locking: Locking,
     cancelled: &dyn Fn() -> bool,
+    expect: Option<(u64, u64)>,
 ) -> Result<Option<BuildReport>, Error> {
-    let chain = Chain::open(
+    let chain = Chain::open_expecting(
         top,
+        expect,
         &ChainOptions {
             locking,
             stale_index_expected: true,

@@ -129,6 +129,8 @@ pub fn rebase(
         (None, _) => None,
     };
     let writer = HeaderWriter::open(image, locking)?;
+    // Every later open of the image by name must find this file.
+    let image_id = writer.id();
     let new_path = options.backing.as_ref().map(|b| {
         if b.is_absolute() {
             b.clone()
@@ -139,15 +141,15 @@ pub fn rebase(
     let mut copied_bytes = 0;
     if !options.unsafe_names_only {
         drop(writer);
-        settle(image, locking)?;
-        copied_bytes = copy_differences(options, new_path.as_deref(), format, progress)?;
-        let writer = HeaderWriter::open(image, locking)?;
+        settle(image, locking, image_id)?;
+        copied_bytes = copy_differences(options, new_path.as_deref(), format, progress, image_id)?;
+        let writer = HeaderWriter::open_expecting(image, locking, image_id)?;
         set_name(&writer, options, format)?;
     } else {
         set_name(&writer, options, format)?;
         drop(writer);
     }
-    let index = match rebuild_index(image, locking, &|| false) {
+    let index = match rebuild_index(image, locking, &|| false, image_id) {
         Ok(index) => index,
         // Unsafe mode only renames: the new backing file may not exist
         // yet (QEMU does not open it either). The rename is done; the
@@ -186,11 +188,13 @@ fn copy_differences(
     new_path: Option<&Path>,
     format: Option<&str>,
     progress: &mut dyn FnMut(u64, u64),
+    image_id: Option<crate::sidefile::FileId>,
 ) -> Result<u64, Error> {
     let image = &options.image;
     let locking = options.locking;
-    let chain = Chain::open(
+    let chain = Chain::open_expecting(
         image,
+        image_id,
         &ChainOptions {
             writable: true,
             locking,

@@ -165,6 +165,52 @@ impl Dir {
         blocking_regular(fd)
     }
 
+    /// Creates `name`, which must not exist, with `init` done on it first:
+    /// the file is made unnamed in the directory (`O_TMPFILE`), `init`
+    /// writes it (its header: what tells it is sqcow2's), then it is linked
+    /// under `name` (never over anything, never through a symlink), so the
+    /// name never holds it without its header, whenever the process dies.
+    /// Where the filesystem has no `O_TMPFILE`: created by name, then
+    /// written.
+    pub(crate) fn create_with(
+        &self,
+        name: &OsStr,
+        init: impl FnOnce(&File) -> io::Result<()>,
+    ) -> io::Result<File> {
+        match rustix::fs::openat(
+            &self.fd,
+            ".",
+            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o666),
+        ) {
+            Ok(fd) => {
+                let file = File::from(fd);
+                init(&file)?;
+                rustix::fs::linkat(
+                    rustix::fs::CWD,
+                    format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file)),
+                    &self.fd,
+                    name,
+                    AtFlags::SYMLINK_FOLLOW,
+                )?;
+                Ok(file)
+            }
+            Err(
+                rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::ISDIR | rustix::io::Errno::INVAL,
+            ) => {
+                let file = self.create(name)?;
+                if let Err(e) = init(&file) {
+                    if let Ok(st) = rustix::fs::fstat(&file) {
+                        let _ = self.remove(name, (st.st_dev, st.st_ino));
+                    }
+                    return Err(e);
+                }
+                Ok(file)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Opens the regular file `name` (never through a symlink; a FIFO, a
     /// socket, a device or a directory is refused without waiting on it).
     pub(crate) fn open_file(&self, name: &OsStr, write: bool) -> io::Result<File> {

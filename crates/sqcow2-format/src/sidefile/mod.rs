@@ -235,10 +235,19 @@ fn read_prefix(file: &File, buf: &mut [u8]) -> io::Result<usize> {
     Ok(done)
 }
 
-/// Takes the owner lock of a temporary file (`Ok(false)`: another open
-/// file description holds it, its maker is alive). A filesystem without
-/// locks counts as free.
-pub(crate) fn take_owner_lock(file: &File) -> io::Result<bool> {
+/// Whether the maker of a temporary file still holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Nobody holds it (now this description does): its maker is gone.
+    Gone,
+    /// Another open file description holds it: its maker is alive.
+    Alive,
+    /// The filesystem has no file locks: nobody can tell.
+    Unknown,
+}
+
+/// Takes the owner lock of a temporary file: whether its maker is gone.
+pub(crate) fn take_owner_lock(file: &File) -> io::Result<Owner> {
     // SAFETY: `flock` is a plain C struct; all-zero is a valid value.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = libc::F_WRLCK as i16;
@@ -250,13 +259,15 @@ pub(crate) fn take_owner_lock(file: &File) -> io::Result<bool> {
         // valid `flock` for the duration of the call.
         let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
         if r == 0 {
-            return Ok(true);
+            return Ok(Owner::Gone);
         }
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
             Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) | Some(libc::EACCES) => return Ok(false),
-            Some(libc::ENOLCK) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => return Ok(true),
+            Some(libc::EAGAIN) | Some(libc::EACCES) => return Ok(Owner::Alive),
+            Some(libc::ENOLCK) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                return Ok(Owner::Unknown)
+            }
             _ => return Err(e),
         }
     }
@@ -331,10 +342,16 @@ fn look(
             content.describe()
         )));
     }
-    if matches!(role, Role::Temporary | Role::IndexTemporary)
-        && !take_owner_lock(&file).map_err(io_error(dir, name))?
-    {
-        return Err(refuse("in use by another process or operation"));
+    if matches!(role, Role::Temporary | Role::IndexTemporary) {
+        match take_owner_lock(&file).map_err(io_error(dir, name))? {
+            Owner::Gone => {}
+            Owner::Alive => return Err(refuse("in use by another process or operation")),
+            Owner::Unknown => {
+                return Err(refuse(
+                    "perhaps in use: this filesystem has no file locks to tell (remove it if no sqcow2 operation runs)",
+                ))
+            }
+        }
     }
     Ok(Found::Own(file, id))
 }
@@ -551,17 +568,6 @@ impl NewImage {
         let tmp = temporary_name(name);
         let path = dir.join(&tmp);
         let e = |io: io::Error| Error::new(&path, ErrorKind::Io(io));
-        let file = dir.create(&tmp).map_err(e)?;
-        let id = file_id(&file).map_err(e)?;
-        let image = NewImage {
-            dir,
-            name: name.to_os_string(),
-            tmp,
-            file,
-            id,
-            published: false,
-        };
-        take_owner_lock(&image.file).map_err(e)?;
         {
             use crate::header::field;
             let at = field::AUTOCLEAR_FEATURES;
@@ -571,9 +577,26 @@ impl NewImage {
             let word = crate::bytes::be_u64(&bytes, at) | crate::features::AUTOCLEAR_UNPUBLISHED;
             bytes[at..at + 8].copy_from_slice(&word.to_be_bytes());
         }
-        image.file.write_all_at(&bytes, 0).map_err(e)?;
-        image.file.sync_all().map_err(e)?;
-        Ok(image)
+        // Under its name only with its header (marked unpublished) and its
+        // maker's lock.
+        let file = dir
+            .create_with(&tmp, |f| {
+                // (Where the filesystem has no locks, a leftover is never
+                // taken for the maker's: see `look`.)
+                take_owner_lock(f)?;
+                f.write_all_at(&bytes, 0)?;
+                f.sync_all()
+            })
+            .map_err(e)?;
+        let id = file_id(&file).map_err(e)?;
+        Ok(NewImage {
+            dir,
+            name: name.to_os_string(),
+            tmp,
+            file,
+            id,
+            published: false,
+        })
     }
 
     /// The temporary file's path.
@@ -718,15 +741,33 @@ impl NewIndex {
         }
         let replaces = match look(&dir, name, image, Role::Index, layers)? {
             Found::Nothing => None,
+            // Only the image's own index is replaced: a header (hostile, or
+            // of an image renamed since) may name another image's.
+            Found::Own(..) if name != index_name(image) => {
+                return Err(collision(
+                    &dir,
+                    name,
+                    image,
+                    Role::Index,
+                    "an index whose name is not the image's own (`sqcow2 upgrade` gives the image its own)",
+                ))
+            }
             Found::Own(_, id) => Some(id),
         };
         let tmp = index_temporary_name(name);
         clear_leftover(&dir, &tmp, image, Role::IndexTemporary, layers)?;
         let path = dir.join(&tmp);
         let e = |io: io::Error| Error::new(&path, ErrorKind::Io(io));
-        let file = dir.create(&tmp).map_err(e)?;
+        // Under its name only with the index magic at its start (the
+        // header, written last, replaces it) and its maker's lock.
+        let file = dir
+            .create_with(&tmp, |f| {
+                take_owner_lock(f)?;
+                f.write_all_at(crate::index::INDEX_MAGIC, 0)
+            })
+            .map_err(e)?;
         let id = file_id(&file).map_err(e)?;
-        let index = NewIndex {
+        Ok(NewIndex {
             dir,
             name: name.to_os_string(),
             tmp,
@@ -734,15 +775,7 @@ impl NewIndex {
             id,
             replaces,
             installed: false,
-        };
-        take_owner_lock(&index.file).map_err(e)?;
-        // Recognisable as an index's from its first bytes (the header,
-        // written last, replaces this).
-        index
-            .file
-            .write_all_at(crate::index::INDEX_MAGIC, 0)
-            .map_err(e)?;
-        Ok(index)
+        })
     }
 
     /// The file to write (a second description: the owner lock stays
@@ -794,36 +827,41 @@ impl Drop for NewIndex {
     }
 }
 
-/// Opens the journal `name` of a writer: created, or sqcow2's own journal
-/// there (a dead writer's, replayed before) opened to be started afresh.
-/// Anything else there (a layer, a symlink, a file of another program) is
-/// refused, untouched.
+/// Opens the journal `name` of a writer, starting with `header`: created
+/// (under its name only once `header` is in it), or sqcow2's own journal
+/// there (a dead writer's, replayed before) started afresh (`header`
+/// written over its start, then the file cut to it: it starts with a
+/// journal's magic whenever the process dies). Anything else there (a
+/// layer, a symlink, a file of another program) is refused, untouched.
 pub(crate) fn open_journal(
     dir: &Dir,
     name: &OsStr,
     image: &OsStr,
     layers: &[FileId],
+    header: &[u8],
 ) -> Result<(File, FileId), Error> {
     let path = dir.join(name);
     let e = |io: io::Error| Error::new(&path, ErrorKind::Io(io));
-    match dir.create(name) {
-        Ok(file) => {
-            let id = file_id(&file).map_err(e)?;
-            Ok((file, id))
-        }
+    let created = dir.create_with(name, |f| f.write_all_at(header, 0));
+    let file = match created {
+        Ok(file) => file,
         Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
             match look(dir, name, image, Role::Journal, layers)? {
-                Found::Own(file, id) => Ok((file, id)),
-                // Gone since: made now, exclusively.
-                Found::Nothing => {
-                    let file = dir.create(name).map_err(e)?;
-                    let id = file_id(&file).map_err(e)?;
-                    Ok((file, id))
+                Found::Own(file, _) => {
+                    file.write_all_at(header, 0).map_err(e)?;
+                    file.set_len(header.len() as u64).map_err(e)?;
+                    file
                 }
+                // Gone since: made now.
+                Found::Nothing => dir
+                    .create_with(name, |f| f.write_all_at(header, 0))
+                    .map_err(e)?,
             }
         }
-        Err(err) => Err(e(err)),
-    }
+        Err(err) => return Err(e(err)),
+    };
+    let id = file_id(&file).map_err(e)?;
+    Ok((file, id))
 }
 
 /// Removes the index `name` if it is sqcow2's own (its magic) and still
@@ -963,10 +1001,24 @@ mod tests {
         let victim = tmp.path().join("victim");
         std::fs::write(&victim, b"precious").unwrap();
         std::os::unix::fs::symlink(&victim, tmp.path().join("x.sqjournal")).unwrap();
-        assert!(open_journal(&dir, OsStr::new("x.sqjournal"), OsStr::new("x"), &[]).is_err());
+        assert!(open_journal(
+            &dir,
+            OsStr::new("x.sqjournal"),
+            OsStr::new("x"),
+            &[],
+            b"SQJOURNL"
+        )
+        .is_err());
         std::fs::remove_file(tmp.path().join("x.sqjournal")).unwrap();
         std::fs::write(tmp.path().join("x.sqjournal"), b"QFI\xfb").unwrap();
-        assert!(open_journal(&dir, OsStr::new("x.sqjournal"), OsStr::new("x"), &[]).is_err());
+        assert!(open_journal(
+            &dir,
+            OsStr::new("x.sqjournal"),
+            OsStr::new("x"),
+            &[],
+            b"SQJOURNL"
+        )
+        .is_err());
         remove_journal(&dir, OsStr::new("x.sqjournal")).unwrap();
         assert_eq!(
             std::fs::read(tmp.path().join("x.sqjournal")).unwrap(),
