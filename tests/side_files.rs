@@ -1433,3 +1433,226 @@ fn a_backing_layer_repair_never_reopens_its_name() {
         "the file elsewhere was written: {stderr}"
     );
 }
+
+/// Sets autoclear bits of the qcow2 v3 image at `path` (byte 88 on).
+fn set_autoclear(path: &Path, bits: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut w = [0u8; 8];
+    f.read_exact_at(&mut w, 88).unwrap();
+    let w = u64::from_be_bytes(w) | bits;
+    f.write_all_at(&w.to_be_bytes(), 88).unwrap();
+}
+
+/// Sets the dirty bit of the qcow2 v3 image at `path`.
+fn set_dirty(path: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 79).unwrap();
+    f.write_all_at(&[b[0] | 1], 79).unwrap();
+}
+
+/// A journal as a dead writer of the file `id` would have left, on this
+/// boot, with one record writing `word` at `offset` (the format of
+/// `docs/format.md`).
+fn forged_journal(id: (u64, u64), offset: u64, word: u64) -> Vec<u8> {
+    const CAPACITY: u64 = 262144;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let hex: String = boot.trim().chars().filter(|c| *c != '-').collect();
+    let mut h = vec![0u8; 4096];
+    h[0..8].copy_from_slice(b"SQJOURNL");
+    h[8..12].copy_from_slice(&1u32.to_be_bytes());
+    h[12..16].copy_from_slice(&64u32.to_be_bytes());
+    h[16..24].copy_from_slice(&CAPACITY.to_be_bytes());
+    for i in 0..16 {
+        h[24 + i] = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    h[40..48].copy_from_slice(&id.0.to_be_bytes());
+    h[48..56].copy_from_slice(&id.1.to_be_bytes());
+    let epoch = 7u64;
+    h[56..64].copy_from_slice(&epoch.to_be_bytes());
+    let crc = crc32c::crc32c(&h[0..64]);
+    h[64..68].copy_from_slice(&crc.to_be_bytes());
+    let mut r = [0u8; 64];
+    r[0..4].copy_from_slice(b"SQJR");
+    r[4] = 1;
+    r[8..16].copy_from_slice(&epoch.to_be_bytes());
+    r[16..24].copy_from_slice(&1u64.to_be_bytes());
+    r[24..32].copy_from_slice(&offset.to_be_bytes());
+    r[32..40].copy_from_slice(&word.to_be_bytes());
+    let crc = crc32c::crc32c(&r[0..60]);
+    r[60..64].copy_from_slice(&crc.to_be_bytes());
+    h.resize(4096 + 64 * 2, 0);
+    h[4096 + 64..4096 + 128].copy_from_slice(&r);
+    h
+}
+
+/// A layer named through a symlink in another directory (`A/x.qcow2 ->
+/// ../B/disk.qcow2`) whose file a dead writer left with its journal bit:
+/// a journal put beside the symlink (`A/x.qcow2.sqjournal`, forged by the
+/// owner of A for B's file) is never replayed into B nor removed; the
+/// repair looks beside the file itself. B's data stays (before: the
+/// forged record zeroed B's L1 entry, B read zeros).
+#[test]
+fn a_journal_beside_a_symlink_is_nobodys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let disk = b.join("disk.qcow2");
+    create(&disk, "64M");
+    qemu_io(&disk, &["write -P 0x77 0 1M".into()]);
+    set_autoclear(&disk, 1 << 62);
+    set_dirty(&disk);
+    let meta = std::fs::metadata(&disk).unwrap();
+    let l1 = u64::from_be_bytes(std::fs::read(&disk).unwrap()[40..48].try_into().unwrap());
+    std::os::unix::fs::symlink("../B/disk.qcow2", a.join("x.qcow2")).unwrap();
+    let forged = a.join("x.qcow2.sqjournal");
+    std::fs::write(&forged, forged_journal((meta.dev(), meta.ino()), l1, 0)).unwrap();
+    let top = a.join("top.qcow2");
+    overlay(&top, "x.qcow2");
+    let before = state(&[&a]);
+    let (code, stderr) = run_sqcow2(&["io", "-c", "write -P 0x11 32M 64k", s(&top)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!stderr.contains("replayed"), "{stderr}");
+    assert_eq!(
+        before.get(&forged),
+        state(&[&a]).get(&forged),
+        "the journal beside the symlink went"
+    );
+    qemu_io(&disk, &["read -P 0x77 0 1M".into()]);
+    qemu_img(&["check", s(&disk)]);
+}
+
+/// An image named like a temporary file (`new.sqtmp`, made by QEMU or
+/// left by a kill after a publish's rename, with the unpublished bit):
+/// `serve` of it never removes it as a leftover, and its first writable
+/// open clears the bit; a new image of sqcow2's is never given such a name
+/// (before: the served top and its journal were removed at the start).
+#[test]
+fn an_image_named_like_a_temporary_is_never_swept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let image = d.join("new.sqtmp");
+    create(&image, "64M");
+    qemu_io(&image, &["write -P 0x42 0 1M".into()]);
+    set_autoclear(&image, 1 << 61);
+    let mut daemon = Daemon::start(d, &image, &[]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(1 << 20, &vec![0x43; BLOCK as usize]);
+    client.flush();
+    drop(client);
+    daemon.stop();
+    assert!(
+        image.exists(),
+        "the served image was removed:\n{}",
+        daemon.log()
+    );
+    qemu_io(
+        &image,
+        &["read -P 0x42 0 1M".into(), "read -P 0x43 1M 64k".into()],
+    );
+    let word = u64::from_be_bytes(std::fs::read(&image).unwrap()[88..96].try_into().unwrap());
+    assert_eq!(word & (1 << 61), 0, "the unpublished bit stayed");
+    assert_refused(
+        &["snapshot", s(&image), s(&d.join("other.sqtmp"))],
+        "other.sqtmp",
+    );
+}
+
+/// A top served through a symlink (`cur.qcow2 -> layer0003.qcow2`, as
+/// QEMU accepts it) keeps its side files beside the file: after a live
+/// merge its index is rebuilt (before: refused, "not the image's own"
+/// name, and the chain was walked from then on).
+#[test]
+fn a_top_served_through_a_symlink_is_indexed_after_a_merge() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    common::gen_chain(d, 4, "64M", "0.3");
+    let cur = d.join("cur.qcow2");
+    std::os::unix::fs::symlink("layer0003.qcow2", &cur).unwrap();
+    let ctl = d.join("control.sock");
+    let mut daemon = Daemon::start(d, &cur, &["--control", s(&ctl)]);
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": 1, "path": d.join("m.qcow2")}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(merge_end(&ctl)["state"], "done");
+    let indexed = common::vhost::wait_indexed(&ctl);
+    assert_eq!(
+        indexed["result"]["index"]["last_error"],
+        serde_json::Value::Null,
+        "{indexed}"
+    );
+    daemon.stop();
+    let info = sqcow2(&["info", s(&cur)]);
+    assert!(info.contains("chain index: valid"), "{info}");
+}
+
+/// A backing file that is a FIFO with a writer blocked on it: refused
+/// without the FIFO being opened (the writer stays blocked; before, the
+/// open without waiting released it, and earlier still the open hung).
+#[test]
+fn a_fifo_backing_file_is_never_opened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let fifo = d.join("fifo");
+    mkfifo(&fifo);
+    let top = d.join("top.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "fifo",
+        "-F",
+        "raw",
+        s(&top),
+        "64M",
+    ]);
+    let mut writer = Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo released > {}", s(&fifo)))
+        .spawn()
+        .unwrap();
+    for args in [
+        vec!["info", "--backing-chain", s(&top)],
+        vec!["map", s(&top)],
+    ] {
+        let (code, stderr) = run_sqcow2(&args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        writer.try_wait().unwrap().is_none(),
+        "the FIFO was opened: its writer was released"
+    );
+    let _ = writer.kill();
+    let _ = writer.wait();
+}
+
+/// `gen-chain` into a directory where a file of its names exists: refused,
+/// the file kept (before: emptied and rewritten).
+#[test]
+fn gen_chain_never_overwrites_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    std::fs::write(d.join("layer0000.qcow2"), b"mine").unwrap();
+    assert_refused(
+        &["gen-chain", "--layers", "2", "--size", "16M", s(d)],
+        "layer0000.qcow2",
+    );
+    assert_eq!(std::fs::read(d.join("layer0000.qcow2")).unwrap(), b"mine");
+}

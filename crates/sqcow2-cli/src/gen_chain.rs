@@ -47,7 +47,7 @@ pub struct GenArgs {
     /// Leave the chain vanilla (walk mode).
     #[arg(long)]
     pub no_index: bool,
-    /// Directory to create the layers in.
+    /// Directory to create the layers in (created if needed; existing files are never overwritten: a name taken is refused).
     pub dir: std::path::PathBuf,
 }
 

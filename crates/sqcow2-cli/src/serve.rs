@@ -123,7 +123,12 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        if let Err(e) = sqcow2_format::remove_leftovers(&dir) {
+        let served: Vec<_> = chain
+            .layers()
+            .iter()
+            .filter_map(|l| l.storage().file_id())
+            .collect();
+        if let Err(e) = sqcow2_format::remove_leftovers(&dir, &served) {
             tracing::warn!(error = %e, "could not look for what killed operations left");
         }
     }

@@ -1,6 +1,5 @@
 //! Creation of new qcow2 images, laid out like `qemu-img create` does.
 
-use std::fs::OpenOptions;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -314,19 +313,8 @@ pub fn create_with_locking(
         }
     }
     let bytes = image_bytes(opts).map_err(e)?;
-    // Never waiting on a FIFO; anything but a regular file refused.
-    let file = {
-        use std::os::unix::fs::OpenOptionsExt;
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .and_then(|f| crate::sidefile::dir::blocking_regular(f.into()))
-            .map_err(|io| e(io.into()))?
-    };
+    // Anything but a regular file refused, without being opened.
+    let file = crate::sidefile::dir::open_output_file(path, false).map_err(|io| e(io.into()))?;
     let storage = FileStorage::from_file(file);
     storage.lock(LockRequest::WRITER, locking).map_err(e)?;
     storage.set_len(0).map_err(|io| e(io.into()))?;

@@ -221,21 +221,15 @@ fn write_layer(
     Ok((hosts, id))
 }
 
-/// Creates (or empties: the generator writes its files anew) the regular
-/// file `name` in `dir` (a directory opened once), never through a
-/// symlink, never a FIFO or device.
+/// Creates the file `name` in `dir` (a directory opened once): a new
+/// file, never one that exists (a file of someone's is never emptied),
+/// never through a symlink.
 fn create_generated(dir: &Dir, name: &str) -> std::io::Result<std::fs::File> {
-    let name = std::ffi::OsStr::new(name);
-    let file = match dir.create(name) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => dir.open_file(name, true)?,
-        Err(e) => return Err(e),
-    };
-    file.set_len(0)?;
-    Ok(file)
+    dir.create(std::ffi::OsStr::new(name))
 }
 
-/// Generates the chain in `dir` (created if needed); returns the top.
+/// Generates the chain in `dir` (created if needed; the files it makes
+/// must not exist there); returns the top.
 pub fn generate(
     dir: &Path,
     opts: &GenOptions,

@@ -174,7 +174,11 @@ pub fn open_index(
 /// that is not one path component is refused when the index is opened).
 fn named_index(layer: &Layer) -> Option<PathBuf> {
     let name = layer.header().and_then(index_name)?;
-    Some(match layer.path().parent() {
+    // Beside the file (a symlink at the layer's name resolved), where its
+    // writer made it.
+    let at = crate::sidefile::side_files_path(layer.path())
+        .unwrap_or_else(|_| layer.path().to_path_buf());
+    Some(match at.parent() {
         Some(dir) => dir.join(&name),
         None => name,
     })

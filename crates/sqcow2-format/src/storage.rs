@@ -264,7 +264,7 @@ pub fn open_for_reading(path: &Path) -> io::Result<File> {
 /// output), not truncated: a regular file or a block device, never
 /// waiting on a FIFO; anything else is refused.
 pub fn open_output(path: &Path) -> io::Result<File> {
-    crate::sidefile::dir::open_output_file(path)
+    crate::sidefile::dir::open_output_file(path, true)
 }
 
 /// A writable description of the file `of` has open, opened through

@@ -327,6 +327,15 @@ impl Drop for Reservation {
     }
 }
 
+/// Whether the journal in `file` names the image file `id` (device and
+/// inode in its header, which must be a journal's).
+pub(crate) fn names_file(file: &File, id: (u64, u64)) -> bool {
+    let mut h = [0u8; 64];
+    file.read_exact_at(&mut h, 0).is_ok()
+        && &h[0..8] == MAGIC
+        && (be64(&h[40..48]), be64(&h[48..56])) == id
+}
+
 /// What a journal left by a dead writer holds: the metadata writes the
 /// image does not hold yet, in the order they were made.
 #[derive(Debug, Default)]

@@ -78,12 +78,11 @@ impl Active {
             header.features.incompatible = clean;
         }
         // The unpublished bit is about the file, not its content: kept
-        // while a temporary file is filled (a merge's), cleared anywhere
-        // else (a crash after a publish's rename left it).
+        // while this process fills a temporary file it made (a merge's),
+        // cleared anywhere else (a crash after a publish's rename left
+        // it), whatever the image's name.
         let known = match &place {
-            Some(p) if crate::sidefile::is_temporary_name(p.name()) => {
-                KNOWN_AUTOCLEAR | AUTOCLEAR_UNPUBLISHED
-            }
+            Some(p) if p.is_unpublished() => KNOWN_AUTOCLEAR | AUTOCLEAR_UNPUBLISHED,
             _ => KNOWN_AUTOCLEAR,
         };
         let unknown_autoclear = header.features.autoclear & !known;
@@ -265,6 +264,6 @@ pub(crate) fn end_journal(place: &ImagePlace, storage: &dyn Storage) -> Result<(
         let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
         write_word(storage, field::AUTOCLEAR_FEATURES, kept)?;
     }
-    crate::sidefile::remove_journal(place.dir(), &place.journal())?;
+    crate::sidefile::remove_journal(place.dir(), &place.journal(), storage.file_id())?;
     Ok(())
 }

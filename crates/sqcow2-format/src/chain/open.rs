@@ -191,17 +191,23 @@ fn repair_left_open(
         path,
     )
     .map_err(e)?;
-    let place = match root {
-        Some(root) => {
-            let parent = path.parent().unwrap_or(Path::new(""));
-            let name = crate::sidefile::dir::file_name(path).map_err(e)?;
-            let real_parent = std::fs::canonicalize(parent).map_err(e)?;
-            let dir =
-                crate::sidefile::Dir::beneath(root.dir(), root.path(), &real_parent).map_err(e)?;
-            ImagePlace::new(Arc::new(dir), name.to_os_string())
-        }
-        None => ImagePlace::of(path).map_err(e)?,
-    };
+    // Its journal is looked for beside the file opened (its real
+    // location, read from the descriptor; inside the root when one is
+    // set), never beside a name that points there (a journal put beside a
+    // symlink is nobody's), and only if that name still holds the file.
+    let real = real_path(opened).map_err(e)?;
+    let real_parent = real.parent().unwrap_or(Path::new("/"));
+    let name = crate::sidefile::dir::file_name(&real).map_err(e)?;
+    let dir = match root {
+        Some(root) => crate::sidefile::Dir::beneath(root.dir(), root.path(), real_parent),
+        None => crate::sidefile::Dir::open(real_parent),
+    }
+    .map_err(e)?;
+    let here = dir.entry(name).map_err(e)?.map(|entry| entry.id);
+    if here.is_none() || here != crate::sidefile::file_id(opened).ok() {
+        return Err(Error::new(path, ErrorKind::FileReplaced));
+    }
+    let place = ImagePlace::new(Arc::new(dir), name.to_os_string());
     let locking = match locking {
         Locking::Off => Locking::Off,
         Locking::Auto | Locking::On => Locking::On,

@@ -212,41 +212,28 @@ impl Dir {
     }
 
     /// Opens the regular file `name` (never through a symlink; a FIFO, a
-    /// socket, a device or a directory is refused without waiting on it).
+    /// socket, a device or a directory is refused without being opened).
     pub(crate) fn open_file(&self, name: &OsStr, write: bool) -> io::Result<File> {
-        refuse_special(rustix::fs::statat(
+        let path = rustix::fs::openat(
             &self.fd,
             name,
-            AtFlags::SYMLINK_NOFOLLOW,
-        ))?;
-        let access = if write { OFlags::RDWR } else { OFlags::RDONLY };
-        let fd = rustix::fs::openat(&self.fd, name, file_flags() | access, Mode::empty())?;
-        blocking_regular(fd)
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        open_regular(path, write)
     }
 
     /// Opens the image `name` (a symlink at the name followed: the
-    /// caller named it), refused unless a regular file, never waiting on a
-    /// FIFO.
+    /// caller named it), refused unless a regular file, which is the only
+    /// kind of file ever opened.
     pub(crate) fn open_image(&self, name: &OsStr, write: bool) -> io::Result<File> {
-        // Looked at first: a device is not even opened.
-        refuse_special(rustix::fs::statat(&self.fd, name, AtFlags::empty()))?;
-        let base = OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-        let fd = if write {
-            rustix::fs::openat(&self.fd, name, base | OFlags::RDWR, Mode::empty())?
-        } else {
-            match rustix::fs::openat(
-                &self.fd,
-                name,
-                base | OFlags::RDONLY | OFlags::NOATIME,
-                Mode::empty(),
-            ) {
-                Err(rustix::io::Errno::PERM) => {
-                    rustix::fs::openat(&self.fd, name, base | OFlags::RDONLY, Mode::empty())?
-                }
-                other => other?,
-            }
-        };
-        blocking_regular(fd)
+        let path = rustix::fs::openat(
+            &self.fd,
+            name,
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        open_regular(path, write)
     }
 
     /// Renames `from` to `to` unless something is at `to` (then fails with
@@ -358,33 +345,8 @@ fn open_beneath(dir: &OwnedFd, rel: &Path, flags: OFlags) -> io::Result<OwnedFd>
 /// Opens the file `rel` (a path relative to `dir`, all of whose components
 /// are real directories) for reading, as [`Dir::open_file`] opens a name.
 pub(crate) fn open_file_beneath(dir: &Dir, rel: &Path) -> io::Result<File> {
-    refuse_special(rustix::fs::statat(&dir.fd, rel, AtFlags::SYMLINK_NOFOLLOW))?;
-    let fd = open_beneath(
-        &dir.fd,
-        rel,
-        file_flags() | OFlags::RDONLY | OFlags::NOATIME,
-    )
-    .or_else(|e| match e.raw_os_error() {
-        // O_NOATIME: the file's owner and root only.
-        Some(libc::EPERM) => open_beneath(&dir.fd, rel, file_flags() | OFlags::RDONLY),
-        _ => Err(e),
-    })?;
-    blocking_regular(fd)
-}
-
-/// Refuses, from a `stat` taken before the open, anything but a regular
-/// file: a device or a FIFO is then never opened at all (the descriptor
-/// is checked again after the open: the name may change in between).
-/// A missing name passes (the open reports it).
-fn refuse_special(st: rustix::io::Result<rustix::fs::Stat>) -> io::Result<()> {
-    match st {
-        Ok(st) if EntryKind::of(st.st_mode) == EntryKind::Regular => Ok(()),
-        Ok(st) if EntryKind::of(st.st_mode) == EntryKind::Symlink => {
-            Err(rustix::io::Errno::LOOP.into())
-        }
-        Ok(st) => Err(not_regular(EntryKind::of(st.st_mode))),
-        Err(_) => Ok(()),
-    }
+    let path = open_beneath(&dir.fd, rel, OFlags::PATH | OFlags::CLOEXEC)?;
+    open_regular(path, false)
 }
 
 /// Opens for reading the file at `path`, a canonical path (its real
@@ -392,23 +354,59 @@ fn refuse_special(st: rustix::io::Result<rustix::fs::Stat>) -> io::Result<()> {
 /// on the way (`openat2`, `RESOLVE_NO_SYMLINKS`): a directory swapped
 /// for a symlink since fails the open.
 pub(crate) fn open_resolved(path: &Path) -> io::Result<File> {
-    refuse_special(rustix::fs::stat(path))?;
     let resolve = ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let fd = match rustix::fs::openat2(
-        rustix::fs::CWD,
-        path,
-        flags | OFlags::NOATIME,
-        Mode::empty(),
-        resolve,
-    ) {
-        Err(rustix::io::Errno::PERM) => {
-            rustix::fs::openat2(rustix::fs::CWD, path, flags, Mode::empty(), resolve)?
-        }
+    let flags = OFlags::PATH | OFlags::CLOEXEC;
+    let fd = match rustix::fs::openat2(rustix::fs::CWD, path, flags, Mode::empty(), resolve) {
         Err(rustix::io::Errno::NOSYS) => return open_image_file(path, false),
         other => other?,
     };
-    blocking_regular(fd)
+    open_regular(fd, false)
+}
+
+/// Opens the file an `O_PATH` descriptor refers to, for reading
+/// (`O_NOATIME` where allowed: reading a backing layer is not using it)
+/// or reading and writing, if it is a regular file. The `O_PATH` open
+/// touched nothing (a FIFO's or a device's open does not run), and the
+/// file is opened through `/proc/self/fd` (the same file: no name is
+/// resolved again), so anything but a regular file is never opened, even
+/// if its name is swapped meanwhile.
+pub(crate) fn open_regular(path: OwnedFd, write: bool) -> io::Result<File> {
+    let st = rustix::fs::fstat(&path)?;
+    let kind = EntryKind::of(st.st_mode);
+    if kind == EntryKind::Symlink {
+        return Err(rustix::io::Errno::LOOP.into());
+    }
+    if kind != EntryKind::Regular {
+        return Err(not_regular(kind));
+    }
+    open_through(&path, write)
+}
+
+/// Opens the file of the `O_PATH` descriptor `path` through
+/// `/proc/self/fd`, checked to be the same file.
+fn open_through(path: &OwnedFd, write: bool) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let link = format!("/proc/self/fd/{}", path.as_raw_fd());
+    let base = OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = if write {
+        rustix::fs::open(&link, base | OFlags::RDWR, Mode::empty())?
+    } else {
+        match rustix::fs::open(
+            &link,
+            base | OFlags::RDONLY | OFlags::NOATIME,
+            Mode::empty(),
+        ) {
+            Err(rustix::io::Errno::PERM) => {
+                rustix::fs::open(&link, base | OFlags::RDONLY, Mode::empty())?
+            }
+            other => other?,
+        }
+    };
+    let (a, b) = (rustix::fs::fstat(path)?, rustix::fs::fstat(&fd)?);
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+        return Err(io::Error::other("the file changed while it was opened"));
+    }
+    Ok(File::from(fd))
 }
 
 /// Refuses a descriptor that is not a regular file (opened without
@@ -432,50 +430,48 @@ pub(crate) fn not_regular(kind: EntryKind) -> io::Error {
     )
 }
 
-/// Opens the image file at `path` (as named) without waiting on a FIFO
-/// or taking a terminal, and refuses anything but a regular file: for
-/// reading (`O_NOATIME` where allowed) or for reading and writing.
+/// Opens the image file at `path` (as named: symlinks followed), for
+/// reading (`O_NOATIME` where allowed) or for reading and writing;
+/// anything but a regular file is refused without being opened.
 pub(crate) fn open_image_file(path: &Path, write: bool) -> io::Result<File> {
-    refuse_special(rustix::fs::stat(path))?;
-    let base = OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let fd = if write {
-        rustix::fs::open(path, base | OFlags::RDWR, Mode::empty())?
-    } else {
-        match rustix::fs::open(path, base | OFlags::RDONLY | OFlags::NOATIME, Mode::empty()) {
-            Err(rustix::io::Errno::PERM) => {
-                rustix::fs::open(path, base | OFlags::RDONLY, Mode::empty())?
-            }
-            other => other?,
-        }
-    };
-    blocking_regular(fd)
+    let fd = rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty())?;
+    open_regular(fd, write)
 }
 
-/// Opens (or creates) the file at `path` for writing a whole image into
-/// (a conversion's output, named by the caller: a symlink at the name is
-/// followed, as `qemu-img convert` follows it), not truncated, without
-/// waiting on a FIFO: a regular file or a block device; anything else is
-/// refused.
-pub(crate) fn open_output_file(path: &Path) -> io::Result<File> {
-    if let Ok(st) = rustix::fs::stat(path) {
-        match FileType::from_raw_mode(st.st_mode) {
-            FileType::RegularFile | FileType::BlockDevice => {}
-            _ => return Err(not_regular(EntryKind::of(st.st_mode))),
+/// Opens (or creates) the file at `path` to write a whole image into (a
+/// conversion's output or a new image, named by the caller: a symlink at
+/// the name is followed, as `qemu-img` follows it), not truncated: a
+/// regular file, or a block device where `block` allows; anything else
+/// is refused without being opened.
+pub(crate) fn open_output_file(path: &Path, block: bool) -> io::Result<File> {
+    // (A dangling symlink at the name is never created through: after a
+    // few rounds it is reported as the name taken.)
+    for _ in 0..3 {
+        match rustix::fs::open(path, OFlags::PATH | OFlags::CLOEXEC, Mode::empty()) {
+            Ok(fd) => {
+                let st = rustix::fs::fstat(&fd)?;
+                return match FileType::from_raw_mode(st.st_mode) {
+                    FileType::RegularFile => open_through(&fd, true),
+                    FileType::BlockDevice if block => open_through(&fd, true),
+                    _ => Err(not_regular(EntryKind::of(st.st_mode))),
+                };
+            }
+            Err(rustix::io::Errno::NOENT) => {
+                match rustix::fs::open(
+                    path,
+                    OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o666),
+                ) {
+                    Ok(fd) => return Ok(File::from(fd)),
+                    // Made meanwhile: looked at again.
+                    Err(rustix::io::Errno::EXIST) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(e) => return Err(e.into()),
         }
     }
-    let fd = rustix::fs::open(
-        path,
-        OFlags::RDWR | OFlags::CREATE | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
-        Mode::from_raw_mode(0o666),
-    )?;
-    let st = rustix::fs::fstat(&fd)?;
-    match FileType::from_raw_mode(st.st_mode) {
-        FileType::RegularFile | FileType::BlockDevice => {}
-        _ => return Err(not_regular(EntryKind::of(st.st_mode))),
-    }
-    let flags = rustix::fs::fcntl_getfl(&fd)?;
-    rustix::fs::fcntl_setfl(&fd, flags - OFlags::NONBLOCK)?;
-    Ok(File::from(fd))
+    Err(rustix::io::Errno::EXIST.into())
 }
 
 /// Whether the descriptor allows `fd`'s file to be looked at (for tests).

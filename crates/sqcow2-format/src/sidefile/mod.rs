@@ -91,21 +91,37 @@ pub(crate) fn index_temporary_name(index: &OsStr) -> OsString {
 pub(crate) struct ImagePlace {
     dir: Arc<Dir>,
     name: OsString,
+    /// A new image this process is making (its temporary file, marked
+    /// unpublished in its header), not an image yet.
+    unpublished: bool,
 }
 
 impl ImagePlace {
-    /// The place of the image at `path` (its directory as named).
+    /// The place of the image at `path`: its directory as named, or, where
+    /// the name is a symlink, the place of the file it names (where any
+    /// writer of that file keeps its side files, whatever name it was
+    /// opened by).
     pub(crate) fn of(path: &Path) -> io::Result<ImagePlace> {
-        let (dir, name) = Dir::of_file(path)?;
+        let (dir, name) = Dir::of_file(&side_files_path(path)?)?;
         Ok(ImagePlace {
             dir: Arc::new(dir),
             name,
+            unpublished: false,
         })
     }
 
     /// The image `name` in `dir`.
     pub(crate) fn new(dir: Arc<Dir>, name: OsString) -> ImagePlace {
-        ImagePlace { dir, name }
+        ImagePlace {
+            dir,
+            name,
+            unpublished: false,
+        }
+    }
+
+    /// Whether it is a new image's temporary file this process makes.
+    pub(crate) fn is_unpublished(&self) -> bool {
+        self.unpublished
     }
 
     /// Its directory.
@@ -132,6 +148,15 @@ impl ImagePlace {
     /// followed, as QEMU follows it), refused unless a regular file.
     pub(crate) fn open_image(&self, write: bool) -> io::Result<File> {
         self.dir.open_image(&self.name, write)
+    }
+}
+
+/// Where the side files of the image named `path` are named from: `path`,
+/// or where its last component is a symlink, the file it names (resolved).
+pub(crate) fn side_files_path(path: &Path) -> io::Result<PathBuf> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path),
+        _ => Ok(path.to_path_buf()),
     }
 }
 
@@ -397,6 +422,15 @@ pub(crate) fn make_way_for_image(dir: &Dir, image: &OsStr, layers: &[FileId]) ->
             )),
         ));
     }
+    if is_temporary_name(image) {
+        return Err(collision(
+            dir,
+            image,
+            image,
+            Role::Image,
+            &format!("a name sqcow2 keeps for files being made (`*{TEMPORARY_SUFFIX}`)"),
+        ));
+    }
     let index = index_name(image);
     let taken = [
         (image.to_os_string(), Role::Image),
@@ -453,7 +487,8 @@ pub(crate) fn make_way_for_image(dir: &Dir, image: &OsStr, layers: &[FileId]) ->
 /// temporary images (`*.sqtmp.sqjournal`, a journal's magic) whose image
 /// is gone or is itself a leftover. Nothing else is touched. Returns the
 /// paths removed.
-pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+/// `keep`: files never removed (the chain a caller serves).
+pub fn remove_leftovers(dir: &Path, keep: &[(u64, u64)]) -> Result<Vec<PathBuf>, Error> {
     let dir = Dir::open(dir).map_err(|e| Error::new(dir, e.into()))?;
     let names = dir.names().map_err(|e| Error::new(dir.path(), e.into()))?;
     let mut removed = Vec::new();
@@ -474,7 +509,7 @@ pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>, Error> {
         } else {
             continue;
         };
-        if let Ok(Found::Own(file, id)) = look(&dir, name, name, role, &[]) {
+        if let Ok(Found::Own(file, id)) = look(&dir, name, name, role, keep) {
             held.push((name.clone(), file, id));
         }
     }
@@ -491,7 +526,7 @@ pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>, Error> {
         if !dead {
             continue;
         }
-        if let Ok(Found::Own(_file, id)) = look(&dir, name, tmp, Role::TemporaryJournal, &[]) {
+        if let Ok(Found::Own(_file, id)) = look(&dir, name, tmp, Role::TemporaryJournal, keep) {
             remove(name, id);
         }
     }
@@ -604,9 +639,12 @@ impl NewImage {
         self.dir.join(&self.tmp)
     }
 
-    /// Where the temporary file is.
+    /// Where the temporary file is (an unpublished image's place).
     pub(crate) fn tmp_place(&self) -> ImagePlace {
-        ImagePlace::new(self.dir.clone(), self.tmp.clone())
+        ImagePlace {
+            unpublished: true,
+            ..ImagePlace::new(self.dir.clone(), self.tmp.clone())
+        }
     }
 
     /// The image's own path.
@@ -888,11 +926,14 @@ pub(crate) fn read_journal_file(dir: &Dir, name: &OsStr) -> io::Result<Option<Fi
     }
 }
 
-/// Removes the journal `name` if it is sqcow2's own (its magic) and still
-/// the file read.
-pub(crate) fn remove_journal(dir: &Dir, name: &OsStr) -> io::Result<()> {
+/// Removes the journal `name` if it is sqcow2's own (its magic), the
+/// journal of the image `image` (its header names that file: a journal of
+/// another file at that name, a live one of another image, stays) and
+/// still the file read.
+pub(crate) fn remove_journal(dir: &Dir, name: &OsStr, image: Option<FileId>) -> io::Result<()> {
     if let Some(file) = read_journal_file(dir, name)? {
-        if Content::Journal.is_in(&file) {
+        let of_image = image.is_none_or(|id| crate::active::journal::names_file(&file, id));
+        if Content::Journal.is_in(&file) && of_image {
             dir.remove(name, file_id(&file)?)?;
         }
     }
@@ -1019,7 +1060,7 @@ mod tests {
             b"SQJOURNL"
         )
         .is_err());
-        remove_journal(&dir, OsStr::new("x.sqjournal")).unwrap();
+        remove_journal(&dir, OsStr::new("x.sqjournal"), None).unwrap();
         assert_eq!(
             std::fs::read(tmp.path().join("x.sqjournal")).unwrap(),
             b"QFI\xfb"
