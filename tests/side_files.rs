@@ -1656,3 +1656,126 @@ fn gen_chain_never_overwrites_a_file() {
     );
     assert_eq!(std::fs::read(d.join("layer0000.qcow2")).unwrap(), b"mine");
 }
+
+/// Counts the opens (inotify `IN_OPEN`) of anything in `dir` until `done`.
+fn count_opens(
+    dir: &Path,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: inotify_init1 takes flags only; the descriptor is ours.
+    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+    assert!(fd >= 0);
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid descriptor and a NUL-terminated path.
+    assert!(unsafe { libc::inotify_add_watch(fd, c.as_ptr(), libc::IN_OPEN) } >= 0);
+    std::thread::spawn(move || {
+        let mut opens = 0;
+        let mut buf = [0u8; 4096];
+        loop {
+            let last = done.load(std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: reads into a buffer this function owns.
+            let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+            let mut i = 0usize;
+            while n > 0 && i + 16 <= n as usize {
+                let len = u32::from_ne_bytes(buf[i + 12..i + 16].try_into().unwrap()) as usize;
+                opens += 1;
+                i += 16 + len;
+            }
+            if last && n <= 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: our descriptor, closed once.
+        unsafe { libc::close(fd) };
+        opens
+    })
+}
+
+/// The served top's name swapped for a symlink to a copy outside the
+/// backing root (with an index beside it), then a live merge and an
+/// inactivation and activation, which reopen the chain: nothing outside
+/// the root is opened, not even to read (before: the index beside the
+/// copy was opened and checked).
+#[test]
+fn a_reopened_chain_opens_nothing_outside_the_root() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let vm = root.join("vm");
+    let top = common::gen_chain(&vm, 4, "64M", "0.3");
+    for name in ["layer0003.qcow2", "layer0003.qcow2.sqidx"] {
+        std::fs::copy(vm.join(name), outside.path().join(name)).unwrap();
+    }
+    let ctl = root.join("control.sock");
+    let mut daemon = Daemon::start(
+        root,
+        &top,
+        &["--control", s(&ctl), "--backing-root", s(root)],
+    );
+    let aside = vm.join("swap");
+    std::os::unix::fs::symlink(outside.path().join("layer0003.qcow2"), &aside).unwrap();
+    std::fs::rename(&aside, &top).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opens = count_opens(outside.path(), done.clone());
+    let r = control(
+        &ctl,
+        json!({"command": "merge", "first": 0, "last": 1, "path": vm.join("m.qcow2")}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    merge_end(&ctl);
+    for command in ["inactivate", "activate"] {
+        let r = control(&ctl, json!({"command": command}));
+        assert_eq!(r["ok"], true, "{command}: {r}");
+    }
+    daemon.stop();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        opens.join().unwrap(),
+        0,
+        "files outside the root were opened:\n{}",
+        daemon.log()
+    );
+}
+
+/// `upgrade` of a top named through a symlink (`links/a -> ../store/l.qcow2`,
+/// QEMU-style) names the index after the file (`store/l.qcow2.sqidx`,
+/// beside it), so that it is the image's own whichever name opens it:
+/// `upgrade` again rebuilds it (before: `store/a.sqidx`, then refused as
+/// "not the image's own" for good). `serve` refuses a top whose name
+/// points outside the backing root, creating nothing there.
+#[test]
+fn side_files_follow_the_file_not_the_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let store = d.join("store");
+    common::gen_chain(&store, 3, "64M", "0.3");
+    std::fs::create_dir(d.join("links")).unwrap();
+    // The backing names, relative to the name opened (as QEMU resolves
+    // them), reach the store through links too.
+    for l in ["layer0000.qcow2", "layer0001.qcow2"] {
+        std::os::unix::fs::symlink(format!("../store/{l}"), d.join("links").join(l)).unwrap();
+    }
+    std::os::unix::fs::symlink("../store/layer0002.qcow2", d.join("links/a")).unwrap();
+    for _ in 0..2 {
+        sqcow2(&["upgrade", s(&d.join("links/a"))]);
+        assert!(store.join("layer0002.qcow2.sqidx").exists());
+        assert!(!store.join("a.sqidx").exists() && !d.join("links/a.sqidx").exists());
+        let info = sqcow2(&["info", s(&d.join("links/a"))]);
+        assert!(info.contains("chain index: valid"), "{info}");
+    }
+    let before = state(&[&store]);
+    let root = d.join("links");
+    let (code, stderr) = run_sqcow2(&[
+        "serve",
+        "--socket",
+        s(&d.join("v.sock")),
+        "--backing-root",
+        s(&root),
+        s(&d.join("links/a")),
+    ]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("outside the backing root"), "{stderr}");
+    assert_eq!(before, state(&[&store]));
+}

@@ -97,6 +97,20 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
             _ => PathBuf::from("."),
         },
     };
+    // The top itself lies inside the root too (its side files are made
+    // beside its file): a top whose name points elsewhere is refused.
+    let real_top = std::fs::canonicalize(&args.image)
+        .with_context(|| format!("{}: cannot resolve", args.image.display()))?;
+    let real_root = std::fs::canonicalize(&backing_root)
+        .with_context(|| format!("{}: cannot resolve", backing_root.display()))?;
+    if !real_top.starts_with(&real_root) {
+        bail!(
+            "{}: lies outside the backing root {} (its file is {}): pass --backing-root",
+            args.image.display(),
+            real_root.display(),
+            real_top.display()
+        );
+    }
     let chain_options = ChainOptions {
         writable: !args.read_only,
         backing_root: Some(backing_root),

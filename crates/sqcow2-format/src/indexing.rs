@@ -222,7 +222,9 @@ pub fn upgrade(top: &Path, locking: Locking, progress: Progress) -> Result<Upgra
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default();
     refuse_corrupt_targets(&chain, upto, top_layer)?;
-    let name = index_file_name(top);
+    // Named after the file (a symlink at `top` resolved), as its other
+    // side files are.
+    let name = PathBuf::from(crate::sidefile::index_name(chain.top_place()?.name()));
     top_layer
         .storage()
         .lock(LockRequest::WRITER, locking)

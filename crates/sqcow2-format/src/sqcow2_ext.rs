@@ -122,15 +122,22 @@ pub const MAX_PENDING_LAYERS: usize = 64;
 /// its index, which covers the layers below that layer: the layers in
 /// between are walked (at most [`MAX_PENDING_LAYERS`]). No usable index
 /// is a warning unless `stale_expected` (the caller rebuilds it).
-pub fn open_index(
+/// Indexes are opened inside `root` when one is set (a daemon's backing
+/// root): beside each layer's file (its real location, read from the
+/// descriptor the chain opened), resolved and checked before they are
+/// opened, as backing files are.
+pub(crate) fn open_index(
     layers: &[Layer],
     stale_expected: bool,
+    root: Option<&Path>,
 ) -> (Option<(ChainIndex, usize)>, IndexState) {
+    let root = root.and_then(|r| crate::backing::BackingRoot::open(r).ok());
+    let root = root.as_ref();
     let top = layers.len() - 1;
     let Some(path) = named_index(&layers[top]) else {
         return (None, IndexState::None);
     };
-    let reason = match open_index_of(layers, top) {
+    let reason = match open_index_of(layers, top, root) {
         Ok(index) => {
             let state = valid_state(&path, &index, top);
             return (Some((index, top - 1)), state);
@@ -141,7 +148,7 @@ pub fn open_index(
         let Some(lower) = named_index(&layers[owner]) else {
             continue;
         };
-        if let Ok(index) = open_index_of(layers, owner) {
+        if let Ok(index) = open_index_of(layers, owner, root) {
             tracing::info!(
                 index = %path.display(), %reason, lent_by = %lower.display(),
                 pending = top - owner,
@@ -197,7 +204,11 @@ fn valid_state(path: &Path, index: &ChainIndex, top: usize) -> IndexState {
 
 /// Opens the index that layer `owner` names, which must cover exactly the
 /// layers below it as they are now.
-fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
+fn open_index_of(
+    layers: &[Layer],
+    owner: usize,
+    root: Option<&crate::backing::BackingRoot>,
+) -> Result<ChainIndex, Stale> {
     let Some(path) = named_index(&layers[owner]) else {
         return Err(Stale::NotIndexed);
     };
@@ -216,9 +227,16 @@ fn open_index_of(layers: &[Layer], owner: usize) -> Result<ChainIndex, Stale> {
             actual: 0,
         });
     }
-    let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(
-        crate::sidefile::open_side_file(&path).map_err(|e| Stale::from_open_error(&e))?,
-    ));
+    let file = match root {
+        Some(root) => root.open_file(&path).map_err(|r| match r {
+            crate::backing::RootRefusal::Io(e) => Stale::from_open_error(&e),
+            crate::backing::RootRefusal::Outside(real) => {
+                Stale::Missing(format!("{} lies outside the backing root", real.display()))
+            }
+        })?,
+        None => crate::sidefile::open_side_file(&path).map_err(|e| Stale::from_open_error(&e))?,
+    };
+    let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(file));
     let index = ChainIndex::open(&path, storage)?;
     let upto = owner - 1;
     let top_name = layers[owner]

@@ -455,7 +455,11 @@ impl Chain {
         };
         let (layers, files) = open_layers(path, top_place.as_ref(), expect_top, options, reuse)?;
         let (index, index_state) = if options.use_index {
-            open_index(&layers, options.stale_index_expected)
+            open_index(
+                &layers,
+                options.stale_index_expected,
+                options.backing_root.as_deref(),
+            )
         } else {
             (None, IndexState::Disabled)
         };
