@@ -224,21 +224,9 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
         daemon.stop_with(libc::SIGKILL);
         // Restart: the old chain or the new one, nothing else; what the
         // killed merge left under temporary names (recognised by their
-        // headers) removed at the start.
+        // headers) removed at the start (checked once this daemon has
+        // stopped: its own index build makes a temporary file meanwhile).
         let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-        let leftovers: Vec<String> = std::fs::read_dir(tmp.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| {
-                n.ends_with(".sqtmp")
-                    || n.ends_with(".sqtmp.sqjournal")
-                    || n.ends_with(".sqidx.tmp")
-            })
-            .collect();
-        assert!(
-            leftovers.is_empty(),
-            "round {round}: left after the restart: {leftovers:?}"
-        );
         cleaned += daemon
             .log()
             .matches("removed what a killed operation left")
@@ -261,6 +249,19 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
         reference.verify_through(&mut client, &format!("round {round}, after the kill"));
         drop(client);
         daemon.stop();
+        let leftovers: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| {
+                n.ends_with(".sqtmp")
+                    || n.ends_with(".sqtmp.sqjournal")
+                    || n.ends_with(".sqidx.tmp")
+            })
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "round {round}: left after the restart: {leftovers:?}"
+        );
     }
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     wait_indexed(&ctl);

@@ -849,8 +849,10 @@ fn live_operations_touch_only_what_they_create() {
 /// Live snapshots into a subdirectory of the backing root while another
 /// thread swaps that subdirectory for a symlink to a directory outside
 /// the root, back and forth: each snapshot is made inside the root or
-/// refused, nothing is ever created outside it (before: temporary files
-/// and indexes appeared there), and every acknowledged write reads back.
+/// refused, nothing is ever created, changed or even opened outside it
+/// (before: temporary files and indexes appeared there; later, an index
+/// just built was reopened by its path and a decoy outside opened), and
+/// every acknowledged write reads back.
 #[test]
 fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -871,6 +873,20 @@ fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
         &["--control", s(&ctl), "--backing-root", s(root)],
     );
     let mut client = connect_retry(&daemon, 1, false);
+    // Decoys outside where the new tops' side files would be reached
+    // through the symlink: never opened, never changed.
+    for i in 0..60 {
+        let mut decoy = b"SQC2INDX".to_vec();
+        decoy.extend_from_slice(&[0u8; 4088]);
+        std::fs::write(
+            outside.path().join(format!("snap{i:03}.qcow2.sqidx")),
+            decoy,
+        )
+        .unwrap();
+    }
+    let decoys = state(&[outside.path()]);
+    let watching = Arc::new(AtomicBool::new(false));
+    let opens = count_opens(outside.path(), watching.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let swapper = {
         let (sub, outside, stop) = (sub.clone(), outside.path().to_path_buf(), stop.clone());
@@ -902,10 +918,22 @@ fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
         }
         write_blocks(&mut client, &mut reference, i, 4);
     }
+    // (The index builds after the last snapshots.)
+    std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
     let swaps = swapper.join().unwrap();
-    let escaped: Vec<_> = std::fs::read_dir(outside.path()).unwrap().collect();
-    assert!(escaped.is_empty(), "created outside the root: {escaped:?}");
+    watching.store(true, Ordering::Relaxed);
+    // (Counted before this test reads them itself.)
+    assert_eq!(
+        opens.join().unwrap(),
+        0,
+        "files outside the root were opened"
+    );
+    assert_eq!(
+        decoys,
+        state(&[outside.path()]),
+        "created or changed outside the root"
+    );
     reference.verify_through(&mut client, "after the swaps");
     drop(client);
     let info = control(&ctl, json!({"command": "info"}));
@@ -914,7 +942,7 @@ fn swapping_a_directory_for_a_symlink_never_redirects_a_create() {
     eprintln!("{made} snapshots made, {refused} refused, {swaps} swaps");
     assert!(made > 0, "no snapshot was made");
     reference.verify_for_qemu(&top, scratch.path());
-    assert!(std::fs::read_dir(outside.path()).unwrap().next().is_none());
+    assert_eq!(decoys, state(&[outside.path()]));
 }
 
 /// Waits for the live merge to end; its final state.
@@ -1778,4 +1806,118 @@ fn side_files_follow_the_file_not_the_name() {
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("outside the backing root"), "{stderr}");
     assert_eq!(before, state(&[&store]));
+}
+
+/// `serve` started again and again while another local user swaps the
+/// top's name with a symlink to an image outside the backing root: each
+/// start serves the image inside or is refused; the image outside is
+/// never opened (before: the name was checked, then opened again, and the
+/// daemon served, and wrote, the image outside).
+#[test]
+fn a_top_swapped_at_start_is_never_served_from_outside() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let top = root.join("top.qcow2");
+    create(&top, "16M");
+    let victim = victim_image(outside.path());
+    let before = state(&[outside.path()]);
+    let link = root.join("link");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let watching = Arc::new(AtomicBool::new(false));
+    let opens = count_opens(outside.path(), watching.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let flipper = {
+        let (top, link, stop) = (top.clone(), link.clone(), stop.clone());
+        std::thread::spawn(move || {
+            use std::os::unix::ffi::OsStrExt;
+            let a = std::ffi::CString::new(top.as_os_str().as_bytes()).unwrap();
+            let b = std::ffi::CString::new(link.as_os_str().as_bytes()).unwrap();
+            let mut flips = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                // SAFETY: two NUL-terminated paths this thread owns.
+                let r = unsafe {
+                    libc::renameat2(
+                        libc::AT_FDCWD,
+                        a.as_ptr(),
+                        libc::AT_FDCWD,
+                        b.as_ptr(),
+                        libc::RENAME_EXCHANGE,
+                    )
+                };
+                flips += u64::from(r == 0);
+            }
+            flips
+        })
+    };
+    let (mut served, mut refused) = (0, 0);
+    for _ in 0..20 {
+        let sock = root.join("v.sock");
+        let mut child = Command::new(sqcow2_bin())
+            .args(["serve", "--socket", s(&sock), s(&top)])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                refused += 1;
+                break;
+            }
+            if sock.exists() || Instant::now() > deadline {
+                served += 1;
+                // SAFETY: kill(2) on our own child.
+                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                child.wait().unwrap();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let flips = flipper.join().unwrap();
+    watching.store(true, Ordering::Relaxed);
+    eprintln!("{served} starts served, {refused} refused, {flips} flips");
+    assert_eq!(opens.join().unwrap(), 0, "the image outside was opened");
+    assert_eq!(
+        before,
+        state(&[outside.path()]),
+        "the image outside was written"
+    );
+}
+
+/// `serve` of a top named through a symlink in another directory (inside
+/// the root only by its file): the start-up sweep runs beside the file,
+/// never in the directory of the name (before: a file there that was not
+/// sqcow2's was opened for writing, and a leftover there removed, both
+/// outside the root); a leftover beside the file is removed.
+#[test]
+fn the_start_up_sweep_runs_beside_the_served_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let (ops, real) = (w.join("ops"), w.join("root/t"));
+    std::fs::create_dir_all(&ops).unwrap();
+    std::fs::create_dir_all(&real).unwrap();
+    create(&real.join("vm.qcow2"), "16M");
+    std::os::unix::fs::symlink("../root/t/vm.qcow2", ops.join("vm.qcow2")).unwrap();
+    // A leftover of sqcow2's (an image marked unpublished, nobody making
+    // it) in each directory, and another program's file in the name's.
+    for dir in [&ops, &real] {
+        let leftover = dir.join("other.qcow2.sqtmp");
+        create(&leftover, "1M");
+        set_autoclear(&leftover, 1 << 61);
+    }
+    std::fs::write(ops.join("notes.sqtmp"), b"not sqcow2's").unwrap();
+    let before = state(&[&ops]);
+    let root = w.join("root");
+    let mut daemon = Daemon::start(&root, &ops.join("vm.qcow2"), &["--backing-root", s(&root)]);
+    daemon.stop();
+    assert_eq!(before, state(&[&ops]), "the name's directory was touched");
+    assert!(
+        !real.join("other.qcow2.sqtmp").exists(),
+        "the leftover beside the file stayed"
+    );
 }

@@ -131,18 +131,10 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     let chain = Chain::open(&args.image, &opened)?;
     if opened.writable {
         // What killed snapshots and merges left beside the top (their
-        // temporary files, recognised by their headers, no longer made
-        // by anyone): removed; nothing else is touched.
-        let dir = match args.image.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let served: Vec<_> = chain
-            .layers()
-            .iter()
-            .filter_map(|l| l.storage().file_id())
-            .collect();
-        if let Err(e) = sqcow2_format::remove_leftovers(&dir, &served) {
+        // temporary files, recognised by their headers, no longer made by
+        // anyone): removed, in the top's directory as the chain opened it
+        // (inside the backing root); nothing else is touched.
+        if let Err(e) = chain.remove_leftovers_beside_top() {
             tracing::warn!(error = %e, "could not look for what killed operations left");
         }
     }

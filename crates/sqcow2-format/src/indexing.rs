@@ -517,6 +517,9 @@ pub struct BuildReport {
     pub layers: usize,
     /// Its size in bytes.
     pub bytes: u64,
+    /// The file made (opened again through its directory, by identity).
+    #[serde(skip)]
+    pub(crate) file: Option<CreatedFile>,
 }
 
 /// Writes the index the top of `chain` names, covering every layer below
@@ -586,13 +589,15 @@ pub fn build_index(
         cancelled,
     )?;
     stop(&path)?;
-    let path = index.install()?.path();
-    chain.install_index(&path)?;
-    Ok(Some(BuildReport {
-        index: path,
+    let installed = index.install()?;
+    let report = BuildReport {
+        index: installed.path(),
         layers: upto.0 + 1,
         bytes,
-    }))
+        file: Some(installed),
+    };
+    chain.install_built(&report)?;
+    Ok(Some(report))
 }
 
 /// Result of comparing an index with a fresh walk of the chain.

@@ -70,7 +70,7 @@ pub use fence::TransferTicket;
 pub use header::{CompressionType, Header, Version};
 pub use layer::{Layer, Qcow2Layer, RawLayer};
 pub use lock::{LockRequest, Locking, Perms};
-pub use sidefile::{remove_leftovers, CreatedFile};
+pub use sidefile::CreatedFile;
 pub use size::{parse_size, SizeError};
 pub use snapshot::{describe_snapshots, SnapshotInfo};
 pub use sqcow2_ext::IndexState;

@@ -181,10 +181,18 @@ pub(crate) fn open_index(
 /// that is not one path component is refused when the index is opened).
 fn named_index(layer: &Layer) -> Option<PathBuf> {
     let name = layer.header().and_then(index_name)?;
-    // Beside the file (a symlink at the layer's name resolved), where its
-    // writer made it.
-    let at = crate::sidefile::side_files_path(layer.path())
-        .unwrap_or_else(|_| layer.path().to_path_buf());
+    // Beside the file the chain opened (its real location, read from its
+    // descriptor: no name resolved again), where its writer made it.
+    let at = layer
+        .storage()
+        .pinned_file()
+        .ok()
+        .flatten()
+        .and_then(|p| crate::storage::real_path(&p.file).ok())
+        .unwrap_or_else(|| {
+            crate::sidefile::side_files_path(layer.path())
+                .unwrap_or_else(|_| layer.path().to_path_buf())
+        });
     Some(match at.parent() {
         Some(dir) => dir.join(&name),
         None => name,

@@ -86,9 +86,33 @@ impl Chain {
     /// chain is open its image locks keep such writers away.
     pub fn install_index(&self, path: &Path) -> Result<Installed, Error> {
         let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
-        let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(
-            crate::sidefile::open_side_file(path).map_err(|e| stale(Stale::from_open_error(&e)))?,
-        ));
+        let file =
+            crate::sidefile::open_side_file(path).map_err(|e| stale(Stale::from_open_error(&e)))?;
+        self.install_index_file(path, file)
+    }
+
+    /// [`Chain::install_index`] of an index [`crate::indexing::build_index`]
+    /// just built: opened through the directory it was made in (no name
+    /// resolved again), and only if it is still the file made.
+    pub fn install_built(&self, report: &crate::indexing::BuildReport) -> Result<Installed, Error> {
+        let Some(made) = &report.file else {
+            return self.install_index(&report.index);
+        };
+        let path = &report.index;
+        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
+        let file = made
+            .dir()
+            .open_file(made.place().name(), false)
+            .map_err(|e| stale(Stale::from_open_error(&e)))?;
+        if crate::sidefile::file_id(&file).ok() != Some(made.id()) {
+            return Err(Error::new(path, ErrorKind::FileReplaced));
+        }
+        self.install_index_file(path, file)
+    }
+
+    fn install_index_file(&self, path: &Path, file: std::fs::File) -> Result<Installed, Error> {
+        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
+        let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(file));
         let index = ChainIndex::open(path, storage).map_err(stale)?;
         let covered = index.layers().len();
         let Some(upto) = covered.checked_sub(1) else {

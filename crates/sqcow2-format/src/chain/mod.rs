@@ -237,6 +237,19 @@ impl ChainOptions {
 }
 
 impl Chain {
+    /// Removes, in the top's directory (the one opened with the chain:
+    /// inside the backing root for a daemon), what killed operations
+    /// left there (temporary files recognised by their headers, no longer
+    /// made by anyone); never a file of this chain. The paths removed.
+    pub fn remove_leftovers_beside_top(&self) -> Result<Vec<std::path::PathBuf>, Error> {
+        let keep: Vec<_> = self
+            .layers
+            .iter()
+            .filter_map(|l| l.storage().file_id())
+            .collect();
+        crate::sidefile::remove_leftovers(self.top_place()?.dir(), &keep)
+    }
+
     /// Where the top is: its directory (opened once) and name (none for
     /// a top given as storage whose path names no directory).
     pub(crate) fn top_place(&self) -> Result<&crate::sidefile::ImagePlace, Error> {

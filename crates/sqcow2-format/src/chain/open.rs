@@ -446,7 +446,25 @@ impl Chain {
         }
         // The top's directory, opened once: the top is opened by name in
         // it, and its side files (journal, index) are made there.
-        let top_place = match place.map_or_else(|| ImagePlace::of(path), Ok) {
+        // With a backing root, the top lies inside it too: its directory
+        // opened from the root's descriptor (no symlink followed), the top
+        // opened by its own name there (a symlink swapped in is refused).
+        let find = || match &options.backing_root {
+            Some(root) => BackingRoot::open(root).and_then(|root| {
+                ImagePlace::beneath(&root, path).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::PermissionDenied {
+                        std::io::Error::new(
+                            e.kind(),
+                            format!("lies outside the backing root {}", root.path().display()),
+                        )
+                    } else {
+                        e
+                    }
+                })
+            }),
+            None => ImagePlace::of(path),
+        };
+        let top_place = match place.map_or_else(find, Ok) {
             Ok(place) => Some(place),
             // A top given as storage (tests) may name a directory that
             // does not exist: it has no side files then (no journal).

@@ -223,19 +223,6 @@ impl Dir {
         open_regular(path, write)
     }
 
-    /// Opens the image `name` (a symlink at the name followed: the
-    /// caller named it), refused unless a regular file, which is the only
-    /// kind of file ever opened.
-    pub(crate) fn open_image(&self, name: &OsStr, write: bool) -> io::Result<File> {
-        let path = rustix::fs::openat(
-            &self.fd,
-            name,
-            OFlags::PATH | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-        open_regular(path, write)
-    }
-
     /// Renames `from` to `to` unless something is at `to` (then fails with
     /// `AlreadyExists`, both left as they are).
     pub(crate) fn rename_new(&self, from: &OsStr, to: &OsStr) -> io::Result<()> {

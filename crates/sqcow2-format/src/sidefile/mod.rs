@@ -144,10 +144,26 @@ impl ImagePlace {
         journal_name(&self.name)
     }
 
-    /// Opens the image itself (as named: a symlink at its name is
-    /// followed, as QEMU follows it), refused unless a regular file.
+    /// Opens the image itself by its name in its directory (the file's
+    /// own name: a symlink at the name the caller gave was resolved when
+    /// the place was found, so a symlink here now is refused, never
+    /// followed), refused unless a regular file.
     pub(crate) fn open_image(&self, write: bool) -> io::Result<File> {
-        self.dir.open_image(&self.name, write)
+        self.dir.open_file(&self.name, write)
+    }
+
+    /// The place of the image at `path` inside `root` (a daemon's backing
+    /// root): its real directory opened from the root's descriptor, no
+    /// symlink followed; refused (`PermissionDenied`) outside it.
+    pub(crate) fn beneath(
+        root: &crate::backing::BackingRoot,
+        path: &Path,
+    ) -> io::Result<ImagePlace> {
+        let real = side_files_path(path)?;
+        let name = dir::file_name(&real)?.to_os_string();
+        let parent = real.parent().unwrap_or(Path::new(""));
+        let dir = Dir::beneath(root.dir(), root.path(), parent)?;
+        Ok(ImagePlace::new(Arc::new(dir), name))
     }
 }
 
@@ -488,8 +504,7 @@ pub(crate) fn make_way_for_image(dir: &Dir, image: &OsStr, layers: &[FileId]) ->
 /// is gone or is itself a leftover. Nothing else is touched. Returns the
 /// paths removed.
 /// `keep`: files never removed (the chain a caller serves).
-pub fn remove_leftovers(dir: &Path, keep: &[(u64, u64)]) -> Result<Vec<PathBuf>, Error> {
-    let dir = Dir::open(dir).map_err(|e| Error::new(dir, e.into()))?;
+pub(crate) fn remove_leftovers(dir: &Dir, keep: &[(u64, u64)]) -> Result<Vec<PathBuf>, Error> {
     let names = dir.names().map_err(|e| Error::new(dir.path(), e.into()))?;
     let mut removed = Vec::new();
     let mut remove = |name: &OsStr, id: FileId| {
@@ -509,7 +524,7 @@ pub fn remove_leftovers(dir: &Path, keep: &[(u64, u64)]) -> Result<Vec<PathBuf>,
         } else {
             continue;
         };
-        if let Ok(Found::Own(file, id)) = look(&dir, name, name, role, keep) {
+        if let Ok(Found::Own(file, id)) = look(dir, name, name, role, keep) {
             held.push((name.clone(), file, id));
         }
     }
@@ -526,7 +541,7 @@ pub fn remove_leftovers(dir: &Path, keep: &[(u64, u64)]) -> Result<Vec<PathBuf>,
         if !dead {
             continue;
         }
-        if let Ok(Found::Own(_file, id)) = look(&dir, name, tmp, Role::TemporaryJournal, keep) {
+        if let Ok(Found::Own(_file, id)) = look(dir, name, tmp, Role::TemporaryJournal, keep) {
             remove(name, id);
         }
     }

@@ -224,7 +224,7 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
         // pausing now replaces it, and the index goes to its successor.
         if !cancelled() {
             let served = handle.get();
-            if let Err(e) = served.install_index(&report.index) {
+            if let Err(e) = served.install_built(report) {
                 warn!(error = %e, "the index just built does not fit the chain served now");
             }
         }
