@@ -86,6 +86,15 @@ impl Chain {
         precise: bool,
     ) -> Result<Extent, Error> {
         let mut len = max;
+        // Starting at the index's own top layer (a copy-on-write's source,
+        // right below the top): the index answers at once.
+        if let (Some((ci, upto)), false) = (covering, precise) {
+            if index == upto {
+                if let Some(extent) = self.index_extent(ci, upto, start, len) {
+                    return Ok(extent);
+                }
+            }
+        }
         loop {
             let (status, n) = self.layer_status(index, start, len, precise)?;
             len = n;
