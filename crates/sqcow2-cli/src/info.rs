@@ -210,7 +210,16 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
             "chain index: stale ({}: {reason}); walking the chain, `sqcow2 upgrade` rebuilds it",
             path.display()
         )?,
-        Some(IndexState::None) => writeln!(out, "chain index: none (walk mode)")?,
+        Some(IndexState::None) => match info.chain_length {
+            Some(n) if n > 1 => writeln!(
+                out,
+                "chain index: none (walk mode: a lookup the top cannot answer reads up to {} \
+                 layers' tables; indexed, by `sqcow2 serve` in the background or `sqcow2 \
+                 upgrade` now, it reads at most 2 metadata slices whatever the length)",
+                n - 1
+            )?,
+            _ => writeln!(out, "chain index: none (a lone image: nothing to index)")?,
+        },
         Some(IndexState::Disabled) => writeln!(out, "chain index: not used (--walk)")?,
         None => {}
     }

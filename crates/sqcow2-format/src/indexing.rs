@@ -141,7 +141,7 @@ fn refuse_corrupt_targets(chain: &Chain, upto: usize, top: &Layer) -> Result<(),
 
 /// Sets the sQcow2 autoclear bit on layers `0..=upto` that lack it; each
 /// one written is locked as a writer first (an image another process
-/// reads or writes is not touched).
+/// reads or writes is not touched), then given back the locks it had.
 fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error> {
     for layer in layers_to_mark(chain, upto) {
         if let Some(header) = layer.header() {
@@ -150,20 +150,31 @@ fn mark_layers(chain: &Chain, upto: usize, locking: Locking) -> Result<(), Error
                 .refuse_if_marked_corrupt()
                 .map_err(|k| Error::new(layer.path(), k))?;
         }
+        let held = layer.storage().locks();
         layer
             .storage()
             .lock(LockRequest::WRITER, locking)
             .map_err(|k| Error::new(layer.path(), k))?;
-        let storage = reopen_writable(layer).map_err(|e| {
-            Error::new(
-                layer.path(),
-                ErrorKind::Io(std::io::Error::other(format!(
-                    "cannot mark the layer as indexed: {}",
-                    e.kind
-                ))),
-            )
-        })?;
-        set_autoclear_bit(&storage).map_err(io_err(layer.path()))?;
+        let marked = reopen_writable(layer)
+            .map_err(|e| {
+                Error::new(
+                    layer.path(),
+                    ErrorKind::Io(std::io::Error::other(format!(
+                        "cannot mark the layer as indexed: {}",
+                        e.kind
+                    ))),
+                )
+            })
+            .and_then(|storage| set_autoclear_bit(&storage).map_err(io_err(layer.path())));
+        // Back to the locks held before (a daemon goes on reading the
+        // layer and must not keep others from reading it).
+        if let Some(held) = held {
+            layer
+                .storage()
+                .lock(held, locking)
+                .map_err(|k| Error::new(layer.path(), k))?;
+        }
+        marked?;
     }
     Ok(())
 }
@@ -590,6 +601,85 @@ pub fn build_index(
     )?;
     stop(&path)?;
     let installed = index.install()?;
+    let report = BuildReport {
+        index: installed.path(),
+        layers: upto.0 + 1,
+        bytes,
+        file: Some(installed),
+    };
+    chain.install_built(&report)?;
+    Ok(Some(report))
+}
+
+/// Indexes in place the vanilla chain a daemon serves (`chain` open
+/// writable; its top names no index), as [`upgrade`] does offline, and
+/// installs the index into `chain`: the layers below the top gain the
+/// autoclear bit first, each locked as a writer for it with `locking`
+/// (a layer another process holds is refused before anything is written:
+/// an error names it, and the chain goes on walking), the index is written
+/// beside the top, then the top's header names it (under the writer's
+/// flush order). A crash at any moment leaves a chain QEMU and sqcow2
+/// read as before (an index the top does not name is an older index of
+/// sqcow2's, replaced by the next build). `None` when the top names an
+/// index already ([`build_index`] keeps it up to date) or there is
+/// nothing to index (a lone image, old tops of live snapshots still
+/// open). `cancelled` as for [`build_index`].
+pub fn index_in_place(
+    chain: &Chain,
+    locking: Locking,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Option<BuildReport>, Error> {
+    let top = chain.top();
+    let stop = |what: &Path| -> Result<(), Error> {
+        if cancelled() {
+            return Err(Error::new(what, ErrorKind::Io(cancel_error())));
+        }
+        Ok(())
+    };
+    stop(top.path())?;
+    let Some(header) = top.header() else {
+        return Ok(None);
+    };
+    if crate::sqcow2_ext::index_name(header).is_some() {
+        return Ok(None);
+    }
+    let Some(upto) = chain.indexable_layers() else {
+        return Ok(None);
+    };
+    if chain.index_covers() == Some(upto) {
+        return Ok(None);
+    }
+    let active = chain.active()?;
+    refuse_corrupt_targets(chain, upto.0, top)?;
+    let place = chain.top_place()?;
+    let name = PathBuf::from(crate::sidefile::index_name(place.name()));
+    let path = top.path().with_file_name(&name);
+    // Where the index goes, checked before anything is written.
+    let index = NewIndex::create(
+        place.dir().clone(),
+        name.as_os_str(),
+        place.name(),
+        &layer_ids(chain),
+    )?;
+    // The locks first: a layer another process holds stops the build
+    // before a slice is written.
+    mark_layers(chain, upto.0, locking)?;
+    let top_name = crate::chain::backing_name_of(top);
+    let (_, bytes) = write_index(
+        chain,
+        upto,
+        top.virtual_size(),
+        &top_name,
+        &index,
+        &mut |_, _| {},
+        cancelled,
+    )?;
+    stop(&path)?;
+    let installed = index.install()?;
+    active.rewrite_header_area(&crate::header_area::AreaEdit {
+        index: crate::header_area::Edit::Set(&name),
+        backing: crate::header_area::Edit::Keep,
+    })?;
     let report = BuildReport {
         index: installed.path(),
         layers: upto.0 + 1,

@@ -1,7 +1,10 @@
 //! Builds the served top's chain index in the background: after a live
-//! snapshot (the new top's index is not built inside the guest's pause)
-//! and at start (a daemon killed during a build left the old index
-//! serving). One thread at a time; a wake-up during a build runs another
+//! snapshot (the new top's index is not built inside the guest's pause),
+//! at start (a daemon killed during a build left the old index serving, a
+//! vanilla tool made the index stale) and for a chain QEMU made, which is
+//! indexed in place as `sqcow2 upgrade` would (where the image locks
+//! allow it; otherwise the chain is walked, and `stats` and `info` say
+//! why). One thread at a time; a wake-up during a build runs another
 //! build after it, for the chain served then (snapshots faster than
 //! builds merge into one build for the newest top).
 
@@ -10,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
-use sqcow2_format::indexing::build_index;
+use sqcow2_format::indexing::{build_index, index_in_place};
 use sqcow2_format::Locking;
 use tracing::{info, warn};
 
@@ -53,16 +56,20 @@ pub struct IndexBuilder {
     shared: Arc<Builder>,
     /// Whether the daemon uses indexes at all (`--walk`: never builds).
     enabled: bool,
+    /// The image locks the daemon takes, for the layers a build marks.
+    locking: Locking,
 }
 
 impl IndexBuilder {
     /// A builder for the chain `handle` serves (nothing runs until
-    /// [`IndexBuilder::wake`]); `enabled` false never builds.
-    pub fn new(handle: Arc<ChainHandle>, enabled: bool) -> Self {
+    /// [`IndexBuilder::wake`]); `enabled` false never builds; `locking`:
+    /// the daemon's image locks.
+    pub fn new(handle: Arc<ChainHandle>, enabled: bool, locking: Locking) -> Self {
         IndexBuilder {
             handle,
             shared: Arc::default(),
             enabled,
+            locking,
         }
     }
 
@@ -71,8 +78,8 @@ impl IndexBuilder {
     }
 
     /// Builds the served chain's index if it needs one (a writable chain
-    /// whose top names an index that does not cover every layer below
-    /// it), on a background thread.
+    /// whose top names no index, or one that does not cover every layer
+    /// below it), on a background thread.
     pub fn wake(&self) {
         if !self.enabled {
             return;
@@ -90,11 +97,12 @@ impl IndexBuilder {
         drop(st);
         let handle = self.handle.clone();
         let shared = self.shared.clone();
+        let locking = self.locking;
         let spawned = std::thread::Builder::new()
             .name("sqcow2-index".into())
             .spawn(move || loop {
                 let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    build_once(&handle, &shared);
+                    build_once(&handle, &shared, locking);
                 }));
                 let mut st = Self::lock(&shared);
                 if built.is_err() {
@@ -204,7 +212,7 @@ impl Builder {
 
 /// One build for the chain served now (taken once no hold is left: a
 /// live snapshot's old top may still be closing).
-fn build_once(handle: &ChainHandle, shared: &Builder) {
+fn build_once(handle: &ChainHandle, shared: &Builder, locking: Locking) {
     if shared.check() {
         return;
     }
@@ -213,9 +221,14 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
         return;
     }
     let start = Instant::now();
-    // The daemon holds the chain's image locks: the build takes none.
     let cancelled = || shared.check();
-    let result = build_index(&chain, Locking::Off, &mut |_, _| {}, &cancelled);
+    // A chain QEMU made: its layers are marked, each locked as a writer
+    // for it (another process's reader or writer refuses it).
+    let result = match index_in_place(&chain, locking, &cancelled) {
+        // The daemon holds the chain's image locks: the build takes none.
+        Ok(None) => build_index(&chain, Locking::Off, &mut |_, _| {}, &cancelled),
+        other => other,
+    };
     drop(chain);
     // A live snapshot during the build made a new chain, which still uses
     // the older index: the new one covers more of its layers.
@@ -242,7 +255,11 @@ fn build_once(handle: &ChainHandle, shared: &Builder) {
         Err(e) => {
             st.counters.failures += 1;
             st.counters.last_error = Some(e.to_string());
-            warn!(error = %e, "building the chain index failed: the old index goes on serving");
+            if handle.get().is_indexed() {
+                warn!(error = %e, "building the chain index failed: the old index goes on serving");
+            } else {
+                warn!(error = %e, "the chain cannot be indexed: lookups walk its layers");
+            }
         }
     }
 }
@@ -265,7 +282,7 @@ mod tests {
         )
         .unwrap();
         let chain = sqcow2_format::Chain::open(&path, &Default::default()).unwrap();
-        IndexBuilder::new(Arc::new(ChainHandle::new(chain)), true)
+        IndexBuilder::new(Arc::new(ChainHandle::new(chain)), true, Locking::Off)
     }
 
     /// Waits (bounded) until a build is parked at its check.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sqcow2_format::{Chain, ChainOptions};
+use sqcow2_format::{Chain, ChainOptions, IndexState};
 use tracing::{info, warn};
 
 use crate::backend::BlkBackend;
@@ -110,7 +110,7 @@ impl Shared {
     /// State for serving `handle` (active), the chain opened with `options`.
     pub fn new(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         Shared {
-            index_builder: IndexBuilder::new(handle.clone(), options.use_index),
+            index_builder: IndexBuilder::new(handle.clone(), options.use_index, options.locking),
             merge: MergeJob::default(),
             handle,
             options,
@@ -845,11 +845,35 @@ fn info_of(shared: &Shared) -> Info {
         chain: layers,
         virtual_size: chain.virtual_size(),
         indexed: chain.is_indexed(),
+        walking_because: walking_because(shared, &chain),
         writable: chain.is_writable(),
         active: shared.is_active(),
         write_failure: chain.failure().map(str::to_owned),
         frontend_connected: shared.session().is_some(),
     }
+}
+
+/// Why lookups below the top walk the layers, if they do.
+fn walking_because(shared: &Shared, chain: &Chain) -> Option<String> {
+    if chain.is_indexed() || chain.layers().len() < 2 {
+        return None;
+    }
+    let builds = shared.index_builder.counters();
+    Some(if builds.building {
+        "the chain index is being built".to_owned()
+    } else if let Some(e) = builds.last_error {
+        format!("the chain cannot be indexed: {e}")
+    } else {
+        match chain.index_state() {
+            IndexState::Disabled => "indexes are off (--walk)".to_owned(),
+            IndexState::Stale { reason, .. } => format!("the index is stale: {reason}"),
+            IndexState::None if !chain.is_writable() => {
+                "the top names no index (a read-only daemon does not index)".to_owned()
+            }
+            IndexState::None => "the top names no index".to_owned(),
+            IndexState::Valid { .. } => "the index in use failed a checksum".to_owned(),
+        }
+    })
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {
@@ -899,6 +923,7 @@ fn stats(shared: &Shared) -> Stats {
         },
         index: IndexCounters {
             pending_layers: chain.pending_layers(),
+            walking_because: walking_because(shared, &chain),
             ..shared.index_builder.counters()
         },
         queues,

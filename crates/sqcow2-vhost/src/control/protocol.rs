@@ -479,6 +479,9 @@ pub struct Info {
     pub virtual_size: u64,
     /// Whether lookups go through the chain index.
     pub indexed: bool,
+    /// Why they do not, if they do not.
+    #[serde(default)]
+    pub walking_because: Option<String>,
     /// Whether the chain takes writes.
     pub writable: bool,
     /// Whether the daemon is active (holds its image locks and serves).
@@ -516,6 +519,10 @@ pub struct IndexCounters {
     pub last_build_ms: f64,
     /// Why the last build failed, if it did.
     pub last_error: Option<String>,
+    /// Why lookups walk the layers below the top (none while an index
+    /// serves them).
+    #[serde(default)]
+    pub walking_because: Option<String>,
 }
 
 /// Counters of the unified metadata cache.

@@ -1,0 +1,232 @@
+//! Chains QEMU made are indexed by `sqcow2 serve` without a manual step:
+//! in the background while a client writes, every layer `qemu-img check`
+//! clean and QEMU reading what the client wrote once the daemon stops;
+//! where a layer is held by another process, nothing is written into it,
+//! the chain is walked and `stats` and `info` say why; a layer a vanilla
+//! tool wrote while the daemon was stopped is detected at the next start
+//! and the index built again.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::reference::Reference;
+use common::vhost::{connect_retry, control, wait_index_state, wait_indexed, Daemon};
+use common::{build_chain, qemu_io, s, sha256_file, sqcow2, LayerSpec};
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 4096;
+const SIZE: u64 = 64 * MIB;
+
+/// A chain of `n` layers made by `qemu-img` and `qemu-io`: each writes
+/// data, a compressed cluster and zeros at offsets of its own and over
+/// what the layers below wrote.
+fn qemu_made(dir: &Path, n: usize) -> PathBuf {
+    let specs: Vec<LayerSpec> = (0..n as u64)
+        .map(|i| {
+            let cmds = [
+                format!(
+                    "write -P {} {} 256k",
+                    0x10 + i,
+                    (i * 320 * 1024) % (SIZE / 2)
+                ),
+                format!("write -c -P {} {} 64k", 0x80 + i, SIZE / 2 + i * 65536),
+                format!("write -z {} 64k", (i * 192 * 1024 + 65536) % (SIZE / 2)),
+                format!("write -P {} {} 8k", 0xc0 + i, SIZE - 65536 * (i + 1) + 4096),
+            ];
+            let refs: Vec<&str> = cmds.iter().map(String::as_str).collect();
+            LayerSpec::new("", SIZE, &refs)
+        })
+        .collect();
+    build_chain(dir, &specs)
+}
+
+#[test]
+fn serve_indexes_a_chain_qemu_made_while_a_client_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = qemu_made(tmp.path(), 40);
+    let info = sqcow2(&["info", s(&top)]);
+    assert!(info.contains("chain index: none (walk mode: "), "{info}");
+    let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path(), BLOCK)));
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    // Writes from the first moment, while the index is built, and on
+    // after it serves: copy-on-write from every depth both ways.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, reference) = (stop.clone(), reference.clone());
+        std::thread::spawn(move || {
+            let mut rng = fastrand::Rng::with_seed(43);
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) || n < 200 {
+                let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
+                let fill = rng.u8(1..);
+                client.write(offset, &vec![fill; BLOCK as usize]);
+                reference.lock().unwrap().wrote(offset, fill);
+                n += 1;
+            }
+            (client, n)
+        })
+    };
+    let st = wait_indexed(&ctl);
+    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    assert!(st["result"]["index"]["builds"].as_u64() >= Some(1), "{st}");
+    assert_eq!(
+        st["result"]["index"]["walking_because"],
+        serde_json::Value::Null
+    );
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(info["result"]["indexed"], true, "{info}");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let (mut client, n) = writer.join().unwrap();
+    let reference = reference.lock().unwrap();
+    reference.verify_through(&mut client, "after the index was built");
+    drop(client);
+    daemon.stop();
+    println!("{n} writes while the chain was indexed and after");
+    // QEMU reads what the client wrote, every layer is clean, the index
+    // agrees with a walk and the top names it.
+    reference.verify_files(&top, tmp.path());
+}
+
+/// `qemu-io -r` holding `image` open (QEMU's reader locks: it does not
+/// share write) until dropped.
+struct QemuReader(std::process::Child);
+
+impl QemuReader {
+    fn hold(image: &Path) -> QemuReader {
+        let reader = QemuReader(
+            Command::new("qemu-io")
+                .args(["-r", "-f", "qcow2", s(image)])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let inode = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(image).unwrap().ino()
+        };
+        let needle = format!(":{inode} ");
+        for _ in 0..500 {
+            let locks = std::fs::read_to_string("/proc/locks").unwrap();
+            if locks.lines().any(|l| l.contains(&needle)) {
+                return reader;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("qemu-io never locked {}", image.display());
+    }
+}
+
+impl Drop for QemuReader {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_layer_another_process_holds_is_not_written_and_the_chain_walks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = qemu_made(tmp.path(), 6);
+    // QEMU reading layer 2 holds it and its backing files, layers 0-1.
+    let reader = QemuReader::hold(&tmp.path().join("layer2.qcow2"));
+    let below: Vec<PathBuf> = (0..5)
+        .map(|i| tmp.path().join(format!("layer{i}.qcow2")))
+        .collect();
+    let before: Vec<String> = below.iter().map(|p| sha256_file(p)).collect();
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = wait_index_state(&ctl, "a refused build", |index| {
+        index["failures"].as_u64() >= Some(1) && index["building"] == false
+    });
+    let st = &st["result"];
+    assert_eq!(st["index_mode"], "walk", "{st}");
+    let why = st["index"]["walking_because"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("layer0.qcow2") && why.contains("lock"),
+        "stats: {st}"
+    );
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(
+        info["result"]["walking_because"].as_str(),
+        Some(why),
+        "{info}"
+    );
+    // Served right while walking.
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut rng = fastrand::Rng::with_seed(7);
+    for _ in 0..100 {
+        let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
+        let fill = rng.u8(1..);
+        client.write(offset, &vec![fill; BLOCK as usize]);
+        reference.wrote(offset, fill);
+    }
+    reference.verify_through(&mut client, "walking");
+    drop(client);
+    daemon.stop();
+    drop(reader);
+    // Said once, and no layer below the top was written (the locks
+    // come first: none was marked).
+    let log = daemon.log();
+    assert_eq!(log.matches("cannot be indexed").count(), 1, "{log}");
+    let after: Vec<String> = below.iter().map(|p| sha256_file(p)).collect();
+    assert_eq!(before, after, "a layer below the top was written");
+    assert!(
+        !tmp.path().join("layer5.qcow2.sqidx").exists(),
+        "an index was left"
+    );
+    reference.verify_for_qemu(&top, tmp.path());
+    let info = sqcow2(&["info", s(&top)]);
+    assert!(info.contains("chain index: none"), "{info}");
+}
+
+#[test]
+fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = qemu_made(tmp.path(), 8);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    wait_indexed(&ctl);
+    daemon.stop();
+    let info = sqcow2(&["info", s(&top)]);
+    assert!(info.contains("chain index: valid"), "{info}");
+    // A vanilla write into a middle layer, under clusters the layers
+    // above do not hold: the index's answer there is now wrong.
+    let middle = tmp.path().join("layer3.qcow2");
+    qemu_io(
+        &middle,
+        &[format!("write -P 0x5e {} 1M", SIZE / 2 + 8 * MIB)],
+    );
+    let info = sqcow2(&["info", s(&top)]);
+    assert!(info.contains("chain index: stale"), "{info}");
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = wait_indexed(&ctl);
+    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    assert_eq!(st["result"]["index"]["builds"], 1, "{st}");
+    let mut client = connect_retry(&daemon, 1, false);
+    let got = client.read(SIZE / 2 + 8 * MIB, MIB as usize);
+    assert!(
+        got.iter().all(|&b| b == 0x5e),
+        "the vanilla write is not read"
+    );
+    // Partial writes over the vanilla data copy it from below.
+    for k in 0..16u64 {
+        let offset = SIZE / 2 + 8 * MIB + k * 65536 + 4096 * (k % 16);
+        client.write(offset, &[0xa0 + k as u8; BLOCK as usize]);
+        reference.wrote(offset, 0xa0 + k as u8);
+    }
+    drop(client);
+    daemon.stop();
+    reference.verify_files(&top, tmp.path());
+}
