@@ -529,7 +529,7 @@ fn check_compares_the_index_with_a_walk() {
     let cache = sqcow2_cache::SliceCache::new(sqcow2_cache::CacheConfig::default());
     let g = index.geometry();
     let mut entries: Vec<IndexEntry> = (0..g.chunks())
-        .map(|c| index.entry(c, &cache).unwrap())
+        .map(|c| index.entry(c, &cache).unwrap().unwrap())
         .collect();
     let victim = entries
         .iter()

@@ -230,3 +230,90 @@ fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
     daemon.stop();
     reference.verify_files(&top, tmp.path());
 }
+
+/// Reads of `count` random clusters of `chain`: cache lookups that sent a
+/// walk further down (steps down the chain).
+fn steps_down_over_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
+    let mut rng = fastrand::Rng::with_seed(3);
+    let mut buf = vec![0u8; BLOCK as usize];
+    let before = chain.cache_stats().hit_unallocated;
+    for _ in 0..count {
+        let offset = rng.u64(0..chain.virtual_size() / BLOCK) * BLOCK;
+        chain.read_at(&mut buf, offset).unwrap();
+    }
+    chain.cache_stats().hit_unallocated - before
+}
+
+#[test]
+fn an_index_built_in_place_serves_as_one_found_at_open() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = common::gen_vanilla_chain(tmp.path(), 50, "256M", "0.5");
+    let options = sqcow2_format::ChainOptions {
+        writable: true,
+        ..sqcow2_format::ChainOptions::default()
+    };
+    let chain = sqcow2_format::Chain::open(&top, &options).unwrap();
+    assert!(!chain.is_indexed());
+    let walked = steps_down_over_reads(&chain, 2000);
+    let built =
+        sqcow2_format::indexing::index_in_place(&chain, sqcow2_format::Locking::Auto, &|| false)
+            .unwrap();
+    assert!(built.is_some());
+    assert!(chain.is_indexed());
+    let installed = steps_down_over_reads(&chain, 2000);
+    chain.close().unwrap();
+    let reopened = sqcow2_format::Chain::open(&top, &options).unwrap();
+    assert!(reopened.is_indexed());
+    let at_open = steps_down_over_reads(&reopened, 2000);
+    println!("steps down: walking {walked}, installed {installed}, at open {at_open}");
+    assert!(walked > 10_000, "walking took {walked} steps");
+    assert!(
+        installed <= at_open,
+        "installed in place: {installed} steps down, opened indexed: {at_open}"
+    );
+}
+
+/// What a queue worker does: a lookup from cached metadata only, handed
+/// to a thread that may read (as the engine does) when it would block.
+fn steps_down_over_worker_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
+    let mut rng = fastrand::Rng::with_seed(4);
+    let before = chain.cache_stats().hit_unallocated;
+    for _ in 0..count {
+        let offset = rng.u64(0..chain.virtual_size() / BLOCK) * BLOCK;
+        let ticket = chain.begin_transfer();
+        let at = sqcow2_format::GuestOffset(offset);
+        if chain
+            .try_resolve_for_read(&ticket, at, BLOCK)
+            .unwrap()
+            .is_none()
+        {
+            chain.resolve_for_read(&ticket, at, BLOCK).unwrap();
+        }
+    }
+    chain.cache_stats().hit_unallocated - before
+}
+
+#[test]
+fn lookups_that_must_not_wait_use_an_index_installed_over_a_warm_walk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = common::gen_vanilla_chain(tmp.path(), 50, "256M", "0.5");
+    let options = sqcow2_format::ChainOptions {
+        writable: true,
+        ..sqcow2_format::ChainOptions::default()
+    };
+    let chain = sqcow2_format::Chain::open(&top, &options).unwrap();
+    // Walking caches every layer's tables (the build walks them too).
+    let walked = steps_down_over_worker_reads(&chain, 4000);
+    sqcow2_format::indexing::index_in_place(&chain, sqcow2_format::Locking::Auto, &|| false)
+        .unwrap()
+        .unwrap();
+    let installed = steps_down_over_worker_reads(&chain, 4000);
+    println!("steps down: walking {walked}, installed {installed}");
+    assert!(walked > 10_000, "walking took {walked} steps");
+    // A cold index slice is read where waiting is allowed, not walked
+    // around through the tables cached before.
+    assert!(
+        installed < walked / 20,
+        "installed in place: {installed} steps down, walking: {walked}"
+    );
+}

@@ -322,6 +322,25 @@ pub fn gen_chain(dir: &Path, layers: usize, size: &str, fill: &str) -> PathBuf {
     )
 }
 
+/// [`gen_chain`] without an index (a chain as QEMU could have made it).
+pub fn gen_vanilla_chain(dir: &Path, layers: usize, size: &str, fill: &str) -> PathBuf {
+    let layers = layers.to_string();
+    PathBuf::from(
+        sqcow2(&[
+            "gen-chain",
+            "--no-index",
+            "--layers",
+            &layers,
+            "--size",
+            size,
+            "--fill",
+            fill,
+            s(dir),
+        ])
+        .trim(),
+    )
+}
+
 /// The chain's guest view according to `qemu-img convert` (written to
 /// `dir/expected.raw`).
 pub fn qemu_raw(top: &Path, dir: &Path) -> Vec<u8> {

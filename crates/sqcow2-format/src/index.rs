@@ -16,6 +16,7 @@ use std::sync::Arc;
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use crate::bytes::{be_u32, be_u64};
+use crate::error::ErrorKind;
 use crate::storage::Storage;
 
 /// File magic.
@@ -633,16 +634,20 @@ impl ChainIndex {
     }
 
     /// The entry of `chunk`, through the unified cache; `None` when the
-    /// index has become unusable (a slice failed its checksum).
-    pub fn entry(&self, chunk: u64, cache: &SliceCache) -> Option<IndexEntry> {
+    /// index has become unusable (a slice failed its checksum);
+    /// `Err(WouldBlock)` as [`ChainIndex::slice`].
+    pub fn entry(&self, chunk: u64, cache: &SliceCache) -> Result<Option<IndexEntry>, ErrorKind> {
         let per = self.geometry.slice_entries();
-        match self.slice(chunk / per, cache)? {
+        let Some(slice) = self.slice(chunk / per, cache)? else {
+            return Ok(None);
+        };
+        Ok(match slice {
             Some(words) => decode_at(&words, chunk % per).or_else(|| {
                 self.usable.store(false, Ordering::Relaxed);
                 None
             }),
             None => Some(IndexEntry::None),
-        }
+        })
     }
 
     /// Entries per slice.
@@ -651,25 +656,33 @@ impl ChainIndex {
     }
 
     /// The words of slice `slice_no` (`Some(None)` for a slice of *none*
-    /// entries; `None` when the index is unusable).
-    pub fn slice(&self, slice_no: u64, cache: &SliceCache) -> Option<Option<Slice>> {
+    /// entries; `None` when the index is unusable). `Err(WouldBlock)` when
+    /// it is not cached and no read is allowed ([`crate::nowait`]): the
+    /// lookup goes where it may wait. (Walking instead would never cache
+    /// the slice, and a walk whose tables are all cached, as they are
+    /// after the index was built in place, would go on walking.)
+    pub fn slice(
+        &self,
+        slice_no: u64,
+        cache: &SliceCache,
+    ) -> Result<Option<Option<Slice>>, ErrorKind> {
         if !self.usable() {
-            return None;
+            return Ok(None);
         }
         let per = self.geometry.slice_entries();
-        let &(offset, crc) = self.l1.get(slice_no as usize)?;
+        let Some(&(offset, crc)) = self.l1.get(slice_no as usize) else {
+            return Ok(None);
+        };
         if offset == 0 {
-            return Some(None);
+            return Ok(Some(None));
         }
         let key = SliceKey {
             source: Source::Index(self.cache_id),
             offset,
         };
-        if crate::nowait::may_load().is_err() {
-            // Not cached and no reading allowed: the caller walks instead,
-            // which finds what is cached or would block there too (never
-            // a reason to give the index up).
-            return cache.get(key).map(Some);
+        if let Err(e) = crate::nowait::may_load() {
+            // Never a reason to give the index up.
+            return cache.get(key).map(|w| Some(Some(w))).ok_or(e);
         }
         let words: Result<Slice, Stale> = cache.get_or_load(key, || {
             let raw = read(&*self.storage, offset, per * ENTRY_SIZE, self.file_size)?;
@@ -686,11 +699,11 @@ impl ChainIndex {
             Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
         });
         match words {
-            Ok(w) => Some(Some(w)),
+            Ok(w) => Ok(Some(Some(w))),
             Err(reason) => {
                 tracing::warn!(index = %self.path.display(), %reason, "chain index slice unreadable: falling back to walking the chain");
                 self.usable.store(false, Ordering::Relaxed);
-                None
+                Ok(None)
             }
         }
     }
@@ -759,8 +772,8 @@ mod tests {
         let idx =
             ChainIndex::open(Path::new("x"), Arc::new(MemStorage::new(bytes.clone()))).unwrap();
         assert_eq!(idx.layers(), &layers[..]);
-        assert_eq!(idx.entry(700, &cache), Some(entries[700]));
-        assert_eq!(idx.entry(3, &cache), Some(IndexEntry::None));
+        assert_eq!(idx.entry(700, &cache).unwrap(), Some(entries[700]));
+        assert_eq!(idx.entry(3, &cache).unwrap(), Some(IndexEntry::None));
         assert!(idx.matches(&layers, &[true], g.covered_size, 16).is_ok());
         assert!(idx.matches(&layers, &[false], g.covered_size, 16).is_err());
         // Any flipped byte is caught: at open, or when its slice is read.
@@ -771,7 +784,7 @@ mod tests {
             match ChainIndex::open(Path::new("x"), Arc::new(MemStorage::new(bad))) {
                 Err(_) => {}
                 Ok(idx) => {
-                    let e = idx.entry(700, &cache);
+                    let e = idx.entry(700, &cache).unwrap();
                     assert!(e.is_none() || e == Some(entries[700]), "byte {at}");
                     if e.is_none() {
                         assert!(!idx.usable());

@@ -208,29 +208,30 @@ impl Chain {
         };
         // The index slice in use: (slice number, its words).
         let mut current: Option<(u64, Option<Slice>)> = None;
-        let mut index_entry = |g: u64| -> IndexEntry {
+        let mut index_entry = |g: u64| -> Result<IndexEntry, Error> {
             let bits = ci.geometry().granularity_bits;
             let chunk = g >> bits;
             let per = ci.entries_per_slice();
             let slice_no = chunk / per;
             if current.as_ref().is_none_or(|(n, _)| *n != slice_no) {
                 match ci.slice(slice_no, &self.cache) {
-                    Some(words) => current = Some((slice_no, words)),
-                    None => return IndexEntry::Walk,
+                    Ok(Some(words)) => current = Some((slice_no, words)),
+                    Ok(None) => return Ok(IndexEntry::Walk),
+                    Err(kind) => return Err(Error::new(ci.path(), kind)),
                 }
             }
             let entry = match current.as_ref().and_then(|(_, w)| w.as_ref()) {
                 Some(words) => decode_at(words, chunk % per).unwrap_or(IndexEntry::Walk),
                 None => IndexEntry::None,
             };
-            match entry {
+            Ok(match entry {
                 // A granule inside a larger chunk: offset the host.
                 IndexEntry::Data { layer, host } => IndexEntry::Data {
                     layer,
                     host: host + (g - (chunk << bits)),
                 },
                 e => e,
-            }
+            })
         };
         let mut pos = start;
         while pos < end {
@@ -250,7 +251,7 @@ impl Chain {
                     LayerStatus::Zero { .. } => IndexEntry::Zero {
                         layer: top.0 as u32,
                     },
-                    LayerStatus::Unallocated { .. } => index_entry(g),
+                    LayerStatus::Unallocated { .. } => index_entry(g)?,
                 };
                 put(g, entry);
                 g += granule;

@@ -90,7 +90,7 @@ impl Chain {
         // right below the top): the index answers at once.
         if let (Some((ci, upto)), false) = (covering, precise) {
             if index == upto {
-                if let Some(extent) = self.index_extent(ci, upto, start, len) {
+                if let Some(extent) = self.index_extent(ci, upto, start, len)? {
                     return Ok(extent);
                 }
             }
@@ -100,7 +100,7 @@ impl Chain {
             len = n;
             if let (LayerStatus::Unallocated { .. }, Some((ci, upto))) = (&status, covering) {
                 if index.0 == upto.0 + 1 {
-                    if let Some(mut extent) = self.index_extent(ci, upto, start, len) {
+                    if let Some(mut extent) = self.index_extent(ci, upto, start, len)? {
                         if precise
                             && matches!(
                                 extent.kind,
@@ -193,13 +193,19 @@ impl Chain {
         upto: LayerIndex,
         start: GuestOffset,
         len: u64,
-    ) -> Option<Extent> {
+    ) -> Result<Option<Extent>, Error> {
         let g = ci.geometry();
         let chunk = start.0 >> g.granularity_bits;
         let chunk_start = chunk << g.granularity_bits;
         let len = len.min(chunk_start + g.chunk_size() - start.0);
-        let (layer, kind) = match ci.entry(chunk, &self.cache)? {
-            IndexEntry::Walk => return None,
+        let entry = ci
+            .entry(chunk, &self.cache)
+            .map_err(|k| Error::new(ci.path(), k))?;
+        let Some(entry) = entry else {
+            return Ok(None);
+        };
+        let (layer, kind) = match entry {
+            IndexEntry::Walk => return Ok(None),
             IndexEntry::None => (
                 upto,
                 ExtentKind::Zero {
@@ -221,7 +227,10 @@ impl Chain {
                 },
             ),
             IndexEntry::Compressed { layer, l2_entry } => {
-                let geometry = self.layers.get(layer as usize)?.header()?.geometry;
+                let Some(header) = self.layers.get(layer as usize).and_then(|l| l.header()) else {
+                    return Ok(None);
+                };
+                let geometry = header.geometry;
                 (
                     LayerIndex(layer as usize),
                     ExtentKind::Compressed(CompressedDescriptor::decode(l2_entry, geometry)),
@@ -229,20 +238,26 @@ impl Chain {
             }
         };
         if layer.0 > upto.0 {
-            return None;
+            return Ok(None);
         }
-        Some(Extent {
+        Ok(Some(Extent {
             start,
             len,
             layer,
             kind,
-        })
+        }))
     }
 
     /// The raw index entry of `chunk`, when an index is in use (it
     /// answers for the layers [`Chain::index_covers`] says).
     pub fn index_entry(&self, chunk: u64) -> Option<IndexEntry> {
-        self.index.load().usable()?.0.entry(chunk, &self.cache)
+        self.index
+            .load()
+            .usable()?
+            .0
+            .entry(chunk, &self.cache)
+            .ok()
+            .flatten()
     }
 
     /// The highest layer the index in use covers.
@@ -314,8 +329,8 @@ impl Chain {
                     let end = (chunk + free / cs).min(chunks);
                     while chunk < end {
                         match ci.entry(chunk, &self.cache) {
-                            Some(old) => each(old)?,
-                            None => break,
+                            Ok(Some(old)) => each(old)?,
+                            _ => break,
                         }
                         chunk += 1;
                     }
