@@ -317,3 +317,101 @@ fn lookups_that_must_not_wait_use_an_index_installed_over_a_warm_walk() {
         "installed in place: {installed} steps down, walking: {walked}"
     );
 }
+
+/// A QEMU chain of `n` layers over 1 TiB (slow enough to index that a
+/// control command lands during the build): each layer writes near the
+/// start and far out.
+fn slow_to_index(dir: &Path, n: usize) -> PathBuf {
+    let specs: Vec<LayerSpec> = (0..n as u64)
+        .map(|i| {
+            let cmds = [
+                format!("write -P {} {} 64k", 0x20 + i, i * 3 * MIB),
+                format!("write -P {} {} 128k", 0x40 + i, i * 7 * 1024 * MIB),
+            ];
+            let refs: Vec<&str> = cmds.iter().map(String::as_str).collect();
+            LayerSpec::new("", 1 << 40, &refs)
+        })
+        .collect();
+    build_chain(dir, &specs)
+}
+
+#[test]
+fn a_live_snapshot_during_an_in_place_build_leaves_every_index_valid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = slow_to_index(tmp.path(), 20);
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    wait_index_state(&ctl, "a build running", |index| index["building"] == true);
+    let new = tmp.path().join("new.qcow2");
+    let r = control(&ctl, json!({"command": "snapshot", "path": new}));
+    assert_eq!(r["ok"], true, "{r}");
+    wait_indexed(&ctl);
+    for k in 0..32u64 {
+        client.write(k * 3 * MIB + 4096, &[0x99; BLOCK as usize]);
+        reference.wrote(k * 3 * MIB + 4096, 0x99);
+    }
+    reference.verify_through(&mut client, "after the snapshot");
+    drop(client);
+    daemon.stop();
+    reference.verify_for_qemu(&new, tmp.path());
+    // The new top's own index, built by the daemon, records the old top
+    // as its file is: valid at the next open.
+    let info = sqcow2(&["info", s(&new)]);
+    assert!(
+        info.contains(&format!("chain index: valid ({}.sqidx", new.display())),
+        "{info}\n{}",
+        daemon.log()
+    );
+    let log = daemon.log();
+    assert!(!log.contains("cannot be indexed"), "{log}");
+}
+
+#[test]
+fn a_top_whose_header_cannot_name_an_index_is_left_as_it_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 512-byte clusters and a long backing name: no room for the index
+    // extension in the top's first cluster.
+    let base = tmp.path().join(format!("{}.qcow2", "b".repeat(200)));
+    common::qemu_create(&base, "cluster_size=512", "64M");
+    qemu_io(&base, &["write -P 0x31 0 1M".to_owned()]);
+    let top = tmp.path().join(format!("{}.qcow2", "t".repeat(150)));
+    common::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        "-b",
+        s(&base),
+        "-F",
+        "qcow2",
+        s(&top),
+    ]);
+    qemu_io(&top, &["write -P 0x32 1M 1M".to_owned()]);
+    let before = [sha256_file(&base), sha256_file(&top)];
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = wait_index_state(&ctl, "a refused build", |index| {
+        index["failures"].as_u64() >= Some(1) && index["building"] == false
+    });
+    let why = st["result"]["index"]["walking_because"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(why.contains("do not fit"), "{st}");
+    daemon.stop();
+    // Refused before anything was written: the base is not marked, no
+    // index file is left, and the top is as QEMU left it.
+    assert_eq!(sha256_file(&base), before[0], "the base was written");
+    assert_eq!(sha256_file(&top), before[1], "the top was written");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().contains(".sqidx"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

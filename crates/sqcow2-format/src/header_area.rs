@@ -85,6 +85,18 @@ pub(crate) fn rewrite(
     header: &Header,
     edit: &AreaEdit<'_>,
 ) -> std::io::Result<()> {
+    let out = compose(storage, header, edit)?;
+    storage.write_at(&out, 0)?;
+    storage.sync()
+}
+
+/// The header area [`rewrite`] would write (the old area's tail cleared),
+/// nothing written; fails as it would.
+pub(crate) fn compose(
+    storage: &dyn Storage,
+    header: &Header,
+    edit: &AreaEdit<'_>,
+) -> std::io::Result<Vec<u8>> {
     let cs = header.geometry.cluster_size() as usize;
     let mut out = vec![0u8; header.header_length as usize];
     storage.read_at(&mut out, 0)?;
@@ -165,6 +177,5 @@ pub(crate) fn rewrite(
     if old_len > out.len() {
         out.resize(old_len, 0);
     }
-    storage.write_at(&out, 0)?;
-    storage.sync()
+    Ok(out)
 }

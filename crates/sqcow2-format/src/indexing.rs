@@ -93,6 +93,24 @@ fn cancel_error() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::Interrupted, "index build cancelled")
 }
 
+/// An in-place build whose top stopped being served (a live snapshot, a
+/// handover): ended as a cancelled one is.
+fn superseded(top: &Path) -> Error {
+    Error::new(
+        top,
+        ErrorKind::Io(std::io::Error::new(
+            std::io::ErrorKind::Interrupted,
+            "index build cancelled: the top is not served any more",
+        )),
+    )
+}
+
+/// Whether `e` ended an index build that was cancelled (or whose top
+/// stopped being served), not one that failed.
+pub fn is_cancelled(e: &Error) -> bool {
+    matches!(&e.kind, ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::Interrupted)
+}
+
 /// The index file name for an image: `<image file name>.sqidx`.
 pub(crate) fn index_file_name(image: &Path) -> PathBuf {
     PathBuf::from(crate::sidefile::index_name(
@@ -655,6 +673,15 @@ pub fn index_in_place(
     let name = PathBuf::from(crate::sidefile::index_name(place.name()));
     let path = top.path().with_file_name(&name);
     // Where the index goes, checked before anything is written.
+    let edit = crate::header_area::AreaEdit {
+        index: crate::header_area::Edit::Set(&name),
+        backing: crate::header_area::Edit::Keep,
+    };
+    // The top's header must be able to name the index: checked before
+    // anything is written.
+    if !active.rewrite_header_area_while_serving(&edit, true)? {
+        return Err(superseded(top.path()));
+    }
     let index = NewIndex::create(
         place.dir().clone(),
         name.as_os_str(),
@@ -676,10 +703,12 @@ pub fn index_in_place(
     )?;
     stop(&path)?;
     let installed = index.install()?;
-    active.rewrite_header_area(&crate::header_area::AreaEdit {
-        index: crate::header_area::Edit::Set(&name),
-        backing: crate::header_area::Edit::Keep,
-    })?;
+    // A live snapshot meanwhile made this top a backing layer: its
+    // header stays as the successor recorded it (the new top has an
+    // index of its own to build).
+    if !active.rewrite_header_area_while_serving(&edit, false)? {
+        return Err(superseded(top.path()));
+    }
     let report = BuildReport {
         index: installed.path(),
         layers: upto.0 + 1,

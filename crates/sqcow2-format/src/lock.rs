@@ -269,6 +269,17 @@ impl FileLock {
             return Ok(());
         }
         let had = self.current.unwrap_or_default();
+        if self.current.is_some()
+            && want.held.0 & !had.held.0 == 0
+            && want.unshared.0 & !had.unshared.0 == 0
+        {
+            // Only giving permissions back: nothing to probe (a conflict
+            // found now was there before, and keeping the larger set
+            // would only make it worse for the other process).
+            apply_exactly(file, had, want)?;
+            self.current = Some(want);
+            return Ok(());
+        }
         let union = LockRequest {
             held: had.held.union(want.held),
             unshared: had.unshared.union(want.unshared),
@@ -313,5 +324,61 @@ impl FileLock {
     /// What is locked now.
     pub(crate) fn current(&self) -> Option<LockRequest> {
         self.current
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lock bytes others hold on the file, as seen through `probe`
+    /// (an open file description of its own).
+    fn locked_bytes(probe: &File) -> Vec<i64> {
+        (100..=203)
+            .filter(|&b| {
+                let mut fl = libc::flock {
+                    l_type: libc::F_WRLCK as i16,
+                    l_whence: libc::SEEK_SET as i16,
+                    l_start: b,
+                    l_len: 1,
+                    l_pid: 0,
+                };
+                // SAFETY: F_OFD_GETLK on a descriptor this test owns,
+                // writing into `fl`, which it owns.
+                let r = unsafe {
+                    libc::fcntl(
+                        std::os::fd::AsRawFd::as_raw_fd(probe),
+                        libc::F_OFD_GETLK,
+                        &mut fl,
+                    )
+                };
+                assert_eq!(r, 0);
+                fl.l_type != libc::F_UNLCK as i16
+            })
+            .collect()
+    }
+
+    #[test]
+    fn giving_permissions_back_succeeds_whatever_others_hold() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("img");
+        std::fs::write(&path, [0u8; 512]).unwrap();
+        let file = File::options().read(true).write(true).open(&path).unwrap();
+        let other = File::open(&path).unwrap();
+        let mut lock = FileLock::default();
+        lock.change(&file, LockRequest::WRITER, Locking::On)
+            .unwrap();
+        // Another process takes the write permission regardless (it did
+        // not probe): a conflict with what this one does not share.
+        set(&other, libc::F_RDLCK as i16, 101).unwrap();
+        lock.change(&file, LockRequest::READER, Locking::On)
+            .unwrap();
+        assert_eq!(lock.current(), Some(LockRequest::READER));
+        let probe = File::open(&path).unwrap();
+        let held: Vec<i64> = locked_bytes(&probe);
+        // Byte 101 is the other's; ours are 100 (read) and 201, 203.
+        assert_eq!(held, vec![100, 101, 201, 203]);
+        drop(other);
+        assert_eq!(locked_bytes(&probe), vec![100, 201, 203]);
     }
 }

@@ -754,6 +754,38 @@ impl Active {
         crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
     }
 
+    /// [`Active::rewrite_header_area`] only while this writer still serves
+    /// the image (not superseded by a live snapshot, handed over or
+    /// failed): checked under the flush order, which the close of a
+    /// superseded writer takes before its image's identity is taken again
+    /// ([`crate::Qcow2Layer::refresh_identity`]), so that a chain built
+    /// after it never records the header from before the rewrite.
+    /// `Ok(false)` when it does not serve it any more (nothing written);
+    /// with `dry_run`, checks only (the area fits the first cluster).
+    pub(crate) fn rewrite_header_area_while_serving(
+        &self,
+        edit: &crate::header_area::AreaEdit<'_>,
+        dry_run: bool,
+    ) -> Result<bool, Error> {
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.failure().is_some() {
+            return Ok(false);
+        }
+        let e = |k: ErrorKind| Error::new(&self.top.path, k);
+        let header = crate::check::read_header(&*self.top.storage).map_err(e)?;
+        if dry_run {
+            crate::header_area::compose(&*self.top.storage, &header, edit)
+                .map_err(|io| e(io.into()))?;
+        } else {
+            crate::header_area::rewrite(&*self.top.storage, &header, edit)
+                .map_err(|io| e(io.into()))?;
+        }
+        Ok(true)
+    }
+
     /// Puts the most recently used clean tables (at most `max_bytes`)
     /// into the unified cache for readers of the image as a backing
     /// layer.

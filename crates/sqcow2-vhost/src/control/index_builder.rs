@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
-use sqcow2_format::indexing::{build_index, index_in_place};
+use sqcow2_format::indexing::{build_index, index_in_place, is_cancelled};
 use sqcow2_format::Locking;
 use tracing::{info, warn};
 
@@ -252,6 +252,9 @@ fn build_once(handle: &ChainHandle, shared: &Builder, locking: Locking) {
             info!(index = %report.index.display(), layers = report.layers, bytes = report.bytes, ms, "chain index built");
         }
         Ok(None) => {}
+        Err(e) if is_cancelled(&e) => {
+            info!(reason = %e, "index build stopped (the next one starts when the daemon serves again)");
+        }
         Err(e) => {
             st.counters.failures += 1;
             st.counters.last_error = Some(e.to_string());
