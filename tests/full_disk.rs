@@ -168,3 +168,65 @@ fn a_snapshot_onto_a_full_filesystem_leaves_nothing() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// Bytes free on the filesystem of `dir`.
+fn free_bytes(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    // SAFETY: statvfs is plain old data; all zeros is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs reads the NUL-terminated path this function owns
+    // and writes into `st`, which it owns.
+    assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut st) }, 0);
+    st.f_bavail * st.f_frsize
+}
+
+#[test]
+fn an_index_build_on_a_full_filesystem_walks_and_tries_again_at_the_next_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let small = SmallFs::mount(&tmp.path().join("small"), "16M");
+    // A chain QEMU made, 12 layers of 64 MiB with a little data each.
+    let specs: Vec<common::LayerSpec> = (0..12u64)
+        .map(|i| {
+            let cmd = format!("write -P {} {} 64k", 0x20 + i, i * 5 * 65536);
+            common::LayerSpec::new("", 64 << 20, &[cmd.as_str()])
+        })
+        .collect();
+    let top = common::build_chain(&small.dir, &specs);
+    let reference = common::reference::Reference::new(&top, tmp.path(), 4096);
+    // No room for the index (12 KiB for these layers).
+    let room = free_bytes(&small.dir);
+    let filler = small.dir.join("filler");
+    std::fs::write(&filler, vec![1u8; (room - 4096) as usize]).unwrap();
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = common::vhost::wait_index_state(&ctl, "a failed build", |index| {
+        index["failures"].as_u64() >= Some(1) && index["building"] == false
+    });
+    let why = st["result"]["index"]["walking_because"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains("No space left"), "{st}");
+    assert_eq!(st["result"]["index_mode"], "walk", "{st}");
+    // Served right, walking.
+    let mut client = connect_retry(&daemon, 1, false);
+    for i in 0..12u64 {
+        let got = client.read(i * 5 * 65536, 65536);
+        assert!(got.iter().all(|&b| b == 0x20 + i as u8), "layer {i}'s data");
+    }
+    drop(client);
+    daemon.stop();
+    let left: Vec<_> = std::fs::read_dir(&small.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().contains(".sq"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // Room again: the next start indexes the chain.
+    std::fs::remove_file(&filler).unwrap();
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = common::vhost::wait_indexed(&ctl);
+    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    daemon.stop();
+    reference.verify_files(&top, &small.dir);
+}
