@@ -79,7 +79,7 @@ fuzz_target!(|data: &[u8]| {
     let step = (chunks / 512).max(1);
     let mut chunk = 0;
     while chunk < chunks {
-        if let Some(entry) = index.entry(chunk, &cache) {
+        if let Ok(Some(entry)) = index.entry(chunk, &cache) {
             let _ = entry.layer();
         }
         chunk += step;
