@@ -306,39 +306,29 @@ pub fn build_chain(dir: &Path, layers: &[LayerSpec]) -> PathBuf {
 /// A `sqcow2 gen-chain` chain (indexed) of `layers` layers of `size`,
 /// `fill` of its clusters written, in `dir`; returns its top.
 pub fn gen_chain(dir: &Path, layers: usize, size: &str, fill: &str) -> PathBuf {
+    gen_chain_with(dir, layers, size, fill, &[])
+}
+
+/// `sqcow2 gen-chain` with `extra` options; returns the top.
+fn gen_chain_with(dir: &Path, layers: usize, size: &str, fill: &str, extra: &[&str]) -> PathBuf {
     let layers = layers.to_string();
-    PathBuf::from(
-        sqcow2(&[
-            "gen-chain",
-            "--layers",
-            &layers,
-            "--size",
-            size,
-            "--fill",
-            fill,
-            s(dir),
-        ])
-        .trim(),
-    )
+    let mut args = vec![
+        "gen-chain",
+        "--layers",
+        &layers,
+        "--size",
+        size,
+        "--fill",
+        fill,
+    ];
+    args.extend(extra);
+    args.push(s(dir));
+    PathBuf::from(sqcow2(&args).trim())
 }
 
 /// [`gen_chain`] without an index (a chain as QEMU could have made it).
 pub fn gen_vanilla_chain(dir: &Path, layers: usize, size: &str, fill: &str) -> PathBuf {
-    let layers = layers.to_string();
-    PathBuf::from(
-        sqcow2(&[
-            "gen-chain",
-            "--no-index",
-            "--layers",
-            &layers,
-            "--size",
-            size,
-            "--fill",
-            fill,
-            s(dir),
-        ])
-        .trim(),
-    )
+    gen_chain_with(dir, layers, size, fill, &["--no-index"])
 }
 
 /// The chain's guest view according to `qemu-img convert` (written to

@@ -93,6 +93,51 @@ fn cancel_error() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::Interrupted, "index build cancelled")
 }
 
+/// `Err(cancelled)` naming `what` once `cancelled` says so.
+fn stop_if(cancelled: &dyn Fn() -> bool, what: &Path) -> Result<(), Error> {
+    if cancelled() {
+        return Err(Error::new(what, ErrorKind::Io(cancel_error())));
+    }
+    Ok(())
+}
+
+/// The index of layers `0..=upto` under `name` beside the top: its file
+/// made (refused, untouched, if the name holds anything but an older
+/// index of sqcow2's), the layers marked (`locking`), the entries written
+/// and synced; not installed yet. Returns it with its size.
+fn write_top_index(
+    chain: &Chain,
+    upto: LayerIndex,
+    name: &Path,
+    locking: Locking,
+    progress: Progress,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<(NewIndex, u64), Error> {
+    let top = chain.top();
+    let place = chain.top_place()?;
+    let index = NewIndex::create(
+        place.dir().clone(),
+        name.as_os_str(),
+        place.name(),
+        &layer_ids(chain),
+    )?;
+    // The locks first: a layer another process holds stops the build
+    // before a slice is written.
+    mark_layers(chain, upto.0, locking)?;
+    let top_name = crate::chain::backing_name_of(top);
+    let (_, bytes) = write_index(
+        chain,
+        upto,
+        top.virtual_size(),
+        &top_name,
+        &index,
+        progress,
+        cancelled,
+    )?;
+    stop_if(cancelled, &top.path().with_file_name(name))?;
+    Ok((index, bytes))
+}
+
 /// An in-place build whose top stopped being served (a live snapshot, a
 /// handover): ended as a cancelled one is.
 fn superseded(top: &Path) -> Error {
@@ -571,12 +616,7 @@ pub fn build_index(
     progress: Progress,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Option<BuildReport>, Error> {
-    if cancelled() {
-        return Err(Error::new(
-            chain.top().path(),
-            ErrorKind::Io(cancel_error()),
-        ));
-    }
+    stop_if(cancelled, chain.top().path())?;
     chain.close_unclosed_below()?;
     let Some(upto) = chain.indexable_layers() else {
         return Ok(None);
@@ -588,36 +628,9 @@ pub fn build_index(
     if chain.index_covers() == Some(upto) {
         return Ok(None);
     }
-    let path = top.path().with_file_name(&name);
-    let stop = |what: &Path| -> Result<(), Error> {
-        if cancelled() {
-            return Err(Error::new(what, ErrorKind::Io(cancel_error())));
-        }
-        Ok(())
-    };
-    stop(&path)?;
+    stop_if(cancelled, &top.path().with_file_name(&name))?;
     refuse_corrupt_targets(chain, upto.0, top)?;
-    // Where the index goes, checked before anything is written: nothing,
-    // or an older index of sqcow2's (a layer or another file there is
-    // refused, untouched).
-    let index = NewIndex::create(
-        chain.top_place()?.dir().clone(),
-        name.as_os_str(),
-        chain.top_place()?.name(),
-        &layer_ids(chain),
-    )?;
-    mark_layers(chain, upto.0, locking)?;
-    let top_name = crate::chain::backing_name_of(top);
-    let (_, bytes) = write_index(
-        chain,
-        upto,
-        top.virtual_size(),
-        &top_name,
-        &index,
-        progress,
-        cancelled,
-    )?;
-    stop(&path)?;
+    let (index, bytes) = write_top_index(chain, upto, &name, locking, progress, cancelled)?;
     let installed = index.install()?;
     let report = BuildReport {
         index: installed.path(),
@@ -648,13 +661,7 @@ pub fn index_in_place(
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Option<BuildReport>, Error> {
     let top = chain.top();
-    let stop = |what: &Path| -> Result<(), Error> {
-        if cancelled() {
-            return Err(Error::new(what, ErrorKind::Io(cancel_error())));
-        }
-        Ok(())
-    };
-    stop(top.path())?;
+    stop_if(cancelled, top.path())?;
     let Some(header) = top.header() else {
         return Ok(None);
     };
@@ -669,9 +676,7 @@ pub fn index_in_place(
     }
     let active = chain.active()?;
     refuse_corrupt_targets(chain, upto.0, top)?;
-    let place = chain.top_place()?;
-    let name = PathBuf::from(crate::sidefile::index_name(place.name()));
-    let path = top.path().with_file_name(&name);
+    let name = PathBuf::from(crate::sidefile::index_name(chain.top_place()?.name()));
     // Where the index goes, checked before anything is written.
     let edit = crate::header_area::AreaEdit {
         index: crate::header_area::Edit::Set(&name),
@@ -682,26 +687,7 @@ pub fn index_in_place(
     if !active.rewrite_header_area_while_serving(&edit, true)? {
         return Err(superseded(top.path()));
     }
-    let index = NewIndex::create(
-        place.dir().clone(),
-        name.as_os_str(),
-        place.name(),
-        &layer_ids(chain),
-    )?;
-    // The locks first: a layer another process holds stops the build
-    // before a slice is written.
-    mark_layers(chain, upto.0, locking)?;
-    let top_name = crate::chain::backing_name_of(top);
-    let (_, bytes) = write_index(
-        chain,
-        upto,
-        top.virtual_size(),
-        &top_name,
-        &index,
-        &mut |_, _| {},
-        cancelled,
-    )?;
-    stop(&path)?;
+    let (index, bytes) = write_top_index(chain, upto, &name, locking, &mut |_, _| {}, cancelled)?;
     let installed = index.install()?;
     // A live snapshot meanwhile made this top a backing layer: its
     // header stays as the successor recorded it (the new top has an
