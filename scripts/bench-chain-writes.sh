@@ -89,7 +89,9 @@ run() {
     "$sq" snapshot "$below" "$top" >/dev/null
     serve_sqcow2 "$top"
   else
-    qemu-img create -q -f qcow2 -b "$below" -F qcow2 "$top"
+    # -u with the size: qemu-img would otherwise open the whole chain
+    # (over 11 minutes of CPU for 10,000 layers).
+    qemu-img create -q -f qcow2 -u -b "$below" -F qcow2 "$top" "$size"
     serve_qsd "$top"
   fi
   local t0 t1 json iops ios
