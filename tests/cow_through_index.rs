@@ -190,19 +190,7 @@ fn qemu_chain(dir: &Path, extended: bool, pending: bool) -> PathBuf {
     let old = dir.join("l4.qcow2");
     let top = dir.join("top.qcow2");
     if extended {
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-o",
-            "extended_l2=on",
-            "-b",
-            "l4.qcow2",
-            "-F",
-            "qcow2",
-            s(&top),
-        ]);
+        common::qemu_overlay(&top, "l4.qcow2", "qcow2", &["-o", "extended_l2=on"], None);
     } else {
         sqcow2(&["upgrade", s(&old)]);
         sqcow2(&["snapshot", s(&old), s(&top)]);

@@ -231,6 +231,20 @@ fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
     reference.verify_files(&top, tmp.path());
 }
 
+/// A 50-layer vanilla chain in `dir`, opened writable: its top, the
+/// options it was opened with, the chain.
+fn writable_vanilla_chain(
+    dir: &Path,
+) -> (PathBuf, sqcow2_format::ChainOptions, sqcow2_format::Chain) {
+    let top = common::gen_vanilla_chain(dir, 50, "256M", "0.5");
+    let options = sqcow2_format::ChainOptions {
+        writable: true,
+        ..sqcow2_format::ChainOptions::default()
+    };
+    let chain = sqcow2_format::Chain::open(&top, &options).unwrap();
+    (top, options, chain)
+}
+
 /// Reads of `count` random clusters of `chain`: cache lookups that sent a
 /// walk further down (steps down the chain).
 fn steps_down_over_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
@@ -247,12 +261,7 @@ fn steps_down_over_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
 #[test]
 fn an_index_built_in_place_serves_as_one_found_at_open() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = common::gen_vanilla_chain(tmp.path(), 50, "256M", "0.5");
-    let options = sqcow2_format::ChainOptions {
-        writable: true,
-        ..sqcow2_format::ChainOptions::default()
-    };
-    let chain = sqcow2_format::Chain::open(&top, &options).unwrap();
+    let (top, options, chain) = writable_vanilla_chain(tmp.path());
     assert!(!chain.is_indexed());
     let walked = steps_down_over_reads(&chain, 2000);
     let built =
@@ -296,12 +305,7 @@ fn steps_down_over_worker_reads(chain: &sqcow2_format::Chain, count: usize) -> u
 #[test]
 fn lookups_that_must_not_wait_use_an_index_installed_over_a_warm_walk() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = common::gen_vanilla_chain(tmp.path(), 50, "256M", "0.5");
-    let options = sqcow2_format::ChainOptions {
-        writable: true,
-        ..sqcow2_format::ChainOptions::default()
-    };
-    let chain = sqcow2_format::Chain::open(&top, &options).unwrap();
+    let (_, _, chain) = writable_vanilla_chain(tmp.path());
     // Walking caches every layer's tables (the build walks them too).
     let walked = steps_down_over_worker_reads(&chain, 4000);
     sqcow2_format::indexing::index_in_place(&chain, sqcow2_format::Locking::Auto, &|| false)

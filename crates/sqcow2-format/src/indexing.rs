@@ -138,6 +138,23 @@ fn write_top_index(
     Ok((index, bytes))
 }
 
+/// Starts using the index just installed in `chain`; what was built.
+fn install_report(
+    chain: &Chain,
+    installed: CreatedFile,
+    upto: LayerIndex,
+    bytes: u64,
+) -> Result<BuildReport, Error> {
+    let report = BuildReport {
+        index: installed.path(),
+        layers: upto.0 + 1,
+        bytes,
+        file: Some(installed),
+    };
+    chain.install_built(&report)?;
+    Ok(report)
+}
+
 /// An in-place build whose top stopped being served (a live snapshot, a
 /// handover): ended as a cancelled one is.
 fn superseded(top: &Path) -> Error {
@@ -632,14 +649,7 @@ pub fn build_index(
     refuse_corrupt_targets(chain, upto.0, top)?;
     let (index, bytes) = write_top_index(chain, upto, &name, locking, progress, cancelled)?;
     let installed = index.install()?;
-    let report = BuildReport {
-        index: installed.path(),
-        layers: upto.0 + 1,
-        bytes,
-        file: Some(installed),
-    };
-    chain.install_built(&report)?;
-    Ok(Some(report))
+    install_report(chain, installed, upto, bytes).map(Some)
 }
 
 /// Indexes in place the vanilla chain a daemon serves (`chain` open
@@ -695,14 +705,7 @@ pub fn index_in_place(
     if !active.rewrite_header_area_while_serving(&edit, false)? {
         return Err(superseded(top.path()));
     }
-    let report = BuildReport {
-        index: installed.path(),
-        layers: upto.0 + 1,
-        bytes,
-        file: Some(installed),
-    };
-    chain.install_built(&report)?;
-    Ok(Some(report))
+    install_report(chain, installed, upto, bytes).map(Some)
 }
 
 /// Result of comparing an index with a fresh walk of the chain.

@@ -745,13 +745,32 @@ impl Active {
         &self,
         edit: &crate::header_area::AreaEdit<'_>,
     ) -> Result<(), Error> {
+        // Held across the header's read and write on purpose: a feature
+        // word written back meanwhile would be lost.
         let _order = self
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.edit_header_area(edit, false)
+    }
+
+    /// Reads the header from the file and rewrites its area with `edit`
+    /// (with `dry_run`, only checks that it fits). The caller holds the
+    /// flush order.
+    fn edit_header_area(
+        &self,
+        edit: &crate::header_area::AreaEdit<'_>,
+        dry_run: bool,
+    ) -> Result<(), Error> {
         let e = |k: ErrorKind| Error::new(&self.top.path, k);
-        let header = crate::check::read_header(&*self.top.storage).map_err(e)?;
-        crate::header_area::rewrite(&*self.top.storage, &header, edit).map_err(|io| e(io.into()))
+        let storage = &*self.top.storage;
+        let header = crate::check::read_header(storage).map_err(e)?;
+        let done = if dry_run {
+            crate::header_area::compose(storage, &header, edit).map(drop)
+        } else {
+            crate::header_area::rewrite(storage, &header, edit)
+        };
+        done.map_err(|io| e(io.into()))
     }
 
     /// [`Active::rewrite_header_area`] only while this writer still serves
@@ -767,6 +786,7 @@ impl Active {
         edit: &crate::header_area::AreaEdit<'_>,
         dry_run: bool,
     ) -> Result<bool, Error> {
+        // Held across the header's I/O on purpose (see above).
         let _order = self
             .flush_order
             .lock()
@@ -774,15 +794,7 @@ impl Active {
         if self.failure().is_some() {
             return Ok(false);
         }
-        let e = |k: ErrorKind| Error::new(&self.top.path, k);
-        let header = crate::check::read_header(&*self.top.storage).map_err(e)?;
-        if dry_run {
-            crate::header_area::compose(&*self.top.storage, &header, edit)
-                .map_err(|io| e(io.into()))?;
-        } else {
-            crate::header_area::rewrite(&*self.top.storage, &header, edit)
-                .map_err(|io| e(io.into()))?;
-        }
+        self.edit_header_area(edit, dry_run)?;
         Ok(true)
     }
 
