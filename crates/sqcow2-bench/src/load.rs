@@ -54,6 +54,9 @@ pub struct LoadSpec {
     /// A flush after every this many writes submitted on a queue (0:
     /// never), as fio's `fsync=N`.
     pub flush_every: u64,
+    /// A flush every this long on each queue, whatever was written (`None`:
+    /// never); the flush takes the place of the next request due.
+    pub flush_interval: Option<Duration>,
     /// Keep at most this many latency samples per queue for the CDF.
     pub keep_samples: usize,
     /// Record every request at least this slow (µs), with its start time
@@ -89,6 +92,16 @@ pub struct LoadResult {
     pub lat_p50_us: f64,
     pub lat_p99_us: f64,
     pub lat_p999_us: f64,
+    /// The longest read or write, µs.
+    #[serde(default)]
+    pub lat_max_us: f64,
+    /// Flush latency p50, p99 and maximum, µs (0 without flushes).
+    #[serde(default)]
+    pub flush_lat_p50_us: f64,
+    #[serde(default)]
+    pub flush_lat_p99_us: f64,
+    #[serde(default)]
+    pub flush_lat_max_us: f64,
     /// Latency quantiles 0.00, 0.01, ..., 1.00 in microseconds.
     pub lat_cdf_us: Vec<f64>,
     /// CPU time (user + system) the server used per I/O over the run, in
@@ -213,6 +226,8 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let mut flushes = 0u64;
     let mut errors = 0u64;
     let mut slow = Vec::new();
+    let mut max_ns = 0u64;
+    let mut flush_lat = Vec::new();
     for t in threads {
         let r = t
             .join()
@@ -222,11 +237,18 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         errors += r.errors;
         lat.extend(r.samples);
         slow.extend(r.slow);
+        max_ns = max_ns.max(r.max_ns);
+        flush_lat.extend(r.flush_samples);
     }
     let seconds = start.elapsed().as_secs_f64();
     drop(b);
     let mut r = summarize(spec, seconds, ios, errors, lat);
     r.flushes = flushes;
+    r.lat_max_us = max_ns as f64 / 1000.0;
+    flush_lat.sort_unstable();
+    r.flush_lat_p50_us = quantile_us(&flush_lat, 0.5);
+    r.flush_lat_p99_us = quantile_us(&flush_lat, 0.99);
+    r.flush_lat_max_us = quantile_us(&flush_lat, 1.0);
     slow.sort_by_key(|s| s.start_unix_us);
     r.slow = slow;
     Ok(r)
@@ -241,13 +263,7 @@ pub fn summarize(
     mut lat: Vec<u64>,
 ) -> LoadResult {
     lat.sort_unstable();
-    let q = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return 0.0;
-        }
-        let i = ((lat.len() - 1) as f64 * p).round() as usize;
-        lat[i] as f64 / 1000.0
-    };
+    let q = |p: f64| quantile_us(&lat, p);
     LoadResult {
         pattern: spec.pattern,
         block_size: spec.block_size,
@@ -262,10 +278,23 @@ pub fn summarize(
         lat_p50_us: q(0.5),
         lat_p99_us: q(0.99),
         lat_p999_us: q(0.999),
+        lat_max_us: q(1.0),
+        flush_lat_p50_us: 0.0,
+        flush_lat_p99_us: 0.0,
+        flush_lat_max_us: 0.0,
         lat_cdf_us: (0..=100).map(|i| q(i as f64 / 100.0)).collect(),
         server_cpu_us_per_io: None,
         slow: Vec::new(),
     }
+}
+
+/// The `p` quantile of sorted nanosecond samples, in µs (0 when empty).
+fn quantile_us(sorted_ns: &[u64], p: f64) -> f64 {
+    if sorted_ns.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted_ns.len() - 1) as f64 * p).round() as usize;
+    sorted_ns[i] as f64 / 1000.0
 }
 
 /// What one queue saw.
@@ -277,6 +306,10 @@ pub struct QueueResult {
     pub samples: Vec<u64>,
     /// Requests at least `spec.slow_us` slow.
     pub slow: Vec<SlowRequest>,
+    /// The longest read or write, ns.
+    pub max_ns: u64,
+    /// Every flush's latency, ns.
+    pub flush_samples: Vec<u64>,
 }
 
 /// Microseconds since the Unix epoch at `at` (an `Instant` of this
@@ -310,7 +343,10 @@ pub fn drive_queue(
         errors: 0,
         samples: Vec::new(),
         slow: Vec::new(),
+        max_ns: 0,
+        flush_samples: Vec::new(),
     };
+    let mut next_flush = spec.flush_interval.map(|i| Instant::now() + i);
     let slow_ns = spec.slow_us.map(|us| us * 1000);
     let mut seen = 0u64;
     // RandWriteNew: this queue's clusters, shuffled (written in turn; past
@@ -329,8 +365,14 @@ pub fn drive_queue(
                       started: &mut [Instant],
                       is_flush: &mut [bool]| {
         is_flush[slot] = false;
-        if spec.flush_every > 0 && writes_since_flush >= spec.flush_every {
+        let interval_due = next_flush.is_some_and(|at| Instant::now() >= at);
+        if interval_due || (spec.flush_every > 0 && writes_since_flush >= spec.flush_every) {
             writes_since_flush = 0;
+            if let (Some(at), Some(every)) = (next_flush.as_mut(), spec.flush_interval) {
+                if interval_due {
+                    *at = Instant::now() + every;
+                }
+            }
             is_flush[slot] = true;
             started[slot] = Instant::now();
             q.flush(slot, ReqFlags::empty());
@@ -402,6 +444,7 @@ pub fn drive_queue(
             }
             if is_flush[slot] {
                 out.flushes += 1;
+                out.flush_samples.push(ns);
                 if now < deadline {
                     submit(q, slot, &mut rng, &mut started, &mut is_flush);
                 } else {
@@ -411,6 +454,7 @@ pub fn drive_queue(
             }
             out.ios += 1;
             seen += 1;
+            out.max_ns = out.max_ns.max(ns);
             // Reservoir sampling keeps the latency distribution unbiased.
             if out.samples.len() < spec.keep_samples {
                 out.samples.push(ns);
@@ -457,6 +501,10 @@ pub struct LoadArgs {
     /// A flush after every N writes on a queue (fio's `fsync=N`; 0: none).
     #[arg(long, default_value_t = 0)]
     flush_every: u64,
+    /// A flush every this many milliseconds on each queue (0: none), e.g.
+    /// a guest filesystem's periodic commit.
+    #[arg(long, default_value_t = 0)]
+    flush_interval_ms: u64,
     /// List every request at least this slow (µs) with its start time in
     /// the JSON output (`slow`), e.g. to find the requests a live snapshot
     /// held up.
@@ -490,6 +538,8 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
         queues: args.queues,
         duration: Duration::from_secs_f64(args.duration),
         flush_every: args.flush_every,
+        flush_interval: (args.flush_interval_ms > 0)
+            .then(|| Duration::from_millis(args.flush_interval_ms)),
         keep_samples: 100_000,
         slow_us: args.slow_us,
     };
@@ -500,8 +550,8 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
         }
         crate::OutputFormat::Human => {
             println!(
-                "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, {} flushes, {} errors",
-                r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.flushes, r.errors
+                "{:?} bs={} iodepth={} queues={}: {:.0} IOPS, {:.1} MB/s, latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us, {} flushes (p99 {:.1} us, max {:.1} us), {} errors",
+                r.pattern, r.block_size, r.iodepth, r.queues, r.iops, r.mb_per_s, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us, r.lat_max_us, r.flushes, r.flush_lat_p99_us, r.flush_lat_max_us, r.errors
             );
         }
     }
@@ -531,6 +581,10 @@ pub(crate) mod tests {
             lat_p50_us: 1.0,
             lat_p99_us: 2.0,
             lat_p999_us: 3.0,
+            lat_max_us: 4.0,
+            flush_lat_p50_us: 0.0,
+            flush_lat_p99_us: 0.0,
+            flush_lat_max_us: 0.0,
             lat_cdf_us: vec![1.0; 101],
             server_cpu_us_per_io: cpu_us_per_io,
             slow: Vec::new(),

@@ -264,6 +264,7 @@ fn measure(
                 queues: 1,
                 duration: Duration::from_secs_f64(seconds),
                 flush_every: 0,
+                flush_interval: None,
                 keep_samples: 100_000,
                 slow_us: None,
             };

@@ -241,6 +241,7 @@ pub fn measure(
         queues: 1,
         duration,
         flush_every: 0,
+        flush_interval: None,
         keep_samples: 200_000,
         slow_us: None,
     };

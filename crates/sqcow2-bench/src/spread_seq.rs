@@ -265,6 +265,7 @@ fn measure(
         queues: 1,
         duration,
         flush_every: 0,
+        flush_interval: None,
         keep_samples: 0,
         slow_us: None,
     };

@@ -563,6 +563,7 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
         queues: 1,
         duration: Duration::from_secs_f64(seconds),
         flush_every: 0,
+        flush_interval: None,
         keep_samples: 200_000,
         slow_us: None,
     };
@@ -934,6 +935,7 @@ fn measure_writes(
                         queues: l.queues,
                         duration: Duration::from_secs_f64(setup.seconds),
                         flush_every: 0,
+                        flush_interval: None,
                         keep_samples: 200_000,
                         slow_us: None,
                     };
