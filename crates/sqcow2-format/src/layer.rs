@@ -379,7 +379,7 @@ impl L2Slice {
         }
     }
 
-    /// [`table_status`] within this slice's words.
+    /// [`slice_status`] within this slice's words.
     pub fn status(
         &self,
         g: Geometry,
@@ -439,18 +439,8 @@ pub fn mapping_in_table(
 }
 
 /// The first run of `[guest, guest + max)` (within one L2 table) that
-/// shares one mapping in a whole `table`.
-pub fn table_status(
-    g: Geometry,
-    table: &[u64],
-    guest: GuestOffset,
-    max: u64,
-) -> Result<(LayerStatus, u64), ErrorKind> {
-    slice_status(g, table, 0, guest, max)
-}
-
-/// [`table_status`] in a slice starting at L2 index `first_entry`; `max`
-/// must not run past the slice.
+/// shares one mapping, in a slice of the table starting at L2 index
+/// `first_entry`; `max` must not run past the slice.
 pub fn slice_status(
     g: Geometry,
     table: &[u64],

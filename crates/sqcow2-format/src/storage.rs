@@ -37,6 +37,16 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
             "read-only storage",
         ))
     }
+    /// Writes `bufs` one after another from `offset` ([`Storage::write_at`]
+    /// of each; files write them with one system call).
+    fn write_all_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut at = offset;
+        for buf in bufs {
+            self.write_at(buf, at)?;
+            at += buf.len() as u64;
+        }
+        Ok(())
+    }
     /// Sets the length, truncating or extending with zeros.
     fn set_len(&self, _len: u64) -> io::Result<()> {
         Err(io::Error::new(
@@ -439,6 +449,31 @@ impl Storage for FileStorage {
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.file.file.write_all_at(buf, offset)
+    }
+
+    fn write_all_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut bufs: Vec<&[u8]> = bufs.iter().copied().filter(|b| !b.is_empty()).collect();
+        let mut at = offset;
+        while !bufs.is_empty() {
+            let slices: Vec<io::IoSlice<'_>> = bufs.iter().map(|b| io::IoSlice::new(b)).collect();
+            let mut n = match rustix::io::pwritev(&self.file.file, &slices, at) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            at += n as u64;
+            // Drop what was written, keep the rest of a part written.
+            while let Some(first) = bufs.first_mut() {
+                if n < first.len() {
+                    *first = &first[n..];
+                    break;
+                }
+                n -= first.len();
+                bufs.remove(0);
+            }
+        }
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {

@@ -18,6 +18,7 @@
 
 mod claim;
 mod flush;
+mod held_table;
 pub(crate) mod journal;
 mod open;
 mod overlap;

@@ -22,12 +22,20 @@
 use std::collections::VecDeque;
 
 /// Most bytes held in spare clusters (the leak a process death leaves at
-/// worst until the next read-write open repairs it).
+/// worst until the next read-write open repairs it): the batch a top
+/// prepared ahead of a burst of allocations asks for
+/// ([`Spares::want_full_batch`]).
 const MAX_SPARE_BYTES: u64 = 16 << 20;
+/// Most bytes a refill on demand prepares: it runs on the path of the
+/// write that asked for it, and a filesystem that fills the space in
+/// (tmpfs zeroes the pages) took long enough over 16 MiB to be that
+/// write's latency (measured: the longest write 40-60 ms against 10-12 ms
+/// with 1 MiB).
+const MAX_REFILL_BYTES: u64 = 1 << 20;
 /// Most spare clusters prepared at once.
 const MAX_BATCH: usize = 1024;
-/// The first batch; each refill doubles it up to the maximum, so that an
-/// image written a little does not get 16 MiB of spares.
+/// The first batch; each refill doubles it up to [`MAX_REFILL_BYTES`], so
+/// that an image written a little does not get a megabyte of spares.
 const FIRST_BATCH: usize = 8;
 
 /// The spare clusters of the writable top (cluster indices).
@@ -39,7 +47,9 @@ pub(crate) struct Spares {
     /// Size of the last batch: the next is prepared once half of it is
     /// left.
     last: usize,
+    /// The largest batch asked for ahead of demand, and on demand.
     max_batch: usize,
+    max_refill: usize,
     /// An allocation looked for a spare since the last refill.
     wanted: bool,
     /// Spares were made since the image was opened (it carries the dirty
@@ -52,16 +62,20 @@ impl Spares {
     /// image has no dirty bit to mark them with (`enabled` false: qcow2
     /// v2).
     pub(crate) fn new(cluster_bits: u32, enabled: bool) -> Self {
-        let max_batch = if enabled {
-            ((MAX_SPARE_BYTES >> cluster_bits) as usize).clamp(1, MAX_BATCH)
-        } else {
-            0
+        let clusters = |bytes: u64| {
+            if enabled {
+                ((bytes >> cluster_bits) as usize).clamp(1, MAX_BATCH)
+            } else {
+                0
+            }
         };
+        let (max_batch, max_refill) = (clusters(MAX_SPARE_BYTES), clusters(MAX_REFILL_BYTES));
         Spares {
             ready: VecDeque::new(),
-            batch: FIRST_BATCH.min(max_batch),
+            batch: FIRST_BATCH.min(max_refill),
             last: 0,
             max_batch,
+            max_refill,
             wanted: false,
             made: false,
         }
@@ -82,7 +96,7 @@ impl Spares {
         self.wanted = false;
         let n = self.batch;
         self.last = n;
-        self.batch = (self.batch * 2).min(self.max_batch);
+        self.batch = (self.batch * 2).min(self.max_refill);
         n
     }
 
@@ -95,7 +109,7 @@ impl Spares {
 
     /// Preparing a batch failed (a full filesystem): start small again.
     pub(crate) fn failed(&mut self) {
-        self.batch = FIRST_BATCH.min(self.max_batch);
+        self.batch = FIRST_BATCH.min(self.max_refill);
         self.last = 0;
     }
 
@@ -150,6 +164,11 @@ mod tests {
             s.take();
         }
         assert_eq!(s.refill_wanted(), 16, "half of the last batch left");
+        s.add(&(16..32).collect::<Vec<_>>());
+        for _ in 0..12 {
+            s.take();
+        }
+        assert_eq!(s.refill_wanted(), 16, "a refill on demand: at most 1 MiB");
         let mut s = Spares::new(21, true); // 2 MiB clusters: at most 8
         for _ in 0..5 {
             s.take();
@@ -166,6 +185,15 @@ mod tests {
         s.want_full_batch();
         assert_eq!(s.refill_wanted(), (MAX_SPARE_BYTES >> 16) as usize);
         assert_eq!(s.refill_wanted(), 0, "one refill per demand");
+        s.add(&(0..256).collect::<Vec<_>>());
+        for _ in 0..200 {
+            s.take();
+        }
+        assert_eq!(
+            s.refill_wanted(),
+            (MAX_REFILL_BYTES >> 16) as usize,
+            "on demand again afterwards"
+        );
         let mut s = Spares::new(16, false);
         s.want_full_batch();
         assert_eq!(s.refill_wanted(), 0, "disabled");

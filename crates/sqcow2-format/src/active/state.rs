@@ -11,7 +11,7 @@ use crate::entry::{CompressedDescriptor, COMPRESSED, COPIED, OFFSET_MASK, ZERO};
 use crate::error::{Error, ErrorKind};
 use crate::fence::FenceCut;
 use crate::header::{Header, Version};
-use crate::layer::{clip_to_l2, read_l2_table, read_words, table_status, validate_l2_offset};
+use crate::layer::{clip_to_l2, read_l2_table, read_words, validate_l2_offset};
 use crate::layer::{L2Slice, LayerStatus};
 use crate::refcount::Refcounts;
 use crate::storage::Storage;
@@ -21,6 +21,7 @@ use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use super::claim::ClaimCell;
 use super::flush::OrderNeeds;
+use super::held_table::HeldTable;
 use super::journal::{Journal, MetadataWrite, Reservation};
 use super::overlap::MetadataClusters;
 use super::spares::Spares;
@@ -83,7 +84,7 @@ impl TopFile {
 /// write-back.
 #[derive(Debug)]
 pub(crate) struct L2Slot {
-    pub(crate) table: Vec<u64>,
+    pub(crate) table: HeldTable,
     /// When the table was last loaded or changed ([`ActiveState`]'s clock),
     /// for choosing which clean tables go back to the cache.
     pub(crate) used: u64,
@@ -258,8 +259,8 @@ impl ActiveState {
         let per = self.top.words();
         if let Some(slot) = self.l2.get(&l2_offset) {
             let i = g.l2_index(guest) as usize * per;
-            let bitmap = if per == 2 { slot.table[i + 1] } else { 0 };
-            return Ok(Some((slot.table[i], bitmap)));
+            let bitmap = if per == 2 { slot.table.get(i + 1) } else { 0 };
+            return Ok(Some((slot.table.get(i), bitmap)));
         }
         let (slice, words) = self.cached_slice(l2_offset, guest)?;
         let i = (g.l2_index(guest) - slice.first_entry) as usize * per;
@@ -288,7 +289,10 @@ impl ActiveState {
             return Ok((LayerStatus::Unallocated { host: None }, max));
         }
         if let Some(slot) = self.l2.get(&l2_offset) {
-            return table_status(g, &slot.table, guest, max).map_err(|k| self.top.err(k));
+            return slot
+                .table
+                .status(g, guest, max)
+                .map_err(|k| self.top.err(k));
         }
         let (slice, words) = self.cached_slice(l2_offset, guest)?;
         slice
@@ -377,7 +381,7 @@ impl ActiveState {
         self.l2.insert(
             offset,
             L2Slot {
-                table,
+                table: HeldTable::from_words(&table),
                 used,
                 dirty: DirtyPages::default(),
                 generation: 0,
@@ -446,7 +450,7 @@ impl ActiveState {
             self.refcounts.free_later(offset >> g.cluster_bits);
             self.l2[&offset].table.clone()
         } else {
-            vec![0u64; (g.cluster_size() / 8) as usize]
+            HeldTable::zeroed((g.cluster_size() / 8) as usize)
         };
         let used = self.tick();
         self.l2.insert(
@@ -523,9 +527,9 @@ impl ActiveState {
             ));
         }
         writes.push(if words == 2 {
-            MetadataWrite::two(at, slot.table[i], slot.table[i + 1])
+            MetadataWrite::two(at, slot.table.get(i), slot.table.get(i + 1))
         } else {
-            MetadataWrite::one(at, slot.table[i])
+            MetadataWrite::one(at, slot.table.get(i))
         });
         journal.reserve(writes)
     }
@@ -569,11 +573,11 @@ impl ActiveState {
         let i = self.g().l2_index(guest) as usize * self.top.words();
         let table = &self.l2[&l2].table;
         let bitmap = if self.top.words() == 2 {
-            table[i + 1]
+            table.get(i + 1)
         } else {
             0
         };
-        (i, table[i], bitmap)
+        (i, table.get(i), bitmap)
     }
 
     /// Sets entry `i` of the loaded (or pinned) table `l2`.
@@ -590,9 +594,9 @@ impl ActiveState {
             panic!("L2 table {l2:#x} is not loaded for a change (a bug)");
         };
         slot.used = used;
-        slot.table[i] = entry;
+        slot.table.set(i, entry);
         if words == 2 {
-            slot.table[i + 1] = bitmap;
+            slot.table.set(i + 1, bitmap);
         }
         slot.dirty.mark(i * 8);
         slot.generation += 1;
@@ -733,7 +737,7 @@ impl ActiveState {
         let slot = self.l2.get(&l2_offset)?;
         let first = usize::try_from(offset.checked_sub(l2_offset)? / 8).ok()?;
         slot.table
-            .get(first..first.checked_add(words)?)
+            .words(first..first.checked_add(words)?)
             .map(Slice::from)
     }
 
@@ -752,17 +756,21 @@ impl ActiveState {
     }
 
     /// Puts the slices of a clean table into the unified cache.
-    pub(crate) fn publish(&self, offset: u64, table: &[u64]) {
+    pub(crate) fn publish(&self, offset: u64, table: &HeldTable) {
         let g = self.g();
         let top = &self.top;
         let slice_bytes = top.slice_size.clamp(g.l2_entry_size(), g.cluster_size());
         let words = (slice_bytes / 8) as usize;
-        for (i, chunk) in table.chunks(words).enumerate() {
+        let len = table.len();
+        for (i, first) in (0..len).step_by(words).enumerate() {
+            let Some(chunk) = table.words(first..(first + words).min(len)) else {
+                continue;
+            };
             let key = SliceKey {
                 source: top.source,
                 offset: offset + i as u64 * slice_bytes,
             };
-            top.cache.insert(key, chunk.to_vec().into());
+            top.cache.insert(key, chunk.into());
         }
     }
 }
