@@ -9,6 +9,8 @@
 #   qsd      qemu-storage-daemon at its best (aio=io_uring, the export in a
 #            polling iothread) on the same chain
 #   raw      the same qemu-storage-daemon serving a raw file (the floor)
+#   base     sqcow2 serve of another build, BASE_BIN=path (before/after;
+#            SERVERS="base sqcow2 qsd raw")
 # One libblkio client (sqcow2-bench load --flush-interval-ms) drives each.
 #
 #   scripts/bench-flush-tail.sh [ROUNDS] [SECONDS]   (defaults: 3, 10)
@@ -49,9 +51,9 @@ wait_socket() {
   echo "no socket $1" >&2; return 1
 }
 
-serve_sqcow2() {
+serve_sqcow2() { # TOP [BINARY]
   rm -f v.sock c.sock
-  "$sq" serve --socket v.sock --control c.sock "$1" 2>>"$out/sqcow2.log" &
+  "${2:-$sq}" serve --socket v.sock --control c.sock "$1" 2>>"$out/sqcow2.log" &
   pid=$!
   wait_socket c.sock
   # The top's index is written by the daemon right after start.
@@ -88,6 +90,9 @@ for round in $(seq "$rounds"); do
       sqcow2)
         "$sq" snapshot "$below" top.qcow2 >/dev/null
         serve_sqcow2 "$dir/top.qcow2" ;;
+      base)
+        "$sq" snapshot "$below" top.qcow2 >/dev/null
+        serve_sqcow2 "$dir/top.qcow2" "${BASE_BIN:?BASE_BIN names the other build}" ;;
       qsd)
         qemu-img create -q -f qcow2 -u -b "$below" -F qcow2 top.qcow2 "$size"
         serve_qsd "$dir/top.qcow2" qcow2 ;;
