@@ -62,6 +62,8 @@ pub struct LoadSpec {
     /// Record every request at least this slow (µs), with its start time
     /// ([`LoadResult::slow`]); `None`: none.
     pub slow_us: Option<u64>,
+    /// Count completions per interval of this length ([`LoadResult::timeline_iops`]).
+    pub timeline: Option<Duration>,
 }
 
 /// A request at least `--slow-us` slow.
@@ -111,6 +113,13 @@ pub struct LoadResult {
     /// Every request at least `--slow-us` slow, flushes included.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slow: Vec<SlowRequest>,
+    /// With `--timeline-ms`: reads and writes completed per interval, as
+    /// IOPS, from `start_unix_us` on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timeline_iops: Vec<f64>,
+    /// When the load began: microseconds since the Unix epoch.
+    #[serde(default)]
+    pub start_unix_us: u64,
 }
 
 /// Connects to `target` with `queues` queues; `read_only` for loads that
@@ -209,6 +218,9 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         bail!("disk too small");
     }
     let start = Instant::now();
+    let start_unix_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
     let threads: Vec<_> = queues
         .into_iter()
         .enumerate()
@@ -217,7 +229,7 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
             let base = region.addr + i * per_queue;
             std::thread::spawn(move || {
                 let mut q = q;
-                drive_queue(&mut q, i, base, capacity, &spec)
+                drive_queue(&mut q, i, base, capacity, &spec, start)
             })
         })
         .collect();
@@ -228,6 +240,7 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let mut slow = Vec::new();
     let mut max_ns = 0u64;
     let mut flush_lat = Vec::new();
+    let mut timeline: Vec<u64> = Vec::new();
     for t in threads {
         let r = t
             .join()
@@ -239,6 +252,12 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         slow.extend(r.slow);
         max_ns = max_ns.max(r.max_ns);
         flush_lat.extend(r.flush_samples);
+        if timeline.len() < r.timeline.len() {
+            timeline.resize(r.timeline.len(), 0);
+        }
+        for (sum, n) in timeline.iter_mut().zip(&r.timeline) {
+            *sum += n;
+        }
     }
     let seconds = start.elapsed().as_secs_f64();
     drop(b);
@@ -251,6 +270,13 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     r.flush_lat_max_us = quantile_us(&flush_lat, 1.0);
     slow.sort_by_key(|s| s.start_unix_us);
     r.slow = slow;
+    r.start_unix_us = start_unix_us;
+    if let Some(every) = spec.timeline {
+        r.timeline_iops = timeline
+            .iter()
+            .map(|&n| n as f64 / every.as_secs_f64())
+            .collect();
+    }
     Ok(r)
 }
 
@@ -285,6 +311,8 @@ pub fn summarize(
         lat_cdf_us: (0..=100).map(|i| q(i as f64 / 100.0)).collect(),
         server_cpu_us_per_io: None,
         slow: Vec::new(),
+        timeline_iops: Vec::new(),
+        start_unix_us: 0,
     }
 }
 
@@ -310,6 +338,8 @@ pub struct QueueResult {
     pub max_ns: u64,
     /// Every flush's latency, ns.
     pub flush_samples: Vec<u64>,
+    /// Reads and writes completed per `spec.timeline` interval.
+    pub timeline: Vec<u64>,
 }
 
 /// Microseconds since the Unix epoch at `at` (an `Instant` of this
@@ -326,6 +356,7 @@ pub fn drive_queue(
     base: usize,
     capacity: u64,
     spec: &LoadSpec,
+    start: Instant,
 ) -> anyhow::Result<QueueResult> {
     let bs = spec.block_size as u64;
     let blocks = capacity / bs;
@@ -345,6 +376,7 @@ pub fn drive_queue(
         slow: Vec::new(),
         max_ns: 0,
         flush_samples: Vec::new(),
+        timeline: Vec::new(),
     };
     let mut next_flush = spec.flush_interval.map(|i| Instant::now() + i);
     let slow_ns = spec.slow_us.map(|us| us * 1000);
@@ -455,6 +487,14 @@ pub fn drive_queue(
             out.ios += 1;
             seen += 1;
             out.max_ns = out.max_ns.max(ns);
+            if let Some(every) = spec.timeline {
+                let bucket =
+                    (now.duration_since(start).as_nanos() / every.as_nanos().max(1)) as usize;
+                if out.timeline.len() <= bucket {
+                    out.timeline.resize(bucket + 1, 0);
+                }
+                out.timeline[bucket] += 1;
+            }
             // Reservoir sampling keeps the latency distribution unbiased.
             if out.samples.len() < spec.keep_samples {
                 out.samples.push(ns);
@@ -510,6 +550,10 @@ pub struct LoadArgs {
     /// held up.
     #[arg(long)]
     slow_us: Option<u64>,
+    /// Count completions per this many milliseconds (`timeline_iops` in
+    /// the JSON output: IOPS over time, e.g. across live snapshots).
+    #[arg(long)]
+    timeline_ms: Option<u64>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     output: crate::OutputFormat,
@@ -542,6 +586,10 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
             .then(|| Duration::from_millis(args.flush_interval_ms)),
         keep_samples: 100_000,
         slow_us: args.slow_us,
+        timeline: args
+            .timeline_ms
+            .filter(|&ms| ms > 0)
+            .map(Duration::from_millis),
     };
     let r = run(&spec)?;
     match args.output {
@@ -588,6 +636,8 @@ pub(crate) mod tests {
             lat_cdf_us: vec![1.0; 101],
             server_cpu_us_per_io: cpu_us_per_io,
             slow: Vec::new(),
+            timeline_iops: Vec::new(),
+            start_unix_us: 0,
         }
     }
 }

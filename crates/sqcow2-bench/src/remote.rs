@@ -265,6 +265,7 @@ fn measure(
                 duration: Duration::from_secs_f64(seconds),
                 flush_every: 0,
                 flush_interval: None,
+                timeline: None,
                 keep_samples: 100_000,
                 slow_us: None,
             };

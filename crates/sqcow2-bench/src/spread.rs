@@ -242,6 +242,7 @@ pub fn measure(
         duration,
         flush_every: 0,
         flush_interval: None,
+        timeline: None,
         keep_samples: 200_000,
         slow_us: None,
     };

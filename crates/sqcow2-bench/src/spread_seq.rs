@@ -266,6 +266,7 @@ fn measure(
         duration,
         flush_every: 0,
         flush_interval: None,
+        timeline: None,
         keep_samples: 0,
         slow_us: None,
     };

@@ -564,6 +564,7 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
         duration: Duration::from_secs_f64(seconds),
         flush_every: 0,
         flush_interval: None,
+        timeline: None,
         keep_samples: 200_000,
         slow_us: None,
     };
@@ -936,6 +937,7 @@ fn measure_writes(
                         duration: Duration::from_secs_f64(setup.seconds),
                         flush_every: 0,
                         flush_interval: None,
+                        timeline: None,
                         keep_samples: 200_000,
                         slow_us: None,
                     };

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# IOPS over time through a series of live snapshots (issue 43, point 3):
+# allocating 4 KiB random writes at depth 16 (rand-write-new: each write
+# into a cluster not written before) into a fresh top over a chain of
+# LAYERS layers (default 100; `gen-chain --size 10G --fill 0.05`), and N
+# live snapshots GAP seconds apart while the load runs. After each
+# snapshot sqcow2 builds the new top's index in the background; the
+# question is whether the writes dip meanwhile. The load generator counts
+# completions per 100 ms (`--timeline-ms`).
+#
+# The peer: qemu-storage-daemon at its best (aio=io_uring, a polling
+# iothread) on a copy of the chain, the same snapshots through QMP
+# (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py). PEER=none
+# skips it.
+#
+#   scripts/bench-snapshot-series.sh [N] [GAP] [DIR]
+#   (defaults: 10, 2 s, /tmp/sqcow2-snapshot-series)
+#
+# Prints per server: IOPS over the whole run, the median 100 ms bucket
+# in the second before each snapshot, and in the second after it (the
+# index build runs then), the lowest 100 ms bucket after a snapshot
+# (outside the pause's own bucket) and sqcow2's index build time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+here=$PWD
+. scripts/lib/deps.sh
+ensure_commands qemu-img:qemu-utils
+peer=${PEER:-qsd}
+[ "$peer" = none ] || ensure_commands qemu-storage-daemon:qemu-system-x86
+n=${1:-10}
+gap=${2:-2}
+root=${3:-/tmp/sqcow2-snapshot-series}
+layers=${LAYERS:-100}
+size=${SIZE:-10G}
+fill=${FILL:-0.05}
+secs=$(python3 -c "print($n * $gap + 4)")
+
+cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
+sq=$here/target/release/sqcow2
+load=$here/target/release/sqcow2-bench
+rm -rf "$root" && mkdir -p "$root/chain"
+trap '[ -n "${KEEP:-}" ] || rm -rf "$root/chain" "$root/qsd"' EXIT
+cd "$root"
+
+echo "==> chain of $layers layers ($size, fill $fill)" >&2
+below=$("$sq" gen-chain --layers "$layers" --size "$size" --fill "$fill" chain | xargs readlink -f)
+
+indexed() {
+  "$sq" stats c.sock --output json | python3 -c '
+import json, sys
+i = json.load(sys.stdin)["index"]
+sys.exit(0 if i["pending_layers"] == 0 and not i["building"] and i["walking_because"] is None else 1)'
+}
+
+echo "==> sqcow2: $n live snapshots $gap s apart under the load" >&2
+"$sq" snapshot "$below" chain/top.qcow2 >/dev/null
+"$sq" serve --socket v.sock --control c.sock chain/top.qcow2 2>sqcow2.log &
+pid=$!
+for _ in $(seq 600); do [ -S c.sock ] && indexed && break; sleep 0.1; done
+"$load" load --socket v.sock --pattern rand-write-new --bs 4k --iodepth 16 \
+  --duration "$secs" --timeline-ms 100 --output json >sqcow2-load.json &
+lp=$!
+sleep 2
+: >sqcow2-snapshots.jsonl
+for i in $(seq "$n"); do
+  t0=$(date +%s%6N)
+  reply=$("$sq" snapshot --live c.sock "chain/live$i.qcow2" --output json | tr -d '\n ')
+  # The new top's index is built in the background: when is it in use?
+  built=""
+  for _ in $(seq 400); do
+    if indexed; then built=$(date +%s%6N); break; fi
+    sleep 0.02
+  done
+  echo "{\"at_unix_us\": $t0, \"indexed_unix_us\": ${built:-null}, \"reply\": $reply}" >>sqcow2-snapshots.jsonl
+  now=$(date +%s%6N)
+  python3 -c "import time; time.sleep(max(0, $gap - ($now - $t0) / 1e6))"
+done
+wait "$lp"
+kill "$pid"; wait "$pid" 2>/dev/null || true
+
+if [ "$peer" != none ]; then
+  echo "==> qemu-storage-daemon: the same through QMP" >&2
+  mkdir qsd
+  (
+    cd qsd
+    qemu-img create -q -f qcow2 -u -b "$below" -F qcow2 top.qcow2 "$size"
+    qemu-storage-daemon --object iothread,id=iot0,poll-max-ns=32768 \
+      --blockdev driver=file,node-name=file,filename=top.qcow2,aio=io_uring \
+      --blockdev driver=qcow2,node-name=disk,file=file \
+      --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0 \
+      --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off \
+      --monitor chardev=qmp 2>qsd.log &
+    qp=$!
+    while [ ! -S v.sock ]; do sleep 0.1; done
+    "$load" load --socket v.sock --pattern rand-write-new --bs 4k --iodepth 16 \
+      --duration "$secs" --timeline-ms 100 --output json >../qsd-load.json &
+    lp=$!
+    sleep 2
+    python3 "$here/scripts/lib/qmp_snapshots.py" qmp.sock disk "$n" "$gap" ../qsd-snapshots.jsonl
+    wait "$lp"
+    kill "$qp"; wait "$qp" 2>/dev/null || true
+  )
+fi
+
+python3 - "$n" "$gap" "$layers" <<'EOF'
+import json, os, statistics, sys
+n, gap, layers = sys.argv[1:4]
+print(f"{n} live snapshots {gap} s apart under 4 KiB allocating writes at depth 16, "
+      f"fresh top over {layers} layers; 100 ms buckets")
+print()
+print("| server | IOPS (whole run) | median before a snapshot | median in the second after | lowest bucket after (median over snapshots) | index in use after (median) |")
+print("|---|---:|---:|---:|---:|---:|")
+for server in ["sqcow2", "qsd"]:
+    if not os.path.exists(f"{server}-load.json"):
+        continue
+    load = json.load(open(f"{server}-load.json"))
+    t = load["timeline_iops"]
+    start = load["start_unix_us"]
+    snaps = []
+    for line in open(f"{server}-snapshots.jsonl"):
+        if not line.strip():
+            continue
+        s = json.loads(line)
+        at = s.get("at_unix_us") or s.get("started_unix_us")
+        snaps.append((at, s))
+    before, after, lowest, built = [], [], [], []
+    for at, s in snaps:
+        b = int((at - start) / 100_000)
+        if b < 10 or b + 11 > len(t):
+            continue
+        before.append(statistics.median(t[b - 10:b]))
+        # The bucket holding the pause is the pause's own: skip it.
+        after.append(statistics.median(t[b + 1:b + 11]))
+        lowest.append(min(t[b + 1:b + 11]))
+        if s.get("indexed_unix_us"):
+            built.append((s["indexed_unix_us"] - at) / 1000)
+    med = lambda v: statistics.median(v) if v else float("nan")
+    b = f"{med(built):.0f} ms" if built else "-"
+    print(f"| {server} | {load['iops']:,.0f} | {med(before):,.0f} | {med(after):,.0f} | {med(lowest):,.0f} | {b} |")
+EOF
