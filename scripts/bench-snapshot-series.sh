@@ -16,10 +16,13 @@
 #   scripts/bench-snapshot-series.sh [N] [GAP] [DIR]
 #   (defaults: 10, 2 s, /tmp/sqcow2-snapshot-series)
 #
-# Prints per server: IOPS over the whole run, the median 100 ms bucket
-# in the second before each snapshot, and in the second after it (the
-# index build runs then), the lowest 100 ms bucket after a snapshot
-# (outside the pause's own bucket) and sqcow2's index build time.
+# Prints per server (medians over the snapshots): IOPS over the whole
+# run, the median 100 ms bucket in the second before each snapshot and
+# in the second after its pause (sqcow2 builds the new top's index
+# then), the lowest bucket from the pause on, how long the rate stayed
+# under half of the rate before, and when sqcow2's new index was in use.
+# Each 4 KiB write takes a 64 KiB cluster: a run writes tens of GB at
+# sqcow2's rates (the disk needs the room).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 here=$PWD
@@ -108,33 +111,34 @@ n, gap, layers = sys.argv[1:4]
 print(f"{n} live snapshots {gap} s apart under 4 KiB allocating writes at depth 16, "
       f"fresh top over {layers} layers; 100 ms buckets")
 print()
-print("| server | IOPS (whole run) | median before a snapshot | median in the second after | lowest bucket after (median over snapshots) | index in use after (median) |")
-print("|---|---:|---:|---:|---:|---:|")
+print("| server | IOPS (whole run) | median bucket in the second before a pause | in the second after it | lowest bucket from the pause on | time under half the rate before (median / max) | index in use after (median) |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+med = lambda v: statistics.median(v) if v else float("nan")
 for server in ["sqcow2", "qsd"]:
-    if not os.path.exists(f"{server}-load.json"):
+    if not os.path.exists(f"{server}-load.json") or not os.path.exists(f"{server}-snapshots.jsonl"):
         continue
     load = json.load(open(f"{server}-load.json"))
     t = load["timeline_iops"]
     start = load["start_unix_us"]
-    snaps = []
+    before, after, lowest, under, built = [], [], [], [], []
     for line in open(f"{server}-snapshots.jsonl"):
         if not line.strip():
             continue
         s = json.loads(line)
-        at = s.get("at_unix_us") or s.get("started_unix_us")
-        snaps.append((at, s))
-    before, after, lowest, built = [], [], [], []
-    for at, s in snaps:
+        reply = s.get("reply", s)
+        at = s.get("at_unix_us", reply["started_unix_us"])
         b = int((at - start) / 100_000)
-        if b < 10 or b + 11 > len(t):
+        p = int((reply["paused_unix_us"] - start) / 100_000)
+        if b < 10 or p + 15 > len(t):
             continue
-        before.append(statistics.median(t[b - 10:b]))
-        # The bucket holding the pause is the pause's own: skip it.
-        after.append(statistics.median(t[b + 1:b + 11]))
-        lowest.append(min(t[b + 1:b + 11]))
+        rate = statistics.median(t[b - 10:b])
+        before.append(rate)
+        after.append(statistics.median(t[p + 1:p + 11]))
+        lowest.append(min(t[p:p + 11]))
+        under.append(100 * sum(1 for x in t[p:p + 15] if x < rate / 2))
         if s.get("indexed_unix_us"):
             built.append((s["indexed_unix_us"] - at) / 1000)
-    med = lambda v: statistics.median(v) if v else float("nan")
     b = f"{med(built):.0f} ms" if built else "-"
-    print(f"| {server} | {load['iops']:,.0f} | {med(before):,.0f} | {med(after):,.0f} | {med(lowest):,.0f} | {b} |")
+    print(f"| {server} | {load['iops']:,.0f} | {med(before):,.0f} | {med(after):,.0f} | {med(lowest):,.0f}"
+          f" | {med(under):.0f} / {max(under, default=0):.0f} ms | {b} |")
 EOF
