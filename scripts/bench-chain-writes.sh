@@ -111,19 +111,24 @@ run() {
 }
 
 loads=${LOADS:-new-4k-1 new-4k-16 new-64k-16}
-for layers in ${LAYERS:-1 100 1000}; do
+lengths=${LAYERS:-1 100 1000}
+for layers in $lengths; do
   echo "==> chain of $layers layers ($size, fill $fill)" >&2
   mkdir -p "chain$layers"
   "$sq" gen-chain --layers "$layers" --size "$size" --fill "$fill" "chain$layers" |
     xargs readlink -f > "chain$layers/top"
-  for round in $(seq "$rounds"); do
-    for name in $loads; do
+done
+# Chain lengths interleaved within a round, so that the machine's drift
+# over the run (page cache, the disk freeing earlier tops) falls on all.
+for round in $(seq "$rounds"); do
+  for name in $loads; do
+    for layers in $lengths; do
       if [ $((round % 2)) = 1 ]; then order="sqcow2 qsd"; else order="qsd sqcow2"; fi
       for server in $order; do run "$server" "$layers" "$name" "$round"; done
     done
   done
-  rm -rf "chain$layers"
 done
+for layers in $lengths; do rm -rf "chain$layers"; done
 
 python3 - "$out/results.tsv" <<'EOF'
 import sys, statistics, collections

@@ -1,4 +1,4 @@
-//! Writing metadata back. What waits to be written is copied under the
+//! Writing metadata back. What waits to be written is taken under the
 //! metadata lock ([`WriteBack`]) and written with no lock held, in an order
 //! that leaves the file consistent for a reader at every moment and after a
 //! power loss at any point:
@@ -80,7 +80,8 @@ impl OrderNeeds {
     }
 }
 
-/// The changed parts of one L2 table, copied.
+/// The changed parts of one L2 table: its pages, shared with the table
+/// (a change made after the take copies the page it changes).
 #[derive(Debug)]
 pub(crate) struct DirtyTable {
     offset: u64,
@@ -126,7 +127,7 @@ impl WriteBack {
 }
 
 impl ActiveState {
-    /// Copies what waits to be written; with `frees`, also takes the queued
+    /// Takes what waits to be written; with `frees`, also takes the queued
     /// releases (applied by the flush after the fence, at `cut`).
     pub(crate) fn take_write_back(&mut self, frees: Option<FenceCut>) -> WriteBack {
         let lazy = self.top.lazy_refcounts;

@@ -20,6 +20,8 @@ pub(crate) struct HeldTable {
     pages: Vec<Arc<[u8]>>,
     /// Words per page: a page's, or the whole table's if smaller.
     page_words: usize,
+    /// Words in the table.
+    len: usize,
 }
 
 /// Pages of a table shared with a write-back, adjacent in the file from
@@ -42,6 +44,7 @@ impl HeldTable {
     pub(crate) fn from_words(words: &[u64]) -> Self {
         let page_words = (PAGE / 8).min(words.len()).max(1);
         Self {
+            len: words.len(),
             pages: words
                 .chunks(page_words)
                 .map(|chunk| chunk.iter().flat_map(|w| w.to_be_bytes()).collect())
@@ -57,7 +60,7 @@ impl HeldTable {
 
     /// Its length in words.
     pub(crate) fn len(&self) -> usize {
-        self.pages.iter().map(|p| p.len() / 8).sum()
+        self.len
     }
 
     /// Word `i`.
@@ -105,11 +108,12 @@ impl HeldTable {
         let max = max.min(page_end - guest.0);
         let last_entry = g.l2_index(GuestOffset(guest.0 + max.max(1) - 1));
         let first_word = (index % entries_per_page) as usize * per_entry;
-        let words: Vec<u64> = (first_word
-            ..first_word + (last_entry - index + 1) as usize * per_entry)
-            .map(|w| word(page, w))
-            .collect();
-        slice_status(g, &words, index, guest, max)
+        let count = (last_entry - index + 1) as usize * per_entry;
+        let mut words = [0u64; PAGE / 8];
+        for (i, w) in words[..count].iter_mut().enumerate() {
+            *w = word(page, first_word + i);
+        }
+        slice_status(g, &words[..count], index, guest, max)
     }
 
     /// The pages `dirty` names, shared (no copy), in runs of adjacent

@@ -688,7 +688,8 @@ impl Active {
     }
 
     /// Makes spare clusters when allocations asked for them and at most
-    /// half of the last batch is left: counted under the lock, given their
+    /// half of the pool is left (at most 1 MiB at a time: this runs on a
+    /// write's path; see `spares.rs`): counted under the lock, given their
     /// space and zeroed outside it (by one caller at a time; the others go
     /// on without). Those that cannot be prepared (a full filesystem) are
     /// given back.
@@ -714,7 +715,7 @@ impl Active {
         }
     }
 
-    /// Makes the largest batch of spare clusters now (for a top that is
+    /// Fills the whole pool of spare clusters now (for a top that is
     /// about to take a burst of allocating writes: a live snapshot's new
     /// top, prepared before the guest's pause), so that the first writes
     /// after the switch find spares rather than wait for a table's sync.

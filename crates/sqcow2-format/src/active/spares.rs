@@ -8,7 +8,7 @@
 //! before, and the cluster's count and space are on disk already. So a
 //! *publish* of such writes (the mappings in the page cache, so that a
 //! process death loses none of them) costs page-cache writes only; the
-//! sync is paid once per batch of spares. Any other allocation (a
+//! sync is paid by the next write-back after a refill. Any other allocation (a
 //! copy-on-write over data, a reused or preallocated cluster, an L2 table
 //! copied from a shared one) still has its data synced before its mapping
 //! is written ([`super::flush`]).
@@ -22,34 +22,36 @@
 use std::collections::VecDeque;
 
 /// Most bytes held in spare clusters (the leak a process death leaves at
-/// worst until the next read-write open repairs it): the batch a top
-/// prepared ahead of a burst of allocations asks for
-/// ([`Spares::want_full_batch`]).
+/// worst until the next read-write open repairs it).
 const MAX_SPARE_BYTES: u64 = 16 << 20;
-/// Most bytes a refill on demand prepares: it runs on the path of the
+/// Most bytes one refill on demand prepares: it runs on the path of the
 /// write that asked for it, and a filesystem that fills the space in
-/// (tmpfs zeroes the pages) took long enough over 16 MiB to be that
-/// write's latency (measured: the longest write 40-60 ms against 10-12 ms
-/// with 1 MiB).
+/// (tmpfs zeroes the pages) took long enough over 16 MiB at once to be
+/// that write's latency (measured: the longest write 40-60 ms against
+/// 10-12 ms with 1 MiB). One cluster where a cluster is larger.
 const MAX_REFILL_BYTES: u64 = 1 << 20;
-/// Most spare clusters prepared at once.
-const MAX_BATCH: usize = 1024;
-/// The first batch; each refill doubles it up to [`MAX_REFILL_BYTES`], so
-/// that an image written a little does not get a megabyte of spares.
-const FIRST_BATCH: usize = 8;
+/// Most spare clusters held.
+const MAX_POOL: usize = 1024;
+/// The first pool. It doubles (up to the maximum) when a refill filled it
+/// or when an allocation found it empty, so that an image written a
+/// little does not get many spares, and one written fast gets more.
+const FIRST_POOL: usize = 8;
 
 /// The spare clusters of the writable top (cluster indices).
 #[derive(Debug)]
 pub(crate) struct Spares {
     ready: VecDeque<u64>,
-    /// Size of the next batch.
-    batch: usize,
-    /// Size of the last batch: the next is prepared once half of it is
-    /// left.
-    last: usize,
-    /// The largest batch asked for ahead of demand, and on demand.
-    max_batch: usize,
+    /// How many spares to hold: a refill is due once at most half of it
+    /// is left.
+    target: usize,
+    max_pool: usize,
+    /// Most clusters one refill on demand prepares.
     max_refill: usize,
+    /// The next refill prepares the whole pool at once (asked ahead of a
+    /// burst, off any request's path).
+    ahead: bool,
+    /// An allocation found no spare since the last refill.
+    ran_dry: bool,
     /// An allocation looked for a spare since the last refill.
     wanted: bool,
     /// Spares were made since the image was opened (it carries the dirty
@@ -64,18 +66,19 @@ impl Spares {
     pub(crate) fn new(cluster_bits: u32, enabled: bool) -> Self {
         let clusters = |bytes: u64| {
             if enabled {
-                ((bytes >> cluster_bits) as usize).clamp(1, MAX_BATCH)
+                ((bytes >> cluster_bits) as usize).clamp(1, MAX_POOL)
             } else {
                 0
             }
         };
-        let (max_batch, max_refill) = (clusters(MAX_SPARE_BYTES), clusters(MAX_REFILL_BYTES));
+        let (max_pool, max_refill) = (clusters(MAX_SPARE_BYTES), clusters(MAX_REFILL_BYTES));
         Spares {
             ready: VecDeque::new(),
-            batch: FIRST_BATCH.min(max_refill),
-            last: 0,
-            max_batch,
+            target: FIRST_POOL.min(max_pool),
+            max_pool,
             max_refill,
+            ahead: false,
+            ran_dry: false,
             wanted: false,
             made: false,
         }
@@ -84,33 +87,48 @@ impl Spares {
     /// The lowest spare, if any.
     pub(crate) fn take(&mut self) -> Option<u64> {
         self.wanted = true;
-        self.ready.pop_front()
+        let spare = self.ready.pop_front();
+        self.ran_dry |= spare.is_none();
+        spare
     }
 
     /// How many clusters to prepare now (0: none): when allocations asked
-    /// for spares and at most half of the last batch is left.
+    /// for spares and at most half of the pool is left; at most
+    /// [`MAX_REFILL_BYTES`] of them unless asked ahead.
     pub(crate) fn refill_wanted(&mut self) -> usize {
-        if !self.wanted || self.batch == 0 || self.ready.len() > self.last / 2 {
+        if !self.wanted || self.target == 0 || self.ready.len() > self.target / 2 {
+            // A pool asked for ahead but full enough: nothing owed.
+            self.ahead &= self.ready.len() <= self.target / 2;
             return 0;
         }
         self.wanted = false;
-        let n = self.batch;
-        self.last = n;
-        self.batch = (self.batch * 2).min(self.max_refill);
+        let missing = self.target - self.ready.len();
+        let n = if std::mem::take(&mut self.ahead) {
+            missing
+        } else {
+            missing.min(self.max_refill)
+        };
+        let ran_dry = std::mem::take(&mut self.ran_dry);
+        if n == missing || ran_dry {
+            self.target = (self.target * 2).min(self.max_pool);
+        }
         n
     }
 
-    /// Asks for the largest batch at the next refill (a top prepared for
-    /// a burst of allocations, as after a live snapshot's switch).
+    /// Asks for the whole pool at the next refill (a top prepared for a
+    /// burst of allocations, as after a live snapshot's switch, before
+    /// the pause).
     pub(crate) fn want_full_batch(&mut self) {
         self.wanted = true;
-        self.batch = self.max_batch;
+        self.ahead = true;
+        self.target = self.max_pool;
     }
 
     /// Preparing a batch failed (a full filesystem): start small again.
     pub(crate) fn failed(&mut self) {
-        self.batch = FIRST_BATCH.min(self.max_refill);
-        self.last = 0;
+        self.target = FIRST_POOL.min(self.max_pool);
+        self.ahead = false;
+        self.ran_dry = false;
     }
 
     /// Whether spares were ever made.
@@ -150,37 +168,69 @@ pub(crate) fn runs(clusters: &[u64]) -> Vec<(u64, u64)> {
 mod tests {
     use super::*;
 
+    /// Takes `n` spares, then refills as the engine does (counted
+    /// clusters numbered from `next`); the sizes of the refills.
+    fn take_and_refill(s: &mut Spares, n: usize, next: &mut u64) -> Vec<usize> {
+        let mut refills = Vec::new();
+        for _ in 0..n {
+            s.take();
+            let k = s.refill_wanted();
+            if k > 0 {
+                refills.push(k);
+                let batch: Vec<u64> = (*next..*next + k as u64).collect();
+                *next += k as u64;
+                s.add(&batch);
+            }
+        }
+        refills
+    }
+
     #[test]
-    fn batches_grow_and_refill_only_on_demand() {
+    fn the_pool_grows_a_megabyte_at_a_time_and_refills_only_on_demand() {
         let mut s = Spares::new(16, true);
         assert_eq!(s.refill_wanted(), 0, "nobody asked");
         assert_eq!(s.take(), None);
-        assert_eq!(s.refill_wanted(), FIRST_BATCH);
+        assert_eq!(s.refill_wanted(), FIRST_POOL);
         assert_eq!(s.refill_wanted(), 0, "one refill per demand");
         s.add(&[10, 8, 9, 11, 12, 13, 14, 15]);
-        assert_eq!(s.take(), Some(8));
-        assert_eq!(s.refill_wanted(), 0, "7 of 8 left");
-        for _ in 0..3 {
+        assert_eq!(s.take(), Some(8), "the lowest first");
+        let mut next = 100;
+        // A few allocations leave a few spares, not megabytes.
+        take_and_refill(&mut s, 12, &mut next);
+        assert!(
+            s.ready.len() <= 32,
+            "{} spares after 13 writes",
+            s.ready.len()
+        );
+        let refills = take_and_refill(&mut s, 5000, &mut next);
+        let most = (MAX_REFILL_BYTES >> 16) as usize;
+        assert!(refills.iter().all(|&k| k <= most), "{refills:?}");
+        assert!(s.ready.len() <= (MAX_SPARE_BYTES >> 16) as usize);
+        assert!(
+            s.ready.len() > most,
+            "the pool grew past one refill: {}",
+            s.ready.len()
+        );
+        // Allocations faster than the refills (none added for a while):
+        // the pool doubles once it has run dry.
+        let before = s.target;
+        for _ in 0..s.ready.len() + 1 {
             s.take();
         }
-        assert_eq!(s.refill_wanted(), 16, "half of the last batch left");
-        s.add(&(16..32).collect::<Vec<_>>());
-        for _ in 0..12 {
-            s.take();
-        }
-        assert_eq!(s.refill_wanted(), 16, "a refill on demand: at most 1 MiB");
-        let mut s = Spares::new(21, true); // 2 MiB clusters: at most 8
-        for _ in 0..5 {
-            s.take();
-            assert!(s.refill_wanted() <= 8);
-        }
+        s.refill_wanted();
+        assert_eq!(s.target, (before * 2).min(s.max_pool));
+        // 2 MiB clusters: at most 8 held, one prepared at a time.
+        let mut s = Spares::new(21, true);
+        let refills = take_and_refill(&mut s, 100, &mut next);
+        assert!(refills.iter().all(|&k| k == 1), "{refills:?}");
+        assert!(s.ready.len() <= 8);
         let mut s = Spares::new(16, false);
         assert_eq!(s.take(), None);
         assert_eq!(s.refill_wanted(), 0, "disabled");
     }
 
     #[test]
-    fn a_full_batch_is_asked_for_ahead_of_demand() {
+    fn a_full_pool_is_asked_for_ahead_of_demand() {
         let mut s = Spares::new(16, true);
         s.want_full_batch();
         assert_eq!(s.refill_wanted(), (MAX_SPARE_BYTES >> 16) as usize);
@@ -192,7 +242,23 @@ mod tests {
         assert_eq!(
             s.refill_wanted(),
             (MAX_REFILL_BYTES >> 16) as usize,
-            "on demand again afterwards"
+            "on demand again afterwards: a megabyte"
+        );
+        // Asked ahead while the pool is full enough: nothing owed, and
+        // the next refill on demand is a megabyte again.
+        let mut s = Spares::new(16, true);
+        s.want_full_batch();
+        assert_eq!(s.refill_wanted(), 256);
+        s.add(&(0..256).collect::<Vec<_>>());
+        s.want_full_batch();
+        assert_eq!(s.refill_wanted(), 0, "full enough");
+        for _ in 0..200 {
+            s.take();
+        }
+        assert_eq!(
+            s.refill_wanted(),
+            16,
+            "not the whole pool on a write's path"
         );
         let mut s = Spares::new(16, false);
         s.want_full_batch();
