@@ -52,6 +52,8 @@ pub(crate) struct Spares {
     ahead: bool,
     /// An allocation found no spare since the last refill.
     ran_dry: bool,
+    /// The last refill filled the pool to its target.
+    filled: bool,
     /// An allocation looked for a spare since the last refill.
     wanted: bool,
     /// Spares were made since the image was opened (it carries the dirty
@@ -79,6 +81,7 @@ impl Spares {
             max_refill,
             ahead: false,
             ran_dry: false,
+            filled: false,
             wanted: false,
             made: false,
         }
@@ -102,16 +105,19 @@ impl Spares {
             return 0;
         }
         self.wanted = false;
-        let missing = self.target - self.ready.len();
+        // Grow when the last refill filled the pool and it is half used
+        // again, or when it ran out: allocations outpace it.
+        let ran_dry = std::mem::take(&mut self.ran_dry);
+        if self.made && (self.filled || ran_dry) {
+            self.target = (self.target * 2).min(self.max_pool);
+        }
+        let missing = self.target.saturating_sub(self.ready.len());
         let n = if std::mem::take(&mut self.ahead) {
             missing
         } else {
             missing.min(self.max_refill)
         };
-        let ran_dry = std::mem::take(&mut self.ran_dry);
-        if n == missing || ran_dry {
-            self.target = (self.target * 2).min(self.max_pool);
-        }
+        self.filled = n == missing;
         n
     }
 
@@ -129,6 +135,7 @@ impl Spares {
         self.target = FIRST_POOL.min(self.max_pool);
         self.ahead = false;
         self.ran_dry = false;
+        self.filled = false;
     }
 
     /// Whether spares were ever made.
