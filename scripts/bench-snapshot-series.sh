@@ -42,7 +42,20 @@ cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
 sq=$here/target/release/sqcow2
 load=$here/target/release/sqcow2-bench
 rm -rf "$root" && mkdir -p "$root/chain"
-trap '[ -n "${KEEP:-}" ] || rm -rf "$root/chain" "$root/qsd"' EXIT
+# Servers and loads still running stop with the script, whatever ended it.
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -n "${KEEP:-}" ] || rm -rf "$root/chain" "$root/qsd"
+}
+trap cleanup EXIT
+# Each 4 KiB write takes a 64 KiB cluster: at sqcow2's rates a run writes
+# tens of GB. Refuse to start without MIN_FREE_GB (default 60) free.
+free_gb=$(df -P -BG "$root" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+if [ "$free_gb" -lt "${MIN_FREE_GB:-60}" ]; then
+  echo "bench-snapshot-series: $free_gb GB free in $root, ${MIN_FREE_GB:-60} wanted (MIN_FREE_GB=)" >&2
+  exit 1
+fi
 cd "$root"
 
 echo "==> chain of $layers layers ($size, fill $fill)" >&2
@@ -59,10 +72,12 @@ echo "==> sqcow2: $n live snapshots $gap s apart under the load" >&2
 "$sq" snapshot "$below" chain/top.qcow2 >/dev/null
 "$sq" serve --socket v.sock --control c.sock chain/top.qcow2 2>sqcow2.log &
 pid=$!
+pids+=("$pid")
 for _ in $(seq 600); do [ -S c.sock ] && indexed && break; sleep 0.1; done
 "$load" load --socket v.sock --pattern rand-write-new --bs 4k --iodepth 16 \
   --duration "$secs" --timeline-ms 100 --output json >sqcow2-load.json &
 lp=$!
+pids+=("$lp")
 sleep 2
 : >sqcow2-snapshots.jsonl
 for i in $(seq "$n"); do
@@ -94,6 +109,7 @@ if [ "$peer" != none ]; then
       --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off \
       --monitor chardev=qmp 2>qsd.log &
     qp=$!
+    trap 'kill "$qp" ${lp:-} 2>/dev/null || true' EXIT
     while [ ! -S v.sock ]; do sleep 0.1; done
     "$load" load --socket v.sock --pattern rand-write-new --bs 4k --iodepth 16 \
       --duration "$secs" --timeline-ms 100 --output json >../qsd-load.json &
