@@ -13,7 +13,7 @@
 # (`blockdev-snapshot-sync`, scripts/lib/qmp_snapshots.py). PEER=none
 # skips it.
 #
-#   scripts/bench-snapshot-series.sh [N] [GAP] [DIR]
+#   [SQCOW2=path] scripts/bench-snapshot-series.sh [N] [GAP] [DIR]
 #   (defaults: 10, 2 s, /tmp/sqcow2-snapshot-series)
 #
 # Prints per server (medians over the snapshots): IOPS over the whole
@@ -39,7 +39,8 @@ fill=${FILL:-0.05}
 secs=$(python3 -c "print($n * $gap + 4)")
 
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
-sq=$here/target/release/sqcow2
+# SQCOW2=path serves with another build (the load generator stays this one).
+sq=${SQCOW2:-$here/target/release/sqcow2}
 load=$here/target/release/sqcow2-bench
 rm -rf "$root" && mkdir -p "$root/chain"
 # Servers and loads still running stop with the script, whatever ended it.
