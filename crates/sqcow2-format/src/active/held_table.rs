@@ -47,7 +47,13 @@ impl HeldTable {
             len: words.len(),
             pages: words
                 .chunks(page_words)
-                .map(|chunk| chunk.iter().flat_map(|w| w.to_be_bytes()).collect())
+                .map(|chunk| {
+                    let mut page = Vec::with_capacity(chunk.len() * 8);
+                    for w in chunk {
+                        page.extend_from_slice(&w.to_be_bytes());
+                    }
+                    Arc::from(page)
+                })
                 .collect(),
             page_words,
         }
@@ -85,7 +91,20 @@ impl HeldTable {
         if range.start > range.end || range.end > self.len() {
             return None;
         }
-        Some(range.map(|i| self.get(i)).collect())
+        let mut out = Vec::with_capacity(range.len());
+        let mut i = range.start;
+        while i < range.end {
+            let page = &self.pages[i / self.page_words];
+            let from = i % self.page_words;
+            let to = (page.len() / 8).min(from + (range.end - i));
+            out.extend(page[from * 8..to * 8].chunks_exact(8).map(|c| {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(c);
+                u64::from_be_bytes(bytes)
+            }));
+            i += to - from;
+        }
+        Some(out)
     }
 
     /// The mapping of `[guest, guest + max)` (within this table), as
