@@ -13,6 +13,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use common::faulty_fs::FaultyFs;
 use common::reference::Reference;
 use common::vhost::{connect_retry, control, wait_index_state, wait_indexed, Daemon};
 use common::{build_chain, qemu_io, s, sha256_file, sqcow2, LayerSpec};
@@ -229,6 +230,68 @@ fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
     drop(client);
     daemon.stop();
     reference.verify_files(&top, tmp.path());
+}
+
+/// An index build the filesystem fails is abandoned: the chain lies on a
+/// FUSE filesystem that can make no new file (`create` answers `ENOSYS`,
+/// so the index's side file cannot be made, nor the mapping journal). The
+/// daemon says why once, in the log, `stats` and `info`, serves walking
+/// (changes published instead of journaled), and neither loses a write nor
+/// returns wrong data; QEMU reads the chain and finds every layer clean.
+#[test]
+fn an_index_build_the_filesystem_fails_falls_back_to_walking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    qemu_made(&src, 12);
+    let fs = FaultyFs::mount(&src, &tmp.path().join("mnt"));
+    let top = fs.mountpoint.join("layer11.qcow2");
+    let mut reference = Reference::new(&top, tmp.path(), BLOCK);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let st = wait_index_state(&ctl, "a failed build", |index| {
+        index["failures"].as_u64() >= Some(1) && index["building"] == false
+    });
+    let st = &st["result"];
+    assert_eq!(st["index_mode"], "walk", "{st}");
+    let why = st["index"]["walking_because"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        why.contains("cannot be indexed") && why.contains("sqidx"),
+        "stats: {st}"
+    );
+    let info = control(&ctl, json!({"command": "info"}));
+    assert_eq!(
+        info["result"]["walking_because"].as_str(),
+        Some(why.as_str()),
+        "{info}"
+    );
+    // Served right while walking: copy-on-write from every depth, reads
+    // of every layer's data.
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut rng = fastrand::Rng::with_seed(11);
+    for _ in 0..300 {
+        let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
+        let fill = rng.u8(1..);
+        client.write(offset, &vec![fill; BLOCK as usize]);
+        reference.wrote(offset, fill);
+    }
+    reference.verify_through(&mut client, "walking after the failed build");
+    let st = control(&ctl, json!({"command": "stats"}));
+    assert_eq!(st["result"]["index"]["failures"], 1, "retried: {st}");
+    drop(client);
+    daemon.stop();
+    let log = daemon.log();
+    assert_eq!(log.matches("cannot be indexed").count(), 1, "{log}");
+    drop(fs);
+    // What QEMU sees: the files themselves, every layer clean.
+    let top = src.join("layer11.qcow2");
+    reference.verify_for_qemu(&top, tmp.path());
+    for i in 0..12 {
+        common::assert_check_clean(&src.join(format!("layer{i}.qcow2")));
+    }
 }
 
 /// A 50-layer vanilla chain in `dir`, opened writable: its top, the
