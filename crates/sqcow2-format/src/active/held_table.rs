@@ -6,7 +6,7 @@
 //! it was taken.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::dirty::{DirtyPages, PAGE};
 use crate::error::ErrorKind;
@@ -59,9 +59,23 @@ impl HeldTable {
         }
     }
 
-    /// An empty table of `words` words.
+    /// An empty table of `words` words. Whole pages share one page of
+    /// zeros, which a change copies first: a new table costs no memory
+    /// until it is written (the 16 pages of a 64 KiB table, built and
+    /// faulted in, took ~100 µs under the metadata lock on a VM, for each
+    /// table a fresh top makes).
     pub(crate) fn zeroed(words: usize) -> Self {
-        Self::from_words(&vec![0; words])
+        let page_words = PAGE / 8;
+        if words < page_words || words % page_words != 0 {
+            return Self::from_words(&vec![0; words]);
+        }
+        static ZEROS: OnceLock<Arc<[u8]>> = OnceLock::new();
+        let zeros = ZEROS.get_or_init(|| Arc::from(vec![0u8; PAGE]));
+        Self {
+            pages: vec![zeros.clone(); words / page_words],
+            page_words,
+            len: words,
+        }
     }
 
     /// Its length in words.
@@ -163,6 +177,26 @@ fn word(page: &[u8], i: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn empty_tables_share_a_page_of_zeros_until_changed() {
+        let mut a = HeldTable::zeroed(8192);
+        let b = HeldTable::zeroed(8192);
+        assert!(Arc::ptr_eq(&a.pages[0], &b.pages[15]));
+        a.set(513, 9);
+        assert_eq!((a.get(513), b.get(513), a.get(512)), (9, 0, 0));
+        assert!(
+            !Arc::ptr_eq(&a.pages[1], &b.pages[1]),
+            "copied before the change"
+        );
+        assert!(Arc::ptr_eq(&a.pages[0], &b.pages[0]));
+        assert_eq!(b.words(0..8192), Some(vec![0; 8192]));
+        // Smaller than a page: a table of its own.
+        let mut small = HeldTable::zeroed(64);
+        small.set(63, 1);
+        assert_eq!(small.words(60..64), Some(vec![0, 0, 0, 1]));
+        assert_eq!(HeldTable::zeroed(64).get(63), 0);
+    }
 
     #[test]
     fn a_change_after_sharing_leaves_the_shared_pages_as_they_were() {

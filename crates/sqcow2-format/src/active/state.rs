@@ -453,15 +453,24 @@ impl ActiveState {
             HeldTable::zeroed((g.cluster_size() / 8) as usize)
         };
         let used = self.tick();
+        // A new table from a spare reads as zeros in the file already:
+        // only the pages changes set are written back (not 64 KiB of
+        // zeros per table a fresh top makes). A copy, or a cluster that
+        // may hold old bytes, is written whole.
+        let clean_on_disk = zeroed && offset == 0;
         self.l2.insert(
             new,
             L2Slot {
                 used,
-                dirty: DirtyPages::all(table.len() * 8),
+                dirty: if clean_on_disk {
+                    DirtyPages::default()
+                } else {
+                    DirtyPages::all(table.len() * 8)
+                },
                 table,
                 generation: 1,
                 pins: 0,
-                journal_safe: zeroed && offset == 0,
+                journal_safe: clean_on_disk,
                 l1_in_file: false,
             },
         );
