@@ -232,26 +232,30 @@ fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
     reference.verify_files(&top, tmp.path());
 }
 
-/// An index build the filesystem fails is abandoned: the chain lies on a
-/// FUSE filesystem that can make no new file (`create` answers `ENOSYS`,
-/// so the index's side file cannot be made, nor the mapping journal). The
-/// daemon says why once, in the log, `stats` and `info`, serves walking
-/// (changes published instead of journaled), and neither loses a write nor
-/// returns wrong data; QEMU reads the chain and finds every layer clean.
+/// An index build that meets I/O errors is abandoned: the chain lies on a
+/// FUSE filesystem that fails every write, sync and new file with a real
+/// `EIO` while the daemon starts (the index's side file cannot be made,
+/// nor the mapping journal). The daemon says why once, in the log,
+/// `stats` and `info`, and serves walking (changes published instead of
+/// journaled); once the files work again it neither loses a write nor
+/// returns wrong data, and QEMU reads the chain and finds every layer
+/// clean.
 #[test]
-fn an_index_build_the_filesystem_fails_falls_back_to_walking() {
+fn an_index_build_that_meets_eio_falls_back_to_walking() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     std::fs::create_dir(&src).unwrap();
     qemu_made(&src, 12);
-    let fs = FaultyFs::mount(&src, &tmp.path().join("mnt"));
+    let fs = FaultyFs::mount_with_new_files(&src, &tmp.path().join("mnt"));
     let top = fs.mountpoint.join("layer11.qcow2");
     let mut reference = Reference::new(&top, tmp.path(), BLOCK);
     let ctl = tmp.path().join("control.sock");
+    fs.faults.set(false, true, true);
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-    let st = wait_index_state(&ctl, "a failed build", |index| {
+    let st = wait_index_state(&ctl, "a build failed by EIO", |index| {
         index["failures"].as_u64() >= Some(1) && index["building"] == false
     });
+    fs.faults.set(false, false, false);
     let st = &st["result"];
     assert_eq!(st["index_mode"], "walk", "{st}");
     let why = st["index"]["walking_because"]
@@ -259,7 +263,7 @@ fn an_index_build_the_filesystem_fails_falls_back_to_walking() {
         .unwrap_or_default()
         .to_string();
     assert!(
-        why.contains("cannot be indexed") && why.contains("sqidx"),
+        why.contains("cannot be indexed") && why.contains("Input/output error"),
         "stats: {st}"
     );
     let info = control(&ctl, json!({"command": "info"}));

@@ -1,5 +1,7 @@
-//! A FUSE filesystem that passes a directory's files through and fails
-//! reads, writes or fsyncs with a real `EIO` on demand: the I/O error a
+//! A FUSE filesystem that passes a flat directory's files through (and,
+//! mounted so, lets files be created, renamed, linked and removed there)
+//! and fails reads, writes or fsyncs with a real `EIO` on demand (a change
+//! of the directory fails with the writes): the I/O error a
 //! dying disk gives, seen through an ordinary file descriptor (and so
 //! through io_uring too). It can also hold a write in flight until the
 //! test releases it (a slow disk, made deterministic). Mounting needs root
@@ -16,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use fuser::{
-    consts::FOPEN_DIRECT_IO, FileAttr, FileType, Filesystem, MountOption, ReplyAttr, ReplyData,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, TimeOrNow,
+    consts::FOPEN_DIRECT_IO, FileAttr, FileType, Filesystem, MountOption, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, TimeOrNow,
 };
 
 /// Which operations fail with `EIO` now, and which writes are held.
@@ -153,11 +155,20 @@ fn read_fully(file: &File, offset: u64, size: usize) -> Option<Vec<u8>> {
 }
 
 struct Passthrough {
-    files: Vec<(String, File)>,
+    /// The directory passed through.
+    dir: PathBuf,
+    /// Open files by inode number - 2 (`None`: gone, no name left).
+    inodes: Vec<Option<File>>,
+    /// The directory's entries: name and inode number (hard links share
+    /// one).
+    names: Vec<(String, u64)>,
     faults: Arc<Faults>,
     /// Take over byte-range locks and refuse them (ENOLCK), like a
     /// network filesystem mounted without lock support.
     refuse_locks: bool,
+    /// Files may be created, renamed, linked and removed, and the
+    /// directory listed (else `ENOSYS`, as a filesystem without them).
+    new_files: bool,
 }
 
 const ROOT: u64 = 1;
@@ -166,7 +177,39 @@ const TTL: Duration = Duration::ZERO;
 impl Passthrough {
     fn file(&self, ino: u64) -> Option<&File> {
         let i = usize::try_from(ino.checked_sub(2)?).ok()?;
-        self.files.get(i).map(|(_, f)| f)
+        self.inodes.get(i)?.as_ref()
+    }
+
+    fn ino_of(&self, name: &OsStr) -> Option<u64> {
+        self.names
+            .iter()
+            .find(|(n, _)| OsStr::new(n) == name)
+            .map(|(_, ino)| *ino)
+    }
+
+    /// Drops the name (and the inode once no name is left).
+    fn forget_name(&mut self, name: &OsStr) {
+        let Some(ino) = self.ino_of(name) else {
+            return;
+        };
+        self.names.retain(|(n, _)| OsStr::new(n) != name);
+        if !self.names.iter().any(|(_, i)| *i == ino) {
+            if let Some(slot) = self.inodes.get_mut(ino as usize - 2) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// The error a change of the directory gets now, if any: `ENOSYS`
+    /// unless mounted with new files, `EIO` while writes fail.
+    fn dir_change_refused(&self) -> Option<libc::c_int> {
+        if !self.new_files {
+            Some(libc::ENOSYS)
+        } else if self.faults.writes.load(Ordering::SeqCst) {
+            Some(libc::EIO)
+        } else {
+            None
+        }
     }
 
     fn attr(&self, ino: u64) -> Option<FileAttr> {
@@ -179,6 +222,11 @@ impl Passthrough {
                 0o644,
             )
         };
+        let nlink = if ino == ROOT {
+            2
+        } else {
+            self.names.iter().filter(|(_, i)| *i == ino).count() as u32
+        };
         Some(FileAttr {
             ino,
             size,
@@ -189,7 +237,7 @@ impl Passthrough {
             crtime: SystemTime::UNIX_EPOCH,
             kind,
             perm,
-            nlink: 1,
+            nlink,
             uid: 0,
             gid: 0,
             rdev: 0,
@@ -247,9 +295,9 @@ impl Filesystem for Passthrough {
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         let found = (parent == ROOT)
-            .then(|| self.files.iter().position(|(n, _)| OsStr::new(n) == name))
+            .then(|| self.ino_of(name))
             .flatten()
-            .and_then(|i| self.attr(i as u64 + 2));
+            .and_then(|ino| self.attr(ino));
         match found {
             Some(attr) => reply.entry(&TTL, &attr, 0),
             None => reply.error(libc::ENOENT),
@@ -387,6 +435,183 @@ impl Filesystem for Passthrough {
     }
 
     #[allow(clippy::too_many_arguments)]
+    fn create(
+        &mut self,
+        _req: &Request<'_>,
+        parent: u64,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        if parent != ROOT {
+            return reply.error(libc::ENOENT);
+        }
+        if let Some(e) = self.dir_change_refused() {
+            return reply.error(e);
+        }
+        if let Some(ino) = self.ino_of(name) {
+            if flags & libc::O_EXCL != 0 {
+                return reply.error(libc::EEXIST);
+            }
+            return match self.attr(ino) {
+                Some(attr) => reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO),
+                None => reply.error(libc::ENOENT),
+            };
+        }
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(self.dir.join(name))
+        {
+            Ok(f) => f,
+            Err(e) => return reply.error(e.raw_os_error().unwrap_or(libc::EIO)),
+        };
+        self.inodes.push(Some(file));
+        let ino = self.inodes.len() as u64 + 1;
+        self.names.push((name.to_string_lossy().into_owned(), ino));
+        match self.attr(ino) {
+            Some(attr) => reply.created(&TTL, &attr, 0, 0, FOPEN_DIRECT_IO),
+            None => reply.error(libc::EIO),
+        }
+    }
+
+    fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
+        if parent != ROOT || self.ino_of(name).is_none() {
+            return reply.error(libc::ENOENT);
+        }
+        if let Some(e) = self.dir_change_refused() {
+            return reply.error(e);
+        }
+        if let Err(e) = std::fs::remove_file(self.dir.join(name)) {
+            return reply.error(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+        self.forget_name(name);
+        reply.ok();
+    }
+
+    fn rename(
+        &mut self,
+        _req: &Request<'_>,
+        parent: u64,
+        name: &OsStr,
+        newparent: u64,
+        newname: &OsStr,
+        flags: u32,
+        reply: ReplyEmpty,
+    ) {
+        let Some(ino) = (parent == ROOT && newparent == ROOT)
+            .then(|| self.ino_of(name))
+            .flatten()
+        else {
+            return reply.error(libc::ENOENT);
+        };
+        if flags & !libc::RENAME_NOREPLACE != 0 {
+            return reply.error(libc::EINVAL);
+        }
+        if let Some(e) = self.dir_change_refused() {
+            return reply.error(e);
+        }
+        if flags & libc::RENAME_NOREPLACE != 0 && self.ino_of(newname).is_some() {
+            return reply.error(libc::EEXIST);
+        }
+        if let Err(e) = std::fs::rename(self.dir.join(name), self.dir.join(newname)) {
+            return reply.error(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+        self.forget_name(newname);
+        self.names.retain(|(n, _)| OsStr::new(n) != name);
+        self.names
+            .push((newname.to_string_lossy().into_owned(), ino));
+        reply.ok();
+    }
+
+    fn link(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        newparent: u64,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let Some(old) = self
+            .names
+            .iter()
+            .find(|(_, i)| *i == ino)
+            .map(|(n, _)| n.clone())
+        else {
+            return reply.error(libc::ENOENT);
+        };
+        if newparent != ROOT {
+            return reply.error(libc::ENOENT);
+        }
+        if let Some(e) = self.dir_change_refused() {
+            return reply.error(e);
+        }
+        if self.ino_of(newname).is_some() {
+            return reply.error(libc::EEXIST);
+        }
+        if let Err(e) = std::fs::hard_link(self.dir.join(old), self.dir.join(newname)) {
+            return reply.error(e.raw_os_error().unwrap_or(libc::EIO));
+        }
+        self.names
+            .push((newname.to_string_lossy().into_owned(), ino));
+        match self.attr(ino) {
+            Some(attr) => reply.entry(&TTL, &attr, 0),
+            None => reply.error(libc::EIO),
+        }
+    }
+
+    fn readdir(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        mut reply: ReplyDirectory,
+    ) {
+        if !self.new_files {
+            return reply.error(libc::ENOSYS);
+        }
+        if ino != ROOT {
+            return reply.error(libc::ENOTDIR);
+        }
+        let mut entries = vec![
+            (ROOT, FileType::Directory, ".".to_string()),
+            (ROOT, FileType::Directory, "..".to_string()),
+        ];
+        entries.extend(
+            self.names
+                .iter()
+                .map(|(n, i)| (*i, FileType::RegularFile, n.clone())),
+        );
+        for (k, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+            if reply.add(ino, k as i64 + 1, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        _fh: u64,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        if self.faults.fsyncs.load(Ordering::SeqCst) {
+            return reply.error(libc::EIO);
+        }
+        match File::open(&self.dir).and_then(|d| d.sync_all()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e.raw_os_error().unwrap_or(libc::EIO)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn fallocate(
         &mut self,
         _req: &Request<'_>,
@@ -427,19 +652,33 @@ pub struct FaultyFs {
 }
 
 impl FaultyFs {
+    /// The files of `source`, no new file possible (`ENOSYS`): so no
+    /// side file (journal, index) either.
     pub fn mount(source: &Path, mountpoint: &Path) -> FaultyFs {
-        FaultyFs::mount_with(source, mountpoint, false)
+        FaultyFs::mount_with(source, mountpoint, false, false)
+    }
+
+    /// [`FaultyFs::mount`] where files can also be created, renamed,
+    /// linked and removed (side files work; a change of the directory
+    /// fails with `EIO` while writes do).
+    pub fn mount_with_new_files(source: &Path, mountpoint: &Path) -> FaultyFs {
+        FaultyFs::mount_with(source, mountpoint, false, true)
     }
 
     /// [`FaultyFs::mount`] on a filesystem that refuses byte-range locks
     /// (ENOLCK), like NFS mounted with `nolock` and no local locking.
     pub fn mount_without_locks(source: &Path, mountpoint: &Path) -> FaultyFs {
-        FaultyFs::mount_with(source, mountpoint, true)
+        FaultyFs::mount_with(source, mountpoint, true, false)
     }
 
-    fn mount_with(source: &Path, mountpoint: &Path, refuse_locks: bool) -> FaultyFs {
+    fn mount_with(
+        source: &Path,
+        mountpoint: &Path,
+        refuse_locks: bool,
+        new_files: bool,
+    ) -> FaultyFs {
         std::fs::create_dir_all(mountpoint).unwrap();
-        let mut files = Vec::new();
+        let (mut inodes, mut names) = (Vec::new(), Vec::new());
         for entry in std::fs::read_dir(source).unwrap() {
             let entry = entry.unwrap();
             if entry.file_type().unwrap().is_file() {
@@ -448,14 +687,19 @@ impl FaultyFs {
                     .write(true)
                     .open(entry.path())
                     .unwrap();
-                files.push((entry.file_name().to_string_lossy().into_owned(), file));
+                inodes.push(Some(file));
+                let ino = inodes.len() as u64 + 1;
+                names.push((entry.file_name().to_string_lossy().into_owned(), ino));
             }
         }
         let faults = Arc::new(Faults::default());
         let fs = Passthrough {
-            files,
+            dir: source.to_path_buf(),
+            inodes,
+            names,
             faults: faults.clone(),
             refuse_locks,
+            new_files,
         };
         let session = fuser::spawn_mount2(
             fs,
