@@ -111,7 +111,10 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     fs.faults.set(false, false, true);
     // An allocating write's new mapping goes to the file only after its
     // data and refcounts are synced (it must survive a daemon restart and
-    // stay power-loss safe): while fsync fails, it fails too.
+    // stay power-loss safe): while fsync fails, it fails too. (This
+    // filesystem cannot make the mapping journal, so every allocating
+    // write is published before it completes; with a journal it would
+    // complete, and the next flush fail.)
     assert_ne!(
         client.try_write(at(3), &[0x88; CLUSTER]),
         0,
