@@ -17,7 +17,10 @@
 #
 # DIR (default /dev/shm/sqcow2-flush-tail) holds the images; SIZE, LAYERS,
 # FILL, DEPTH and INTERVAL_MS change the load. Prints a table of medians
-# over the rounds: IOPS, write p99, longest request, flush p50/p99/max.
+# over the rounds: IOPS, write p99, longest request, flush p50/p99/max,
+# and the machine's own latency meanwhile (`sqcow2-bench wakeup-latency`
+# beside the load: how late a real-time thread sleeping 1 ms at a time
+# wakes up, a floor under any request's latency there).
 # Raw results in $OUT (default /tmp/sqcow2-bench-flush-tail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -100,14 +103,19 @@ for round in $(seq "$rounds"); do
         truncate -s "$size" top.raw
         serve_qsd "$dir/top.raw" raw ;;
     esac
+    "$load" wakeup-latency --duration "$secs" --output json >"$out/wakeup.json" &
+    probe=$!
     json=$("$load" load --socket v.sock --pattern rand-write-new --bs 4k \
       --iodepth "$depth" --flush-interval-ms "$interval" --duration "$secs" --output json)
+    wait "$probe"
     kill "$pid"; wait "$pid" 2>/dev/null || true
     echo "$json" | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
+w = json.load(open(sys.argv[3]))
 r["server"], r["round"] = sys.argv[1], int(sys.argv[2])
-print(json.dumps(r))' "$server" "$round" >> "$out/results.jsonl"
+r["wakeup_late_p99_us"], r["wakeup_late_max_us"] = w["late_p99_us"], w["late_max_us"]
+print(json.dumps(r))' "$server" "$round" "$out/wakeup.json" >> "$out/results.jsonl"
     echo "$json" | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
@@ -128,13 +136,14 @@ for r in rows:
 print(f"{rounds} rounds of {secs} s: 4 KiB allocating writes at depth {depth}, a flush every {interval} ms,"
       f" fresh top over {layers} layers of {size} (fill {fill}); medians over rounds (worst round in brackets)")
 print()
-print("| server | IOPS | write p99 ms | longest request ms | flush p50 ms | flush p99 ms | flush max ms | errors |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|")
+print("| server | IOPS | write p99 ms | longest request ms | flush p50 ms | flush p99 ms | flush max ms | errors | machine: wake-up late p99 / max ms |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for s in servers:
     rs = [r for r in rows if r["server"] == s]
     m = lambda k: statistics.median(r[k] for r in rs)
     w = lambda k: max(r[k] for r in rs)
     print(f"| {s} | {m('iops'):,.0f} | {m('lat_p99_us')/1000:.2f} | {m('lat_max_us')/1000:.1f} ({w('lat_max_us')/1000:.1f})"
           f" | {m('flush_lat_p50_us')/1000:.2f} | {m('flush_lat_p99_us')/1000:.1f} ({w('flush_lat_p99_us')/1000:.1f})"
-          f" | {m('flush_lat_max_us')/1000:.1f} | {sum(r['errors'] for r in rs)} |")
+          f" | {m('flush_lat_max_us')/1000:.1f} | {sum(r['errors'] for r in rs)}"
+          f" | {m('wakeup_late_p99_us')/1000:.2f} / {m('wakeup_late_max_us')/1000:.1f} ({w('wakeup_late_max_us')/1000:.1f}) |")
 EOF

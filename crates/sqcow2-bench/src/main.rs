@@ -13,6 +13,7 @@ mod slowfs;
 mod spread;
 mod spread_seq;
 mod suite;
+mod wakeup;
 
 use std::process::ExitCode;
 
@@ -49,6 +50,10 @@ enum Command {
     /// alone: the chain's clusters in one raw file per layer, read 1 MiB
     /// at a time, against one raw file.
     SpreadSeq(spread_seq::SpreadSeqArgs),
+    /// The machine's own latency beside a load: how late a real-time
+    /// thread sleeping 1 ms at a time wakes up (a floor under any
+    /// request's latency there).
+    WakeupLatency(wakeup::WakeupArgs),
 }
 
 /// How results are printed.
@@ -82,6 +87,7 @@ fn main() -> ExitCode {
         Command::Slowfs(a) => slowfs::run_cli(a),
         Command::Spread(a) => spread::run_cli(a),
         Command::SpreadSeq(a) => spread_seq::run_cli(a),
+        Command::WakeupLatency(a) => wakeup::run_cli(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
