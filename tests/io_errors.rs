@@ -166,6 +166,82 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
 }
 
+/// The same with a mapping journal (the filesystem can make files): an
+/// allocating write completes while fsync fails (its mapping is in the
+/// journal, nothing waits for a sync), but no flush succeeds from then
+/// on; the daemon's stop fails its final flush, and the next start
+/// replays the journal: the write is there, every layer checks clean
+/// (after `check -r leaks`, as after a crash) and QEMU reads it.
+#[test]
+fn eio_syncing_a_journaled_top_fails_every_flush_and_loses_no_completed_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
+    let src = dir.join("src");
+    std::fs::create_dir(&src).unwrap();
+    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
+    let fs = FaultyFs::mount_with_new_files(&src, &dir.join("mnt"));
+    let top = fs.mountpoint.join("top.qcow2");
+
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(at(0), &[0x33; CLUSTER]);
+    client.flush();
+    assert!(
+        src.join("top.qcow2.sqjournal").exists(),
+        "no mapping journal: this test needs one"
+    );
+
+    fs.faults.set(false, false, true);
+    assert_eq!(
+        client.try_write(at(3), &[0x88; CLUSTER]),
+        0,
+        "a journaled allocating write failed while only fsync fails"
+    );
+    assert_ne!(client.try_flush(), 0, "flush succeeded while fsync fails");
+    fs.faults.set(false, false, false);
+    assert_ne!(
+        client.try_flush(),
+        0,
+        "flush succeeded after a failed fsync"
+    );
+    assert_eq!(client.read(at(3), CLUSTER), vec![0x88; CLUSTER]);
+    drop(client);
+    let status = daemon.stop_with(libc::SIGTERM);
+    assert!(!status.success(), "the final flush cannot have succeeded");
+
+    let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    assert_eq!(client.read(at(0), CLUSTER), vec![0x33; CLUSTER]);
+    assert_eq!(
+        client.read(at(3), CLUSTER),
+        vec![0x88; CLUSTER],
+        "a completed write was lost"
+    );
+    client.flush();
+    drop(client);
+    daemon.stop();
+    drop(fs);
+
+    let top = src.join("top.qcow2");
+    let out = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        matches!(out.status.code(), Some(0 | 3)) && !text.contains("ERROR"),
+        "qemu-img check:\n{text}"
+    );
+    qemu_img(&["check", "-q", "-r", "leaks", s(&top)]);
+    assert_check_clean(&top);
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x22);
+    expected[..CLUSTER].fill(0x33);
+    expected[3 * CLUSTER..4 * CLUSTER].fill(0x88);
+    let out = tempfile::tempdir().unwrap();
+    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+}
+
 /// A live snapshot whose old top cannot be closed after the switch (its
 /// file refuses writes) still succeeds: the guest goes on, reading the old
 /// top's tables from memory, and no index is built over the old top left
