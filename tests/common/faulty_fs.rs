@@ -517,6 +517,11 @@ impl Filesystem for Passthrough {
         if flags & libc::RENAME_NOREPLACE != 0 && self.ino_of(newname).is_some() {
             return reply.error(libc::EEXIST);
         }
+        if self.ino_of(newname) == Some(ino) {
+            // The same file (the same name, or another link to it):
+            // rename(2) does nothing.
+            return reply.ok();
+        }
         if let Err(e) = std::fs::rename(self.dir.join(name), self.dir.join(newname)) {
             return reply.error(e.raw_os_error().unwrap_or(libc::EIO));
         }
