@@ -20,6 +20,10 @@ use tracing::{info, warn};
 use super::protocol::IndexCounters;
 use crate::handle::ChainHandle;
 
+/// How much nicer than the daemon the build runs: it yields the CPU to
+/// the guest's requests (see [`crate::realtime::lower_current_thread`]).
+const INDEX_NICENESS: i32 = 10;
+
 #[derive(Debug, Default)]
 struct State {
     /// A thread is building.
@@ -100,24 +104,28 @@ impl IndexBuilder {
         let locking = self.locking;
         let spawned = std::thread::Builder::new()
             .name("sqcow2-index".into())
-            .spawn(move || loop {
-                let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    build_once(&handle, &shared, locking);
-                }));
-                let mut st = Self::lock(&shared);
-                if built.is_err() {
-                    st.counters.failures += 1;
-                    st.counters.last_error = Some("the build panicked (a bug)".into());
-                }
-                if st.again && !st.suspended {
+            .spawn(move || {
+                // Background work: the guest's requests come first.
+                crate::realtime::lower_current_thread(INDEX_NICENESS);
+                loop {
+                    let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        build_once(&handle, &shared, locking);
+                    }));
+                    let mut st = Self::lock(&shared);
+                    if built.is_err() {
+                        st.counters.failures += 1;
+                        st.counters.last_error = Some("the build panicked (a bug)".into());
+                    }
+                    if st.again && !st.suspended {
+                        st.again = false;
+                        continue;
+                    }
                     st.again = false;
-                    continue;
+                    st.running = false;
+                    st.counters.building = false;
+                    shared.idle.notify_all();
+                    return;
                 }
-                st.again = false;
-                st.running = false;
-                st.counters.building = false;
-                shared.idle.notify_all();
-                return;
             });
         if let Err(e) = spawned {
             warn!(error = %e, "cannot start the index builder: the chain is walked above its index");
