@@ -20,16 +20,43 @@ fn at(c: usize) -> u64 {
 }
 
 /// In `dir`: a 32 MiB base (its first 8 MiB 0x22) and over it `top.qcow2`
-/// in `dir/src`, mounted through the faulty filesystem at `dir/mnt`
-/// (the top at `mnt/top.qcow2`); the mount and `dir/src`.
-fn faulty_top(dir: &std::path::Path) -> (FaultyFs, std::path::PathBuf) {
+/// in `dir/src`, mounted through the faulty filesystem (`mount`, e.g.
+/// [`FaultyFs::mount`]) at `dir/mnt` (the top at `mnt/top.qcow2`); the
+/// mount and `dir/src`.
+fn faulty_top(
+    dir: &std::path::Path,
+    mount: fn(&std::path::Path, &std::path::Path) -> FaultyFs,
+) -> (FaultyFs, std::path::PathBuf) {
     let base = dir.join("base.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
     qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
     let src = dir.join("src");
     std::fs::create_dir(&src).unwrap();
     qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
-    (FaultyFs::mount(&src, &dir.join("mnt")), src)
+    (mount(&src, &dir.join("mnt")), src)
+}
+
+/// `faulty_top`'s top after a failed fsync: at worst what a crash leaves
+/// (a leaked cluster: a refcount written for an allocation whose mapping
+/// could not be published), never a corruption; `check -r leaks`
+/// reclaims it, and QEMU then reads the base with `clusters` (index,
+/// fill byte) written over it.
+fn assert_clean_after_leaks_and_reads(top: &std::path::Path, clusters: &[(usize, u8)]) {
+    let out = run_raw(Command::new("qemu-img").args(["check", s(top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        matches!(out.status.code(), Some(0 | 3)) && !text.contains("ERROR"),
+        "qemu-img check:\n{text}"
+    );
+    qemu_img(&["check", "-q", "-r", "leaks", s(top)]);
+    assert_check_clean(top);
+    let mut expected = vec![0u8; 32 << 20];
+    expected[..8 << 20].fill(0x22);
+    for &(c, fill) in clusters {
+        expected[c * CLUSTER..(c + 1) * CLUSTER].fill(fill);
+    }
+    let out = tempfile::tempdir().unwrap();
+    assert!(qemu_raw(top, out.path()) == expected, "qemu-img convert");
 }
 
 #[test]
@@ -93,7 +120,7 @@ fn eio_reading_a_backing_file_fails_the_request_and_never_gives_wrong_data() {
 fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let (fs, src) = faulty_top(dir);
+    let (fs, src) = faulty_top(dir, FaultyFs::mount);
     let top = fs.mountpoint.join("top.qcow2");
 
     let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
@@ -146,24 +173,7 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
     daemon.stop();
     drop(fs);
 
-    let top = src.join("top.qcow2");
-    // A failed fsync leaves at worst what a crash leaves: a leaked cluster
-    // (the refcount written for the allocation whose mapping could not be
-    // published), never a corruption; `check -r leaks` reclaims it.
-    let out = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        matches!(out.status.code(), Some(0 | 3)) && !text.contains("ERROR"),
-        "qemu-img check:\n{text}"
-    );
-    qemu_img(&["check", "-q", "-r", "leaks", s(&top)]);
-    assert_check_clean(&top);
-    let mut expected = vec![0u8; 32 << 20];
-    expected[..8 << 20].fill(0x22);
-    expected[..CLUSTER].fill(0x33);
-    expected[CLUSTER..2 * CLUSTER].fill(0x55);
-    let out = tempfile::tempdir().unwrap();
-    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+    assert_clean_after_leaks_and_reads(&src.join("top.qcow2"), &[(0, 0x33), (1, 0x55)]);
 }
 
 /// The same with a mapping journal (the filesystem can make files): an
@@ -176,13 +186,7 @@ fn eio_writing_or_syncing_the_top_fails_the_request_and_corrupts_nothing() {
 fn eio_syncing_a_journaled_top_fails_every_flush_and_loses_no_completed_write() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
-    qemu_io(&base, &["write -P 0x22 0 8M".to_string()]);
-    let src = dir.join("src");
-    std::fs::create_dir(&src).unwrap();
-    qemu_overlay(&src.join("top.qcow2"), s(&base), "qcow2", &[], None);
-    let fs = FaultyFs::mount_with_new_files(&src, &dir.join("mnt"));
+    let (fs, src) = faulty_top(dir, FaultyFs::mount_with_new_files);
     let top = fs.mountpoint.join("top.qcow2");
 
     let mut daemon = Daemon::start(dir, &top, &["--backing-root", s(dir)]);
@@ -225,21 +229,7 @@ fn eio_syncing_a_journaled_top_fails_every_flush_and_loses_no_completed_write() 
     daemon.stop();
     drop(fs);
 
-    let top = src.join("top.qcow2");
-    let out = run_raw(Command::new("qemu-img").args(["check", s(&top)]));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        matches!(out.status.code(), Some(0 | 3)) && !text.contains("ERROR"),
-        "qemu-img check:\n{text}"
-    );
-    qemu_img(&["check", "-q", "-r", "leaks", s(&top)]);
-    assert_check_clean(&top);
-    let mut expected = vec![0u8; 32 << 20];
-    expected[..8 << 20].fill(0x22);
-    expected[..CLUSTER].fill(0x33);
-    expected[3 * CLUSTER..4 * CLUSTER].fill(0x88);
-    let out = tempfile::tempdir().unwrap();
-    assert!(qemu_raw(&top, out.path()) == expected, "qemu-img convert");
+    assert_clean_after_leaks_and_reads(&src.join("top.qcow2"), &[(0, 0x33), (3, 0x88)]);
 }
 
 /// A live snapshot whose old top cannot be closed after the switch (its
@@ -253,7 +243,7 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
     use serde_json::json;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let (fs, _) = faulty_top(dir);
+    let (fs, _) = faulty_top(dir, FaultyFs::mount);
     let top = fs.mountpoint.join("top.qcow2");
     // The new tops outside the faulty filesystem: only the old top fails.
     let new = dir.join("new");

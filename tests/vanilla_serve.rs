@@ -134,6 +134,42 @@ impl Drop for QemuReader {
     }
 }
 
+/// Waits for a failed index build of the daemon behind `ctl`; asserts it
+/// walks, saying why (with every one of `says`) alike in `stats` and
+/// `info`.
+fn assert_walks_after_a_failed_build(ctl: &Path, says: &[&str]) {
+    let st = wait_index_state(ctl, "a failed build", |index| {
+        index["failures"].as_u64() >= Some(1) && index["building"] == false
+    });
+    let st = &st["result"];
+    assert_eq!(st["index_mode"], "walk", "{st}");
+    let why = st["index"]["walking_because"].as_str().unwrap_or_default();
+    assert!(says.iter().all(|w| why.contains(w)), "stats: {st}");
+    let info = control(ctl, json!({"command": "info"}));
+    assert_eq!(
+        info["result"]["walking_because"].as_str(),
+        Some(why),
+        "{info}"
+    );
+}
+
+/// `count` random 4 KiB writes through `client` (seeded), noted in
+/// `reference`.
+fn write_random_blocks(
+    client: &mut common::vhost::Client,
+    reference: &mut Reference,
+    seed: u64,
+    count: usize,
+) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    for _ in 0..count {
+        let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
+        let fill = rng.u8(1..);
+        client.write(offset, &vec![fill; BLOCK as usize]);
+        reference.wrote(offset, fill);
+    }
+}
+
 #[test]
 fn a_layer_another_process_holds_is_not_written_and_the_chain_walks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -147,31 +183,10 @@ fn a_layer_another_process_holds_is_not_written_and_the_chain_walks() {
     let mut reference = Reference::new(&top, tmp.path(), BLOCK);
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-    let st = wait_index_state(&ctl, "a refused build", |index| {
-        index["failures"].as_u64() >= Some(1) && index["building"] == false
-    });
-    let st = &st["result"];
-    assert_eq!(st["index_mode"], "walk", "{st}");
-    let why = st["index"]["walking_because"].as_str().unwrap_or_default();
-    assert!(
-        why.contains("layer0.qcow2") && why.contains("lock"),
-        "stats: {st}"
-    );
-    let info = control(&ctl, json!({"command": "info"}));
-    assert_eq!(
-        info["result"]["walking_because"].as_str(),
-        Some(why),
-        "{info}"
-    );
+    assert_walks_after_a_failed_build(&ctl, &["layer0.qcow2", "lock"]);
     // Served right while walking.
     let mut client = connect_retry(&daemon, 1, false);
-    let mut rng = fastrand::Rng::with_seed(7);
-    for _ in 0..100 {
-        let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
-        let fill = rng.u8(1..);
-        client.write(offset, &vec![fill; BLOCK as usize]);
-        reference.wrote(offset, fill);
-    }
+    write_random_blocks(&mut client, &mut reference, 7, 100);
     reference.verify_through(&mut client, "walking");
     drop(client);
     daemon.stop();
@@ -252,36 +267,12 @@ fn an_index_build_that_meets_eio_falls_back_to_walking() {
     let ctl = tmp.path().join("control.sock");
     fs.faults.set(false, true, true);
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-    let st = wait_index_state(&ctl, "a build failed by EIO", |index| {
-        index["failures"].as_u64() >= Some(1) && index["building"] == false
-    });
+    assert_walks_after_a_failed_build(&ctl, &["cannot be indexed", "Input/output error"]);
     fs.faults.set(false, false, false);
-    let st = &st["result"];
-    assert_eq!(st["index_mode"], "walk", "{st}");
-    let why = st["index"]["walking_because"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    assert!(
-        why.contains("cannot be indexed") && why.contains("Input/output error"),
-        "stats: {st}"
-    );
-    let info = control(&ctl, json!({"command": "info"}));
-    assert_eq!(
-        info["result"]["walking_because"].as_str(),
-        Some(why.as_str()),
-        "{info}"
-    );
     // Served right while walking: copy-on-write from every depth, reads
     // of every layer's data.
     let mut client = connect_retry(&daemon, 1, false);
-    let mut rng = fastrand::Rng::with_seed(11);
-    for _ in 0..300 {
-        let offset = rng.u64(0..SIZE / BLOCK) * BLOCK;
-        let fill = rng.u8(1..);
-        client.write(offset, &vec![fill; BLOCK as usize]);
-        reference.wrote(offset, fill);
-    }
+    write_random_blocks(&mut client, &mut reference, 11, 300);
     reference.verify_through(&mut client, "walking after the failed build");
     let st = control(&ctl, json!({"command": "stats"}));
     assert_eq!(st["result"]["index"]["failures"], 1, "retried: {st}");
