@@ -25,13 +25,34 @@ impl DirtyPages {
         d
     }
 
-    /// Marks the page holding byte `at`.
-    pub(crate) fn mark(&mut self, at: usize) {
+    /// Marks the page holding byte `at`; whether it was not marked yet.
+    pub(crate) fn mark(&mut self, at: usize) -> bool {
         let page = at / PAGE;
         if self.0.len() <= page / 64 {
             self.0.resize(page / 64 + 1, 0);
         }
-        self.0[page / 64] |= 1 << (page % 64);
+        let bit = 1 << (page % 64);
+        let new = self.0[page / 64] & bit == 0;
+        self.0[page / 64] |= bit;
+        new
+    }
+
+    /// How many pages are marked.
+    pub(crate) fn count(&self) -> u64 {
+        self.0.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    /// Marks every page `other` marks; how many were not marked yet.
+    pub(crate) fn add(&mut self, other: &DirtyPages) -> u64 {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        let mut new = 0;
+        for (w, o) in self.0.iter_mut().zip(&other.0) {
+            new += u64::from((o & !*w).count_ones());
+            *w |= o;
+        }
+        new
     }
 
     /// Whether the page holding byte `at` changed.
@@ -95,6 +116,13 @@ mod tests {
         assert_eq!(d.ranges(PAGE + 100), vec![0..PAGE + 100]);
         let all = DirtyPages::all(2 << 20);
         assert_eq!(all.ranges(2 << 20), vec![0..2 << 20]);
+        assert_eq!(d.count(), 3);
+        assert!(!d.mark(5 * PAGE + 1), "marked already");
+        let mut e = DirtyPages::default();
+        assert!(e.mark(9 * PAGE));
+        assert_eq!(e.add(&d), 3);
+        assert_eq!(e.add(&d), 0);
+        assert_eq!(e.count(), 4);
         d.clear();
         assert!(!d.any() && d.ranges(PAGE).is_empty());
     }

@@ -81,13 +81,13 @@ impl OrderNeeds {
 }
 
 /// The changed parts of one L2 table: its pages, shared with the table
-/// (a change made after the take copies the page it changes).
+/// (a change made after the take copies the page it changes, and marks
+/// it changed again).
 #[derive(Debug)]
 pub(crate) struct DirtyTable {
     offset: u64,
     /// Each changed part (pages shared with the table).
     parts: Vec<PageRun>,
-    generation: u64,
 }
 
 /// How far a write-back goes.
@@ -146,17 +146,20 @@ impl ActiveState {
             journaled: self.journal.as_ref().map(|j| (j.clone(), j.horizon())),
             ..WriteBack::default()
         };
-        for (offset, slot) in &self.l2 {
+        for (offset, slot) in &mut self.l2 {
             if !slot.dirty.any() {
                 continue;
             }
-            let parts = slot.table.share(*offset, &slot.dirty);
+            // Taken: a change from now on marks its page again, and only
+            // that page is left for the next write-back.
+            slot.writing = std::mem::take(&mut slot.dirty);
+            let parts = slot.table.share(*offset, &slot.writing);
             wb.tables.push(DirtyTable {
                 offset: *offset,
                 parts,
-                generation: slot.generation,
             });
         }
+        self.changed_pages = 0;
         wb.l1 = std::mem::take(&mut self.dirty_l1)
             .into_iter()
             .map(|i| (i, self.l1[i]))
@@ -194,9 +197,7 @@ impl ActiveState {
                 // later change is either journaled or unjournaled on its
                 // own account).
                 slot.journal_safe = true;
-                if slot.generation == t.generation {
-                    slot.dirty.clear();
-                }
+                slot.writing.clear();
             }
         }
         for (i, value) in &wb.l1 {
@@ -288,6 +289,12 @@ impl ActiveState {
     pub(crate) fn restore(&mut self, wb: WriteBack) {
         self.refcounts.restore(&wb.refcounts);
         self.order.merge(wb.order);
+        for t in &wb.tables {
+            if let Some(slot) = self.l2.get_mut(&t.offset) {
+                let writing = std::mem::take(&mut slot.writing);
+                self.changed_pages += slot.dirty.add(&writing);
+            }
+        }
 
         self.dirty_l1.extend(wb.l1.iter().map(|(i, _)| *i));
         if !wb.frees.is_empty() {

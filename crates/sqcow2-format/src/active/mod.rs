@@ -128,13 +128,16 @@ impl Active {
     }
 
     /// What a write that changed mappings does about the tables under
-    /// change once they are `over` their share of the cache.
+    /// change once they are `over` their share of the cache, or many of
+    /// their pages changed (then only where a caller writes back in the
+    /// background: elsewhere the next flush or publish writes them).
     fn after_settle(&self, over: Residency) {
         match over {
             Residency::Within => {}
-            Residency::Over if self.background_write_back => {
+            Residency::Over | Residency::ManyChanged if self.background_write_back => {
                 self.write_back_due.store(true, Ordering::Release);
             }
+            Residency::ManyChanged => {}
             Residency::Over | Residency::FarOver => self.write_back_early(),
         }
     }
