@@ -28,6 +28,7 @@ mod state;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use crate::compressed::read_compressed_cluster;
 use crate::entry::CompressedDescriptor;
@@ -92,7 +93,20 @@ pub(crate) struct Active {
     background_write_back: bool,
     /// An early write-back is due and left to the caller.
     write_back_due: AtomicBool,
+    /// When this top was opened, the origin of `last_flush_ms`.
+    opened: Instant,
+    /// When the last flush began, in ms since `opened` plus one (0: none
+    /// yet).
+    last_flush_ms: AtomicU64,
 }
+
+/// A top flushed within this long is written back in the background as
+/// its changed pages pile up ([`Residency::ManyChanged`]), so that its
+/// next flush has little left; one that is not flushed is not (a
+/// background write-back costs a sync, which nobody waits for then).
+/// Long enough to cover a guest filesystem's periodic commits (ext4:
+/// every 5 s).
+const FLUSHED_LATELY: Duration = Duration::from_secs(10);
 
 impl Active {
     fn with(top: Arc<TopFile>, state: ActiveState, len: u64) -> Self {
@@ -109,6 +123,8 @@ impl Active {
             journal_broken: AtomicBool::new(false),
             background_write_back: false,
             write_back_due: AtomicBool::new(false),
+            opened: Instant::now(),
+            last_flush_ms: AtomicU64::new(0),
         }
     }
 
@@ -134,11 +150,23 @@ impl Active {
     fn after_settle(&self, over: Residency) {
         match over {
             Residency::Within => {}
+            Residency::ManyChanged if !self.flushed_lately() => {}
             Residency::Over | Residency::ManyChanged if self.background_write_back => {
                 self.write_back_due.store(true, Ordering::Release);
             }
             Residency::ManyChanged => {}
             Residency::Over | Residency::FarOver => self.write_back_early(),
+        }
+    }
+
+    /// Whether a flush began within [`FLUSHED_LATELY`].
+    fn flushed_lately(&self) -> bool {
+        match self.last_flush_ms.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let now = self.opened.elapsed().as_millis() as u64 + 1;
+                now.saturating_sub(at) <= FLUSHED_LATELY.as_millis() as u64
+            }
         }
     }
 
@@ -605,6 +633,10 @@ impl Active {
     /// now if they have, else at a later flush. It never waits for a
     /// transfer.
     pub(crate) fn flush(&self, fence: &TransferFence) -> Result<(), Error> {
+        self.last_flush_ms.store(
+            self.opened.elapsed().as_millis() as u64 + 1,
+            Ordering::Relaxed,
+        );
         let _order = self
             .flush_order
             .lock()
