@@ -21,6 +21,8 @@
 # and the machine's own latency meanwhile (`sqcow2-bench wakeup-latency`
 # beside the load: how late a real-time thread sleeping 1 ms at a time
 # wakes up, a floor under any request's latency there).
+# SERVE_ARGS adds options to both sqcow2 serves (e.g. "--cache-size 128M"
+# for disks whose tables under change outgrow the default cache's share).
 # Raw results in $OUT (default /tmp/sqcow2-bench-flush-tail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +58,8 @@ wait_socket() {
 
 serve_sqcow2() { # TOP [BINARY]
   rm -f v.sock c.sock
-  "${2:-$sq}" serve --socket v.sock --control c.sock "$1" 2>>"$out/sqcow2.log" &
+  # shellcheck disable=SC2086 # SERVE_ARGS is a list of options
+  "${2:-$sq}" serve ${SERVE_ARGS:-} --socket v.sock --control c.sock "$1" 2>>"$out/sqcow2.log" &
   pid=$!
   wait_socket c.sock
   # The top's index is written by the daemon right after start.

@@ -720,7 +720,7 @@ fn a_write_back_leaves_only_the_pages_changed_meanwhile() {
 }
 
 /// With `background_write_back`, a caller is told once many table pages
-/// (256) changed since the last write-back, well within the cache's
+/// (128) changed since the last write-back, well within the cache's
 /// share, so that its flusher writes them back before a guest's flush
 /// must; a few changes do not tell it, nor do many where nobody flushes
 /// (a background write-back's sync would then gain nobody anything), and

@@ -109,12 +109,12 @@ pub(crate) struct L2Slot {
     pub(crate) l1_in_file: bool,
 }
 
-/// Changed table pages worth a write-back of their own (1 MiB): a flush
+/// Changed table pages worth a write-back of their own (512 KiB): a flush
 /// writes what changed since the last write-back, so a server that writes
 /// back in the background at this mark keeps what a flush waits for
 /// bounded, however many tables change between two flushes (measured at
 /// 1,000-1,600 pages per flush under random allocating writes otherwise).
-pub(crate) const WRITE_BACK_PAGES: u64 = 256;
+pub(crate) const WRITE_BACK_PAGES: u64 = 128;
 
 /// How much the tables under change take against their share of the
 /// cache ([`ActiveState::settle`]).
