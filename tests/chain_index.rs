@@ -738,3 +738,50 @@ fn a_snapshot_of_a_lone_image_warns_of_nothing() {
     sqcow2(&["upgrade", s(&top)]);
     assert_valid(&top);
 }
+
+/// An index extended from the one below (where the new layers leave a
+/// chunk free, its entry is read from the old index, a slice at a time)
+/// equals a walk of the chain, over a disk of many slices (256 MiB:
+/// sixteen) with the new layers' clusters scattered across all of them,
+/// and reads as QEMU reads the chain.
+#[test]
+fn an_extended_index_of_many_slices_equals_a_walk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = GenOptions {
+        layers: 3,
+        size: 256 * MIB,
+        cluster_size: 65536,
+        fill: 0.3,
+        seed: 43,
+        distribution: Distribution::Uniform,
+        index: true,
+    };
+    let mut top = generate(tmp.path(), &opts, &mut |_, _| {}).unwrap();
+    for i in 0..3u64 {
+        let new = tmp.path().join(format!("ext{i}.qcow2"));
+        sqcow2(&["snapshot", "--index", "now", s(&top), s(&new)]);
+        // Clusters in every slice, at offsets that differ per layer.
+        let writes: Vec<String> = (0..40u64)
+            .map(|k| {
+                let at = k * (6 * MIB + 65536 * (i + 1)) % (256 * MIB);
+                format!("write -P {} {at} 4k", 0x70 + i)
+            })
+            .collect();
+        let mut args = vec!["io"];
+        for w in &writes {
+            args.extend(["-c", w.as_str()]);
+        }
+        args.push(s(&new));
+        sqcow2(&args);
+        top = new;
+    }
+    // The last snapshot's index covers the three written layers, each
+    // extended from the index below.
+    let last = tmp.path().join("last.qcow2");
+    sqcow2(&["snapshot", "--index", "now", s(&top), s(&last)]);
+    assert_valid(&last);
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["check", s(&last)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert_same_as_qemu(&last);
+}

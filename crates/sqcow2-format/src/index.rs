@@ -650,6 +650,11 @@ impl ChainIndex {
         })
     }
 
+    /// Stops using the index (an entry did not decode).
+    pub(crate) fn give_up(&self) {
+        self.usable.store(false, Ordering::Relaxed);
+    }
+
     /// Entries per slice.
     pub fn entries_per_slice(&self) -> u64 {
         self.geometry.slice_entries()

@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use sqcow2_cache::{Slice, SliceCache};
+
 use crate::backing::resolve_backing_path;
 use crate::entry::CompressedDescriptor;
 use crate::error::{Error, WithPath};
@@ -297,6 +299,7 @@ impl Chain {
         let extending = guard
             .usable()
             .filter(|(ci, covers)| covers.0 <= upto.0 && ci.geometry() == geometry);
+        let mut held = HeldSlice::default();
         let mut chunk = 0u64;
         while chunk < chunks {
             let start = chunk * cs;
@@ -328,9 +331,9 @@ impl Chain {
                     let before = chunk;
                     let end = (chunk + free / cs).min(chunks);
                     while chunk < end {
-                        match ci.entry(chunk, &self.cache) {
-                            Ok(Some(old)) => each(old)?,
-                            _ => break,
+                        match held.entry(ci, chunk, &self.cache) {
+                            Some(old) => each(old)?,
+                            None => break,
                         }
                         chunk += 1;
                     }
@@ -409,6 +412,42 @@ impl Chain {
             each(&p);
         }
         Ok(())
+    }
+}
+
+/// The slice of an index that entries were last read from: an index
+/// build reads the old index entry by entry, and one cache lookup per
+/// slice instead of one per entry took the lookups from about a fifth of
+/// a build's time to nothing.
+#[derive(Default)]
+struct HeldSlice {
+    /// The slice's number and words (`None`: every entry *none*).
+    slice: Option<(u64, Option<Slice>)>,
+}
+
+impl HeldSlice {
+    /// The entry of `chunk` in `index`; `None` when the index cannot say
+    /// (unusable, an entry that does not decode, a slice not at hand).
+    fn entry(&mut self, index: &ChainIndex, chunk: u64, cache: &SliceCache) -> Option<IndexEntry> {
+        let per = index.entries_per_slice();
+        let no = chunk / per;
+        let words = match &self.slice {
+            Some((held, words)) if *held == no => words,
+            _ => {
+                let words = index.slice(no, cache).ok()??;
+                &self.slice.insert((no, words)).1
+            }
+        };
+        match words {
+            None => Some(IndexEntry::None),
+            Some(words) => {
+                let e = crate::index::decode_at(words, chunk % per);
+                if e.is_none() {
+                    index.give_up();
+                }
+                e
+            }
+        }
     }
 }
 
