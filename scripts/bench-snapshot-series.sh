@@ -40,6 +40,7 @@ secs=$(python3 -c "print($n * $gap + 4)")
 
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
 # SQCOW2=path serves with another build (the load generator stays this one).
+# SERVE_ARGS adds options to `sqcow2 serve` (e.g. "--cache-size 64M").
 sq=${SQCOW2:-$here/target/release/sqcow2}
 load=$here/target/release/sqcow2-bench
 rm -rf "$root" && mkdir -p "$root/chain"
@@ -71,7 +72,8 @@ sys.exit(0 if i["pending_layers"] == 0 and not i["building"] and i["walking_beca
 
 echo "==> sqcow2: $n live snapshots $gap s apart under the load" >&2
 "$sq" snapshot "$below" chain/top.qcow2 >/dev/null
-"$sq" serve --socket v.sock --control c.sock chain/top.qcow2 2>sqcow2.log &
+# shellcheck disable=SC2086 # SERVE_ARGS is a list of options
+"$sq" serve ${SERVE_ARGS:-} --socket v.sock --control c.sock chain/top.qcow2 2>sqcow2.log &
 pid=$!
 pids+=("$pid")
 for _ in $(seq 600); do [ -S c.sock ] && indexed && break; sleep 0.1; done
