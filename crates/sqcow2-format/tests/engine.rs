@@ -582,8 +582,8 @@ fn a_publish_writes_only_the_changed_pages_and_syncs_only_what_depends_on_it() {
 /// bounded). Without it, the write that finds them due writes them back.
 #[test]
 fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
-    // 512 MiB of guest per L2 table (64 KiB clusters); a 1 MiB cache
-    // gives the tables under change 256 KiB: four tables.
+    // 512 MiB of guest per L2 table (64 KiB clusters); a 512 KiB cache
+    // gives the tables under change half of it, 256 KiB: four tables.
     const REGION: u64 = 512 * MIB;
     let syncs = |log: &[Op]| log.iter().filter(|op| matches!(op, Op::Sync)).count();
     for background in [false, true] {
@@ -593,7 +593,7 @@ fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
             &ChainOptions {
                 writable: true,
                 top_storage: Some(storage.clone() as Arc<dyn Storage>),
-                cache_size: MIB,
+                cache_size: MIB / 2,
                 background_write_back: background,
                 ..ChainOptions::default()
             },

@@ -31,7 +31,7 @@ use super::spares::Spares;
 /// budget (the least recently changed go back to the cache first); when
 /// tables that cannot go back (dirty or pinned) alone take more, their
 /// metadata is written back early.
-const RESIDENT_SHARE_OF_BUDGET: u64 = 4;
+const RESIDENT_SHARE_OF_BUDGET: u64 = 2;
 
 /// What does not change while the top is open: its file, geometry and
 /// where its clean metadata is cached.
