@@ -523,8 +523,9 @@ mod tests {
     #[test]
     fn an_early_write_back_found_by_a_job_is_done_by_the_flusher() {
         const MIB: u64 = 1 << 20;
-        // One L2 table per 512 MiB; a 1 MiB cache gives the tables under
-        // change 256 KiB, four tables: eight is over (not four times).
+        // One L2 table per 512 MiB; a 512 KiB cache gives the tables
+        // under change half, 256 KiB, four tables: eight is over (not
+        // four times).
         const REGION: u64 = 512 * MIB;
         let dir = tempfile::tempdir().unwrap();
         let image = dir.path().join("big.qcow2");
@@ -540,7 +541,7 @@ mod tests {
             &image,
             &sqcow2_format::ChainOptions {
                 writable: true,
-                cache_size: MIB,
+                cache_size: MIB / 2,
                 background_write_back: true,
                 ..Default::default()
             },
