@@ -641,18 +641,20 @@ impl ChainIndex {
         let Some(slice) = self.slice(chunk / per, cache)? else {
             return Ok(None);
         };
-        Ok(match slice {
-            Some(words) => decode_at(&words, chunk % per).or_else(|| {
-                self.usable.store(false, Ordering::Relaxed);
-                None
-            }),
-            None => Some(IndexEntry::None),
-        })
+        Ok(self.entry_in(slice.as_ref(), chunk))
     }
 
-    /// Stops using the index (an entry did not decode).
-    pub(crate) fn give_up(&self) {
-        self.usable.store(false, Ordering::Relaxed);
+    /// The entry of `chunk` in its slice's words, as [`ChainIndex::slice`]
+    /// gave them (`None`: a slice of *none* entries); `None` when the entry
+    /// does not decode, which makes the index unusable.
+    pub(crate) fn entry_in(&self, words: Option<&Slice>, chunk: u64) -> Option<IndexEntry> {
+        let Some(words) = words else {
+            return Some(IndexEntry::None);
+        };
+        decode_at(words, chunk % self.geometry.slice_entries()).or_else(|| {
+            self.usable.store(false, Ordering::Relaxed);
+            None
+        })
     }
 
     /// Entries per slice.

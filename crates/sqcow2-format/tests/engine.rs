@@ -39,6 +39,22 @@ fn host_of(chain: &Chain, guest: u64) -> Option<u64> {
         .map(|t| t.host.0)
 }
 
+/// `storage` open writable with a cache of `cache_size` bytes, early
+/// write-backs left to the caller if `background`.
+fn open_writable(storage: &Arc<TestStorage>, cache_size: u64, background: bool) -> Chain {
+    Chain::open(
+        &fake_path(),
+        &ChainOptions {
+            writable: true,
+            top_storage: Some(storage.clone() as Arc<dyn Storage>),
+            cache_size,
+            background_write_back: background,
+            ..ChainOptions::default()
+        },
+    )
+    .expect("open")
+}
+
 fn read(chain: &Chain, offset: u64, len: usize) -> Vec<u8> {
     let mut buf = vec![0u8; len];
     chain.read_at(&mut buf, offset).expect("read");
@@ -588,17 +604,7 @@ fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
     let syncs = |log: &[Op]| log.iter().filter(|op| matches!(op, Op::Sync)).count();
     for background in [false, true] {
         let storage = image(64 * 1024 * MIB, |_| {});
-        let chain = Chain::open(
-            &fake_path(),
-            &ChainOptions {
-                writable: true,
-                top_storage: Some(storage.clone() as Arc<dyn Storage>),
-                cache_size: MIB / 2,
-                background_write_back: background,
-                ..ChainOptions::default()
-            },
-        )
-        .expect("open");
+        let chain = open_writable(&storage, MIB / 2, background);
         chain.write_at(&[1; 4096], 0).unwrap();
         chain.flush().unwrap();
         let before = storage.log().len();
@@ -731,17 +737,7 @@ fn many_changed_pages_are_left_to_the_caller_to_write_back() {
     let syncs = |log: &[Op]| log.iter().filter(|op| matches!(op, Op::Sync)).count();
     for (background, flushed) in [(false, true), (true, false), (true, true)] {
         let storage = image(16 * 1024 * MIB, |_| {});
-        let chain = Chain::open(
-            &fake_path(),
-            &ChainOptions {
-                writable: true,
-                top_storage: Some(storage.clone() as Arc<dyn Storage>),
-                cache_size: 256 * MIB,
-                background_write_back: background,
-                ..ChainOptions::default()
-            },
-        )
-        .expect("open");
+        let chain = open_writable(&storage, 256 * MIB, background);
         chain.write_at(&[1; 4096], 0).unwrap();
         if flushed {
             chain.flush().unwrap();

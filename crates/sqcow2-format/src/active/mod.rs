@@ -150,11 +150,14 @@ impl Active {
     fn after_settle(&self, over: Residency) {
         match over {
             Residency::Within => {}
-            Residency::ManyChanged if !self.flushed_lately() => {}
-            Residency::Over | Residency::ManyChanged if self.background_write_back => {
+            Residency::ManyChanged => {
+                if self.background_write_back && self.flushed_lately() {
+                    self.write_back_due.store(true, Ordering::Release);
+                }
+            }
+            Residency::Over if self.background_write_back => {
                 self.write_back_due.store(true, Ordering::Release);
             }
-            Residency::ManyChanged => {}
             Residency::Over | Residency::FarOver => self.write_back_early(),
         }
     }

@@ -438,16 +438,7 @@ impl HeldSlice {
                 &self.slice.insert((no, words)).1
             }
         };
-        match words {
-            None => Some(IndexEntry::None),
-            Some(words) => {
-                let e = crate::index::decode_at(words, chunk % per);
-                if e.is_none() {
-                    index.give_up();
-                }
-                e
-            }
-        }
+        index.entry_in(words.as_ref(), chunk)
     }
 }
 
