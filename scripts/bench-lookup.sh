@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 ensure_commands cc:gcc python3:python3
-cargo bench --locked --bench lookup -- "$@"
+cargo bench --locked -p sqcow2-format --bench lookup -- "$@"
 python3 - <<'PY'
 import json, glob, os
 rows = {}

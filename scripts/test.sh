@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
 ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra strace:strace
 ensure_rust_components fmt clippy
-# Kernel and initramfs of the QEMU guest test (tests/qemu_guest.rs).
+# Kernel and initramfs of the QEMU guest test (crates/sqcow2-cli/tests/qemu_guest.rs).
 echo "==> guest kit"
 SQCOW2_GUEST_KIT=$(scripts/guest-kit.sh)
 export SQCOW2_GUEST_KIT
@@ -21,7 +21,8 @@ cargo fmt --all -- --check
 echo "==> cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> cargo build"
-# Integration tests run the sqcow2 binary, which must be built first.
+# A few tests run the sqcow2-bench binary, which cargo builds only for its
+# own package's tests: built first (the sqcow2 binary cargo builds itself).
 cargo build --workspace --locked
 echo "==> cargo test"
 cargo test --workspace --locked "$@"

@@ -1,4 +1,4 @@
-# The guest side of the restart loop (tests/guest_restart.rs), sourced by
+# The guest side of the restart loop (crates/sqcow2-cli/tests/guest_restart.rs), sourced by
 # the guest kit's init (busybox sh) and run when the kernel command line
 # says `sqcow2.loop=WORKERS,AREA,BLOCKS`.
 #

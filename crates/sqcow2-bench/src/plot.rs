@@ -36,39 +36,25 @@ const COLORS: [RGBColor; 6] = [
 /// The limits' color.
 const LIMIT: RGBColor = RGBColor(100, 100, 100);
 
-/// Draws every plot of `s` into `out` as PNG and SVG.
+/// Draws every plot of `s` into `out` as SVG.
 pub fn plots(s: &Summary, out: &Path) -> anyhow::Result<()> {
     register_font()?;
-    for ext in ["png", "svg"] {
-        let iops = out.join(format!("iops.{ext}"));
-        let rss = out.join(format!("rss.{ext}"));
-        let cdf = out.join(format!("latency-cdf.{ext}"));
-        if ext == "png" {
-            by_length(
-                BitMapBackend::new(&iops, (900, 560)).into_drawing_area(),
-                s,
-                Metric::Iops,
-            )?;
-            by_length(
-                BitMapBackend::new(&rss, (900, 560)).into_drawing_area(),
-                s,
-                Metric::Rss,
-            )?;
-            latency_cdf(BitMapBackend::new(&cdf, (900, 560)).into_drawing_area(), s)?;
-        } else {
-            by_length(
-                SVGBackend::new(&iops, (900, 560)).into_drawing_area(),
-                s,
-                Metric::Iops,
-            )?;
-            by_length(
-                SVGBackend::new(&rss, (900, 560)).into_drawing_area(),
-                s,
-                Metric::Rss,
-            )?;
-            latency_cdf(SVGBackend::new(&cdf, (900, 560)).into_drawing_area(), s)?;
-        }
-    }
+    let (iops, rss, cdf) = (
+        out.join("iops.svg"),
+        out.join("rss.svg"),
+        out.join("latency-cdf.svg"),
+    );
+    by_length(
+        SVGBackend::new(&iops, (900, 560)).into_drawing_area(),
+        s,
+        Metric::Iops,
+    )?;
+    by_length(
+        SVGBackend::new(&rss, (900, 560)).into_drawing_area(),
+        s,
+        Metric::Rss,
+    )?;
+    latency_cdf(SVGBackend::new(&cdf, (900, 560)).into_drawing_area(), s)?;
     Ok(())
 }
 

@@ -512,7 +512,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     }
     let _ = writeln!(
         md,
-        "\n![Random-read IOPS vs chain length]({dir}/iops.png)\n![Peak RSS vs chain length]({dir}/rss.png)\n![QD1 latency CDF at the longest chain]({dir}/latency-cdf.png)\n\n(SVG versions next to the PNGs.)"
+        "\n![Random-read IOPS vs chain length]({dir}/iops.svg)\n![Peak RSS vs chain length]({dir}/rss.svg)\n![QD1 latency CDF at the longest chain]({dir}/latency-cdf.svg)\n\n(SVG versions next to the PNGs.)"
     );
     let _ = writeln!(md, "{END}");
     md

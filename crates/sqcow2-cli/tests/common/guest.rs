@@ -13,7 +13,7 @@ use super::{run, s};
 /// The kit's directory (`SQCOW2_GUEST_KIT`, else `target/guest-kit`),
 /// made or refreshed by `scripts/guest-kit.sh`.
 pub fn guest_kit() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = super::workspace_root();
     let dir = std::env::var_os("SQCOW2_GUEST_KIT")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target/guest-kit"));

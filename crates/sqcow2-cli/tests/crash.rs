@@ -18,7 +18,7 @@
 mod common;
 /// The engine tests' recording storage (every write, length change and
 /// sync logged).
-#[path = "../crates/sqcow2-format/tests/common/mod.rs"]
+#[path = "../../sqcow2-format/tests/common/mod.rs"]
 mod engine_storage;
 
 use std::path::Path;

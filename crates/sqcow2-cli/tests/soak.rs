@@ -5,7 +5,7 @@
 //! least 5 minutes), every block read back through the daemon, and the
 //! image checked and compared with `qemu-img`.
 //!
-//! `SQCOW2_SOAK_SECONDS` (default 20 in the test run; `scripts/soak.sh`
+//! `SQCOW2_SOAK_SECONDS` (default 20 in the test run; `scripts/long-test.sh soak`
 //! runs 600), `SQCOW2_SOAK_SIZE` (default 256M), `SQCOW2_SOAK_SEED`.
 
 mod common;

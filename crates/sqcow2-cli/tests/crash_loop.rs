@@ -10,7 +10,7 @@
 //! the same from QEMU's side every tenth round and at the end.
 //!
 //! `SQCOW2_CRASH_ITERATIONS` (default 5 in the test run;
-//! `scripts/crash-loop.sh` runs 100) and `SQCOW2_CRASH_SEED`.
+//! `scripts/long-test.sh crash-loop` runs 100) and `SQCOW2_CRASH_SEED`.
 
 mod common;
 

@@ -160,7 +160,7 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
 /// index build after it): each restart serves either the chain before
 /// the merge or the one after it, with every completed write; a merge
 /// file left half-written is never part of a chain. `SQCOW2_MERGE_KILLS`
-/// rounds (`scripts/kill-merges.sh` runs many).
+/// rounds (`scripts/long-test.sh kill-merges` runs many).
 #[test]
 fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
     let tmp = tempfile::tempdir().unwrap();

@@ -17,7 +17,7 @@
 //! pauses, snapshots and engine results as often as sleeping does in the
 //! other daemon tests.
 //!
-//! `SQCOW2_STRESS_SECONDS` (default 15 in the test run; `scripts/stress.sh`
+//! `SQCOW2_STRESS_SECONDS` (default 15 in the test run; `scripts/long-test.sh stress`
 //! runs longer), `SQCOW2_STRESS_SEED`.
 
 mod common;

@@ -412,7 +412,7 @@ fn bad_control_input_gets_error_replies() {
 
 /// `kill -9` of the daemon right after live snapshots, while it builds the
 /// new top's index in the background (at random moments, a few rounds;
-/// `scripts/kill-index-builds.sh` runs many): each restart serves the
+/// `scripts/long-test.sh kill-index-builds` runs many): each restart serves the
 /// chain at once (the old index lends itself, the new top walked above
 /// it) with every completed write, rebuilds the index without an
 /// operator, and in the end every layer is clean, QEMU reads the
@@ -469,7 +469,7 @@ fn kills_during_background_index_builds_lose_nothing() {
 /// `kill -9` of the daemon at a random moment of a live snapshot, from
 /// the command on: while the new top is created or prepared, in the pause,
 /// while the old top is closed after the switch, or during the background
-/// build (a few rounds; `scripts/kill-index-builds.sh` runs many). The
+/// build (a few rounds; `scripts/long-test.sh kill-index-builds` runs many). The
 /// daemon restarts on the new top if its file exists (an empty overlay of
 /// the old top until the switch), else on the old one: each restart serves
 /// every completed write, and a backing layer the kill left open (dirty,

@@ -9,6 +9,16 @@ use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
+/// The `sqcow2` binary of this build (cargo builds it for these tests).
+pub fn sqcow2_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sqcow2"))
+}
+
+/// The workspace's root directory.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 /// Newest modification time of any file below `dir` that goes into a
 /// binary (a crate's own tests, benchmarks and examples do not).
 fn newest_mtime(dir: &Path) -> SystemTime {
@@ -36,33 +46,13 @@ fn newest_mtime(dir: &Path) -> SystemTime {
     newest
 }
 
-/// The `sqcow2` binary of this build. Integration tests of the root package
-/// cannot ask cargo for another package's binary, so the test command builds
-/// it first (`cargo build --workspace`); a missing or stale binary fails the
-/// test instead of testing old code.
-pub fn sqcow2_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps layout");
-    let bin = profile_dir.join("sqcow2");
-    assert_built_and_fresh(
-        &bin,
-        &[
-            "sqcow2-cli",
-            "sqcow2-vhost",
-            "sqcow2-format",
-            "sqcow2-cache",
-        ],
-    );
-    bin
-}
-
-/// Fails if `bin` is missing or older than a source of the crates it is
-/// built from.
-fn assert_built_and_fresh(bin: &Path, crates: &[&str]) {
-    let built = std::fs::metadata(bin)
+/// The `sqcow2-bench` binary of this build, beside `sqcow2`. Cargo builds
+/// only this package's binaries for its tests, so the test command builds
+/// the other package first (`cargo build --workspace`); a missing or stale
+/// binary fails the test instead of testing old code.
+pub fn sqcow2_bench_bin() -> PathBuf {
+    let bin = sqcow2_bin().with_file_name("sqcow2-bench");
+    let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .unwrap_or_else(|_| {
             panic!(
@@ -70,10 +60,10 @@ fn assert_built_and_fresh(bin: &Path, crates: &[&str]) {
                 bin.display()
             )
         });
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
-    let sources = crates
+    let crates = workspace_root().join("crates");
+    let sources = ["sqcow2-bench", "sqcow2-format", "sqcow2-cache"]
         .iter()
-        .map(|c| newest_mtime(&root.join(c)))
+        .map(|c| newest_mtime(&crates.join(c)))
         .max()
         .unwrap_or(SystemTime::UNIX_EPOCH);
     assert!(
@@ -81,12 +71,6 @@ fn assert_built_and_fresh(bin: &Path, crates: &[&str]) {
         "{} is older than the sources: run `cargo build --workspace` first",
         bin.display()
     );
-}
-
-/// The `sqcow2-bench` binary of this build (beside `sqcow2`).
-pub fn sqcow2_bench_bin() -> PathBuf {
-    let bin = sqcow2_bin().with_file_name("sqcow2-bench");
-    assert_built_and_fresh(&bin, &["sqcow2-bench", "sqcow2-format", "sqcow2-cache"]);
     bin
 }
 

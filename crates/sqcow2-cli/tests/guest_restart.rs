@@ -19,7 +19,7 @@
 //! not yet mapped may leak).
 //!
 //! `SQCOW2_RESTARTS` (default 10 kills, 4 upgrades in the test run;
-//! `scripts/guest-restart.sh` runs more) and `SQCOW2_RESTART_SEED`.
+//! `scripts/long-test.sh guest-restart` runs more) and `SQCOW2_RESTART_SEED`.
 
 mod common;
 
