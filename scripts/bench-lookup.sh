@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Criterion lookup benchmarks (walk vs indexed at 1, 10, 100, 1000 layers),
-# then a Markdown table of the mean latencies for the README.
+# then a Markdown table of the mean latencies (docs/measured.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh

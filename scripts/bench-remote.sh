@@ -3,7 +3,7 @@
 # each chain behind a FUSE filesystem that answers every read a fixed delay
 # later (200 us by default; the mount's page cache cannot hide it). Cold
 # random 4 KiB reads over 1, 100 and 1000 layers: sqcow2 (indexed) against
-# qemu-storage-daemon in every configuration. Rewrites the README's
+# qemu-storage-daemon in every configuration. Rewrites docs/measured.md's
 # remote-storage section.
 #
 #   scripts/bench-remote.sh [sqcow2-bench remote options]
@@ -21,4 +21,4 @@ ensure_commands cc:gcc qemu-img:qemu-utils
 echo "==> building sqcow2 and sqcow2-bench (release)"
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench
 # QSD=path compares with another qemu-storage-daemon than the installed one.
-exec target/release/sqcow2-bench remote --out bench-results/remote --readme README.md --qsd "${QSD:-qemu-storage-daemon}" "$@"
+exec target/release/sqcow2-bench remote --out bench-results/remote --doc docs/measured.md --qsd "${QSD:-qemu-storage-daemon}" "$@"

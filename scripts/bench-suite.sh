@@ -5,8 +5,8 @@
 # of 1 to 10000 layers over vhost-user-blk, the limits (raw file in
 # process, and exported by qemu-storage-daemon), and a write and queue
 # matrix on one layer; a libblkio client measures.
-# Writes bench-results/results.json, plots (PNG, SVG) and the README's
-# benchmark section.
+# Writes bench-results/results.json, plots (SVG) and the section of
+# docs/measured.md between its bench-suite markers.
 #
 #   scripts/bench-suite.sh [--quick] [sqcow2-bench suite options]
 #
@@ -34,4 +34,4 @@ cargo build --release --locked -p sqcow2-cli -p sqcow2-bench
 # Every qemu-storage-daemon at hand is tried; the run compares with the
 # fastest (scripts/lib/qsd.sh; QSD_CANDIDATES=path[,path] chooses).
 qsds=$(qsd_candidates)
-exec target/release/sqcow2-bench suite --out bench-results --readme README.md --qsd "$qsds" "$@"
+exec target/release/sqcow2-bench suite --out bench-results --doc docs/measured.md --qsd "$qsds" "$@"

@@ -1,7 +1,7 @@
 //! `sqcow2-bench`: the benchmark harness, kept out of the shipped `sqcow2`
 //! binary. `load` drives a vhost-user-blk socket (or a raw file) with
 //! libblkio; `suite` compares sqcow2 with qemu-storage-daemon on generated
-//! chains and rewrites the README's benchmark section.
+//! chains and rewrites the benchmark section of `docs/measured.md`.
 
 mod load;
 mod page_cache;
@@ -33,7 +33,7 @@ enum Command {
     /// report IOPS, MB/s and latency percentiles.
     Load(load::LoadArgs),
     /// sqcow2 vs qemu-storage-daemon vs the raw-file limit on generated
-    /// chains of 1 to 10000 layers; writes JSON, plots and a README section.
+    /// chains of 1 to 10000 layers; writes JSON, plots and a Markdown section.
     Suite(suite::SuiteArgs),
     /// Chains on remote storage (a FUSE filesystem adding a fixed delay to
     /// every read): cold random reads, sqcow2 vs qemu-storage-daemon.

@@ -46,9 +46,10 @@ pub struct RemoteArgs {
     /// Where chains, logs and results go.
     #[arg(long, default_value = "bench-results/remote")]
     out: PathBuf,
-    /// Rewrite the section between the bench-remote markers of this file.
+    /// Rewrite the section between the bench-remote markers of this
+    /// Markdown file (`docs/measured.md`).
     #[arg(long)]
-    readme: Option<PathBuf>,
+    doc: Option<PathBuf>,
     /// The qemu-storage-daemon to compare with (a path, or a name in
     /// `PATH`).
     #[arg(long, default_value = "qemu-storage-daemon")]
@@ -181,8 +182,8 @@ pub fn run(args: &RemoteArgs) -> anyhow::Result<()> {
     )?;
     let md = markdown(&results);
     std::fs::write(out.join("summary.md"), &md)?;
-    if let Some(readme) = &args.readme {
-        replace_section(readme, &md)?;
+    if let Some(doc) = &args.doc {
+        replace_section(doc, &md)?;
     }
     println!("{md}");
     Ok(())
@@ -358,7 +359,7 @@ fn fmt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "failed".into(), |x| format!("{x:.digits$}"))
 }
 
-/// The README section of a run.
+/// The Markdown section of a run.
 pub fn markdown(r: &RemoteResults) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "{START}");

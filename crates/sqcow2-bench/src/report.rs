@@ -1,4 +1,4 @@
-//! Medians, ratios, goals and the README section of a suite run.
+//! Medians, ratios, goals and the Markdown section of a suite run.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -325,14 +325,12 @@ fn qsd_trials(md: &mut String, results: &Results) {
     md.push_str(".\n");
 }
 
-/// The README section of a run.
-pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
+/// The Markdown section of a run; `plots` is where its plots are, as a
+/// link from the document it goes into.
+pub fn markdown(results: &Results, s: &Summary, plots: &Path) -> String {
     let mut md = String::new();
     let m = &results.machine;
-    let dir = out_dir
-        .file_name()
-        .map(|d| d.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "bench-results".into());
+    let dir = plots.display();
     let _ = writeln!(md, "{START}");
     let _ = writeln!(
         md,
@@ -512,7 +510,7 @@ pub fn markdown(results: &Results, s: &Summary, out_dir: &Path) -> String {
     }
     let _ = writeln!(
         md,
-        "\n![Random-read IOPS vs chain length]({dir}/iops.svg)\n![Peak RSS vs chain length]({dir}/rss.svg)\n![QD1 latency CDF at the longest chain]({dir}/latency-cdf.svg)\n\n(SVG versions next to the PNGs.)"
+        "\n![Random-read IOPS vs chain length]({dir}/iops.svg)\n![Peak RSS vs chain length]({dir}/rss.svg)\n![QD1 latency CDF at the longest chain]({dir}/latency-cdf.svg)"
     );
     let _ = writeln!(md, "{END}");
     md

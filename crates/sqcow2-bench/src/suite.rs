@@ -1,6 +1,6 @@
 //! `sqcow2 bench suite`: sqcow2 and qemu-storage-daemon side by side on
 //! the same generated chains, plus the raw-file limit; results as JSON,
-//! plots and a README section.
+//! plots and a section of `docs/measured.md`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,9 +38,10 @@ pub struct SuiteArgs {
     /// Where chains, logs, results and plots go.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
-    /// Rewrite the section between the bench-suite markers of this file.
+    /// Rewrite the section between the bench-suite markers of this
+    /// Markdown file (`docs/measured.md`).
     #[arg(long)]
-    readme: Option<PathBuf>,
+    doc: Option<PathBuf>,
     /// Servers to run (default all).
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
@@ -51,7 +52,7 @@ pub struct SuiteArgs {
     /// sparse).
     #[arg(long, default_value = "32G")]
     write_base_size: String,
-    /// Measure nothing: redraw the plots and the README section from
+    /// Measure nothing: redraw the plots and the Markdown section from
     /// this results.json.
     #[arg(long)]
     replot: Option<PathBuf>,
@@ -275,7 +276,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
             std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
         let results: Results = serde_json::from_str(&text).context("parsing results")?;
         std::fs::create_dir_all(&args.out)?;
-        return report_outputs(&results, &args.out.canonicalize()?, args.readme.as_deref());
+        return report_outputs(&results, &args.out.canonicalize()?, args.doc.as_deref());
     }
     let started = Instant::now();
     let lengths = if !args.lengths.is_empty() {
@@ -468,17 +469,26 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     let json = out.join("results.json");
     std::fs::write(&json, serde_json::to_string_pretty(&results)?)?;
     eprintln!("results: {}", json.display());
-    report_outputs(&results, &out, args.readme.as_deref())
+    report_outputs(&results, &out, args.doc.as_deref())
 }
 
-/// Plots, `summary.md` and (optionally) the README section of `results`.
-fn report_outputs(results: &Results, out: &Path, readme: Option<&Path>) -> anyhow::Result<()> {
+/// Plots, `summary.md` and (optionally) the section of a Markdown document.
+fn report_outputs(results: &Results, out: &Path, doc: Option<&Path>) -> anyhow::Result<()> {
     let summary = crate::report::Summary::new(results);
     crate::plot::plots(&summary, out)?;
-    let section = crate::report::markdown(results, &summary, out);
+    // The plots as linked from where the section goes.
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let linked = |from: &Path| match pathdiff::diff_paths(absolute(out), absolute(from)) {
+        Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
+        Some(p) => p,
+        None => out.to_path_buf(),
+    };
+    let section = crate::report::markdown(results, &summary, &linked(out));
     std::fs::write(out.join("summary.md"), &section)?;
-    if let Some(readme) = readme {
-        crate::report::replace_section(readme, &section)?;
+    if let Some(doc) = doc {
+        let dir = doc.parent().unwrap_or(Path::new("."));
+        let section = crate::report::markdown(results, &summary, &linked(dir));
+        crate::report::replace_section(doc, &section)?;
     }
     println!("{section}");
     Ok(())
