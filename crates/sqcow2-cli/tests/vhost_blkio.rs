@@ -379,6 +379,34 @@ fn memory_mapped_while_queues_run() {
     daemon.stop();
 }
 
+/// SIGHUP and SIGUSR1 stop the daemon as SIGTERM does, as they stop
+/// qemu-storage-daemon (exit 0): drained, flushed, the image closed clean
+/// (no dirty bit, no journal left), the socket and pidfile removed.
+#[test]
+fn sighup_and_sigusr1_stop_cleanly_as_qemu_storage_daemon_does() {
+    for (name, signal) in [("SIGHUP", libc::SIGHUP), ("SIGUSR1", libc::SIGUSR1)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = gen_chain(tmp.path(), 3, "8M", "0.6");
+        let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+        let mut client = connect_retry(&daemon, 1, false);
+        client.write(0, &[7u8; 4096]);
+        drop(client);
+        let status = daemon.stop_with(signal);
+        assert!(
+            status.success(),
+            "{name}: exit status {status}:\n{}",
+            daemon.log()
+        );
+        assert!(!daemon.socket.exists(), "{name}: socket left behind");
+        assert!(!daemon.pidfile.exists(), "{name}: pidfile left behind");
+        let journal = top.with_extension("qcow2.sqjournal");
+        assert!(!journal.exists(), "{name}: journal left behind");
+        let dirty = std::fs::read(&top).unwrap()[79] & 1 == 1;
+        assert!(!dirty, "{name}: the image was left dirty");
+        assert_qemu_check_clean(&top);
+    }
+}
+
 #[test]
 fn lifecycle_socket_mode_pidfile_signals() {
     let tmp = tempfile::tempdir().unwrap();
