@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use sqcow2_format::check::{check, Repair};
-use sqcow2_format::indexing::verify_index;
+use sqcow2_format::indexing::{upgrade, verify_index};
 use sqcow2_format::{Chain, ChainOptions, IndexState, Locking};
 
 use crate::output::{print_json, OutputFormat};
@@ -58,7 +58,23 @@ pub fn run(
             return finish(report, output);
         }
     };
+    let stale = matches!(index.state, IndexState::Stale { .. });
+    if repair == Repair::All && (index.mismatches > 0 || index.unreadable > 0 || stale) {
+        // The index is sqcow2's own cache of the chain: repaired by
+        // writing it anew.
+        let rebuilt = upgrade(image, locking, &mut |_, _| {})?;
+        if let Some(path) = rebuilt.index {
+            report.messages.push(format!(
+                "Chain index rebuilt ({}, {} layers)",
+                path.display(),
+                rebuilt.layers
+            ));
+        }
+        return finish(report, output);
+    }
     if index.mismatches > 0 {
+        // Slices that pass their checksums yet disagree with the chain:
+        // reads through this index would return wrong data.
         report.corruptions += index.mismatches;
         report.messages.push(format!(
             "ERROR chain index disagrees with the chain for {} of {} chunks",
@@ -68,9 +84,17 @@ pub fn run(
             .messages
             .extend(index.examples.iter().map(|e| format!("ERROR {e}")));
     }
+    if index.unreadable > 0 {
+        // A damaged slice is detected and the index given up: the chain
+        // is walked, as for a stale index. Not a problem of the image.
+        report.messages.push(format!(
+            "Chain index is damaged ({}): sqcow2 does not use it and walks the chain. `sqcow2 upgrade` (or `check -r all`) rebuilds it",
+            index.unreadable_reason.as_deref().unwrap_or("unreadable"),
+        ));
+    }
     if let IndexState::Stale { reason, .. } = &index.state {
         report.messages.push(format!(
-            "Chain index is stale and not used ({reason}); `sqcow2 upgrade` rebuilds it"
+            "Chain index is stale and not used ({reason}); `sqcow2 upgrade` (or `check -r all`) rebuilds it"
         ));
     }
     finish(report, output)

@@ -514,6 +514,44 @@ fn interrupted_snapshot_leaves_the_chain_usable() {
     );
 }
 
+/// A damaged index (a flipped byte: a slice fails its checksum) is a
+/// stale index, not a damaged image: `check` warns and names the way out
+/// (exit 0, as `qemu-img check`), `check -r all` rebuilds it.
+#[test]
+fn a_damaged_index_is_a_warning_and_check_r_all_rebuilds_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (top, _) = gen(tmp.path(), 5, true, Distribution::Uniform);
+    let path = top.with_file_name("layer0004.qcow2.sqidx");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    qemu_check_all(&top);
+
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["check", s(&top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("No errors were found on the image."),
+        "{text}"
+    );
+    assert!(text.contains("index is damaged"), "{text}");
+    assert!(text.contains("sqcow2 upgrade"), "{text}");
+    assert!(!text.contains("ERROR"), "{text}");
+
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["check", "-r", "all", s(&top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("index rebuilt"), "{text}");
+    assert_valid(&top);
+    let out = run_raw(Command::new(common::sqcow2_bin()).args(["check", s(&top)]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(!text.contains("index"), "{text}");
+    assert_same_as_qemu(&top);
+    qemu_check_all(&top);
+}
+
 /// An index whose checksums are intact but whose content is wrong (as a
 /// buggy writer could leave it) is caught by `sqcow2 check`.
 #[test]

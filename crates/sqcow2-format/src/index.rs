@@ -436,6 +436,8 @@ pub struct ChainIndex {
     l1: Vec<(u64, u32)>,
     file_size: u64,
     usable: AtomicBool,
+    /// Why it stopped being usable (the first reason).
+    given_up: std::sync::OnceLock<String>,
     /// Its number in the unified cache (unique in the process).
     cache_id: u32,
     /// Slices whose checksum matched once: the file is never rewritten in
@@ -550,6 +552,7 @@ impl ChainIndex {
             l1,
             file_size,
             usable: AtomicBool::new(true),
+            given_up: std::sync::OnceLock::new(),
             cache_id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             verified: (0..geometry.slices().div_ceil(64))
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
@@ -633,6 +636,17 @@ impl ChainIndex {
         self.usable.load(Ordering::Relaxed)
     }
 
+    /// Stops using the index (lookups walk the chain from now on).
+    fn give_up(&self, reason: String) {
+        let _ = self.given_up.set(reason);
+        self.usable.store(false, Ordering::Relaxed);
+    }
+
+    /// Why the index stopped being usable, if it did.
+    pub fn given_up_because(&self) -> Option<&str> {
+        self.given_up.get().map(String::as_str)
+    }
+
     /// The entry of `chunk`, through the unified cache; `None` when the
     /// index has become unusable (a slice failed its checksum);
     /// `Err(WouldBlock)` as [`ChainIndex::slice`].
@@ -652,7 +666,7 @@ impl ChainIndex {
             return Some(IndexEntry::None);
         };
         decode_at(words, chunk % self.geometry.slice_entries()).or_else(|| {
-            self.usable.store(false, Ordering::Relaxed);
+            self.give_up(format!("the entry of chunk {chunk} does not decode"));
             None
         })
     }
@@ -709,7 +723,7 @@ impl ChainIndex {
             Ok(w) => Ok(Some(Some(w))),
             Err(reason) => {
                 tracing::warn!(index = %self.path.display(), %reason, "chain index slice unreadable: falling back to walking the chain");
-                self.usable.store(false, Ordering::Relaxed);
+                self.give_up(format!("slice {slice_no}: {reason}"));
                 Ok(None)
             }
         }

@@ -715,8 +715,15 @@ pub struct IndexVerification {
     pub state: IndexState,
     /// Chunks compared.
     pub chunks: u64,
-    /// Chunks whose entry differs from the walk.
+    /// Chunks whose entry differs from the walk (their slice read and
+    /// passed its checksum: lookups through the index would be wrong).
     pub mismatches: u64,
+    /// Chunks not compared because the index was given up before them
+    /// (a slice unreadable or failing its checksum: a damaged index,
+    /// which lookups no longer use).
+    pub unreadable: u64,
+    /// Why the index was given up.
+    pub unreadable_reason: Option<String>,
     /// The first few differences.
     pub examples: Vec<String>,
 }
@@ -740,6 +747,8 @@ pub fn verify_index(
             state,
             chunks: 0,
             mismatches: 0,
+            unreadable: 0,
+            unreadable_reason: None,
             examples: Vec::new(),
         });
     }
@@ -757,19 +766,29 @@ pub fn verify_index(
             state,
             chunks: 0,
             mismatches: 0,
+            unreadable: 0,
+            unreadable_reason: None,
             examples: Vec::new(),
         });
     };
     let covered_size = indexed.layers()[upto.0 + 1].virtual_size();
     let geometry = walked.index_geometry(upto, covered_size);
-    let mut mismatches = 0;
+    let (mut mismatches, mut unreadable, mut unreadable_reason) = (0, 0, None);
     let mut examples = Vec::new();
     let mut chunk = 0u64;
     walked.index_entries(
         upto,
         geometry,
         &mut |want| {
-            let got = indexed.index_entry(chunk);
+            let got = match indexed.index_entry(chunk) {
+                Ok(got) => got,
+                Err(e) => {
+                    unreadable += 1;
+                    unreadable_reason.get_or_insert_with(|| e.to_string());
+                    chunk += 1;
+                    return Ok(());
+                }
+            };
             let same = match got {
                 Some(g) => g == want || matches!(g, IndexEntry::Walk),
                 None => false,
@@ -792,6 +811,8 @@ pub fn verify_index(
         state,
         chunks: chunk,
         mismatches,
+        unreadable,
+        unreadable_reason,
         examples,
     })
 }

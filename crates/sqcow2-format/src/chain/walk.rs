@@ -7,7 +7,7 @@ use sqcow2_cache::{Slice, SliceCache};
 
 use crate::backing::resolve_backing_path;
 use crate::entry::CompressedDescriptor;
-use crate::error::{Error, WithPath};
+use crate::error::{Error, ErrorKind, WithPath};
 use crate::index::{ChainIndex, IndexEntry, IndexGeometry};
 use crate::layer::{Layer, LayerStatus};
 use crate::sqcow2_ext::granularity_bits;
@@ -251,15 +251,21 @@ impl Chain {
     }
 
     /// The raw index entry of `chunk`, when an index is in use (it
-    /// answers for the layers [`Chain::index_covers`] says).
-    pub fn index_entry(&self, chunk: u64) -> Option<IndexEntry> {
-        self.index
-            .load()
-            .usable()?
-            .0
-            .entry(chunk, &self.cache)
-            .ok()
-            .flatten()
+    /// answers for the layers [`Chain::index_covers`] says); an error
+    /// once the index was given up (a slice unreadable or failing its
+    /// checksum).
+    pub fn index_entry(&self, chunk: u64) -> Result<Option<IndexEntry>, Error> {
+        let in_use = self.index.load();
+        let Some((index, _)) = in_use.covering.as_ref() else {
+            return Ok(None);
+        };
+        match index.entry(chunk, &self.cache) {
+            Ok(None) if !index.usable() => Err(Error::new(
+                index.path(),
+                ErrorKind::IndexStale(index.given_up_because().unwrap_or_default().into()),
+            )),
+            got => got.map_err(|k| Error::new(index.path(), k)),
+        }
     }
 
     /// The highest layer the index in use covers.
