@@ -205,6 +205,42 @@ fn commit_matches_qemu_img_commit() {
     }
 }
 
+/// A commit of a chain only sqcow2 ever touched warns about nothing: the
+/// base it writes invalidates the top's index, which the commit itself
+/// rebuilds (no "a tool that does not know sQcow2").
+#[test]
+fn commit_of_a_chain_only_sqcow2_touched_warns_nothing() {
+    for base in [None, Some("layer0000.qcow2")] {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = sqcow2(&[
+            "gen-chain",
+            "--layers",
+            "4",
+            "--size",
+            "64M",
+            "--fill",
+            "0.3",
+            s(tmp.path()),
+        ]);
+        let top = top.trim();
+        let mut args = vec!["commit"];
+        if let Some(b) = base {
+            args.extend(["-b", b]);
+        }
+        args.push(top);
+        let out = run_raw(
+            Command::new(sqcow2_bin())
+                .current_dir(tmp.path())
+                .env("RUST_LOG", "warn")
+                .args(&args),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        assert!(!stderr.contains("WARN"), "{args:?}: {stderr}");
+        assert_check_clean(Path::new(top));
+    }
+}
+
 #[test]
 fn commit_of_an_image_without_backing_file_fails_as_in_qemu() {
     let tmp = tempfile::tempdir().unwrap();

@@ -290,7 +290,9 @@ pub fn commit(
     };
     // The source shares everything (the base is written by `target`
     // through another descriptor); the layers above the base are then
-    // locked as what they are to the commit.
+    // locked as what they are to the commit. Its index covers the base,
+    // which this commit now writes: found stale, as expected (rebuilt at
+    // the end).
     let open_source = |use_index| {
         Chain::open_expecting(
             image,
@@ -299,6 +301,7 @@ pub fn commit(
                 locking,
                 force_share: true,
                 use_index,
+                stale_index_expected: true,
                 ..ChainOptions::default()
             },
         )
