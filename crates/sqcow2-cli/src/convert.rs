@@ -78,6 +78,6 @@ pub fn run(
     }
     out.sync()
         .with_context(|| format!("{}: sync failed", dst.display()))?;
-    bar.finish_and_clear();
+    bar.finish();
     Ok(())
 }

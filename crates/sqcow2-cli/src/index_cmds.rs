@@ -3,13 +3,13 @@
 use std::io::Write;
 use std::path::Path;
 
-use indicatif::ProgressBar;
+use crate::output::Progress;
 use sqcow2_format::indexing::{snapshot, upgrade, SnapshotIndex};
 use sqcow2_format::Locking;
 
 use crate::output::{print_json, OutputFormat};
 
-fn bar(forced: bool) -> ProgressBar {
+fn bar(forced: bool) -> Progress {
     crate::output::progress_bar(
         0,
         forced,
@@ -30,7 +30,7 @@ pub fn run_upgrade(
         pb.set_length(total);
         pb.set_position(done);
     })?;
-    pb.finish_and_clear();
+    pb.finish();
     let mut out = std::io::stdout().lock();
     match output {
         OutputFormat::Json => print_json(&mut out, &report)?,
@@ -83,7 +83,7 @@ pub fn run_snapshot(
         pb.set_length(total);
         pb.set_position(done);
     })?;
-    pb.finish_and_clear();
+    pb.finish();
     let elapsed = start.elapsed();
     let mut out = std::io::stdout().lock();
     match output {

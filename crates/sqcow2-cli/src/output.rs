@@ -56,35 +56,84 @@ mod tests {
     }
 }
 
-/// A progress bar with `template` on standard error: drawn in place on a
-/// terminal; where standard error is not one, hidden, or with `forced`
-/// (`-p`) one plain line a second (a log keeps them).
-pub fn progress_bar(len: u64, forced: bool, template: &str) -> indicatif::ProgressBar {
+/// A progress bar on standard error: drawn in place on a terminal; where
+/// standard error is not one, hidden, or with `forced` (`-p`) one plain
+/// line a second (a log keeps them). [`Progress::finish`] leaves the
+/// finished state shown either way, as qemu-img's last `(100.00/100%)`.
+#[derive(Debug)]
+pub struct Progress {
+    bar: indicatif::ProgressBar,
+    /// The plain-line target's state, when there is one.
+    lines: Option<std::sync::Arc<LineState>>,
+}
+
+impl std::ops::Deref for Progress {
+    type Target = indicatif::ProgressBar;
+    fn deref(&self) -> &indicatif::ProgressBar {
+        &self.bar
+    }
+}
+
+impl Progress {
+    /// No bar at all (`-q`).
+    pub fn hidden() -> Self {
+        Progress {
+            bar: indicatif::ProgressBar::hidden(),
+            lines: None,
+        }
+    }
+
+    /// The work is done: the last state is drawn (on a plain-line target
+    /// whatever the time since the last line) and stays.
+    pub fn finish(&self) {
+        if let Some(lines) = &self.lines {
+            lines.unthrottle();
+        }
+        self.bar.finish();
+    }
+}
+
+/// A [`Progress`] of `len` with `template` (see there for where it goes).
+pub fn progress_bar(len: u64, forced: bool, template: &str) -> Progress {
     use std::io::IsTerminal;
     let terminal = std::io::stderr().is_terminal();
     if !forced && !terminal {
-        return indicatif::ProgressBar::hidden();
+        return Progress::hidden();
     }
-    let bar = if terminal {
-        indicatif::ProgressBar::new(len)
+    let (bar, lines) = if terminal {
+        (indicatif::ProgressBar::new(len), None)
     } else {
-        indicatif::ProgressBar::with_draw_target(
+        let lines = std::sync::Arc::new(LineState::default());
+        let bar = indicatif::ProgressBar::with_draw_target(
             Some(len),
-            indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(LineTerm::default()), 1),
-        )
+            indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(LineTerm(lines.clone())), 1),
+        );
+        (bar, Some(lines))
     };
     bar.set_style(
         indicatif::ProgressStyle::with_template(template)
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    bar
+    Progress { bar, lines }
 }
 
 /// Standard error as a terminal that cannot move its cursor: a draw a
-/// second at most, each a new line.
+/// second at most, each a new line (every draw once unthrottled).
+#[derive(Debug)]
+struct LineTerm(std::sync::Arc<LineState>);
+
+/// What a [`LineTerm`] and its [`Progress`] share.
 #[derive(Debug, Default)]
-struct LineTerm {
+struct LineState {
     last: std::sync::Mutex<Option<std::time::Instant>>,
+    unthrottled: std::sync::atomic::AtomicBool,
+}
+
+impl LineState {
+    fn unthrottle(&self) {
+        self.unthrottled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl indicatif::TermLike for LineTerm {
@@ -114,10 +163,16 @@ impl indicatif::TermLike for LineTerm {
         {
             // Not held across the write.
             let mut last = self
+                .0
                 .last
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if line.is_empty() || last.is_some_and(|t| t.elapsed().as_millis() < 1000) {
+            let throttled = !self
+                .0
+                .unthrottled
+                .load(std::sync::atomic::Ordering::Relaxed)
+                && last.is_some_and(|t| t.elapsed().as_millis() < 1000);
+            if line.is_empty() || throttled {
                 return Ok(());
             }
             *last = Some(std::time::Instant::now());

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use indicatif::ProgressBar;
+use crate::output::Progress;
 use sqcow2_format::reshape::{
     commit, merge, rebase, CommitOptions, LayerRef, MergeOptions, RebaseOptions,
 };
@@ -123,9 +123,9 @@ pub struct MergeArgs {
     new: Option<PathBuf>,
 }
 
-fn bar(forced: bool, quiet: bool) -> ProgressBar {
+fn bar(forced: bool, quiet: bool) -> Progress {
     if quiet {
-        return ProgressBar::hidden();
+        return Progress::hidden();
     }
     crate::output::progress_bar(
         0,
@@ -134,7 +134,7 @@ fn bar(forced: bool, quiet: bool) -> ProgressBar {
     )
 }
 
-fn progress_of(pb: &ProgressBar) -> impl FnMut(u64, u64) + '_ {
+fn progress_of(pb: &Progress) -> impl FnMut(u64, u64) + '_ {
     |done, total| {
         pb.set_length(total);
         pb.set_position(done);
@@ -153,7 +153,7 @@ pub fn run_commit(args: &CommitArgs, locking: Locking) -> anyhow::Result<()> {
     };
     let pb = bar(args.progress, args.quiet);
     let report = commit(&options, &mut progress_of(&pb))?;
-    pb.finish_and_clear();
+    pb.finish();
     let mut out = std::io::stdout().lock();
     match args.output {
         OutputFormat::Json => print_json(&mut out, &report)?,
@@ -176,7 +176,7 @@ pub fn run_rebase(args: &RebaseArgs, locking: Locking) -> anyhow::Result<()> {
     };
     let pb = bar(args.progress, args.quiet);
     let report = rebase(&options, &mut progress_of(&pb))?;
-    pb.finish_and_clear();
+    pb.finish();
     if args.output == OutputFormat::Json {
         print_json(&mut std::io::stdout().lock(), &report)?;
     }
@@ -200,7 +200,7 @@ pub fn run_merge(args: &MergeArgs, locking: Locking) -> anyhow::Result<()> {
     };
     let pb = bar(args.progress, false);
     let report = merge(&options, &mut progress_of(&pb))?;
-    pb.finish_and_clear();
+    pb.finish();
     let mut out = std::io::stdout().lock();
     match args.output {
         OutputFormat::Json => print_json(&mut out, &report)?,
@@ -285,7 +285,7 @@ fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
             break m;
         }
     };
-    pb.finish_and_clear();
+    pb.finish();
     match args.output {
         OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &end)?,
         OutputFormat::Human if end.state == MergeState::Done => {

@@ -241,6 +241,42 @@ fn commit_of_a_chain_only_sqcow2_touched_warns_nothing() {
     }
 }
 
+/// `-p` where standard error is not a terminal (a log) ends with the
+/// line of the finished work, as qemu-img's `(100.00/100%)`.
+#[test]
+fn progress_without_a_terminal_ends_at_100_percent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gen = |dir: &str| {
+        let top = sqcow2(&[
+            "gen-chain",
+            "--layers",
+            "4",
+            "--size",
+            "64M",
+            "--fill",
+            "0.3",
+            s(&tmp.path().join(dir)),
+        ]);
+        top.trim().to_owned()
+    };
+    let (a, b, c) = (gen("a"), gen("b"), gen("c"));
+    let raw = tmp.path().join("out.raw");
+    for args in [
+        vec!["convert", "-p", "-O", "raw", &a, s(&raw)],
+        vec!["commit", "-p", &b],
+        vec!["upgrade", "-p", &c],
+    ] {
+        let out = run_raw(Command::new(sqcow2_bin()).args(&args));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+        assert!(
+            last.is_some_and(|l| l.contains("100%")),
+            "{args:?}: the last progress line is not the finished one:\n{stderr}"
+        );
+    }
+}
+
 #[test]
 fn commit_of_an_image_without_backing_file_fails_as_in_qemu() {
     let tmp = tempfile::tempdir().unwrap();
