@@ -84,7 +84,7 @@ pub fn run(
         Some(_) if unsafe_backing => {
             if opts.backing_format.is_none() {
                 bail!(
-                    "{}: give the backing format with -F when -u is given",
+                    "{}: Backing file specified without backing format (give it with -F)",
                     file.display()
                 );
             }
@@ -92,15 +92,14 @@ pub fn run(
         }
         Some(name) => {
             let path = resolve_backing_path(file, name)?;
-            let format = match opts.backing_format.as_deref() {
-                Some(f) => f.to_owned(),
-                None => {
-                    // Only qcow2 is recognised by its magic; raw must be named.
-                    Chain::open(&path, &ChainOptions::default()).with_context(|| {
-                        format!("{}: give the backing format with -F", path.display())
-                    })?;
-                    "qcow2".to_owned()
-                }
+            let Some(format) = opts.backing_format.clone() else {
+                // As qemu-img since QEMU 6.1: a backing format is never
+                // probed (probing is how a raw guest disk gets read as
+                // an image).
+                bail!(
+                    "{}: Backing file specified without backing format (give it with -F)",
+                    file.display()
+                );
             };
             let size = match format.as_str() {
                 "qcow2" => Chain::open(&path, &ChainOptions::default())?.virtual_size(),

@@ -185,6 +185,30 @@ fn create_matches_qemu_for_every_option() {
     assert_eq!(code, Some(1), "{err}");
     sqcow2(&["create", "-b", "base.raw", "-F", "raw", s(&top)]);
     assert_same_as_qemu(&top);
+    // A backing file without its format is refused, as qemu-img refuses
+    // it (whatever the backing file holds), and nothing is created.
+    let qbase = tmp.path().join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&qbase), "1M"]);
+    for (tool, target) in [("qemu-img", "q-nofmt.qcow2"), ("sqcow2", "s-nofmt.qcow2")] {
+        let target = tmp.path().join(target);
+        let mut cmd = if tool == "qemu-img" {
+            let mut c = Command::new("qemu-img");
+            c.args(["create", "-q", "-f", "qcow2"]);
+            c
+        } else {
+            let mut c = Command::new(common::sqcow2_bin());
+            c.arg("create");
+            c
+        };
+        let out = run_raw(cmd.args(["-b", "base.qcow2", s(&target)]));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{tool}: {err}");
+        assert!(
+            err.contains("Backing file specified without backing format"),
+            "{tool}: {err}"
+        );
+        assert!(!target.exists(), "{tool} created {}", target.display());
+    }
 }
 
 /// Adds `delta` to the 16-bit refcount of cluster `idx` (first block only).
