@@ -241,6 +241,41 @@ fn commit_of_a_chain_only_sqcow2_touched_warns_nothing() {
     }
 }
 
+/// A mistake in the arguments is said as one (exit 1), never as an I/O
+/// error: a layer number past the chain, a file not in it.
+#[test]
+fn input_mistakes_are_not_io_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = sqcow2(&[
+        "gen-chain",
+        "--layers",
+        "3",
+        "--size",
+        "16M",
+        "--fill",
+        "0.3",
+        s(tmp.path()),
+    ]);
+    let top = top.trim();
+    let other = tmp.path().join("other.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&other), "16M"]);
+    let merged = tmp.path().join("m.qcow2");
+    for (args, says) in [
+        (vec!["merge", top, "0", "3", s(&merged)], "no layer 3"),
+        (
+            vec!["merge", top, s(&other), "1", s(&merged)],
+            "is not in the chain",
+        ),
+        (vec!["commit", "-b", s(&other), top], "did not find"),
+    ] {
+        let out = run_raw(Command::new(sqcow2_bin()).args(&args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("I/O error"), "{args:?}: {err}");
+    }
+}
+
 /// `-p` where standard error is not a terminal (a log) ends with the
 /// line of the finished work, as qemu-img's `(100.00/100%)`.
 #[test]

@@ -104,6 +104,11 @@ pub enum ErrorKind {
     /// The operating system refused an operation.
     #[error("I/O error: {0}")]
     Io(io::Error),
+    /// The caller's arguments do not fit the images (a layer past the
+    /// chain, a file not in it): a mistake in the input, not a problem
+    /// of the files.
+    #[error("{0}")]
+    InvalidArgument(String),
     /// Not a regular file (a FIFO, a socket, a device, a directory): never
     /// opened as an image or a side file (a FIFO's open would wait
     /// forever).

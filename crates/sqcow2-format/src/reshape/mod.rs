@@ -56,10 +56,7 @@ impl std::fmt::Display for LayerRef {
 }
 
 fn invalid(path: &Path, msg: String) -> Error {
-    Error::new(
-        path,
-        ErrorKind::Io(std::io::Error::new(std::io::ErrorKind::InvalidInput, msg)),
-    )
+    Error::new(path, ErrorKind::InvalidArgument(msg))
 }
 
 /// The position of `layer` in `chain`.
