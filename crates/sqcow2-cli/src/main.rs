@@ -457,13 +457,49 @@ fn main() -> ExitCode {
         Ok((old, new)) => tracing::debug!(old, new, "open-file limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
     }
+    let hint = lock_hint(&cli.command);
     match run(cli) {
         Ok(code) => code,
         // A reader that went away (`sqcow2 map | head`) is not an error.
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("sqcow2: {err:#}");
+            if is_lock_refusal(&err) {
+                eprintln!("{hint}");
+            }
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether `err` is a refusal by the image locks of another process.
+fn is_lock_refusal(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<sqcow2_format::Error>()
+            .is_some_and(|e| matches!(e.kind, sqcow2_format::ErrorKind::Locked { .. }))
+    })
+}
+
+/// What to do when the image locks refuse `command`: the way that works
+/// for it (a read-out may share; a snapshot or merge of a served chain
+/// goes through the daemon; a writer must wait for the other process).
+fn lock_hint(command: &Command) -> &'static str {
+    match command {
+        Command::Info { .. } | Command::Map { .. } | Command::Convert { .. } => {
+            "Is another process using the image? -U (--force-share) reads it anyway; the data may be inconsistent while it writes."
+        }
+        Command::Check { repair: None, .. } => {
+            "Is another process using the image? -U (--force-share) checks it anyway; the result may be inconsistent while it writes."
+        }
+        Command::Snapshot { .. } => {
+            "If a `sqcow2 serve` of this chain holds it, take the snapshot through it: `sqcow2 snapshot --live CONTROL NEW` (CONTROL: its --control socket)."
+        }
+        Command::Merge(_) => {
+            "If a `sqcow2 serve` of this chain holds it, merge through it: `sqcow2 merge --live CONTROL FIRST LAST NEW` (CONTROL: its --control socket)."
+        }
+        _ => {
+            "Another process is using the image for what this needs: stop it first (`sqcow2 serve` stops cleanly on SIGTERM)."
         }
     }
 }

@@ -379,6 +379,37 @@ fn memory_mapped_while_queues_run() {
     daemon.stop();
 }
 
+/// A command refused by the image locks of a running `sqcow2 serve`
+/// names the way out that works for it: `--live` for a snapshot or a
+/// merge, `-U` only for a read-out, stopping the daemon for the rest.
+#[test]
+fn a_lock_refusal_names_the_way_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "8M", "0.6");
+    let control = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&control)]);
+    let new = tmp.path().join("new.qcow2");
+    let merged = tmp.path().join("m.qcow2");
+    for (args, wants, never) in [
+        (vec!["snapshot", s(&top), s(&new)], "snapshot --live", "-U"),
+        (
+            vec!["merge", s(&top), "0", "1", s(&merged)],
+            "merge --live",
+            "-U",
+        ),
+        (vec!["map", s(&top)], "-U", "--live"),
+        (vec!["commit", s(&top)], "stop", "-U"),
+    ] {
+        let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args(&args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("lock"), "{args:?}: {err}");
+        assert!(err.contains(wants), "{args:?}: {err}");
+        assert!(!err.contains(never), "{args:?}: {err}");
+    }
+    daemon.stop();
+}
+
 /// SIGHUP and SIGUSR1 stop the daemon as SIGTERM does, as they stop
 /// qemu-storage-daemon (exit 0): drained, flushed, the image closed clean
 /// (no dirty bit, no journal left), the socket and pidfile removed.

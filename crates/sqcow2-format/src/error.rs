@@ -354,7 +354,7 @@ pub enum ErrorKind {
     },
     /// Another process (or another open of the file) holds a permission
     /// this open conflicts with (QEMU's image locks).
-    #[error("failed to get {}\"{permission}\" lock: another process is using the image (read-outs take -U / --force-share to read it anyway)", if *shared { "shared " } else { "" })]
+    #[error("failed to get {}\"{permission}\" lock: another process is using the image", if *shared { "shared " } else { "" })]
     Locked {
         /// The permission, as QEMU names it ("write", "consistent read", ...).
         permission: &'static str,
