@@ -58,7 +58,7 @@ serve_sqcow2() {
     "$sq" stats c.sock --output json | python3 -c '
 import json, sys
 i = json.load(sys.stdin)["index"]
-sys.exit(0 if i["pending_layers"] == 0 and not i["building"] and i["walking_because"] is None else 1)' \
+sys.exit(0 if i["pending-layers"] == 0 and not i["building"] and i["walking-because"] is None else 1)' \
       && return 0
     sleep 0.1
   done

@@ -63,7 +63,7 @@ first=""
 for s in $(seq "$secs"); do
   iops=$(one_second)
   ratio=$(python3 -c "print(f'{$iops/$median:.2f}')")
-  mode=$("$sq" stats c.sock --output json | python3 -c 'import json,sys; print(json.load(sys.stdin)["index_mode"])')
+  mode=$("$sq" stats c.sock --output json | python3 -c 'import json,sys; print(json.load(sys.stdin)["index-mode"])')
   echo "second $s: $iops IOPS ($ratio x indexed; $mode)"
   if [ -z "$first" ] && python3 -c "import sys; sys.exit(0 if $iops >= 0.9 * $median else 1)"; then
     first=$s

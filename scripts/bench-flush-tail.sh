@@ -67,7 +67,7 @@ serve_sqcow2() { # TOP [BINARY]
     "$sq" stats c.sock --output json | python3 -c '
 import json, sys
 i = json.load(sys.stdin)["index"]
-sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && return 0
+sys.exit(0 if i["pending-layers"] == 0 and not i["building"] else 1)' && return 0
     sleep 0.1
   done
   echo "sqcow2 never indexed $1" >&2; return 1

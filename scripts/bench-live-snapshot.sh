@@ -47,15 +47,15 @@ load = json.load(open("load.json"))
 # Only pauses that fell while the load ran count (a flush before a
 # snapshot can outlast the load).
 load_end = int(open("load.start").read()) + load["seconds"] * 1e6
-under_load = [r for r in replies if r["paused_unix_us"] < load_end]
+under_load = [r for r in replies if r["paused-unix-us"] < load_end]
 total = len(replies)
 replies = under_load or replies
-pauses = sorted(r["pause_ms"] for r in replies)
+pauses = sorted(r["pause-ms"] for r in replies)
 q = lambda f: pauses[round((len(pauses) - 1) * f)]
 # A snapshot lasts from its start to the old top's close after the pause
 # (the reply; QMP's command time for the peer).
-windows = [(r["started_unix_us"],
-            r["paused_unix_us"] + (r["pause_ms"] + (r.get("steps") or {}).get("close_ms", 0)) * 1000)
+windows = [(r["started-unix-us"],
+            r["paused-unix-us"] + (r["pause-ms"] + (r.get("steps") or {}).get("close-ms", 0)) * 1000)
            for r in replies]
 overlapping = [s["latency_us"] for s in load.get("slow", [])
                if any(s["start_unix_us"] < b and s["start_unix_us"] + s["latency_us"] > a
@@ -81,18 +81,18 @@ def longest_over(phases):
                        for a, b in phases)), default=0) / 1000
 by_phase = None
 if all(r.get("steps") for r in replies):
-    paused_end = [r["paused_unix_us"] + r["pause_ms"] * 1000 for r in replies]
+    paused_end = [r["paused-unix-us"] + r["pause-ms"] * 1000 for r in replies]
     by_phase = {
-        "prepare": longest_over([(r["started_unix_us"], r["paused_unix_us"]) for r in replies]),
-        "pause": longest_over([(r["paused_unix_us"], e) for r, e in zip(replies, paused_end)]),
-        "close": longest_over([(e, e + r["steps"].get("close_ms", 0) * 1000)
+        "prepare": longest_over([(r["started-unix-us"], r["paused-unix-us"]) for r in replies]),
+        "pause": longest_over([(r["paused-unix-us"], e) for r, e in zip(replies, paused_end)]),
+        "close": longest_over([(e, e + r["steps"].get("close-ms", 0) * 1000)
                                for r, e in zip(replies, paused_end)]),
     }
-worst = max(replies, key=lambda r: r["pause_ms"])
+worst = max(replies, key=lambda r: r["pause-ms"])
 try:
     index = json.load(open("stats.json"))["index"]
 except FileNotFoundError:
-    index = {"builds": None, "last_build_ms": None}
+    index = {"builds": None, "last-build-ms": None}
 print(json.dumps({
     "server": server, "size": size, "snapshots": total, "under_load": len(under_load),
     "pause_p50_ms": q(0.5), "pause_p99_ms": q(0.99), "pause_max_ms": pauses[-1],
@@ -101,7 +101,7 @@ print(json.dumps({
     "longest_overlapping_by_phase_ms": by_phase,
     "client_iops": load["iops"], "client_p999_us": load["lat_p999_us"],
     "worst_steps": worst.get("steps"), "index_builds": index["builds"],
-    "last_build_ms": index["last_build_ms"],
+    "last-build-ms": index["last-build-ms"],
 }))
 PY
 # The write load on v.sock in the background (its pid in $load), its
@@ -191,7 +191,7 @@ for size in $sizes; do
       "$bin" stats c.sock --output json | python3 -c '
 import json, sys
 i = json.load(sys.stdin)["index"]
-sys.exit(0 if i["pending_layers"] == 0 and not i["building"] else 1)' && break
+sys.exit(0 if i["pending-layers"] == 0 and not i["building"] else 1)' && break
       sleep 0.1
     done
     "$bin" stats c.sock --output json >stats.json
@@ -275,14 +275,14 @@ print("| disk | server | snapshots under load | pause p50 | pause p99 | pause ma
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 for r in runs:
     s = r["worst_steps"]
-    steps = f"{s['drain_ms']:.2f} / {s['switch_ms']:.2f} ms" if s else "- (QMP command time)"
-    if s and "cpu_wait_ms" in s:
-        steps += f", of the pause {s['cpu_wait_ms']:.2f} ms waiting for a CPU"
-    if s and "drain_jobs" in s:
-        steps += (f"; drained {s['drain_jobs']} engine jobs ({s.get('drain_jobs_raised', 0)} raised), "
-                  f"their CPU wait {max(0.0, s['drain_jobs_cpu_wait_ms']):.2f} ms")
-    if s and "close_ms" in s:
-        steps += f" (old top closed after it: {s['close_ms']:.2f} ms)"
+    steps = f"{s['drain-ms']:.2f} / {s['switch-ms']:.2f} ms" if s else "- (QMP command time)"
+    if s and "cpu-wait-ms" in s:
+        steps += f", of the pause {s['cpu-wait-ms']:.2f} ms waiting for a CPU"
+    if s and "drain-jobs" in s:
+        steps += (f"; drained {s['drain-jobs']} engine jobs ({s.get('drain-jobs-raised', 0)} raised), "
+                  f"their CPU wait {max(0.0, s['drain-jobs-cpu-wait-ms']):.2f} ms")
+    if s and "close-ms" in s:
+        steps += f" (old top closed after it: {s['close-ms']:.2f} ms)"
     lo = r["longest_overlapping_ms"]
     lo = f"{lo:.1f} ms" if lo else "< 1 ms"
     ph = r.get("longest_overlapping_by_phase_ms")

@@ -68,7 +68,7 @@ run_sqcow2() { # WHO [merge options...]
   "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
   while [ ! -f serve.pid ]; do sleep 0.1; done
   local pid; pid=$(cat serve.pid)
-  while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending_layers"] else 1)'; do sleep 0.5; done
+  while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
   echo "==> $who: before" >&2
   load v.sock "$phase_s" >before.jsonl
   record "$who" before before.jsonl "{}"
@@ -88,9 +88,9 @@ run_sqcow2() { # WHO [merge options...]
     case $state in done|failed|cancelled) break ;; esac
     load v.sock "$slice_s" >>during.jsonl
   done
-  local merge_json; merge_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed_ms"], "pause_ms": m["pause_ms"], "written_bytes": m["written_bytes"], "throttled_ms": m["throttled_ms"], "baseline_p99_us": m["baseline_p99_us"], "layers_after": m["layers_after"]}))')
+  local merge_json; merge_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
   record "$who" during during.jsonl "$merge_json"
-  while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending_layers"] else 1)'; do sleep 0.2; done
+  while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.2; done
   echo "==> $who: after" >&2
   load v.sock "$phase_s" >after.jsonl
   record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
@@ -146,7 +146,7 @@ run_qsd() {
     load v.sock "$slice_s" >>during.jsonl
   done
   local ms; ms=$(python3 -c "import time; print((time.time() - $t0) * 1000)")
-  record "$who" during during.jsonl "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause_ms\": null}"
+  record "$who" during during.jsonl "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
   if [ "$state" = done ]; then
     echo "==> $who: after" >&2
     load v.sock "$phase_s" >after.jsonl
@@ -174,7 +174,7 @@ print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---
 for who, ph in by.items():
     b, d, a = ph.get("before", {}), ph.get("during", {}), ph.get("after", {})
     how = {"sqcow2": "merge --live", "sqcow2-p99-1.2": "merge --live --max-p99-ratio 1.2", "qsd-stream": "block-stream"}.get(who, who)
-    pause = f'{d["pause_ms"]:.1f} ms' if d.get("pause_ms") is not None else "–"
+    pause = f'{d["pause-ms"]:.1f} ms' if d.get("pause-ms") is not None else "–"
     rss = f'{a["peak_rss_kib"]/1024:.1f} MiB' if "peak_rss_kib" in a else "–"
     f = lambda r, k, fmt: (fmt.format(r[k]) if k in r else "–")
     print(f'| {who} | {how} ({d.get("state", "?")}) | {d.get("merge_ms", 0)/1000:.1f} s | {pause} | '

@@ -67,7 +67,7 @@ indexed() {
   "$sq" stats c.sock --output json | python3 -c '
 import json, sys
 i = json.load(sys.stdin)["index"]
-sys.exit(0 if i["pending_layers"] == 0 and not i["building"] and i["walking_because"] is None else 1)'
+sys.exit(0 if i["pending-layers"] == 0 and not i["building"] and i["walking-because"] is None else 1)'
 }
 
 echo "==> sqcow2: $n live snapshots $gap s apart under the load" >&2
@@ -158,9 +158,9 @@ for server in ["sqcow2", "qsd"]:
             continue
         s = json.loads(line)
         reply = s.get("reply", s)
-        at = s.get("at_unix_us", reply["started_unix_us"])
+        at = s.get("at_unix_us", reply["started-unix-us"])
         b = int((at - start) / 100_000)
-        p = int((reply["paused_unix_us"] - start) / 100_000)
+        p = int((reply["paused-unix-us"] - start) / 100_000)
         if b < 10 or p + 15 > len(t):
             continue
         rate = statistics.median(t[b - 10:b])

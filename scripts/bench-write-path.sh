@@ -115,22 +115,22 @@ measure() { # who bin load
       sleep 1
       for i in $(seq 1 10); do
         d=$("$bin" snapshot --live c.sock "live$i.qcow2" --output json 2>/dev/null \
-          | python3 -c 'import json,sys; print(json.load(sys.stdin)["steps"]["drain_ms"])' || echo NaN)
+          | python3 -c 'import json,sys; print(json.load(sys.stdin)["steps"]["drain-ms"])' || echo NaN)
         drains+=("$d")
         sleep 0.5
         kill -0 $lp 2>/dev/null || break
       done
       kill -INT $lp 2>/dev/null || true
       wait $lp || true
-      printf '{"drain_ms": [%s]}\n' "$(IFS=,; echo "${drains[*]}")" >r.json ;;
+      printf '{"drain-ms": [%s]}\n' "$(IFS=,; echo "${drains[*]}")" >r.json ;;
   esac
   stop
   python3 - "$who" "$name" r.json >>"$out/results.jsonl" <<'PY'
 import json, sys
 who, name, path = sys.argv[1:4]
 r = json.load(open(path))
-if "drain_ms" in r:
-    d = sorted(x for x in r["drain_ms"] if x == x)
+if "drain-ms" in r:
+    d = sorted(x for x in r["drain-ms"] if x == x)
     v = d[len(d) // 2] if d else float("nan")
     print(json.dumps({"who": who, "load": name, "value": v, "unit": "ms (median drain)", "all": d}))
 else:

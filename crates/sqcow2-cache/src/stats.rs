@@ -17,6 +17,7 @@ pub struct CacheStats {
 
 /// A copy of the counters at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct StatsSnapshot {
     /// Lookups answered from the cache.
     pub hits: u64,

@@ -21,6 +21,7 @@ use crate::output::{human_size, print_json, OutputFormat};
 
 /// qemu-img's `format-specific`: the format's name and its details.
 #[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
 struct FormatSpecific {
     #[serde(rename = "type")]
     format: &'static str,

@@ -12,6 +12,7 @@ use crate::output::{print_json, OutputFormat};
 
 /// One extent with qemu-img's JSON field names.
 #[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
 struct MapEntry {
     start: u64,
     length: u64,

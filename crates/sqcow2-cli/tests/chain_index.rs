@@ -445,7 +445,7 @@ fn snapshots_extend_the_index_incrementally() {
             s(&new),
         ]);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["index_written"], now, "{out}");
+        assert_eq!(v["index-written"], now, "{out}");
         assert_eq!(v["incremental"], now, "{out}");
         assert_valid(&new);
         match state(&new) {

@@ -203,11 +203,11 @@ fn an_index_build_on_a_full_filesystem_walks_and_tries_again_at_the_next_start()
     let st = common::vhost::wait_index_state(&ctl, "a failed build", |index| {
         index["failures"].as_u64() >= Some(1) && index["building"] == false
     });
-    let why = st["result"]["index"]["walking_because"]
+    let why = st["result"]["index"]["walking-because"]
         .as_str()
         .unwrap_or_default();
     assert!(why.contains("No space left"), "{st}");
-    assert_eq!(st["result"]["index_mode"], "walk", "{st}");
+    assert_eq!(st["result"]["index-mode"], "walk", "{st}");
     // Served right, walking.
     let mut client = connect_retry(&daemon, 1, false);
     for i in 0..12u64 {
@@ -226,7 +226,7 @@ fn an_index_build_on_a_full_filesystem_walks_and_tries_again_at_the_next_start()
     std::fs::remove_file(&filler).unwrap();
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     let st = common::vhost::wait_indexed(&ctl);
-    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    assert_eq!(st["result"]["index-mode"], "indexed", "{st}");
     daemon.stop();
     reference.verify_files(&top, &small.dir);
 }

@@ -266,7 +266,7 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
         index["failures"].as_u64() >= Some(1)
     });
     assert!(
-        tried["result"]["index"]["last_error"]
+        tried["result"]["index"]["last-error"]
             .as_str()
             .is_some_and(|e| e.contains("top.qcow2")),
         "the builder did not meet the old top's failure: {tried}"
@@ -284,7 +284,7 @@ fn an_old_top_that_could_not_be_closed_is_closed_by_the_next_snapshot() {
     let reply = control(&ctl, json!({"command": "snapshot", "path": second}));
     assert_eq!(reply["ok"], true, "{reply}");
     let last = wait_index_state(&ctl, "the index built after the close", |index| {
-        index["pending_layers"] == 0 && index["building"] == false
+        index["pending-layers"] == 0 && index["building"] == false
     });
     let info = control(&ctl, json!({"command": "info"}));
     assert_eq!(info["result"]["indexed"], true, "{info}; {last}");

@@ -110,7 +110,7 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
     let r = control(
         &ctl,
         json!({"command": "merge", "first": 1, "last": 2, "path": merged2,
-               "rate_limit": 64 << 20, "max_p99_permille": 1200}),
+               "rate-limit": 64 << 20, "max-p99-permille": 1200}),
     );
     assert_eq!(r["ok"], true, "{r}");
     // One merge at a time.
@@ -313,13 +313,13 @@ fn refusals_cancel_and_a_chain_made_by_qemu() {
     assert_eq!(r["error"]["kind"], "merge-failed", "{r}");
     let r = control(
         &ctl,
-        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate_limit": 0}),
+        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate-limit": 0}),
     );
     assert_eq!(r["error"]["kind"], "bad-request", "{r}");
     // A slow merge, cancelled: the chain stays, the file goes.
     let r = control(
         &ctl,
-        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate_limit": 1 << 20}),
+        json!({"command": "merge", "first": 1, "last": 3, "path": dir.join("m.qcow2"), "rate-limit": 1 << 20}),
     );
     assert_eq!(r["ok"], true, "{r}");
     std::thread::sleep(Duration::from_millis(300));
@@ -356,7 +356,7 @@ fn inactivating_cancels_a_running_merge() {
     let merged = dir.join("m.qcow2");
     let r = control(
         &ctl,
-        json!({"command": "merge", "first": 1, "last": 3, "path": merged, "rate_limit": 1 << 20}),
+        json!({"command": "merge", "first": 1, "last": 3, "path": merged, "rate-limit": 1 << 20}),
     );
     assert_eq!(r["ok"], true, "{r}");
     std::thread::sleep(Duration::from_millis(300));

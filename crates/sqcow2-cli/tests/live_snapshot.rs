@@ -159,7 +159,7 @@ fn live_snapshots_under_write_load() {
             reply["result"]["steps"]["realtime"], may_raise,
             "snapshot {i}: {reply}"
         );
-        pauses.push(reply["result"]["pause_ms"].as_f64().unwrap());
+        pauses.push(reply["result"]["pause-ms"].as_f64().unwrap());
     }
     std::thread::sleep(Duration::from_millis(100));
     stop.store(true, Ordering::Relaxed);
@@ -854,7 +854,7 @@ fn sigterm_without_a_frontend_waits_for_snapshots_and_merges() {
             json!({"command": "snapshot", "path": tmp.path().join("new.qcow2")})
         } else {
             json!({"command": "merge", "first": 0, "last": 1,
-                   "path": tmp.path().join("m.qcow2"), "rate_limit": 20_000_000})
+                   "path": tmp.path().join("m.qcow2"), "rate-limit": 20_000_000})
         };
         let mut stream = UnixStream::connect(&ctl).unwrap();
         stream.write_all(format!("{request}\n").as_bytes()).unwrap();

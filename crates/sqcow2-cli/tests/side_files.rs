@@ -458,7 +458,7 @@ fn a_live_merge_never_writes_through_symlinks() {
     // deleted the merge's).
     let r = control(
         &ctl,
-        json!({"command": "merge", "first": 0, "last": 1, "path": m, "rate_limit": 8 << 20}),
+        json!({"command": "merge", "first": 0, "last": 1, "path": m, "rate-limit": 8 << 20}),
     );
     assert_eq!(r["ok"], true, "{r}");
     let r = control(
@@ -1618,7 +1618,7 @@ fn a_top_served_through_a_symlink_is_indexed_after_a_merge() {
     assert_eq!(merge_end(&ctl)["state"], "done");
     let indexed = common::vhost::wait_indexed(&ctl);
     assert_eq!(
-        indexed["result"]["index"]["last_error"],
+        indexed["result"]["index"]["last-error"],
         serde_json::Value::Null,
         "{indexed}"
     );

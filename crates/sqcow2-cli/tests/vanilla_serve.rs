@@ -75,10 +75,10 @@ fn serve_indexes_a_chain_qemu_made_while_a_client_writes() {
         })
     };
     let st = wait_indexed(&ctl);
-    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    assert_eq!(st["result"]["index-mode"], "indexed", "{st}");
     assert!(st["result"]["index"]["builds"].as_u64() >= Some(1), "{st}");
     assert_eq!(
-        st["result"]["index"]["walking_because"],
+        st["result"]["index"]["walking-because"],
         serde_json::Value::Null
     );
     let info = control(&ctl, json!({"command": "info"}));
@@ -142,12 +142,12 @@ fn assert_walks_after_a_failed_build(ctl: &Path, says: &[&str]) {
         index["failures"].as_u64() >= Some(1) && index["building"] == false
     });
     let st = &st["result"];
-    assert_eq!(st["index_mode"], "walk", "{st}");
-    let why = st["index"]["walking_because"].as_str().unwrap_or_default();
+    assert_eq!(st["index-mode"], "walk", "{st}");
+    let why = st["index"]["walking-because"].as_str().unwrap_or_default();
     assert!(says.iter().all(|w| why.contains(w)), "stats: {st}");
     let info = control(ctl, json!({"command": "info"}));
     assert_eq!(
-        info["result"]["walking_because"].as_str(),
+        info["result"]["walking-because"].as_str(),
         Some(why),
         "{info}"
     );
@@ -228,7 +228,7 @@ fn a_layer_a_vanilla_tool_wrote_while_stopped_is_detected_at_the_next_start() {
     let mut reference = Reference::new(&top, tmp.path(), BLOCK);
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     let st = wait_indexed(&ctl);
-    assert_eq!(st["result"]["index_mode"], "indexed", "{st}");
+    assert_eq!(st["result"]["index-mode"], "indexed", "{st}");
     assert_eq!(st["result"]["index"]["builds"], 1, "{st}");
     let mut client = connect_retry(&daemon, 1, false);
     let got = client.read(SIZE / 2 + 8 * MIB, MIB as usize);
@@ -459,7 +459,7 @@ fn a_top_whose_header_cannot_name_an_index_is_left_as_it_is() {
     let st = wait_index_state(&ctl, "a refused build", |index| {
         index["failures"].as_u64() >= Some(1) && index["building"] == false
     });
-    let why = st["result"]["index"]["walking_because"]
+    let why = st["result"]["index"]["walking-because"]
         .as_str()
         .unwrap_or_default()
         .to_owned();

@@ -25,6 +25,7 @@ const FLAG_AUTO: u32 = 2;
 
 /// One persistent bitmap, with `qemu-img info`'s fields.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct BitmapInfo {
     /// `in-use` (a writer had it open and did not store it back) and
     /// `auto` (it tracks writes), as QEMU names them.

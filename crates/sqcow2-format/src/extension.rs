@@ -30,6 +30,7 @@ const FEATURE_ENTRY_SIZE: usize = 48;
 
 /// The bitmaps extension: where the bitmap directory is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct BitmapsExtension {
     /// Number of bitmaps.
     pub nb_bitmaps: u32,

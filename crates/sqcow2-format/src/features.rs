@@ -31,6 +31,7 @@ pub const AUTOCLEAR_UNPUBLISHED: u64 = 1 << 61;
 
 /// The three feature bit fields of a v3 header (all zero for v2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct FeatureBits {
     /// Incompatible features: a reader that does not know a set bit must not
     /// open the image.
@@ -82,6 +83,7 @@ pub fn known_name(kind: FeatureKind, bit: u32) -> Option<&'static str> {
 
 /// One set feature bit, described for read-outs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SetFeature {
     /// Which field.
     pub kind: FeatureKind,
@@ -115,6 +117,7 @@ impl FeatureBits {
 
 /// One entry of the feature name table header extension.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct FeatureNameEntry {
     /// Field the bit belongs to (`None` for a type byte QEMU does not define).
     pub kind: Option<FeatureKind>,

@@ -37,6 +37,7 @@ pub enum Distribution {
 
 /// What to generate.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct GenOptions {
     /// Layers, the top included.
     pub layers: usize,

@@ -269,6 +269,7 @@ fn autoclear_bit_on_disk(layer: &Layer) -> bool {
 
 /// What `upgrade` did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct UpgradeReport {
     /// Index file written; `None` when the image has no backing file
     /// (nothing to index).
@@ -376,6 +377,7 @@ pub(crate) fn relative_to(path: &Path, base: &Path) -> PathBuf {
 
 /// What `snapshot` did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SnapshotReport {
     /// The new active volume.
     pub new: PathBuf,
@@ -601,6 +603,7 @@ pub fn snapshot_over(
 
 /// What [`build_index`] did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct BuildReport {
     /// The index written.
     pub index: PathBuf,
@@ -710,6 +713,7 @@ pub fn index_in_place(
 
 /// Result of comparing an index with a fresh walk of the chain.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct IndexVerification {
     /// The index state as opened.
     pub state: IndexState,

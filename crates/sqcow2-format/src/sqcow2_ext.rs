@@ -17,7 +17,11 @@ use crate::storage::{FileStorage, Storage};
 
 /// Whether a chain is read through its index, and why not.
 #[derive(Debug, Clone, Serialize)]
-#[serde(tag = "state", rename_all = "kebab-case")]
+#[serde(
+    tag = "state",
+    rename_all = "kebab-case",
+    rename_all_fields = "kebab-case"
+)]
 pub enum IndexState {
     /// The top names no index.
     None,

@@ -406,7 +406,7 @@ pub fn wait_index_state(
 /// pending layer, no build running, no failed build); its `stats`.
 pub fn wait_indexed(ctl: &std::path::Path) -> serde_json::Value {
     let stats = wait_index_state(ctl, "the top's index built", |index| {
-        index["pending_layers"] == 0 && index["building"] == false
+        index["pending-layers"] == 0 && index["building"] == false
     });
     assert_eq!(
         stats["result"]["index"]["failures"], 0,

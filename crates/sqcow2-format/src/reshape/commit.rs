@@ -36,6 +36,7 @@ pub struct CommitOptions {
 
 /// What a commit did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CommitReport {
     /// The layer written.
     pub base: PathBuf,

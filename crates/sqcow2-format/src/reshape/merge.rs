@@ -40,6 +40,7 @@ pub struct MergeOptions {
 
 /// What a merge did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct MergeReport {
     /// The new file holding the merged layers' view.
     pub merged: PathBuf,

@@ -44,6 +44,7 @@ pub struct RebaseOptions {
 
 /// What a rebase did.
 #[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct RebaseReport {
     /// Guest bytes copied into the image from the old backing chain.
     pub copied_bytes: u64,

@@ -108,12 +108,12 @@ impl MergeJob {
     pub fn start(shared: &Arc<Shared>, request: &MergeRequest) -> Result<MergeStarted, Failure> {
         let job = &shared.merge;
         if request.rate_limit == Some(0) {
-            return Err(fail(FailureKind::BadRequest, "rate_limit must be above 0"));
+            return Err(fail(FailureKind::BadRequest, "rate-limit must be above 0"));
         }
         if request.max_p99_permille.is_some_and(|p| p < 1000) {
             return Err(fail(
                 FailureKind::BadRequest,
-                "max_p99_permille must be at least 1000 (1.0x the latency before the merge)",
+                "max-p99-permille must be at least 1000 (1.0x the latency before the merge)",
             ));
         }
         {

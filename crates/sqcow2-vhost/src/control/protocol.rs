@@ -49,6 +49,7 @@ pub enum Command {
 
 /// What a `merge` request asks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 #[serde(deny_unknown_fields)]
 pub struct MergeRequest {
     /// The lowest layer merged: a position (0 the base) or a file of the
@@ -140,6 +141,7 @@ pub enum FailureKind {
 
 /// A failed request: its kind and a message for people.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct Failure {
     /// What kind of failure.
     pub kind: FailureKind,
@@ -169,6 +171,7 @@ impl std::fmt::Display for Failure {
 
 /// A reply line.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct Reply {
     /// The request's `id`.
     pub id: Value,
@@ -394,6 +397,7 @@ impl Request {
 
 /// The result of `activate` and `inactivate`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct Activity {
     /// Whether the daemon is active now.
     pub active: bool,
@@ -401,6 +405,7 @@ pub struct Activity {
 
 /// Time of each step of a live snapshot, in milliseconds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SnapshotSteps {
     /// Before the pause, while the guest runs: the new top created and
     /// opened (its index is built after the pause, in the background),
@@ -446,6 +451,7 @@ pub struct SnapshotSteps {
 
 /// The result of `snapshot`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SnapshotResult {
     /// The new active volume.
     pub path: PathBuf,
@@ -468,6 +474,7 @@ pub struct SnapshotResult {
 
 /// The result of `info`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct Info {
     /// The active volume.
     pub top: PathBuf,
@@ -505,6 +512,7 @@ pub enum IndexMode {
 /// The chain index in use and its background builds (after a live
 /// snapshot, or at start when the top's index is missing).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct IndexCounters {
     /// Layers walked above the index in use until the top's own index is
     /// installed.
@@ -527,6 +535,7 @@ pub struct IndexCounters {
 
 /// Counters of the unified metadata cache.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct CacheCounters {
     /// Lookups served from the cache.
     pub hits: u64,
@@ -544,6 +553,7 @@ pub struct CacheCounters {
 
 /// Live snapshots taken.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct SnapshotCounters {
     /// How many.
     pub count: u64,
@@ -557,6 +567,7 @@ pub struct SnapshotCounters {
 
 /// Counters of one queue.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct QueueCounters {
     /// Queue number.
     pub queue: usize,
@@ -578,6 +589,7 @@ pub struct QueueCounters {
 
 /// The result of `stats`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct Stats {
     /// Seconds since the daemon started.
     pub uptime_s: f64,
@@ -633,6 +645,7 @@ pub enum MergeState {
 
 /// The last merge.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct MergeCounters {
     /// Where it is.
     pub state: MergeState,
@@ -668,6 +681,7 @@ pub struct MergeCounters {
 
 /// What `merge` answers (the merge goes on in the background).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct MergeStarted {
     /// The new file.
     pub path: PathBuf,
@@ -680,6 +694,7 @@ pub struct MergeStarted {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct PrometheusText {
     /// The exposition text.
     pub text: String,
