@@ -15,6 +15,7 @@ use sqcow2_vhost::control::protocol::{
 };
 
 use crate::output::OutputFormat;
+use crate::readout;
 
 /// Sends one command; returns the result of a successful reply.
 pub fn request<T: DeserializeOwned>(control: &Path, command: Command) -> anyhow::Result<T> {
@@ -33,19 +34,15 @@ pub fn request<T: DeserializeOwned>(control: &Path, command: Command) -> anyhow:
     reply.into_result().map_err(anyhow::Error::msg)
 }
 
-fn print(value: &impl Serialize, output: OutputFormat) -> anyhow::Result<()> {
+/// `value` as JSON, or as `human` renders it.
+fn print<T: Serialize>(
+    value: &T,
+    output: OutputFormat,
+    human: impl Fn(&T) -> String,
+) -> anyhow::Result<()> {
     match output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(value)?),
-        OutputFormat::Human => {
-            if let Value::Object(map) = serde_json::to_value(value)? {
-                for (k, v) in map {
-                    match v {
-                        Value::String(s) => println!("{k}: {s}"),
-                        other => println!("{k}: {other}"),
-                    }
-                }
-            }
-        }
+        OutputFormat::Human => print!("{}", human(value)),
     }
     Ok(())
 }
@@ -53,7 +50,7 @@ fn print(value: &impl Serialize, output: OutputFormat) -> anyhow::Result<()> {
 pub fn snapshot(control: &Path, new: &Path, output: OutputFormat) -> anyhow::Result<()> {
     let path = std::path::absolute(new)?;
     let r: SnapshotResult = request(control, Command::Snapshot { path })?;
-    print(&r, output)
+    print(&r, output, readout::snapshot)
 }
 
 /// `sqcow2 activate CONTROL` / `sqcow2 inactivate CONTROL`.
@@ -64,12 +61,12 @@ pub fn set_active(control: &Path, active: bool, output: OutputFormat) -> anyhow:
         Command::Inactivate
     };
     let r: Activity = request(control, command)?;
-    print(&r, output)
+    print(&r, output, readout::activity)
 }
 
 pub fn info(control: &Path, output: OutputFormat) -> anyhow::Result<()> {
     let r: Info = request(control, Command::Info)?;
-    print(&r, output)
+    print(&r, output, readout::info)
 }
 
 /// Arguments of `sqcow2 stats`.
@@ -100,8 +97,16 @@ pub fn stats(args: &StatsArgs) -> anyhow::Result<()> {
                 )?;
                 print!("{}", r.text);
             }
-            "json" => print(&request::<Stats>(&args.control, json)?, OutputFormat::Json)?,
-            "human" => print(&request::<Stats>(&args.control, json)?, OutputFormat::Human)?,
+            "json" => print(
+                &request::<Stats>(&args.control, json)?,
+                OutputFormat::Json,
+                readout::stats,
+            )?,
+            "human" => print(
+                &request::<Stats>(&args.control, json)?,
+                OutputFormat::Human,
+                readout::stats,
+            )?,
             other => bail!("unknown output format {other}"),
         }
         std::io::stdout().flush()?;

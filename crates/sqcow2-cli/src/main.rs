@@ -11,6 +11,7 @@ mod io;
 mod live;
 mod map;
 mod output;
+mod readout;
 mod reshape;
 mod serve;
 

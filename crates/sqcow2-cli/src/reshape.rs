@@ -236,7 +236,13 @@ fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
     let control = &args.image;
     if args.cancel {
         let r: serde_json::Value = request(control, Command::MergeCancel)?;
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        match args.output {
+            OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &r)?,
+            OutputFormat::Human if r["cancelled"] == true => {
+                println!("the running merge is cancelled (its file removed, the chain as it was)")
+            }
+            OutputFormat::Human => println!("no merge was running: nothing to cancel"),
+        }
         return Ok(());
     }
     let (Some(first), Some(last), Some(new)) = (&args.first, &args.last, &args.new) else {

@@ -379,6 +379,54 @@ fn memory_mapped_while_queues_run() {
     daemon.stop();
 }
 
+/// The read-outs of a running daemon are written for a person by
+/// default: sentences and units, no JSON braces, no field names, no
+/// floats of 16 digits; `--output json` stays the machine's form.
+#[test]
+fn live_read_outs_are_human_by_default() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "8M", "0.6");
+    let control = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&control)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(0, &[7u8; 4096]);
+    let new = tmp.path().join("new.qcow2");
+    let long_float = |t: &str| {
+        t.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .any(|w| w.split_once('.').is_some_and(|(_, f)| f.len() > 3))
+    };
+    for (args, wants) in [
+        (vec!["snapshot", "--live", s(&control), s(&new)], "pause"),
+        (vec!["info", "--live", s(&control)], "virtual size"),
+        (vec!["stats", s(&control)], "uptime"),
+        (vec!["merge", "--live", "--cancel", s(&control)], "merge"),
+    ] {
+        let out = common::run_raw(std::process::Command::new(common::sqcow2_bin()).args(&args));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {text}");
+        assert!(text.contains(wants), "{args:?}: {text}");
+        assert!(
+            !text.contains('{') && !text.contains('_'),
+            "{args:?}: {text}"
+        );
+        assert!(!long_float(&text), "{args:?}: {text}");
+        let new2 = tmp.path().join("new2.qcow2");
+        let mut json_args = args.clone();
+        if json_args[0] == "snapshot" {
+            *json_args.last_mut().unwrap() = s(&new2);
+        }
+        json_args.insert(1, "--output");
+        json_args.insert(2, "json");
+        let out =
+            common::run_raw(std::process::Command::new(common::sqcow2_bin()).args(&json_args));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{json_args:?}: {text}");
+        let _: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    }
+    drop(client);
+    daemon.stop();
+}
+
 /// A command refused by the image locks of a running `sqcow2 serve`
 /// names the way out that works for it: `--live` for a snapshot or a
 /// merge, `-U` only for a read-out, stopping the daemon for the rest.
