@@ -15,10 +15,11 @@ mod readout;
 mod reshape;
 mod serve;
 
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use sqcow2_format::ChainOptions;
 
 use crate::output::OutputFormat;
@@ -434,7 +435,10 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     // A daemon reports what it does; one-shot commands only what went wrong.
     let default_level = match cli.command {
         Command::Serve(_) => "info",
@@ -471,6 +475,62 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The command line. The engine options are global (every command takes
+/// them, before or after its name) and described once, at the end of
+/// `sqcow2 --help`; each command's help names them in one line.
+fn command_line() -> clap::Command {
+    let base = Cli::command();
+    let mut text =
+        String::from("Engine options (every command takes them, before or after its name):\n");
+    for arg in base.get_arguments().filter(|a| a.is_global_set()) {
+        let long = arg.get_long().unwrap_or_default();
+        let value = if arg.get_action().takes_values() {
+            let names = arg
+                .get_value_names()
+                .map(|v| {
+                    v.iter()
+                        .map(|n| n.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_else(|| arg.get_id().as_str().to_uppercase());
+            format!(" <{names}>")
+        } else {
+            String::new()
+        };
+        let help = arg
+            .get_long_help()
+            .or(arg.get_help())
+            .map(|h| h.to_string())
+            .unwrap_or_default();
+        let _ = write!(text, "      --{long}{value}\n          {help}");
+        let possible: Vec<String> = arg
+            .get_possible_values()
+            .iter()
+            .map(|p| p.get_name().to_owned())
+            .collect();
+        if arg.get_action().takes_values() && !possible.is_empty() {
+            let _ = write!(text, " [possible values: {}]", possible.join(", "));
+        }
+        let defaults: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|d| d.to_string_lossy().into_owned())
+            .collect();
+        if !defaults.is_empty() {
+            let _ = write!(text, " [default: {}]", defaults.join(" "));
+        }
+        text.push_str("\n\n");
+    }
+    base.mut_args(|a| if a.is_global_set() { a.hide(true) } else { a })
+        .after_help(text.trim_end().to_owned())
+        .mut_subcommands(|sub| {
+            sub.after_help(
+                "Engine options (--cache-size, --slice-size, --walk, --max-layers, --max-open-files, --locking, --log-format): see `sqcow2 --help`.",
+            )
+        })
 }
 
 /// Whether `err` is a refusal by the image locks of another process.

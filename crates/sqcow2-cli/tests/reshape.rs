@@ -241,6 +241,40 @@ fn commit_of_a_chain_only_sqcow2_touched_warns_nothing() {
     }
 }
 
+/// The engine options every command takes are described once, in
+/// `sqcow2 --help`; a command's help names them in one line and still
+/// accepts them.
+#[test]
+fn global_options_are_described_once() {
+    let help = |args: &[&str]| {
+        let out = run_raw(Command::new(sqcow2_bin()).args(args));
+        assert!(out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let top = help(&["--help"]);
+    for option in [
+        "--cache-size",
+        "--slice-size",
+        "--walk",
+        "--max-layers",
+        "--locking",
+    ] {
+        assert!(top.contains(option), "sqcow2 --help lacks {option}:\n{top}");
+    }
+    for command in ["info", "map", "check", "convert", "commit", "serve"] {
+        let text = help(&[command, "--help"]);
+        assert!(
+            !text.contains("Byte budget of the unified metadata cache"),
+            "{command} --help repeats the engine options:\n{text}"
+        );
+        assert!(text.contains("sqcow2 --help"), "{command} --help:\n{text}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("x.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&image), "1M"]);
+    sqcow2(&["info", "--cache-size", "4M", "--walk", s(&image)]);
+}
+
 /// A mistake in the arguments is said as one (exit 1), never as an I/O
 /// error: a layer number past the chain, a file not in it.
 #[test]
