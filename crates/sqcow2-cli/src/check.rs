@@ -24,6 +24,7 @@ pub fn run(
     image: &Path,
     repair: Option<RepairArg>,
     output: OutputFormat,
+    quiet: bool,
     locking: Locking,
     force_share: bool,
 ) -> anyhow::Result<ExitCode> {
@@ -55,7 +56,7 @@ pub fn run(
             report
                 .messages
                 .push(format!("Chain index not verified: {e}"));
-            return finish(report, output);
+            return finish(report, output, quiet);
         }
     };
     let stale = matches!(index.state, IndexState::Stale { .. });
@@ -70,7 +71,7 @@ pub fn run(
                 rebuilt.layers
             ));
         }
-        return finish(report, output);
+        return finish(report, output, quiet);
     }
     if index.mismatches > 0 {
         // Slices that pass their checksums yet disagree with the chain:
@@ -97,15 +98,19 @@ pub fn run(
             "Chain index is stale and not used ({reason}); `sqcow2 upgrade` (or `check -r all`) rebuilds it"
         ));
     }
-    finish(report, output)
+    finish(report, output, quiet)
 }
 
+/// Prints `report` (nothing when `quiet`, as qemu-img check -q); the exit
+/// code says what it found.
 fn finish(
     report: sqcow2_format::check::CheckReport,
     output: OutputFormat,
+    quiet: bool,
 ) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     match output {
+        _ if quiet => {}
         OutputFormat::Json => print_json(&mut out, &report)?,
         OutputFormat::Human => {
             for m in &report.messages {

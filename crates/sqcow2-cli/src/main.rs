@@ -122,6 +122,9 @@ enum Command {
         /// Also show every layer of the backing chain.
         #[arg(long)]
         backing_chain: bool,
+        /// Image format, as qemu-img's -f (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
         /// Ask a running `sqcow2 serve` through this control socket
         /// instead of reading IMAGE.
         #[arg(long, value_name = "CONTROL", conflicts_with = "image")]
@@ -140,6 +143,9 @@ enum Command {
     },
     /// Show which layer maps each range of the virtual disk, like `qemu-img map`.
     Map {
+        /// Image format, as qemu-img's -f (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
         /// Read even while another process writes the image (qemu-img's
         /// -U): nothing is locked against writers; the data may be
         /// inconsistent.
@@ -156,6 +162,9 @@ enum Command {
         /// Image format (only qcow2).
         #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
         format: String,
+        /// Quiet: print nothing but errors (qemu-img's -q).
+        #[arg(short = 'q')]
+        quiet: bool,
         /// Backing file, named as it will be written in the image.
         #[arg(short = 'b')]
         backing: Option<PathBuf>,
@@ -182,6 +191,12 @@ enum Command {
         /// Repair leaks, or everything.
         #[arg(short = 'r', value_enum)]
         repair: Option<check::RepairArg>,
+        /// Image format, as qemu-img's -f (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
+        /// Quiet: print nothing but errors (qemu-img's -q).
+        #[arg(short = 'q')]
+        quiet: bool,
         /// Read even while another process writes the image (qemu-img's
         /// -U): nothing is locked against writers; the data may be
         /// inconsistent.
@@ -263,6 +278,12 @@ enum Command {
         /// Output format (only `raw`).
         #[arg(short = 'O', value_enum)]
         output_format: convert::TargetFormat,
+        /// Source format, as qemu-img's -f (only qcow2).
+        #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+        format: String,
+        /// Quiet: print nothing but errors (qemu-img's -q).
+        #[arg(short = 'q')]
+        quiet: bool,
         /// Show a progress bar even when standard error is not a terminal.
         #[arg(short = 'p')]
         progress: bool,
@@ -324,7 +345,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             force_share,
             output,
             image,
-        } => check::run(&image, repair, output, locking, force_share),
+            quiet,
+            ..
+        } => check::run(&image, repair, output, quiet, locking, force_share),
         Command::Io {
             commands,
             read_only,
@@ -395,6 +418,7 @@ fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<Exit
             force_share,
             output,
             image,
+            ..
         } => map::run(
             &image,
             output,
@@ -406,14 +430,16 @@ fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<Exit
         Command::Convert {
             output_format,
             progress,
+            quiet,
             force_share,
             src,
             dst,
+            ..
         } => convert::run(
             &src,
             &dst,
             output_format,
-            progress,
+            progress && !quiet,
             &ChainOptions {
                 force_share,
                 ..options.clone()

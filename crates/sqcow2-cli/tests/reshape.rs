@@ -275,6 +275,57 @@ fn global_options_are_described_once() {
     sqcow2(&["info", "--cache-size", "4M", "--walk", s(&image)]);
 }
 
+/// qemu-img's -f, -q and -U are taken where qemu-img takes them: the
+/// same command lines succeed with both tools (qemu-img the oracle of
+/// what is valid), and -q prints nothing.
+#[test]
+fn qemu_img_options_are_taken_where_qemu_img_takes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "4M"]);
+    for tool in ["qemu-img", "sqcow2"] {
+        let bin = if tool == "qemu-img" {
+            PathBuf::from("qemu-img")
+        } else {
+            sqcow2_bin()
+        };
+        let made = dir.join(format!("{tool}.qcow2"));
+        let raw = dir.join(format!("{tool}.raw"));
+        for (args, quiet) in [
+            (vec!["create", "-q", "-f", "qcow2", s(&made), "4M"], true),
+            (vec!["info", "-f", "qcow2", "-U", s(&base)], false),
+            (vec!["map", "-f", "qcow2", "-U", s(&base)], false),
+            (vec!["check", "-q", "-f", "qcow2", "-U", s(&base)], true),
+            (
+                vec![
+                    "convert",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-U",
+                    "-O",
+                    "raw",
+                    s(&base),
+                    s(&raw),
+                ],
+                true,
+            ),
+        ] {
+            let out = run_raw(Command::new(&bin).args(&args));
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{tool} {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if quiet {
+                assert!(stdout.is_empty(), "{tool} {args:?} printed: {stdout}");
+            }
+        }
+    }
+}
+
 /// A mistake in the arguments is said as one (exit 1), never as an I/O
 /// error: a layer number past the chain, a file not in it.
 #[test]
