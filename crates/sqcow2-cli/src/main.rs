@@ -489,14 +489,27 @@ fn main() -> ExitCode {
         Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
     }
     let hint = lock_hint(&cli.command);
+    let log_format = cli.log_format;
     match run(cli) {
         Ok(code) => code,
         // A reader that went away (`sqcow2 map | head`) is not an error.
         Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("sqcow2: {err:#}");
-            if is_lock_refusal(&err) {
-                eprintln!("{hint}");
+            let hint = is_lock_refusal(&err).then_some(hint);
+            match log_format {
+                // One line a log collector can parse, like every other.
+                LogFormat::Json => match hint {
+                    Some(hint) => {
+                        tracing::error!(error = %format!("{err:#}"), hint, "sqcow2 failed")
+                    }
+                    None => tracing::error!(error = %format!("{err:#}"), "sqcow2 failed"),
+                },
+                LogFormat::Text => {
+                    eprintln!("sqcow2: {err:#}");
+                    if let Some(hint) = hint {
+                        eprintln!("{hint}");
+                    }
+                }
             }
             ExitCode::FAILURE
         }

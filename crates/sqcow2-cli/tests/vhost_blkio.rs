@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use common::vhost::{connect_retry, Client, Daemon};
-use common::{env_count, gen_chain, qemu_raw, run_raw, s};
+use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
 
 fn assert_qemu_check_clean(image: &Path) {
     let out =
@@ -699,14 +699,55 @@ fn log_lines_are_plain_in_files_and_json_on_request() {
         "colour escapes in a log file:\n{text}"
     );
 
-    let mut daemon = Daemon::start(tmp.path(), &top, &["--log-format", "json"]);
+    let control = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--log-format", "json", "--control", s(&control)],
+    );
+    // A live snapshot logs its steps: as values, not Rust's Debug text.
+    let new = tmp.path().join("new.qcow2");
+    sqcow2(&["snapshot", "--live", s(&control), s(&new)]);
     daemon.stop();
     let text = daemon.log();
     let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
     assert!(!lines.is_empty());
+    let mut snapshot_logged = false;
     for line in lines {
         let v: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
         assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+        for (key, value) in v["fields"].as_object().unwrap() {
+            let debug_text = value
+                .as_str()
+                .is_some_and(|t| t.contains(" { ") || t.contains("Some(") || t.contains("[Job"));
+            assert!(!debug_text, "field {key} holds Rust Debug text: {line}");
+        }
+        if v["fields"]["message"] == "live snapshot" {
+            snapshot_logged = true;
+            assert!(v["fields"]["drain_ms"].is_number(), "{line}");
+        }
     }
+    assert!(snapshot_logged, "no live snapshot line:\n{text}");
+
+    // A fatal error is a JSON line too.
+    let out = run_raw(std::process::Command::new(common::sqcow2_bin()).args([
+        "--log-format",
+        "json",
+        "serve",
+        "--socket",
+        s(&tmp.path().join("x.sock")),
+        s(&tmp.path().join("nothere.qcow2")),
+    ]));
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.is_empty()).collect();
+    assert!(!lines.is_empty());
+    let mut fatal = false;
+    for line in lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        fatal |= v["level"] == "ERROR" && line.contains("nothere.qcow2");
+    }
+    assert!(fatal, "no ERROR line naming the file:\n{err}");
 }

@@ -54,6 +54,16 @@ pub(crate) struct ThreadTime {
     pub(crate) blocked_ms: f64,
 }
 
+impl std::fmt::Display for ThreadTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "thread {}: ran {:.2} ms, waited for a CPU {:.2} ms, slept {:.2} ms",
+            self.thread, self.run_ms, self.cpu_wait_ms, self.blocked_ms
+        )
+    }
+}
+
 impl ThreadsSince {
     /// Samples `threads` (kernel thread ids of this process) now; those
     /// gone already are left out.

@@ -678,7 +678,11 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     if drained >= SLOW_SWITCH_STEP {
         info!(
             drain_ms = ms(drained),
-            jobs = ?job_times,
+            jobs = %job_times
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
             "a live snapshot's drain was slow"
         );
     }
@@ -695,7 +699,19 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         drain_jobs_blocked_ms: job_times.iter().map(|t| t.blocked_ms).fold(0.0, f64::max),
         realtime: realtime_pause,
     };
-    info!(new = %new.display(), layers, pause_ms, ?steps, "live snapshot");
+    info!(
+        new = %new.display(),
+        layers,
+        pause_ms,
+        prepare_ms = steps.prepare_ms,
+        drain_ms = steps.drain_ms,
+        switch_ms = steps.switch_ms,
+        close_ms = steps.close_ms,
+        cpu_wait_ms = steps.cpu_wait_ms,
+        drain_jobs = steps.drain_jobs,
+        realtime = steps.realtime,
+        "live snapshot"
+    );
     Ok(SnapshotResult {
         path: new.to_path_buf(),
         layers,
