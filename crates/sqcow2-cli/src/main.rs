@@ -19,6 +19,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use sqcow2_format::ChainOptions;
 
@@ -273,6 +274,19 @@ enum Command {
     Merge(reshape::MergeArgs),
     /// Generate a qcow2 chain whose clusters identify their layer.
     GenChain(gen_chain::GenArgs),
+    /// Print a shell completion script (e.g. `sqcow2 completions bash >
+    /// /etc/bash_completion.d/sqcow2`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (sqcow2.1 and one per command) into DIR.
+    Man {
+        /// Where to write them (e.g. /usr/local/share/man/man1).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
     /// Write the whole virtual disk to a raw file.
     Convert {
         /// Output format (only `raw`).
@@ -384,6 +398,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             live::set_active(&control, false, output).map(|()| ExitCode::SUCCESS)
         }
         Command::GenChain(args) => gen_chain::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut command_line(), "sqcow2", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man { dir } => {
+            clap_mangen::generate_to(command_line(), &dir)
+                .with_context(|| format!("writing manual pages into {}", dir.display()))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),

@@ -326,6 +326,48 @@ fn qemu_img_options_are_taken_where_qemu_img_takes_them() {
     }
 }
 
+/// `sqcow2 completions bash` completes commands in a real bash, and
+/// `sqcow2 man` renders through groff without a warning.
+#[test]
+fn shell_completions_and_man_pages_work() {
+    let script = format!(
+        r#"source <({bin} completions bash) || exit 3
+COMP_WORDS=(sqcow2 sn); COMP_CWORD=1; COMP_LINE="sqcow2 sn"; COMP_POINT=${{#COMP_LINE}}
+_sqcow2 sqcow2 sn sqcow2
+printf '%s\n' "${{COMPREPLY[@]}}""#,
+        bin = sqcow2_bin().display()
+    );
+    let out = run_raw(Command::new("bash").args(["-c", &script]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.trim(), "snapshot", "{text}");
+    for shell in ["zsh", "fish"] {
+        sqcow2(&["completions", shell]);
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    sqcow2(&["man", "--dir", s(tmp.path())]);
+    for page in ["sqcow2.1", "sqcow2-serve.1", "sqcow2-snapshot.1"] {
+        let path = tmp.path().join(page);
+        let out = run_raw(Command::new("groff").args(["-man", "-Tutf8", "-ww", "-z", s(&path)]));
+        assert!(out.status.success(), "{page}");
+        let warnings = String::from_utf8_lossy(&out.stderr);
+        assert!(warnings.is_empty(), "{page}: {warnings}");
+    }
+    let out = run_raw(
+        Command::new("man")
+            .args(["-l", s(&tmp.path().join("sqcow2.1"))])
+            .env("MANPAGER", "cat")
+            .env("MANWIDTH", "100"),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("snapshot"), "{text}");
+}
+
 /// A mistake in the arguments is said as one (exit 1), never as an I/O
 /// error: a layer number past the chain, a file not in it.
 #[test]
