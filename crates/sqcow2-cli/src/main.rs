@@ -281,7 +281,8 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Write the manual pages (sqcow2.1 and one per command) into DIR.
+    /// Write the manual pages (sqcow2.1 and one per command) into DIR
+    /// (made if missing).
     Man {
         /// Where to write them (e.g. /usr/local/share/man/man1).
         #[arg(long, default_value = ".")]
@@ -403,6 +404,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Man { dir } => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             clap_mangen::generate_to(command_line(), &dir)
                 .with_context(|| format!("writing manual pages into {}", dir.display()))?;
             Ok(ExitCode::SUCCESS)

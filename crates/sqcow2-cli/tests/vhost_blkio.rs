@@ -458,6 +458,70 @@ fn a_lock_refusal_names_the_way_out() {
     daemon.stop();
 }
 
+/// The shipped systemd unit (`contrib/systemd/sqcow2@.service`) passes
+/// `systemd-analyze verify` (with this build's binary and manual pages),
+/// and the command line it runs serves: ready through sd_notify, a
+/// client's write read back, a clean stop on SIGTERM.
+#[test]
+fn the_shipped_systemd_unit_verifies_and_serves() {
+    let tmp = tempfile::tempdir().unwrap();
+    let unit =
+        std::fs::read_to_string(common::workspace_root().join("contrib/systemd/sqcow2@.service"))
+            .unwrap()
+            .replace("/usr/local/bin/sqcow2", s(&common::sqcow2_bin()));
+    let units = tmp.path().join("units");
+    std::fs::create_dir(&units).unwrap();
+    std::fs::write(units.join("sqcow2@.service"), &unit).unwrap();
+    let man = tmp.path().join("man");
+    sqcow2(&["man", "--dir", s(&man.join("man1"))]);
+    let out = run_raw(
+        std::process::Command::new("systemd-analyze")
+            .args(["verify", s(&units.join("sqcow2@vm1.service"))])
+            .env("MANPATH", &man),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.trim().is_empty(), "{err}");
+
+    // The service's command line, as systemd would run it for vm1.
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart");
+    let run = tmp.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    let top = gen_chain(tmp.path(), 3, "8M", "0.6");
+    let line = exec
+        .replace("%i", "vm1")
+        .replace("/run/sqcow2", s(&run))
+        .replace("$SQCOW2_OPTIONS", "--num-queues 2")
+        .replace("${SQCOW2_IMAGE}", s(&top));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let notify_path = tmp.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut child = std::process::Command::new(words[0])
+        .args(&words[1..])
+        .env("NOTIFY_SOCKET", &notify_path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut msg = [0u8; 256];
+    let n = notify.recv(&mut msg).expect("READY=1 from the service");
+    assert!(String::from_utf8_lossy(&msg[..n]).contains("READY=1"));
+    let socket = run.join("vm1.sock");
+    assert!(run.join("vm1.ctl").exists(), "no control socket");
+    let mut client = Client::connect(&socket, 2, false).expect("connect");
+    client.write(1 << 20, &[9u8; 4096]);
+    assert_eq!(client.read(1 << 20, 4096), vec![9u8; 4096]);
+    drop(client);
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    assert_qemu_check_clean(&top);
+}
+
 /// SIGHUP and SIGUSR1 stop the daemon as SIGTERM does, as they stop
 /// qemu-storage-daemon (exit 0): drained, flushed, the image closed clean
 /// (no dirty bit, no journal left), the socket and pidfile removed.
