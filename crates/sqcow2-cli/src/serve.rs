@@ -69,6 +69,11 @@ pub struct ServeArgs {
     /// that no other thread of the host delays the guest's wait.
     #[arg(long)]
     no_realtime_pause: bool,
+    /// Serve the statistics for Prometheus over HTTP at HOST:PORT
+    /// (`GET /metrics`, OpenMetrics text; port 0 picks one, logged). The
+    /// same numbers as `sqcow2 stats --output prometheus`.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
     /// The top image of the chain.
     image: PathBuf,
 }
@@ -161,6 +166,7 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
             },
         },
         realtime_pause: !args.no_realtime_pause,
+        metrics: args.metrics.clone(),
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

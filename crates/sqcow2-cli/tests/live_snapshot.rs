@@ -396,7 +396,7 @@ fn bad_control_input_gets_error_replies() {
     assert_eq!(client.read(0, 4096), vec![9u8; 4096]);
     let prom = control(&ctl, json!({"command": "stats", "format": "prometheus"}));
     let text = prom["result"]["text"].as_str().unwrap();
-    assert!(text.contains("sqcow2_cache_hits "), "{text}");
+    assert!(text.contains("sqcow2_cache_hits_total "), "{text}");
     assert!(
         text.contains("sqcow2_queue_requests_total{queue=\"0\"}"),
         "{text}"

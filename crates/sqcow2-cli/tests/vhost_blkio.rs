@@ -427,6 +427,136 @@ fn live_read_outs_are_human_by_default() {
     daemon.stop();
 }
 
+/// One HTTP GET on loopback: status line, headers, body.
+fn http_get(addr: &str, path: &str) -> (String, String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").expect("HTTP reply");
+    let (status, headers) = head.split_once("\r\n").unwrap_or((head, ""));
+    (status.to_owned(), headers.to_owned(), body.to_owned())
+}
+
+/// `serve --metrics` answers a Prometheus scrape over HTTP with the
+/// OpenMetrics text: counters named `_total`, units in the names,
+/// request latency as a histogram whose numbers agree with the control
+/// socket's stats and with the requests the client made.
+#[test]
+fn metrics_over_http_follow_the_prometheus_conventions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "8M", "0.6");
+    let control = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(
+        tmp.path(),
+        &top,
+        &["--control", s(&control), "--metrics", "127.0.0.1:0"],
+    );
+    let log = daemon.log();
+    let addr = log
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split("/metrics").next())
+        .unwrap_or_else(|| panic!("no metrics URL logged:\n{log}"))
+        .to_owned();
+    let mut client = connect_retry(&daemon, 1, false);
+    for i in 0..8u64 {
+        client.write(i << 16, &[i as u8; 4096]);
+    }
+    for i in 0..4u64 {
+        client.read(i << 16, 4096);
+    }
+    let (status, headers, text) = http_get(&addr, "/metrics");
+    let stats = common::vhost::control(&control, serde_json::json!({"command": "stats"}));
+    assert!(status.contains(" 200"), "{status}");
+    assert!(
+        headers
+            .to_ascii_lowercase()
+            .contains("application/openmetrics-text"),
+        "{headers}"
+    );
+    assert_eq!(text.lines().last(), Some("# EOF"), "{text}");
+    let queue = &stats["result"]["queues"][0];
+    let requests = queue["requests"].as_u64().unwrap();
+    assert!(requests >= 12, "{stats}");
+    let sample = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("no sample {name}:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(
+        sample("sqcow2_queue_requests_total{queue=\"0\"}"),
+        requests as f64,
+        "{text}\n{stats}"
+    );
+    assert_eq!(
+        sample("sqcow2_queue_written_bytes_total{queue=\"0\"}"),
+        (8 * 4096) as f64
+    );
+    let measured = queue["latency-us-count"].as_u64().unwrap() as f64;
+    assert_eq!(
+        sample("sqcow2_queue_request_duration_seconds_count{queue=\"0\"}"),
+        measured
+    );
+    assert_eq!(
+        sample("sqcow2_queue_request_duration_seconds_bucket{le=\"+Inf\",queue=\"0\"}"),
+        measured
+    );
+    assert!(sample("sqcow2_queue_request_duration_seconds_sum{queue=\"0\"}") > 0.0);
+    let buckets: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("sqcow2_queue_request_duration_seconds_bucket{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        buckets.len() > 10 && buckets.windows(2).all(|w| w[0] <= w[1]),
+        "{text}"
+    );
+    // Conventions: a counter's samples end in _total; no percentile gauges.
+    let mut counter = None;
+    for line in text.lines() {
+        if let Some(family) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = family.split_once(' ').unwrap();
+            counter = (kind == "counter").then(|| name.to_owned());
+        } else if let (Some(family), false) = (&counter, line.starts_with('#')) {
+            assert!(line.starts_with(&format!("{family}_total")), "{line}");
+        }
+        assert!(
+            !line.contains("quantile") && !line.contains("_us"),
+            "{line}"
+        );
+    }
+    let (status, _, _) = http_get(&addr, "/other");
+    assert!(status.contains(" 404"), "{status}");
+    // Prometheus' own checker, where it is installed.
+    if let Ok(mut promtool) = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        use std::io::Write;
+        promtool
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let out = promtool.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(client);
+    daemon.stop();
+}
+
 /// A command refused by the image locks of a running `sqcow2 serve`
 /// names the way out that works for it: `--live` for a snapshot or a
 /// merge, `-U` only for a read-out, stopping the daemon for the rest.

@@ -203,6 +203,9 @@ impl BlkBackend {
                     latency_us_p50: st.latency_us.value_at_quantile(0.5),
                     latency_us_p99: st.latency_us.value_at_quantile(0.99),
                     latency_us_max: st.latency_us.max(),
+                    latency_us_count: st.measured(),
+                    latency_us_sum: st.latency_us_sum,
+                    latency_us_buckets: st.cumulative_buckets(),
                 });
             }
         }

@@ -70,6 +70,8 @@ pub struct ServeOptions {
     /// Whether a live snapshot's pause runs at real-time priority (where
     /// the daemon is allowed to raise it).
     pub realtime_pause: bool,
+    /// Serve the statistics over HTTP for Prometheus here (`HOST:PORT`).
+    pub metrics: Option<String>,
 }
 
 /// Why serving failed.
@@ -285,6 +287,10 @@ pub fn serve(
         }
         None => None,
     };
+    let metrics = match &options.metrics {
+        Some(addr) => Some(crate::control::metrics_http::bind(addr).map_err(io_err("metrics"))?),
+        None => None,
+    };
     if let Some(pidfile) = &options.pidfile {
         write_pidfile(pidfile).map_err(io_err(format!("writing {}", pidfile.display())))?;
         made.push(pidfile);
@@ -300,7 +306,7 @@ pub fn serve(
             .with_inactive_timeout(options.inactive_timeout)
             .with_realtime_pause(options.realtime_pause),
     );
-    let result = start_and_run(shared.clone(), control, listener, signals, options);
+    let result = start_and_run(shared.clone(), control, metrics, listener, signals, options);
     // However the server ended (an error too): no control job goes on,
     // and the chain is left clean; its files go after.
     let stopped = shared.end_jobs_for_stop();
@@ -320,6 +326,7 @@ pub fn serve(
 fn start_and_run(
     shared: Arc<Shared>,
     control: Option<std::os::unix::net::UnixListener>,
+    metrics: Option<crate::control::metrics_http::MetricsEndpoint>,
     listener: Listener,
     signals: Signals,
     options: &ServeOptions,
@@ -330,6 +337,10 @@ fn start_and_run(
     }
     if let Some(control) = control {
         crate::control::spawn(control, shared.clone()).map_err(io_err("control thread"))?;
+    }
+    if let Some(endpoint) = metrics {
+        crate::control::metrics_http::spawn(endpoint, shared.clone())
+            .map_err(io_err("metrics thread"))?;
     }
     let epoll = Epoll::new().map_err(io_err("epoll"))?;
     epoll

@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 
+use crate::control::protocol::LATENCY_BUCKETS_US;
 use crate::request::{Request, RequestKind};
 
 /// Counters and latencies of one queue.
@@ -19,6 +20,29 @@ pub struct QueueStats {
     pub errors: u64,
     /// Latency from start to completion, microseconds.
     pub latency_us: hdrhistogram::Histogram<u64>,
+    /// The sum of those latencies, microseconds.
+    pub latency_us_sum: u64,
+    /// Requests per latency bucket ([`LATENCY_BUCKETS_US`], then one
+    /// past the last bound), not cumulative.
+    pub latency_buckets: [u64; LATENCY_BUCKETS_US.len() + 1],
+}
+
+impl QueueStats {
+    /// Requests whose latency was measured.
+    pub fn measured(&self) -> u64 {
+        self.latency_buckets.iter().sum()
+    }
+
+    /// Requests at most each bound of [`LATENCY_BUCKETS_US`].
+    pub fn cumulative_buckets(&self) -> Vec<u64> {
+        self.latency_buckets[..LATENCY_BUCKETS_US.len()]
+            .iter()
+            .scan(0, |sum, n| {
+                *sum += n;
+                Some(*sum)
+            })
+            .collect()
+    }
 }
 
 impl Default for QueueStats {
@@ -28,6 +52,8 @@ impl Default for QueueStats {
             read_bytes: 0,
             write_bytes: 0,
             errors: 0,
+            latency_us_sum: 0,
+            latency_buckets: [0; LATENCY_BUCKETS_US.len() + 1],
             // Two significant digits, auto-resizing: bounded and cheap.
             latency_us: hdrhistogram::Histogram::new(2).unwrap_or_else(|_| {
                 hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
@@ -84,6 +110,8 @@ impl WorkerStats {
             .as_micros()
             .min(u128::from(u64::MAX)) as u64;
         let _ = st.latency_us.record(us.max(1));
+        st.latency_us_sum = st.latency_us_sum.saturating_add(us);
+        st.latency_buckets[LATENCY_BUCKETS_US.partition_point(|&b| b < us)] += 1;
     }
 
     /// Counts a request rejected before it started.

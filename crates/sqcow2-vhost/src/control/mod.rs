@@ -4,6 +4,7 @@
 mod cpu_wait;
 mod index_builder;
 mod merge_job;
+pub(crate) mod metrics_http;
 pub mod prometheus;
 pub mod protocol;
 
@@ -936,6 +937,11 @@ fn stats(shared: &Shared) -> Stats {
             pause_ms_p50: quantile(&pauses, 0.5),
             pause_ms_p99: quantile(&pauses, 0.99),
             pause_ms_max: pauses.last().copied().unwrap_or(0.0),
+            pause_ms_sum: pauses.iter().sum(),
+            pause_buckets: protocol::LATENCY_BUCKETS_US
+                .iter()
+                .map(|&b| pauses.partition_point(|&p| p * 1000.0 <= b as f64) as u64)
+                .collect(),
         },
         index: IndexCounters {
             pending_layers: chain.pending_layers(),

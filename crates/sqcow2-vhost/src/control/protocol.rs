@@ -563,7 +563,21 @@ pub struct SnapshotCounters {
     pub pause_ms_p99: f64,
     /// Longest pause.
     pub pause_ms_max: f64,
+    /// Sum of the pauses.
+    #[serde(default)]
+    pub pause_ms_sum: f64,
+    /// Pauses at most each of [`LATENCY_BUCKETS_US`] (cumulative).
+    #[serde(default)]
+    pub pause_buckets: Vec<u64>,
 }
+
+/// Upper bounds of the latency buckets, microseconds (Prometheus
+/// histograms: `le` in seconds). A bucket counts what is at most its
+/// bound; the count of all is the `+Inf` bucket.
+pub const LATENCY_BUCKETS_US: [u64; 14] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+    5_000_000,
+];
 
 /// Counters of one queue.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -585,6 +599,17 @@ pub struct QueueCounters {
     pub latency_us_p99: u64,
     /// Longest latency.
     pub latency_us_max: u64,
+    /// Requests whose latency was measured (those completed after they
+    /// started; not those rejected before).
+    #[serde(default)]
+    pub latency_us_count: u64,
+    /// Sum of those latencies.
+    #[serde(default)]
+    pub latency_us_sum: u64,
+    /// Requests whose latency is at most each of [`LATENCY_BUCKETS_US`]
+    /// (cumulative, as Prometheus buckets).
+    #[serde(default)]
+    pub latency_us_buckets: Vec<u64>,
 }
 
 /// The result of `stats`.
