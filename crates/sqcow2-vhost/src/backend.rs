@@ -16,13 +16,14 @@ use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::control::protocol::QueueCounters;
 use crate::device::BlkDevice;
 use crate::gate::PauseGuard;
+use crate::guest_mem::GuestMem;
 use crate::offload::panic_message;
 use crate::polling::{PollWindow, Polling};
+use crate::stats::QueueStats;
 use crate::vring::{SharedMem, Vring};
-use crate::worker::{GuestMem, Notifications, QueueWorker, Taken};
+use crate::worker::{Notifications, QueueWorker, Taken};
 
 /// Requests a worker takes off a queue before it completes what finished
 /// (see [`QueueWorker::set_batch`]). Measured with random 4 KiB reads at
@@ -187,26 +188,14 @@ impl BlkBackend {
         }
     }
 
-    /// Per-queue statistics.
-    pub fn queue_stats(&self) -> Vec<QueueCounters> {
+    /// Per-queue statistics: (queue number, its statistics).
+    pub fn queue_stats(&self) -> Vec<(usize, QueueStats)> {
         let mut out = Vec::new();
         for (thread, w) in self.workers.iter().enumerate() {
             let queues = self.queues_of(thread);
             let slot = lock(w);
             for (local, st) in slot.worker.stats().iter().enumerate() {
-                out.push(QueueCounters {
-                    queue: queues.get(local).copied().unwrap_or(local),
-                    requests: st.requests,
-                    read_bytes: st.read_bytes,
-                    write_bytes: st.write_bytes,
-                    errors: st.errors,
-                    latency_us_p50: st.latency_us.value_at_quantile(0.5),
-                    latency_us_p99: st.latency_us.value_at_quantile(0.99),
-                    latency_us_max: st.latency_us.max(),
-                    latency_us_count: st.measured(),
-                    latency_us_sum: st.latency_us_sum,
-                    latency_us_buckets: st.cumulative_buckets(),
-                });
+                out.push((queues.get(local).copied().unwrap_or(local), st.clone()));
             }
         }
         out

@@ -33,9 +33,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::backend::{BlkBackend, WorkerThreads};
 use crate::config::{read_config, CONFIG_WRITEBACK_OFFSET};
+use crate::guest_mem::GuestMem;
 use crate::inflight::InflightRegion;
 use crate::vring::Tracker;
-use crate::worker::GuestMem;
 
 /// Memory slots offered with `CONFIGURE_MEM_SLOTS`.
 const MAX_MEM_SLOTS: u64 = 32;

@@ -490,7 +490,7 @@ mod tests {
         let worker = std::thread::spawn(move || {
             let one = wa.begin();
             let two = wb.begin();
-            tx.send(crate::job_threads::current_tid()).unwrap();
+            tx.send(crate::realtime::current_tid()).unwrap();
             end_rx.recv().unwrap();
             drop(one);
             tx.send(0).unwrap();

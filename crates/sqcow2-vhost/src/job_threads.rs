@@ -9,16 +9,7 @@
 use std::marker::PhantomData;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::realtime;
-
-/// The calling thread's kernel thread id (asked of the kernel once per
-/// thread).
-pub(crate) fn current_tid() -> libc::pid_t {
-    thread_local! {
-        static TID: libc::pid_t = rustix::thread::gettid().as_raw_nonzero().get();
-    }
-    TID.with(|t| *t)
-}
+use crate::realtime::{self, current_tid};
 
 /// The registry: one entry per thread running begun work.
 #[derive(Debug, Default)]

@@ -18,6 +18,7 @@ mod descriptors;
 pub mod device;
 mod frontend;
 pub mod gate;
+mod guest_mem;
 pub mod handle;
 pub mod inflight;
 mod job_threads;
@@ -28,6 +29,7 @@ mod realtime;
 pub mod request;
 mod ring;
 pub mod server;
+mod socket_file;
 mod stats;
 #[cfg(test)]
 mod test_support;
@@ -36,8 +38,9 @@ pub mod worker;
 
 pub use backend::BlkBackend;
 pub use device::{BlkDevice, DeviceOptions};
+pub use guest_mem::{GuestMem, GuestMemAtomic};
 pub use handle::ChainHandle;
 pub use polling::Polling;
 pub use server::{serve, ServeOptions};
 pub use stats::QueueStats;
-pub use worker::{Completion, GuestMem, GuestMemAtomic, QueueWorker};
+pub use worker::{Completion, QueueWorker};

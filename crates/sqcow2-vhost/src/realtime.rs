@@ -18,6 +18,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::{info, warn};
 
+/// The calling thread's kernel thread id (asked of the kernel once per
+/// thread).
+pub(crate) fn current_tid() -> libc::pid_t {
+    thread_local! {
+        static TID: libc::pid_t = rustix::thread::gettid().as_raw_nonzero().get();
+    }
+    TID.with(|t| *t)
+}
+
 /// Whether a refused raise of the pause's thread was reported.
 static PAUSE_REFUSAL_REPORTED: AtomicBool = AtomicBool::new(false);
 /// Whether a refused raise of a job thread was reported.
@@ -40,7 +49,7 @@ impl RealtimeSection {
     pub(crate) fn enter(wanted: bool) -> Self {
         let raised = wanted
             && raise(
-                crate::job_threads::current_tid(),
+                current_tid(),
                 &PAUSE_REFUSAL_REPORTED,
                 "live snapshots pause at normal priority",
             );
@@ -59,7 +68,7 @@ impl RealtimeSection {
 impl Drop for RealtimeSection {
     fn drop(&mut self) {
         if self.raised {
-            lower_thread(crate::job_threads::current_tid());
+            lower_thread(current_tid());
         }
     }
 }
@@ -119,7 +128,7 @@ pub(crate) fn lower_thread(tid: libc::pid_t) {
 /// docs/benchmarks.md). Relative, so that an operator's own nice value
 /// is kept as the base; a failure leaves the thread as it was.
 pub(crate) fn lower_current_thread(by: i32) {
-    let tid = crate::job_threads::current_tid();
+    let tid = current_tid();
     let Some(now) = scheduling_of_task(tid) else {
         return;
     };
@@ -193,7 +202,7 @@ mod tests {
     use super::*;
 
     fn scheduling() -> ThreadScheduling {
-        scheduling_of_task(crate::job_threads::current_tid()).expect("procfs stat")
+        scheduling_of_task(current_tid()).expect("procfs stat")
     }
 
     #[test]

@@ -11,7 +11,8 @@ use virtio_bindings::virtio_blk::{
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::descriptors::Descriptor;
-use crate::worker::GuestMem;
+pub use crate::guest_mem::GuestBuffer;
+use crate::guest_mem::GuestMem;
 
 use crate::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
 
@@ -21,15 +22,6 @@ const HEADER_SIZE: u64 = 16;
 const ZERO_SEGMENT_SIZE: u64 = 16;
 /// Bytes of the GET_ID answer.
 pub const ID_SIZE: usize = 20;
-
-/// A guest buffer: `len` bytes at `addr`, known to lie in guest memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GuestBuffer {
-    /// First guest-physical byte.
-    pub addr: GuestAddress,
-    /// Length in bytes.
-    pub len: u32,
-}
 
 /// One range of a discard or write-zeroes request, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -118,52 +118,18 @@ fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
     fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))
 }
 
-/// Runs `f` with the file-creation mask that gives new files `mode`, so a
-/// socket is never more open than asked, not even briefly.
-pub(crate) fn with_umask<T>(mode: u32, f: impl FnOnce() -> T) -> T {
-    // SAFETY: umask only changes this process's file-creation mask; it is
-    // restored right after `f`.
-    let old = unsafe { libc::umask(!mode & 0o777) };
-    let out = f();
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
-    out
-}
-
-/// Gives the socket just bound at `path` `mode` (a default ACL of the
-/// directory may have widened what the umask gave), never following a
-/// symlink put at its name meanwhile: the name opened without following
-/// (`O_PATH|O_NOFOLLOW`), checked to be a socket, changed through that
-/// descriptor.
-pub(crate) fn chmod_socket(path: &Path, mode: u32) -> io::Result<()> {
-    use rustix::fs::{Mode, OFlags};
-    let fd = rustix::fs::open(
-        path,
-        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let st = rustix::fs::fstat(&fd)?;
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
-        return Err(io::Error::other(
-            "not the socket bound: refusing to change it",
-        ));
-    }
-    rustix::fs::chmod(
-        format!("/proc/self/fd/{}", fd.as_raw_fd()),
-        Mode::from_raw_mode(mode),
-    )?;
-    Ok(())
-}
-
 /// Binds the socket with `mode` from the start.
 fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
     claim_socket_path(path)?;
     let listener =
-        with_umask(mode, || Listener::new(path, false)).map_err(|e| ServeError::Socket {
-            path: path.to_owned(),
-            reason: e.to_string(),
+        crate::socket_file::with_umask(mode, || Listener::new(path, false)).map_err(|e| {
+            ServeError::Socket {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            }
         })?;
-    chmod_socket(path, mode).map_err(io_err(format!("chmod {}", path.display())))?;
+    crate::socket_file::chmod_socket(path, mode)
+        .map_err(io_err(format!("chmod {}", path.display())))?;
     // Accepted only when epoll says a connection waits; never blocks.
     listener
         .set_nonblocking(true)
@@ -281,7 +247,7 @@ pub fn serve(
             let control = crate::control::bind(path, options.socket_mode)
                 .map_err(io_err(format!("control socket {}", path.display())))?;
             made.push(path);
-            chmod_socket(path, options.socket_mode)
+            crate::socket_file::chmod_socket(path, options.socket_mode)
                 .map_err(io_err(format!("chmod {}", path.display())))?;
             Some(control)
         }

@@ -4,8 +4,15 @@ use std::time::Instant;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 
-use crate::control::protocol::LATENCY_BUCKETS_US;
 use crate::request::{Request, RequestKind};
+
+/// Upper bounds of the latency buckets, microseconds (Prometheus
+/// histograms: `le` in seconds). A bucket counts what is at most its
+/// bound; the count of all is the `+Inf` bucket.
+pub const LATENCY_BUCKETS_US: [u64; 14] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+    5_000_000,
+];
 
 /// Counters and latencies of one queue.
 #[derive(Debug, Clone)]

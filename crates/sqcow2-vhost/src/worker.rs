@@ -24,23 +24,16 @@ use sqcow2_format::{Chain, ExtentKind, GuestOffset, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{
-    Address, Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
-    VolatileSlice,
-};
+use vm_memory::{Address, Bytes, GuestAddressSpace, GuestMemoryBackend, VolatileSlice};
 
 use crate::device::BlkDevice;
 use crate::gate::{Admission, RequestPermit};
+use crate::guest_mem::{GuestBuffer, GuestMem, GuestMemAtomic};
 use crate::offload::{EngineWork, Finished, Mailbox, Persist};
-use crate::request::{self, GuestBuffer, Request, RequestKind, ZeroRange};
+use crate::request::{self, Request, RequestKind, ZeroRange};
 use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
 use crate::stats::{QueueStats, WorkerStats};
 use crate::vring::{add_used_tracked, Tracker};
-
-/// Guest memory as the daemon maps it.
-pub type GuestMem = GuestMemoryMmap<()>;
-/// Guest memory that the frontend may remap at any time.
-pub type GuestMemAtomic = GuestMemoryAtomic<GuestMem>;
 
 /// Largest bounce buffer handed to one engine job.
 const WRITE_CHUNK: usize = 1 << 20;

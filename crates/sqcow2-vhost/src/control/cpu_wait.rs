@@ -131,7 +131,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
         let sleeper = std::thread::spawn(move || {
-            tx.send(crate::job_threads::current_tid()).unwrap();
+            tx.send(crate::realtime::current_tid()).unwrap();
             stop_rx.recv().unwrap();
         });
         let tid = rx.recv().unwrap();

@@ -912,7 +912,24 @@ fn stats(shared: &Shared) -> Stats {
     let session = shared.session();
     let queues: Vec<QueueCounters> = session
         .as_ref()
-        .map(|b| b.queue_stats())
+        .map(|b| {
+            b.queue_stats()
+                .into_iter()
+                .map(|(queue, st)| QueueCounters {
+                    queue,
+                    requests: st.requests,
+                    read_bytes: st.read_bytes,
+                    write_bytes: st.write_bytes,
+                    errors: st.errors,
+                    latency_us_p50: st.latency_us.value_at_quantile(0.5),
+                    latency_us_p99: st.latency_us.value_at_quantile(0.99),
+                    latency_us_max: st.latency_us.max(),
+                    latency_us_count: st.measured(),
+                    latency_us_sum: st.latency_us_sum,
+                    latency_us_buckets: st.cumulative_buckets(),
+                })
+                .collect()
+        })
         .unwrap_or_default();
     Stats {
         uptime_s: shared.started.elapsed().as_secs_f64(),
@@ -974,5 +991,5 @@ pub fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
         }
         std::fs::remove_file(path)?;
     }
-    crate::server::with_umask(mode, || UnixListener::bind(path))
+    crate::socket_file::with_umask(mode, || UnixListener::bind(path))
 }

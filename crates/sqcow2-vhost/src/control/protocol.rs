@@ -571,13 +571,7 @@ pub struct SnapshotCounters {
     pub pause_buckets: Vec<u64>,
 }
 
-/// Upper bounds of the latency buckets, microseconds (Prometheus
-/// histograms: `le` in seconds). A bucket counts what is at most its
-/// bound; the count of all is the `+Inf` bucket.
-pub const LATENCY_BUCKETS_US: [u64; 14] = [
-    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
-    5_000_000,
-];
+pub use crate::stats::LATENCY_BUCKETS_US;
 
 /// Counters of one queue.
 #[derive(Debug, Clone, Serialize, Deserialize)]
