@@ -625,7 +625,7 @@ fn check_with_repair_applies_a_dead_writers_journal() {
             report.messages
         );
         assert!(!journal.exists(), "{ctx}: the journal is still there");
-        let header = sqcow2_format::check::read_header(
+        let header = sqcow2_format::Header::read(
             &sqcow2_format::storage::FileStorage::open_read_only(&top).unwrap(),
         )
         .unwrap();

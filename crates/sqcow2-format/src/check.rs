@@ -495,7 +495,7 @@ pub(crate) fn check_opened(
                 "Applied {applied} mapping changes from the journal of a writer that did not close the image"
             ));
         }
-    } else if let Some(n) = read_header_for_check(&storage)
+    } else if let Some(n) = Header::read_for_check(&storage)
         .ok()
         .and_then(|h| crate::active::pending_journal(place, storage.file_id(), &h))
         .filter(|n| *n > 0)
@@ -518,7 +518,7 @@ pub(crate) fn check_opened(
 /// where set (synced), as QEMU marks a repaired image clean and
 /// consistent.
 fn mark_clean(storage: &dyn Storage) -> Result<(), ErrorKind> {
-    let header = read_header_for_check(storage)?;
+    let header = Header::read_for_check(storage)?;
     if header.is_dirty() || header.is_marked_corrupt() {
         let clean = header.features.incompatible
             & !(crate::features::INCOMPAT_DIRTY | crate::features::INCOMPAT_CORRUPT);
@@ -531,26 +531,6 @@ fn mark_clean(storage: &dyn Storage) -> Result<(), ErrorKind> {
     Ok(())
 }
 
-/// Reads and validates the header of an image in `storage`, for a writer
-/// (an image marked corrupt is refused: [`Header::parse`]).
-pub fn read_header(storage: &dyn Storage) -> Result<Header, ErrorKind> {
-    let header = read_header_for_check(storage)?;
-    header.refuse_if_marked_corrupt()?;
-    Ok(header)
-}
-
-/// [`read_header`] for a reader or a repair, which may meet an image
-/// marked corrupt (`qemu-img check` reads and repairs one).
-pub(crate) fn read_header_for_check(storage: &dyn Storage) -> Result<Header, ErrorKind> {
-    let file_size = storage.len()?;
-    let mut first = vec![0u8; 112];
-    storage.read_at(&mut first, 0)?;
-    let cs = Header::cluster_size_hint(&first).unwrap_or(512);
-    let mut cluster = vec![0u8; cs.min(file_size).max(112) as usize];
-    storage.read_at(&mut cluster, 0)?;
-    Header::parse_for_reading(&cluster, file_size)
-}
-
 /// [`check`] on already opened storage.
 pub fn check_storage(
     path: &Path,
@@ -558,7 +538,7 @@ pub fn check_storage(
     repair: Repair,
 ) -> Result<CheckReport, Error> {
     let e = |k: ErrorKind| Error::new(path, k);
-    let header = read_header_for_check(&*storage).map_err(e)?;
+    let header = Header::read_for_check(&*storage).map_err(e)?;
     let first = run_check(path, &header, &*storage).map_err(e)?;
     if repair == Repair::None || (first.report.corruptions == 0 && first.report.leaks == 0) {
         return Ok(first.report);
@@ -574,7 +554,7 @@ pub fn check_storage(
     let (leaks, corruptions) = (first.report.leaks, first.report.corruptions);
     apply_repair(&header, &*storage, first, repair).map_err(e)?;
     // Double-check the result, as qemu-img does.
-    let header = read_header_for_check(&*storage).map_err(e)?;
+    let header = Header::read_for_check(&*storage).map_err(e)?;
     let mut after = run_check(path, &header, &*storage).map_err(e)?.report;
     after.leaks_fixed = leaks.saturating_sub(after.leaks);
     after.corruptions_fixed = corruptions.saturating_sub(after.corruptions);

@@ -11,6 +11,7 @@ use crate::features::{
     lookup_name, FeatureBits, FeatureKind, FeatureNameEntry, AUTOCLEAR_BITMAPS,
     INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY, INCOMPAT_EXTL2,
 };
+use crate::storage::Storage;
 use crate::types::Geometry;
 
 /// `QFI\xfb`.
@@ -505,5 +506,46 @@ impl Header {
     /// Whether refcounts are updated lazily.
     pub fn lazy_refcounts(&self) -> bool {
         self.features.compatible & crate::features::COMPAT_LAZY_REFCOUNTS != 0
+    }
+}
+
+impl Header {
+    /// Reads the header of the image in `storage` (its first cluster),
+    /// validated; an image marked corrupt is refused, as QEMU refuses to
+    /// open it.
+    pub fn read(storage: &dyn Storage) -> Result<Header, ErrorKind> {
+        let header = Header::read_for_check(storage)?;
+        header.refuse_if_marked_corrupt()?;
+        Ok(header)
+    }
+
+    /// [`Header::read`] for a reader or a repair, which may meet an image
+    /// marked corrupt (`qemu-img check` reads and repairs one).
+    pub(crate) fn read_for_check(storage: &dyn Storage) -> Result<Header, ErrorKind> {
+        Header::read_with_area(storage).map(|(header, _, _)| header)
+    }
+
+    /// [`Header::read_for_check`], with the header area's bytes as the
+    /// file holds them (`area_len` of them) and the file's size it was
+    /// parsed against.
+    pub(crate) fn read_with_area(
+        storage: &dyn Storage,
+    ) -> Result<(Header, Vec<u8>, u64), ErrorKind> {
+        let file_size = storage.len()?;
+        let mut first = vec![0u8; 112];
+        storage.read_at(&mut first, 0)?;
+        let (header, mut area) = match Header::cluster_size_hint(&first) {
+            Some(cluster_size) => {
+                let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
+                storage.read_at(&mut cluster, 0)?;
+                (Header::parse_for_reading(&cluster, file_size)?, cluster)
+            }
+            None => (
+                Header::parse_for_reading(&first[..file_size.min(112) as usize], file_size)?,
+                first,
+            ),
+        };
+        area.truncate(header.area_len as usize);
+        Ok((header, area, file_size))
     }
 }

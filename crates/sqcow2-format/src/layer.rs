@@ -64,21 +64,7 @@ fn read_image(storage: &dyn Storage) -> Result<(Header, Identity, Vec<u8>), Erro
 
 /// An image's header and identity as the file holds them now.
 fn read_header(storage: &dyn Storage) -> Result<(Header, Identity), ErrorKind> {
-    let file_size = storage.len()?;
-    let mut first = vec![0u8; 112];
-    storage.read_at(&mut first, 0)?;
-    let (header, mut area) = match Header::cluster_size_hint(&first) {
-        Some(cluster_size) => {
-            let mut cluster = vec![0u8; cluster_size.min(file_size).max(112) as usize];
-            storage.read_at(&mut cluster, 0)?;
-            (Header::parse_for_reading(&cluster, file_size)?, cluster)
-        }
-        None => (
-            Header::parse_for_reading(&first[..file_size.min(112) as usize], file_size)?,
-            first,
-        ),
-    };
-    area.truncate(header.area_len as usize);
+    let (header, mut area, file_size) = Header::read_with_area(storage)?;
     if let Some(autoclear) = area.get_mut(88..96) {
         if header.version == crate::header::Version::V3 {
             autoclear.fill(0);

@@ -108,8 +108,7 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
         "the chain before the snapshot still writes its old top"
     );
     assert_checks_clean(&top, "old top after its close");
-    let header =
-        sqcow2_format::check::read_header(&FileStorage::open_read_only(&top).unwrap()).unwrap();
+    let header = sqcow2_format::Header::read(&FileStorage::open_read_only(&top).unwrap()).unwrap();
     assert!(!header.is_dirty(), "the old top is left dirty");
     let built = indexing::build_index(&next, sqcow2_format::Locking::Off, &mut |_, _| {}, &|| {
         false
@@ -119,7 +118,7 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
     // Marked as indexed by the build, with the autoclear bits its close
     // left: not its journal's again (the next read-write open would take
     // the image for one a writer left open, and repair it).
-    let autoclear = sqcow2_format::check::read_header(&FileStorage::open_read_only(&top).unwrap())
+    let autoclear = sqcow2_format::Header::read(&FileStorage::open_read_only(&top).unwrap())
         .unwrap()
         .features
         .autoclear;
@@ -604,7 +603,7 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
     for path in [&top, &next_path, &third_path] {
         assert_checks_clean(path, &path.display().to_string());
         let header =
-            sqcow2_format::check::read_header(&FileStorage::open_read_only(path).unwrap()).unwrap();
+            sqcow2_format::Header::read(&FileStorage::open_read_only(path).unwrap()).unwrap();
         assert!(!header.is_dirty(), "{} left dirty", path.display());
         assert_eq!(header.features.autoclear & AUTOCLEAR_JOURNAL, 0);
         assert!(

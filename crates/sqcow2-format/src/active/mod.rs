@@ -804,7 +804,7 @@ impl Active {
     ) -> Result<(), Error> {
         let e = |k: ErrorKind| Error::new(&self.top.path, k);
         let storage = &*self.top.storage;
-        let header = crate::check::read_header(storage).map_err(e)?;
+        let header = crate::header::Header::read(storage).map_err(e)?;
         let done = if dry_run {
             crate::header_area::compose(storage, &header, edit).map(drop)
         } else {

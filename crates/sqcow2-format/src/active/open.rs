@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::check::{check_storage, read_header, Repair};
+use crate::check::{check_storage, Repair};
 use crate::error::{Error, ErrorKind, Feature};
 use crate::sidefile::{FileId, ImagePlace};
 use std::collections::HashMap;
@@ -71,7 +71,7 @@ impl Active {
             // Refcounts of a dirty image may be stale: repair, as QEMU does.
             tracing::warn!(path = %path.display(), "image was not closed cleanly: repairing refcounts");
             check_storage(path, storage.clone(), Repair::All)?;
-            header = read_header(&*storage).map_err(e)?;
+            header = crate::header::Header::read(&*storage).map_err(e)?;
             let clean = header.features.incompatible & !INCOMPAT_DIRTY;
             write_word(&*storage, field::INCOMPATIBLE_FEATURES, clean)
                 .map_err(|io| e(io.into()))?;
@@ -178,7 +178,7 @@ pub(crate) fn replay_journal(
     // A header that does not parse is reported by the open that follows
     // (an image marked corrupt is refused to writers before this; a
     // repair replays it too).
-    let Ok(header) = crate::check::read_header_for_check(storage) else {
+    let Ok(header) = crate::header::Header::read_for_check(storage) else {
         return Ok(0);
     };
     if header.version != Version::V3 || header.features.autoclear & AUTOCLEAR_JOURNAL == 0 {
@@ -259,7 +259,7 @@ pub(crate) fn pending_journal(
 /// the file goes (if it is a journal: a file of another kind at its name
 /// is left alone).
 pub(crate) fn end_journal(place: &ImagePlace, storage: &dyn Storage) -> Result<(), ErrorKind> {
-    let header = crate::check::read_header_for_check(storage)?;
+    let header = crate::header::Header::read_for_check(storage)?;
     if header.features.autoclear & AUTOCLEAR_JOURNAL != 0 {
         let kept = header.features.autoclear & !AUTOCLEAR_JOURNAL;
         write_word(storage, field::AUTOCLEAR_FEATURES, kept)?;

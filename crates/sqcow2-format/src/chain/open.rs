@@ -98,7 +98,7 @@ fn open_layer(
             if options.writable {
                 // Not written at all when marked corrupt (QEMU opens such
                 // an image read-only only).
-                if let Ok(header) = crate::check::read_header_for_check(&*storage) {
+                if let Ok(header) = crate::header::Header::read_for_check(&*storage) {
                     header.refuse_if_marked_corrupt()?;
                 }
                 // What a dead writer completed is in the image before any

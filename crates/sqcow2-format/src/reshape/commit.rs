@@ -64,7 +64,7 @@ pub(super) fn settle(
     if expect.is_some() && id != expect {
         return Err(Error::new(path, ErrorKind::FileReplaced));
     }
-    let Ok(header) = crate::check::read_header(&storage) else {
+    let Ok(header) = crate::header::Header::read(&storage) else {
         return Ok(id); // raw, or refused later with a proper error
     };
     let journal = header.features.autoclear & crate::features::AUTOCLEAR_JOURNAL != 0;
@@ -103,7 +103,7 @@ fn make_empty(path: &Path, locking: Locking, expect: Option<FileId>) -> Result<(
     storage
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
-    let header = crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+    let header = crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
     let zeros = vec![0u8; header.l1_size as usize * 8];
     storage
         .write_at(&zeros, header.l1_table_offset)
@@ -130,7 +130,7 @@ fn grow(path: &Path, size: u64, locking: Locking, expect: Option<FileId>) -> Res
     storage
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
-    let header = crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+    let header = crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
     if header.nb_snapshots > 0 || header.l1_table_offset == 0 {
         return Err(unsupported());
     }

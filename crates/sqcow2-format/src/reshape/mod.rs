@@ -131,7 +131,7 @@ impl HeaderWriter {
         storage
             .lock(LockRequest::WRITER, locking)
             .map_err(|k| Error::new(path, k))?;
-        crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+        crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
         Ok(HeaderWriter {
             path: path.to_path_buf(),
             storage,
@@ -155,7 +155,7 @@ impl HeaderWriter {
             .map_err(|k| Error::new(path, k))?;
         // An image marked corrupt is refused here, before any work whose
         // end would edit it (a merge's copy, a rebase's).
-        crate::check::read_header(&storage).map_err(|k| Error::new(path, k))?;
+        crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
         Ok(HeaderWriter {
             path: path.to_path_buf(),
             storage,
@@ -171,7 +171,7 @@ impl HeaderWriter {
     /// write, synced); `None` removes the backing file.
     pub(crate) fn set_backing(&self, backing: Option<(&Path, Option<&str>)>) -> Result<(), Error> {
         let path = &self.path;
-        let header = crate::check::read_header(&self.storage).map_err(|k| Error::new(path, k))?;
+        let header = crate::header::Header::read(&self.storage).map_err(|k| Error::new(path, k))?;
         let edit = AreaEdit {
             index: Edit::Keep,
             backing: match backing {

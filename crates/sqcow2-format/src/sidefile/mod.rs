@@ -692,7 +692,7 @@ impl NewImage {
             .try_clone()
             .and_then(crate::storage::FileStorage::from_writable_file)
             .map_err(e)?;
-        let header = crate::check::read_header(&storage).map_err(|k| Error::new(&tmp, k))?;
+        let header = crate::header::Header::read(&storage).map_err(|k| Error::new(&tmp, k))?;
         crate::sqcow2_ext::write_index_extension(
             &storage,
             &header,
