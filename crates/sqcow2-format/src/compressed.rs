@@ -7,7 +7,7 @@ use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
 use crate::entry::CompressedDescriptor;
 use crate::error::ErrorKind;
 use crate::header::CompressionType;
-use crate::read_once::ReadPattern;
+use crate::storage::ReadPattern;
 use crate::storage::Storage;
 use crate::types::Geometry;
 

@@ -20,28 +20,6 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::storage::{fd_link, open_for_reading, Storage};
-
-/// How a read goes on: part of a stream the kernel may read ahead of, or
-/// read once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ReadPattern {
-    /// A reader that may go on where it stopped (`Chain::read_at`).
-    Stream,
-    /// Bytes read once (a copy-on-write's source).
-    Once,
-}
-
-impl ReadPattern {
-    /// Reads `buf.len()` bytes of `storage` at `offset` this way.
-    pub(crate) fn read(self, storage: &dyn Storage, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        match self {
-            ReadPattern::Stream => storage.read_at(buf, offset),
-            ReadPattern::Once => storage.read_once_at(buf, offset),
-        }
-    }
-}
-
 /// The second descriptors of one chain's lower layers: at most `cap` at
 /// once, and only while the chain's descriptors (its open layer files and
 /// these) stay within its budget. They take only room the files leave;
@@ -196,7 +174,10 @@ impl OnceReader {
 /// `/proc/self/fd`, so a rename or unlink meanwhile cannot change which
 /// file), read-only, advised not to read ahead.
 fn reopen_without_readahead(file: &File) -> io::Result<File> {
-    let second = open_for_reading(&fd_link(file))?;
+    // A description of its own (its readahead state apart), of the same
+    // file whatever is at its name now.
+    let link = std::path::Path::new("/proc/self/fd").join(file.as_raw_fd().to_string());
+    let second = crate::sidefile::dir::open_image_file(&link, false)?;
     // SAFETY: posix_fadvise on a descriptor `second` owns; no memory is
     // passed.
     let r = unsafe { libc::posix_fadvise(second.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };

@@ -10,6 +10,26 @@ use crate::error::ErrorKind;
 use crate::lock::{FileLock, LockRequest, Locking};
 use crate::read_once::{DescriptorSlots, OnceReader};
 
+/// How a read goes on: part of a stream the kernel may read ahead of, or
+/// read once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadPattern {
+    /// A reader that may go on where it stopped (`Chain::read_at`).
+    Stream,
+    /// Bytes read once (a copy-on-write's source).
+    Once,
+}
+
+impl ReadPattern {
+    /// Reads `buf.len()` bytes of `storage` at `offset` this way.
+    pub(crate) fn read(self, storage: &dyn Storage, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match self {
+            ReadPattern::Stream => storage.read_at(buf, offset),
+            ReadPattern::Once => storage.read_once_at(buf, offset),
+        }
+    }
+}
+
 /// Byte-addressed storage of one layer.
 ///
 /// Reads past the end of the storage return zeros for the missing part, like

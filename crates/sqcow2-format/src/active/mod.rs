@@ -36,8 +36,8 @@ use crate::error::{Error, ErrorKind};
 use crate::features::{AUTOCLEAR_JOURNAL, INCOMPAT_DIRTY};
 use crate::fence::TransferFence;
 use crate::layer::LayerStatus;
-use crate::read_once::ReadPattern;
 use crate::refcount::reserve_clusters;
+use crate::storage::ReadPattern;
 use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;

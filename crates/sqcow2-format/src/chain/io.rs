@@ -9,8 +9,8 @@ use crate::entry::CompressedDescriptor;
 use crate::error::{Error, ErrorKind};
 use crate::fence::TransferTicket;
 use crate::layer::Layer;
-use crate::read_once::ReadPattern;
 use crate::storage::PinnedFile;
+use crate::storage::ReadPattern;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use std::sync::Arc;
 
