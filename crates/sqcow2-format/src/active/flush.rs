@@ -36,7 +36,7 @@ use crate::refcount::RefcountSnapshot;
 
 use super::held_table::PageRun;
 use super::journal::Journal;
-use super::state::{ActiveState, TopFile};
+use super::state::{ActiveState, OrderNeeds, TopFile};
 use std::sync::Arc;
 
 /// A copy of the metadata that waits to be written, taken at one instant.
@@ -59,25 +59,6 @@ pub(crate) struct WriteBack {
     horizon: u64,
     /// The journal records it covers (every one up to this number).
     journaled: Option<(Arc<Journal>, u64)>,
-}
-
-/// The syncs that changes since the last write-back depend on.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct OrderNeeds {
-    /// Data that new mappings point to must be durable before the L2
-    /// entries are written.
-    pub(crate) data_before_l2: bool,
-    /// New L2 tables must be durable before the L1 entries pointing to
-    /// them are written (a table that may not read as zeros on disk, or
-    /// a copy holding entries).
-    pub(crate) tables_before_l1: bool,
-}
-
-impl OrderNeeds {
-    fn merge(&mut self, other: OrderNeeds) {
-        self.data_before_l2 |= other.data_before_l2;
-        self.tables_before_l1 |= other.tables_before_l1;
-    }
 }
 
 /// The changed parts of one L2 table: its pages, shared with the table

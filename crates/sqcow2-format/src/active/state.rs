@@ -20,7 +20,6 @@ use crate::types::{Geometry, GuestCluster, GuestOffset, HostOffset};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 
 use super::claim::ClaimCell;
-use super::flush::OrderNeeds;
 use super::held_table::HeldTable;
 use super::journal::{Journal, MetadataWrite, Reservation};
 use super::overlap::MetadataClusters;
@@ -808,5 +807,24 @@ impl ActiveState {
             };
             top.cache.insert(key, chunk.into());
         }
+    }
+}
+
+/// The syncs that changes since the last write-back depend on.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OrderNeeds {
+    /// Data that new mappings point to must be durable before the L2
+    /// entries are written.
+    pub(crate) data_before_l2: bool,
+    /// New L2 tables must be durable before the L1 entries pointing to
+    /// them are written (a table that may not read as zeros on disk, or
+    /// a copy holding entries).
+    pub(crate) tables_before_l1: bool,
+}
+
+impl OrderNeeds {
+    pub(crate) fn merge(&mut self, other: OrderNeeds) {
+        self.data_before_l2 |= other.data_before_l2;
+        self.tables_before_l1 |= other.tables_before_l1;
     }
 }
