@@ -571,7 +571,7 @@ fn create_over(
     };
     let bytes = crate::create::image_bytes(&opts).map_err(|k| Error::new(new, k))?;
     let image = NewImage::create(dir, name, &layer_ids(chain), bytes)?;
-    image.name_its_index()?;
+    crate::sqcow2_ext::name_index_of(&image)?;
     let report = SnapshotReport {
         new: new.to_path_buf(),
         backing,

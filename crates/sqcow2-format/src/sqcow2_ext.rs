@@ -299,3 +299,15 @@ pub fn write_index_extension(
         },
     )
 }
+
+/// Makes the new image name its index (`N.sqidx`) in its header (the
+/// header area rewritten as QEMU lays it out), before it is published.
+pub(crate) fn name_index_of(image: &crate::sidefile::NewImage) -> Result<(), crate::error::Error> {
+    use crate::error::{Error, ErrorKind};
+    let tmp = image.tmp_path();
+    let e = |io: std::io::Error| Error::new(&tmp, ErrorKind::Io(io));
+    let storage = image.writable_storage().map_err(e)?;
+    let header = Header::read(&storage).map_err(|k| Error::new(&tmp, k))?;
+    let index = crate::sidefile::index_name(image.name());
+    write_index_extension(&storage, &header, Path::new(&index)).map_err(e)
+}

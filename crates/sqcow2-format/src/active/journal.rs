@@ -39,7 +39,7 @@ const HEADER: u64 = 4096;
 const RECORD: u64 = 64;
 /// Records the ring holds (4 MiB).
 pub(crate) const CAPACITY: u64 = 262144;
-pub(crate) const MAGIC: &[u8; 8] = b"SQJOURNL";
+pub(crate) use crate::sidefile::JOURNAL_MAGIC as MAGIC;
 const VERSION: u32 = 1;
 const RECORD_MAGIC: &[u8; 4] = b"SQJR";
 /// Where the header keeps the sequence number checkpoints have covered.
@@ -325,15 +325,6 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         self.release();
     }
-}
-
-/// Whether the journal in `file` names the image file `id` (device and
-/// inode in its header, which must be a journal's).
-pub(crate) fn names_file(file: &File, id: (u64, u64)) -> bool {
-    let mut h = [0u8; 64];
-    file.read_exact_at(&mut h, 0).is_ok()
-        && &h[0..8] == MAGIC
-        && (be64(&h[40..48]), be64(&h[48..56])) == id
 }
 
 /// What a journal left by a dead writer holds: the metadata writes the

@@ -451,7 +451,7 @@ impl Chain {
         // opened by its own name there (a symlink swapped in is refused).
         let find = || match &options.backing_root {
             Some(root) => BackingRoot::open(root).and_then(|root| {
-                ImagePlace::beneath(&root, path).map_err(|e| {
+                ImagePlace::beneath(root.dir(), root.path(), path).map_err(|e| {
                     if e.kind() == std::io::ErrorKind::PermissionDenied {
                         std::io::Error::new(
                             e.kind(),

@@ -196,7 +196,7 @@ pub(crate) fn create_merge_file(
     if backing.is_some() {
         // The new layer names its own index (written once it is
         // published): the top's index can then be built from it.
-        image.name_its_index()?;
+        crate::sqcow2_ext::name_index_of(&image)?;
     }
     Ok(MergeFile { image, backing })
 }

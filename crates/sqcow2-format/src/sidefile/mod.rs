@@ -155,16 +155,27 @@ impl ImagePlace {
     /// The place of the image at `path` inside `root` (a daemon's backing
     /// root): its real directory opened from the root's descriptor, no
     /// symlink followed; refused (`PermissionDenied`) outside it.
-    pub(crate) fn beneath(
-        root: &crate::backing::BackingRoot,
-        path: &Path,
-    ) -> io::Result<ImagePlace> {
+    pub(crate) fn beneath(root: &Dir, root_path: &Path, path: &Path) -> io::Result<ImagePlace> {
         let real = side_files_path(path)?;
         let name = dir::file_name(&real)?.to_os_string();
         let parent = real.parent().unwrap_or(Path::new(""));
-        let dir = Dir::beneath(root.dir(), root.path(), parent)?;
+        let dir = Dir::beneath(root, root_path, parent)?;
         Ok(ImagePlace::new(Arc::new(dir), name))
     }
+}
+
+/// The first bytes of a mapping journal (`active/journal.rs` writes it):
+/// how a side file is recognised as one.
+pub(crate) const JOURNAL_MAGIC: &[u8; 8] = b"SQJOURNL";
+
+/// Whether the journal in `file` names the image file `id` (device and
+/// inode at bytes 40..56 of its header, which must be a journal's).
+pub(crate) fn journal_names_file(file: &File, id: (u64, u64)) -> bool {
+    let be64 = |b: &[u8]| b.try_into().map_or(0, u64::from_be_bytes);
+    let mut h = [0u8; 64];
+    file.read_exact_at(&mut h, 0).is_ok()
+        && &h[0..8] == JOURNAL_MAGIC
+        && (be64(&h[40..48]), be64(&h[48..56])) == id
 }
 
 /// Where the side files of the image named `path` are named from: `path`,
@@ -249,7 +260,7 @@ impl Content {
         let h = &h[..n];
         match self {
             Content::Index => h.starts_with(crate::index::INDEX_MAGIC),
-            Content::Journal => h.starts_with(crate::active::journal::MAGIC),
+            Content::Journal => h.starts_with(JOURNAL_MAGIC),
             Content::Unpublished => {
                 use crate::header::{field, QCOW2_MAGIC};
                 h.len() >= 96
@@ -682,23 +693,11 @@ impl NewImage {
         self.id
     }
 
-    /// Names its index (`N.sqidx`) in its header (the header area
-    /// rewritten as QEMU lays it out).
-    pub(crate) fn name_its_index(&self) -> Result<(), Error> {
-        let tmp = self.tmp_path();
-        let e = |io: io::Error| Error::new(&tmp, ErrorKind::Io(io));
-        let storage = self
-            .file
+    /// The temporary file, writable (a description of its own).
+    pub(crate) fn writable_storage(&self) -> io::Result<crate::storage::FileStorage> {
+        self.file
             .try_clone()
             .and_then(crate::storage::FileStorage::from_writable_file)
-            .map_err(e)?;
-        let header = crate::header::Header::read(&storage).map_err(|k| Error::new(&tmp, k))?;
-        crate::sqcow2_ext::write_index_extension(
-            &storage,
-            &header,
-            Path::new(&index_name(&self.name)),
-        )
-        .map_err(e)
     }
 
     /// Makes the image visible under its name: the file synced (the
@@ -947,7 +946,7 @@ pub(crate) fn read_journal_file(dir: &Dir, name: &OsStr) -> io::Result<Option<Fi
 /// still the file read.
 pub(crate) fn remove_journal(dir: &Dir, name: &OsStr, image: Option<FileId>) -> io::Result<()> {
     if let Some(file) = read_journal_file(dir, name)? {
-        let of_image = image.is_none_or(|id| crate::active::journal::names_file(&file, id));
+        let of_image = image.is_none_or(|id| journal_names_file(&file, id));
         if Content::Journal.is_in(&file) && of_image {
             dir.remove(name, file_id(&file)?)?;
         }
