@@ -17,9 +17,9 @@ use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use sqcow2_vhost::control::protocol::Stats;
-use sqcow2_vhost::control::{handle_line, prometheus, Shared};
-use sqcow2_vhost::ChainHandle;
+use sqcow2_vhost::internals::ChainHandle;
+use sqcow2_vhost::internals::{handle_line, prometheus, Shared};
+use sqcow2_vhost::protocol::Stats;
 
 struct Harness {
     dir: tempfile::TempDir,

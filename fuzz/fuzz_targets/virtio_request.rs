@@ -18,7 +18,9 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use sqcow2_vhost::{BlkDevice, ChainHandle, DeviceOptions, GuestMem, GuestMemAtomic, QueueWorker};
+use sqcow2_vhost::internals::{
+    BlkDevice, ChainHandle, DeviceOptions, GuestMem, GuestMemAtomic, QueueWorker,
+};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use sqcow2_vhost::control::protocol::{
+use sqcow2_vhost::protocol::{
     Activity, Command, Info, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
 };
 

@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::path::Path;
 
-use sqcow2_vhost::control::protocol::{
+use sqcow2_vhost::protocol::{
     Activity, IndexMode, Info, MergeCounters, MergeState, SnapshotResult, Stats,
 };
 

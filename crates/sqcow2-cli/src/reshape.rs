@@ -10,7 +10,7 @@ use sqcow2_format::reshape::{
 };
 use sqcow2_format::Locking;
 
-use sqcow2_vhost::control::protocol::{
+use sqcow2_vhost::protocol::{
     Command, LayerName, MergeRequest, MergeStarted, MergeState, Stats, StatsFormat,
 };
 

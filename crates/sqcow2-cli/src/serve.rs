@@ -40,7 +40,7 @@ pub struct ServeArgs {
     control: Option<PathBuf>,
     /// Engine threads: allocating writes, discards and write-zeroes run
     /// there, so that they never hold up the other requests of a queue.
-    #[arg(long, default_value_t = sqcow2_vhost::device::DEFAULT_ENGINE_THREADS)]
+    #[arg(long, default_value_t = sqcow2_vhost::DEFAULT_ENGINE_THREADS)]
     engine_threads: usize,
     /// Start inactive, for a disk another daemon still serves (a live
     /// migration's destination): no image lock is taken and requests wait

@@ -734,7 +734,8 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ChainHandle, DeviceOptions};
+    use crate::device::DeviceOptions;
+    use crate::handle::ChainHandle;
 
     fn backend(dir: &std::path::Path) -> BlkBackend {
         let chain = crate::test_support::small_chain(dir, "disk.qcow2");

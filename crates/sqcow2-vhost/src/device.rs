@@ -36,6 +36,7 @@ pub struct DeviceOptions {
 }
 
 impl DeviceOptions {
+    #[cfg(any(test, feature = "internals"))]
     /// `num_queues` queues of at most `queue_size` entries, default engine
     /// threads.
     pub fn new(num_queues: u16, queue_size: u16) -> Self {
@@ -90,11 +91,6 @@ impl BlkDevice {
     /// The chain behind the device now.
     pub fn chain(&self) -> Arc<Chain> {
         self.chain.get()
-    }
-
-    /// The replaceable chain.
-    pub fn handle(&self) -> &Arc<ChainHandle> {
-        &self.chain
     }
 
     /// The device's shape.

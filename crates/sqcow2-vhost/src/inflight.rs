@@ -230,16 +230,6 @@ impl InflightRegion {
         self.len as u64
     }
 
-    /// Queues the region covers.
-    pub fn num_queues(&self) -> u16 {
-        self.num_queues
-    }
-
-    /// Descriptors per queue the region covers.
-    pub fn queue_size(&self) -> u16 {
-        self.queue_size
-    }
-
     /// The part of queue `index`, if the region covers it.
     pub fn queue(self: &Arc<Self>, index: u16) -> Option<QueueInflight> {
         (index < self.num_queues).then(|| QueueInflight {

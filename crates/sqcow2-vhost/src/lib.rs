@@ -11,36 +11,44 @@
 //! * [`server`] owns the socket: one frontend at a time, reconnects,
 //!   signals, readiness.
 
-pub mod backend;
-pub mod config;
-pub mod control;
+mod backend;
+mod config;
+mod control;
 mod descriptors;
-pub mod device;
+mod device;
 mod frontend;
-pub mod gate;
+mod gate;
 mod guest_mem;
-pub mod handle;
-pub mod inflight;
+mod handle;
+mod inflight;
 mod job_threads;
 mod offload;
 mod polling;
-pub mod ratelimit;
+mod ratelimit;
 mod realtime;
-pub mod request;
+mod request;
 mod ring;
-pub mod server;
+mod server;
 mod socket_file;
 mod stats;
 #[cfg(test)]
 mod test_support;
 mod vring;
-pub mod worker;
+mod worker;
 
-pub use backend::BlkBackend;
-pub use device::{BlkDevice, DeviceOptions};
-pub use guest_mem::{GuestMem, GuestMemAtomic};
-pub use handle::ChainHandle;
+/// The control socket's messages (`docs/control-api.md`).
+pub use control::protocol;
+pub use device::DEFAULT_ENGINE_THREADS;
 pub use polling::Polling;
-pub use server::{serve, ServeOptions};
-pub use stats::QueueStats;
-pub use worker::{Completion, QueueWorker};
+pub use server::{serve, ServeError, ServeOptions};
+
+/// The device without the daemon, for the crate's integration tests and
+/// the fuzz targets (feature `internals`): not a stable interface.
+#[cfg(feature = "internals")]
+pub mod internals {
+    pub use crate::control::{handle_line, prometheus, Shared};
+    pub use crate::device::{BlkDevice, DeviceOptions};
+    pub use crate::guest_mem::{GuestMem, GuestMemAtomic};
+    pub use crate::handle::ChainHandle;
+    pub use crate::worker::{Completion, QueueWorker};
+}

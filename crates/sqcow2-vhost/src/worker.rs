@@ -250,6 +250,7 @@ impl QueueWorker {
         std::mem::take(&mut self.completed)
     }
 
+    #[cfg(any(test, feature = "internals"))]
     /// Takes every available request off `queue` and starts it; requests
     /// finished on the spot are put on the used ring at once. Returns
     /// whether any was. `queue_index` names the queue in [`Completion`]s.
@@ -975,6 +976,7 @@ impl QueueWorker {
     /// once the worker's own thread no longer runs it); their completions
     /// join [`QueueWorker::take_completions`]. With several workers use
     /// [`QueueWorker::drain_some`] on each in turn (see `BlkBackend::drain`).
+    #[cfg(any(test, feature = "internals"))]
     pub fn drain(&mut self) {
         while !self.drain_some() {
             std::thread::sleep(std::time::Duration::from_millis(1));

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use sqcow2_format::create::{create, CreateOptions};
 use sqcow2_format::{Chain, ChainOptions};
-use sqcow2_vhost::{BlkDevice, ChainHandle, DeviceOptions, GuestMem, GuestMemAtomic, QueueWorker};
+use sqcow2_vhost::internals::{
+    BlkDevice, ChainHandle, DeviceOptions, GuestMem, GuestMemAtomic, QueueWorker,
+};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
