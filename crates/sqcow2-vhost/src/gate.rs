@@ -151,6 +151,41 @@ impl Drop for BegunWork {
     }
 }
 
+/// Proof that nothing uses the served chain and nothing starts to while
+/// it lives: what [`crate::handle::ChainHandle::replace`] takes. Made only
+/// by [`PauseGuard::off_chain`], [`PauseGuard::idle`] (borrowing the pause,
+/// which cannot end before the proof does) and
+/// [`RequestGate::idle_while_inactive`].
+#[must_use = "the chain may be replaced only while the proof is held"]
+#[derive(Debug)]
+pub(crate) struct Quiesced<'a> {
+    _held: std::marker::PhantomData<&'a ()>,
+}
+
+impl Quiesced<'_> {
+    fn new() -> Self {
+        Quiesced {
+            _held: std::marker::PhantomData,
+        }
+    }
+}
+
+impl PauseGuard {
+    /// For a switch's pause ([`RequestGate::pause_for_switch`]): waits at
+    /// most `timeout` until nothing uses the chain (requests whose only
+    /// work left is deferred do not count: that work begins after the
+    /// pause, on the chain current then); the proof, if it happened.
+    pub(crate) fn off_chain(&self, timeout: Duration) -> Option<Quiesced<'_>> {
+        (self.switch && self.gate.wait_off_chain(timeout)).then(Quiesced::new)
+    }
+
+    /// Waits at most `timeout` until no request is in flight; the proof,
+    /// if it happened.
+    pub(crate) fn idle(&self, timeout: Duration) -> Option<Quiesced<'_>> {
+        self.gate.wait_idle(timeout).then(Quiesced::new)
+    }
+}
+
 /// While held, no request starts; dropping it lets them start again.
 #[must_use = "the device is paused only while the guard is held"]
 #[derive(Debug)]
@@ -231,6 +266,14 @@ impl RequestGate {
     /// Whether the daemon is inactive.
     pub fn is_inactive(&self) -> bool {
         self.inactive.load(Ordering::SeqCst)
+    }
+
+    /// While inactive (requests wait at the gate): waits at most `timeout`
+    /// until none is in flight; the proof, if it happened. It holds while
+    /// the daemon stays inactive, which only the holder of the control's
+    /// exclusive right changes (activate, inactivate).
+    pub(crate) fn idle_while_inactive(&self, timeout: Duration) -> Option<Quiesced<'_>> {
+        (self.is_inactive() && self.wait_idle(timeout)).then(Quiesced::new)
     }
 
     /// While inactive: refuses the waiting requests and the next ones

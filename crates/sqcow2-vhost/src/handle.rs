@@ -7,6 +7,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use sqcow2_format::Chain;
 
+use crate::gate::Quiesced;
+
 /// The served chain, replaceable.
 #[derive(Debug)]
 pub struct ChainHandle {
@@ -29,8 +31,9 @@ impl ChainHandle {
             .clone()
     }
 
-    /// Puts `chain` in place of the current one; returns the old one.
-    pub fn replace(&self, chain: Chain) -> Arc<Chain> {
+    /// Puts `chain` in place of the current one, while nothing uses the
+    /// current one (`_quiet`); returns the old one.
+    pub(crate) fn replace(&self, chain: Chain, _quiet: &Quiesced<'_>) -> Arc<Chain> {
         let mut cur = self.current.write().unwrap_or_else(PoisonError::into_inner);
         std::mem::replace(&mut *cur, Arc::new(chain))
     }

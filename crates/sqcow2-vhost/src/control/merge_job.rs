@@ -457,11 +457,11 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     let start = Instant::now();
     let pause = shared.gate.pause();
-    if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+    let Some(quiet) = pause.idle(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(NotSwitched(format!(
             "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
         )));
-    }
+    };
     let old = shared.handle.get();
     old.flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
@@ -513,7 +513,8 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     // no failure.
     old.hand_over();
     drop(old);
-    let old = shared.handle.replace(chain);
+    let old = shared.handle.replace(chain, &quiet);
+    drop(quiet);
     drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
     drop(old);

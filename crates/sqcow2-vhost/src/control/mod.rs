@@ -597,12 +597,12 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // in a 10.5 ms drain.
     let raised = (realtime.raised() && !shared.gate.off_chain_within(RAISE_JOBS_AFTER))
         .then(|| shared.gate.raise_begun_threads());
-    if !shared.gate.wait_off_chain(SNAPSHOT_DRAIN_TIMEOUT) {
+    let Some(quiet) = pause.off_chain(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(fail(
             FailureKind::SnapshotFailed,
             format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
         ));
-    }
+    };
     let drained = start.elapsed();
     let job_times = jobs.since();
     let raised_jobs = raised.map_or(0, |r| r.count());
@@ -621,8 +621,9 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let indexed = chain.is_indexed();
     let old = {
         drop(old);
-        shared.handle.replace(chain)
+        shared.handle.replace(chain, &quiet)
     };
+    drop(quiet);
     created.switched = true;
     let replaced = switch_start.elapsed();
     // Read in the pause (a file read, ~10 us), so that the wait counted is
@@ -776,7 +777,14 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
         fail(kind, e.to_string())
     })?;
     drop(old);
-    drop(shared.handle.replace(chain));
+    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
+        return Err(fail(
+            FailureKind::Busy,
+            format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+        ));
+    };
+    drop(shared.handle.replace(chain, &quiet));
+    drop(quiet);
     shared.set_active(&right, true);
     shared.gate.set_inactive(false);
     shared.index_builder.resume();
@@ -825,12 +833,12 @@ fn inactivate_chain(shared: &Shared) -> Result<Activity, Failure> {
         shared.index_builder.resume();
         f
     };
-    if !shared.gate.wait_idle(SNAPSHOT_DRAIN_TIMEOUT) {
+    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(undo(fail(
             FailureKind::IoError,
             format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
         )));
-    }
+    };
     let old = shared.handle.get();
     old.flush_clean()
         .map_err(|e| undo(fail(FailureKind::IoError, format!("flush: {e}"))))?;
@@ -843,7 +851,8 @@ fn inactivate_chain(shared: &Shared) -> Result<Activity, Failure> {
     let chain = Chain::open_reusing(&top, &options, &old)
         .map_err(|e| undo(fail(FailureKind::IoError, e.to_string())))?;
     drop(old);
-    drop(shared.handle.replace(chain));
+    drop(shared.handle.replace(chain, &quiet));
+    drop(quiet);
     shared.set_active(&right, false);
     info!(top = %top.display(), "inactivated: image locks released");
     Ok(Activity { active: false })
