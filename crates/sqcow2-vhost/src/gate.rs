@@ -182,7 +182,7 @@ impl PauseGuard {
     /// Waits at most `timeout` until no request is in flight; the proof,
     /// if it happened.
     pub(crate) fn idle(&self, timeout: Duration) -> Option<Quiesced<'_>> {
-        self.gate.wait_idle(timeout).then(Quiesced::new)
+        self.gate.idle_and_off_chain(timeout).then(Quiesced::new)
     }
 }
 
@@ -273,7 +273,18 @@ impl RequestGate {
     /// the daemon stays inactive, which only the holder of the control's
     /// exclusive right changes (activate, inactivate).
     pub(crate) fn idle_while_inactive(&self, timeout: Duration) -> Option<Quiesced<'_>> {
-        (self.is_inactive() && self.wait_idle(timeout)).then(Quiesced::new)
+        (self.is_inactive() && self.idle_and_off_chain(timeout)).then(Quiesced::new)
+    }
+
+    /// No request in flight and nothing on the chain (begun deferred work
+    /// included), within `timeout`.
+    fn idle_and_off_chain(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        self.wait_idle(timeout)
+            && self.wait_until_zero(
+                &self.on_chain,
+                deadline.saturating_duration_since(Instant::now()),
+            )
     }
 
     /// While inactive: refuses the waiting requests and the next ones

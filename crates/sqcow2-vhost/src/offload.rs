@@ -186,14 +186,17 @@ impl CheckpointAsked {
     /// checkpoint was asked since the last one began).
     #[must_use]
     fn ask(&self) -> bool {
-        !self.0.swap(true, Ordering::AcqRel)
+        !self.0.swap(true, Ordering::SeqCst)
     }
 
     /// A persist begins: it covers every change made so far, and those
     /// made from now on ask again. Call before the persist takes what it
     /// writes.
     fn beginning(&self) {
-        self.0.store(false, Ordering::Release);
+        // SeqCst: the persist's reads of the chain (under its state lock)
+        // come after this store; a change made before it is in what the
+        // persist takes, one made after it asks again.
+        self.0.store(false, Ordering::SeqCst);
     }
 }
 
@@ -408,7 +411,6 @@ fn flusher(
         while let Ok(more) = rx.try_recv() {
             batch.push(more);
         }
-        let chain = handle.get();
         if batch.iter().any(|(_, what)| *what == Persist::Checkpoint) {
             waiting_since.get_or_insert_with(Instant::now);
         }
@@ -416,12 +418,15 @@ fn flusher(
         let due = closing
             || batch.iter().any(|(_, what)| *what == Persist::WriteBack)
             || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
-            || chain.journal_backlog() >= CHECKPOINT_BACKLOG;
+            || handle.get().journal_backlog() >= CHECKPOINT_BACKLOG;
         if !someone_waits && !due {
             continue;
         }
         waiting_since = None;
         asked.beginning();
+        // Taken after the flag is cleared: a change on a chain switched to
+        // meanwhile either asks again or is on the chain persisted here.
+        let chain = handle.get();
         let flush = batch.iter().any(|(_, what)| *what == Persist::Flush);
         let persist = |chain: &Chain| {
             let done = if flush {

@@ -767,6 +767,15 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
     if shared.is_active() {
         return Ok(Activity { active: true });
     }
+    // Checked before the chain is opened for writing (an open that is
+    // dropped writes its metadata back). Inactive, requests wait at the
+    // gate: nothing is in flight but what drains at once.
+    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
+        return Err(fail(
+            FailureKind::IoError,
+            format!("inactive, yet requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+        ));
+    };
     let old = shared.handle.get();
     let top = old.top().path().to_path_buf();
     let chain = Chain::open_reusing(&top, &shared.options, &old).map_err(|e| {
@@ -777,12 +786,6 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
         fail(kind, e.to_string())
     })?;
     drop(old);
-    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
-        return Err(fail(
-            FailureKind::Busy,
-            format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
-        ));
-    };
     drop(shared.handle.replace(chain, &quiet));
     drop(quiet);
     shared.set_active(&right, true);
