@@ -33,7 +33,7 @@ impl ChainHandle {
 
     /// Puts `chain` in place of the current one, while nothing uses the
     /// current one (`_quiet`); returns the old one.
-    pub(crate) fn replace(&self, chain: Chain, _quiet: &Quiesced<'_>) -> Arc<Chain> {
+    pub(crate) fn replace(&self, chain: Chain, _quiet: &Quiesced) -> Arc<Chain> {
         let mut cur = self.current.write().unwrap_or_else(PoisonError::into_inner);
         std::mem::replace(&mut *cur, Arc::new(chain))
     }

@@ -540,7 +540,6 @@ mod tests {
         let new_path = new.top().path().to_path_buf();
         drop(handle.replace(new, &quiet));
         drop(quiet);
-        drop(switch);
         let got = second_runs
             .recv_timeout(Duration::from_secs(30))
             .expect("the queued job never ran after the switch");

@@ -457,7 +457,8 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     let start = Instant::now();
     let pause = shared.gate.pause();
-    let Some(quiet) = pause.idle(SNAPSHOT_DRAIN_TIMEOUT) else {
+    // The pause from here on is the proof's: it ends with it.
+    let Ok(quiet) = pause.idle(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(NotSwitched(format!(
             "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
         )));
@@ -514,8 +515,8 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     old.hand_over();
     drop(old);
     let old = shared.handle.replace(chain, &quiet);
+    // The pause ends.
     drop(quiet);
-    drop(pause);
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
     drop(old);
     drop(resumed);

@@ -597,7 +597,8 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     // in a 10.5 ms drain.
     let raised = (realtime.raised() && !shared.gate.off_chain_within(RAISE_JOBS_AFTER))
         .then(|| shared.gate.raise_begun_threads());
-    let Some(quiet) = pause.off_chain(SNAPSHOT_DRAIN_TIMEOUT) else {
+    // The pause from here on is the proof's: it ends with it.
+    let Ok(quiet) = pause.off_chain(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(fail(
             FailureKind::SnapshotFailed,
             format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
@@ -623,7 +624,6 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
         drop(old);
         shared.handle.replace(chain, &quiet)
     };
-    drop(quiet);
     created.switched = true;
     let replaced = switch_start.elapsed();
     // Read in the pause (a file read, ~10 us), so that the wait counted is
@@ -631,7 +631,8 @@ fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure>
     let cpu_wait_ms = cpu_wait_before
         .zip(cpu_wait::thread_cpu_wait())
         .map_or(0.0, |(a, b)| b.saturating_sub(a).as_secs_f64() * 1000.0);
-    drop(pause);
+    // The pause ends.
+    drop(quiet);
     let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
     let realtime_pause = realtime.raised();
     drop(realtime);
