@@ -32,6 +32,25 @@ pub fn control_within(
     }
 }
 
+/// One request on a control socket; `None` if the connection is refused
+/// (a listen backlog full while the daemon's accept thread catches up) or
+/// no reply comes within 10 s.
+pub fn try_control(path: &Path, req: serde_json::Value) -> Option<serde_json::Value> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(path).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    let mut line = req.to_string();
+    line.push('\n');
+    stream.write_all(line.as_bytes()).ok()?;
+    let mut reply = String::new();
+    match BufReader::new(stream).read_line(&mut reply) {
+        Ok(n) if n > 0 => serde_json::from_str(&reply).ok(),
+        _ => None,
+    }
+}
+
 /// One request on a control socket; its reply (within 60 s).
 pub fn control(path: &Path, req: serde_json::Value) -> serde_json::Value {
     control_within(path, req, Duration::from_secs(60)).expect("control reply within 60 s")
