@@ -33,6 +33,17 @@ use crate::gate::Quiesced;
 use crate::realtime::RealtimeSection;
 
 /// Takes a live snapshot of the served chain into the new file `new`.
+/// While the guest runs: the new top created (empty, over the old top),
+/// made durable and opened, the old top written back. Then the pause,
+/// whose work does not grow with the disk or the chain: new requests
+/// wait, those in flight finish what they do on the old chain (engine
+/// jobs not begun run after the switch), the new chain is made from the
+/// old one (a header read; it reads what the old top has not written back
+/// yet from memory) and switched to. After it, while the guest runs: the
+/// old top's last tables written back, it closed and made durable
+/// (journal ended, spare clusters given back, dirty bit cleared), then,
+/// in the background, the new top's index built and installed; until
+/// then the old top is walked above the old index.
 pub(super) fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResult, Failure> {
     let admitted = Admitted::check(shared, new)?;
     let prepared = admitted.prepare()?;
@@ -163,12 +174,13 @@ impl<'s> Admitted<'s> {
 }
 
 /// Step 2 done: the new top is ready to take over.
-/// (Fields drop in this order: the new top is removed, if it was not
-/// switched to, before the exclusive right is given back.)
+/// (Fields drop in this order: the unused new top is closed, then its
+/// file removed, if it was not switched to, then the exclusive right
+/// given back.)
 #[must_use]
 pub(super) struct Prepared<'s> {
-    created: CreatedTop,
     next_top: PreparedTop,
+    created: CreatedTop,
     /// The old top.
     top: PathBuf,
     started_unix_us: u64,

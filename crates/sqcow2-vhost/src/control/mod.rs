@@ -439,18 +439,6 @@ fn flush(shared: &Shared) -> Result<(), Failure> {
         .map_err(|e| fail(FailureKind::IoError, e.to_string()))
 }
 
-/// A live snapshot. While the guest runs: the new top created (empty,
-/// over the old top), made durable and opened, the old top written back.
-/// Then the pause, whose work does not grow with the disk or
-/// the chain: new requests wait, those in flight finish what they do on
-/// the old chain (engine jobs not begun run after the switch), the new
-/// chain is made from the old one (a header read; it reads what the old
-/// top has not written back yet from memory) and switched to. After it,
-/// while the guest runs: the old top's last tables written back, it
-/// closed and made durable (journal ended, spare clusters given back,
-/// dirty bit cleared), then, in the background, the new top's index
-/// built and installed; until then the old top is walked above the old
-/// index.
 /// A file the chain will have as a layer (a live snapshot's new top, a
 /// merge file) must lie where the daemon may open backing files (its
 /// `--backing-root`): else the chain could not be opened again (after a
