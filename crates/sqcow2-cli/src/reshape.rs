@@ -70,6 +70,10 @@ pub struct RebaseArgs {
     /// Unsafe: only change the recorded name and format.
     #[arg(short = 'u')]
     unsafe_names_only: bool,
+    /// Read the new backing file even while another process writes it
+    /// (qemu-img's -U; the data compared may then be inconsistent).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
     /// The new backing file ("" for none), relative to the image's
     /// directory unless absolute.
     #[arg(short = 'b', required = true)]
@@ -173,6 +177,7 @@ pub fn run_rebase(args: &RebaseArgs, locking: Locking) -> anyhow::Result<()> {
         unsafe_names_only: args.unsafe_names_only,
         rate_limit: None,
         locking,
+        force_share: args.force_share,
     };
     let pb = bar(args.progress, args.quiet);
     let report = rebase(&options, &mut progress_of(&pb))?;

@@ -368,6 +368,74 @@ printf '%s\n' "${{COMPREPLY[@]}}""#,
     assert!(out.status.success() && text.contains("snapshot"), "{text}");
 }
 
+/// `rebase -U` shares the new backing file with a process that writes it
+/// (qemu-img's meaning): refused without it, done with it, by both tools.
+#[test]
+fn rebase_u_shares_the_new_backing_file_as_qemu_img() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "1M"]);
+    let other = dir.join("other.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&other), "1M"]);
+    // Another process writes the new backing file meanwhile.
+    let mut writer = Command::new("qemu-io")
+        .args(["-c", "sleep 60000", s(&other)])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while run_raw(Command::new("qemu-img").args(["info", s(&other)]))
+        .status
+        .success()
+    {
+        assert!(std::time::Instant::now() < deadline, "qemu-io never locked");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for tool in ["qemu-img", "sqcow2"] {
+        let top = dir.join(format!("{tool}-top.qcow2"));
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            s(&top),
+        ]);
+        let bin = if tool == "qemu-img" {
+            PathBuf::from("qemu-img")
+        } else {
+            sqcow2_bin()
+        };
+        let rebase = |share: bool| {
+            let mut args = vec!["rebase"];
+            if share {
+                args.push("-U");
+            }
+            args.extend(["-b", "other.qcow2", "-F", "qcow2", s(&top)]);
+            run_raw(Command::new(&bin).args(&args))
+        };
+        let out = rebase(false);
+        assert_eq!(out.status.code(), Some(1), "{tool} without -U");
+        let out = rebase(true);
+        assert!(
+            out.status.success(),
+            "{tool} -U: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let info = run_raw(Command::new("qemu-img").args(["info", "-U", s(&top)]));
+        assert!(
+            String::from_utf8_lossy(&info.stdout).contains("backing file: other.qcow2"),
+            "{tool}"
+        );
+    }
+    let _ = writer.kill();
+    let _ = writer.wait();
+}
+
 /// A mistake in the arguments is said as one (exit 1), never as an I/O
 /// error: a layer number past the chain, a file not in it.
 #[test]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::chain::{Chain, ChainOptions, ExtentKind};
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::indexing::{io_err, BuildReport};
 use crate::layer::Layer;
 use crate::lock::{LockRequest, Locking};
@@ -40,6 +40,9 @@ pub struct RebaseOptions {
     pub rate_limit: Option<u64>,
     /// Image locks.
     pub locking: Locking,
+    /// Share every permission on the new backing file, which is only read
+    /// (qemu-img's `-U`): another process may write it meanwhile.
+    pub force_share: bool,
 }
 
 /// What a rebase did.
@@ -83,19 +86,30 @@ impl NewView {
     }
 }
 
-fn open_new_view(path: &Path, format: &str, locking: Locking) -> Result<NewView, Error> {
+fn open_new_view(
+    path: &Path,
+    format: &str,
+    locking: Locking,
+    force_share: bool,
+) -> Result<NewView, Error> {
     match format {
         "qcow2" => Ok(NewView::Chain(Box::new(Chain::open(
             path,
             &ChainOptions {
                 locking,
+                force_share,
                 ..ChainOptions::default()
             },
         )?))),
         _ => {
             let storage = FileStorage::open_read_only(path).map_err(io_err(path))?;
+            let lock = if force_share {
+                LockRequest::READER.sharing_all()
+            } else {
+                LockRequest::READER
+            };
             storage
-                .lock(LockRequest::READER, locking)
+                .lock(lock, locking)
                 .map_err(|k| Error::new(path, k))?;
             let len = storage.len().map_err(io_err(path))?;
             Ok(NewView::Raw(storage, len))
@@ -162,6 +176,17 @@ pub fn rebase(
             );
             None
         }
+        // `-U`: the new backing file is another process's to write; an
+        // index of it is not built under that writer (the rebase itself
+        // is done, as QEMU's). The index, stale, is rebuilt when the chain
+        // can be opened (`sqcow2 upgrade`, the next `serve`).
+        Err(e) if options.force_share && matches!(e.kind, ErrorKind::Locked { .. }) => {
+            tracing::warn!(
+                "{}: rebased; chain index not rebuilt while another process writes the new backing file: {e}",
+                image.display()
+            );
+            None
+        }
         Err(e) => return Err(e),
     };
     Ok(RebaseReport {
@@ -218,7 +243,7 @@ fn copy_differences(
         _ => None,
     };
     let new = match (new_path, format) {
-        (Some(p), Some(f)) => open_new_view(p, f, locking)?,
+        (Some(p), Some(f)) => open_new_view(p, f, locking, options.force_share)?,
         _ => NewView::Zeros,
     };
     let new_name = new_path.unwrap_or(Path::new(""));
