@@ -212,17 +212,8 @@ fn commit_matches_qemu_img_commit() {
 fn commit_of_a_chain_only_sqcow2_touched_warns_nothing() {
     for base in [None, Some("layer0000.qcow2")] {
         let tmp = tempfile::tempdir().unwrap();
-        let top = sqcow2(&[
-            "gen-chain",
-            "--layers",
-            "4",
-            "--size",
-            "64M",
-            "--fill",
-            "0.3",
-            s(tmp.path()),
-        ]);
-        let top = top.trim();
+        let top = common::gen_chain(tmp.path(), 4, "64M", "0.3");
+        let top = s(&top);
         let mut args = vec!["commit"];
         if let Some(b) = base {
             args.extend(["-b", b]);
@@ -441,17 +432,8 @@ fn rebase_u_shares_the_new_backing_file_as_qemu_img() {
 #[test]
 fn input_mistakes_are_not_io_errors() {
     let tmp = tempfile::tempdir().unwrap();
-    let top = sqcow2(&[
-        "gen-chain",
-        "--layers",
-        "3",
-        "--size",
-        "16M",
-        "--fill",
-        "0.3",
-        s(tmp.path()),
-    ]);
-    let top = top.trim();
+    let top = common::gen_chain(tmp.path(), 3, "16M", "0.3");
+    let top = s(&top);
     let other = tmp.path().join("other.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&other), "16M"]);
     let merged = tmp.path().join("m.qcow2");
@@ -476,25 +458,13 @@ fn input_mistakes_are_not_io_errors() {
 #[test]
 fn progress_without_a_terminal_ends_at_100_percent() {
     let tmp = tempfile::tempdir().unwrap();
-    let gen = |dir: &str| {
-        let top = sqcow2(&[
-            "gen-chain",
-            "--layers",
-            "4",
-            "--size",
-            "64M",
-            "--fill",
-            "0.3",
-            s(&tmp.path().join(dir)),
-        ]);
-        top.trim().to_owned()
-    };
+    let gen = |dir: &str| common::gen_chain(&tmp.path().join(dir), 4, "64M", "0.3");
     let (a, b, c) = (gen("a"), gen("b"), gen("c"));
     let raw = tmp.path().join("out.raw");
     for args in [
-        vec!["convert", "-p", "-O", "raw", &a, s(&raw)],
-        vec!["commit", "-p", &b],
-        vec!["upgrade", "-p", &c],
+        vec!["convert", "-p", "-O", "raw", s(&a), s(&raw)],
+        vec!["commit", "-p", s(&b)],
+        vec!["upgrade", "-p", s(&c)],
     ] {
         let out = run_raw(Command::new(sqcow2_bin()).args(&args));
         let stderr = String::from_utf8_lossy(&out.stderr);

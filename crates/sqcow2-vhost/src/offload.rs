@@ -563,107 +563,43 @@ mod tests {
         u64::from_be_bytes(word)
     }
 
-    /// Journaled changes ask the flusher for a checkpoint once, not once
-    /// each; every change is still checkpointed: one made after a
-    /// checkpoint began asks again.
-    #[test]
-    fn journaled_changes_ask_once_and_each_reaches_the_image() {
-        const REGION: u64 = 512 << 20;
-        let dir = tempfile::tempdir().unwrap();
-        let image = dir.path().join("top.qcow2");
+    /// One L2 table per 512 MiB: a write at `r * REGION` needs a new one.
+    const REGION: u64 = 512 << 20;
+
+    /// A new 64 GiB image at `image`, opened for writing with `options`.
+    fn big_writable_chain(image: &std::path::Path, options: sqcow2_format::ChainOptions) -> Chain {
         sqcow2_format::create::create(
-            &image,
+            image,
             &sqcow2_format::create::CreateOptions {
                 size: 64 << 30,
                 ..Default::default()
             },
         )
         .unwrap();
-        let top = Chain::open(
-            &image,
+        Chain::open(
+            image,
             &sqcow2_format::ChainOptions {
                 writable: true,
-                ..Default::default()
+                ..options
             },
         )
-        .unwrap();
-        assert!(top.journaled(), "the test needs a journaled top");
-        let (_handle, offload, gate, mailbox) = engine(top);
-        let write = |regions: std::ops::RangeInclusive<u64>| {
-            for r in regions {
-                let mut req = request(&gate);
-                let ticket = req.deferred_work();
-                offload
-                    .run(mailbox.address(0), ticket, true, move |chain: &Chain| {
-                        chain
-                            .write_at(&[r as u8; 4096], r * REGION)
-                            .map_err(|e| e.to_string())
-                    })
-                    .map_err(|_| "engine stopped")
-                    .unwrap();
-                req.leave_chain();
-                let done = mailbox.wait(Duration::from_secs(30)).expect("no result");
-                assert!(done.result.is_ok(), "region {r}: {:?}", done.result);
-                drop(req);
-            }
-        };
-        let checkpointed = |regions: std::ops::RangeInclusive<u64>| {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while regions.clone().any(|r| l1_entry_in_file(&image, r) == 0) {
-                assert!(
-                    Instant::now() < deadline,
-                    "journaled changes {regions:?} never reached the image"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        // Several changes before the checkpoint: one asks.
-        write(1..=3);
-        checkpointed(1..=3);
-        // After it: asked again.
-        write(4..=4);
-        checkpointed(4..=4);
+        .unwrap()
     }
 
-    /// With background write-back, an engine job whose writes make the
-    /// top's tables outgrow their share of the cache hands their
-    /// write-back to the flusher: the tables reach the file although
-    /// nobody publishes, flushes or asks for a checkpoint.
-    #[test]
-    fn an_early_write_back_found_by_a_job_is_done_by_the_flusher() {
-        const MIB: u64 = 1 << 20;
-        // One L2 table per 512 MiB; a 512 KiB cache gives the tables
-        // under change half, 256 KiB, four tables: eight is over (not
-        // four times).
-        const REGION: u64 = 512 * MIB;
-        let dir = tempfile::tempdir().unwrap();
-        let image = dir.path().join("big.qcow2");
-        sqcow2_format::create::create(
-            &image,
-            &sqcow2_format::create::CreateOptions {
-                size: 64 << 30,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let top = Chain::open(
-            &image,
-            &sqcow2_format::ChainOptions {
-                writable: true,
-                cache_size: MIB / 2,
-                background_write_back: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let (_handle, offload, gate, mailbox) = engine(top);
-        for r in 1..=8u64 {
-            let mut req = request(&gate);
+    /// One engine job per region of `regions`, each writing its first
+    /// 4 KiB (published by the engine if `publish`), waited for.
+    fn write_regions(
+        offload: &Offload,
+        gate: &Arc<RequestGate>,
+        mailbox: &Mailbox,
+        regions: std::ops::RangeInclusive<u64>,
+        publish: bool,
+    ) {
+        for r in regions {
+            let mut req = request(gate);
             let ticket = req.deferred_work();
-            // Not published by the engine (publish: false): only the
-            // hand-over can write the tables.
             offload
-                .run(mailbox.address(0), ticket, false, move |chain: &Chain| {
+                .run(mailbox.address(0), ticket, publish, move |chain: &Chain| {
                     chain
                         .write_at(&[r as u8; 4096], r * REGION)
                         .map_err(|e| e.to_string())
@@ -675,13 +611,74 @@ mod tests {
             assert!(done.result.is_ok(), "region {r}: {:?}", done.result);
             drop(req);
         }
+    }
+
+    /// Waits until the file holds the L1 entries of `regions`' tables;
+    /// fails with `what` after 30 s.
+    fn wait_tables_in_file(
+        image: &std::path::Path,
+        regions: std::ops::RangeInclusive<u64>,
+        what: &str,
+    ) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while (1..=8).any(|r| l1_entry_in_file(&image, r) == 0) {
-            assert!(
-                Instant::now() < deadline,
-                "the tables never reached the file: no write-back was handed over"
-            );
+        while regions.clone().any(|r| l1_entry_in_file(image, r) == 0) {
+            assert!(Instant::now() < deadline, "{what}");
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Journaled changes ask the flusher for a checkpoint once, not once
+    /// each; every change is still checkpointed: one made after a
+    /// checkpoint began asks again.
+    #[test]
+    fn journaled_changes_ask_once_and_each_reaches_the_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("top.qcow2");
+        let top = big_writable_chain(&image, sqcow2_format::ChainOptions::default());
+        assert!(top.journaled(), "the test needs a journaled top");
+        let (_handle, offload, gate, mailbox) = engine(top);
+        // Several changes before the checkpoint: one asks.
+        write_regions(&offload, &gate, &mailbox, 1..=3, true);
+        wait_tables_in_file(
+            &image,
+            1..=3,
+            "journaled changes 1..=3 never reached the image",
+        );
+        // After it: asked again.
+        write_regions(&offload, &gate, &mailbox, 4..=4, true);
+        wait_tables_in_file(
+            &image,
+            4..=4,
+            "journaled changes 4..=4 never reached the image",
+        );
+    }
+
+    /// With background write-back, an engine job whose writes make the
+    /// top's tables outgrow their share of the cache hands their
+    /// write-back to the flusher: the tables reach the file although
+    /// nobody publishes, flushes or asks for a checkpoint.
+    #[test]
+    fn an_early_write_back_found_by_a_job_is_done_by_the_flusher() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("big.qcow2");
+        // A 512 KiB cache gives the tables under change half, 256 KiB,
+        // four tables: eight is over (not four times).
+        let top = big_writable_chain(
+            &image,
+            sqcow2_format::ChainOptions {
+                cache_size: 512 << 10,
+                background_write_back: true,
+                ..Default::default()
+            },
+        );
+        let (_handle, offload, gate, mailbox) = engine(top);
+        // Not published by the engine (publish: false): only the
+        // hand-over can write the tables.
+        write_regions(&offload, &gate, &mailbox, 1..=8, false);
+        wait_tables_in_file(
+            &image,
+            1..=8,
+            "the tables never reached the file: no write-back was handed over",
+        );
     }
 }

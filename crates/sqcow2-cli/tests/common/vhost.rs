@@ -19,36 +19,37 @@ pub fn control_within(
     req: serde_json::Value,
     timeout: Duration,
 ) -> Option<serde_json::Value> {
-    use std::io::{BufRead, BufReader, Write};
-    let mut stream = std::os::unix::net::UnixStream::connect(path).expect("control socket");
-    stream.set_read_timeout(Some(timeout)).expect("timeout");
-    let mut line = req.to_string();
-    line.push('\n');
-    stream.write_all(line.as_bytes()).expect("request");
-    let mut reply = String::new();
-    match BufReader::new(stream).read_line(&mut reply) {
-        Ok(n) if n > 0 => Some(serde_json::from_str(&reply).expect("reply is JSON")),
-        _ => None,
-    }
+    let stream = std::os::unix::net::UnixStream::connect(path).expect("control socket");
+    let reply = exchange(stream, &req, timeout).expect("request")?;
+    Some(serde_json::from_str(&reply).expect("reply is JSON"))
 }
 
 /// One request on a control socket; `None` if the connection is refused
 /// (a listen backlog full while the daemon's accept thread catches up) or
 /// no reply comes within 10 s.
 pub fn try_control(path: &Path, req: serde_json::Value) -> Option<serde_json::Value> {
+    let stream = std::os::unix::net::UnixStream::connect(path).ok()?;
+    let reply = exchange(stream, &req, Duration::from_secs(10)).ok()??;
+    serde_json::from_str(&reply).ok()
+}
+
+/// Sends `req` as one line on `stream`; the reply line, if one comes
+/// within `timeout`.
+fn exchange(
+    mut stream: std::os::unix::net::UnixStream,
+    req: &serde_json::Value,
+    timeout: Duration,
+) -> std::io::Result<Option<String>> {
     use std::io::{BufRead, BufReader, Write};
-    let mut stream = std::os::unix::net::UnixStream::connect(path).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
+    stream.set_read_timeout(Some(timeout))?;
     let mut line = req.to_string();
     line.push('\n');
-    stream.write_all(line.as_bytes()).ok()?;
+    stream.write_all(line.as_bytes())?;
     let mut reply = String::new();
-    match BufReader::new(stream).read_line(&mut reply) {
-        Ok(n) if n > 0 => serde_json::from_str(&reply).ok(),
+    Ok(match BufReader::new(stream).read_line(&mut reply) {
+        Ok(n) if n > 0 => Some(reply),
         _ => None,
-    }
+    })
 }
 
 /// One request on a control socket; its reply (within 60 s).
