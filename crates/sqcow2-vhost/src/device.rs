@@ -29,10 +29,6 @@ pub struct DeviceOptions {
     /// Export read-only; `None`: as the chain is opened (an inactive chain
     /// is opened read-only, yet its export takes writes once active).
     pub read_only: Option<bool>,
-    /// The gate requests start through (shared by the sessions of a
-    /// server, so that an inactive state outlives a frontend); `None`: a
-    /// gate of the device's own.
-    pub gate: Option<Arc<RequestGate>>,
 }
 
 impl DeviceOptions {
@@ -45,7 +41,6 @@ impl DeviceOptions {
             queue_size,
             engine_threads: DEFAULT_ENGINE_THREADS,
             read_only: None,
-            gate: None,
         }
     }
 }
@@ -55,7 +50,6 @@ impl DeviceOptions {
 pub struct BlkDevice {
     chain: Arc<ChainHandle>,
     config: DeviceConfig,
-    gate: Arc<RequestGate>,
     offload: Offload,
     writeback: AtomicBool,
     id: [u8; ID_SIZE],
@@ -80,7 +74,6 @@ impl BlkDevice {
         Ok(BlkDevice {
             chain: handle,
             config,
-            gate: options.gate.unwrap_or_default(),
             offload,
             writeback: AtomicBool::new(true),
             id,
@@ -108,7 +101,7 @@ impl BlkDevice {
 
     /// Which requests may start (pauses for live snapshots and stops).
     pub fn gate(&self) -> &Arc<RequestGate> {
-        &self.gate
+        self.chain.gate()
     }
 
     /// The engine threads and the flusher.

@@ -151,42 +151,19 @@ impl Drop for BegunWork {
     }
 }
 
-/// Proof that nothing uses the served chain and nothing starts to while
-/// it lives: what [`crate::handle::ChainHandle::replace`] takes. Made only
-/// by [`PauseGuard::off_chain`] and [`PauseGuard::idle`], which hand it
-/// their pause (requests start again when the proof is dropped, not
-/// before), and by [`RequestGate::idle_while_inactive`] (requests wait at
-/// the inactive gate).
-#[must_use = "the chain may be replaced only while the proof is held"]
-#[derive(Debug)]
-pub(crate) struct Quiesced {
-    /// The pause it rests on (none for an inactive gate).
-    _pause: Option<PauseGuard>,
-}
-
 impl PauseGuard {
     /// For a switch's pause ([`RequestGate::pause_for_switch`]): waits at
     /// most `timeout` until nothing uses the chain (requests whose only
     /// work left is deferred do not count: that work begins after the
-    /// pause, on the chain current then). The proof, which holds the
-    /// pause from now on; the pause back if that did not happen.
-    pub(crate) fn off_chain(self, timeout: Duration) -> Result<Quiesced, PauseGuard> {
-        if self.switch && self.gate.wait_off_chain(timeout) {
-            Ok(Quiesced { _pause: Some(self) })
-        } else {
-            Err(self)
-        }
+    /// pause, on the chain current then). False for a plain pause.
+    pub(crate) fn off_chain(&self, timeout: Duration) -> bool {
+        self.switch && self.gate.wait_off_chain(timeout)
     }
 
     /// Waits at most `timeout` until no request is in flight and nothing
-    /// is on the chain. The proof, holding the pause; the pause back if
-    /// that did not happen.
-    pub(crate) fn idle(self, timeout: Duration) -> Result<Quiesced, PauseGuard> {
-        if self.gate.idle_and_off_chain(timeout) {
-            Ok(Quiesced { _pause: Some(self) })
-        } else {
-            Err(self)
-        }
+    /// is on the chain.
+    pub(crate) fn idle(&self, timeout: Duration) -> bool {
+        self.gate.idle_and_off_chain(timeout)
     }
 }
 
@@ -259,7 +236,7 @@ impl RequestGate {
     }
 
     /// Makes new requests wait (inactive) or start again (active).
-    pub fn set_inactive(&self, inactive: bool) {
+    pub(crate) fn set_inactive(&self, inactive: bool) {
         self.inactive.store(inactive, Ordering::SeqCst);
         if !inactive {
             self.refusing.store(false, Ordering::SeqCst);
@@ -273,12 +250,9 @@ impl RequestGate {
     }
 
     /// While inactive (requests wait at the gate): waits at most `timeout`
-    /// until none is in flight; the proof, if it happened. It holds while
-    /// the daemon stays inactive, which only the holder of the control's
-    /// exclusive right changes (activate, inactivate).
-    pub(crate) fn idle_while_inactive(&self, timeout: Duration) -> Option<Quiesced> {
-        (self.is_inactive() && self.idle_and_off_chain(timeout))
-            .then_some(Quiesced { _pause: None })
+    /// until none is in flight ([`crate::handle::Exclusive::quiesce_inactive`]).
+    pub(crate) fn idle_while_inactive(&self, timeout: Duration) -> bool {
+        self.is_inactive() && self.idle_and_off_chain(timeout)
     }
 
     /// No request in flight and nothing on the chain (begun deferred work

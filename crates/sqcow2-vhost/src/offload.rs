@@ -478,12 +478,8 @@ mod tests {
     fn engine(top: Chain) -> (Arc<ChainHandle>, Offload, Arc<RequestGate>, Mailbox) {
         let handle = Arc::new(ChainHandle::new(top));
         let offload = Offload::start(handle.clone(), 1, Arc::default()).unwrap();
-        (
-            handle,
-            offload,
-            Arc::new(RequestGate::default()),
-            Mailbox::new().unwrap(),
-        )
+        let gate = handle.gate().clone();
+        (handle, offload, gate, Mailbox::new().unwrap())
     }
 
     /// A live snapshot's switch waits for an engine job that has begun
@@ -521,15 +517,15 @@ mod tests {
             .unwrap();
         second.leave_chain();
 
-        let switch = gate.pause_for_switch();
+        let switch = handle.exclusive().pause_for_switch();
         assert!(
             !gate.wait_off_chain(Duration::from_millis(50)),
             "the switch did not wait for a job running on the old chain"
         );
         let_first_end.send(()).unwrap();
-        let quiet = switch
-            .off_chain(Duration::from_secs(30))
-            .expect("the switch waited for a job that had not begun");
+        let Ok(quiet) = switch.off_chain(Duration::from_secs(30)) else {
+            panic!("the switch waited for a job that had not begun");
+        };
         assert!(
             second_runs
                 .recv_timeout(Duration::from_millis(100))
@@ -538,7 +534,7 @@ mod tests {
         );
         let new = chain(dir.path(), "new.qcow2");
         let new_path = new.top().path().to_path_buf();
-        drop(handle.replace(new, &quiet));
+        drop(quiet.replace(new));
         drop(quiet);
         let got = second_runs
             .recv_timeout(Duration::from_secs(30))

@@ -382,7 +382,6 @@ impl Server {
                     queue_size: o.queue_size,
                     engine_threads: o.engine_threads,
                     read_only: Some(!self.shared.options.writable),
-                    gate: Some(self.shared.gate.clone()),
                 },
             )
             .map_err(io_err("engine threads"))?,
@@ -453,7 +452,7 @@ impl Server {
             Err(_) => warn!("worker threads still referenced at the end of a session"),
         }
         backend.drain();
-        self.shared.gate.clear_wakers();
+        self.shared.gate().clear_wakers();
         match ended {
             vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage => {}
             e if end == SessionEnd::Stop => debug!("frontend connection ended: {e}"),

@@ -1,8 +1,8 @@
 //! A live snapshot, as steps that can only be taken in order: each step
 //! consumes the value of the one before and returns the next
 //! (`#[must_use]`), and the chain is replaced only inside [`Drained::switch`],
-//! with the exclusive right and the proof of the pause ([`Quiesced`]) in
-//! hand:
+//! through the proof of the pause, which holds the exclusive right
+//! ([`Quiesced`]: the sequence of [`crate::handle`]):
 //!
 //! 1. [`Admitted::check`]: the exclusive right, and the request checked;
 //! 2. [`Admitted::prepare`]: the new top made, opened and locked, the old
@@ -25,11 +25,11 @@ use super::cpu_wait::{self, ThreadTime};
 use super::index_builder::BuildHold;
 use super::protocol::{FailureKind, SnapshotResult, SnapshotSteps};
 use super::{
-    fail, inside_backing_root, new_top_failure, unix_us, CreatedTop, Exclusive, Failure, Shared,
+    fail, inside_backing_root, new_top_failure, unix_us, CreatedTop, Failure, Shared,
     PRE_PAUSE_ROUNDS, PRE_PAUSE_SETTLED, RAISE_JOBS_AFTER, SLOW_SWITCH_STEP,
     SNAPSHOT_DRAIN_TIMEOUT,
 };
-use crate::gate::Quiesced;
+use crate::handle::{Exclusive, Quiesced};
 use crate::realtime::RealtimeSection;
 
 /// Takes a live snapshot of the served chain into the new file `new`.
@@ -58,15 +58,12 @@ pub(super) fn live_snapshot(shared: &Shared, new: &Path) -> Result<SnapshotResul
 pub(super) struct Admitted<'s> {
     shared: &'s Shared,
     new: &'s Path,
-    _right: Exclusive<'s>,
+    right: Exclusive<'s>,
 }
 
 impl<'s> Admitted<'s> {
     pub(super) fn check(shared: &'s Shared, new: &'s Path) -> Result<Self, Failure> {
-        let Some(right) = shared.try_exclusive() else {
-            return Err(fail(FailureKind::Busy, "another snapshot is running"));
-        };
-        shared.refuse_if_stopping()?;
+        let right = shared.take_right()?;
         if !shared.is_active() {
             return Err(fail(
                 FailureKind::Inactive,
@@ -84,11 +81,7 @@ impl<'s> Admitted<'s> {
             ));
         }
         inside_backing_root(shared, new, FailureKind::SnapshotFailed)?;
-        Ok(Admitted {
-            shared,
-            new,
-            _right: right,
-        })
+        Ok(Admitted { shared, new, right })
     }
 
     /// Step 2: everything that can be done while the guest runs.
@@ -162,36 +155,53 @@ impl<'s> Admitted<'s> {
                 break;
             }
         }
+        let Admitted { shared, new, right } = self;
         Ok(Prepared {
-            admitted: self,
-            created,
-            next_top,
-            top,
-            started_unix_us,
-            prepared: begin.elapsed(),
+            new_top: NewTop {
+                next_top,
+                created,
+                top,
+                started_unix_us,
+                prepared: begin.elapsed(),
+            },
+            shared,
+            new,
+            right,
         })
     }
 }
 
-/// Step 2 done: the new top is ready to take over.
-/// (Fields drop in this order: the unused new top is closed, then its
-/// file removed, if it was not switched to, then the exclusive right
-/// given back.)
-#[must_use]
-pub(super) struct Prepared<'s> {
+/// The new top, made before the pause. (Fields drop in this order: the
+/// unused new top is closed, then its file removed, if it was not
+/// switched to.)
+struct NewTop {
     next_top: PreparedTop,
     created: CreatedTop,
     /// The old top.
     top: PathBuf,
     started_unix_us: u64,
     prepared: Duration,
-    admitted: Admitted<'s>,
+}
+
+/// Step 2 done: the new top is ready to take over. (Dropped, the new top
+/// goes before the exclusive right is given back.)
+#[must_use]
+pub(super) struct Prepared<'s> {
+    new_top: NewTop,
+    right: Exclusive<'s>,
+    shared: &'s Shared,
+    new: &'s Path,
 }
 
 impl<'s> Prepared<'s> {
     /// Step 3: new requests wait, those using the old chain drain.
     pub(super) fn pause(self) -> Result<Drained<'s>, Failure> {
-        let shared = self.admitted.shared;
+        let Prepared {
+            new_top,
+            right,
+            shared,
+            new,
+        } = self;
         // From here to the end of the pause this thread runs ahead of the
         // normal threads (where allowed).
         let realtime = RealtimeSection::enter(shared.realtime_pause);
@@ -208,28 +218,41 @@ impl<'s> Prepared<'s> {
         // jobs that have not begun: they look the chain up when they begin,
         // after the switch, and write into the new top (as if the guest had
         // sent them after the snapshot: none of them had been completed).
-        let pause = shared.gate.pause_for_switch();
+        let pause = right.pause_for_switch();
         // The engine jobs it waits for, to tell afterwards whether they ran,
         // waited for a CPU or slept (a procfs read per job, ~10 us, none
         // when no job has begun).
-        let jobs = cpu_wait::ThreadsSince::sample(shared.gate.begun_threads());
+        let jobs = cpu_wait::ThreadsSince::sample(shared.gate().begun_threads());
         // Jobs still running after a moment run real-time too until they
         // end (where this thread could be raised): one job waited 9.9 ms for
         // a CPU in a 10.5 ms drain.
-        let raised = (realtime.raised() && !shared.gate.off_chain_within(RAISE_JOBS_AFTER))
-            .then(|| shared.gate.raise_begun_threads());
+        let raised = (realtime.raised() && !shared.gate().off_chain_within(RAISE_JOBS_AFTER))
+            .then(|| shared.gate().raise_begun_threads());
         // The pause from here on is the proof's: it ends with it.
-        let Ok(quiet) = pause.off_chain(SNAPSHOT_DRAIN_TIMEOUT) else {
-            return Err(fail(
-                FailureKind::SnapshotFailed,
-                format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
-            ));
+        let quiet = match pause.off_chain(SNAPSHOT_DRAIN_TIMEOUT) {
+            Ok(quiet) => quiet,
+            Err(pause) => {
+                // The guest goes on first; then the new top is closed and
+                // removed, then the right given back.
+                let right = pause.resume();
+                drop(raised);
+                drop(build_held);
+                drop(realtime);
+                drop(new_top);
+                drop(right);
+                return Err(fail(
+                    FailureKind::SnapshotFailed,
+                    format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+                ));
+            }
         };
         let drained = start.elapsed();
         let job_times = jobs.since();
         let raised_jobs = raised.map_or(0, |r| r.count());
         Ok(Drained {
-            prepared: self,
+            new_top,
+            shared,
+            new,
             realtime,
             build_held,
             quiet,
@@ -244,10 +267,10 @@ impl<'s> Prepared<'s> {
 }
 
 /// Step 3 done: nothing uses the old chain, and nothing starts to while
-/// `quiet` (which holds the pause) lives.
+/// `quiet` (which holds the pause and the exclusive right) lives.
 #[must_use]
 pub(super) struct Drained<'s> {
-    quiet: Quiesced,
+    quiet: Quiesced<'s>,
     build_held: BuildHold<'s>,
     realtime: RealtimeSection,
     cpu_wait_before: Option<Duration>,
@@ -256,34 +279,36 @@ pub(super) struct Drained<'s> {
     drained: Duration,
     job_times: Vec<ThreadTime>,
     raised_jobs: usize,
-    prepared: Prepared<'s>,
+    new_top: NewTop,
+    shared: &'s Shared,
+    new: &'s Path,
 }
 
 impl<'s> Drained<'s> {
     /// Step 4: the successor chain made and put in place; the pause ends.
     pub(super) fn switch(self) -> Result<Switched<'s>, Failure> {
         let Drained {
-            prepared,
-            realtime,
-            build_held,
             quiet,
+            build_held,
+            realtime,
             cpu_wait_before,
             start,
             paused_unix_us,
             drained,
             job_times,
             raised_jobs,
+            new_top,
+            shared,
+            new,
         } = self;
-        let Prepared {
-            admitted,
-            mut created,
+        let NewTop {
             next_top,
+            mut created,
             top,
             started_unix_us,
             prepared,
-        } = prepared;
-        let shared = admitted.shared;
-        let old = shared.handle.get();
+        } = new_top;
+        let old = quiet.current();
         let switch_start = Instant::now();
         // Nothing written here: the new chain reads the old top's last
         // tables from its writer's memory (nothing changes them any more)
@@ -293,11 +318,13 @@ impl<'s> Drained<'s> {
         let chain = match old.successor(next_top, &shared.options) {
             Ok(chain) => chain,
             Err(e) => {
-                // The guest goes on first; then the new top is removed
-                // (`created`), then the right given back (`admitted`).
-                drop(quiet);
+                // The guest goes on first; then the new top is removed,
+                // then the right given back.
+                let right = quiet.resume();
                 drop(build_held);
                 drop(realtime);
+                drop(created);
+                drop(right);
                 return Err(new_top_failure(e));
             }
         };
@@ -306,7 +333,7 @@ impl<'s> Drained<'s> {
         let indexed = chain.is_indexed();
         let old = {
             drop(old);
-            shared.handle.replace(chain, &quiet)
+            quiet.replace(chain)
         };
         created.switched = true;
         let replaced = switch_start.elapsed();
@@ -315,8 +342,8 @@ impl<'s> Drained<'s> {
         let cpu_wait_ms = cpu_wait_before
             .zip(cpu_wait::thread_cpu_wait())
             .map_or(0.0, |(a, b)| b.saturating_sub(a).as_secs_f64() * 1000.0);
-        // The pause ends.
-        drop(quiet);
+        // The pause ends; the right stays held until the old top is retired.
+        let right = quiet.resume();
         let pause_ms = start.elapsed().as_secs_f64() * 1000.0;
         let realtime_pause = realtime.raised();
         drop(realtime);
@@ -329,7 +356,9 @@ impl<'s> Drained<'s> {
             );
         }
         Ok(Switched {
-            admitted,
+            shared,
+            new,
+            _right: right,
             old,
             top,
             build_held,
@@ -365,7 +394,10 @@ pub(super) struct Switched<'s> {
     raised_jobs: usize,
     started_unix_us: u64,
     paused_unix_us: u64,
-    admitted: Admitted<'s>,
+    shared: &'s Shared,
+    new: &'s Path,
+    /// Given back last.
+    _right: Exclusive<'s>,
 }
 
 impl Switched<'_> {
@@ -377,7 +409,7 @@ impl Switched<'_> {
     /// first leaves it to the next read-write open of the chain, which
     /// repairs it.
     pub(super) fn retire(self) -> SnapshotResult {
-        let shared = self.admitted.shared;
+        let shared = self.shared;
         let retire_start = Instant::now();
         let next = shared.handle.get();
         // Writes completed on the old top just before the switch whose
@@ -432,7 +464,7 @@ impl Switched<'_> {
             drain_jobs_blocked_ms: job_times.iter().map(|t| t.blocked_ms).fold(0.0, f64::max),
             realtime: self.realtime_pause,
         };
-        let new = self.admitted.new;
+        let new = self.new;
         info!(
             new = %new.display(),
             layers = self.layers,

@@ -440,7 +440,7 @@ enum SwitchError {
 fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), SwitchError> {
     use SwitchError::{NotSwitched, Switched};
     // No snapshot, activation, handover or stop meanwhile.
-    let _busy = shared.exclusive();
+    let right = shared.handle.exclusive();
     if !shared.holds(term) {
         return Err(SwitchError::Inactivated);
     }
@@ -456,14 +456,13 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
         .flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     let start = Instant::now();
-    let pause = shared.gate.pause();
     // The pause from here on is the proof's: it ends with it.
-    let Ok(quiet) = pause.idle(SNAPSHOT_DRAIN_TIMEOUT) else {
+    let Ok(quiet) = right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) else {
         return Err(NotSwitched(format!(
             "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
         )));
     };
-    let old = shared.handle.get();
+    let old = quiet.current();
     old.flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
     if let Err(e) = merged.switch_in(&old) {
@@ -514,9 +513,9 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     // no failure.
     old.hand_over();
     drop(old);
-    let old = shared.handle.replace(chain, &quiet);
-    // The pause ends.
-    drop(quiet);
+    let old = quiet.replace(chain);
+    // The pause ends; the right is given back when the switch is done.
+    let _right = quiet.resume();
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
     drop(old);
     drop(resumed);

@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::backend::BlkBackend;
 use crate::gate::RequestGate;
-use crate::handle::ChainHandle;
+use crate::handle::{ChainHandle, Exclusive};
 pub use index_builder::IndexBuilder;
 pub use merge_job::MergeJob;
 use protocol::{
@@ -62,18 +62,6 @@ struct Ownership {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Term(u64);
 
-/// The right to change the served chain (a live snapshot, a merge's
-/// switch, an (in)activation, a stop's last flush): one holder at a time.
-/// Held across the I/O of the change it guards (drain, flush, reopen) on
-/// purpose, so that no other change slips in between: control requests
-/// meet it through `Shared::try_exclusive` and answer `busy` at once;
-/// only a merge's switch and a stop wait for it.
-#[must_use = "the right ends when this is dropped"]
-#[derive(Debug)]
-pub struct Exclusive<'a> {
-    _held: std::sync::MutexGuard<'a, ()>,
-}
-
 /// What the control socket and the vhost-user side share.
 #[derive(Debug)]
 pub struct Shared {
@@ -84,15 +72,11 @@ pub struct Shared {
     pub options: ChainOptions,
     /// The backend of the connected frontend, if any.
     pub session: Mutex<Option<Arc<BlkBackend>>>,
-    /// Which requests may start, across frontend sessions.
-    pub gate: Arc<RequestGate>,
     /// Whether the daemon holds its chain (changed only with the
     /// exclusive right: [`Shared::set_active`]).
     ownership: Mutex<Ownership>,
     /// How long requests wait while inactive before they fail.
     inactive_timeout: Duration,
-    /// The exclusive right ([`Exclusive`]).
-    snapshot_running: Mutex<()>,
     /// Pause of every live snapshot, in milliseconds.
     pauses_ms: Mutex<Vec<f64>>,
     /// Builds the top's chain index in the background.
@@ -116,10 +100,8 @@ impl Shared {
             handle,
             options,
             session: Mutex::new(None),
-            gate: Arc::new(RequestGate::default()),
             ownership: Mutex::new(Ownership::default()),
             inactive_timeout: Duration::from_secs(60),
-            snapshot_running: Mutex::new(()),
             pauses_ms: Mutex::new(Vec::new()),
             realtime_pause: true,
             started: Instant::now(),
@@ -133,13 +115,13 @@ impl Shared {
     /// chain, finishes; a live snapshot finishes; a background index build
     /// is cancelled (its temporary file removed; the next start builds
     /// it). The stop then flushes the chain served, holding the guard.
-    pub fn end_jobs_for_stop(&self) -> Exclusive<'_> {
+    pub(crate) fn end_jobs_for_stop(&self) -> Exclusive<'_> {
         self.stopping
             .store(true, std::sync::atomic::Ordering::SeqCst);
         if !self.merge.stop(STOP_MERGE_TIMEOUT) {
             tracing::warn!("the merge did not stop within {STOP_MERGE_TIMEOUT:?}; stopping anyway");
         }
-        let exclusive = self.exclusive();
+        let exclusive = self.handle.exclusive();
         self.index_builder.stop();
         exclusive
     }
@@ -175,30 +157,28 @@ impl Shared {
     /// inactive timeout, then fail.
     pub fn new_inactive(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
         let shared = Shared::new(handle, options);
-        shared.gate.set_inactive(true);
+        shared.handle.exclusive().set_inactive(true);
         shared.lock_ownership().inactive_since = Some(Instant::now());
         shared
     }
 
-    /// The right to change the served chain, if nobody holds it; a
-    /// holder that panicked left it free (the daemon goes on).
-    pub(crate) fn try_exclusive(&self) -> Option<Exclusive<'_>> {
-        let held = match self.snapshot_running.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
-        Some(Exclusive { _held: held })
+    /// Which requests may start, across frontend sessions.
+    pub fn gate(&self) -> &Arc<RequestGate> {
+        self.handle.gate()
     }
 
-    /// [`Shared::try_exclusive`], waiting for the holder.
-    pub(crate) fn exclusive(&self) -> Exclusive<'_> {
-        Exclusive {
-            _held: self
-                .snapshot_running
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        }
+    /// The right to change the served chain, for a control request:
+    /// `busy` (saying what holds it) if another holds it; refused once the
+    /// daemon stops.
+    fn take_right(&self) -> Result<Exclusive<'_>, Failure> {
+        let Some(right) = self.handle.try_exclusive() else {
+            return Err(fail(
+                FailureKind::Busy,
+                "a snapshot, merge switch or handover is running",
+            ));
+        };
+        self.refuse_if_stopping()?;
+        Ok(right)
     }
 
     fn lock_ownership(&self) -> std::sync::MutexGuard<'_, Ownership> {
@@ -243,7 +223,7 @@ impl Shared {
         let since = self.lock_ownership().inactive_since;
         if let Some(since) = since {
             if since.elapsed() >= self.inactive_timeout {
-                self.gate.refuse_while_inactive();
+                self.gate().refuse_while_inactive();
             }
         }
     }
@@ -502,23 +482,22 @@ impl Drop for CreatedTop {
 /// another process holds the chain), opens the chain afresh (metadata and
 /// index reloaded and checked), lets requests start.
 fn activate(shared: &Shared) -> Result<Activity, Failure> {
-    let Some(right) = shared.try_exclusive() else {
-        return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
-    };
-    shared.refuse_if_stopping()?;
+    let right = shared.take_right()?;
     if shared.is_active() {
         return Ok(Activity { active: true });
     }
     // Checked before the chain is opened for writing (an open that is
     // dropped writes its metadata back). Inactive, requests wait at the
     // gate: nothing is in flight but what drains at once.
-    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
-        return Err(fail(
-            FailureKind::IoError,
-            format!("inactive, yet requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
-        ));
-    };
-    let old = shared.handle.get();
+    let quiet = right
+        .quiesce_inactive(SNAPSHOT_DRAIN_TIMEOUT)
+        .map_err(|_right| {
+            fail(
+                FailureKind::IoError,
+                format!("inactive, yet requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+            )
+        })?;
+    let old = quiet.current();
     let top = old.top().path().to_path_buf();
     let chain = Chain::open_reusing(&top, &shared.options, &old).map_err(|e| {
         let kind = match e.kind {
@@ -528,10 +507,10 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
         fail(kind, e.to_string())
     })?;
     drop(old);
-    drop(shared.handle.replace(chain, &quiet));
-    drop(quiet);
+    drop(quiet.replace(chain));
+    let right = quiet.resume();
     shared.set_active(&right, true);
-    shared.gate.set_inactive(false);
+    right.set_inactive(false);
     shared.index_builder.resume();
     shared.index_builder.wake();
     info!(top = %top.display(), "activated");
@@ -563,41 +542,51 @@ fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
 
 /// [`inactivate`]'s part under the exclusive right.
 fn inactivate_chain(shared: &Shared) -> Result<Activity, Failure> {
-    let Some(right) = shared.try_exclusive() else {
-        return Err(fail(FailureKind::Busy, "a snapshot or handover is running"));
-    };
-    shared.refuse_if_stopping()?;
+    let right = shared.take_right()?;
     if !shared.is_active() {
         return Ok(Activity { active: false });
     }
-    shared.gate.set_inactive(true);
+    right.set_inactive(true);
     // No build writes into the images once another process owns them.
     shared.index_builder.suspend();
-    let undo = |f: Failure| {
-        shared.gate.set_inactive(false);
+    let undo = |right: &Exclusive<'_>, f: Failure| {
+        right.set_inactive(false);
         shared.index_builder.resume();
         f
     };
-    let Some(quiet) = shared.gate.idle_while_inactive(SNAPSHOT_DRAIN_TIMEOUT) else {
-        return Err(undo(fail(
-            FailureKind::IoError,
-            format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
-        )));
+    let quiet = match right.quiesce_inactive(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => quiet,
+        Err(right) => {
+            return Err(undo(
+                &right,
+                fail(
+                    FailureKind::IoError,
+                    format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+                ),
+            ))
+        }
     };
-    let old = shared.handle.get();
-    old.flush_clean()
-        .map_err(|e| undo(fail(FailureKind::IoError, format!("flush: {e}"))))?;
+    let old = quiet.current();
     let top = old.top().path().to_path_buf();
     let options = ChainOptions {
         writable: false,
         inactive: true,
         ..shared.options.clone()
     };
-    let chain = Chain::open_reusing(&top, &options, &old)
-        .map_err(|e| undo(fail(FailureKind::IoError, e.to_string())))?;
+    let reopened = old
+        .flush_clean()
+        .map_err(|e| fail(FailureKind::IoError, format!("flush: {e}")))
+        .and_then(|()| {
+            Chain::open_reusing(&top, &options, &old)
+                .map_err(|e| fail(FailureKind::IoError, e.to_string()))
+        });
     drop(old);
-    drop(shared.handle.replace(chain, &quiet));
-    drop(quiet);
+    let chain = match reopened {
+        Ok(chain) => chain,
+        Err(f) => return Err(undo(&quiet.resume(), f)),
+    };
+    drop(quiet.replace(chain));
+    let right = quiet.resume();
     shared.set_active(&right, false);
     info!(top = %top.display(), "inactivated: image locks released");
     Ok(Activity { active: false })
@@ -720,7 +709,7 @@ fn stats(shared: &Shared) -> Stats {
             ..shared.index_builder.counters()
         },
         queues,
-        requests_in_flight: shared.gate.in_flight(),
+        requests_in_flight: shared.gate().in_flight(),
         active: shared.is_active(),
         worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
         write_failure: chain.failure().map(str::to_owned),
