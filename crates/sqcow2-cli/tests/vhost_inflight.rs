@@ -151,7 +151,7 @@ fn requests_in_flight_at_a_kill_are_resubmitted_in_order() {
         tmp.path(),
         &top,
         &[],
-        &[("RUST_LOG", "info,sqcow2_vhost::worker=debug")],
+        &[("RUST_LOG", "info,sqcow2_vhost::device::worker=debug")],
     );
     let (fe, kick, _) = start(&b, &g, Some((&msg, &file)), 0);
     wait_used(&g.mem, 2, &b);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sqcow2_format::create::{create, CreateOptions};
 use sqcow2_format::{Chain, ChainOptions};
 
-use crate::gate::{Admission, RequestGate, RequestPermit};
+use crate::device::gate::{Admission, RequestGate, RequestPermit};
 
 /// A new empty 1 MiB image `name` in `dir`, opened read-only.
 pub(crate) fn small_chain(dir: &Path, name: &str) -> Chain {

@@ -19,9 +19,9 @@ use serde_json::Value;
 use sqcow2_format::{Chain, ChainOptions, IndexState};
 use tracing::{info, warn};
 
-use crate::backend::BlkBackend;
-use crate::gate::RequestGate;
-use crate::handle::{ChainHandle, Exclusive};
+use crate::device::backend::BlkBackend;
+use crate::device::gate::RequestGate;
+use crate::device::handle::{ChainHandle, Exclusive};
 pub use index_builder::IndexBuilder;
 pub use merge_job::MergeJob;
 use protocol::{
@@ -734,5 +734,5 @@ pub fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
         }
         std::fs::remove_file(path)?;
     }
-    crate::socket_file::with_umask(mode, || UnixListener::bind(path))
+    crate::daemon::socket_file::with_umask(mode, || UnixListener::bind(path))
 }

@@ -13,8 +13,8 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::guest_mem::GuestMem;
-use crate::inflight::QueueInflight;
+use crate::transport::guest_mem::GuestMem;
+use crate::transport::inflight::QueueInflight;
 
 /// A virtqueue and its protocol state.
 #[derive(Debug)]

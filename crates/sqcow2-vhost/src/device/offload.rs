@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::gate::DeferredWork;
-use crate::handle::ChainHandle;
+use crate::device::gate::DeferredWork;
+use crate::device::handle::ChainHandle;
 use sqcow2_format::Chain;
 
 /// What an offloaded operation says when it is done: `Ok`, or why it
@@ -470,8 +470,8 @@ mod tests {
     use std::sync::mpsc::sync_channel;
 
     use super::*;
-    use crate::gate::RequestGate;
-    use crate::test_support::{admitted as request, small_chain as chain};
+    use crate::device::gate::RequestGate;
+    use crate::device::test_support::{admitted as request, small_chain as chain};
 
     /// One engine thread and its flusher serving `top`, a gate and a
     /// worker's mailbox.

@@ -29,7 +29,7 @@ use super::{
     PRE_PAUSE_ROUNDS, PRE_PAUSE_SETTLED, RAISE_JOBS_AFTER, SLOW_SWITCH_STEP,
     SNAPSHOT_DRAIN_TIMEOUT,
 };
-use crate::handle::{Exclusive, Quiesced};
+use crate::device::handle::{Exclusive, Quiesced};
 use crate::realtime::RealtimeSection;
 
 /// Takes a live snapshot of the served chain into the new file `new`.

@@ -571,7 +571,7 @@ pub struct SnapshotCounters {
     pub pause_buckets: Vec<u64>,
 }
 
-pub use crate::stats::LATENCY_BUCKETS_US;
+pub use crate::device::stats::LATENCY_BUCKETS_US;
 
 /// Counters of one queue.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -10,20 +10,22 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tracing::error;
+use tracing::{debug, error};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::device::BlkDevice;
-use crate::gate::PauseGuard;
-use crate::guest_mem::GuestMem;
-use crate::offload::panic_message;
-use crate::polling::{PollWindow, Polling};
-use crate::stats::QueueStats;
-use crate::vring::{SharedMem, Vring};
-use crate::worker::{Notifications, QueueWorker, Taken};
+use crate::device::blk::BlkDevice;
+use crate::device::config::{read_config, CONFIG_WRITEBACK_OFFSET};
+use crate::device::gate::PauseGuard;
+use crate::device::offload::panic_message;
+use crate::device::polling::{PollWindow, Polling};
+use crate::device::stats::QueueStats;
+use crate::device::worker::{Notifications, QueueWorker, Taken};
+use crate::transport::frontend::QueueDevice;
+use crate::transport::guest_mem::GuestMem;
+use crate::transport::vring::{SharedMem, Vring};
 
 /// Requests a worker takes off a queue before it completes what finished
 /// (see [`QueueWorker::set_batch`]). Measured with random 4 KiB reads at
@@ -204,7 +206,7 @@ impl BlkBackend {
     /// The latencies of every request completed so far, all queues
     /// together (microseconds).
     pub fn latency_histogram(&self) -> hdrhistogram::Histogram<u64> {
-        let mut all = crate::stats::QueueStats::default().latency_us;
+        let mut all = crate::device::stats::QueueStats::default().latency_us;
         for w in &self.workers {
             let slot = lock(w);
             for st in slot.worker.stats() {
@@ -645,6 +647,72 @@ impl WorkerThreads {
     }
 }
 
+/// A frontend session's view of the device: the backend's rings and the
+/// worker threads that serve them, as the transport asks for them.
+#[derive(Debug, Clone)]
+pub(crate) struct SessionDevice {
+    pub(crate) backend: Arc<BlkBackend>,
+    pub(crate) threads: Arc<WorkerThreads>,
+}
+
+impl QueueDevice for SessionDevice {
+    fn features(&self) -> u64 {
+        self.backend.device.config().features()
+    }
+
+    fn num_queues(&self) -> usize {
+        self.backend.num_queues()
+    }
+
+    fn max_queue_size(&self) -> u16 {
+        self.backend.device.config().queue_size
+    }
+
+    fn vring(&self, queue: usize) -> Option<&Vring> {
+        self.backend.vring(queue)
+    }
+
+    fn mem(&self) -> &SharedMem {
+        self.backend.mem()
+    }
+
+    fn watch_kick(&self, queue: usize, kick: RawFd) -> io::Result<()> {
+        match self.backend.thread_of(queue) {
+            Some(thread) => self.threads.watch_kick(thread, kick, queue),
+            None => Ok(()),
+        }
+    }
+
+    fn unwatch_kick(&self, queue: usize, kick: RawFd) {
+        if let Some(thread) = self.backend.thread_of(queue) {
+            self.threads.unwatch_kick(thread, kick);
+        }
+    }
+
+    fn kick_now(&self, queue: usize) {
+        self.backend.kick_now(queue);
+    }
+
+    fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool {
+        self.backend.wait_queue_idle(queue, timeout)
+    }
+
+    fn read_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        read_config(&self.backend.device.config_space(), offset, size)
+    }
+
+    fn write_config(&self, offset: u32, data: &[u8]) -> bool {
+        match (offset, data) {
+            (CONFIG_WRITEBACK_OFFSET, [mode]) => {
+                debug!(writeback = *mode != 0, "cache mode set by driver");
+                self.backend.device.set_writeback(*mode != 0);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 impl Drop for WorkerThreads {
     fn drop(&mut self) {
         self.stop();
@@ -734,11 +802,11 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::DeviceOptions;
-    use crate::handle::ChainHandle;
+    use crate::device::blk::DeviceOptions;
+    use crate::device::handle::ChainHandle;
 
     fn backend(dir: &std::path::Path) -> BlkBackend {
-        let chain = crate::test_support::small_chain(dir, "disk.qcow2");
+        let chain = crate::device::test_support::small_chain(dir, "disk.qcow2");
         let device =
             BlkDevice::new(Arc::new(ChainHandle::new(chain)), DeviceOptions::new(1, 16)).unwrap();
         BlkBackend::new(Arc::new(device), 1).unwrap()

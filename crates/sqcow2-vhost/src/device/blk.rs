@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use sqcow2_format::Chain;
 
-use crate::config::{DeviceConfig, CONFIG_SPACE_SIZE, SECTOR_SIZE};
-use crate::gate::RequestGate;
-use crate::handle::ChainHandle;
-use crate::offload::Offload;
-use crate::request::{RequestLimits, ID_SIZE};
+use crate::device::config::{DeviceConfig, CONFIG_SPACE_SIZE, SECTOR_SIZE};
+use crate::device::gate::RequestGate;
+use crate::device::handle::ChainHandle;
+use crate::device::offload::Offload;
+use crate::device::request::{RequestLimits, ID_SIZE};
 
 /// Default number of engine threads (allocating writes, discards,
 /// write-zeroes run there, off the queue workers).

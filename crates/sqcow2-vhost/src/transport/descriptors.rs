@@ -10,8 +10,8 @@
 use smallvec::SmallVec;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, VolatileMemory, VolatileSlice};
 
-use crate::guest_mem::GuestBuffer;
-use crate::guest_mem::GuestMem;
+use crate::transport::guest_mem::GuestBuffer;
+use crate::transport::guest_mem::GuestMem;
 
 const F_NEXT: u16 = 1;
 const F_WRITE: u16 = 2;

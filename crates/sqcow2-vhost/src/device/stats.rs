@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
 
-use crate::request::{Request, RequestKind};
+use crate::device::request::{Request, RequestKind};
 
 /// Upper bounds of the latency buckets, microseconds (Prometheus
 /// histograms: `le` in seconds). A bucket counts what is at most its

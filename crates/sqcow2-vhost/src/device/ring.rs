@@ -12,7 +12,7 @@ use sqcow2_format::storage::PinnedFile;
 use vm_memory::VolatileSlice;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::guest_mem::GuestMem;
+use crate::transport::guest_mem::GuestMem;
 
 /// Submission queue entries per ring.
 const RING_ENTRIES: u32 = 256;

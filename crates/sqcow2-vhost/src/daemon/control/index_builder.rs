@@ -18,7 +18,7 @@ use sqcow2_format::Locking;
 use tracing::{info, warn};
 
 use super::protocol::IndexCounters;
-use crate::handle::ChainHandle;
+use crate::device::handle::ChainHandle;
 
 /// How much nicer than the daemon the build runs: it yields the CPU to
 /// the guest's requests (see [`crate::realtime::lower_current_thread`]).

@@ -12,7 +12,7 @@
 //! from a used index it read at some earlier moment after a backend died).
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,11 +31,9 @@ use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::backend::{BlkBackend, WorkerThreads};
-use crate::config::{read_config, CONFIG_WRITEBACK_OFFSET};
-use crate::guest_mem::GuestMem;
-use crate::inflight::InflightRegion;
-use crate::vring::Tracker;
+use crate::transport::guest_mem::GuestMem;
+use crate::transport::inflight::InflightRegion;
+use crate::transport::vring::{SharedMem, Tracker, Vring};
 
 /// Memory slots offered with `CONFIGURE_MEM_SLOTS`.
 const MAX_MEM_SLOTS: u64 = 32;
@@ -43,6 +41,35 @@ const MAX_MEM_SLOTS: u64 = 32;
 const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// `VIRTIO_RING_F_EVENT_IDX`.
 const EVENT_IDX: u64 = 1 << 29;
+
+/// What the protocol needs of the device a connection serves: its
+/// rings and the memory they live in, its config space, and whoever
+/// serves a ring when its kick eventfd fires.
+pub(crate) trait QueueDevice: Send + Sync + std::fmt::Debug {
+    /// The device's virtio feature bits (the transport adds its own).
+    fn features(&self) -> u64;
+    /// Request queues offered.
+    fn num_queues(&self) -> usize;
+    /// Largest ring the frontend may set up.
+    fn max_queue_size(&self) -> u16;
+    /// Ring `queue`, if there is one.
+    fn vring(&self, queue: usize) -> Option<&Vring>;
+    /// The guest memory the rings and buffers live in.
+    fn mem(&self) -> &SharedMem;
+    /// Ring `queue` is served when `kick` fires.
+    fn watch_kick(&self, queue: usize, kick: RawFd) -> std::io::Result<()>;
+    /// No longer when `kick` fires.
+    fn unwatch_kick(&self, queue: usize, kick: RawFd);
+    /// Serves ring `queue` now (it became live).
+    fn kick_now(&self, queue: usize);
+    /// Waits at most `timeout` until ring `queue` has no request in
+    /// flight; whether it happened.
+    fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool;
+    /// `size` bytes of the config space from `offset`.
+    fn read_config(&self, offset: u32, size: u32) -> Vec<u8>;
+    /// A driver's write to the config space; whether the device took it.
+    fn write_config(&self, offset: u32, data: &[u8]) -> bool;
+}
 
 /// Where the frontend's address space maps to guest-physical addresses.
 #[derive(Debug, Clone, Copy)]
@@ -54,9 +81,8 @@ struct Mapping {
 
 /// The protocol state of one connection.
 #[derive(Debug)]
-pub(crate) struct FrontendHandler {
-    backend: Arc<BlkBackend>,
-    threads: Arc<WorkerThreads>,
+pub(crate) struct FrontendHandler<D> {
+    device: D,
     owned: bool,
     acked_features: u64,
     acked_protocol: u64,
@@ -81,11 +107,10 @@ fn internal(e: impl std::fmt::Display) -> VhostError {
     VhostError::ReqHandlerError(std::io::Error::other(e.to_string()))
 }
 
-impl FrontendHandler {
-    pub(crate) fn new(backend: Arc<BlkBackend>, threads: Arc<WorkerThreads>) -> Self {
+impl<D: QueueDevice> FrontendHandler<D> {
+    pub(crate) fn new(device: D) -> Self {
         FrontendHandler {
-            backend,
-            threads,
+            device,
             owned: false,
             acked_features: 0,
             acked_protocol: 0,
@@ -95,12 +120,11 @@ impl FrontendHandler {
     }
 
     fn features(&self) -> u64 {
-        self.backend.device().config().features()
-            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        self.device.features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
     }
 
-    fn vring(&self, index: u32) -> VhostResult<&crate::vring::Vring> {
-        self.backend
+    fn vring(&self, index: u32) -> VhostResult<&Vring> {
+        self.device
             .vring(index as usize)
             .ok_or(VhostError::InvalidParam)
     }
@@ -117,10 +141,7 @@ impl FrontendHandler {
     /// thread as the ring becomes live or not; a ring becoming live is
     /// looked at at once.
     fn update_watch(&self, index: usize) {
-        let Some(thread) = self.backend.thread_of(index) else {
-            return;
-        };
-        let Some(vring) = self.backend.vring(index) else {
+        let Some(vring) = self.device.vring(index) else {
             return;
         };
         let (live, fd) = {
@@ -129,24 +150,24 @@ impl FrontendHandler {
         };
         if live {
             if let Some(fd) = fd {
-                if let Err(e) = self.threads.watch_kick(thread, fd, index) {
+                if let Err(e) = self.device.watch_kick(index, fd) {
                     warn!(queue = index, "watching the kick eventfd: {e}");
                 }
             }
             // Also without a kick eventfd (`SET_VRING_KICK` with no file):
             // what the ring holds is taken all the same.
-            self.backend.kick_now(index);
+            self.device.kick_now(index);
         } else if let Some(fd) = fd {
-            self.threads.unwatch_kick(thread, fd);
+            self.device.unwatch_kick(index, fd);
         }
     }
 
     /// The ring starts: recover from the inflight region if there is one.
     fn start_ring(&self, index: usize) {
-        let Some(vring) = self.backend.vring(index) else {
+        let Some(vring) = self.device.vring(index) else {
             return;
         };
-        let mem = self.backend.mem().memory();
+        let mem = self.device.mem().memory();
         let mut st = vring.lock();
         st.started = true;
         st.stopping = false;
@@ -208,7 +229,7 @@ impl FrontendHandler {
     }
 
     fn replace_memory(&mut self, mem: GuestMem) {
-        let atomic = self.backend.mem();
+        let atomic = self.device.mem();
         atomic
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -216,7 +237,7 @@ impl FrontendHandler {
     }
 }
 
-impl VhostUserBackendReqHandlerMut for FrontendHandler {
+impl<D: QueueDevice> VhostUserBackendReqHandlerMut for FrontendHandler<D> {
     fn set_owner(&mut self) -> VhostResult<()> {
         if self.owned {
             return Err(invalid("already owned"));
@@ -233,8 +254,8 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
     }
 
     fn reset_device(&mut self) -> VhostResult<()> {
-        for index in 0..self.backend.num_queues() {
-            if let Some(v) = self.backend.vring(index) {
+        for index in 0..self.device.num_queues() {
+            if let Some(v) = self.device.vring(index) {
                 v.lock().enabled = false;
             }
             self.update_watch(index);
@@ -254,8 +275,8 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         self.acked_features = features;
         let event_idx = features & EVENT_IDX != 0;
         let enable_all = features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0;
-        for index in 0..self.backend.num_queues() {
-            if let Some(v) = self.backend.vring(index) {
+        for index in 0..self.device.num_queues() {
+            if let Some(v) = self.device.vring(index) {
                 let mut st = v.lock();
                 st.queue.set_event_idx(event_idx);
                 if enable_all {
@@ -298,7 +319,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
     }
 
     fn set_vring_num(&mut self, index: u32, num: u32) -> VhostResult<()> {
-        let max = u32::from(self.backend.device().config().queue_size);
+        let max = u32::from(self.device.max_queue_size());
         if num == 0 || num > max || !num.is_power_of_two() {
             return Err(VhostError::InvalidParam);
         }
@@ -320,7 +341,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
             self.to_gpa(available)?,
             self.to_gpa(used)?,
         );
-        let mem = self.backend.mem().memory();
+        let mem = self.device.mem().memory();
         let mut st = self.vring(index)?.lock();
         let q = &mut st.queue;
         q.try_set_desc_table_address(GuestAddress(desc))
@@ -354,10 +375,10 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
             st.stopping = true;
             st.kick.as_ref().map(|k| k.as_raw_fd())
         };
-        if let (Some(fd), Some(thread)) = (fd, self.backend.thread_of(i)) {
-            self.threads.unwatch_kick(thread, fd);
+        if let Some(fd) = fd {
+            self.device.unwatch_kick(i, fd);
         }
-        if !self.backend.wait_queue_idle(i, STOP_DRAIN_TIMEOUT) {
+        if !self.device.wait_queue_idle(i, STOP_DRAIN_TIMEOUT) {
             warn!(
                 queue = i,
                 "requests still running when the ring stops: the inflight region keeps them"
@@ -378,8 +399,8 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         let i = usize::from(index);
         let vring = self.vring(u32::from(index))?;
         let old = vring.lock().kick.as_ref().map(|k| k.as_raw_fd());
-        if let (Some(old), Some(thread)) = (old, self.backend.thread_of(i)) {
-            self.threads.unwatch_kick(thread, old);
+        if let Some(old) = old {
+            self.device.unwatch_kick(i, old);
         }
         vring.lock().kick = fd.map(eventfd);
         self.start_ring(i);
@@ -422,7 +443,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
     }
 
     fn get_queue_num(&mut self) -> VhostResult<u64> {
-        Ok(self.backend.num_queues() as u64)
+        Ok(self.device.num_queues() as u64)
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VhostResult<()> {
@@ -437,11 +458,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         size: u32,
         _flags: VhostUserConfigFlags,
     ) -> VhostResult<Vec<u8>> {
-        Ok(read_config(
-            &self.backend.device().config_space(),
-            offset,
-            size,
-        ))
+        Ok(self.device.read_config(offset, size))
     }
 
     fn set_config(
@@ -450,13 +467,10 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         buf: &[u8],
         _flags: VhostUserConfigFlags,
     ) -> VhostResult<()> {
-        match (offset, buf) {
-            (CONFIG_WRITEBACK_OFFSET, [mode]) => {
-                debug!(writeback = *mode != 0, "cache mode set by driver");
-                self.backend.device().set_writeback(*mode != 0);
-                Ok(())
-            }
-            _ => Err(VhostError::InvalidParam),
+        if self.device.write_config(offset, buf) {
+            Ok(())
+        } else {
+            Err(VhostError::InvalidParam)
         }
     }
 
@@ -473,7 +487,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         msg: &VhostUserInflight,
     ) -> VhostResult<(VhostUserInflight, File)> {
         let queues = usize::from(msg.num_queues);
-        if queues == 0 || queues > self.backend.num_queues() {
+        if queues == 0 || queues > self.device.num_queues() {
             warn!(
                 num_queues = msg.num_queues,
                 "inflight region asked for a queue count we do not offer"
@@ -488,7 +502,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
     }
 
     fn set_inflight_fd(&mut self, msg: &VhostUserInflight, file: File) -> VhostResult<()> {
-        if usize::from(msg.num_queues) > self.backend.num_queues() {
+        if usize::from(msg.num_queues) > self.device.num_queues() {
             warn!(
                 num_queues = msg.num_queues,
                 "inflight region for more queues than we offer: refused"
@@ -527,7 +541,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
         let guest = GuestRegionMmap::new(mmap, GuestAddress(region.guest_phys_addr))
             .ok_or(VhostError::InvalidParam)?;
         let mem = self
-            .backend
+            .device
             .mem()
             .memory()
             .insert_region(Arc::new(guest))
@@ -543,7 +557,7 @@ impl VhostUserBackendReqHandlerMut for FrontendHandler {
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VhostResult<()> {
         let (mem, _) = self
-            .backend
+            .device
             .mem()
             .memory()
             .remove_region(GuestAddress(region.guest_phys_addr), region.memory_size)

@@ -22,11 +22,11 @@ use tracing::{debug, info, warn};
 use vhost::vhost_user::{BackendReqHandler, Listener};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::backend::{BlkBackend, WorkerThreads};
-use crate::control::Shared;
-use crate::device::{BlkDevice, DeviceOptions};
-use crate::frontend::FrontendHandler;
-use crate::handle::ChainHandle;
+use crate::daemon::control::Shared;
+use crate::device::backend::{BlkBackend, SessionDevice, WorkerThreads};
+use crate::device::blk::{BlkDevice, DeviceOptions};
+use crate::device::handle::ChainHandle;
+use crate::transport::frontend::FrontendHandler;
 
 /// The signals that stop the server cleanly: those that stop
 /// qemu-storage-daemon with exit status 0 (measured with QEMU 7.2:
@@ -121,14 +121,12 @@ fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
 /// Binds the socket with `mode` from the start.
 fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
     claim_socket_path(path)?;
-    let listener =
-        crate::socket_file::with_umask(mode, || Listener::new(path, false)).map_err(|e| {
-            ServeError::Socket {
-                path: path.to_owned(),
-                reason: e.to_string(),
-            }
+    let listener = crate::daemon::socket_file::with_umask(mode, || Listener::new(path, false))
+        .map_err(|e| ServeError::Socket {
+            path: path.to_owned(),
+            reason: e.to_string(),
         })?;
-    crate::socket_file::chmod_socket(path, mode)
+    crate::daemon::socket_file::chmod_socket(path, mode)
         .map_err(io_err(format!("chmod {}", path.display())))?;
     // Accepted only when epoll says a connection waits; never blocks.
     listener
@@ -244,17 +242,19 @@ pub fn serve(
     made.push(&options.socket);
     let control = match &options.control {
         Some(path) => {
-            let control = crate::control::bind(path, options.socket_mode)
+            let control = crate::daemon::control::bind(path, options.socket_mode)
                 .map_err(io_err(format!("control socket {}", path.display())))?;
             made.push(path);
-            crate::socket_file::chmod_socket(path, options.socket_mode)
+            crate::daemon::socket_file::chmod_socket(path, options.socket_mode)
                 .map_err(io_err(format!("chmod {}", path.display())))?;
             Some(control)
         }
         None => None,
     };
     let metrics = match &options.metrics {
-        Some(addr) => Some(crate::control::metrics_http::bind(addr).map_err(io_err("metrics"))?),
+        Some(addr) => {
+            Some(crate::daemon::control::metrics_http::bind(addr).map_err(io_err("metrics"))?)
+        }
         None => None,
     };
     if let Some(pidfile) = &options.pidfile {
@@ -292,7 +292,7 @@ pub fn serve(
 fn start_and_run(
     shared: Arc<Shared>,
     control: Option<std::os::unix::net::UnixListener>,
-    metrics: Option<crate::control::metrics_http::MetricsEndpoint>,
+    metrics: Option<crate::daemon::control::metrics_http::MetricsEndpoint>,
     listener: Listener,
     signals: Signals,
     options: &ServeOptions,
@@ -302,10 +302,10 @@ fn start_and_run(
         shared.index_builder.wake();
     }
     if let Some(control) = control {
-        crate::control::spawn(control, shared.clone()).map_err(io_err("control thread"))?;
+        crate::daemon::control::spawn(control, shared.clone()).map_err(io_err("control thread"))?;
     }
     if let Some(endpoint) = metrics {
-        crate::control::metrics_http::spawn(endpoint, shared.clone())
+        crate::daemon::control::metrics_http::spawn(endpoint, shared.clone())
             .map_err(io_err("metrics thread"))?;
     }
     let epoll = Epoll::new().map_err(io_err("epoll"))?;
@@ -402,7 +402,10 @@ impl Server {
         let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
         let threads =
             Arc::new(WorkerThreads::start(&backend, o.polling).map_err(io_err("worker threads"))?);
-        let handler = FrontendHandler::new(backend.clone(), threads.clone());
+        let handler = FrontendHandler::new(SessionDevice {
+            backend: backend.clone(),
+            threads: threads.clone(),
+        });
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
         *self.session_slot() = Some(backend.clone());

@@ -10,11 +10,11 @@ use virtio_bindings::virtio_blk::{
 };
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
-use crate::descriptors::Descriptor;
-pub use crate::guest_mem::GuestBuffer;
-use crate::guest_mem::GuestMem;
+use crate::transport::descriptors::Descriptor;
+pub use crate::transport::guest_mem::GuestBuffer;
+use crate::transport::guest_mem::GuestMem;
 
-use crate::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
+use crate::device::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
 
 /// Bytes of the request header (`type`, `ioprio`, `sector`).
 const HEADER_SIZE: u64 = 16;
@@ -168,7 +168,7 @@ fn drop_tail(buffers: &[GuestBuffer], drop: u64) -> BufferList {
 /// The request header: the first 16 bytes of `buffers`.
 fn read_header(mem: &GuestMem, buffers: &[GuestBuffer]) -> Option<[u8; 16]> {
     match buffers.first() {
-        Some(b) if b.len >= 16 => crate::descriptors::read_16(mem, b.addr),
+        Some(b) if b.len >= 16 => crate::transport::descriptors::read_16(mem, b.addr),
         _ => read_front::<16>(mem, buffers),
     }
 }
@@ -272,7 +272,7 @@ pub fn parse(
     head: u16,
     limits: &RequestLimits,
 ) -> Result<Request, Rejected> {
-    let buffers = match crate::descriptors::walk(mem, desc_table, queue_size, head) {
+    let buffers = match crate::transport::descriptors::walk(mem, desc_table, queue_size, head) {
         Ok(descs) => split(&descs),
         Err(reason) => {
             return Err(Rejected {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::job_threads::{JobThreads, OnJobThread, RaisedJobThreads};
+use crate::device::job_threads::{JobThreads, OnJobThread, RaisedJobThreads};
 
 /// A switch that waits longer for the old chain's users is logged.
 const SLOW_SWITCH: Duration = Duration::from_millis(2);
@@ -250,7 +250,7 @@ impl RequestGate {
     }
 
     /// While inactive (requests wait at the gate): waits at most `timeout`
-    /// until none is in flight ([`crate::handle::Exclusive::quiesce_inactive`]).
+    /// until none is in flight ([`crate::device::handle::Exclusive::quiesce_inactive`]).
     pub(crate) fn idle_while_inactive(&self, timeout: Duration) -> bool {
         self.is_inactive() && self.idle_and_off_chain(timeout)
     }
@@ -447,7 +447,7 @@ mod tests {
         assert!(matches!(gate.try_start(), Admission::Start(_)));
     }
 
-    use crate::test_support::admitted as started;
+    use crate::device::test_support::admitted as started;
 
     #[test]
     fn a_switch_waits_for_what_uses_the_chain_and_holds_deferred_work_back() {

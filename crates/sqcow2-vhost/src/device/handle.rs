@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use sqcow2_format::Chain;
 
-use crate::gate::{PauseGuard, RequestGate};
+use crate::device::gate::{PauseGuard, RequestGate};
 
 /// The served chain, the gate of its requests and the right to replace it.
 #[derive(Debug)]
@@ -209,7 +209,7 @@ impl<'h> Quiesced<'h> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::small_chain as chain;
+    use crate::device::test_support::small_chain as chain;
 
     #[test]
     fn one_right_at_a_time_and_the_proof_replaces() {

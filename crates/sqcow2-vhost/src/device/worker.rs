@@ -26,14 +26,14 @@ use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Address, Bytes, GuestAddressSpace, GuestMemoryBackend, VolatileSlice};
 
-use crate::device::BlkDevice;
-use crate::gate::{Admission, RequestPermit};
-use crate::guest_mem::{GuestBuffer, GuestMem, GuestMemAtomic};
-use crate::offload::{EngineWork, Finished, Mailbox, Persist};
-use crate::request::{self, Request, RequestKind, ZeroRange};
-use crate::ring::{Direction, Ring, RingCompletion, TransferEnd};
-use crate::stats::{QueueStats, WorkerStats};
-use crate::vring::{add_used_tracked, Tracker};
+use crate::device::blk::BlkDevice;
+use crate::device::gate::{Admission, RequestPermit};
+use crate::device::offload::{EngineWork, Finished, Mailbox, Persist};
+use crate::device::request::{self, Request, RequestKind, ZeroRange};
+use crate::device::ring::{Direction, Ring, RingCompletion, TransferEnd};
+use crate::device::stats::{QueueStats, WorkerStats};
+use crate::transport::guest_mem::{GuestBuffer, GuestMem, GuestMemAtomic};
+use crate::transport::vring::{add_used_tracked, Tracker};
 
 /// Largest bounce buffer handed to one engine job.
 const WRITE_CHUNK: usize = 1 << 20;
