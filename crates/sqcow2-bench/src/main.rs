@@ -3,11 +3,13 @@
 //! libblkio; `suite` compares sqcow2 with qemu-storage-daemon on generated
 //! chains and rewrites the benchmark section of `docs/measured.md`.
 
+mod fixtures;
 mod load;
 mod page_cache;
 mod plot;
 mod remote;
 mod report;
+mod results;
 mod servers;
 mod slowfs;
 mod spread;

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context;
 
 use crate::load::LoadResult;
-use crate::suite::{Results, Run, WRITE_LOADS};
+use crate::results::{Results, Run, WRITE_LOADS};
 
 const START: &str = "<!-- bench-suite:start -->";
 const END: &str = "<!-- bench-suite:end -->";
@@ -819,13 +819,13 @@ mod tests {
             snapshots: Vec::new(),
             wall_seconds: 1.0,
             qsd_trials: vec![
-                crate::suite::QsdTrial {
+                crate::results::QsdTrial {
                     program: "/q72/qemu-storage-daemon".into(),
                     version: "qemu-storage-daemon version 7.2.22".into(),
                     run: run("qsd-iothread", 1, 350.0, 3.0),
                     chosen: true,
                 },
-                crate::suite::QsdTrial {
+                crate::results::QsdTrial {
                     program: "qemu-storage-daemon".into(),
                     version: "qemu-storage-daemon version 10.0.2".into(),
                     run: run("qsd-iothread", 1, 250.0, 3.0),

@@ -99,7 +99,7 @@ fn make_mirror(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ClusterMa
         layers,
         size,
         cluster_size: CLUSTER,
-        fill: crate::suite::CHAIN_FILL,
+        fill: crate::fixtures::CHAIN_FILL,
         seed: 1,
         distribution: Distribution::Uniform,
         index: false,
@@ -283,7 +283,7 @@ pub fn run_cli(args: &SpreadSeqArgs) -> anyhow::Result<()> {
     let duration = Duration::from_secs_f64(args.seconds);
     std::fs::create_dir_all(&args.dir)?;
     let raw_path = args.dir.join("raw");
-    crate::suite::make_raw(&raw_path, size)?;
+    crate::fixtures::make_raw(&raw_path, size)?;
     let dir = |n: usize| args.dir.join(format!("{n}"));
     let mut mirrors = Vec::new();
     for &n in &args.layers {

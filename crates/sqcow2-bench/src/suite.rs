@@ -7,10 +7,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use serde::{Deserialize, Serialize};
 use sqcow2_format::gen::{generate, layer_file_name, Distribution, GenOptions};
 
+use crate::fixtures::{make_raw, CHAIN_FILL};
 use crate::load::{self, LoadResult, LoadSpec, Pattern, Target};
+use crate::results::{
+    QsdTrial, Results, Run, SnapshotTimes, WriteImage, WriteLoad, WriteRun, WRITE_LOADS,
+};
 use crate::servers::{self, ChainFiles, Programs, Server};
 
 /// Arguments of `sqcow2 bench suite`.
@@ -65,35 +68,7 @@ pub struct SuiteArgs {
     qsd: Vec<PathBuf>,
 }
 
-/// Metrics of one server run on one chain.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Run {
-    pub server: String,
-    pub layers: usize,
-    pub repetition: usize,
-    pub startup_ms: Option<f64>,
-    pub peak_rss_kib: Option<u64>,
-    pub rand_read_qd1: Option<LoadResult>,
-    pub rand_read_qd32: Option<LoadResult>,
-    pub seq_read_1m: Option<LoadResult>,
-    pub error: Option<String>,
-}
-
 impl Run {
-    fn new(server: &str, layers: usize, repetition: usize) -> Run {
-        Run {
-            server: server.into(),
-            layers,
-            repetition,
-            startup_ms: None,
-            peak_rss_kib: None,
-            rand_read_qd1: None,
-            rand_read_qd32: None,
-            seq_read_1m: None,
-            error: None,
-        }
-    }
-
     /// The three loads every server gets, in order; `server` is the
     /// server's pid (its CPU time is measured), if it has one.
     fn measure_loads(
@@ -123,91 +98,8 @@ fn run_load(spec: &LoadSpec, server: Option<u32>) -> anyhow::Result<LoadResult> 
     Ok(r)
 }
 
-/// One load of the write and queue matrix on one server.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WriteRun {
-    pub server: String,
-    /// The load's name ([`WriteLoad::name`]).
-    pub load: String,
-    pub repetition: usize,
-    pub result: Option<LoadResult>,
-    pub error: Option<String>,
-}
-
-/// The image a write load runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WriteImage {
-    /// A fresh overlay of the write base (2 % filled): every write
-    /// allocates, nearly always over zeros.
-    Fresh,
-    /// A fresh overlay of the fully allocated layer: every write allocates
-    /// and copies the rest of its cluster from the data below (a disk
-    /// after a snapshot).
-    FreshOverData,
-    /// A fully allocated one-layer image: writes go in place.
-    Allocated,
-}
-
-/// One load of the write and queue matrix.
-#[derive(Debug, Clone, Copy)]
-pub struct WriteLoad {
-    image: WriteImage,
-    pattern: Pattern,
-    iodepth: usize,
-    queues: usize,
-}
-
-impl WriteLoad {
-    /// The name in results and tables.
-    pub fn name(&self) -> String {
-        let what = match (self.image, self.pattern) {
-            (WriteImage::Fresh, _) => "allocating writes",
-            (WriteImage::FreshOverData, _) => "allocating writes over data",
-            (_, Pattern::RandWrite) => "overwrites",
-            (_, Pattern::Mixed) => "70/30 reads/overwrites",
-            _ => "reads",
-        };
-        let q = if self.queues == 1 {
-            String::new()
-        } else {
-            format!(", {} queues", self.queues)
-        };
-        format!("{what}, depth {}{q}", self.iodepth)
-    }
-}
-
 /// Queues every server of the write matrix exports.
 const WRITE_QUEUES: usize = 4;
-
-/// The write and queue matrix, in order (the loads of one image run on
-/// one server start).
-pub const WRITE_LOADS: [WriteLoad; 13] = {
-    const fn l(image: WriteImage, pattern: Pattern, iodepth: usize, queues: usize) -> WriteLoad {
-        WriteLoad {
-            image,
-            pattern,
-            iodepth,
-            queues,
-        }
-    }
-    use Pattern::*;
-    use WriteImage::*;
-    [
-        l(Fresh, RandWrite, 1, 1),
-        l(Fresh, RandWrite, 32, 1),
-        l(FreshOverData, RandWrite, 1, 1),
-        l(FreshOverData, RandWrite, 32, 1),
-        l(Allocated, RandWrite, 1, 1),
-        l(Allocated, RandWrite, 32, 1),
-        l(Allocated, RandWrite, 32, 2),
-        l(Allocated, RandWrite, 32, 4),
-        l(Allocated, RandRead, 32, 1),
-        l(Allocated, RandRead, 32, 2),
-        l(Allocated, RandRead, 32, 4),
-        l(Allocated, Mixed, 32, 1),
-        l(Allocated, Mixed, 32, 4),
-    ]
-};
 
 /// The servers of the write matrix.
 const WRITE_SERVERS: [Server; 5] = [
@@ -217,58 +109,6 @@ const WRITE_SERVERS: [Server; 5] = [
     Server::Sqcow2Indexed,
     Server::Sqcow2Poll,
 ];
-
-/// Snapshot times at one chain length.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SnapshotTimes {
-    pub layers: usize,
-    pub sqcow2_ms: Vec<f64>,
-    pub qemu_img_ms: Vec<f64>,
-}
-
-/// Everything a suite run measured.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Results {
-    pub command: String,
-    pub machine: BTreeMap<String, String>,
-    pub disk_size: u64,
-    pub cache_bytes: u64,
-    pub seconds_per_run: f64,
-    pub repetitions: usize,
-    pub lengths: Vec<usize>,
-    pub runs: Vec<Run>,
-    pub raw_limit: Vec<Run>,
-    /// qemu-storage-daemon exporting the raw file (the vhost path's limit
-    /// without qcow2).
-    #[serde(default)]
-    pub qsd_raw: Vec<Run>,
-    /// The disk's bytes spread over as many raw files as each chain has
-    /// layers, read in this process (server `raw-files-io_uring`, one run
-    /// per length and repetition): random reads of the bytes spread
-    /// evenly, and sequential reads of each chain's data clusters in one
-    /// file per layer (`spread_seq`).
-    #[serde(default)]
-    pub spread_limit: Vec<Run>,
-    #[serde(default)]
-    pub writes: Vec<WriteRun>,
-    pub snapshots: Vec<SnapshotTimes>,
-    pub wall_seconds: f64,
-    /// The qemu-storage-daemon binaries tried before the run, when there
-    /// was more than one: the run compares with the fastest.
-    #[serde(default)]
-    pub qsd_trials: Vec<QsdTrial>,
-}
-
-/// One qemu-storage-daemon binary tried before a run.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct QsdTrial {
-    pub program: String,
-    pub version: String,
-    /// `qsd-iothread` on the shortest chain: its best run.
-    pub run: Run,
-    /// Whether the run compared with this one.
-    pub chosen: bool,
-}
 
 pub fn run(args: &SuiteArgs) -> anyhow::Result<()> {
     if let Some(json) = &args.replot {
@@ -529,9 +369,6 @@ fn machine() -> BTreeMap<String, String> {
     m
 }
 
-/// Share of the clusters the generated chains hold data in.
-pub(crate) const CHAIN_FILL: f64 = 0.5;
-
 fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
@@ -548,19 +385,6 @@ fn gen_chain(dir: &Path, layers: usize, size: u64) -> anyhow::Result<ChainFiles>
     Ok(ChainFiles {
         layers: (0..layers).map(|i| dir.join(layer_file_name(i))).collect(),
     })
-}
-
-pub(crate) fn make_raw(path: &Path, size: u64) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
-    let mut rng = fastrand::Rng::with_seed(7);
-    let mut buf = vec![0u8; 1 << 20];
-    for _ in 0..size / buf.len() as u64 {
-        rng.fill(&mut buf);
-        f.write_all(&buf)?;
-    }
-    f.sync_all()?;
-    Ok(())
 }
 
 /// The three loads every server gets, in order.
