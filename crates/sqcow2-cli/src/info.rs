@@ -340,8 +340,8 @@ fn chain_info(chain: &Chain, backing_chain: bool) -> anyhow::Result<Vec<LayerInf
     } else {
         vec![layer_info(chain.top(), Some(layers.len()))?]
     };
-    shown[0].chain_index = Some(chain.index_state().clone());
-    shown[0].journal_pending = chain.journal_pending().filter(|n| *n > 0);
+    shown[0].chain_index = Some(chain.index().state().clone());
+    shown[0].journal_pending = chain.durability().journal_pending().filter(|n| *n > 0);
     Ok(shown)
 }
 

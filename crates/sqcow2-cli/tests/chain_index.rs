@@ -45,7 +45,7 @@ fn qemu_check_all(top: &Path) {
 }
 
 fn state(top: &Path) -> IndexState {
-    open(top, true).index_state().clone()
+    open(top, true).index().state().clone()
 }
 
 fn assert_valid(top: &Path) {
@@ -70,7 +70,7 @@ fn assert_stale(top: &Path) {
 fn verify_tags(top: &Path, opts: &GenOptions, use_index: bool) {
     let chain = open(top, use_index);
     assert_eq!(
-        chain.is_indexed(),
+        chain.index().is_used(),
         use_index && opts.index && opts.layers > 1
     );
     let p = plan(opts);
@@ -175,7 +175,7 @@ fn cold_indexed_lookups_read_at_most_two_slices() {
     let mut buf = vec![0u8; 4096];
     let indexed = open(&top, true);
     indexed.read_at(&mut buf, base_only * 65536).unwrap();
-    let st = indexed.cache_stats();
+    let st = indexed.diagnostics().cache();
     assert!(
         st.loads <= 2,
         "indexed cold lookup read {} metadata slices",
@@ -184,12 +184,12 @@ fn cold_indexed_lookups_read_at_most_two_slices() {
     assert_eq!(parse_tag(&buf), Some((0, base_only)));
     let walked = open(&top, false);
     walked.read_at(&mut buf, base_only * 65536).unwrap();
-    let st = walked.cache_stats();
+    let st = walked.diagnostics().cache();
     assert!(st.loads > 50, "walk mode read only {} slices", st.loads);
     // Repeated, the lookup is a cache hit in both modes.
-    let before = indexed.cache_stats();
+    let before = indexed.diagnostics().cache();
     indexed.read_at(&mut buf, base_only * 65536).unwrap();
-    let after = indexed.cache_stats();
+    let after = indexed.diagnostics().cache();
     assert_eq!(after.loads, before.loads, "a cached lookup touched a file");
 }
 
@@ -652,7 +652,7 @@ fn a_background_build_respects_a_shorter_pending_layer() {
         )
         .unwrap();
         assert!(built.is_some());
-        assert_eq!(chain.pending_layers(), 0);
+        assert_eq!(chain.index().pending_layers(), 0);
         // Read through the index just installed, in this process.
         let mut buf = vec![0u8; 4096];
         chain.read_at(&mut buf, 48 * MIB).unwrap();

@@ -60,22 +60,22 @@ fn cow_from_the_bottom(layers: usize, count: usize, pending: bool) -> Lookups {
         },
     )
     .unwrap();
-    assert!(chain.is_indexed(), "{layers} layers: not indexed");
+    assert!(chain.index().is_used(), "{layers} layers: not indexed");
     let below_top = LayerIndex(layers - 1);
-    let covers = chain.index_covers();
+    let covers = chain.index().covers();
     if pending {
         assert!(covers < Some(below_top), "{covers:?}");
     } else {
         assert_eq!(covers, Some(below_top));
     }
-    let before = chain.cache_stats();
+    let before = chain.diagnostics().cache();
     for (i, &(_, c)) in deepest.iter().enumerate() {
         // A different offset in each cluster: the rest is copied from
         // below.
         let at = c * CLUSTER + (i as u64 * 4096) % CLUSTER;
         chain.write_at(&[0xab; 4096], at).unwrap();
     }
-    let after = chain.cache_stats();
+    let after = chain.diagnostics().cache();
     let mut buf = vec![0u8; CLUSTER as usize];
     for (i, &(layer, c)) in deepest.iter().enumerate() {
         chain.read_at(&mut buf, c * CLUSTER).unwrap();
@@ -255,9 +255,9 @@ fn same_writes_as_qemu(extended: bool, pending: bool) {
         .unwrap();
     assert!(copy.success());
     let chain = Chain::open(&top, &ChainOptions::default()).unwrap();
-    assert!(chain.is_indexed(), "the fresh top is not indexed");
+    assert!(chain.index().is_used(), "the fresh top is not indexed");
     let below_top = Some(LayerIndex(4));
-    assert_eq!(chain.index_covers() == below_top, !pending);
+    assert_eq!(chain.index().covers() == below_top, !pending);
     drop(chain);
     let cmds = writes();
     let mut args = vec!["io".to_owned()];

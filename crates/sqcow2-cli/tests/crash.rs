@@ -6,7 +6,7 @@
 //! `check -r leaks` leaves no leak, and every write completed before the
 //! last completed flush reads back.
 //!
-//! Seeds also publish (`Chain::publish`: completed writes' mappings written
+//! Seeds also publish (`Durability::publish`: completed writes' mappings written
 //! to the file without a sync) after every write, or after some: a power
 //! loss must still leave only leaks, and a process death right after the
 //! last operation (the file as the kernel's page cache holds it) must read
@@ -124,7 +124,7 @@ enum Publish {
     Never,
     Always,
     Sometimes,
-    /// When `Chain::needs_publish` says so (what the daemon does).
+    /// When `Durability::needs_publish` says so (what the daemon does).
     WhenNeeded,
 }
 
@@ -271,16 +271,17 @@ fn run_seed(seed: u64) -> usize {
                 Publish::Never => false,
                 Publish::Always => true,
                 Publish::Sometimes => rng.bool(),
-                Publish::WhenNeeded => chain.needs_publish(),
+                Publish::WhenNeeded => chain.durability().needs_publish(),
             };
             if published && !matches!(op, GuestOp::Flush) {
                 chain
+                    .durability()
                     .publish()
                     .unwrap_or_else(|e| panic!("{ctx}: publish: {e}"));
             }
             // Whether every completed write so far survives a process
             // death: published, or journaled.
-            all_safe &= !chain.needs_publish();
+            all_safe &= !chain.durability().needs_publish();
             let log_len = storage.log_len();
             let snapshot = matches!(op, GuestOp::Flush).then(|| model.clone());
             completed.push((i, log_len, snapshot));
@@ -456,7 +457,7 @@ fn die_with_journal(
         ..ChainOptions::default()
     };
     let chain = Chain::open(&top, &writer).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-    assert!(chain.journaled(), "{ctx}: no journal");
+    assert!(chain.durability().journaled(), "{ctx}: no journal");
     // A flush first (the tables exist and spares are made), then
     // writes and zeroes, published only when the chain says so.
     chain.write_at(&[0x77; 4096], 0).unwrap();
@@ -474,8 +475,8 @@ fn die_with_journal(
             }
             GuestOp::Flush => {}
         }
-        if chain.needs_publish() {
-            chain.publish().unwrap();
+        if chain.durability().needs_publish() {
+            chain.durability().publish().unwrap();
         }
     }
     // The process dies: nothing is closed or written back.
@@ -569,7 +570,7 @@ fn a_journal_is_not_replayed_after_qemu_wrote_the_image() {
         chain.flush().unwrap();
         // Journaled, not checkpointed: 0x22 over the base's 0x41.
         chain.write_at(&[0x22; 4096], 1 << 20).unwrap();
-        assert!(!chain.needs_publish());
+        assert!(!chain.durability().needs_publish());
         std::mem::forget(chain);
     }
     assert!(dir.join("top.qcow2.sqjournal").exists());

@@ -308,29 +308,29 @@ fn writable_vanilla_chain(
 fn steps_down_over_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
     let mut rng = fastrand::Rng::with_seed(3);
     let mut buf = vec![0u8; BLOCK as usize];
-    let before = chain.cache_stats().hit_unallocated;
+    let before = chain.diagnostics().cache().hit_unallocated;
     for _ in 0..count {
         let offset = rng.u64(0..chain.virtual_size() / BLOCK) * BLOCK;
         chain.read_at(&mut buf, offset).unwrap();
     }
-    chain.cache_stats().hit_unallocated - before
+    chain.diagnostics().cache().hit_unallocated - before
 }
 
 #[test]
 fn an_index_built_in_place_serves_as_one_found_at_open() {
     let tmp = tempfile::tempdir().unwrap();
     let (top, options, chain) = writable_vanilla_chain(tmp.path());
-    assert!(!chain.is_indexed());
+    assert!(!chain.index().is_used());
     let walked = steps_down_over_reads(&chain, 2000);
     let built =
         sqcow2_format::indexing::index_in_place(&chain, sqcow2_format::Locking::Auto, &|| false)
             .unwrap();
     assert!(built.is_some());
-    assert!(chain.is_indexed());
+    assert!(chain.index().is_used());
     let installed = steps_down_over_reads(&chain, 2000);
     chain.close().unwrap();
     let reopened = sqcow2_format::Chain::open(&top, &options).unwrap();
-    assert!(reopened.is_indexed());
+    assert!(reopened.index().is_used());
     let at_open = steps_down_over_reads(&reopened, 2000);
     println!("steps down: walking {walked}, installed {installed}, at open {at_open}");
     assert!(walked > 10_000, "walking took {walked} steps");
@@ -344,20 +344,24 @@ fn an_index_built_in_place_serves_as_one_found_at_open() {
 /// to a thread that may read (as the engine does) when it would block.
 fn steps_down_over_worker_reads(chain: &sqcow2_format::Chain, count: usize) -> u64 {
     let mut rng = fastrand::Rng::with_seed(4);
-    let before = chain.cache_stats().hit_unallocated;
+    let before = chain.diagnostics().cache().hit_unallocated;
     for _ in 0..count {
         let offset = rng.u64(0..chain.virtual_size() / BLOCK) * BLOCK;
-        let ticket = chain.begin_transfer();
+        let ticket = chain.transfers().begin();
         let at = sqcow2_format::GuestOffset(offset);
         if chain
+            .transfers()
             .try_resolve_for_read(&ticket, at, BLOCK)
             .unwrap()
             .is_none()
         {
-            chain.resolve_for_read(&ticket, at, BLOCK).unwrap();
+            chain
+                .transfers()
+                .resolve_for_read(&ticket, at, BLOCK)
+                .unwrap();
         }
     }
-    chain.cache_stats().hit_unallocated - before
+    chain.diagnostics().cache().hit_unallocated - before
 }
 
 #[test]

@@ -243,7 +243,7 @@ fn run_seed(seed: u64, ops: usize) {
             }
         }
     }
-    assert_eq!(chain.is_indexed(), indexed, "{ctx}");
+    assert_eq!(chain.index().is_used(), indexed, "{ctx}");
     let mut all = vec![0u8; SIZE as usize];
     chain.read_at(&mut all, 0).unwrap();
     assert!(all == model, "{ctx}: final content differs from the model");

@@ -97,7 +97,7 @@ fn lookups(c: &mut Criterion) {
         .sample_size(30);
     for layers in [1usize, 2, 10, 100, 1000] {
         let s = setup(layers);
-        assert!(layers == 1 || s.indexed.is_indexed());
+        assert!(layers == 1 || s.indexed.index().is_used());
         for (mode, chain) in [("indexed", &s.indexed), ("walk", &s.walked)] {
             let at = GuestOffset(s.base_cluster * CLUSTER);
             let empty = GuestOffset(s.empty_cluster * CLUSTER);
@@ -120,7 +120,7 @@ fn lookups(c: &mut Criterion) {
                     &at,
                     |b, &at| {
                         b.iter_batched(
-                            || chain.clear_cache(),
+                            || chain.diagnostics().clear_cache(),
                             |()| black_box(chain.resolve(at, 4096, false).expect("lookup")),
                             BatchSize::PerIteration,
                         )

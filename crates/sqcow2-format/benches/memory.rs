@@ -43,8 +43,8 @@ fn child(top: &str, use_index: bool) {
     let after = rss_kib();
     println!(
         "{} {} {}",
-        chain.cache_stats().bytes,
-        chain.metadata_structure_bytes(),
+        chain.diagnostics().cache().bytes,
+        chain.diagnostics().metadata_structure_bytes(),
         after.saturating_sub(before)
     );
 }

@@ -23,6 +23,7 @@ pub(crate) struct Faults {
 
 impl Faults {
     /// Panics at the `nth` (1-based) next hit of `point`.
+    #[cfg(feature = "fault-injection")]
     pub(crate) fn arm(&self, point: FaultPoint, nth: u32) {
         match point {
             FaultPoint::MidMetadataUpdate => self.mid_metadata_update.store(nth, Ordering::SeqCst),

@@ -678,7 +678,7 @@ impl ChainIndex {
 
     /// The words of slice `slice_no` (`Some(None)` for a slice of *none*
     /// entries; `None` when the index is unusable). `Err(WouldBlock)` when
-    /// it is not cached and no read is allowed ([`crate::nowait`]): the
+    /// it is not cached and no read is allowed (`crate::nowait`): the
     /// lookup goes where it may wait. (Walking instead would never cache
     /// the slice, and a walk whose tables are all cached, as they are
     /// after the index was built in place, would go on walking.)

@@ -43,13 +43,13 @@ fn write_index(
     progress: Progress,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<(IndexGeometry, u64), Error> {
-    let geometry = chain.index_geometry(upto, covered_size);
+    let geometry = chain.index().geometry(upto, covered_size);
     let fps = fingerprints(chain.layers(), upto.0, top_name);
     let tmp = index.tmp_path();
     let file = index.file().map_err(io_err(&tmp))?;
     let mut writer = IndexWriter::new(file, geometry, &fps);
     let stopped = || Error::new(&tmp, ErrorKind::Io(cancel_error()));
-    chain.index_entries(
+    chain.index().entries(
         upto,
         geometry,
         &mut |entry| {
@@ -151,7 +151,7 @@ fn install_report(
         bytes,
         file: Some(installed),
     };
-    chain.install_built(&report)?;
+    chain.index().install_built(&report)?;
     Ok(report)
 }
 
@@ -474,7 +474,7 @@ pub fn prepare_snapshot(
     )?;
     // Extended from the index in use (its layers not walked again).
     let incremental =
-        index == SnapshotIndex::Now && (chain.is_indexed() || chain.layers().len() == 1);
+        index == SnapshotIndex::Now && (chain.index().is_used() || chain.layers().len() == 1);
     let top_index = chain.top_index();
     if index == SnapshotIndex::Now {
         // The new top is a new file; the layers below are marked.
@@ -590,7 +590,7 @@ fn create_over(
 /// inside `root` when given (a daemon's backing root): it is opened once,
 /// from the root's descriptor, and every file is made in it by name.
 /// Atomic and durable as [`snapshot`]; what was created is returned, to
-/// be opened ([`Chain::prepare_successor`]) or removed.
+/// be opened ([`crate::Handover::prepare_successor`]) or removed.
 pub fn snapshot_over(
     chain: &Chain,
     top: &Path,
@@ -628,7 +628,7 @@ pub struct BuildReport {
 /// thousand entries and before the file's sync, with no lock of the chain
 /// held: it may block (a daemon holds a build so while a guest is paused).
 /// Old tops that live snapshots left open below the top (a failed
-/// [`Chain::retire`]) are closed first ([`Chain::close_unclosed_below`]):
+/// [`crate::Handover::retire`]) are closed first ([`crate::Handover::close_unclosed_below`]):
 /// an index records layers as their files hold them.
 pub fn build_index(
     chain: &Chain,
@@ -637,15 +637,15 @@ pub fn build_index(
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Option<BuildReport>, Error> {
     stop_if(cancelled, chain.top().path())?;
-    chain.close_unclosed_below()?;
-    let Some(upto) = chain.indexable_layers() else {
+    chain.handover().close_unclosed_below()?;
+    let Some(upto) = chain.index().indexable_layers() else {
         return Ok(None);
     };
     let top = chain.top();
     let Some(name) = top.header().and_then(crate::sqcow2_ext::index_name) else {
         return Ok(None);
     };
-    if chain.index_covers() == Some(upto) {
+    if chain.index().covers() == Some(upto) {
         return Ok(None);
     }
     stop_if(cancelled, &top.path().with_file_name(&name))?;
@@ -681,10 +681,10 @@ pub fn index_in_place(
     if crate::sqcow2_ext::index_name(header).is_some() {
         return Ok(None);
     }
-    let Some(upto) = chain.indexable_layers() else {
+    let Some(upto) = chain.index().indexable_layers() else {
         return Ok(None);
     };
-    if chain.index_covers() == Some(upto) {
+    if chain.index().covers() == Some(upto) {
         return Ok(None);
     }
     let active = chain.active()?;
@@ -745,8 +745,8 @@ pub fn verify_index(
         ..ChainOptions::default()
     };
     let indexed = Chain::open(top, &options)?;
-    let state = indexed.index_state().clone();
-    if !indexed.is_indexed() {
+    let state = indexed.index().state().clone();
+    if !indexed.index().is_used() {
         return Ok(IndexVerification {
             state,
             chunks: 0,
@@ -765,7 +765,7 @@ pub fn verify_index(
     )?;
     // The layers the index in use covers (fewer than all below the top
     // while layers are pending).
-    let Some(upto) = indexed.index_covers() else {
+    let Some(upto) = indexed.index().covers() else {
         return Ok(IndexVerification {
             state,
             chunks: 0,
@@ -776,15 +776,15 @@ pub fn verify_index(
         });
     };
     let covered_size = indexed.layers()[upto.0 + 1].virtual_size();
-    let geometry = walked.index_geometry(upto, covered_size);
+    let geometry = walked.index().geometry(upto, covered_size);
     let (mut mismatches, mut unreadable, mut unreadable_reason) = (0, 0, None);
     let mut examples = Vec::new();
     let mut chunk = 0u64;
-    walked.index_entries(
+    walked.index().entries(
         upto,
         geometry,
         &mut |want| {
-            let got = match indexed.index_entry(chunk) {
+            let got = match indexed.index().entry(chunk) {
                 Ok(got) => got,
                 Err(e) => {
                     unreadable += 1;

@@ -5,9 +5,12 @@
 //! returns the bytes QEMU returns, and [`Chain::map`] the extents
 //! `qemu-img map` reports. Opened writable, [`Chain::write_at`],
 //! [`Chain::discard`], [`Chain::write_zeroes`] and [`Chain::flush`] change
-//! the top as QEMU would; callers that move data themselves (io_uring)
-//! look mappings up with a [`TransferTicket`] ([`Chain::resolve_for_read`],
-//! [`Chain::in_place_target`]).
+//! the top as QEMU would. One job per type: what else a chain offers is
+//! grouped in views it hands out: [`Chain::transfers`] (callers that move
+//! data themselves, under a [`TransferTicket`]), [`Chain::index`] (the
+//! chain index in use), [`Chain::durability`] (journal, publish,
+//! write-back), [`Chain::handover`] (a successor chain, retiring the old
+//! top) and [`Chain::diagnostics`] (cache and read statistics).
 //!
 //! Public modules are the tools around the engine: [`check`] (like
 //! `qemu-img check`), [`create`], [`indexing`] (upgrade, snapshot,
@@ -58,12 +61,13 @@ pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
 pub use bitmaps::{describe_bitmaps, BitmapInfo};
 pub use chain::{
-    backing_path_of, Chain, ChainOptions, Extent, ExtentKind, InPlaceTarget, Installed,
-    PreparedTop, ReadExtent, DEFAULT_CACHE_SIZE, DEFAULT_MAX_LAYERS, DEFAULT_SLICE_SIZE,
+    backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,
+    InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, Transfers, DEFAULT_MAX_LAYERS,
 };
 pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};
 pub use extension::HeaderExtension;
+#[cfg(feature = "fault-injection")]
 pub use fault::FaultPoint;
 pub use features::{FeatureBits, SetFeature};
 pub use fence::TransferTicket;

@@ -31,9 +31,10 @@ fn assert_clean(storage: &Arc<TestStorage>) -> CheckReport {
 /// Where a write to `guest` would go in place (mappings not yet published
 /// to the file never go in place: publish first).
 fn host_of(chain: &Chain, guest: u64) -> Option<u64> {
-    chain.publish().expect("publish");
-    let ticket = chain.begin_transfer();
+    chain.durability().publish().expect("publish");
+    let ticket = chain.transfers().begin();
     chain
+        .transfers()
         .in_place_target(&ticket, GuestOffset(guest), 512)
         .expect("lookup")
         .map(|t| t.host.0)
@@ -71,8 +72,9 @@ fn a_released_cluster_is_not_reused_while_an_earlier_transfer_runs() {
     let chain = open(&storage, true);
     chain.write_at(&vec![1; CLUSTER as usize], 0).unwrap();
     chain.flush().unwrap();
-    let ticket = chain.begin_transfer();
+    let ticket = chain.transfers().begin();
     let old = chain
+        .transfers()
         .in_place_target(&ticket, GuestOffset(0), 4096)
         .unwrap()
         .expect("own cluster")
@@ -549,7 +551,7 @@ fn a_publish_writes_only_the_changed_pages_and_syncs_only_what_depends_on_it() {
         let before = storage.log().len();
         let guest = (round + 5) * CLUSTER + 8192;
         chain.write_at(&[0x5a; 4096], guest).unwrap();
-        chain.publish().unwrap();
+        chain.durability().publish().unwrap();
         let log = storage.log()[before..].to_vec();
         assert_eq!(syncs(&log), 0, "round {round}: a sync: {:?}", brief(&log));
         let w = writes(&log);
@@ -573,7 +575,7 @@ fn a_publish_writes_only_the_changed_pages_and_syncs_only_what_depends_on_it() {
     chain.flush().unwrap();
     let before = storage.log().len();
     chain.write_at(&[0x5b; 4096], 20 * CLUSTER).unwrap();
-    chain.publish().unwrap();
+    chain.durability().publish().unwrap();
     let log = storage.log()[before..].to_vec();
     assert_eq!(syncs(&log), 1, "one sync: {:?}", brief(&log));
     let sync_at = log.iter().position(|op| matches!(op, Op::Sync)).unwrap();
@@ -615,10 +617,13 @@ fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
         let written = syncs(&storage.log()[before..]);
         if background {
             assert_eq!(written, 0, "a write synced: its write-back is the caller's");
-            assert!(chain.take_write_back_due(), "the caller is told");
-            assert!(!chain.take_write_back_due(), "once");
+            assert!(
+                chain.durability().take_write_back_due(),
+                "the caller is told"
+            );
+            assert!(!chain.durability().take_write_back_due(), "once");
             let before = storage.log().len();
-            chain.publish().unwrap();
+            chain.durability().publish().unwrap();
             assert!(
                 syncs(&storage.log()[before..]) > 0,
                 "the caller's publish writes back"
@@ -635,7 +640,7 @@ fn early_write_backs_are_left_to_the_caller_with_background_write_back() {
             );
         } else {
             assert!(written > 0, "no write wrote back early");
-            assert!(!chain.take_write_back_due());
+            assert!(!chain.durability().take_write_back_due());
             for r in 8..40u64 {
                 chain.write_at(&[r as u8; 4096], r * REGION).unwrap();
             }
@@ -691,7 +696,7 @@ fn a_write_back_leaves_only_the_pages_changed_meanwhile() {
         storage.hold_writes(l2, l2 + CLUSTER);
         let publish = {
             let chain = chain.clone();
-            std::thread::spawn(move || chain.publish())
+            std::thread::spawn(move || chain.durability().publish())
         };
         storage.wait_held(1);
         // Page 2 changes meanwhile.
@@ -702,7 +707,7 @@ fn a_write_back_leaves_only_the_pages_changed_meanwhile() {
         storage.release();
         assert_eq!(publish.join().unwrap().is_err(), fail);
         let before = storage.log_len();
-        chain.publish().unwrap();
+        chain.durability().publish().unwrap();
         let expected = if fail {
             vec![(0, 4096), (4096, 4096), (2 * 4096, 4096)]
         } else {
@@ -746,16 +751,25 @@ fn many_changed_pages_are_left_to_the_caller_to_write_back() {
         for i in 1..10u64 {
             chain.write_at(&[i as u8; 4096], i * PAGE_SPAN).unwrap();
         }
-        assert!(!chain.take_write_back_due(), "told after 9 pages");
+        assert!(
+            !chain.durability().take_write_back_due(),
+            "told after 9 pages"
+        );
         for i in 10..300u64 {
             chain.write_at(&[i as u8; 4096], i * PAGE_SPAN).unwrap();
         }
         assert_eq!(syncs(&storage.log()[before..]), 0, "a write wrote back");
-        assert_eq!(chain.take_write_back_due(), background && flushed);
-        assert!(!chain.take_write_back_due(), "told twice");
-        chain.publish().unwrap();
+        assert_eq!(
+            chain.durability().take_write_back_due(),
+            background && flushed
+        );
+        assert!(!chain.durability().take_write_back_due(), "told twice");
+        chain.durability().publish().unwrap();
         chain.write_at(&[7; 4096], 300 * PAGE_SPAN).unwrap();
-        assert!(!chain.take_write_back_due(), "told again after a publish");
+        assert!(
+            !chain.durability().take_write_back_due(),
+            "told again after a publish"
+        );
         for i in 1..=300u64 {
             let want = if i == 300 { 7 } else { i as u8 };
             assert_eq!(read(&chain, i * PAGE_SPAN, 4096), vec![want; 4096]);

@@ -1,4 +1,4 @@
-//! The chain that follows a live snapshot (`Chain::successor`) reads the
+//! The chain that follows a live snapshot (`Handover::successor`) reads the
 //! old top through the unified cache it shares with the chain before: a
 //! slice of the old top that the cache holds must be what the file holds.
 
@@ -50,15 +50,21 @@ fn successor(chain: &Chain, top: &Path, new: &Path) -> Chain {
 
 fn successor_with(chain: &Chain, top: &Path, new: &Path, opts: &ChainOptions) -> Chain {
     let created = indexing::snapshot_over(chain, top, new, None).expect("new top");
-    let prepared = chain.prepare_successor(&created, opts).expect("prepare");
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, opts)
+        .expect("prepare");
     // Before the pause (the daemon repeats this until it is short).
-    chain.sync_data().expect("sync");
-    chain.publish().expect("publish");
+    chain.durability().sync_data().expect("sync");
+    chain.durability().publish().expect("publish");
     // The pause: the switch alone (the next chain reads what the old top
     // did not write back from its writer).
-    let next = chain.successor(prepared, opts).expect("successor");
-    chain.retire(&next).expect("retire");
-    chain.hand_over_tables();
+    let next = chain
+        .handover()
+        .successor(prepared, opts)
+        .expect("successor");
+    chain.handover().retire(&next).expect("retire");
+    chain.handover().tables();
     next
 }
 
@@ -80,7 +86,7 @@ fn journal_of(p: &Path) -> std::path::PathBuf {
     p.with_file_name(name)
 }
 
-/// The old top closed after the switch (`Chain::retire`, once the guest
+/// The old top closed after the switch (`Handover::retire`, once the guest
 /// runs again): it is clean (no journal, no spare cluster left as a leak,
 /// no dirty bit), and an index the next chain builds afterwards is valid
 /// when the chain is opened again: it records the old top as the close
@@ -132,9 +138,9 @@ fn the_old_top_closed_after_the_switch_is_clean_and_indexed_as_it_stays() {
     next.close().unwrap();
     let reopened = Chain::open(&next_path, &indexed).unwrap();
     assert!(
-        reopened.is_indexed(),
+        reopened.index().is_used(),
         "the index built after the close is not valid at the next open: {:?}",
-        reopened.index_state()
+        reopened.index().state()
     );
     for i in 0..64u64 {
         assert!(read(&reopened, i * 3 * CLUSTER) == vec![i as u8 + 1; 4096]);
@@ -193,7 +199,10 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     let unused = dir.path().join("unused.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &unused, None).unwrap();
     let created_len = len(&unused);
-    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &options(true))
+        .unwrap();
     assert!(journal_of(&unused).exists(), "journal made ahead");
     assert!(len(&unused) > created_len, "no spare clusters made ahead");
     drop(prepared);
@@ -207,7 +216,7 @@ fn a_prepared_top_is_ready_for_writes_or_left_clean() {
     // The next chain journals its writes from the first one on.
     next.write_at(&[0xC2; 4096], 2 * CLUSTER).unwrap();
     assert!(
-        next.journaled(),
+        next.durability().journaled(),
         "the next chain writes without its journal"
     );
     assert!(read(&next, 0) == vec![0xC1; 4096]);
@@ -337,7 +346,10 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     chain.write_at(&[0xD1; 4096], 0).unwrap();
     let new = dir.path().join("next.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
-    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &options(true))
+        .unwrap();
     chain.flush().unwrap();
     // Written after the last flush before the pause, not written back
     // (one in a second L2 table: a new L1 entry too).
@@ -348,7 +360,10 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
     for &at in &places {
         chain.write_at(&[0xD2; 4096], at).unwrap();
     }
-    let next = chain.successor(prepared, &options(true)).unwrap();
+    let next = chain
+        .handover()
+        .successor(prepared, &options(true))
+        .unwrap();
     for &at in &places {
         assert!(
             read_file_alone(&top, at) != vec![0xD2; 4096],
@@ -379,7 +394,7 @@ fn a_flush_after_the_switch_makes_the_old_tops_last_writes_durable() {
         prepare_merge(&next, &first, &last, &merged, None).is_err(),
         "a merge took an old top that is not closed"
     );
-    chain.retire(&next).unwrap();
+    chain.handover().retire(&next).unwrap();
     drop(prepare_merge(&next, &first, &last, &merged, None).expect("merge after the close"));
     for i in 1..8u64 {
         assert!(read(&next, i * 7 * CLUSTER) == vec![0xD2; 4096]);
@@ -399,8 +414,14 @@ fn an_old_top_not_closed_stays_synced_through_later_snapshots() {
     // The first snapshot, its old top never closed (a retire that failed).
     let second_path = dir.path().join("second.qcow2");
     let created = indexing::snapshot_over(&first, &top, &second_path, None).unwrap();
-    let prepared = first.prepare_successor(&created, &options(true)).unwrap();
-    let second = first.successor(prepared, &options(true)).unwrap();
+    let prepared = first
+        .handover()
+        .prepare_successor(&created, &options(true))
+        .unwrap();
+    let second = first
+        .handover()
+        .successor(prepared, &options(true))
+        .unwrap();
     assert!(
         first.write_at(&[0xE0; 4096], 0).is_err(),
         "the old top took a write after the switch"
@@ -441,13 +462,16 @@ fn no_successor_reads_the_tables_of_a_failed_engine() {
     chain.write_at(&[0xF1; 4096], 0).unwrap();
     let new = dir.path().join("next.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
-    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &options(true))
+        .unwrap();
     chain.arm_fault(FaultPoint::MidMetadataUpdate, 1);
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = chain.write_at(&[0xF2; 4096], 3 * CLUSTER);
     }));
     assert!(panicked.is_err(), "the armed fault did not fire");
-    let next = chain.successor(prepared, &options(true));
+    let next = chain.handover().successor(prepared, &options(true));
     assert!(next.is_err(), "a successor reads a failed engine's tables");
 }
 
@@ -462,23 +486,29 @@ fn the_next_chains_publish_covers_the_old_tops_last_change() {
     let chain = Chain::open(&top, &options(true)).unwrap();
     let new = dir.path().join("next.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
-    let prepared = chain.prepare_successor(&created, &options(true)).unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &options(true))
+        .unwrap();
     chain.write_at(&[0xA5; 4096], 300 * MIB).unwrap();
     assert!(
-        chain.needs_publish(),
+        chain.durability().needs_publish(),
         "the write needs no publish: the test does not test it"
     );
-    let next = chain.successor(prepared, &options(true)).unwrap();
-    next.publish().unwrap();
+    let next = chain
+        .handover()
+        .successor(prepared, &options(true))
+        .unwrap();
+    next.durability().publish().unwrap();
     assert!(
-        !chain.needs_publish(),
+        !chain.durability().needs_publish(),
         "the old top's change is still unpublished"
     );
     assert!(
         read_file_alone(&top, 300 * MIB) == vec![0xA5; 4096],
         "the next chain's publish left the old top's change out of its file"
     );
-    chain.retire(&next).unwrap();
+    chain.handover().retire(&next).unwrap();
     next.close().unwrap();
 }
 
@@ -505,14 +535,17 @@ fn a_death_between_the_switch_and_the_close_loses_nothing() {
     for &at in &places {
         chain.write_at(&[0xB2; 4096], at).unwrap();
         // What the daemon does before it completes such a write.
-        if chain.needs_publish() {
-            chain.publish().unwrap();
+        if chain.durability().needs_publish() {
+            chain.durability().publish().unwrap();
         }
     }
     let new = dir.path().join("next.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
-    let prepared = chain.prepare_successor(&created, &unlocked).unwrap();
-    let next = chain.successor(prepared, &unlocked).unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &unlocked)
+        .unwrap();
+    let next = chain.handover().successor(prepared, &unlocked).unwrap();
     next.write_at(&[0xB3; 4096], 2 * CLUSTER).unwrap();
     // The death: nothing closed, nothing dropped.
     std::mem::forget(next);
@@ -562,21 +595,24 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
     chain.write_at(&[0x11; 4096], 0).unwrap();
     let next_path = dir.path().join("next.qcow2");
     let created = indexing::snapshot_over(&chain, &top, &next_path, None).unwrap();
-    let prepared = chain.prepare_successor(&created, &indexed()).unwrap();
-    chain.sync_data().unwrap();
-    chain.publish().unwrap();
+    let prepared = chain
+        .handover()
+        .prepare_successor(&created, &indexed())
+        .unwrap();
+    chain.durability().sync_data().unwrap();
+    chain.durability().publish().unwrap();
     // Completed just before the pause: its mapping is in the old top's
     // writer and journal only.
     chain.write_at(&[0x22; 4096], 40 * CLUSTER).unwrap();
-    let next = chain.successor(prepared, &indexed()).unwrap();
+    let next = chain.handover().successor(prepared, &indexed()).unwrap();
 
     watch.fail_writes(true);
     assert!(
-        chain.retire(&next).is_err(),
+        chain.handover().retire(&next).is_err(),
         "the old top's tables cannot have reached its file"
     );
     assert!(
-        next.indexable_layers().is_none(),
+        next.index().indexable_layers().is_none(),
         "an index must not record an old top its file does not hold yet"
     );
     assert!(read(&next, 40 * CLUSTER) == vec![0x22; 4096]);
@@ -584,7 +620,7 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
     // Another snapshot: the old top left open is two layers down now.
     let third_path = dir.path().join("third.qcow2");
     let third = successor_with(&next, &next_path, &third_path, &indexed());
-    assert!(third.indexable_layers().is_none());
+    assert!(third.index().indexable_layers().is_none());
     let build = |chain: &Chain| {
         indexing::build_index(chain, sqcow2_format::Locking::Off, &mut |_, _| {}, &|| {
             false
@@ -594,7 +630,7 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
     watch.fail_writes(false);
     let built = build(&third).expect("the build closes the old top first");
     assert!(built.is_some(), "no index built");
-    assert!(third.is_indexed());
+    assert!(third.index().is_used());
     third.write_at(&[0x44; 4096], 42 * CLUSTER).unwrap();
     drop(chain);
     drop(next);
@@ -613,7 +649,7 @@ fn a_failed_close_of_the_old_top_is_tried_again_by_the_next_index_build() {
         );
     }
     let reopened = Chain::open(&third_path, &indexed()).unwrap();
-    assert!(reopened.is_indexed(), "{:?}", reopened.index_state());
+    assert!(reopened.index().is_used(), "{:?}", reopened.index().state());
     for (offset, byte) in [
         (0, 0x11),
         (40 * CLUSTER, 0x22),
@@ -816,7 +852,7 @@ impl SwitchAttempt {
         chain.write_at(&[fill; 4096], 0).unwrap();
         let new = dir.path().join("new.qcow2");
         let created = indexing::snapshot_over(&chain, &top, &new, None).unwrap();
-        let prepared = chain.prepare_successor(&created, &opts).unwrap();
+        let prepared = chain.handover().prepare_successor(&created, &opts).unwrap();
         let attempt = SwitchAttempt {
             dir,
             top,
@@ -870,7 +906,11 @@ fn a_failed_switch_never_lets_a_reader_in_under_the_writer() {
         .armed
         .store(true, std::sync::atomic::Ordering::SeqCst);
     assert!(
-        attempt.chain.successor(prepared, &attempt.opts).is_err(),
+        attempt
+            .chain
+            .handover()
+            .successor(prepared, &attempt.opts)
+            .is_err(),
         "the old top's header could not be read"
     );
     assert_eq!(
@@ -897,7 +937,11 @@ fn a_switch_whose_lock_change_fails_leaves_the_top_writing() {
     };
     assert!(journal_of(&attempt.top).exists());
     refuse(true);
-    assert!(attempt.chain.successor(prepared, &attempt.opts).is_err());
+    assert!(attempt
+        .chain
+        .handover()
+        .successor(prepared, &attempt.opts)
+        .is_err());
     refuse(false);
     // Its writer not closed by the dropped chain (which would end its
     // journal): still journaling the writes it takes.

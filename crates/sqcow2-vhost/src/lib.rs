@@ -2,11 +2,11 @@
 //! QEMU and Cloud Hypervisor guests. Three layers, each importing only
 //! the ones below it:
 //!
-//! * [`transport`]: the vhost-user protocol of a frontend connection,
+//! * `transport`: the vhost-user protocol of a frontend connection,
 //!   guest memory and the virtqueues in it;
-//! * [`device`]: the virtio-blk device on those queues, its workers,
+//! * `device`: the virtio-blk device on those queues, its workers,
 //!   engine threads and the served chain with its switch sequence;
-//! * [`daemon`]: the socket, sessions, signals and the control socket.
+//! * `daemon`: the socket, sessions, signals and the control socket.
 //!
 //! Beside them, two leaf utilities: `ratelimit` (log limits) and
 //! `realtime` (thread priorities).

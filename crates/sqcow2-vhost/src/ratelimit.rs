@@ -55,7 +55,7 @@ impl LogLimiter {
     }
 }
 
-/// `warn!` through a per-call-site [`LogLimiter`].
+/// `warn!` through a per-call-site `LogLimiter`.
 #[macro_export]
 macro_rules! limited_warn {
     ($($arg:tt)+) => {{

@@ -292,11 +292,11 @@ impl Active {
     }
 
     /// Refuses changes from now on, quietly: the image is a backing layer
-    /// of the chain a live snapshot made ([`crate::Chain::successor`]),
+    /// of the chain a live snapshot made ([`crate::Handover::successor`]),
     /// which reads the tables held here until
-    /// [`crate::Chain::retire`] has written them back and closed the
+    /// [`crate::Handover::retire`] has written them back and closed the
     /// image (or, if that failed, writes them back at its flushes until
-    /// [`crate::Chain::close_unclosed_below`] closes it; a process death
+    /// [`crate::Handover::close_unclosed_below`] closes it; a process death
     /// first leaves it to the next read-write open, which repairs it).
     /// Write-backs and the close still run.
     pub(crate) fn supersede(&self) {
@@ -356,6 +356,7 @@ impl Active {
     }
 
     /// Test hooks.
+    #[cfg(feature = "fault-injection")]
     pub(crate) fn faults(&self) -> &crate::fault::Faults {
         &self.top.faults
     }

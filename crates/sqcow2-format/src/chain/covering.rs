@@ -2,7 +2,7 @@
 //! for an older top covers the layers below that top only: the layers
 //! above it (below the current top) are *pending*, walked before the
 //! index is asked, until a newer index is built and installed while the
-//! chain serves ([`Chain::install_index`]).
+//! chain serves ([`crate::IndexView::install`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use crate::sqcow2_ext::{fingerprints, granularity_bits, IndexState};
 use crate::storage::{FileStorage, Storage};
 use crate::types::LayerIndex;
 
-use super::Chain;
+use super::{Chain, IndexView};
 
 /// The index in use, if any, with what `info` says about it.
 #[derive(Debug)]
@@ -34,7 +34,7 @@ impl IndexInUse {
     }
 }
 
-/// What [`Chain::install_index`] did.
+/// What [`crate::IndexView::install`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Installed {
     /// The index now serves lookups.
@@ -44,72 +44,6 @@ pub enum Installed {
 }
 
 impl Chain {
-    /// Whether and why the chain index is (not) used.
-    pub fn index_state(&self) -> IndexState {
-        self.index.load().state.clone()
-    }
-
-    /// Whether lookups currently go through a chain index.
-    pub fn is_indexed(&self) -> bool {
-        self.index.load().usable().is_some()
-    }
-
-    /// Layers between the index in use and the top, walked on every
-    /// lookup the top cannot answer (0 without an index, or when the
-    /// index covers every layer below the top).
-    pub fn pending_layers(&self) -> usize {
-        match self.index.load().usable() {
-            Some((_, upto)) => self.top_index().0 - 1 - upto.0,
-            None => 0,
-        }
-    }
-
-    /// The layers an index of this chain would cover now (every layer
-    /// below the top), `None` for a lone image, and while a live
-    /// snapshot's old top below is not closed (its file may lack tables
-    /// the chain reads from its writer: [`Chain::retire`]).
-    pub fn indexable_layers(&self) -> Option<LayerIndex> {
-        if !self.unclosed_below().is_empty() {
-            return None;
-        }
-        self.top_index().0.checked_sub(1).map(LayerIndex)
-    }
-
-    /// Starts using the index at `path` (built for a top of this chain or
-    /// for this chain's top) when it covers more layers than the index in
-    /// use: its fingerprints must match the layers as this process opened
-    /// them. Lookups that started before go on with the old index, which
-    /// gives the same answers.
-    ///
-    /// The layers' autoclear bits, which tell of a writer that does not
-    /// know the index, are checked when a chain is opened; while this
-    /// chain is open its image locks keep such writers away.
-    pub fn install_index(&self, path: &Path) -> Result<Installed, Error> {
-        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
-        let file =
-            crate::sidefile::open_side_file(path).map_err(|e| stale(Stale::from_open_error(&e)))?;
-        self.install_index_file(path, file)
-    }
-
-    /// [`Chain::install_index`] of an index [`crate::indexing::build_index`]
-    /// just built: opened through the directory it was made in (no name
-    /// resolved again), and only if it is still the file made.
-    pub fn install_built(&self, report: &crate::indexing::BuildReport) -> Result<Installed, Error> {
-        let Some(made) = &report.file else {
-            return self.install_index(&report.index);
-        };
-        let path = &report.index;
-        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
-        let file = made
-            .dir()
-            .open_file(made.place().name(), false)
-            .map_err(|e| stale(Stale::from_open_error(&e)))?;
-        if crate::sidefile::file_id(&file).ok() != Some(made.id()) {
-            return Err(Error::new(path, ErrorKind::FileReplaced));
-        }
-        self.install_index_file(path, file)
-    }
-
     fn install_index_file(&self, path: &Path, file: std::fs::File) -> Result<Installed, Error> {
         let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
         let storage: Arc<dyn Storage> = Arc::new(FileStorage::from_file(file));
@@ -170,4 +104,72 @@ pub(crate) fn backing_name(layer: &crate::layer::Layer) -> Vec<u8> {
         .and_then(|h| h.backing_file.as_ref())
         .map(|p| p.as_os_str().as_bytes().to_vec())
         .unwrap_or_default()
+}
+
+impl IndexView<'_> {
+    /// Whether and why the chain index is (not) used.
+    pub fn state(&self) -> IndexState {
+        self.chain.index.load().state.clone()
+    }
+
+    /// Whether lookups currently go through a chain index.
+    pub fn is_used(&self) -> bool {
+        self.chain.index.load().usable().is_some()
+    }
+
+    /// Layers between the index in use and the top, walked on every
+    /// lookup the top cannot answer (0 without an index, or when the
+    /// index covers every layer below the top).
+    pub fn pending_layers(&self) -> usize {
+        match self.chain.index.load().usable() {
+            Some((_, upto)) => self.chain.top_index().0 - 1 - upto.0,
+            None => 0,
+        }
+    }
+
+    /// The layers an index of this chain would cover now (every layer
+    /// below the top), `None` for a lone image, and while a live
+    /// snapshot's old top below is not closed (its file may lack tables
+    /// the chain reads from its writer: [`crate::Handover::retire`]).
+    pub fn indexable_layers(&self) -> Option<LayerIndex> {
+        if !self.chain.unclosed_below().is_empty() {
+            return None;
+        }
+        self.chain.top_index().0.checked_sub(1).map(LayerIndex)
+    }
+
+    /// Starts using the index at `path` (built for a top of this chain or
+    /// for this chain's top) when it covers more layers than the index in
+    /// use: its fingerprints must match the layers as this process opened
+    /// them. Lookups that started before go on with the old index, which
+    /// gives the same answers.
+    ///
+    /// The layers' autoclear bits, which tell of a writer that does not
+    /// know the index, are checked when a chain is opened; while this
+    /// chain is open its image locks keep such writers away.
+    pub fn install(&self, path: &Path) -> Result<Installed, Error> {
+        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
+        let file =
+            crate::sidefile::open_side_file(path).map_err(|e| stale(Stale::from_open_error(&e)))?;
+        self.chain.install_index_file(path, file)
+    }
+
+    /// [`crate::IndexView::install`] of an index [`crate::indexing::build_index`]
+    /// just built: opened through the directory it was made in (no name
+    /// resolved again), and only if it is still the file made.
+    pub fn install_built(&self, report: &crate::indexing::BuildReport) -> Result<Installed, Error> {
+        let Some(made) = &report.file else {
+            return self.install(&report.index);
+        };
+        let path = &report.index;
+        let stale = |reason: Stale| Error::new(path, ErrorKind::IndexStale(reason.to_string()));
+        let file = made
+            .dir()
+            .open_file(made.place().name(), false)
+            .map_err(|e| stale(Stale::from_open_error(&e)))?;
+        if crate::sidefile::file_id(&file).ok() != Some(made.id()) {
+            return Err(Error::new(path, ErrorKind::FileReplaced));
+        }
+        self.chain.install_index_file(path, file)
+    }
 }

@@ -14,7 +14,7 @@ use crate::storage::ReadPattern;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 use std::sync::Arc;
 
-use super::{Chain, Extent, ExtentKind, UnclosedTop};
+use super::{Chain, Durability, Extent, ExtentKind, Transfers, UnclosedTop};
 use crate::active::{Active, Zeroing};
 
 /// A run of guest bytes to read, and where its data is.
@@ -56,108 +56,6 @@ impl Chain {
             Ok(())
         } else {
             Err(Error::new(self.top().path(), ErrorKind::ForeignTicket))
-        }
-    }
-
-    /// A ticket for a transfer about to look mappings up; hold it until the
-    /// transfer's data has moved.
-    pub fn begin_transfer(&self) -> TransferTicket {
-        self.fence.begin()
-    }
-
-    /// Transfers in flight (tickets held).
-    pub fn transfers_in_flight(&self) -> usize {
-        self.fence.in_flight()
-    }
-
-    /// The first run of `[start, start + max)` with one mapping, for a read
-    /// transfer that holds `ticket`; counts a data read of the layer.
-    pub fn resolve_for_read(
-        &self,
-        ticket: &TransferTicket,
-        start: GuestOffset,
-        max: u64,
-    ) -> Result<ReadExtent, Error> {
-        self.check_ticket(ticket)?;
-        self.check_range(start.0, max)?;
-        let extent = self.resolve(start, max, false)?;
-        let file = match extent.kind {
-            ExtentKind::Data { .. } => {
-                self.storage_of(extent.layer).pinned_file().map_err(|e| {
-                    let kind = match e.kind() {
-                        std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
-                        _ => e.into(),
-                    };
-                    Error::new(self.layers[extent.layer.0].path(), kind)
-                })?
-            }
-            _ => None,
-        };
-        if !matches!(extent.kind, ExtentKind::Zero { .. }) {
-            self.count_data_read(extent.layer);
-        }
-        Ok(ReadExtent { extent, file })
-    }
-
-    /// [`Chain::resolve_for_read`] from cached metadata only: `None` when
-    /// it would have to read a metadata slice from a file (the caller then
-    /// resolves where it may wait). For threads that serve many requests
-    /// and must not stall them on one cache miss.
-    pub fn try_resolve_for_read(
-        &self,
-        ticket: &TransferTicket,
-        start: GuestOffset,
-        max: u64,
-    ) -> Result<Option<ReadExtent>, Error> {
-        let _scope = crate::nowait::NoMetadataIo::enter();
-        match self.resolve_for_read(ticket, start, max) {
-            Ok(read) => Ok(Some(read)),
-            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Where a write of `len` bytes at guest `offset` (within one cluster)
-    /// may go straight to the top's file, for a transfer that holds
-    /// `ticket`: `None` when the write needs the engine (allocation,
-    /// copy-on-write, zero, compressed or shared cluster).
-    pub fn in_place_target(
-        &self,
-        ticket: &TransferTicket,
-        offset: GuestOffset,
-        len: u64,
-    ) -> Result<Option<InPlaceTarget>, Error> {
-        self.check_ticket(ticket)?;
-        self.check_range(offset.0, len)?;
-        let active = self.active()?;
-        let cluster_size = self.cluster_size();
-        if len == 0 || offset.0 % cluster_size + len > cluster_size {
-            return Ok(None);
-        }
-        let Some(host) = active.in_place_target(offset, len)? else {
-            return Ok(None);
-        };
-        let file = self
-            .top()
-            .storage()
-            .pinned_file()
-            .map_err(|e| Error::new(self.top().path(), e.into()))?;
-        Ok(Some(InPlaceTarget { host, file }))
-    }
-
-    /// [`Chain::in_place_target`] from cached metadata only: `None` also
-    /// when telling would need a metadata read (the write then goes
-    /// through the engine, which may wait).
-    pub fn try_in_place_target(
-        &self,
-        ticket: &TransferTicket,
-        offset: GuestOffset,
-        len: u64,
-    ) -> Result<Option<InPlaceTarget>, Error> {
-        let _scope = crate::nowait::NoMetadataIo::enter();
-        match self.in_place_target(ticket, offset, len) {
-            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
-            other => other,
         }
     }
 
@@ -318,85 +216,13 @@ impl Chain {
         })
     }
 
-    /// Writes the metadata of every completed write, discard and
-    /// write-zeroes to the top's file (the kernel's page cache), without
-    /// the final sync of a flush: once it returns, a death of this process
-    /// (`kill -9`, a crash, an upgrade) loses none of them, and every file
-    /// is consistent for a reader. The data and refcounts the new mappings
-    /// point to are synced first, so a power loss before the next
-    /// [`Chain::flush`] leaves at worst leaked clusters, as always. Cheap
-    /// when nothing changed. A daemon calls it before it completes a write
-    /// that [`Chain::needs_publish`], and in the background as a
-    /// checkpoint of the journal (concurrent calls are served in turn;
-    /// batch them). After a live snapshot, until the old top is closed,
-    /// what the old top still needs published (a change made before the
-    /// switch) is published too, which may wait for that close.
-    pub fn publish(&self) -> Result<(), Error> {
-        if let Some(active) = &self.active {
-            active.publish()?;
-        }
-        for below in self.unclosed_below() {
-            if below.writer.needs_publish() {
-                below.writer.publish()?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether an early write-back of the top's tables is due and left to
-    /// the caller ([`crate::ChainOptions::background_write_back`]): true
-    /// once per time it became due, and the caller then runs
-    /// [`Chain::publish`], off the path of any request.
-    pub fn take_write_back_due(&self) -> bool {
-        self.active
-            .as_ref()
-            .is_some_and(|a| a.take_write_back_due())
-    }
-
-    /// Whether a completed change is neither in the mapping journal nor
-    /// in the file yet, so that [`Chain::publish`] must run before a
-    /// process death could not lose it (always false for a read-only
-    /// chain). Cheap: a caller asks before it completes each write. With
-    /// a journal (qcow2 v3 whose directory can hold `<top>.sqjournal`),
-    /// only changes whose L2 table is not in the file yet need it.
-    pub fn needs_publish(&self) -> bool {
-        self.active.as_ref().is_some_and(|a| a.needs_publish())
-    }
-
-    /// For a chain opened read-only: the changes a writer of the top that
-    /// did not close it left in its mapping journal (this boot's, still
-    /// named by the image) and that are not in the image yet; a
-    /// read-write open replays them. `None`: no such journal.
-    pub fn journal_pending(&self) -> Option<usize> {
-        if self.active.is_some() {
-            return None;
-        }
-        let top = self.top();
-        crate::active::pending_journal(
-            self.top_place.as_ref()?,
-            top.storage().file_id(),
-            top.header()?,
-        )
-    }
-
-    /// Journal records that no checkpoint ([`Chain::publish`]) covers yet.
-    pub fn journal_backlog(&self) -> u64 {
-        self.active.as_ref().map_or(0, |a| a.journal_backlog())
-    }
-
-    /// Whether completed changes are journaled now (see
-    /// [`Chain::needs_publish`]).
-    pub fn journaled(&self) -> bool {
-        self.active.as_ref().is_some_and(|a| a.journaled())
-    }
-
     /// Makes every completed write durable, metadata in crash-safe order.
     /// Clusters released before it become reusable once every transfer
     /// that may still use them has ended (now, or at a later flush); it
     /// never waits for a transfer, so it may be called from anywhere, a
     /// ticket holder included.
     /// After a live snapshot, until the old top is closed
-    /// ([`Chain::retire`], [`Chain::close_unclosed_below`]), the old top
+    /// ([`crate::Handover::retire`], [`crate::Handover::close_unclosed_below`]), the old top
     /// is flushed too (its last tables
     /// written back, the file synced): writes the guest completed there
     /// before the switch are durable once a flush after it completes.
@@ -408,7 +234,7 @@ impl Chain {
     }
 
     /// Flushes the old tops live snapshots left below this chain's top
-    /// whose writers have not closed them (see [`Chain::successor`]).
+    /// whose writers have not closed them (see [`crate::Handover::successor`]).
     fn flush_below(&self) -> Result<(), Error> {
         for below in self.unclosed_below() {
             below.writer.flush(&below.fence)?;
@@ -434,21 +260,6 @@ impl Chain {
             .retain(|b| !Arc::ptr_eq(&b.writer, writer));
     }
 
-    /// Syncs the writable top's file as it is (the data written so far),
-    /// writing no metadata back and holding nothing a writer waits for: a
-    /// [`Chain::flush`] right after has little left to sync while it holds
-    /// the flush order, which writes that must publish wait for. A
-    /// read-only chain has nothing to sync.
-    pub fn sync_data(&self) -> Result<(), Error> {
-        if self.active.is_none() {
-            return Ok(());
-        }
-        let top = self.top();
-        top.storage()
-            .sync()
-            .map_err(|e| Error::new(top.path(), e.into()))
-    }
-
     /// Flushes like [`Chain::close`] (lazy refcounts written, dirty bit
     /// cleared, old tops left open below closed) but keeps the chain open:
     /// the images are clean for any reader until the next write.
@@ -456,18 +267,18 @@ impl Chain {
         if let Some(active) = &self.active {
             active.close(&self.fence)?;
         }
-        self.close_unclosed_below()
+        self.handover().close_unclosed_below()
     }
 
     /// Flushes and leaves the image clean (clears the dirty bit of lazy
     /// refcounts), and closes the old tops live snapshots left open below
-    /// it ([`Chain::close_unclosed_below`]). Read-only chains close
+    /// it ([`crate::Handover::close_unclosed_below`]). Read-only chains close
     /// trivially.
     pub fn close(mut self) -> Result<(), Error> {
         if let Some(active) = self.active.take() {
             active.close(&self.fence)?;
         }
-        self.close_unclosed_below()
+        self.handover().close_unclosed_below()
     }
 }
 
@@ -490,7 +301,7 @@ impl Drop for Chain {
         if let Err(e) = active.close(&self.fence) {
             tracing::error!(path = %self.top().path().display(), error = %e, "closing the image failed");
         }
-        if let Err(e) = self.close_unclosed_below() {
+        if let Err(e) = self.handover().close_unclosed_below() {
             tracing::error!(error = %e, "closing an old top of a live snapshot failed: the next read-write open repairs it");
         }
     }
@@ -518,6 +329,210 @@ impl crate::active::Below for BelowTop<'_> {
         match self.0.top_index().0.checked_sub(1) {
             Some(i) => self.0.reads_as_zeros_from(LayerIndex(i), at.0, len),
             None => Ok(true),
+        }
+    }
+}
+
+impl Durability<'_> {
+    /// Writes the metadata of every completed write, discard and
+    /// write-zeroes to the top's file (the kernel's page cache), without
+    /// the final sync of a flush: once it returns, a death of this process
+    /// (`kill -9`, a crash, an upgrade) loses none of them, and every file
+    /// is consistent for a reader. The data and refcounts the new mappings
+    /// point to are synced first, so a power loss before the next
+    /// [`Chain::flush`] leaves at worst leaked clusters, as always. Cheap
+    /// when nothing changed. A daemon calls it before it completes a write
+    /// that [`crate::Durability::needs_publish`], and in the background as a
+    /// checkpoint of the journal (concurrent calls are served in turn;
+    /// batch them). After a live snapshot, until the old top is closed,
+    /// what the old top still needs published (a change made before the
+    /// switch) is published too, which may wait for that close.
+    pub fn publish(&self) -> Result<(), Error> {
+        if let Some(active) = &self.chain.active {
+            active.publish()?;
+        }
+        for below in self.chain.unclosed_below() {
+            if below.writer.needs_publish() {
+                below.writer.publish()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether an early write-back of the top's tables is due and left to
+    /// the caller ([`crate::ChainOptions::background_write_back`]): true
+    /// once per time it became due, and the caller then runs
+    /// [`crate::Durability::publish`], off the path of any request.
+    pub fn take_write_back_due(&self) -> bool {
+        self.chain
+            .active
+            .as_ref()
+            .is_some_and(|a| a.take_write_back_due())
+    }
+
+    /// Whether a completed change is neither in the mapping journal nor
+    /// in the file yet, so that [`crate::Durability::publish`] must run before a
+    /// process death could not lose it (always false for a read-only
+    /// chain). Cheap: a caller asks before it completes each write. With
+    /// a journal (qcow2 v3 whose directory can hold `<top>.sqjournal`),
+    /// only changes whose L2 table is not in the file yet need it.
+    pub fn needs_publish(&self) -> bool {
+        self.chain
+            .active
+            .as_ref()
+            .is_some_and(|a| a.needs_publish())
+    }
+
+    /// For a chain opened read-only: the changes a writer of the top that
+    /// did not close it left in its mapping journal (this boot's, still
+    /// named by the image) and that are not in the image yet; a
+    /// read-write open replays them. `None`: no such journal.
+    pub fn journal_pending(&self) -> Option<usize> {
+        if self.chain.active.is_some() {
+            return None;
+        }
+        let top = self.chain.top();
+        crate::active::pending_journal(
+            self.chain.top_place.as_ref()?,
+            top.storage().file_id(),
+            top.header()?,
+        )
+    }
+
+    /// Journal records that no checkpoint ([`crate::Durability::publish`]) covers yet.
+    pub fn journal_backlog(&self) -> u64 {
+        self.chain
+            .active
+            .as_ref()
+            .map_or(0, |a| a.journal_backlog())
+    }
+
+    /// Whether completed changes are journaled now (see
+    /// [`crate::Durability::needs_publish`]).
+    pub fn journaled(&self) -> bool {
+        self.chain.active.as_ref().is_some_and(|a| a.journaled())
+    }
+
+    /// Syncs the writable top's file as it is (the data written so far),
+    /// writing no metadata back and holding nothing a writer waits for: a
+    /// [`Chain::flush`] right after has little left to sync while it holds
+    /// the flush order, which writes that must publish wait for. A
+    /// read-only chain has nothing to sync.
+    pub fn sync_data(&self) -> Result<(), Error> {
+        if self.chain.active.is_none() {
+            return Ok(());
+        }
+        let top = self.chain.top();
+        top.storage()
+            .sync()
+            .map_err(|e| Error::new(top.path(), e.into()))
+    }
+}
+
+impl Transfers<'_> {
+    /// A ticket for a transfer about to look mappings up; hold it until the
+    /// transfer's data has moved.
+    pub fn begin(&self) -> TransferTicket {
+        self.chain.fence.begin()
+    }
+
+    /// Transfers in flight (tickets held).
+    pub fn in_flight(&self) -> usize {
+        self.chain.fence.in_flight()
+    }
+
+    /// The first run of `[start, start + max)` with one mapping, for a read
+    /// transfer that holds `ticket`; counts a data read of the layer.
+    pub fn resolve_for_read(
+        &self,
+        ticket: &TransferTicket,
+        start: GuestOffset,
+        max: u64,
+    ) -> Result<ReadExtent, Error> {
+        self.chain.check_ticket(ticket)?;
+        self.chain.check_range(start.0, max)?;
+        let extent = self.chain.resolve(start, max, false)?;
+        let file = match extent.kind {
+            ExtentKind::Data { .. } => {
+                self.chain
+                    .storage_of(extent.layer)
+                    .pinned_file()
+                    .map_err(|e| {
+                        let kind = match e.kind() {
+                            std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
+                            _ => e.into(),
+                        };
+                        Error::new(self.chain.layers[extent.layer.0].path(), kind)
+                    })?
+            }
+            _ => None,
+        };
+        if !matches!(extent.kind, ExtentKind::Zero { .. }) {
+            self.chain.count_data_read(extent.layer);
+        }
+        Ok(ReadExtent { extent, file })
+    }
+
+    /// [`crate::Transfers::resolve_for_read`] from cached metadata only: `None` when
+    /// it would have to read a metadata slice from a file (the caller then
+    /// resolves where it may wait). For threads that serve many requests
+    /// and must not stall them on one cache miss.
+    pub fn try_resolve_for_read(
+        &self,
+        ticket: &TransferTicket,
+        start: GuestOffset,
+        max: u64,
+    ) -> Result<Option<ReadExtent>, Error> {
+        let _scope = crate::nowait::NoMetadataIo::enter();
+        match self.chain.transfers().resolve_for_read(ticket, start, max) {
+            Ok(read) => Ok(Some(read)),
+            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Where a write of `len` bytes at guest `offset` (within one cluster)
+    /// may go straight to the top's file, for a transfer that holds
+    /// `ticket`: `None` when the write needs the engine (allocation,
+    /// copy-on-write, zero, compressed or shared cluster).
+    pub fn in_place_target(
+        &self,
+        ticket: &TransferTicket,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<Option<InPlaceTarget>, Error> {
+        self.chain.check_ticket(ticket)?;
+        self.chain.check_range(offset.0, len)?;
+        let active = self.chain.active()?;
+        let cluster_size = self.chain.cluster_size();
+        if len == 0 || offset.0 % cluster_size + len > cluster_size {
+            return Ok(None);
+        }
+        let Some(host) = active.in_place_target(offset, len)? else {
+            return Ok(None);
+        };
+        let file = self
+            .chain
+            .top()
+            .storage()
+            .pinned_file()
+            .map_err(|e| Error::new(self.chain.top().path(), e.into()))?;
+        Ok(Some(InPlaceTarget { host, file }))
+    }
+
+    /// [`crate::Transfers::in_place_target`] from cached metadata only: `None` also
+    /// when telling would need a metadata read (the write then goes
+    /// through the engine, which may wait).
+    pub fn try_in_place_target(
+        &self,
+        ticket: &TransferTicket,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<Option<InPlaceTarget>, Error> {
+        let _scope = crate::nowait::NoMetadataIo::enter();
+        match self.chain.transfers().in_place_target(ticket, offset, len) {
+            Err(e) if matches!(e.kind, ErrorKind::WouldBlock) => Ok(None),
+            other => other,
         }
     }
 }

@@ -85,8 +85,8 @@ pub struct ChainOptions {
     /// Early write-backs of the top's tables (when those under change
     /// outgrow their share of the cache) are left to the caller instead
     /// of run by the write that finds them due, so that no request waits
-    /// for their syncs: [`Chain::take_write_back_due`] says when, and
-    /// [`Chain::publish`] does it (a server's background thread). A write
+    /// for their syncs: [`crate::Durability::take_write_back_due`] says when, and
+    /// [`crate::Durability::publish`] does it (a server's background thread). A write
     /// that finds them far over their share (4x) still writes them back
     /// itself, so memory stays bounded.
     pub background_write_back: bool,
@@ -190,14 +190,52 @@ pub struct Chain {
     /// Regions of the top that hold nothing (indexed mode only).
     summary: Option<Arc<TopSummary>>,
     /// Layers below the top that were tops of the chains this one follows
-    /// and whose writers have not closed them yet ([`Chain::successor`];
+    /// and whose writers have not closed them yet ([`crate::Handover::successor`];
     /// carried on from chain to chain): each flush writes their tables
-    /// back and syncs them too, until [`Chain::retire`] (or, after a
-    /// failed one, [`Chain::close_unclosed_below`]) has closed each.
+    /// back and syncs them too, until [`crate::Handover::retire`] (or, after a
+    /// failed one, [`crate::Handover::close_unclosed_below`]) has closed each.
     unclosed_below: std::sync::Mutex<Vec<UnclosedTop>>,
     /// Where the top is: its directory, opened once, in which its side
     /// files (journal, index) are made by name.
     top_place: Option<crate::sidefile::ImagePlace>,
+}
+
+/// Guest I/O that the caller moves itself (io_uring straight between the
+/// files and guest memory, [`Chain::transfers`]): mappings looked up under
+/// a [`crate::TransferTicket`] that keeps the clusters they name from
+/// being reused until the transfer ends.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfers<'a> {
+    chain: &'a Chain,
+}
+
+/// The chain index a chain uses ([`Chain::index`]): whether and how far
+/// it serves lookups, its entries, and installing a newer one.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexView<'a> {
+    chain: &'a Chain,
+}
+
+/// How a writable chain's changes become durable ([`Chain::durability`]):
+/// the mapping journal, publishing mappings in crash-safe order, and the
+/// background write-back a server's flusher runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Durability<'a> {
+    chain: &'a Chain,
+}
+
+/// Handing a chain over to the next one (a live snapshot's successor, a
+/// merge's reopened chain) and retiring it ([`Chain::handover`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Handover<'a> {
+    chain: &'a Chain,
+}
+
+/// What a chain costs and does, for stats and benchmarks
+/// ([`Chain::diagnostics`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Diagnostics<'a> {
+    chain: &'a Chain,
 }
 
 /// A live snapshot's old top below a chain's top whose writer has not
@@ -261,41 +299,8 @@ impl Chain {
         })
     }
 
-    /// Statistics of the unified cache.
-    pub fn cache_stats(&self) -> StatsSnapshot {
-        self.cache.stats().snapshot()
-    }
-
-    /// Bytes held by per-layer structures and the index's tables, outside
-    /// the cache (whose bytes [`Chain::cache_stats`] reports).
-    pub fn metadata_structure_bytes(&self) -> u64 {
-        let layers: u64 = self.layers.iter().map(Layer::heap_bytes).sum();
-        let counters = self.data_reads.len() as u64 * 8;
-        let index = self
-            .index
-            .load()
-            .covering
-            .as_ref()
-            .map_or(0, |(i, _)| i.heap_bytes());
-        layers + counters + index
-    }
-
-    /// Empties the metadata cache (benchmarks of cold lookups).
-    pub fn clear_cache(&self) {
-        self.cache.clear();
-        self.resolved.forget_lookups();
-    }
-
-    /// Data reads served by each layer (base first).
-    pub fn data_reads_per_layer(&self) -> Vec<u64> {
-        self.data_reads
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect()
-    }
-
     /// Counts a data read from `layer` done by a caller that reads the
-    /// host file itself (see [`Chain::data_reads_per_layer`]).
+    /// host file itself (see [`crate::Diagnostics::data_reads_per_layer`]).
     /// The storage of layer `index`.
     pub(crate) fn storage_of(&self, index: LayerIndex) -> &Arc<dyn Storage> {
         &self.storages[index.0]
@@ -357,26 +362,91 @@ impl Chain {
         }
     }
 
-    /// Refuses writes from now on, quietly, and its drop closes nothing:
-    /// another chain of the same files (a merge's switch) owns the top
-    /// now.
-    pub fn hand_over(&self) {
-        if let Some(a) = &self.active {
-            a.hand_over();
-        }
-    }
-
     /// Test hook: the writable engine panics at the `nth` next hit of
-    /// `point` (cargo feature `fault-injection`; without it, nothing).
+    /// `point` (cargo feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
     pub fn arm_fault(&self, point: crate::fault::FaultPoint, nth: u32) {
         if let Some(a) = &self.active {
             a.faults().arm(point, nth);
         }
     }
 
+    /// Guest I/O the caller moves itself.
+    pub fn transfers(&self) -> Transfers<'_> {
+        Transfers { chain: self }
+    }
+
+    /// The chain index in use.
+    pub fn index(&self) -> IndexView<'_> {
+        IndexView { chain: self }
+    }
+
+    /// How changes become durable.
+    pub fn durability(&self) -> Durability<'_> {
+        Durability { chain: self }
+    }
+
+    /// Handing the chain over to the next one.
+    pub fn handover(&self) -> Handover<'_> {
+        Handover { chain: self }
+    }
+
+    /// Cache and read statistics.
+    pub fn diagnostics(&self) -> Diagnostics<'_> {
+        Diagnostics { chain: self }
+    }
+
     pub(crate) fn active(&self) -> Result<&Active, Error> {
         self.active
             .as_deref()
             .ok_or_else(|| Error::new(self.top().path(), ErrorKind::ReadOnly))
+    }
+}
+
+impl Diagnostics<'_> {
+    /// Statistics of the unified cache.
+    pub fn cache(&self) -> StatsSnapshot {
+        self.chain.cache.stats().snapshot()
+    }
+
+    /// Bytes held by per-layer structures and the index's tables, outside
+    /// the cache (whose bytes [`crate::Diagnostics::cache`] reports).
+    pub fn metadata_structure_bytes(&self) -> u64 {
+        let layers: u64 = self.chain.layers.iter().map(Layer::heap_bytes).sum();
+        let counters = self.chain.data_reads.len() as u64 * 8;
+        let index = self
+            .chain
+            .index
+            .load()
+            .covering
+            .as_ref()
+            .map_or(0, |(i, _)| i.heap_bytes());
+        layers + counters + index
+    }
+
+    /// Empties the metadata cache (benchmarks of cold lookups).
+    pub fn clear_cache(&self) {
+        self.chain.cache.clear();
+        self.chain.resolved.forget_lookups();
+    }
+
+    /// Data reads served by each layer (base first).
+    pub fn data_reads_per_layer(&self) -> Vec<u64> {
+        self.chain
+            .data_reads
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+impl Handover<'_> {
+    /// Refuses writes from now on, quietly, and its drop closes nothing:
+    /// another chain of the same files (a merge's switch) owns the top
+    /// now.
+    pub fn release_top(&self) {
+        if let Some(a) = &self.chain.active {
+            a.hand_over();
+        }
     }
 }

@@ -13,7 +13,7 @@ use crate::layer::{Layer, LayerStatus};
 use crate::sqcow2_ext::granularity_bits;
 use crate::types::{GuestOffset, HostOffset, LayerIndex};
 
-use super::{Chain, Extent, ExtentKind};
+use super::{Chain, Extent, ExtentKind, IndexView};
 
 impl Chain {
     pub(super) fn layer_status(
@@ -48,7 +48,7 @@ impl Chain {
     /// For read-outs (map, convert's hole detection, lookup benchmarks).
     /// A caller that moves data at the host offsets itself must hold a
     /// [`crate::TransferTicket`] from before the lookup: use
-    /// [`Chain::resolve_for_read`], which takes it.
+    /// [`crate::Transfers::resolve_for_read`], which takes it.
     pub fn resolve(&self, start: GuestOffset, max: u64, precise: bool) -> Result<Extent, Error> {
         let index = self.index.load();
         let covering = index.usable();
@@ -250,153 +250,6 @@ impl Chain {
         }))
     }
 
-    /// The raw index entry of `chunk`, when an index is in use (it
-    /// answers for the layers [`Chain::index_covers`] says); an error
-    /// once the index was given up (a slice unreadable or failing its
-    /// checksum).
-    pub fn index_entry(&self, chunk: u64) -> Result<Option<IndexEntry>, Error> {
-        let in_use = self.index.load();
-        let Some((index, _)) = in_use.covering.as_ref() else {
-            return Ok(None);
-        };
-        match index.entry(chunk, &self.cache) {
-            Ok(None) if !index.usable() => Err(Error::new(
-                index.path(),
-                ErrorKind::IndexStale(index.given_up_because().unwrap_or_default().into()),
-            )),
-            got => got.map_err(|k| Error::new(index.path(), k)),
-        }
-    }
-
-    /// The highest layer the index in use covers.
-    pub fn index_covers(&self) -> Option<LayerIndex> {
-        self.index.load().usable().map(|(_, upto)| upto)
-    }
-
-    /// The geometry of an index of layers `0..=upto` over
-    /// `[0, covered_size)`.
-    pub fn index_geometry(&self, upto: LayerIndex, covered_size: u64) -> IndexGeometry {
-        IndexGeometry {
-            granularity_bits: granularity_bits(&self.layers, upto.0),
-            covered_size,
-        }
-    }
-
-    /// The index entry of every chunk of `geometry`, in order, as layers
-    /// `0..=upto` resolve it, given to `each`. Where the layers above the
-    /// index in use (up to `upto`) hold nothing, its entries are taken as
-    /// they are: building the index of a new top reads the old index and
-    /// the layers it does not cover, not the whole chain. `progress(done,
-    /// total)` is called as chunks are resolved.
-    pub fn index_entries(
-        &self,
-        upto: LayerIndex,
-        geometry: IndexGeometry,
-        each: &mut dyn FnMut(IndexEntry) -> Result<(), Error>,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<(), Error> {
-        let cs = geometry.chunk_size();
-        let chunks = geometry.chunks();
-        let size = self.layers[upto.0].virtual_size();
-        let guard = self.index.load();
-        // An index in use with the same layout, covering layers up to
-        // `upto` or fewer: where the layers above it hold nothing, its
-        // entries are the answer.
-        let extending = guard
-            .usable()
-            .filter(|(ci, covers)| covers.0 <= upto.0 && ci.geometry() == geometry);
-        let mut held = HeldSlice::default();
-        let mut chunk = 0u64;
-        while chunk < chunks {
-            let start = chunk * cs;
-            if start >= size {
-                each(IndexEntry::None)?;
-                chunk += 1;
-                continue;
-            }
-            if let Some((ci, covers)) = extending {
-                let mut free = size - start;
-                for layer in (covers.0 + 1..=upto.0).rev() {
-                    // Past a layer's end, the layers below it do not show
-                    // (zeros): no entry of the old index holds there.
-                    let end = self.layers[layer].virtual_size();
-                    if start >= end {
-                        free = 0;
-                        break;
-                    }
-                    free = free.min(end - start);
-                    let (status, n) =
-                        self.layer_status(LayerIndex(layer), GuestOffset(start), free, false)?;
-                    if !matches!(status, LayerStatus::Unallocated { .. }) {
-                        free = 0;
-                        break;
-                    }
-                    free = free.min(n);
-                }
-                if free >= cs {
-                    let before = chunk;
-                    let end = (chunk + free / cs).min(chunks);
-                    while chunk < end {
-                        match held.entry(ci, chunk, &self.cache) {
-                            Some(old) => each(old)?,
-                            None => break,
-                        }
-                        chunk += 1;
-                    }
-                    if chunk > before {
-                        progress(chunk.min(chunks), chunks);
-                        continue;
-                    }
-                }
-            }
-            let extent = self.resolve_from(upto, GuestOffset(start), size - start, false)?;
-            let whole = (extent.len / cs).min(chunks - chunk);
-            if whole == 0 {
-                // The mapping changes inside this chunk (a layer ends here).
-                each(IndexEntry::Walk)?;
-                chunk += 1;
-                continue;
-            }
-            for k in 0..whole {
-                let delta = k * cs;
-                each(match extent.kind {
-                    ExtentKind::Data { host } => IndexEntry::Data {
-                        layer: extent.layer.0 as u32,
-                        host: host.0 + delta,
-                    },
-                    ExtentKind::Compressed(_) => {
-                        // Re-read the layer's entry: the descriptor as stored.
-                        let layer = &self.layers[extent.layer.0];
-                        let l2_entry = match layer {
-                            Layer::Qcow2(q) => q
-                                .raw_l2_entry(
-                                    extent.layer,
-                                    extent.start.0 + delta,
-                                    &self.cache,
-                                    self.slice_size,
-                                )
-                                .with_path(layer.path())?,
-                            Layer::Raw(_) => 0,
-                        };
-                        IndexEntry::Compressed {
-                            layer: extent.layer.0 as u32,
-                            l2_entry,
-                        }
-                    }
-                    ExtentKind::Zero {
-                        allocated: true, ..
-                    } => IndexEntry::Zero {
-                        layer: extent.layer.0 as u32,
-                    },
-                    ExtentKind::Zero { .. } => IndexEntry::None,
-                })?;
-            }
-            chunk += whole;
-            progress(chunk.min(chunks), chunks);
-        }
-        Ok(())
-    }
-
     /// The whole disk as extents, merged the way `qemu-img map` merges them.
     pub fn map(&self, mut each: impl FnMut(&Extent)) -> Result<(), Error> {
         let size = self.virtual_size();
@@ -482,4 +335,159 @@ pub fn backing_path_of(layer: &Layer) -> Option<PathBuf> {
     let header = layer.header()?;
     let name = header.backing_file.as_ref()?;
     resolve_backing_path(layer.path(), name).ok()
+}
+
+impl IndexView<'_> {
+    /// The raw index entry of `chunk`, when an index is in use (it
+    /// answers for the layers [`crate::IndexView::covers`] says); an error
+    /// once the index was given up (a slice unreadable or failing its
+    /// checksum).
+    pub fn entry(&self, chunk: u64) -> Result<Option<IndexEntry>, Error> {
+        let in_use = self.chain.index.load();
+        let Some((index, _)) = in_use.covering.as_ref() else {
+            return Ok(None);
+        };
+        match index.entry(chunk, &self.chain.cache) {
+            Ok(None) if !index.usable() => Err(Error::new(
+                index.path(),
+                ErrorKind::IndexStale(index.given_up_because().unwrap_or_default().into()),
+            )),
+            got => got.map_err(|k| Error::new(index.path(), k)),
+        }
+    }
+
+    /// The highest layer the index in use covers.
+    pub fn covers(&self) -> Option<LayerIndex> {
+        self.chain.index.load().usable().map(|(_, upto)| upto)
+    }
+
+    /// The geometry of an index of layers `0..=upto` over
+    /// `[0, covered_size)`.
+    pub fn geometry(&self, upto: LayerIndex, covered_size: u64) -> IndexGeometry {
+        IndexGeometry {
+            granularity_bits: granularity_bits(&self.chain.layers, upto.0),
+            covered_size,
+        }
+    }
+
+    /// The index entry of every chunk of `geometry`, in order, as layers
+    /// `0..=upto` resolve it, given to `each`. Where the layers above the
+    /// index in use (up to `upto`) hold nothing, its entries are taken as
+    /// they are: building the index of a new top reads the old index and
+    /// the layers it does not cover, not the whole chain. `progress(done,
+    /// total)` is called as chunks are resolved.
+    pub fn entries(
+        &self,
+        upto: LayerIndex,
+        geometry: IndexGeometry,
+        each: &mut dyn FnMut(IndexEntry) -> Result<(), Error>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), Error> {
+        let cs = geometry.chunk_size();
+        let chunks = geometry.chunks();
+        let size = self.chain.layers[upto.0].virtual_size();
+        let guard = self.chain.index.load();
+        // An index in use with the same layout, covering layers up to
+        // `upto` or fewer: where the layers above it hold nothing, its
+        // entries are the answer.
+        let extending = guard
+            .usable()
+            .filter(|(ci, covers)| covers.0 <= upto.0 && ci.geometry() == geometry);
+        let mut held = HeldSlice::default();
+        let mut chunk = 0u64;
+        while chunk < chunks {
+            let start = chunk * cs;
+            if start >= size {
+                each(IndexEntry::None)?;
+                chunk += 1;
+                continue;
+            }
+            if let Some((ci, covers)) = extending {
+                let mut free = size - start;
+                for layer in (covers.0 + 1..=upto.0).rev() {
+                    // Past a layer's end, the layers below it do not show
+                    // (zeros): no entry of the old index holds there.
+                    let end = self.chain.layers[layer].virtual_size();
+                    if start >= end {
+                        free = 0;
+                        break;
+                    }
+                    free = free.min(end - start);
+                    let (status, n) = self.chain.layer_status(
+                        LayerIndex(layer),
+                        GuestOffset(start),
+                        free,
+                        false,
+                    )?;
+                    if !matches!(status, LayerStatus::Unallocated { .. }) {
+                        free = 0;
+                        break;
+                    }
+                    free = free.min(n);
+                }
+                if free >= cs {
+                    let before = chunk;
+                    let end = (chunk + free / cs).min(chunks);
+                    while chunk < end {
+                        match held.entry(ci, chunk, &self.chain.cache) {
+                            Some(old) => each(old)?,
+                            None => break,
+                        }
+                        chunk += 1;
+                    }
+                    if chunk > before {
+                        progress(chunk.min(chunks), chunks);
+                        continue;
+                    }
+                }
+            }
+            let extent = self
+                .chain
+                .resolve_from(upto, GuestOffset(start), size - start, false)?;
+            let whole = (extent.len / cs).min(chunks - chunk);
+            if whole == 0 {
+                // The mapping changes inside this chunk (a layer ends here).
+                each(IndexEntry::Walk)?;
+                chunk += 1;
+                continue;
+            }
+            for k in 0..whole {
+                let delta = k * cs;
+                each(match extent.kind {
+                    ExtentKind::Data { host } => IndexEntry::Data {
+                        layer: extent.layer.0 as u32,
+                        host: host.0 + delta,
+                    },
+                    ExtentKind::Compressed(_) => {
+                        // Re-read the layer's entry: the descriptor as stored.
+                        let layer = &self.chain.layers[extent.layer.0];
+                        let l2_entry = match layer {
+                            Layer::Qcow2(q) => q
+                                .raw_l2_entry(
+                                    extent.layer,
+                                    extent.start.0 + delta,
+                                    &self.chain.cache,
+                                    self.chain.slice_size,
+                                )
+                                .with_path(layer.path())?,
+                            Layer::Raw(_) => 0,
+                        };
+                        IndexEntry::Compressed {
+                            layer: extent.layer.0 as u32,
+                            l2_entry,
+                        }
+                    }
+                    ExtentKind::Zero {
+                        allocated: true, ..
+                    } => IndexEntry::Zero {
+                        layer: extent.layer.0 as u32,
+                    },
+                    ExtentKind::Zero { .. } => IndexEntry::None,
+                })?;
+            }
+            chunk += whole;
+            progress(chunk.min(chunks), chunks);
+        }
+        Ok(())
+    }
 }

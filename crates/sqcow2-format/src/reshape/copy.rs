@@ -186,7 +186,7 @@ impl RateLimit {
         self.charge_unless(bytes, &|| false);
     }
 
-    /// [`RateLimit::charge`], the wait cut short (in steps of at most
+    /// `RateLimit::charge`, the wait cut short (in steps of at most
     /// 20 ms) once `stop` says so; returns the time waited.
     pub fn charge_unless(&mut self, bytes: u64, stop: &dyn Fn() -> bool) -> std::time::Duration {
         self.written += bytes;

@@ -222,7 +222,7 @@ fn write_pidfile(path: &Path) -> std::io::Result<()> {
     file.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0)
 }
 
-/// Serves `chain` until a [`STOP_SIGNALS`] arrives; flushes it then.
+/// Serves `chain` until a stop signal (`STOP_SIGNALS`) arrives; flushes it then.
 /// `chain_options` are how the chain is opened while active (a live
 /// snapshot and an activation reuse them); with `options.inactive`, `chain`
 /// was opened inactive (read-only, no locks). A start that fails leaves

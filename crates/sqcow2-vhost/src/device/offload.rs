@@ -2,7 +2,7 @@
 //! operations (allocating writes, discards, write-zeroes) run on a pool of
 //! engine threads, flushes and publishes (the mappings of completed
 //! changes written to the files before the guest is told, see
-//! [`sqcow2_format::Chain::publish`]) on one flusher thread, which serves
+//! [`sqcow2_format::Durability::publish`]) on one flusher thread, which serves
 //! all those queued meanwhile with one flush, or one publish if none asked
 //! for a flush (group commit: one sync for the whole batch). An engine job
 //! that changes mappings goes from its engine thread straight to the
@@ -306,7 +306,7 @@ impl Offload {
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let result = run_guarded(job.work, &chain, &panics);
-                        if chain.take_write_back_due() {
+                        if chain.durability().take_write_back_due() {
                             let _ = flushes.send((None, Persist::WriteBack));
                         }
                         // Its changes are made: a switch may come (the
@@ -314,7 +314,7 @@ impl Offload {
                         drop(begun);
                         if !job.publish || result.is_err() {
                             job.reply.send(result);
-                        } else if chain.needs_publish() {
+                        } else if chain.durability().needs_publish() {
                             // Completed only once its mappings are in the file.
                             let publish = (Some(job.reply), Persist::Publish);
                             if let Err(e) = flushes.send(publish) {
@@ -418,7 +418,7 @@ fn flusher(
         let due = closing
             || batch.iter().any(|(_, what)| *what == Persist::WriteBack)
             || waiting_since.is_some_and(|t| t.elapsed() >= CHECKPOINT_INTERVAL)
-            || handle.get().journal_backlog() >= CHECKPOINT_BACKLOG;
+            || handle.get().durability().journal_backlog() >= CHECKPOINT_BACKLOG;
         if !someone_waits && !due {
             continue;
         }
@@ -432,7 +432,7 @@ fn flusher(
             let done = if flush {
                 chain.flush()
             } else {
-                chain.publish()
+                chain.durability().publish()
             };
             done.map_err(|e| e.to_string())
         };
@@ -631,7 +631,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let image = dir.path().join("top.qcow2");
         let top = big_writable_chain(&image, sqcow2_format::ChainOptions::default());
-        assert!(top.journaled(), "the test needs a journaled top");
+        assert!(
+            top.durability().journaled(),
+            "the test needs a journaled top"
+        );
         let (_handle, offload, gate, mailbox) = engine(top);
         // Several changes before the checkpoint: one asks.
         write_regions(&offload, &gate, &mailbox, 1..=3, true);

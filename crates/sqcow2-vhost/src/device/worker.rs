@@ -506,7 +506,7 @@ impl QueueWorker {
         // of the chain waits for them; engine jobs get the chain current
         // when they begin).
         let chain = self.device.chain();
-        let ticket = chain.begin_transfer();
+        let ticket = chain.transfers().begin();
         let kind = req.kind.clone();
         let slot = self.new_slot(queue, req, mem, permit, started, Some(ticket));
         self.starting = Some(slot);
@@ -653,7 +653,9 @@ impl QueueWorker {
                     // Never waiting for metadata here: a miss goes to the
                     // engine with the rest of the write.
                     Some(ticket) => {
-                        chain.try_in_place_target(ticket, GuestOffset(pos), n as u64)?
+                        chain
+                            .transfers()
+                            .try_in_place_target(ticket, GuestOffset(pos), n as u64)?
                     }
                     None => None,
                 };
@@ -728,10 +730,14 @@ impl QueueWorker {
                 let Some(ticket) = self.slots.get(slot).and_then(|f| f.transfer.as_ref()) else {
                     return Err(TransferError::Memory);
                 };
-                let read = match chain.try_resolve_for_read(ticket, GuestOffset(pos), want)? {
-                    Some(read) => read,
-                    None => return self.read_through_engine(slot, offset, pos, buffers, mem),
-                };
+                let read =
+                    match chain
+                        .transfers()
+                        .try_resolve_for_read(ticket, GuestOffset(pos), want)?
+                    {
+                        Some(read) => read,
+                        None => return self.read_through_engine(slot, offset, pos, buffers, mem),
+                    };
                 let n = read.extent.len.min(want) as usize;
                 let dst = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
                 match (read.extent.kind, read.file) {

@@ -245,7 +245,7 @@ fn build_once(handle: &ChainHandle, shared: &Builder, locking: Locking) {
         // pausing now replaces it, and the index goes to its successor.
         if !cancelled() {
             let served = handle.get();
-            if let Err(e) = served.install_built(report) {
+            if let Err(e) = served.index().install_built(report) {
                 warn!(error = %e, "the index just built does not fit the chain served now");
             }
         }
@@ -266,7 +266,7 @@ fn build_once(handle: &ChainHandle, shared: &Builder, locking: Locking) {
         Err(e) => {
             st.counters.failures += 1;
             st.counters.last_error = Some(e.to_string());
-            if handle.get().is_indexed() {
+            if handle.get().index().is_used() {
                 warn!(error = %e, "building the chain index failed: the old index goes on serving");
             } else {
                 warn!(error = %e, "the chain cannot be indexed: lookups walk its layers");

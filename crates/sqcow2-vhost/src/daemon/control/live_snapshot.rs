@@ -93,7 +93,7 @@ impl<'s> Admitted<'s> {
         // An old top an earlier snapshot could not close (below) is closed
         // now, while the guest runs; if it still fails, it stays open below
         // the new top too.
-        if let Err(e) = current.close_unclosed_below() {
+        if let Err(e) = current.handover().close_unclosed_below() {
             warn!(error = %e, "closing an earlier snapshot's old top failed again: it stays open");
         }
         // The new top, complete and durable under its name before the pause
@@ -123,6 +123,7 @@ impl<'s> Admitted<'s> {
         // Opened, locked and given its mapping journal (a sync) before the
         // pause too.
         let next_top = current
+            .handover()
             .prepare_successor(&created.file, &shared.options)
             .map_err(new_top_failure)?;
         // Then what the guest wrote written back while it still runs, in
@@ -149,8 +150,11 @@ impl<'s> Admitted<'s> {
         };
         for _ in 0..PRE_PAUSE_ROUNDS {
             let round = Instant::now();
-            current.sync_data().map_err(write_back_failed)?;
-            current.publish().map_err(write_back_failed)?;
+            current
+                .durability()
+                .sync_data()
+                .map_err(write_back_failed)?;
+            current.durability().publish().map_err(write_back_failed)?;
             if round.elapsed() < PRE_PAUSE_SETTLED {
                 break;
             }
@@ -315,7 +319,7 @@ impl<'s> Drained<'s> {
         // until the close after the pause has written them back, and its
         // flushes flush the old top meanwhile. A process death first leaves
         // the old top's journal, which the next open replays.
-        let chain = match old.successor(next_top, &shared.options) {
+        let chain = match old.handover().successor(next_top, &shared.options) {
             Ok(chain) => chain,
             Err(e) => {
                 // The guest goes on first; then the new top is removed,
@@ -330,7 +334,7 @@ impl<'s> Drained<'s> {
         };
         let made = switch_start.elapsed();
         let layers = chain.layers().len();
-        let indexed = chain.is_indexed();
+        let indexed = chain.index().is_used();
         let old = {
             drop(old);
             quiet.replace(chain)
@@ -419,15 +423,15 @@ impl Switched<'_> {
         // this publish only (nothing to do, no syscall, when none is
         // waiting). A failure is the flusher's to report; the close tries
         // again.
-        if let Err(e) = next.publish() {
+        if let Err(e) = next.durability().publish() {
             warn!(error = %e, "publishing the old top's last changes failed");
         }
-        if let Err(e) = self.old.retire(&next) {
+        if let Err(e) = self.old.handover().retire(&next) {
             warn!(path = %self.top.display(), error = %e, "closing the old top after the snapshot failed: the next index build or snapshot tries again");
         }
         // The tables the old top used last, to the cache the new chain
         // reads it through (0.4-1.8 ms of copying at 1 TiB).
-        self.old.hand_over_tables();
+        self.old.handover().tables();
         let retired = retire_start.elapsed();
         drop(next);
         drop(self.old);

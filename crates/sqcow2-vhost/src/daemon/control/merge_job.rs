@@ -511,7 +511,7 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     // (its close would be a no-op after the flush above, and must stay
     // one while the new chain's writer owns the top). Quietly: this is
     // no failure.
-    old.hand_over();
+    old.handover().release_top();
     drop(old);
     let old = quiet.replace(chain);
     // The pause ends; the right is given back when the switch is done.

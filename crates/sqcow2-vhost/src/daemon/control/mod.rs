@@ -604,7 +604,7 @@ fn info_of(shared: &Shared) -> Info {
         layers: layers.len(),
         chain: layers,
         virtual_size: chain.virtual_size(),
-        indexed: chain.is_indexed(),
+        indexed: chain.index().is_used(),
         walking_because: walking_because(shared, &chain),
         writable: chain.is_writable(),
         active: shared.is_active(),
@@ -615,7 +615,7 @@ fn info_of(shared: &Shared) -> Info {
 
 /// Why lookups below the top walk the layers, if they do.
 fn walking_because(shared: &Shared, chain: &Chain) -> Option<String> {
-    if chain.is_indexed() || chain.layers().len() < 2 {
+    if chain.index().is_used() || chain.layers().len() < 2 {
         return None;
     }
     let builds = shared.index_builder.counters();
@@ -624,7 +624,7 @@ fn walking_because(shared: &Shared, chain: &Chain) -> Option<String> {
     } else if let Some(e) = builds.last_error {
         format!("the chain cannot be indexed: {e}")
     } else {
-        match chain.index_state() {
+        match chain.index().state() {
             IndexState::Disabled => "indexes are off (--walk)".to_owned(),
             IndexState::Stale { reason, .. } => format!("the index is stale: {reason}"),
             IndexState::None if !chain.is_writable() => {
@@ -645,7 +645,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 fn stats(shared: &Shared) -> Stats {
     let chain = shared.handle.get();
-    let c = chain.cache_stats();
+    let c = chain.diagnostics().cache();
     let mut pauses = shared
         .pauses_ms
         .lock()
@@ -677,7 +677,7 @@ fn stats(shared: &Shared) -> Stats {
     Stats {
         uptime_s: shared.started.elapsed().as_secs_f64(),
         merge: shared.merge.snapshot(),
-        index_mode: if chain.is_indexed() {
+        index_mode: if chain.index().is_used() {
             IndexMode::Indexed
         } else {
             IndexMode::Walk
@@ -691,7 +691,7 @@ fn stats(shared: &Shared) -> Stats {
             evictions: c.evictions,
             bytes: c.bytes,
         },
-        data_reads_per_layer: chain.data_reads_per_layer(),
+        data_reads_per_layer: chain.diagnostics().data_reads_per_layer(),
         snapshots: SnapshotCounters {
             count: pauses.len() as u64,
             pause_ms_p50: quantile(&pauses, 0.5),
@@ -704,7 +704,7 @@ fn stats(shared: &Shared) -> Stats {
                 .collect(),
         },
         index: IndexCounters {
-            pending_layers: chain.pending_layers(),
+            pending_layers: chain.index().pending_layers(),
             walking_because: walking_because(shared, &chain),
             ..shared.index_builder.counters()
         },
