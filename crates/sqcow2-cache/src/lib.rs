@@ -8,6 +8,7 @@
 //! `docs/cache.md` for the measurements behind the choice).
 
 #![warn(missing_docs)]
+#![warn(unreachable_pub)]
 
 mod policy;
 mod stats;

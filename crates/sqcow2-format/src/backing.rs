@@ -7,7 +7,7 @@ use crate::error::ErrorKind;
 
 /// Format of a backing file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackingFormat {
+pub(crate) enum BackingFormat {
     /// qcow2.
     Qcow2,
     /// raw.
@@ -16,7 +16,7 @@ pub enum BackingFormat {
 
 impl BackingFormat {
     /// Interprets the backing format extension; `None` when it is absent.
-    pub fn from_recorded(recorded: Option<&str>) -> Result<Option<Self>, ErrorKind> {
+    pub(crate) fn from_recorded(recorded: Option<&str>) -> Result<Option<Self>, ErrorKind> {
         match recorded {
             None => Ok(None),
             Some("qcow2") => Ok(Some(BackingFormat::Qcow2)),

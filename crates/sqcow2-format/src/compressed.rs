@@ -42,7 +42,11 @@ pub(crate) fn read_compressed_cluster(
 }
 
 /// Decompresses `input` into `out`, which must be filled completely.
-pub fn decompress(kind: CompressionType, input: &[u8], out: &mut [u8]) -> Result<(), String> {
+pub(crate) fn decompress(
+    kind: CompressionType,
+    input: &[u8],
+    out: &mut [u8],
+) -> Result<(), String> {
     match kind {
         CompressionType::Deflate => inflate(input, out),
         CompressionType::Zstd => unzstd(input, out),

@@ -3,22 +3,22 @@
 use crate::types::{Geometry, HostOffset};
 
 /// Bits 9-55 of L1 and standard L2 entries: a host offset.
-pub const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+pub(crate) const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Bit 63: refcount is exactly one.
-pub const COPIED: u64 = 1 << 63;
+pub(crate) const COPIED: u64 = 1 << 63;
 /// Bit 62: compressed cluster.
-pub const COMPRESSED: u64 = 1 << 62;
+pub(crate) const COMPRESSED: u64 = 1 << 62;
 /// Bit 0 (v3, without extended L2): reads as zeros.
-pub const ZERO: u64 = 1;
+pub(crate) const ZERO: u64 = 1;
 /// Reserved bits of an L1 entry.
-pub const L1_RESERVED_MASK: u64 = 0x7f00_0000_0000_01ff;
+pub(crate) const L1_RESERVED_MASK: u64 = 0x7f00_0000_0000_01ff;
 /// Reserved bits of a standard L2 entry.
-pub const L2_STD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
+pub(crate) const L2_STD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
 /// Bits 9-63 of a refcount table entry: a refcount block's offset (all of
 /// the high bits, unlike L1 and L2 entries).
-pub const REFT_OFFSET_MASK: u64 = 0xffff_ffff_ffff_fe00;
+pub(crate) const REFT_OFFSET_MASK: u64 = 0xffff_ffff_ffff_fe00;
 /// Reserved bits of a refcount table entry.
-pub const REFT_RESERVED_MASK: u64 = 0x1ff;
+pub(crate) const REFT_RESERVED_MASK: u64 = 0x1ff;
 
 /// A compressed cluster's location: host byte offset and length of the
 /// compressed data (which may run past the data proper to the next sector
@@ -76,7 +76,7 @@ pub enum ClusterMapping {
 
 /// Why an L2 entry cannot be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EntryError {
+pub(crate) enum EntryError {
     /// A data cluster offset that is not cluster aligned.
     UnalignedCluster(u64),
     /// Allocation and zero bits that contradict each other.
@@ -86,7 +86,7 @@ pub enum EntryError {
 /// Decodes the mapping of subcluster `sc` of the cluster described by
 /// `entry` (and `bitmap`, the second word of an extended L2 entry; 0
 /// otherwise), following QEMU's `qcow2_get_subcluster_type`.
-pub fn decode_l2(
+pub(crate) fn decode_l2(
     entry: u64,
     bitmap: u64,
     sc: u32,

@@ -9,17 +9,17 @@ use crate::error::ErrorKind;
 use crate::features::{FeatureKind, FeatureNameEntry};
 
 /// End of the extension area.
-pub const EXT_END: u32 = 0;
+pub(crate) const EXT_END: u32 = 0;
 /// Backing file format name.
-pub const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+pub(crate) const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 /// Feature name table.
-pub const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
+pub(crate) const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
 /// Persistent dirty bitmaps.
-pub const EXT_BITMAPS: u32 = 0x2385_2875;
+pub(crate) const EXT_BITMAPS: u32 = 0x2385_2875;
 /// Full disk encryption header (LUKS).
-pub const EXT_CRYPTO: u32 = 0x0537_be77;
+pub(crate) const EXT_CRYPTO: u32 = 0x0537_be77;
 /// External data file name.
-pub const EXT_DATA_FILE: u32 = 0x4441_5441;
+pub(crate) const EXT_DATA_FILE: u32 = 0x4441_5441;
 
 /// QEMU's limit on the number of persistent bitmaps.
 const MAX_BITMAPS: u32 = 65535;

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// Where the engine can be made to panic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(not(feature = "fault-injection"), allow(unreachable_pub))]
 pub enum FaultPoint {
     /// In the middle of a metadata update of an allocating write: the old
     /// cluster's release is queued, the new mapping not yet set.

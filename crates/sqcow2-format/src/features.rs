@@ -4,30 +4,30 @@
 use serde::Serialize;
 
 /// Incompatible bit 0: the image was not closed cleanly (lazy refcounts).
-pub const INCOMPAT_DIRTY: u64 = 1 << 0;
+pub(crate) const INCOMPAT_DIRTY: u64 = 1 << 0;
 /// Incompatible bit 1: QEMU found the image corrupt.
-pub const INCOMPAT_CORRUPT: u64 = 1 << 1;
+pub(crate) const INCOMPAT_CORRUPT: u64 = 1 << 1;
 /// Incompatible bit 2: guest data lives in an external data file.
-pub const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+pub(crate) const INCOMPAT_DATA_FILE: u64 = 1 << 2;
 /// Incompatible bit 3: the compression type field is not deflate.
-pub const INCOMPAT_COMPRESSION: u64 = 1 << 3;
+pub(crate) const INCOMPAT_COMPRESSION: u64 = 1 << 3;
 /// Incompatible bit 4: 128-bit L2 entries with subclusters.
-pub const INCOMPAT_EXTL2: u64 = 1 << 4;
+pub(crate) const INCOMPAT_EXTL2: u64 = 1 << 4;
 /// Compatible bit 0: refcounts may be updated lazily.
-pub const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
+pub(crate) const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
 /// Autoclear bit 0: the bitmaps extension is consistent.
-pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
+pub(crate) const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
 /// Autoclear bit 1: the external data file is raw-compatible.
-pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
+pub(crate) const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
 /// Autoclear bit 62 (sqcow2's): the image's mapping journal
 /// (`<top>.sqjournal`) is current. A writer that does not know it clears
 /// it, and the journal is then never replayed.
-pub const AUTOCLEAR_JOURNAL: u64 = 1 << 62;
+pub(crate) const AUTOCLEAR_JOURNAL: u64 = 1 << 62;
 /// Autoclear bit 61 (sqcow2's): the file is a new image sqcow2 is still
 /// making under its temporary name (`<name>.sqtmp`); cleared before it
 /// is renamed to its name. It tells a killed operation's leftover from
 /// any other file of that name.
-pub const AUTOCLEAR_UNPUBLISHED: u64 = 1 << 61;
+pub(crate) const AUTOCLEAR_UNPUBLISHED: u64 = 1 << 61;
 
 /// The three feature bit fields of a v3 header (all zero for v2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -67,7 +67,7 @@ impl FeatureKind {
 }
 
 /// Name of a feature bit QEMU defines, `None` for an unknown bit.
-pub fn known_name(kind: FeatureKind, bit: u32) -> Option<&'static str> {
+pub(crate) fn known_name(kind: FeatureKind, bit: u32) -> Option<&'static str> {
     match (kind, bit) {
         (FeatureKind::Incompatible, 0) => Some("dirty bit"),
         (FeatureKind::Incompatible, 1) => Some("corrupt bit"),
@@ -128,7 +128,11 @@ pub struct FeatureNameEntry {
 }
 
 /// The name an image's feature table gives a bit.
-pub fn lookup_name(table: &[FeatureNameEntry], kind: FeatureKind, bit: u32) -> Option<String> {
+pub(crate) fn lookup_name(
+    table: &[FeatureNameEntry],
+    kind: FeatureKind,
+    bit: u32,
+) -> Option<String> {
     table
         .iter()
         .find(|e| e.kind == Some(kind) && u32::from(e.bit) == bit)

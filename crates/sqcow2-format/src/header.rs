@@ -15,11 +15,11 @@ use crate::storage::Storage;
 use crate::types::Geometry;
 
 /// `QFI\xfb`.
-pub const QCOW2_MAGIC: u32 = 0x5146_49fb;
+pub(crate) const QCOW2_MAGIC: u32 = 0x5146_49fb;
 /// Length of a v2 header.
-pub const V2_HEADER_LEN: usize = 72;
+pub(crate) const V2_HEADER_LEN: usize = 72;
 /// Minimum length of a v3 header.
-pub const V3_MIN_HEADER_LEN: usize = 104;
+pub(crate) const V3_MIN_HEADER_LEN: usize = 104;
 /// Incompatible bits sqcow2 knows.
 const KNOWN_INCOMPAT: u64 =
     INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
@@ -46,15 +46,15 @@ pub(crate) mod field {
 }
 
 /// QEMU's limit on the active L1 table (bytes).
-pub const MAX_L1_BYTES: u64 = 32 << 20;
+pub(crate) const MAX_L1_BYTES: u64 = 32 << 20;
 /// QEMU's limit on the refcount table (bytes).
-pub const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+pub(crate) const MAX_REFTABLE_BYTES: u64 = 8 << 20;
 /// QEMU's limit on internal snapshots.
-pub const MAX_SNAPSHOTS: u64 = 65536;
+pub(crate) const MAX_SNAPSHOTS: u64 = 65536;
 /// Size of the fixed part of a snapshot table entry.
 const SNAPSHOT_HEADER_LEN: u64 = 40;
 /// QEMU's limit on the backing file name.
-pub const MAX_BACKING_NAME: u64 = 1023;
+pub(crate) const MAX_BACKING_NAME: u64 = 1023;
 
 /// qcow2 version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

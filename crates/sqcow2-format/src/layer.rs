@@ -15,7 +15,7 @@ use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// What a layer says about a run of guest bytes.
-pub type LayerStatus = ClusterMapping;
+pub(crate) type LayerStatus = ClusterMapping;
 
 /// A qcow2 image opened read-only: validated header and active L1 table
 /// (read at open for the top; for a layer below it, read when first
@@ -341,7 +341,7 @@ impl Qcow2Layer {
 
 /// Where the L2 slice covering a guest offset lies, and what it covers.
 #[derive(Debug, Clone, Copy)]
-pub struct L2Slice {
+pub(crate) struct L2Slice {
     /// Byte offset of the slice in the file.
     pub offset: u64,
     /// Number of 64-bit words in the slice.
@@ -353,7 +353,7 @@ pub struct L2Slice {
 impl L2Slice {
     /// The slice of `slice_size` bytes (clamped to one cluster, at least
     /// one entry) of the L2 table at `l2_offset` that covers `guest`.
-    pub fn locate(g: Geometry, l2_offset: u64, guest: GuestOffset, slice_size: u64) -> Self {
+    pub(crate) fn locate(g: Geometry, l2_offset: u64, guest: GuestOffset, slice_size: u64) -> Self {
         let entry_size = g.l2_entry_size();
         let slice_bytes = slice_size.clamp(entry_size, g.cluster_size());
         let entries_per_slice = slice_bytes / entry_size;
@@ -366,7 +366,7 @@ impl L2Slice {
     }
 
     /// [`slice_status`] within this slice's words.
-    pub fn status(
+    pub(crate) fn status(
         &self,
         g: Geometry,
         words: &[u64],
@@ -383,21 +383,25 @@ impl L2Slice {
 }
 
 /// Reads `words` big-endian 64-bit words at `offset`.
-pub fn read_words(storage: &dyn Storage, offset: u64, words: usize) -> Result<Slice, ErrorKind> {
+pub(crate) fn read_words(
+    storage: &dyn Storage,
+    offset: u64,
+    words: usize,
+) -> Result<Slice, ErrorKind> {
     let mut raw = vec![0u8; words * 8];
     storage.read_at(&mut raw, offset)?;
     Ok(raw.chunks_exact(8).map(|c| be_u64(c, 0)).collect())
 }
 
 /// `max` shortened so that `[guest, guest + max)` stays within one L2 table.
-pub fn clip_to_l2(g: Geometry, guest: GuestOffset, max: u64) -> u64 {
+pub(crate) fn clip_to_l2(g: Geometry, guest: GuestOffset, max: u64) -> u64 {
     let l2_end = (g.l1_index(guest) + 1) * g.l2_coverage();
     max.min(l2_end - guest.0)
 }
 
 /// The mapping of (sub)cluster at `pos` in an L2 table slice whose first
 /// entry has L2 index `first_entry`.
-pub fn mapping_in_table(
+pub(crate) fn mapping_in_table(
     g: Geometry,
     table: &[u64],
     first_entry: u64,
@@ -427,7 +431,7 @@ pub fn mapping_in_table(
 /// The first run of `[guest, guest + max)` (within one L2 table) that
 /// shares one mapping, in a slice of the table starting at L2 index
 /// `first_entry`; `max` must not run past the slice.
-pub fn slice_status(
+pub(crate) fn slice_status(
     g: Geometry,
     table: &[u64],
     first_entry: u64,
@@ -453,7 +457,11 @@ pub fn slice_status(
 
 /// Checks that an L2 table offset is aligned, after the header cluster and
 /// inside a file of `file_size` bytes.
-pub fn validate_l2_offset(g: Geometry, offset: u64, file_size: u64) -> Result<(), ErrorKind> {
+pub(crate) fn validate_l2_offset(
+    g: Geometry,
+    offset: u64,
+    file_size: u64,
+) -> Result<(), ErrorKind> {
     let cluster_size = g.cluster_size();
     if g.offset_in_cluster(offset) != 0 {
         return Err(ErrorKind::UnalignedTable {
@@ -479,7 +487,7 @@ pub fn validate_l2_offset(g: Geometry, offset: u64, file_size: u64) -> Result<()
 }
 
 /// Reads and decodes the table at `offset` (validated first).
-pub fn read_l2_table(
+pub(crate) fn read_l2_table(
     g: Geometry,
     storage: &dyn Storage,
     offset: u64,

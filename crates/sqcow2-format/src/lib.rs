@@ -18,6 +18,7 @@
 //! [`storage`]. Everything else is reached through the re-exports below.
 
 #![warn(missing_docs)]
+#![warn(unreachable_pub)]
 
 mod active;
 mod backing;

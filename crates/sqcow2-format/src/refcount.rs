@@ -16,7 +16,7 @@ use crate::header::MAX_REFTABLE_BYTES;
 use crate::storage::Storage;
 
 /// Reads refcount entry `i` of a block with entries of `1 << order` bits.
-pub fn get_entry(block: &[u8], order: u32, i: usize) -> u64 {
+pub(crate) fn get_entry(block: &[u8], order: u32, i: usize) -> u64 {
     match order {
         0..=2 => {
             let bits = 1usize << order;
@@ -36,7 +36,7 @@ pub fn get_entry(block: &[u8], order: u32, i: usize) -> u64 {
 }
 
 /// Writes refcount entry `i` (the value must fit the width).
-pub fn set_entry(block: &mut [u8], order: u32, i: usize, value: u64) {
+pub(crate) fn set_entry(block: &mut [u8], order: u32, i: usize, value: u64) {
     match order {
         0..=2 => {
             let bits = 1usize << order;
@@ -75,7 +75,7 @@ pub(crate) fn reserve_clusters(
 }
 
 /// Largest refcount an entry of `1 << order` bits holds.
-pub fn max_refcount(order: u32) -> u64 {
+pub(crate) fn max_refcount(order: u32) -> u64 {
     if order == 6 {
         u64::MAX
     } else {
@@ -166,7 +166,7 @@ impl RefcountSnapshot {
 
 /// The refcount structures of one writable image.
 #[derive(Debug)]
-pub struct Refcounts {
+pub(crate) struct Refcounts {
     order: u32,
     cluster_bits: u32,
     table: Vec<u64>,
@@ -186,7 +186,7 @@ pub struct Refcounts {
 
 impl Refcounts {
     /// Loads the refcount table described by the header.
-    pub fn load(
+    pub(crate) fn load(
         storage: &dyn Storage,
         order: u32,
         cluster_bits: u32,
@@ -275,7 +275,7 @@ impl Refcounts {
     }
 
     /// Refcount of host cluster `idx` (0 where no block covers it).
-    pub fn get(&mut self, storage: &dyn Storage, idx: u64) -> Result<u64, ErrorKind> {
+    pub(crate) fn get(&mut self, storage: &dyn Storage, idx: u64) -> Result<u64, ErrorKind> {
         let bits = self.block_bits();
         let order = self.order;
         let i = (idx & ((1 << bits) - 1)) as usize;
@@ -309,7 +309,7 @@ impl Refcounts {
     }
 
     /// Sets the refcount of a cluster whose block exists (repairs).
-    pub fn set_value(
+    pub(crate) fn set_value(
         &mut self,
         storage: &dyn Storage,
         idx: u64,
@@ -321,7 +321,7 @@ impl Refcounts {
     /// Queues a decrement of cluster `idx`, applied by a flush once no
     /// metadata on disk references the cluster through the old mapping and
     /// no transfer that looked the old mapping up is still running.
-    pub fn free_later(&mut self, idx: u64) {
+    pub(crate) fn free_later(&mut self, idx: u64) {
         self.pending_free.push(idx);
     }
 
@@ -331,7 +331,7 @@ impl Refcounts {
     /// placed on the way) has its space reserved in the file first, so a
     /// full filesystem fails this call and leaves the counts unchanged,
     /// instead of failing a later write of data or metadata.
-    pub fn alloc(&mut self, storage: &dyn Storage) -> Result<u64, ErrorKind> {
+    pub(crate) fn alloc(&mut self, storage: &dyn Storage) -> Result<u64, ErrorKind> {
         let idx = self.alloc_unreserved(storage)?;
         if let Err(e) = self.reserve(storage, idx, 1) {
             self.unalloc(storage, idx)?;
@@ -377,7 +377,7 @@ impl Refcounts {
 
     /// Returns a cluster from [`Refcounts::alloc`] that nothing references
     /// (its data write failed): refcount 1 -> 0, reusable at once.
-    pub fn unalloc(&mut self, storage: &dyn Storage, idx: u64) -> Result<(), ErrorKind> {
+    pub(crate) fn unalloc(&mut self, storage: &dyn Storage, idx: u64) -> Result<(), ErrorKind> {
         if self.get(storage, idx)? == 1 {
             self.set(storage, idx, 0)?;
             self.cursor = self.cursor.min(idx);
@@ -445,7 +445,7 @@ impl Refcounts {
 
     /// Writes every modified refcount block in place (offline repairs,
     /// which hold the image alone).
-    pub fn write_blocks(&mut self, storage: &dyn Storage) -> Result<bool, ErrorKind> {
+    pub(crate) fn write_blocks(&mut self, storage: &dyn Storage) -> Result<bool, ErrorKind> {
         let snapshot = self.dirty_snapshot();
         let wrote = snapshot.write_blocks(storage)?;
         self.mark_written(&snapshot);

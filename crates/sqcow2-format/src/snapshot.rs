@@ -7,7 +7,7 @@ use crate::storage::Storage;
 
 /// One internal snapshot's L1 table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SnapshotL1 {
+pub(crate) struct SnapshotL1 {
     /// Offset of its L1 table.
     pub l1_table_offset: u64,
     /// Entries in it.
@@ -16,7 +16,7 @@ pub struct SnapshotL1 {
 
 /// The snapshot table: its byte length and every snapshot's L1 table.
 #[derive(Debug, Clone, Default)]
-pub struct SnapshotTable {
+pub(crate) struct SnapshotTable {
     /// Bytes the table occupies from `snapshots_offset`.
     pub len: u64,
     /// The snapshots, in table order.
@@ -137,7 +137,7 @@ fn walk_entries(
 
 /// Reads the snapshot table of an image (bounded by QEMU's limits, which
 /// the header validation enforced for the count).
-pub fn read_snapshot_table(
+pub(crate) fn read_snapshot_table(
     header: &Header,
     storage: &dyn Storage,
 ) -> Result<SnapshotTable, ErrorKind> {

@@ -51,7 +51,7 @@ pub enum IndexState {
 }
 
 /// The index file named by a header's sQcow2 extension, if any.
-pub fn index_name(header: &Header) -> Option<PathBuf> {
+pub(crate) fn index_name(header: &Header) -> Option<PathBuf> {
     header.extensions.iter().find_map(|e| match e {
         HeaderExtension::Unknown { ext_type, data }
             if *ext_type == EXT_SQCOW2 && data.len() > 8 =>
@@ -64,7 +64,11 @@ pub fn index_name(header: &Header) -> Option<PathBuf> {
 
 /// Fingerprints of layers `0..=upto`, each named as the layer above writes
 /// it (`names[i]` for the layer right above `upto`, passed by the caller).
-pub fn fingerprints(layers: &[Layer], upto: usize, top_name: &[u8]) -> Vec<LayerFingerprint> {
+pub(crate) fn fingerprints(
+    layers: &[Layer],
+    upto: usize,
+    top_name: &[u8],
+) -> Vec<LayerFingerprint> {
     (0..=upto)
         .map(|i| {
             let layer = &layers[i];
@@ -95,7 +99,7 @@ pub fn fingerprints(layers: &[Layer], upto: usize, top_name: &[u8]) -> Vec<Layer
 
 /// Whether each layer `0..=upto` still carries the sQcow2 autoclear bit
 /// (layers that cannot carry one, raw and qcow2 v2, count as carrying it).
-pub fn autoclear_flags(layers: &[Layer], upto: usize) -> Vec<bool> {
+pub(crate) fn autoclear_flags(layers: &[Layer], upto: usize) -> Vec<bool> {
     layers[..=upto]
         .iter()
         .map(|l| match l.header() {
@@ -107,7 +111,7 @@ pub fn autoclear_flags(layers: &[Layer], upto: usize) -> Vec<bool> {
 
 /// The largest chunk size (log2) that every layer `0..=upto` maps
 /// uniformly: their smallest subcluster.
-pub fn granularity_bits(layers: &[Layer], upto: usize) -> u32 {
+pub(crate) fn granularity_bits(layers: &[Layer], upto: usize) -> u32 {
     layers[..=upto]
         .iter()
         .filter_map(|l| l.header())
@@ -118,7 +122,7 @@ pub fn granularity_bits(layers: &[Layer], upto: usize) -> u32 {
 
 /// Most layers walked above an index of an older top: beyond, walking
 /// the chain costs as much as the index saves.
-pub const MAX_PENDING_LAYERS: usize = 64;
+pub(crate) const MAX_PENDING_LAYERS: usize = 64;
 
 /// Opens the index the top names and checks it against the layers below.
 /// When it is missing or stale (a crash before a new top's index was
@@ -270,7 +274,7 @@ fn open_index_of(
 /// word's other bits kept as the file has them now: a header read earlier
 /// may be older (a live snapshot's old top, whose close cleared its
 /// journal's bit after this process read it).
-pub fn set_autoclear_bit(storage: &dyn Storage) -> std::io::Result<()> {
+pub(crate) fn set_autoclear_bit(storage: &dyn Storage) -> std::io::Result<()> {
     let bits = autoclear_word(storage)? | AUTOCLEAR_SQCOW2;
     crate::header_area::write_word(storage, field::AUTOCLEAR_FEATURES, bits)
 }
@@ -285,7 +289,7 @@ pub(crate) fn autoclear_word(storage: &dyn Storage) -> std::io::Result<u64> {
 /// Rewrites the header area so that it names `index` (relative to the
 /// image's directory): extensions are re-laid out as QEMU does, the backing
 /// name moved after them. Fails if it does not fit the first cluster.
-pub fn write_index_extension(
+pub(crate) fn write_index_extension(
     storage: &dyn Storage,
     header: &Header,
     index: &Path,

@@ -18,7 +18,7 @@ const MAX_SCAN_BYTES: u64 = 64 << 20;
 
 /// One bit per region of the top: set when the region may hold mappings.
 #[derive(Debug)]
-pub struct TopSummary {
+pub(crate) struct TopSummary {
     region_bits: u32,
     bits: Vec<AtomicU64>,
 }
@@ -37,7 +37,7 @@ impl TopSummary {
 
     /// Scans the top's L2 tables; regions are as large as one L2 slice of
     /// `slice_size` bytes covers.
-    pub fn build(
+    pub(crate) fn build(
         header: &Header,
         l1: &[u64],
         storage: &dyn Storage,
@@ -79,7 +79,7 @@ impl TopSummary {
     }
 
     /// Whether the region holding `guest` surely holds no mapping.
-    pub fn is_empty(&self, guest: GuestOffset) -> bool {
+    pub(crate) fn is_empty(&self, guest: GuestOffset) -> bool {
         let r = guest.0 >> self.region_bits;
         self.bits
             .get((r / 64) as usize)
@@ -87,12 +87,12 @@ impl TopSummary {
     }
 
     /// Bytes from `guest` to the end of its region.
-    pub fn region_end(&self, guest: GuestOffset) -> u64 {
+    pub(crate) fn region_end(&self, guest: GuestOffset) -> u64 {
         ((guest.0 >> self.region_bits) + 1) << self.region_bits
     }
 
     /// Records that the region holding `guest` may now hold mappings.
-    pub fn mark(&self, guest: GuestOffset) {
+    pub(crate) fn mark(&self, guest: GuestOffset) {
         let r = guest.0 >> self.region_bits;
         if let Some(b) = self.bits.get((r / 64) as usize) {
             b.fetch_or(1 << (r % 64), Ordering::AcqRel);

@@ -11,6 +11,10 @@
 //! Beside them, two leaf utilities: `ratelimit` (log limits) and
 //! `realtime` (thread priorities).
 
+// Items outside the API are pub(crate); checked with the device
+// internals exported (without them, those are unreachable by design).
+#![cfg_attr(feature = "internals", warn(unreachable_pub))]
+
 mod daemon;
 mod device;
 mod ratelimit;

@@ -8,9 +8,9 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 /// Messages let through per window.
-pub const BURST: u32 = 10;
+pub(crate) const BURST: u32 = 10;
 /// Window length in seconds.
-pub const WINDOW_SECS: u64 = 10;
+pub(crate) const WINDOW_SECS: u64 = 10;
 
 fn epoch() -> Instant {
     static START: OnceLock<Instant> = OnceLock::new();
@@ -19,7 +19,7 @@ fn epoch() -> Instant {
 
 /// The budget of one call site.
 #[derive(Debug, Default)]
-pub struct LogLimiter {
+pub(crate) struct LogLimiter {
     window: AtomicU64,
     count: AtomicU32,
     suppressed: AtomicU64,
@@ -27,7 +27,7 @@ pub struct LogLimiter {
 
 impl LogLimiter {
     /// A fresh budget.
-    pub const fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         LogLimiter {
             window: AtomicU64::new(0),
             count: AtomicU32::new(0),
@@ -37,7 +37,7 @@ impl LogLimiter {
 
     /// `Some(n)` when a message may be logged now (`n` were held back
     /// since the last one logged), `None` when it is to be dropped.
-    pub fn check(&self) -> Option<u64> {
+    pub(crate) fn check(&self) -> Option<u64> {
         self.check_at(epoch().elapsed().as_secs())
     }
 

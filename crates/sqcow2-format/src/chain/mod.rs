@@ -34,12 +34,12 @@ pub use walk::backing_path_of;
 pub const DEFAULT_MAX_LAYERS: usize = 65535;
 /// Default byte budget of the unified metadata cache (QEMU's default for
 /// one layer; here for the whole chain).
-pub const DEFAULT_CACHE_SIZE: u64 = sqcow2_cache::DEFAULT_BUDGET;
+pub(crate) const DEFAULT_CACHE_SIZE: u64 = sqcow2_cache::DEFAULT_BUDGET;
 /// Default size of a cached metadata slice.
-pub const DEFAULT_SLICE_SIZE: u64 = 4096;
+pub(crate) const DEFAULT_SLICE_SIZE: u64 = 4096;
 /// Default of [`ChainOptions::max_l1_bytes_total`]: 512 MiB, e.g. 1000
 /// layers of 32 TiB disks with 64 KiB clusters.
-pub const DEFAULT_MAX_L1_BYTES_TOTAL: u64 = 512 << 20;
+pub(crate) const DEFAULT_MAX_L1_BYTES_TOTAL: u64 = 512 << 20;
 
 /// How to open a chain.
 #[derive(Debug, Clone)]

@@ -9,18 +9,18 @@ use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
 /// Bytes per virtio-blk sector.
-pub const SECTOR_SIZE: u64 = 512;
+pub(crate) const SECTOR_SIZE: u64 = 512;
 /// Size of the configuration space we expose (`struct virtio_blk_config`
 /// up to and including the write-zeroes fields).
-pub const CONFIG_SPACE_SIZE: usize = 60;
+pub(crate) const CONFIG_SPACE_SIZE: usize = 60;
 /// Offset of the `writeback` (cache mode) byte in the configuration space.
-pub const CONFIG_WRITEBACK_OFFSET: u32 = 32;
+pub(crate) const CONFIG_WRITEBACK_OFFSET: u32 = 32;
 /// Largest single segment the driver may send (`size_max`).
-pub const SIZE_MAX: u32 = 1 << 20;
+pub(crate) const SIZE_MAX: u32 = 1 << 20;
 /// Largest discard or write-zeroes range, in sectors (32 MiB).
-pub const MAX_ZERO_SECTORS: u32 = 65536;
+pub(crate) const MAX_ZERO_SECTORS: u32 = 65536;
 /// Most ranges in one discard or write-zeroes request.
-pub const MAX_ZERO_SEGMENTS: u32 = 16;
+pub(crate) const MAX_ZERO_SEGMENTS: u32 = 16;
 
 /// What the device looks like to the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +94,7 @@ impl DeviceConfig {
 
 /// `size` bytes of `space` from `offset`, zero-padded past its end (a
 /// driver newer than this device may ask for more fields).
-pub fn read_config(space: &[u8], offset: u32, size: u32) -> Vec<u8> {
+pub(crate) fn read_config(space: &[u8], offset: u32, size: u32) -> Vec<u8> {
     let mut out = vec![0u8; size as usize];
     let start = (offset as usize).min(space.len());
     let end = (offset as usize)

@@ -11,7 +11,7 @@ use virtio_bindings::virtio_blk::{
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::transport::descriptors::Descriptor;
-pub use crate::transport::guest_mem::GuestBuffer;
+pub(crate) use crate::transport::guest_mem::GuestBuffer;
 use crate::transport::guest_mem::GuestMem;
 
 use crate::device::config::{MAX_ZERO_SECTORS, MAX_ZERO_SEGMENTS, SECTOR_SIZE};
@@ -21,11 +21,11 @@ const HEADER_SIZE: u64 = 16;
 /// Bytes of one discard / write-zeroes range.
 const ZERO_SEGMENT_SIZE: u64 = 16;
 /// Bytes of the GET_ID answer.
-pub const ID_SIZE: usize = 20;
+pub(crate) const ID_SIZE: usize = 20;
 
 /// One range of a discard or write-zeroes request, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ZeroRange {
+pub(crate) struct ZeroRange {
     /// First byte.
     pub offset: u64,
     /// Length in bytes.
@@ -36,7 +36,7 @@ pub struct ZeroRange {
 
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RequestKind {
+pub(crate) enum RequestKind {
     /// Read `len` bytes at `offset` into `buffers`.
     In {
         offset: u64,
@@ -61,7 +61,7 @@ pub enum RequestKind {
 
 /// A validated request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request {
+pub(crate) struct Request {
     /// The descriptor chain's head index (for the used ring).
     pub head: u16,
     /// What to do.
@@ -72,7 +72,7 @@ pub struct Request {
 
 /// A request that cannot be served as asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rejected {
+pub(crate) struct Rejected {
     /// The descriptor chain's head index.
     pub head: u16,
     /// Where the status byte goes; `None` if the chain has no room for it.
@@ -93,7 +93,7 @@ pub struct RequestLimits {
 }
 
 /// Buffers of one request; most requests have one or two of each kind.
-pub type BufferList = SmallVec<[GuestBuffer; 4]>;
+pub(crate) type BufferList = SmallVec<[GuestBuffer; 4]>;
 
 /// The chain's buffers, split by direction.
 struct Buffers {
@@ -265,7 +265,7 @@ fn zero_ranges(
 
 /// Parses the request whose chain starts at descriptor `head` of the
 /// table at `desc_table` (of a queue of `queue_size`).
-pub fn parse(
+pub(crate) fn parse(
     mem: &GuestMem,
     desc_table: GuestAddress,
     queue_size: u16,

@@ -41,7 +41,7 @@ const WRITE_CHUNK: usize = 1 << 20;
 /// What to leave the guest's notifications (kicks) at after taking
 /// requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Notifications {
+pub(crate) enum Notifications {
     /// On, re-checked against requests that arrived meanwhile: the thread
     /// may sleep afterwards.
     Restore,
@@ -52,7 +52,7 @@ pub enum Notifications {
 
 /// What one call took off a queue.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Taken {
+pub(crate) struct Taken {
     /// Requests taken.
     pub taken: usize,
     /// Completions were put on the used ring on the spot.

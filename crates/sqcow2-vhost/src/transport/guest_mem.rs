@@ -11,7 +11,7 @@ pub type GuestMemAtomic = GuestMemoryAtomic<GuestMem>;
 
 /// A guest buffer: `len` bytes at `addr`, known to lie in guest memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GuestBuffer {
+pub(crate) struct GuestBuffer {
     /// First guest-physical byte.
     pub addr: GuestAddress,
     /// Length in bytes.

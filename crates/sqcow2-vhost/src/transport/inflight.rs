@@ -48,13 +48,13 @@ const DESC_OFF_COUNTER: usize = 8;
 
 /// Bytes of one queue's part for queues of `queue_size` descriptors (what
 /// libvhost-user and DPDK compute too).
-pub fn queue_region_size(queue_size: u16) -> usize {
+pub(crate) fn queue_region_size(queue_size: u16) -> usize {
     (HEADER + DESC * usize::from(queue_size)).div_ceil(ALIGN) * ALIGN
 }
 
 /// Why an inflight region is refused.
 #[derive(Debug, thiserror::Error)]
-pub enum InflightError {
+pub(crate) enum InflightError {
     /// The sizes do not describe a region we can use.
     #[error("inflight region of {mmap_size} bytes at offset {mmap_offset} for {num_queues} queues of {queue_size}: {reason}")]
     Geometry {
@@ -71,7 +71,7 @@ pub enum InflightError {
 
 /// A mapping of the shared inflight region.
 #[derive(Debug)]
-pub struct InflightRegion {
+pub(crate) struct InflightRegion {
     ptr: NonNull<u8>,
     len: usize,
     file: File,
@@ -113,7 +113,7 @@ fn geometry(
 impl InflightRegion {
     /// A new zeroed region for `num_queues` queues of `queue_size` (the
     /// answer to `GET_INFLIGHT_FD`), in a sealed memfd.
-    pub fn create(num_queues: u16, queue_size: u16) -> Result<Self, InflightError> {
+    pub(crate) fn create(num_queues: u16, queue_size: u16) -> Result<Self, InflightError> {
         let size = Self::size_for(num_queues, queue_size)
             .ok_or_else(|| geometry(0, 0, num_queues, queue_size, "no queues or empty queues"))?;
         // SAFETY: a plain system call on a NUL-terminated name.
@@ -147,7 +147,7 @@ impl InflightRegion {
     /// Maps a region the frontend hands over (`SET_INFLIGHT_FD`); refused
     /// unless its size is exactly what `num_queues` queues of `queue_size`
     /// need.
-    pub fn open(
+    pub(crate) fn open(
         file: File,
         mmap_size: u64,
         mmap_offset: u64,
@@ -221,17 +221,17 @@ impl InflightRegion {
     }
 
     /// The file the region lives in (sent to the frontend).
-    pub fn file(&self) -> &File {
+    pub(crate) fn file(&self) -> &File {
         &self.file
     }
 
     /// Bytes mapped.
-    pub fn size(&self) -> u64 {
+    pub(crate) fn size(&self) -> u64 {
         self.len as u64
     }
 
     /// The part of queue `index`, if the region covers it.
-    pub fn queue(self: &Arc<Self>, index: u16) -> Option<QueueInflight> {
+    pub(crate) fn queue(self: &Arc<Self>, index: u16) -> Option<QueueInflight> {
         (index < self.num_queues).then(|| QueueInflight {
             region: self.clone(),
             base: usize::from(index) * queue_region_size(self.queue_size),
@@ -255,14 +255,14 @@ impl InflightRegion {
 
 /// One queue's part of the inflight region.
 #[derive(Debug, Clone)]
-pub struct QueueInflight {
+pub(crate) struct QueueInflight {
     region: Arc<InflightRegion>,
     base: usize,
 }
 
 /// What a restarted backend must do on a queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Recovery {
+pub(crate) struct Recovery {
     /// Heads of the requests to resubmit, in the order they were taken.
     pub resubmit: Vec<u16>,
     /// Where to take the next new request from the available ring.
@@ -293,13 +293,13 @@ impl QueueInflight {
     }
 
     /// Descriptors this part tracks.
-    pub fn desc_num(&self) -> u16 {
+    pub(crate) fn desc_num(&self) -> u16 {
         self.region.queue_size
     }
 
     /// Records that the request at `head` was taken off the queue, as the
     /// `counter`-th: before it is started.
-    pub fn taken(&self, head: u16, counter: u64) {
+    pub(crate) fn taken(&self, head: u16, counter: u64) {
         if head >= self.desc_num() {
             return;
         }
@@ -310,7 +310,7 @@ impl QueueInflight {
     /// Before the request at `head` goes on the used ring: it becomes the
     /// last batch (of one), found again if the backend dies before
     /// [`QueueInflight::completed`].
-    pub fn completing(&self, head: u16) {
+    pub(crate) fn completing(&self, head: u16) {
         if head >= self.desc_num() {
             return;
         }
@@ -324,7 +324,7 @@ impl QueueInflight {
 
     /// After the request at `head` is on the used ring and the used index
     /// is `used_idx`.
-    pub fn completed(&self, head: u16, used_idx: u16) {
+    pub(crate) fn completed(&self, head: u16, used_idx: u16) {
         fence(Ordering::SeqCst);
         if head < self.desc_num() {
             self.inflight(head).store(0, Ordering::Release);
@@ -339,7 +339,7 @@ impl QueueInflight {
     /// region (version 0) is initialised and yields nothing. Entries that
     /// cannot be right (more requests in flight than the ring has
     /// outstanding, unknown states) are ignored and reported.
-    pub fn recover(&self, ring_used: u16, ring_avail: u16) -> Recovery {
+    pub(crate) fn recover(&self, ring_used: u16, ring_avail: u16) -> Recovery {
         let mut out = Recovery {
             resubmit: Vec::new(),
             next_avail: ring_used,
@@ -416,7 +416,7 @@ impl QueueInflight {
 
     /// The counter to give the next request taken: past every counter in
     /// the region.
-    pub fn next_counter(&self) -> u64 {
+    pub(crate) fn next_counter(&self) -> u64 {
         (0..self.desc_num())
             .filter(|h| self.inflight(*h).load(Ordering::Relaxed) != 0)
             .map(|h| self.counter(h).load(Ordering::Relaxed))

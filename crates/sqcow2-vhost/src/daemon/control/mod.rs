@@ -22,8 +22,8 @@ use tracing::{info, warn};
 use crate::device::backend::BlkBackend;
 use crate::device::gate::RequestGate;
 use crate::device::handle::{ChainHandle, Exclusive};
-pub use index_builder::IndexBuilder;
-pub use merge_job::MergeJob;
+pub(crate) use index_builder::IndexBuilder;
+pub(crate) use merge_job::MergeJob;
 use protocol::{
     Activity, CacheCounters, Command, Failure, FailureKind, IndexCounters, IndexMode, Info,
     PrometheusText, QueueCounters, Reply, Request, SnapshotCounters, Stats, StatsFormat,
@@ -241,7 +241,7 @@ fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
 }
 
 /// Serves the control socket at `listener` until the process ends.
-pub fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()> {
+pub(crate) fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()> {
     let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
@@ -717,7 +717,7 @@ fn stats(shared: &Shared) -> Stats {
 }
 
 /// Binds the control socket with `mode`, like the vhost-user socket.
-pub fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+pub(crate) fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
