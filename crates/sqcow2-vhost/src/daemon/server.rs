@@ -261,12 +261,12 @@ pub fn serve(
         write_pidfile(pidfile).map_err(io_err(format!("writing {}", pidfile.display())))?;
         made.push(pidfile);
     }
-    let handle = Arc::new(ChainHandle::new(chain));
     let shared = if options.inactive {
-        Shared::new_inactive(handle.clone(), chain_options)
+        Shared::new_inactive(Arc::new(ChainHandle::new_inactive(chain)), chain_options)
     } else {
-        Shared::new(handle.clone(), chain_options)
+        Shared::new(Arc::new(ChainHandle::new(chain)), chain_options)
     };
+    let handle = shared.handle.clone();
     let shared = Arc::new(
         shared
             .with_inactive_timeout(options.inactive_timeout)

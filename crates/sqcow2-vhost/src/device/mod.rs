@@ -7,8 +7,8 @@
 pub(crate) mod backend;
 pub(crate) mod blk;
 pub(crate) mod config;
-pub(crate) mod gate;
 pub(crate) mod handle;
+pub(crate) use handle::gate;
 pub(crate) mod job_threads;
 pub(crate) mod offload;
 pub(crate) mod polling;

@@ -274,6 +274,9 @@ impl<'s> Prepared<'s> {
 /// `quiet` (which holds the pause and the exclusive right) lives.
 #[must_use]
 pub(super) struct Drained<'s> {
+    /// (Dropped first, unless taken apart in order: the new top is removed
+    /// before the pause ends and the right is given back.)
+    new_top: NewTop,
     quiet: Quiesced<'s>,
     build_held: BuildHold<'s>,
     realtime: RealtimeSection,
@@ -283,7 +286,6 @@ pub(super) struct Drained<'s> {
     drained: Duration,
     job_times: Vec<ThreadTime>,
     raised_jobs: usize,
-    new_top: NewTop,
     shared: &'s Shared,
     new: &'s Path,
 }

@@ -17,6 +17,7 @@ use super::protocol::{
     Failure, FailureKind, MergeCounters, MergeRequest, MergeStarted, MergeState,
 };
 use super::{Shared, Term, SNAPSHOT_DRAIN_TIMEOUT};
+use crate::device::handle::Quiesced;
 
 /// How long the guest's latency is measured before a latency-paced copy.
 const BASELINE: Duration = Duration::from_secs(1);
@@ -438,30 +439,67 @@ enum SwitchError {
 /// the merged ones switched onto the new file, the chain reopened (its
 /// open files reused), requests resumed; the top's index built after.
 fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), SwitchError> {
-    use SwitchError::{NotSwitched, Switched};
     // No snapshot, activation, handover or stop meanwhile.
     let right = shared.handle.exclusive();
     if !shared.holds(term) {
         return Err(SwitchError::Inactivated);
     }
-    // No build writes the top's index for the chain being replaced.
+    // No build writes the top's index for the chain being replaced; they
+    // run again when `resumed` drops, which is always before the right is
+    // given back (an inactivation that took the right next must find
+    // builds suspended as it left them).
     shared.index_builder.suspend();
     let resumed = Resume(shared);
     // Most dirty metadata written back while the guest still runs: the
     // flush inside the pause then has little left (a merge's first run
     // flushed everything inside it: 113-138 ms under a 70/30 load).
-    shared
-        .handle
-        .get()
-        .flush_clean()
-        .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
-    let start = Instant::now();
-    // The pause from here on is the proof's: it ends with it.
-    let Ok(quiet) = right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) else {
-        return Err(NotSwitched(format!(
-            "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
+    if let Err(e) = shared.handle.get().flush_clean() {
+        drop(resumed);
+        return Err(SwitchError::NotSwitched(format!(
+            "flush before the switch: {e}"
         )));
+    }
+    let start = Instant::now();
+    let (right, switched) = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => {
+            let switched = switch_paused(shared, &quiet, merged);
+            // The pause ends.
+            (quiet.resume(), switched)
+        }
+        Err(pause) => (
+            pause.resume(),
+            Err(SwitchError::NotSwitched(format!(
+                "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
+            ))),
+        ),
     };
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    let layers = switched.map(|(layers, old)| {
+        drop(old);
+        layers
+    });
+    drop(resumed);
+    drop(right);
+    let layers = layers?;
+    {
+        let mut c = shared.merge.counters();
+        c.pause_ms = pause_ms;
+        c.layers_after = layers;
+    }
+    info!(merged = %merged.path().display(), layers, pause_ms, "live merge switched");
+    Ok(())
+}
+
+/// [`switch`]'s part inside the pause (`quiet`): the chain flushed clean,
+/// the layer above switched onto the merge file, the chain reopened and
+/// put in place. The new chain's layer count and the old chain (dropped
+/// by the caller after the pause).
+fn switch_paused(
+    shared: &Shared,
+    quiet: &Quiesced<'_>,
+    merged: &MergedFile,
+) -> Result<(usize, Arc<Chain>), SwitchError> {
+    use SwitchError::{NotSwitched, Switched};
     let old = quiet.current();
     old.flush_clean()
         .map_err(|e| NotSwitched(format!("flush before the switch: {e}")))?;
@@ -513,19 +551,7 @@ fn switch(shared: &Shared, term: Term, merged: &MergedFile) -> Result<(), Switch
     // no failure.
     old.handover().release_top();
     drop(old);
-    let old = quiet.replace(chain);
-    // The pause ends; the right is given back when the switch is done.
-    let _right = quiet.resume();
-    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
-    drop(old);
-    drop(resumed);
-    {
-        let mut c = shared.merge.counters();
-        c.pause_ms = pause_ms;
-        c.layers_after = layers;
-    }
-    info!(merged = %merged.path().display(), layers, pause_ms, "live merge switched");
-    Ok(())
+    Ok((layers, quiet.replace(chain)))
 }
 
 /// Lets index builds run again, and wakes one (the top's index no longer
@@ -534,7 +560,88 @@ struct Resume<'a>(&'a Shared);
 
 impl Drop for Resume<'_> {
     fn drop(&mut self) {
+        // Before the switch gives the right back: an inactivation that took
+        // it must not find its suspension of builds undone.
+        debug_assert!(
+            std::thread::panicking() || self.0.handle.try_exclusive().is_none(),
+            "index builds resumed after the right was given back"
+        );
         self.0.index_builder.resume();
         self.0.index_builder.wake();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use sqcow2_format::create::{create, CreateOptions};
+
+    use super::*;
+    use crate::device::handle::ChainHandle;
+
+    fn image(dir: &Path, name: &str, backing: Option<&str>) -> PathBuf {
+        let path = dir.join(name);
+        create(
+            &path,
+            &CreateOptions {
+                size: 1 << 20,
+                backing_file: backing.map(Into::into),
+                backing_format: backing.map(|_| "qcow2".into()),
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        path
+    }
+
+    /// base <- mid <- top in `dir`; the top's path.
+    fn three_layers(dir: &Path) -> PathBuf {
+        image(dir, "base.qcow2", None);
+        image(dir, "mid.qcow2", Some("base.qcow2"));
+        image(dir, "top.qcow2", Some("mid.qcow2"))
+    }
+
+    /// A switch that fails inside its pause lets index builds run again
+    /// before it gives the right back (else an inactivation that takes
+    /// the right in between has its suspension of builds undone, and a
+    /// build writes into images another daemon is about to own).
+    #[test]
+    fn a_failed_switch_resumes_builds_before_giving_the_right_back() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let options = ChainOptions {
+            writable: true,
+            locking: Locking::Off,
+            use_index: false,
+            ..ChainOptions::default()
+        };
+        // The merge is made from chain A while chain B (other files) is
+        // served: the layer above is not found, the switch fails in the
+        // pause.
+        let chain_a = Chain::open(&three_layers(a.path()), &options).unwrap();
+        let chain_b = Chain::open(&three_layers(b.path()), &options).unwrap();
+        let shared = Shared::new(Arc::new(ChainHandle::new(chain_b)), options);
+        let term = shared.term().unwrap();
+        let prepared = prepare_merge(
+            &chain_a,
+            &LayerRef::Position(0),
+            &LayerRef::Position(1),
+            &a.path().join("merged.qcow2"),
+            None,
+        )
+        .unwrap();
+        prepared.fill(Locking::Off, &mut |_, _, _| true).unwrap();
+        let merged = prepared.publish(Locking::Off, &|| false).unwrap();
+        let r = switch(&shared, term, &merged);
+        // (The layer above is not in the served chain: switching it fails,
+        // and so does putting its old backing name back.)
+        assert!(
+            matches!(
+                r,
+                Err(SwitchError::NotSwitched(_) | SwitchError::Switched(_))
+            ),
+            "a merge of another chain must fail inside the pause"
+        );
+        assert!(shared.handle.try_exclusive().is_some(), "the right is free");
     }
 }

@@ -152,12 +152,13 @@ impl Shared {
         }
     }
 
-    /// State for serving `handle`, opened inactive: requests wait for an
-    /// activation (which opens the chain with `options`), for at most the
-    /// inactive timeout, then fail.
+    /// State for serving `handle`, made inactive
+    /// ([`ChainHandle::new_inactive`]): requests wait for an activation
+    /// (which opens the chain with `options`), for at most the inactive
+    /// timeout, then fail.
     pub fn new_inactive(handle: Arc<ChainHandle>, options: ChainOptions) -> Self {
+        debug_assert!(handle.gate().is_inactive(), "made with new_inactive");
         let shared = Shared::new(handle, options);
-        shared.handle.exclusive().set_inactive(true);
         shared.lock_ownership().inactive_since = Some(Instant::now());
         shared
     }
@@ -171,6 +172,8 @@ impl Shared {
     /// `busy` (saying what holds it) if another holds it; refused once the
     /// daemon stops.
     fn take_right(&self) -> Result<Exclusive<'_>, Failure> {
+        // Checked first too: a stop holds the right for its last flush.
+        self.refuse_if_stopping()?;
         let Some(right) = self.handle.try_exclusive() else {
             return Err(fail(
                 FailureKind::Busy,

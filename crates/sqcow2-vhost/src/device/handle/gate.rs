@@ -31,8 +31,7 @@ const SLOW_SWITCH: Duration = Duration::from_millis(2);
 /// Counts the requests in flight; pauses new ones.
 #[derive(Debug, Default)]
 pub struct RequestGate {
-    /// Pauses held now: pauses nest (a stop during a merge's switch must
-    /// not end the merge's pause).
+    /// Pauses held now (counted: a pause ends when the last guard goes).
     paused: AtomicUsize,
     inactive: AtomicBool,
     refusing: AtomicBool,
@@ -156,13 +155,13 @@ impl PauseGuard {
     /// most `timeout` until nothing uses the chain (requests whose only
     /// work left is deferred do not count: that work begins after the
     /// pause, on the chain current then). False for a plain pause.
-    pub(crate) fn off_chain(&self, timeout: Duration) -> bool {
+    pub(super) fn off_chain(&self, timeout: Duration) -> bool {
         self.switch && self.gate.wait_off_chain(timeout)
     }
 
     /// Waits at most `timeout` until no request is in flight and nothing
     /// is on the chain.
-    pub(crate) fn idle(&self, timeout: Duration) -> bool {
+    pub(super) fn idle(&self, timeout: Duration) -> bool {
         self.gate.idle_and_off_chain(timeout)
     }
 }
@@ -236,7 +235,7 @@ impl RequestGate {
     }
 
     /// Makes new requests wait (inactive) or start again (active).
-    pub(crate) fn set_inactive(&self, inactive: bool) {
+    pub(super) fn set_inactive(&self, inactive: bool) {
         self.inactive.store(inactive, Ordering::SeqCst);
         if !inactive {
             self.refusing.store(false, Ordering::SeqCst);
@@ -322,7 +321,7 @@ impl RequestGate {
     /// A pause for switching the chain (a live snapshot): like
     /// [`RequestGate::pause`], and deferred work does not begin until it
     /// ends; wait with [`RequestGate::wait_off_chain`].
-    pub fn pause_for_switch(self: &Arc<Self>) -> PauseGuard {
+    pub(super) fn pause_for_switch(self: &Arc<Self>) -> PauseGuard {
         self.switching.fetch_add(1, Ordering::SeqCst);
         self.paused.fetch_add(1, Ordering::SeqCst);
         PauseGuard {

@@ -8,10 +8,10 @@
 //!
 //! 1. [`Exclusive`], the right to change the chain: one holder at a time
 //!    ([`ChainHandle::try_exclusive`], [`ChainHandle::exclusive`]);
-//! 2. [`Pause`]: new requests wait ([`Exclusive::pause_for_switch`],
-//!    [`Exclusive::pause`]);
+//! 2. a pause: new requests wait ([`Exclusive::pause_for_switch`] gives
+//!    a [`SwitchPause`], [`Exclusive::pause`] a [`Pause`]);
 //! 3. [`Quiesced`], the proof that nothing uses the chain and nothing
-//!    starts to ([`Pause::off_chain`], [`Pause::idle`], or
+//!    starts to ([`SwitchPause::off_chain`], [`Pause::idle`], or
 //!    [`Exclusive::quiesce_inactive`] while requests wait at an inactive
 //!    gate); its [`Quiesced::replace`] is the only way to replace the
 //!    chain, and it belongs to this handle by construction;
@@ -23,7 +23,9 @@ use std::time::Duration;
 
 use sqcow2_format::Chain;
 
-use crate::device::gate::{PauseGuard, RequestGate};
+pub(crate) mod gate;
+
+use gate::{PauseGuard, RequestGate};
 
 /// The served chain, the gate of its requests and the right to replace it.
 #[derive(Debug)]
@@ -44,6 +46,14 @@ impl ChainHandle {
         }
     }
 
+    /// Serves `chain` inactive: requests wait at the gate until the holder
+    /// of the right activates it ([`Exclusive::set_inactive`]).
+    pub fn new_inactive(chain: Chain) -> Self {
+        let handle = ChainHandle::new(chain);
+        handle.gate.set_inactive(true);
+        handle
+    }
+
     /// The chain now.
     pub fn get(&self) -> Arc<Chain> {
         self.current
@@ -59,6 +69,7 @@ impl ChainHandle {
 
     /// The right to change the chain, if nobody holds it. A holder that
     /// panicked left it free (the daemon goes on).
+    #[must_use = "the right ends when this is dropped"]
     pub(crate) fn try_exclusive(&self) -> Option<Exclusive<'_>> {
         let held = match self.right.try_lock() {
             Ok(g) => g,
@@ -82,8 +93,9 @@ impl ChainHandle {
 
 /// The right to change the served chain: one holder at a time. Held
 /// across the I/O of the change it guards (drain, flush, reopen) on
-/// purpose, so that no other change slips in between; the control socket
-/// meets it with `try_exclusive` and answers `busy` at once.
+/// purpose, so that no other change slips in between. Control requests
+/// (live snapshot, activate, inactivate) meet it with `try_exclusive` and
+/// answer `busy` at once; only a merge's switch and a stop wait for it.
 #[must_use = "the right ends when this is dropped"]
 #[derive(Debug)]
 pub(crate) struct Exclusive<'h> {
@@ -99,9 +111,9 @@ impl<'h> Exclusive<'h> {
 
     /// A switch's pause ([`RequestGate::pause_for_switch`]): new requests
     /// wait; work deferred off the chain begins only after it.
-    pub(crate) fn pause_for_switch(self) -> Pause<'h> {
+    pub(crate) fn pause_for_switch(self) -> SwitchPause<'h> {
         let guard = self.handle.gate.pause_for_switch();
-        Pause { right: self, guard }
+        SwitchPause { right: self, guard }
     }
 
     /// A plain pause ([`RequestGate::pause`]): new requests wait.
@@ -126,20 +138,20 @@ impl<'h> Exclusive<'h> {
     }
 }
 
-/// The right's holder has paused the device: new requests wait.
+/// A switch's pause, taken by the right's holder: new requests wait, and
+/// work deferred off the chain waits for the pause to end.
 #[must_use = "the pause ends when this is dropped"]
 #[derive(Debug)]
-pub(crate) struct Pause<'h> {
+pub(crate) struct SwitchPause<'h> {
     guard: PauseGuard,
     right: Exclusive<'h>,
 }
 
-impl<'h> Pause<'h> {
-    /// For a switch's pause: waits at most `timeout` until nothing uses
-    /// the chain (requests whose only work left is deferred do not count:
-    /// that work begins after the pause, on the chain current then). The
-    /// proof, which holds the pause from now on; the pause back if that
-    /// did not happen.
+impl<'h> SwitchPause<'h> {
+    /// Waits at most `timeout` until nothing uses the chain (requests
+    /// whose only work left is deferred do not count: that work begins
+    /// after the pause, on the chain current then). The proof, which holds
+    /// the pause from now on; the pause back if that did not happen.
     pub(crate) fn off_chain(self, timeout: Duration) -> Result<Quiesced<'h>, Self> {
         if self.guard.off_chain(timeout) {
             Ok(Quiesced {
@@ -151,6 +163,22 @@ impl<'h> Pause<'h> {
         }
     }
 
+    /// Ends the pause; the right stays held.
+    pub(crate) fn resume(self) -> Exclusive<'h> {
+        drop(self.guard);
+        self.right
+    }
+}
+
+/// A plain pause, taken by the right's holder: new requests wait.
+#[must_use = "the pause ends when this is dropped"]
+#[derive(Debug)]
+pub(crate) struct Pause<'h> {
+    guard: PauseGuard,
+    right: Exclusive<'h>,
+}
+
+impl<'h> Pause<'h> {
     /// Waits at most `timeout` until no request is in flight and nothing
     /// is on the chain. The proof, holding the pause; the pause back if
     /// that did not happen.
@@ -189,6 +217,7 @@ impl<'h> Quiesced<'h> {
     }
 
     /// Puts `chain` in place of the current one; returns the old one.
+    #[must_use = "dropping the old chain here drops it inside the pause"]
     pub(crate) fn replace(&self, chain: Chain) -> Arc<Chain> {
         let mut cur = self
             .right
