@@ -509,7 +509,7 @@ fn main() -> ExitCode {
     }
     // As QEMU does: long chains need more descriptors than the usual soft
     // limit of 1024 (the descriptor cache works within whatever is left).
-    match sqcow2_format::files::raise_open_file_limit() {
+    match sqcow2_format::raise_open_file_limit() {
         Ok((old, new)) => tracing::debug!(old, new, "open-file limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
     }

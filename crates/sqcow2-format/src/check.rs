@@ -720,7 +720,7 @@ fn fix_copied_flags(storage: &dyn Storage, checked: &Checked) -> Result<(), Erro
 /// from the metadata alone, then points the header at them. The old
 /// structures become free space. A crash before the header update leaves
 /// the old ones in force.
-pub fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), ErrorKind> {
+pub(crate) fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), ErrorKind> {
     let g = header.geometry;
     let cs = g.cluster_size();
     let census = census(header, storage, Path::new(""))?;

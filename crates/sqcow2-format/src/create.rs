@@ -88,7 +88,7 @@ pub fn image_bytes(opts: &CreateOptions) -> Result<Vec<u8>, ErrorKind> {
 
 /// Where [`image_layout`] put things.
 #[derive(Debug, Clone, Copy)]
-pub struct ImageLayout {
+pub(crate) struct ImageLayout {
     /// Offset of the L1 table.
     pub l1_offset: u64,
     /// First cluster after the L1 table: where the `extra` clusters go.
@@ -97,7 +97,10 @@ pub struct ImageLayout {
 
 /// [`image_bytes`] with `extra` clusters after the L1 table already
 /// counted in the refcounts (the caller writes them: L2 tables, data).
-pub fn image_layout(opts: &CreateOptions, extra: u64) -> Result<(Vec<u8>, ImageLayout), ErrorKind> {
+pub(crate) fn image_layout(
+    opts: &CreateOptions,
+    extra: u64,
+) -> Result<(Vec<u8>, ImageLayout), ErrorKind> {
     let cs = opts.cluster_size;
     if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
         return Err(invalid(

@@ -16,7 +16,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 use crate::error::ErrorKind;
@@ -57,7 +57,7 @@ pub fn raise_open_file_limit() -> io::Result<(u64, u64)> {
 /// The descriptor budget of a chain's lower layers by default: half the
 /// process's soft limit of open files (the rest for the top, sockets,
 /// eventfds, io_uring, other chains).
-pub fn default_budget() -> usize {
+pub(crate) fn default_budget() -> usize {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -76,13 +76,12 @@ pub fn default_budget() -> usize {
 /// (CLOCK, an approximation of least recently used that costs a hit no
 /// lock beyond the file's own).
 #[derive(Debug)]
-pub struct FileCache {
+pub(crate) struct FileCache {
     budget: usize,
     /// The second descriptors of copy-on-write reads (at most an eighth
     /// of the budget, in room the files leave; see `read_once.rs`).
     once_slots: Arc<DescriptorSlots>,
     state: Mutex<Clock>,
-    opened: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -102,30 +101,20 @@ struct OpenFile {
 
 impl FileCache {
     /// A cache keeping at most `budget` descriptors open.
-    pub fn new(budget: usize) -> Self {
+    pub(crate) fn new(budget: usize) -> Self {
         let budget = budget.max(1);
         FileCache {
             budget,
             once_slots: DescriptorSlots::new(budget / 8, budget),
             state: Mutex::new(Clock::default()),
-            opened: AtomicU64::new(0),
         }
-    }
-
-    /// Descriptors kept open at most.
-    pub fn budget(&self) -> usize {
-        self.budget
     }
 
     /// Descriptors open now: layer files and the second descriptors of
     /// their copy-on-write reads.
-    pub fn open_now(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn open_now(&self) -> usize {
         self.clock().open.len() + self.once_slots.used()
-    }
-
-    /// Files opened so far (first opens and reopens).
-    pub fn opens(&self) -> u64 {
-        self.opened.load(Ordering::Relaxed)
     }
 
     fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
@@ -149,7 +138,6 @@ impl FileCache {
             }
             *current = Some(open.clone());
         }
-        self.opened.fetch_add(1, Ordering::Relaxed);
         lazy.referenced.store(true, Ordering::Relaxed);
         clock.open.push(lazy.me.clone());
         self.once_slots.file_opened();
@@ -181,7 +169,7 @@ impl FileCache {
 /// A lower layer's file, opened on demand through its chain's
 /// [`FileCache`].
 #[derive(Debug)]
-pub struct LazyFile {
+pub(crate) struct LazyFile {
     /// The descriptor while it is open (first: in the cache line of the
     /// `Arc`'s counts, one memory access from a layer's storage).
     open: RwLock<Option<OpenFile>>,
@@ -201,7 +189,7 @@ impl LazyFile {
     /// Hands `file`, opened by `path` and locked with `locks` (`mode`),
     /// to `cache`; later accesses reopen it by `path` when its descriptor
     /// was closed.
-    pub fn adopt(
+    pub(crate) fn adopt(
         path: &Path,
         file: FileStorage,
         locks: LockRequest,

@@ -18,7 +18,7 @@ use crate::sqcow2_ext::{fingerprints, write_index_extension};
 use crate::types::{Geometry, GuestOffset};
 
 /// Magic at the start of every tagged 4 KiB block.
-pub const TAG_MAGIC: &[u8; 4] = b"SQGC";
+pub(crate) const TAG_MAGIC: &[u8; 4] = b"SQGC";
 /// Bytes between tags.
 pub const TAG_STRIDE: usize = 4096;
 
@@ -115,7 +115,7 @@ pub fn plan(opts: &GenOptions) -> Vec<Vec<u64>> {
 
 /// The content of guest cluster `cluster` as written by layer `layer`:
 /// a tag every 4 KiB, zeros elsewhere.
-pub fn cluster_content(layer: u32, cluster: u64, cluster_size: u64) -> Vec<u8> {
+pub(crate) fn cluster_content(layer: u32, cluster: u64, cluster_size: u64) -> Vec<u8> {
     let mut buf = vec![0u8; cluster_size as usize];
     for (block, chunk) in buf
         .chunks_mut(TAG_STRIDE.min(cluster_size as usize))

@@ -20,11 +20,11 @@ use crate::error::ErrorKind;
 use crate::storage::Storage;
 
 /// File magic.
-pub const INDEX_MAGIC: &[u8; 8] = b"SQC2INDX";
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"SQC2INDX";
 /// Current version; readers reject others.
-pub const INDEX_VERSION: u32 = 1;
+pub(crate) const INDEX_VERSION: u32 = 1;
 /// Header extension of the top naming its index file.
-pub const EXT_SQCOW2: u32 = 0x7371_6332;
+pub(crate) const EXT_SQCOW2: u32 = 0x7371_6332;
 /// Autoclear bit carried by every qcow2 v3 layer an index covers.
 pub const AUTOCLEAR_SQCOW2: u64 = 1 << 63;
 /// Size of the index file header.
@@ -83,7 +83,7 @@ impl IndexEntry {
     }
 
     /// Decodes two words; `None` for an unknown kind or reserved bits set.
-    pub fn decode(w0: u64, w1: u64) -> Option<Self> {
+    pub(crate) fn decode(w0: u64, w1: u64) -> Option<Self> {
         let layer = (w1 & 0xffff_ffff) as u32;
         if w1 >> 40 != 0 {
             return None;
@@ -246,7 +246,7 @@ pub struct IndexGeometry {
 
 impl IndexGeometry {
     /// Chunk size in bytes.
-    pub fn chunk_size(&self) -> u64 {
+    pub(crate) fn chunk_size(&self) -> u64 {
         1 << self.granularity_bits
     }
     /// Number of chunks.
@@ -262,7 +262,7 @@ impl IndexGeometry {
 }
 
 /// Where an [`IndexWriter`] puts its bytes.
-pub trait IndexSink {
+pub(crate) trait IndexSink {
     /// Writes `bytes` at `offset`.
     fn write_at(&mut self, bytes: &[u8], offset: u64) -> std::io::Result<()>;
 }
@@ -289,7 +289,7 @@ impl IndexSink for std::fs::File {
 /// the fingerprints of the covered layers (base first) and the slice
 /// table ([`IndexWriter::finish`]). Memory stays one slice plus the slice
 /// table (16 bytes per 256 chunks) whatever the disk size.
-pub struct IndexWriter<S: IndexSink> {
+pub(crate) struct IndexWriter<S: IndexSink> {
     sink: S,
     geometry: IndexGeometry,
     layer_table: Vec<u8>,
@@ -303,7 +303,7 @@ pub struct IndexWriter<S: IndexSink> {
 
 impl<S: IndexSink> IndexWriter<S> {
     /// A writer of an index with `geometry` over `layers`, into `sink`.
-    pub fn new(sink: S, geometry: IndexGeometry, layers: &[LayerFingerprint]) -> Self {
+    pub(crate) fn new(sink: S, geometry: IndexGeometry, layers: &[LayerFingerprint]) -> Self {
         let mut layer_table = Vec::new();
         for l in layers {
             l.encode(&mut layer_table);
@@ -327,12 +327,12 @@ impl<S: IndexSink> IndexWriter<S> {
     }
 
     /// Entries pushed so far (the chunk the next one describes).
-    pub fn pushed(&self) -> u64 {
+    pub(crate) fn pushed(&self) -> u64 {
         self.pushed
     }
 
     /// The entry of the next chunk.
-    pub fn push(&mut self, entry: IndexEntry) -> std::io::Result<()> {
+    pub(crate) fn push(&mut self, entry: IndexEntry) -> std::io::Result<()> {
         self.slice.push(entry);
         self.pushed += 1;
         if self.slice.len() as u64 == self.geometry.slice_entries() {
@@ -370,7 +370,7 @@ impl<S: IndexSink> IndexWriter<S> {
 
     /// Writes what describes the entries (chunks never pushed read as
     /// *none*) and returns the sink.
-    pub fn finish(mut self) -> std::io::Result<S> {
+    pub(crate) fn finish(mut self) -> std::io::Result<S> {
         while self.pushed < self.geometry.chunks() {
             self.push(IndexEntry::None)?;
         }
@@ -576,7 +576,7 @@ impl ChainIndex {
     }
 
     /// Size of the index file.
-    pub fn file_size(&self) -> u64 {
+    pub(crate) fn file_size(&self) -> u64 {
         self.file_size
     }
 
@@ -643,7 +643,7 @@ impl ChainIndex {
     }
 
     /// Why the index stopped being usable, if it did.
-    pub fn given_up_because(&self) -> Option<&str> {
+    pub(crate) fn given_up_because(&self) -> Option<&str> {
         self.given_up.get().map(String::as_str)
     }
 
@@ -672,7 +672,7 @@ impl ChainIndex {
     }
 
     /// Entries per slice.
-    pub fn entries_per_slice(&self) -> u64 {
+    pub(crate) fn entries_per_slice(&self) -> u64 {
         self.geometry.slice_entries()
     }
 
@@ -737,7 +737,7 @@ fn slice_checksum(bytes: &[u8]) -> u32 {
 }
 
 /// Entry `i` of a slice's words (`None` for an invalid entry).
-pub fn decode_at(words: &[u64], i: u64) -> Option<IndexEntry> {
+pub(crate) fn decode_at(words: &[u64], i: u64) -> Option<IndexEntry> {
     let i = (i * 2) as usize;
     IndexEntry::decode(*words.get(i)?, *words.get(i + 1)?)
 }

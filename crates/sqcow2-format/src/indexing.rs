@@ -173,18 +173,6 @@ pub fn is_cancelled(e: &Error) -> bool {
     matches!(&e.kind, ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::Interrupted)
 }
 
-/// The index file name for an image: `<image file name>.sqidx`.
-pub(crate) fn index_file_name(image: &Path) -> PathBuf {
-    PathBuf::from(crate::sidefile::index_name(
-        image.file_name().unwrap_or_default(),
-    ))
-}
-
-/// Where the index of `image` lives: `<image>.sqidx` beside it.
-pub fn index_path_of(image: &Path) -> PathBuf {
-    image.with_file_name(index_file_name(image))
-}
-
 /// The layers of `0..=upto` an index build marks: qcow2 v3 layers
 /// without the sQcow2 autoclear bit.
 fn layers_to_mark(chain: &Chain, upto: usize) -> impl Iterator<Item = &Layer> {
@@ -430,7 +418,7 @@ pub fn snapshot(
 /// removed, with its index's temporary file).
 #[must_use = "a prepared snapshot is removed unless published"]
 #[derive(Debug)]
-pub struct PreparedSnapshot {
+pub(crate) struct PreparedSnapshot {
     image: NewImage,
     index: Option<NewIndex>,
     report: SnapshotReport,
@@ -440,7 +428,7 @@ impl PreparedSnapshot {
     /// Makes the new top visible under its name (rename, fsync of the
     /// directory), then its index, if written (a crash between leaves the
     /// top without its index: rebuilt by the next writer, walked until).
-    pub fn publish(self) -> Result<SnapshotReport, Error> {
+    pub(crate) fn publish(self) -> Result<SnapshotReport, Error> {
         let mut report = self.report;
         self.image.publish()?;
         if let Some(index) = self.index {
@@ -456,7 +444,7 @@ impl PreparedSnapshot {
 /// The part of [`snapshot`] that does not need the old top to stay
 /// unchanged (with [`SnapshotIndex::Deferred`]): the new top created and
 /// synced under a temporary name.
-pub fn prepare_snapshot(
+pub(crate) fn prepare_snapshot(
     top: &Path,
     new: &Path,
     locking: Locking,

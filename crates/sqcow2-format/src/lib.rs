@@ -35,7 +35,7 @@ mod extension;
 mod fault;
 mod features;
 mod fence;
-pub mod files;
+mod files;
 pub mod gen;
 mod header;
 mod header_area;
@@ -68,6 +68,7 @@ pub use chain::{
 pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};
 pub use extension::HeaderExtension;
+pub use files::raise_open_file_limit;
 #[cfg(feature = "fault-injection")]
 pub use fault::FaultPoint;
 pub use features::{FeatureBits, SetFeature};

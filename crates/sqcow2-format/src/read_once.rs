@@ -66,6 +66,7 @@ impl DescriptorSlots {
     }
 
     /// Slots taken now.
+    #[cfg(test)]
     pub(crate) fn used(&self) -> usize {
         (self.counts.load(Ordering::Acquire) & SLOTS) as usize
     }

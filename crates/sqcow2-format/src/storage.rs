@@ -123,7 +123,7 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// The open file behind this storage, for callers that submit their
     /// own I/O (io_uring): holding it keeps its descriptor valid for as
     /// long as the I/O runs, even if the storage closes its own (lower
-    /// layers' descriptors are cached, see [`crate::files`]). `None` when
+    /// layers' descriptors are cached, see `files.rs`). `None` when
     /// there is no file.
     fn pinned_file(&self) -> io::Result<Option<PinnedFile>> {
         Ok(None)
@@ -286,7 +286,7 @@ pub(crate) fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
 /// otherwise): reading a backing layer is not using it, and with
 /// thousands of layers the inode updates cost a cache miss per request.
 /// Never waits on a FIFO: anything but a regular file is refused.
-pub fn open_for_reading(path: &Path) -> io::Result<File> {
+pub(crate) fn open_for_reading(path: &Path) -> io::Result<File> {
     crate::sidefile::dir::open_image_file(path, false)
 }
 

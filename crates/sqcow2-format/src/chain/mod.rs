@@ -79,7 +79,7 @@ pub struct ChainOptions {
     /// nodes during migration): read-only, no image lock held at all.
     pub inactive: bool,
     /// Descriptors kept open for the layers below the top (closed least
-    /// recently used first, reopened on demand: [`crate::files`]); `None`:
+    /// recently used first, reopened on demand: `files.rs`); `None`:
     /// half the process's soft limit of open files.
     pub max_open_files: Option<usize>,
     /// Early write-backs of the top's tables (when those under change
