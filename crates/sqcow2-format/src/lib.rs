@@ -68,11 +68,11 @@ pub use chain::{
 pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};
 pub use extension::HeaderExtension;
-pub use files::raise_open_file_limit;
 #[cfg(feature = "fault-injection")]
 pub use fault::FaultPoint;
 pub use features::{FeatureBits, SetFeature};
 pub use fence::TransferTicket;
+pub use files::raise_open_file_limit;
 pub use header::{CompressionType, Header, Version};
 pub use layer::{Layer, Qcow2Layer, RawLayer};
 pub use lock::{LockRequest, Locking, Perms};
