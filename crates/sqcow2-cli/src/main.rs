@@ -13,6 +13,7 @@ mod map;
 mod output;
 mod readout;
 mod reshape;
+mod resize;
 mod serve;
 
 use std::fmt::Write as _;
@@ -266,6 +267,9 @@ enum Command {
     },
     /// Commit an image's data into a layer below (as `qemu-img commit`).
     Commit(reshape::CommitArgs),
+    /// Change a disk's virtual size, like `qemu-img resize` (grows in
+    /// place where the L1 table addresses the new size; no shrink yet).
+    Resize(resize::ResizeArgs),
     /// Change an image's backing file (as `qemu-img rebase`).
     Rebase(reshape::RebaseArgs),
     /// Merge layers FIRST..LAST of a chain (below its top) into one new
@@ -410,6 +414,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
+        Command::Resize(args) => resize::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),

@@ -440,6 +440,15 @@ pub enum Feature {
     /// Committing into a base smaller than the image whose L1 table would
     /// have to move to grow (or that has internal snapshots).
     CommitGrowsBase,
+    /// Growing an image past what its L1 table addresses without moving
+    /// (`most` bytes).
+    GrowMovesL1 {
+        /// The largest size reachable in place.
+        most: u64,
+    },
+    /// Resizing a version 2 image that has internal snapshots (as QEMU
+    /// refuses it).
+    ResizeV2WithSnapshots,
 }
 
 impl fmt::Display for Feature {
@@ -453,6 +462,13 @@ impl fmt::Display for Feature {
                 f.write_str(
                     "committing into a smaller base whose L1 table would have to move to grow, or that has internal snapshots",
                 )
+            }
+            Feature::GrowMovesL1 { most } => write!(
+                f,
+                "growing past {most} bytes (the L1 table would have to move; qemu-img resize does that)"
+            ),
+            Feature::ResizeV2WithSnapshots => {
+                f.write_str("Can't resize a v2 image which has snapshots")
             }
             Feature::CorruptBit => {
                 f.write_str("image is marked corrupt: only read; `sqcow2 check -r all` (or qemu-img's) repairs it")

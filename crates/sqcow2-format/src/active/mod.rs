@@ -366,6 +366,25 @@ impl Active {
         self.read_state().size()
     }
 
+    /// Grows the disk to `size` bytes (more than now) where the L1 table
+    /// addresses them without moving ([`crate::resize`]): the header
+    /// written and synced, then the table in memory extended.
+    pub(crate) fn grow(&self, size: u64) -> Result<(), Error> {
+        self.check_failed()?;
+        // No write-back rewrites the header meanwhile.
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.write_state()?;
+        let l1_size = crate::resize::grow_in_place(&*self.top.storage, &st.header, size)
+            .map_err(|k| self.top.err(k))?;
+        st.header.size = size;
+        st.header.l1_size = l1_size;
+        st.l1.resize(l1_size as usize, 0);
+        Ok(())
+    }
+
     /// The mapping of `[guest, guest + max)` in the top.
     pub(crate) fn status(&self, guest: GuestOffset, max: u64) -> Result<(LayerStatus, u64), Error> {
         self.read_state().status(guest, max)

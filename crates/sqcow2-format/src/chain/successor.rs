@@ -207,6 +207,29 @@ fn same_file(a: &Arc<dyn Storage>, b: &Arc<dyn Storage>) -> bool {
 }
 
 impl Handover<'_> {
+    /// Grows the top's disk to `size` bytes (a multiple of 512, more than
+    /// now), as `qemu-img resize` does, where its L1 table addresses the
+    /// new size without moving; the new range reads as zeros. The size is
+    /// for the chain opened next (`Chain::open`, `Chain::open_reusing`):
+    /// this one keeps its lookups to the old size, and is closed or
+    /// handed over without further I/O.
+    pub fn grow_top(&self, size: u64) -> Result<(), Error> {
+        let active = self.chain.active()?;
+        let now = self.chain.virtual_size();
+        if size < now {
+            return Err(Error::new(
+                self.chain.top().path(),
+                ErrorKind::InvalidArgument(format!(
+                    "{size} bytes is smaller than the disk ({now} bytes): that is a shrink"
+                )),
+            ));
+        }
+        if size == now {
+            return Ok(());
+        }
+        active.grow(size)
+    }
+
     /// Prepares `created`, an empty image this process created over this
     /// chain's top (which must be writable), for [`crate::Handover::successor`]:
     /// everything that does not need the guest paused. The file is opened

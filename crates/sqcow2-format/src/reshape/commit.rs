@@ -115,10 +115,9 @@ fn make_empty(path: &Path, locking: Locking, expect: Option<FileId>) -> Result<(
 }
 
 /// Grows the qcow2 image at `path` to `size` bytes where its L1 table
-/// can address them without moving: the entries it needs lie in the
-/// clusters the table occupies already, and are zero (QEMU pads the table
-/// with zeros to whole clusters). Images with internal snapshots are not
-/// resized (as in QEMU); growing past the table's clusters is not done.
+/// can address them without moving ([`crate::resize`]). Images with
+/// internal snapshots are not resized here; growing past the table's
+/// clusters is not done.
 fn grow(path: &Path, size: u64, locking: Locking, expect: Option<FileId>) -> Result<(), Error> {
     let unsupported = || {
         Error::new(
@@ -131,34 +130,14 @@ fn grow(path: &Path, size: u64, locking: Locking, expect: Option<FileId>) -> Res
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
     let header = crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
-    if header.nb_snapshots > 0 || header.l1_table_offset == 0 {
+    if header.nb_snapshots > 0 {
         return Err(unsupported());
     }
-    let cluster = header.geometry.cluster_size();
-    let old = u64::from(header.l1_size);
-    let need = header.geometry.l1_entries_for(size);
-    let room = (old * 8).div_ceil(cluster) * cluster / 8;
-    if need > room || need > u64::from(u32::MAX) {
-        return Err(unsupported());
+    match crate::resize::grow_in_place(&storage, &header, size) {
+        Ok(_) => Ok(()),
+        Err(ErrorKind::Unsupported(_)) => Err(unsupported()),
+        Err(k) => Err(Error::new(path, k)),
     }
-    if need > old {
-        let mut extra = vec![0u8; ((need - old) * 8) as usize];
-        storage
-            .read_at(&mut extra, header.l1_table_offset + old * 8)
-            .map_err(io_err(path))?;
-        if !crate::bytes::is_zero(&extra) {
-            return Err(unsupported());
-        }
-    }
-    // Size, crypt method and L1 size: one write of header bytes 24..40.
-    let mut fields = [0u8; 16];
-    fields[..8].copy_from_slice(&size.to_be_bytes());
-    fields[8..12].copy_from_slice(&header.crypt_method.to_be_bytes());
-    fields[12..].copy_from_slice(&(need.max(old) as u32).to_be_bytes());
-    storage
-        .write_at(&fields, crate::header::field::SIZE as u64)
-        .and_then(|()| storage.sync())
-        .map_err(io_err(path))
 }
 
 /// The layer a commit writes.

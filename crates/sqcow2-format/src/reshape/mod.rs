@@ -186,6 +186,13 @@ impl HeaderWriter {
     }
 }
 
+/// Rebuilds the chain index the image at `top` names, if any, after an
+/// operation outside this module changed what it covers (a resize of the
+/// top): [`rebuild_index`] with the top opened afresh.
+pub fn rebuild_named_index(top: &Path, locking: Locking) -> Result<Option<BuildReport>, Error> {
+    rebuild_index(top, locking, &|| false, None)
+}
+
 /// Rebuilds the index the image at `top` names, if any, after its chain
 /// changed (from the nearest valid index below, or a walk); `cancelled`
 /// as for [`build_index`]. Where the index goes holding a file that is

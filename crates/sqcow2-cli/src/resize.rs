@@ -1,0 +1,111 @@
+//! `sqcow2 resize`: a disk's virtual size changed, like `qemu-img resize`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use sqcow2_format::{Chain, ChainOptions};
+
+use crate::output::parse_size;
+
+/// `sqcow2 resize` (qemu-img resize's arguments).
+#[derive(Debug, clap::Args)]
+pub(crate) struct ResizeArgs {
+    /// Image format, as qemu-img's -f (only qcow2).
+    #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
+    format: String,
+    /// Quiet: print nothing but errors (qemu-img's -q).
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Allow a smaller size (what lies past the new end is lost).
+    #[arg(long)]
+    shrink: bool,
+    /// Preallocation of the new space: off (qemu-img's default) only.
+    #[arg(long, value_name = "MODE", default_value = "off")]
+    preallocation: String,
+    /// The image (the top of its chain; the chain is opened as qemu-img
+    /// opens it).
+    image: PathBuf,
+    /// The new size (SIZE), or a change of it (+SIZE, -SIZE); suffixes
+    /// K, M, G, T, P, E as qemu-img's.
+    #[arg(allow_hyphen_values = true)]
+    size: String,
+}
+
+/// The size `spec` asks for, given the size `now`.
+fn new_size(spec: &str, now: u64) -> anyhow::Result<u64> {
+    let positive = || anyhow::anyhow!("New image size must be positive");
+    let size = if let Some(by) = spec.strip_prefix('+') {
+        now.checked_add(parse_size(by)?)
+            .context("the new size is too large")?
+    } else if let Some(by) = spec.strip_prefix('-') {
+        now.checked_sub(parse_size(by)?).ok_or_else(positive)?
+    } else {
+        parse_size(spec)?
+    };
+    if size == 0 {
+        return Err(positive());
+    }
+    Ok(size)
+}
+
+/// Resizes the image as `args` say, opened with `options`.
+pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<()> {
+    match args.preallocation.as_str() {
+        "off" => {}
+        "metadata" | "falloc" | "full" => {
+            bail!(
+                "--preallocation={} is not supported (off only)",
+                args.preallocation
+            )
+        }
+        other => bail!("Invalid preallocation mode '{other}'"),
+    }
+    let chain = Chain::open(
+        &args.image,
+        &ChainOptions {
+            writable: true,
+            ..options.clone()
+        },
+    )?;
+    let now = chain.virtual_size();
+    let size = new_size(&args.size, now)?;
+    if size < now {
+        if !args.shrink {
+            eprintln!(
+                "sqcow2: warning: Shrinking an image will delete all data beyond the shrunken \
+                 image's end. Before performing such an operation, make sure there is no \
+                 important data there."
+            );
+            bail!("Use the --shrink option to perform a shrink operation.");
+        }
+        bail!("shrinking a qcow2 image is not supported yet (qemu-img resize --shrink does it)");
+    }
+    chain.handover().grow_top(size)?;
+    chain.close()?;
+    // The index the top names covers the old size: rebuilt for the new
+    // one (the nearest valid index below, or a walk, as after a commit).
+    sqcow2_format::reshape::rebuild_named_index(&args.image, options.locking)
+        .context("rebuilding the chain index after the resize")?;
+    if !args.quiet {
+        println!("Image resized.");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_absolute_and_relative() {
+        let g = 1 << 30;
+        assert_eq!(new_size("2G", g).unwrap(), 2 * g);
+        assert_eq!(new_size("+1G", g).unwrap(), 2 * g);
+        assert_eq!(new_size("-512M", g).unwrap(), g / 2);
+        for bad in ["-1G", "-2G", "0"] {
+            let e = new_size(bad, g).unwrap_err().to_string();
+            assert_eq!(e, "New image size must be positive", "{bad}");
+        }
+        assert!(new_size("+1Q", g).is_err());
+    }
+}

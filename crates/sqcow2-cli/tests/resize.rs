@@ -1,0 +1,271 @@
+//! `sqcow2 resize` against `qemu-img resize`: the same chain resized by
+//! each reads the same (`qemu-img compare`), checks clean, keeps its data
+//! and its chain index; every refusal is qemu-img's and writes nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::*;
+
+fn sqcow2_raw(args: &[&str]) -> Output {
+    run_raw(Command::new(sqcow2_bin()).args(args))
+}
+
+fn qemu_img_raw(args: &[&str]) -> Output {
+    run_raw(Command::new("qemu-img").args(args))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn virtual_size(image: &Path) -> u64 {
+    let json = qemu_img(&["info", "--output", "json", s(image)]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    v["virtual-size"].as_u64().unwrap()
+}
+
+/// The bytes of every file in `dir`, to show that nothing was written.
+fn files_of(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let h = sha256_file(&p);
+            (p, h)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A copy of every file of `from` in a new directory below `root`.
+fn copy_dir(from: &Path, root: &Path, name: &str) -> PathBuf {
+    let to = root.join(name);
+    std::fs::create_dir(&to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        if e.path().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+    to
+}
+
+#[test]
+fn growing_a_chain_matches_qemu_img_and_keeps_the_index() {
+    let root = tempfile::tempdir().unwrap();
+    let ours_dir = root.path().join("ours");
+    std::fs::create_dir(&ours_dir).unwrap();
+    let top = gen_chain(&ours_dir, 4, "64M", "0.5");
+    // Data at the very end of the old disk, across the new boundary's
+    // cluster.
+    qemu_io(&top, &["write -P 0x5a 63M 1M".to_string()]);
+    let theirs_dir = copy_dir(&ours_dir, root.path(), "theirs");
+    let theirs = theirs_dir.join(top.file_name().unwrap());
+
+    let out = sqcow2(&["resize", s(&top), "+1G"]);
+    assert_eq!(out.trim(), "Image resized.");
+    qemu_img(&["resize", "-q", s(&theirs), "+1G"]);
+
+    assert_eq!(virtual_size(&top), (64 << 20) + (1 << 30));
+    let cmp = qemu_img_raw(&["compare", s(&top), s(&theirs)]);
+    assert!(
+        cmp.status.success(),
+        "qemu-img compare: {}{}",
+        String::from_utf8_lossy(&cmp.stdout),
+        stderr(&cmp)
+    );
+    assert_check_clean(&top);
+    // The index still serves the chain.
+    let info: serde_json::Value =
+        serde_json::from_str(&sqcow2(&["info", "--output", "json", s(&top)])).unwrap();
+    assert_eq!(info["chain-index"]["state"], "valid", "{info:#}");
+    assert_eq!(info["virtual-size"], virtual_size(&top));
+    // The new space reads as zeros and takes writes, through QEMU.
+    qemu_io(
+        &top,
+        &[
+            "read -P 0x5a 63M 1M".to_string(),
+            "read -P 0 64M 1G".to_string(),
+            "write -P 0x33 1000M 1M".to_string(),
+            "read -P 0x33 1000M 1M".to_string(),
+        ],
+    );
+    assert_check_clean(&top);
+    // And through sqcow2 (the whole disk, as qemu-img reads it).
+    assert_same_as_qemu(&top);
+}
+
+#[test]
+fn an_absolute_size_and_quiet() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_create(&img, "", "1G");
+    let out = sqcow2(&["resize", "-q", s(&img), "3G"]);
+    assert_eq!(out, "", "-q prints nothing");
+    assert_eq!(virtual_size(&img), 3 << 30);
+    // The same size again: nothing to do, as qemu-img.
+    assert_eq!(sqcow2(&["resize", s(&img), "3G"]).trim(), "Image resized.");
+    assert_check_clean(&img);
+}
+
+#[test]
+fn internal_snapshots_of_a_v3_image_stay_readable() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_create(&img, "", "1G");
+    qemu_io(&img, &["write -P 0x11 0 1M".to_string()]);
+    qemu_img(&["snapshot", "-c", "before", s(&img)]);
+    qemu_io(&img, &["write -P 0x22 0 1M".to_string()]);
+    sqcow2(&["resize", s(&img), "2G"]);
+    assert_eq!(virtual_size(&img), 2 << 30);
+    assert_check_clean(&img);
+    qemu_img(&["snapshot", "-a", "before", s(&img)]);
+    qemu_io(&img, &["read -P 0x11 0 1M".to_string()]);
+}
+
+/// Each refusal writes nothing; where qemu-img refuses the same, in its
+/// words and with its exit code. (Growing past what the L1 table
+/// addresses in place is sqcow2's own refusal: qemu-img moves the table.)
+#[test]
+fn refusals_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_create(&img, "", "1G");
+    qemu_io(&img, &["write -P 0x5a 0 1M".to_string()]);
+    let small = dir.path().join("small.qcow2");
+    qemu_create(&small, "cluster_size=4096", "1G");
+    let v2 = dir.path().join("v2.qcow2");
+    qemu_create(&v2, "compat=0.10", "1G");
+    qemu_img(&["snapshot", "-c", "s1", s(&v2)]);
+    let before = files_of(dir.path());
+    let cases: [(&[&str], &str, &str); 8] = [
+        (
+            &["resize", s(&img), "512M"],
+            "Use the --shrink option",
+            "1G",
+        ),
+        (
+            &["resize", s(&img), "-1G"],
+            "New image size must be positive",
+            "",
+        ),
+        (
+            &["resize", s(&img), "--", "-2G"],
+            "New image size must be positive",
+            "",
+        ),
+        (
+            &["resize", s(&img), "+100"],
+            "The new size must be a multiple of 512",
+            "",
+        ),
+        (
+            &["resize", "--preallocation=bogus", s(&img), "2G"],
+            "Invalid preallocation mode 'bogus'",
+            "",
+        ),
+        (
+            &["resize", s(&v2), "2G"],
+            "Can't resize a v2 image which has snapshots",
+            "",
+        ),
+        // Past what the 4 KiB-cluster image's L1 table addresses in place.
+        (
+            &["resize", s(&small), "3G"],
+            "the L1 table would have to move",
+            "",
+        ),
+        (
+            &["resize", s(&img), "-f", "raw", "2G"],
+            "invalid value 'raw'",
+            "",
+        ),
+    ];
+    for (args, ours, _) in cases {
+        let o = sqcow2_raw(args);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(stderr(&o).contains(ours), "{args:?}: {}", stderr(&o));
+    }
+    // qemu-img refuses the same (its own words where sqcow2 shares them).
+    for (args, words) in [
+        (vec!["resize", s(&img), "512M"], "Use the --shrink option"),
+        (
+            vec!["resize", s(&img), "--", "-2G"],
+            "New image size must be positive",
+        ),
+        (
+            vec!["resize", s(&img), "+100"],
+            "The new size must be a multiple of 512",
+        ),
+        (
+            vec!["resize", "--preallocation=bogus", s(&img), "2G"],
+            "Invalid preallocation mode 'bogus'",
+        ),
+        (
+            vec!["resize", s(&v2), "2G"],
+            "Can't resize a v2 image which has snapshots",
+        ),
+    ] {
+        let q = qemu_img_raw(&args);
+        assert_eq!(q.status.code(), Some(1), "qemu-img {args:?}");
+        assert!(
+            stderr(&q).contains(words),
+            "qemu-img {args:?}: {}",
+            stderr(&q)
+        );
+    }
+    assert_eq!(files_of(dir.path()), before, "a refused resize wrote");
+}
+
+#[test]
+fn an_image_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_create(&img, "", "1G");
+    // qemu-io holds the image (write lock) while it sleeps.
+    let mut holder = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "sleep 5000", s(&img)])
+        .spawn()
+        .unwrap();
+    // Until qemu-io holds its locks (seen in /proc/locks, which takes no
+    // lock that could make qemu-io's open fail).
+    let inode = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&img).unwrap().ino()
+    };
+    let held = || {
+        std::fs::read_to_string("/proc/locks")
+            .unwrap()
+            .lines()
+            .any(|l| l.contains("OFDLCK") && l.contains(&format!(":{inode} ")))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !held() {
+        assert!(
+            holder.try_wait().unwrap().is_none(),
+            "qemu-io ended before it held the image"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "qemu-io never held the image"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let before = sha256_file(&img);
+    let o = sqcow2_raw(&["resize", s(&img), "2G"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("lock"), "{}", stderr(&o));
+    assert_eq!(sha256_file(&img), before);
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "qemu-io held the image throughout"
+    );
+    holder.kill().ok();
+    holder.wait().ok();
+    assert_eq!(virtual_size(&img), 1 << 30);
+}
