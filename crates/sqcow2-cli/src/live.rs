@@ -35,7 +35,7 @@ pub fn request<T: DeserializeOwned>(control: &Path, command: Command) -> anyhow:
 }
 
 /// `value` as JSON, or as `human` renders it.
-fn print<T: Serialize>(
+pub(crate) fn print<T: Serialize>(
     value: &T,
     output: OutputFormat,
     human: impl Fn(&T) -> String,

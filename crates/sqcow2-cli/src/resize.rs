@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use sqcow2_format::{Chain, ChainOptions};
 
-use crate::output::parse_size;
+use crate::output::{parse_size, OutputFormat};
 
 /// `sqcow2 resize` (qemu-img resize's arguments).
 #[derive(Debug, clap::Args)]
@@ -22,8 +22,17 @@ pub(crate) struct ResizeArgs {
     /// Preallocation of the new space: off (qemu-img's default) only.
     #[arg(long, value_name = "MODE", default_value = "off")]
     preallocation: String,
+    /// Grow the disk a running `sqcow2 serve` serves (IMAGE is then its
+    /// control socket); a frontend sees the new size when it next reads
+    /// the device's config (not told yet). Shrinking a served disk is
+    /// refused.
+    #[arg(long)]
+    live: bool,
+    /// Output format (with --live).
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
     /// The image (the top of its chain; the chain is opened as qemu-img
-    /// opens it).
+    /// opens it); with --live, the daemon's control socket.
     image: PathBuf,
     /// The new size (SIZE), or a change of it (+SIZE, -SIZE); suffixes
     /// K, M, G, T, P, E as qemu-img's.
@@ -60,6 +69,9 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
         }
         other => bail!("Invalid preallocation mode '{other}'"),
     }
+    if args.live {
+        return run_live(args);
+    }
     let chain = Chain::open(
         &args.image,
         &ChainOptions {
@@ -90,6 +102,25 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
         println!("Image resized.");
     }
     Ok(())
+}
+
+/// `sqcow2 resize --live CONTROL SIZE`.
+fn run_live(args: &ResizeArgs) -> anyhow::Result<()> {
+    use sqcow2_vhost::protocol::{Command, Info, ResizeResult};
+    let info: Info = crate::live::request(&args.image, Command::Info)?;
+    let size = new_size(&args.size, info.virtual_size)?;
+    let r: ResizeResult = crate::live::request(&args.image, Command::Resize { size })?;
+    crate::live::print(&r, args.output, |r| {
+        if args.quiet {
+            String::new()
+        } else {
+            format!(
+                "Image resized: {} -> {} bytes (paused {:.2} ms; a frontend sees the \
+                 new size when it next reads the device's config, e.g. on reconnect).\n",
+                r.old_size, r.size, r.pause_ms
+            )
+        }
+    })
 }
 
 #[cfg(test)]

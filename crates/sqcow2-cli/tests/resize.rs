@@ -269,3 +269,62 @@ fn an_image_in_use_is_refused() {
     holder.wait().ok();
     assert_eq!(virtual_size(&img), 1 << 30);
 }
+
+/// A live resize: `sqcow2 resize --live` grows the disk a daemon serves
+/// (the guest's data kept), a frontend that connects next sees the new
+/// capacity and writes the new space; shrinking a served disk is refused;
+/// QEMU reads the grown chain after the daemon stops.
+#[test]
+fn a_live_resize_grows_the_served_disk() {
+    use common::vhost::{connect_retry, Daemon};
+    let dir = tempfile::tempdir().unwrap();
+    let top = gen_chain(dir.path(), 4, "64M", "0.5");
+    let ctl = dir.path().join("control.sock");
+    let mut daemon = Daemon::start(dir.path(), &top, &["--control", s(&ctl)]);
+    let mut first = connect_retry(&daemon, 1, false);
+    assert_eq!(first.capacity(), 64 << 20);
+    first.write(63 << 20, &vec![0x61; 1 << 20]);
+    first.flush();
+    // A write past the end is refused before the resize.
+    assert_ne!(first.try_write(80 << 20, &[0x62; 4096]), 0);
+
+    let out = sqcow2(&["resize", "--live", "--output", "json", s(&ctl), "+32M"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["old-size"], 64 << 20, "{out}");
+    assert_eq!(r["size"], 96 << 20, "{out}");
+    // Shrinking what is served: refused, the size unchanged.
+    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "32M"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("shrinking a served disk is refused"),
+        "{}",
+        stderr(&o)
+    );
+    // The connected frontend's requests are checked against the new size.
+    assert_eq!(first.try_write(80 << 20, &[0x62; 4096]), 0);
+    first.flush();
+    drop(first);
+
+    let mut next = connect_retry(&daemon, 1, false);
+    assert_eq!(
+        next.capacity(),
+        96 << 20,
+        "a frontend connecting now sees the new size"
+    );
+    next.write(95 << 20, &vec![0x63; 1 << 20]);
+    next.flush();
+    assert_eq!(next.read(63 << 20, 1 << 20), vec![0x61; 1 << 20]);
+    drop(next);
+    daemon.stop();
+
+    assert_eq!(virtual_size(&top), 96 << 20);
+    assert_check_clean(&top);
+    qemu_io(
+        &top,
+        &[
+            "read -P 0x61 63M 1M".to_string(),
+            "read -P 0x62 80M 4k".to_string(),
+            "read -P 0x63 95M 1M".to_string(),
+        ],
+    );
+}

@@ -57,7 +57,7 @@ impl WorkerSlot {
 }
 
 /// A vhost-user-blk device for one frontend connection.
-pub struct BlkBackend {
+pub(crate) struct BlkBackend {
     device: Arc<BlkDevice>,
     workers: Vec<Mutex<WorkerSlot>>,
     /// The queues of each worker thread, in worker-local order.
@@ -102,7 +102,7 @@ impl Wake {
 impl BlkBackend {
     /// A backend for `device`, `queues_per_thread` queues on each worker
     /// thread.
-    pub fn new(device: Arc<BlkDevice>, queues_per_thread: u16) -> io::Result<Self> {
+    pub(crate) fn new(device: Arc<BlkDevice>, queues_per_thread: u16) -> io::Result<Self> {
         let num_queues = usize::from(device.config().num_queues).clamp(1, 64);
         let per = usize::from(queues_per_thread).clamp(1, num_queues);
         let thread_queues: Vec<Vec<usize>> = (0..num_queues)
@@ -133,12 +133,12 @@ impl BlkBackend {
     }
 
     /// The device served.
-    pub fn device(&self) -> &Arc<BlkDevice> {
+    pub(crate) fn device(&self) -> &Arc<BlkDevice> {
         &self.device
     }
 
     /// Queues offered.
-    pub fn num_queues(&self) -> usize {
+    pub(crate) fn num_queues(&self) -> usize {
         self.vrings.len()
     }
 
@@ -162,13 +162,13 @@ impl BlkBackend {
 
     /// Stops new requests from starting until the guard is dropped; the
     /// workers go on completing those in flight.
-    pub fn pause(&self) -> PauseGuard {
+    pub(crate) fn pause(&self) -> PauseGuard {
         self.device.gate().pause()
     }
 
     /// Waits (while paused) until no request is in flight, at most
     /// `timeout`; whether that happened.
-    pub fn wait_idle(&self, timeout: Duration) -> bool {
+    pub(crate) fn wait_idle(&self, timeout: Duration) -> bool {
         self.device.gate().wait_idle(timeout)
     }
 
@@ -191,7 +191,7 @@ impl BlkBackend {
     }
 
     /// Per-queue statistics: (queue number, its statistics).
-    pub fn queue_stats(&self) -> Vec<(usize, QueueStats)> {
+    pub(crate) fn queue_stats(&self) -> Vec<(usize, QueueStats)> {
         let mut out = Vec::new();
         for (thread, w) in self.workers.iter().enumerate() {
             let queues = self.queues_of(thread);
@@ -205,7 +205,7 @@ impl BlkBackend {
 
     /// The latencies of every request completed so far, all queues
     /// together (microseconds).
-    pub fn latency_histogram(&self) -> hdrhistogram::Histogram<u64> {
+    pub(crate) fn latency_histogram(&self) -> hdrhistogram::Histogram<u64> {
         let mut all = crate::device::stats::QueueStats::default().latency_us;
         for w in &self.workers {
             let slot = lock(w);
@@ -219,7 +219,7 @@ impl BlkBackend {
     /// Waits for every request in flight to finish and completes it to the
     /// guest (if its ring is still live), running each worker's completions
     /// in the calling thread: for when the worker threads have stopped.
-    pub fn drain(&self) {
+    pub(crate) fn drain(&self) {
         // All workers in turns, none waiting for its own jobs alone: a
         // live snapshot's switch may wait for one worker's requests (ring
         // transfers, a flush's answer) while the jobs another worker waits

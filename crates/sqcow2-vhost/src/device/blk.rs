@@ -48,6 +48,8 @@ impl DeviceOptions {
 /// A chain exported as a virtio-blk device.
 #[derive(Debug)]
 pub struct BlkDevice {
+    /// The disk's size in sectors ([`BlkDevice::capacity`]).
+    capacity_sectors: AtomicU64,
     chain: Arc<ChainHandle>,
     config: DeviceConfig,
     offload: Offload,
@@ -62,7 +64,6 @@ impl BlkDevice {
     pub fn new(handle: Arc<ChainHandle>, options: DeviceOptions) -> io::Result<Self> {
         let chain = handle.get();
         let config = DeviceConfig {
-            capacity_sectors: chain.virtual_size() / SECTOR_SIZE,
             num_queues: options.num_queues,
             queue_size: options.queue_size,
             read_only: options.read_only.unwrap_or(!chain.is_writable()),
@@ -72,6 +73,7 @@ impl BlkDevice {
         let panics = Arc::new(AtomicU64::new(0));
         let offload = Offload::start(handle.clone(), options.engine_threads, panics.clone())?;
         Ok(BlkDevice {
+            capacity_sectors: AtomicU64::new(chain.virtual_size() / SECTOR_SIZE),
             chain: handle,
             config,
             offload,
@@ -86,6 +88,19 @@ impl BlkDevice {
         self.chain.get()
     }
 
+    /// The disk's size in bytes, as requests are checked against it and
+    /// the config space says (changed by a live resize).
+    pub(crate) fn capacity(&self) -> u64 {
+        self.capacity_sectors.load(Ordering::Acquire) * SECTOR_SIZE
+    }
+
+    /// Sets the disk's size: requests are checked against it from now
+    /// on, and the config space says it (the frontend is told apart).
+    pub(crate) fn set_capacity(&self, bytes: u64) {
+        self.capacity_sectors
+            .store(bytes / SECTOR_SIZE, Ordering::Release);
+    }
+
     /// The device's shape.
     pub fn config(&self) -> &DeviceConfig {
         &self.config
@@ -94,7 +109,7 @@ impl BlkDevice {
     /// Limits every request is checked against.
     pub fn limits(&self) -> RequestLimits {
         RequestLimits {
-            capacity: self.config.capacity_sectors * SECTOR_SIZE,
+            capacity: self.capacity(),
             read_only: self.config.read_only,
         }
     }
@@ -122,7 +137,10 @@ impl BlkDevice {
 
     /// The configuration space as the driver sees it now.
     pub fn config_space(&self) -> [u8; CONFIG_SPACE_SIZE] {
-        self.config.space(self.writeback())
+        self.config.space(
+            self.capacity_sectors.load(Ordering::Acquire),
+            self.writeback(),
+        )
     }
 
     /// Records a caught panic (a bug); the chain refuses writes from now

@@ -25,8 +25,6 @@ pub(crate) const MAX_ZERO_SEGMENTS: u32 = 16;
 /// What the device looks like to the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConfig {
-    /// Capacity in sectors.
-    pub capacity_sectors: u64,
     /// Number of request queues.
     pub num_queues: u16,
     /// Largest queue the driver may set up.
@@ -68,11 +66,11 @@ impl DeviceConfig {
     }
 
     /// The configuration space, `writeback` as given.
-    pub fn space(&self, writeback: bool) -> [u8; CONFIG_SPACE_SIZE] {
+    pub fn space(&self, capacity_sectors: u64, writeback: bool) -> [u8; CONFIG_SPACE_SIZE] {
         let mut c = [0u8; CONFIG_SPACE_SIZE];
         let cluster_sectors =
             (self.cluster_size / SECTOR_SIZE).clamp(1, u64::from(u32::MAX)) as u32;
-        c[0..8].copy_from_slice(&self.capacity_sectors.to_le_bytes());
+        c[0..8].copy_from_slice(&capacity_sectors.to_le_bytes());
         c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
         c[12..16].copy_from_slice(&self.seg_max().to_le_bytes());
         // geometry (16..20) left zero: no legacy CHS.
@@ -110,7 +108,6 @@ mod tests {
 
     fn config() -> DeviceConfig {
         DeviceConfig {
-            capacity_sectors: 2048,
             num_queues: 4,
             queue_size: 256,
             read_only: false,
@@ -120,7 +117,7 @@ mod tests {
 
     #[test]
     fn space_layout_matches_virtio_blk_config() {
-        let c = config().space(true);
+        let c = config().space(2048, true);
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048);
         assert_eq!(u32::from_le_bytes(c[12..16].try_into().unwrap()), 254);
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
@@ -132,7 +129,7 @@ mod tests {
 
     #[test]
     fn read_config_pads_and_clips() {
-        let c = config().space(false);
+        let c = config().space(2048, false);
         assert_eq!(read_config(&c, 0, 60), c.to_vec());
         assert_eq!(read_config(&c, 56, 8), vec![1, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(read_config(&c, 100, 4), vec![0; 4]);

@@ -556,7 +556,7 @@ fn switch_paused(
 
 /// Lets index builds run again, and wakes one (the top's index no longer
 /// matches the chain), when the switch ends.
-struct Resume<'a>(&'a Shared);
+pub(super) struct Resume<'a>(pub(super) &'a Shared);
 
 impl Drop for Resume<'_> {
     fn drop(&mut self) {

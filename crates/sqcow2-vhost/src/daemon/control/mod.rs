@@ -8,6 +8,7 @@ mod merge_job;
 pub(crate) mod metrics_http;
 pub mod prometheus;
 pub mod protocol;
+mod resize;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -71,7 +72,7 @@ pub struct Shared {
     /// activation open it so).
     pub options: ChainOptions,
     /// The backend of the connected frontend, if any.
-    pub session: Mutex<Option<Arc<BlkBackend>>>,
+    pub(crate) session: Mutex<Option<Arc<BlkBackend>>>,
     /// Whether the daemon holds its chain (changed only with the
     /// exclusive right: [`Shared::set_active`]).
     ownership: Mutex<Ownership>,
@@ -396,6 +397,9 @@ pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
             &serde_json::json!({ "cancelled": shared.merge.cancel() }),
         )),
         Command::Inactivate => inactivate(shared).map(|r| Reply::success(id.clone(), &r)),
+        Command::Resize { size } => {
+            resize::resize(shared, size).map(|r| Reply::success(id.clone(), &r))
+        }
         Command::Info => Ok(Reply::success(id.clone(), &info_of(shared))),
         Command::Stats {
             format: StatsFormat::Json,

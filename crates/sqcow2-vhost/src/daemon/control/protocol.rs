@@ -45,6 +45,12 @@ pub enum Command {
     /// Cancel the running merge (its file is removed; the chain is left
     /// as it was).
     MergeCancel,
+    /// Grow the served disk to `size` bytes (a frontend sees it when it
+    /// next reads the config space).
+    Resize {
+        /// The new virtual size (a multiple of 512, not smaller).
+        size: u64,
+    },
 }
 
 /// What a `merge` request asks.
@@ -103,6 +109,12 @@ pub enum StatsFormat {
 #[serde(deny_unknown_fields)]
 struct SnapshotArgs {
     path: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResizeArgs {
+    size: u64,
 }
 
 #[derive(Deserialize)]
@@ -331,6 +343,8 @@ impl Request {
             "merge-cancel" => no_args(Command::MergeCancel),
             "snapshot" => args::<SnapshotArgs>("snapshot needs \"path\"", object)
                 .map(|a| Command::Snapshot { path: a.path }),
+            "resize" => args::<ResizeArgs>("resize needs \"size\" (bytes)", object)
+                .map(|a| Command::Resize { size: a.size }),
             "merge" => args::<MergeRequest>("merge needs \"first\", \"last\" and \"path\"", object)
                 .map(Command::Merge),
             "stats" => {
@@ -364,6 +378,7 @@ impl Request {
             Command::Activate => ("activate", vec![]),
             Command::Inactivate => ("inactivate", vec![]),
             Command::MergeCancel => ("merge-cancel", vec![]),
+            Command::Resize { size } => ("resize", vec![("size", Value::from(*size))]),
             Command::Merge(m) => (
                 "merge",
                 match serde_json::to_value(m) {
@@ -447,6 +462,18 @@ pub struct SnapshotSteps {
     /// without `--no-realtime-pause`, where the daemon may raise it).
     #[serde(default)]
     pub realtime: bool,
+}
+
+/// The result of `resize`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ResizeResult {
+    /// The disk's size now, in bytes.
+    pub size: u64,
+    /// The size before.
+    pub old_size: u64,
+    /// How long requests waited, in milliseconds.
+    pub pause_ms: f64,
 }
 
 /// The result of `snapshot`.
@@ -737,6 +764,7 @@ mod tests {
                 format: StatsFormat::Prometheus,
             },
             Command::MergeCancel,
+            Command::Resize { size: 3 << 30 },
             Command::Merge(MergeRequest {
                 first: LayerName::Position(0),
                 last: LayerName::File("/a/l3.qcow2".into()),

@@ -1,0 +1,128 @@
+//! A live resize (`resize` on the control socket): the served disk grown
+//! inside a pause as short as a merge's switch; requests are checked
+//! against the new size at once and the config space reports it.
+//!
+//! Not yet: telling the frontend (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`
+//! over its backend channel, as qemu-storage-daemon does). The vhost
+//! crate (0.18, the newest) hands the backend a `Backend` for that
+//! channel whose `handle_config_change` is its default, ENOSYS, and no
+//! way to send the message otherwise; a frontend sees the new size when
+//! it next reads the config space (a reconnect).
+
+use std::time::Instant;
+
+use sqcow2_format::{Chain, ChainOptions};
+use tracing::{info, warn};
+
+use super::merge_job::Resume;
+use super::protocol::{FailureKind, ResizeResult};
+use super::{fail, Failure, Shared, SNAPSHOT_DRAIN_TIMEOUT};
+
+/// Grows the served disk to `size` bytes. Shrinking a served disk is
+/// refused (the guest's data past the end would go under it).
+pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure> {
+    let right = shared.take_right()?;
+    if !shared.is_active() {
+        return Err(fail(
+            FailureKind::Inactive,
+            "the daemon is inactive: activate it first",
+        ));
+    }
+    let old_size = shared.handle.get().virtual_size();
+    if size < old_size {
+        return Err(fail(
+            FailureKind::BadRequest,
+            format!(
+                "shrinking a served disk is refused ({size} < {old_size} bytes): \
+                 stop the guest's use of the end first, then resize offline"
+            ),
+        ));
+    }
+    if size % 512 != 0 {
+        return Err(fail(
+            FailureKind::BadRequest,
+            "The new size must be a multiple of 512",
+        ));
+    }
+    if size == old_size {
+        return Ok(ResizeResult {
+            size,
+            old_size,
+            pause_ms: 0.0,
+        });
+    }
+    // No build writes the top's index meanwhile; the index covers the old
+    // size and is rebuilt after (builds run again before the right goes).
+    shared.index_builder.suspend();
+    let resumed = Resume(shared);
+    // What the guest wrote, written back while it runs.
+    if let Err(e) = shared.handle.get().flush_clean() {
+        drop(resumed);
+        return Err(fail(
+            FailureKind::IoError,
+            format!("flush before the resize: {e}"),
+        ));
+    }
+    let start = Instant::now();
+    let quiet = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => quiet,
+        Err(pause) => {
+            let right = pause.resume();
+            drop(resumed);
+            drop(right);
+            return Err(fail(
+                FailureKind::IoError,
+                format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+            ));
+        }
+    };
+    let grown = (|| {
+        let old = quiet.current();
+        old.flush_clean().map_err(|e| {
+            fail(
+                FailureKind::IoError,
+                format!("flush before the resize: {e}"),
+            )
+        })?;
+        old.handover().grow_top(size).map_err(|e| {
+            let kind = match e.kind {
+                sqcow2_format::ErrorKind::InvalidArgument(_)
+                | sqcow2_format::ErrorKind::Unsupported(_)
+                | sqcow2_format::ErrorKind::SizeTooLarge(_) => FailureKind::BadRequest,
+                _ => FailureKind::IoError,
+            };
+            fail(kind, e.to_string())
+        })?;
+        // The chain reopened at its new size (its open files reused); the
+        // top's index is rebuilt in the background.
+        let top = old.top().path().to_path_buf();
+        let reopen = ChainOptions {
+            stale_index_expected: true,
+            ..shared.options.clone()
+        };
+        let chain = Chain::open_reusing(&top, &reopen, &old).map_err(|e| {
+            warn!(error = %e, "reopening the chain after a resize failed: it is grown on disk, served at its old size until the next start");
+            fail(FailureKind::IoError, format!("reopening the chain: {e}"))
+        })?;
+        old.handover().release_top();
+        drop(old);
+        let old = quiet.replace(chain);
+        // Requests are checked against the new size from here on.
+        if let Some(session) = shared.session() {
+            session.device().set_capacity(size);
+        }
+        Ok(old)
+    })();
+    // The pause ends.
+    let right = quiet.resume();
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    drop(grown?);
+    drop(resumed);
+    drop(right);
+    info!(size, old_size, pause_ms, "live resize");
+    Ok(ResizeResult {
+        size,
+        old_size,
+        pause_ms,
+    })
+}
