@@ -91,6 +91,7 @@ for arg in $(cat /proc/cmdline); do
     sqcow2.pattern_offset=*) PATTERN_OFFSET=${arg#*=} ;;
     sqcow2.pattern_len=*) PATTERN_LEN=${arg#*=} ;;
     sqcow2.loop=*) LOOP=${arg#*=} ;;
+    sqcow2.grow=*) GROW=${arg#*=} ;;
   esac
 done
 i=0
@@ -113,6 +114,30 @@ if [ -n "${PATTERN_OFFSET:-}" ]; then
   fi
   sync
   echo "SQCOW2-GUEST-REREAD $(dd if=/dev/vda bs=65536 skip=$((PATTERN_OFFSET / 65536)) count=$blocks 2>/dev/null | sha256sum | cut -d' ' -f1)"
+fi
+if [ -n "${GROW:-}" ]; then
+  # A live resize to GROW bytes: reads keep the disk busy until the
+  # size changes (at most 60 s), then the last MiB of the new space is
+  # written with O_DIRECT, flushed, read back and compared.
+  echo "SQCOW2-GUEST-WAITING-GROW"
+  i=0
+  while [ "$(blockdev --getsize64 /dev/vda)" != "$GROW" ] && [ $i -lt 600 ]; do
+    dd if=/dev/vda of=/dev/null bs=65536 count=16 skip=$((i % 64 * 16)) iflag=direct 2>/dev/null ||
+      echo "SQCOW2-GUEST-FAIL read while waiting"
+    sleep 0.1
+    i=$((i + 1))
+  done
+  echo "SQCOW2-GUEST-GREW $(blockdev --getsize64 /dev/vda) $(cat /sys/block/vda/size)"
+  last=$((GROW / 65536 - 16))
+  dd if=/dev/zero bs=65536 count=16 2>/dev/null | tr '\000' 'G' > /tmp/grow
+  if dd if=/tmp/grow of=/dev/vda bs=65536 seek=$last oflag=direct conv=fsync,notrunc 2>/dev/null &&
+    dd if=/dev/vda of=/tmp/grow.back bs=65536 skip=$last count=16 iflag=direct 2>/dev/null &&
+    cmp -s /tmp/grow /tmp/grow.back; then
+    echo "SQCOW2-GUEST-GROW-WROTE ok"
+  else
+    echo "SQCOW2-GUEST-GROW-WROTE fail"
+  fi
+  echo "SQCOW2-GUEST-IOERRORS $(dmesg | grep -c -i 'I/O error')"
 fi
 if [ -n "${LOOP:-}" ]; then
   loop_main $(echo "$LOOP" | tr ',' ' ')

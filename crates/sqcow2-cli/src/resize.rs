@@ -23,9 +23,8 @@ pub(crate) struct ResizeArgs {
     #[arg(long, value_name = "MODE", default_value = "off")]
     preallocation: String,
     /// Grow the disk a running `sqcow2 serve` serves (IMAGE is then its
-    /// control socket); a frontend sees the new size when it next reads
-    /// the device's config (not told yet). Shrinking a served disk is
-    /// refused.
+    /// control socket); the frontend is told (QEMU passes it on to the
+    /// guest). Shrinking a served disk is refused.
     #[arg(long)]
     live: bool,
     /// Output format (with --live).
@@ -114,9 +113,13 @@ fn run_live(args: &ResizeArgs) -> anyhow::Result<()> {
         if args.quiet {
             String::new()
         } else {
+            let told = if r.frontend_told {
+                "the frontend was told"
+            } else {
+                "no frontend channel: it sees the size when it next reads the config"
+            };
             format!(
-                "Image resized: {} -> {} bytes (paused {:.2} ms; a frontend sees the \
-                 new size when it next reads the device's config, e.g. on reconnect).\n",
+                "Image resized: {} -> {} bytes ({told}; paused {:.2} ms).\n",
                 r.old_size, r.size, r.pause_ms
             )
         }

@@ -14,7 +14,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::guest::{accelerator, base_args, field, guest_kit, run_qemu};
+use common::guest::{accelerator, base_args, field, guest_kit, run_qemu, vhost_user_disk};
 use common::vhost::Daemon;
 use common::{gen_chain, qemu_img, run, run_raw, s, sha256_file};
 
@@ -39,12 +39,7 @@ fn debian_guest_reads_and_writes_a_100_layer_chain() {
             "console=ttyS0 panic=-1 quiet sqcow2.pattern_offset={PATTERN_OFFSET} sqcow2.pattern_len={PATTERN_LEN}"
         ),
     );
-    args.extend([
-        "-chardev".to_string(),
-        format!("socket,id=vu,path={}", daemon.socket.display()),
-        "-device".to_string(),
-        "vhost-user-blk-pci,chardev=vu,num-queues=2".to_string(),
-    ]);
+    args.extend(vhost_user_disk(&daemon.socket, 2));
     let console = run_qemu(
         &args,
         Duration::from_secs(600),

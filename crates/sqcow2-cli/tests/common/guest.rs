@@ -44,6 +44,17 @@ pub fn run_qemu(args: &[String], timeout: Duration, console: &Path) -> String {
     std::fs::read_to_string(console).unwrap_or_default()
 }
 
+/// QEMU's arguments for a `vhost-user-blk-pci` disk served on `socket`
+/// with `queues` queues.
+pub fn vhost_user_disk(socket: &Path, queues: u32) -> [String; 4] {
+    [
+        "-chardev".to_string(),
+        format!("socket,id=vu,path={}", socket.display()),
+        "-device".to_string(),
+        format!("vhost-user-blk-pci,chardev=vu,num-queues={queues}"),
+    ]
+}
+
 /// QEMU's arguments for the kit's kernel with `append` as its command
 /// line: 512 MiB of shared memory (vhost-user needs it), serial console
 /// on stdio, no reboot.

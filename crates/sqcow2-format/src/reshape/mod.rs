@@ -188,7 +188,7 @@ impl HeaderWriter {
 
 /// Rebuilds the chain index the image at `top` names, if any, after an
 /// operation outside this module changed what it covers (a resize of the
-/// top): [`rebuild_index`] with the top opened afresh.
+/// top): the rebuild commit and rebase run with the top opened afresh.
 pub fn rebuild_named_index(top: &Path, locking: Locking) -> Result<Option<BuildReport>, Error> {
     rebuild_index(top, locking, &|| false, None)
 }

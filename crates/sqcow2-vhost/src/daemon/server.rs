@@ -22,10 +22,11 @@ use tracing::{debug, info, warn};
 use vhost::vhost_user::{BackendReqHandler, Listener};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::daemon::control::Shared;
+use crate::daemon::control::{Session, Shared};
 use crate::device::backend::{BlkBackend, SessionDevice, WorkerThreads};
 use crate::device::blk::{BlkDevice, DeviceOptions};
 use crate::device::handle::ChainHandle;
+use crate::transport::backend_channel::{take_channel, BackendChannel};
 use crate::transport::frontend::FrontendHandler;
 
 /// The signals that stop the server cleanly: those that stop
@@ -406,12 +407,24 @@ impl Server {
             backend: backend.clone(),
             threads: threads.clone(),
         });
+        let reader = stream.try_clone().map_err(io_err("frontend socket"))?;
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
-        *self.session_slot() = Some(backend.clone());
+        let channel = BackendChannel::default();
+        *self.session_slot() = Some(Session {
+            backend: backend.clone(),
+            channel: channel.clone(),
+        });
         let waiter = thread::Builder::new()
             .name("vhost-user".into())
             .spawn(move || loop {
+                // The one request the vhost crate cannot serve usefully
+                // (see `backend_channel`), taken before it reads.
+                match take_channel(&reader, &channel) {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(e) => return vhost::vhost_user::Error::SocketBroken(e),
+                }
                 if let Err(e) = requests.handle_request() {
                     return e;
                 }
@@ -473,7 +486,7 @@ impl Server {
         Ok(end)
     }
 
-    fn session_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<BlkBackend>>> {
+    fn session_slot(&self) -> std::sync::MutexGuard<'_, Option<Session>> {
         self.shared
             .session
             .lock()

@@ -434,7 +434,8 @@ impl<D: QueueDevice> VhostUserBackendReqHandlerMut for FrontendHandler<D> {
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::BACKEND_REQ)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {

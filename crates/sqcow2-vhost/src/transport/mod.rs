@@ -3,6 +3,7 @@
 //! (descriptor chains, inflight tracking). It knows nothing of block
 //! devices: a device plugs in through [`frontend::QueueDevice`].
 
+pub(crate) mod backend_channel;
 pub(crate) mod descriptors;
 pub(crate) mod frontend;
 pub(crate) mod guest_mem;

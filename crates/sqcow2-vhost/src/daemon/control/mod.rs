@@ -23,6 +23,7 @@ use tracing::{info, warn};
 use crate::device::backend::BlkBackend;
 use crate::device::gate::RequestGate;
 use crate::device::handle::{ChainHandle, Exclusive};
+use crate::transport::backend_channel::BackendChannel;
 pub(crate) use index_builder::IndexBuilder;
 pub(crate) use merge_job::MergeJob;
 use protocol::{
@@ -63,6 +64,15 @@ struct Ownership {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Term(u64);
 
+/// The connected frontend's session.
+#[derive(Debug, Clone)]
+pub(crate) struct Session {
+    /// Its queues and device.
+    pub(crate) backend: Arc<BlkBackend>,
+    /// Its channel for messages the backend starts (empty until given).
+    pub(crate) channel: BackendChannel,
+}
+
 /// What the control socket and the vhost-user side share.
 #[derive(Debug)]
 pub struct Shared {
@@ -72,7 +82,7 @@ pub struct Shared {
     /// activation open it so).
     pub options: ChainOptions,
     /// The backend of the connected frontend, if any.
-    pub(crate) session: Mutex<Option<Arc<BlkBackend>>>,
+    pub(crate) session: Mutex<Option<Session>>,
     /// Whether the daemon holds its chain (changed only with the
     /// exclusive right: [`Shared::set_active`]).
     ownership: Mutex<Ownership>,
@@ -236,7 +246,17 @@ impl Shared {
         self.session
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .as_ref()
+            .map(|s| s.backend.clone())
+    }
+
+    /// The connected frontend's channel for messages the backend starts.
+    pub(crate) fn frontend_channel(&self) -> Option<BackendChannel> {
+        self.session
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|s| s.channel.clone())
     }
 }
 

@@ -45,8 +45,7 @@ pub enum Command {
     /// Cancel the running merge (its file is removed; the chain is left
     /// as it was).
     MergeCancel,
-    /// Grow the served disk to `size` bytes (a frontend sees it when it
-    /// next reads the config space).
+    /// Grow the served disk to `size` bytes and tell the frontend.
     Resize {
         /// The new virtual size (a multiple of 512, not smaller).
         size: u64,
@@ -472,6 +471,11 @@ pub struct ResizeResult {
     pub size: u64,
     /// The size before.
     pub old_size: u64,
+    /// Whether the frontend was told (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`
+    /// through the channel it gave: QEMU does, Cloud Hypervisor v53 gives
+    /// none); a frontend not told sees the size when it next reads the
+    /// config space.
+    pub frontend_told: bool,
     /// How long requests waited, in milliseconds.
     pub pause_ms: f64,
 }

@@ -1,13 +1,9 @@
 //! A live resize (`resize` on the control socket): the served disk grown
 //! inside a pause as short as a merge's switch; requests are checked
-//! against the new size at once and the config space reports it.
-//!
-//! Not yet: telling the frontend (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`
-//! over its backend channel, as qemu-storage-daemon does). The vhost
-//! crate (0.18, the newest) hands the backend a `Backend` for that
-//! channel whose `handle_config_change` is its default, ENOSYS, and no
-//! way to send the message otherwise; a frontend sees the new size when
-//! it next reads the config space (a reconnect).
+//! against the new size at once and the config space reports it; then
+//! the frontend is told through its backend channel
+//! (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`, as qemu-storage-daemon does),
+//! where it gave one.
 
 use std::time::Instant;
 
@@ -48,6 +44,7 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
         return Ok(ResizeResult {
             size,
             old_size,
+            frontend_told: false,
             pause_ms: 0.0,
         });
     }
@@ -119,10 +116,21 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
     drop(grown?);
     drop(resumed);
     drop(right);
-    info!(size, old_size, pause_ms, "live resize");
+    // Told outside the pause: the frontend reads the config space while
+    // it handles the message.
+    let frontend_told = match shared.frontend_channel().map(|c| c.config_changed()) {
+        Some(Ok(told)) => told,
+        Some(Err(e)) => {
+            warn!(error = %e, "telling the frontend of the new size failed");
+            false
+        }
+        None => false,
+    };
+    info!(size, old_size, pause_ms, frontend_told, "live resize");
     Ok(ResizeResult {
         size,
         old_size,
+        frontend_told,
         pause_ms,
     })
 }

@@ -1,0 +1,199 @@
+//! The backend's channel to the frontend, for the messages the backend
+//! starts: here only `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` (the config
+//! space changed: a live resize), which QEMU's `vhost-user-blk` answers by
+//! reading the config again and interrupting the guest.
+//!
+//! The frontend hands the channel over with `VHOST_USER_SET_BACKEND_REQ_FD`.
+//! The vhost crate (0.18) receives it into a `Backend` that cannot send
+//! this message, so the connection's reader takes that one request
+//! itself, before the crate sees it ([`take_channel`]), and keeps the
+//! socket here.
+
+use std::io::{self, IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+
+/// `VHOST_USER_SET_BACKEND_REQ_FD`.
+const SET_BACKEND_REQ_FD: u32 = 21;
+/// `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`.
+const CONFIG_CHANGE_MSG: u32 = 2;
+/// A message header: request, flags, payload size (little-endian u32s).
+const HEADER: usize = 12;
+/// Header flags: protocol version 1; a reply; a reply is asked for.
+const VERSION: u32 = 0x1;
+const REPLY: u32 = 0x4;
+const NEED_REPLY: u32 = 0x8;
+
+/// The frontend's channel for messages the backend starts, once it gave
+/// one; shared by the connection's reader and whoever tells the frontend
+/// of a change.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BackendChannel(Arc<Mutex<Option<UnixStream>>>);
+
+impl BackendChannel {
+    /// Tells the frontend that the config space changed; whether it had
+    /// given a channel to tell it through.
+    pub(crate) fn config_changed(&self) -> io::Result<bool> {
+        let mut channel = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(stream) = channel.as_mut() else {
+            return Ok(false);
+        };
+        stream.write_all(&message(CONFIG_CHANGE_MSG, VERSION, &0u64.to_le_bytes()))?;
+        Ok(true)
+    }
+
+    fn set(&self, stream: UnixStream) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(stream);
+    }
+}
+
+/// A message: header, then `payload`.
+fn message(request: u32, flags: u32, payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(HEADER + payload.len());
+    m.extend_from_slice(&request.to_le_bytes());
+    m.extend_from_slice(&flags.to_le_bytes());
+    m.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    m.extend_from_slice(payload);
+    m
+}
+
+/// If the next message on `conn` (the frontend's connection, read by no
+/// one else meanwhile) is `SET_BACKEND_REQ_FD`, receives it and its
+/// socket into `channel`, answering it when the frontend asks (REPLY_ACK);
+/// whether it did. Anything else is left unread for the vhost crate,
+/// which also reports a connection that ended or a malformed message.
+pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::Result<bool> {
+    let mut header = [0u8; HEADER];
+    // Waits for a whole header (or the end of the connection).
+    let peeked = rustix::net::recv(conn, &mut header, RecvFlags::PEEK | RecvFlags::WAITALL)?;
+    // QEMU sends no payload; the vhost crate's frontend a u64.
+    let payload = u32_at(&header, 8) as usize;
+    if peeked.0 < HEADER || u32_at(&header, 0) != SET_BACKEND_REQ_FD || !matches!(payload, 0 | 8) {
+        return Ok(false);
+    }
+    let mut message_bytes = [0u8; HEADER + 8];
+    let body = &mut message_bytes[..HEADER + payload];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        conn,
+        &mut [IoSliceMut::new(body)],
+        &mut control,
+        RecvFlags::WAITALL | RecvFlags::CMSG_CLOEXEC,
+    )?;
+    if got.bytes < body.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "SET_BACKEND_REQ_FD cut short",
+        ));
+    }
+    let mut socket = None;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            // Every descriptor received is owned (and closed) here; the
+            // first is the channel.
+            for fd in fds {
+                socket.get_or_insert(fd);
+            }
+        }
+    }
+    let ok = match socket {
+        Some(fd) => {
+            channel.set(UnixStream::from(fd));
+            tracing::debug!("the frontend gave its backend channel");
+            0u64
+        }
+        None => {
+            tracing::warn!("SET_BACKEND_REQ_FD without a descriptor");
+            1
+        }
+    };
+    if u32_at(body, 4) & NEED_REPLY != 0 {
+        let mut writer = conn;
+        writer.write_all(&message(
+            SET_BACKEND_REQ_FD,
+            VERSION | REPLY,
+            &ok.to_le_bytes(),
+        ))?;
+    }
+    Ok(true)
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut word = [0u8; 4];
+    word.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(word)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::fd::AsFd;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    use super::*;
+
+    /// The frontend's side: SET_BACKEND_REQ_FD with `flags` and
+    /// `payload` (QEMU sends none), carrying one end of a new socket
+    /// pair; the other end.
+    fn send_channel(frontend: &UnixStream, flags: u32, payload: &[u8]) -> UnixStream {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let msg = message(SET_BACKEND_REQ_FD, flags, payload);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [theirs.as_fd()];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        rustix::net::sendmsg(
+            frontend,
+            &[std::io::IoSlice::new(&msg)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+        ours
+    }
+
+    #[test]
+    fn the_channel_is_taken_acked_and_carries_the_config_change() {
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        let channel = BackendChannel::default();
+        assert!(!channel.config_changed().unwrap(), "no channel yet");
+        // As QEMU sends it: no payload, a reply asked for.
+        let mut ours = send_channel(&frontend, VERSION | NEED_REPLY, &[]);
+        assert!(take_channel(&backend, &channel).unwrap());
+        // The ack: a reply to request 21, success.
+        let mut ack = [0u8; HEADER + 8];
+        (&frontend).read_exact(&mut ack).unwrap();
+        assert_eq!(u32_at(&ack, 0), SET_BACKEND_REQ_FD);
+        assert_eq!(u32_at(&ack, 4), VERSION | REPLY);
+        assert_eq!(&ack[HEADER..], &0u64.to_le_bytes());
+        // The config change arrives on the channel the frontend gave.
+        assert!(channel.config_changed().unwrap());
+        let mut m = [0u8; HEADER + 8];
+        ours.read_exact(&mut m).unwrap();
+        assert_eq!(u32_at(&m, 0), CONFIG_CHANGE_MSG);
+        assert_eq!(u32_at(&m, 8), 8);
+    }
+
+    #[test]
+    fn other_messages_are_left_for_the_crate() {
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        let channel = BackendChannel::default();
+        // GET_FEATURES (1), no payload.
+        (&frontend).write_all(&message(1, VERSION, &[])).unwrap();
+        assert!(!take_channel(&backend, &channel).unwrap());
+        let mut still = [0u8; HEADER];
+        (&backend).read_exact(&mut still).unwrap();
+        assert_eq!(u32_at(&still, 0), 1, "the message is still there");
+        // Without NEED_REPLY the channel is taken silently.
+        let _ours = send_channel(&frontend, VERSION, &0u64.to_le_bytes());
+        assert!(take_channel(&backend, &channel).unwrap());
+        drop(frontend);
+        // The connection's end is the crate's to report.
+        assert!(!take_channel(&backend, &channel).unwrap());
+    }
+}
