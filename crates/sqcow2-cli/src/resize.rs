@@ -93,6 +93,18 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
     }
     chain.handover().grow_top(size)?;
     chain.close()?;
+    // Reopened at the new size: what the backing file would show through
+    // the new range is zeroed, as qemu-img does.
+    let chain = Chain::open(
+        &args.image,
+        &ChainOptions {
+            writable: true,
+            stale_index_expected: true,
+            ..options.clone()
+        },
+    )?;
+    chain.handover().zero_grown(now)?;
+    chain.close()?;
     // The index the top names covers the old size: rebuilt for the new
     // one (the nearest valid index below, or a walk, as after a commit).
     sqcow2_format::reshape::rebuild_named_index(&args.image, options.locking)

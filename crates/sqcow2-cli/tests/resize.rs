@@ -292,6 +292,15 @@ fn a_live_resize_grows_the_served_disk() {
     let r: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["old-size"], 64 << 20, "{out}");
     assert_eq!(r["size"], 96 << 20, "{out}");
+    // Past what the L1 table addresses in place: refused inside the
+    // pause, the daemon answers and goes on.
+    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "5T"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("the L1 table would have to move"),
+        "{}",
+        stderr(&o)
+    );
     // Shrinking what is served: refused, the size unchanged.
     let o = sqcow2_raw(&["resize", "--live", s(&ctl), "32M"]);
     assert!(!o.status.success());
@@ -327,4 +336,43 @@ fn a_live_resize_grows_the_served_disk() {
             "read -P 0x63 95M 1M".to_string(),
         ],
     );
+}
+
+/// Growing a top over a longer backing file: the new range reads as
+/// zeros, not as the backing file's data (as QEMU zero-writes it), the
+/// same as `qemu-img resize` of a copy.
+#[test]
+fn growing_over_a_longer_backing_file_reads_zeros() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ours");
+    std::fs::create_dir(&dir).unwrap();
+    let base = dir.join("base.qcow2");
+    qemu_create(&base, "", "128M");
+    qemu_io(
+        &base,
+        &[
+            "write -P 0xaa 96M 1M".to_string(),
+            "write -P 0xbb 1M 1M".to_string(),
+        ],
+    );
+    let top = dir.join("top.qcow2");
+    qemu_overlay(&top, "base.qcow2", "qcow2", &[], Some("64M"));
+    let theirs_dir = copy_dir(&dir, root.path(), "theirs");
+    sqcow2(&["resize", s(&top), "128M"]);
+    qemu_img(&["resize", "-q", s(&theirs_dir.join("top.qcow2")), "128M"]);
+    qemu_io(
+        &top,
+        &[
+            "read -P 0 96M 1M".to_string(),
+            "read -P 0xbb 1M 1M".to_string(),
+        ],
+    );
+    let cmp = qemu_img_raw(&["compare", s(&top), s(&theirs_dir.join("top.qcow2"))]);
+    assert!(
+        cmp.status.success(),
+        "qemu-img compare: {}{}",
+        String::from_utf8_lossy(&cmp.stdout),
+        stderr(&cmp)
+    );
+    assert_check_clean(&top);
 }

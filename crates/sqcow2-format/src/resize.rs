@@ -50,6 +50,11 @@ pub(crate) fn grow_in_place(
     size: u64,
 ) -> Result<u32, ErrorKind> {
     check_new_size(size)?;
+    if header.has_bitmaps() {
+        // QEMU resizes the bitmaps with the disk; sqcow2 does not write
+        // them yet.
+        return Err(ErrorKind::Unsupported(Feature::WriteWithBitmaps));
+    }
     if header.version == Version::V2 && header.nb_snapshots > 0 {
         return Err(ErrorKind::Unsupported(Feature::ResizeV2WithSnapshots));
     }

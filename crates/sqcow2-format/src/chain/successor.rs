@@ -209,10 +209,11 @@ fn same_file(a: &Arc<dyn Storage>, b: &Arc<dyn Storage>) -> bool {
 impl Handover<'_> {
     /// Grows the top's disk to `size` bytes (a multiple of 512, more than
     /// now), as `qemu-img resize` does, where its L1 table addresses the
-    /// new size without moving; the new range reads as zeros. The size is
-    /// for the chain opened next (`Chain::open`, `Chain::open_reusing`):
-    /// this one keeps its lookups to the old size, and is closed or
-    /// handed over without further I/O.
+    /// new size without moving. The size is for the chain opened next
+    /// (`Chain::open`, `Chain::open_reusing`), which must then
+    /// [`Handover::zero_grown`]: this one reports the new size but keeps
+    /// its lookups to the old one, and is closed or handed over without
+    /// further I/O.
     pub fn grow_top(&self, size: u64) -> Result<(), Error> {
         let active = self.chain.active()?;
         let now = self.chain.virtual_size();
@@ -228,6 +229,22 @@ impl Handover<'_> {
             return Ok(());
         }
         active.grow(size)
+    }
+
+    /// On a chain opened after its top grew from `old_size`: zeroes what
+    /// the layer below would otherwise show through the new range (a
+    /// backing file longer than the old top), as QEMU zero-writes it when
+    /// it grows an image.
+    pub fn zero_grown(&self, old_size: u64) -> Result<(), Error> {
+        let layers = self.chain.layers();
+        let Some(below) = layers.len().checked_sub(2).and_then(|i| layers.get(i)) else {
+            return Ok(());
+        };
+        let end = self.chain.virtual_size().min(below.virtual_size());
+        if end <= old_size {
+            return Ok(());
+        }
+        self.chain.write_zeroes(old_size, end - old_size, true)
     }
 
     /// Prepares `created`, an empty image this process created over this

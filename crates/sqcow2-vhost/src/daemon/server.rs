@@ -415,6 +415,11 @@ impl Server {
             backend: backend.clone(),
             channel: channel.clone(),
         });
+        // A live resize that ended between the device's making and now
+        // found no session to update.
+        backend
+            .device()
+            .set_capacity(self.shared.handle.get().virtual_size());
         let waiter = thread::Builder::new()
             .name("vhost-user".into())
             .spawn(move || loop {

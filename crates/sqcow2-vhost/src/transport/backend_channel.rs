@@ -9,12 +9,12 @@
 //! itself, before the crate sees it ([`take_channel`]), and keeps the
 //! socket here.
 
-use std::io::{self, IoSliceMut, Write};
+use std::io::{self, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketType};
 
 /// `VHOST_USER_SET_BACKEND_REQ_FD`.
 const SET_BACKEND_REQ_FD: u32 = 21;
@@ -34,15 +34,31 @@ const NEED_REPLY: u32 = 0x8;
 pub(crate) struct BackendChannel(Arc<Mutex<Option<UnixStream>>>);
 
 impl BackendChannel {
-    /// Tells the frontend that the config space changed; whether it had
-    /// given a channel to tell it through.
+    /// Tells the frontend that the config space changed (the message has
+    /// no payload); whether it went out on a channel the frontend gave.
+    /// Never waits: a frontend that does not read its channel is not told
+    /// (`Ok(false)`).
     pub(crate) fn config_changed(&self) -> io::Result<bool> {
-        let mut channel = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(stream) = channel.as_mut() else {
-            return Ok(false);
+        // A descriptor of its own, so that no lock is held while sending.
+        let stream = match self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            Some(s) => s.try_clone()?,
+            None => return Ok(false),
         };
-        stream.write_all(&message(CONFIG_CHANGE_MSG, VERSION, &0u64.to_le_bytes()))?;
-        Ok(true)
+        let m = message(CONFIG_CHANGE_MSG, VERSION, &[]);
+        match rustix::net::send(&stream, &m, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+            Ok(n) if n == m.len() => Ok(true),
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "the frontend's channel took part of the message",
+            )),
+            Err(rustix::io::Errno::AGAIN) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn set(&self, stream: UnixStream) {
@@ -60,18 +76,34 @@ fn message(request: u32, flags: u32, payload: &[u8]) -> Vec<u8> {
     m
 }
 
+/// The next message's header on `conn`, left unread: waits until it is
+/// all there; `None` at the end of the connection.
+fn peek_header(conn: &UnixStream) -> io::Result<Option<[u8; HEADER]>> {
+    let mut header = [0u8; HEADER];
+    loop {
+        // A peek returns what is queued (WAITALL does not make it wait
+        // across packets): a header sent in pieces is waited for.
+        match rustix::net::recv(conn, &mut header, RecvFlags::PEEK | RecvFlags::WAITALL)?.0 {
+            0 => return Ok(None),
+            HEADER => return Ok(Some(header)),
+            _ => std::thread::sleep(std::time::Duration::from_millis(1)),
+        }
+    }
+}
+
 /// If the next message on `conn` (the frontend's connection, read by no
 /// one else meanwhile) is `SET_BACKEND_REQ_FD`, receives it and its
 /// socket into `channel`, answering it when the frontend asks (REPLY_ACK);
 /// whether it did. Anything else is left unread for the vhost crate,
 /// which also reports a connection that ended or a malformed message.
 pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::Result<bool> {
-    let mut header = [0u8; HEADER];
-    // Waits for a whole header (or the end of the connection).
-    let peeked = rustix::net::recv(conn, &mut header, RecvFlags::PEEK | RecvFlags::WAITALL)?;
-    // QEMU sends no payload; the vhost crate's frontend a u64.
+    let Some(header) = peek_header(conn)? else {
+        return Ok(false);
+    };
+    // QEMU (and the vhost crate's frontend) send no payload; a u64 is
+    // taken too.
     let payload = u32_at(&header, 8) as usize;
-    if peeked.0 < HEADER || u32_at(&header, 0) != SET_BACKEND_REQ_FD || !matches!(payload, 0 | 8) {
+    if u32_at(&header, 0) != SET_BACKEND_REQ_FD || !matches!(payload, 0 | 8) {
         return Ok(false);
     }
     let mut message_bytes = [0u8; HEADER + 8];
@@ -84,11 +116,10 @@ pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::R
         &mut control,
         RecvFlags::WAITALL | RecvFlags::CMSG_CLOEXEC,
     )?;
+    // The descriptor ends what one receive returns: the rest may follow.
     if got.bytes < body.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "SET_BACKEND_REQ_FD cut short",
-        ));
+        let mut rest = conn;
+        rest.read_exact(&mut body[got.bytes..])?;
     }
     let mut socket = None;
     for m in control.drain() {
@@ -100,6 +131,9 @@ pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::R
             }
         }
     }
+    // Only a stream socket is a channel (as the vhost crate checks).
+    let socket =
+        socket.filter(|fd| rustix::net::sockopt::socket_type(fd).ok() == Some(SocketType::STREAM));
     let ok = match socket {
         Some(fd) => {
             channel.set(UnixStream::from(fd));
@@ -107,7 +141,7 @@ pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::R
             0u64
         }
         None => {
-            tracing::warn!("SET_BACKEND_REQ_FD without a descriptor");
+            tracing::warn!("SET_BACKEND_REQ_FD without a stream socket");
             1
         }
     };
@@ -173,10 +207,10 @@ mod tests {
         assert_eq!(&ack[HEADER..], &0u64.to_le_bytes());
         // The config change arrives on the channel the frontend gave.
         assert!(channel.config_changed().unwrap());
-        let mut m = [0u8; HEADER + 8];
+        let mut m = [0u8; HEADER];
         ours.read_exact(&mut m).unwrap();
         assert_eq!(u32_at(&m, 0), CONFIG_CHANGE_MSG);
-        assert_eq!(u32_at(&m, 8), 8);
+        assert_eq!(u32_at(&m, 8), 0, "the message has no payload");
     }
 
     #[test]
@@ -195,5 +229,60 @@ mod tests {
         drop(frontend);
         // The connection's end is the crate's to report.
         assert!(!take_channel(&backend, &channel).unwrap());
+    }
+
+    /// A frontend that never reads its channel: telling it does not wait
+    /// (the control thread, and a second SET_BACKEND_REQ_FD, go on).
+    #[test]
+    fn a_channel_nobody_reads_does_not_block() {
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        let channel = BackendChannel::default();
+        let _ours = send_channel(&frontend, VERSION, &[]);
+        assert!(take_channel(&backend, &channel).unwrap());
+        let mut told = 0;
+        while channel.config_changed().unwrap() {
+            told += 1;
+            assert!(told < 1_000_000, "the channel never filled");
+        }
+        // Another channel replaces it at once.
+        let _again = send_channel(&frontend, VERSION, &[]);
+        assert!(take_channel(&backend, &channel).unwrap());
+    }
+
+    /// A header that arrives in pieces, and a body after the descriptor.
+    #[test]
+    fn a_request_in_pieces_is_taken_whole() {
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        let channel = BackendChannel::default();
+        let msg = message(SET_BACKEND_REQ_FD, VERSION, &7u64.to_le_bytes());
+        let (_ours, theirs) = UnixStream::pair().unwrap();
+        let writer = {
+            let frontend = frontend.try_clone().unwrap();
+            std::thread::spawn(move || {
+                (&frontend).write_all(&msg[..4]).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                let fds = [theirs.as_fd()];
+                assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+                rustix::net::sendmsg(
+                    &frontend,
+                    &[std::io::IoSlice::new(&msg[4..HEADER])],
+                    &mut control,
+                    SendFlags::empty(),
+                )
+                .unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                (&frontend).write_all(&msg[HEADER..]).unwrap();
+            })
+        };
+        assert!(take_channel(&backend, &channel).unwrap());
+        writer.join().unwrap();
+        // Nothing of it is left for the crate: the next message is next.
+        (&frontend).write_all(&message(1, VERSION, &[])).unwrap();
+        let mut next = [0u8; HEADER];
+        (&backend).read_exact(&mut next).unwrap();
+        assert_eq!(u32_at(&next, 0), 1);
+        assert!(channel.config_changed().unwrap());
     }
 }

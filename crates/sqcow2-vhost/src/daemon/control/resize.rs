@@ -24,7 +24,10 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
             "the daemon is inactive: activate it first",
         ));
     }
-    let old_size = shared.handle.get().virtual_size();
+    // The size the top's header had when the chain was opened: a resize
+    // whose reopen failed has grown the file (and the old chain's count)
+    // but not what is served, and is done again.
+    let old_size = shared.handle.get().top().virtual_size();
     if size < old_size {
         return Err(fail(
             FailureKind::BadRequest,
@@ -101,6 +104,12 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
             warn!(error = %e, "reopening the chain after a resize failed: it is grown on disk, served at its old size until the next start");
             fail(FailureKind::IoError, format!("reopening the chain: {e}"))
         })?;
+        // What the backing file would show through the new range: zeroed
+        // before any request sees it, as QEMU does.
+        chain
+            .handover()
+            .zero_grown(old_size)
+            .map_err(|e| fail(FailureKind::IoError, format!("zeroing the new range: {e}")))?;
         old.handover().release_top();
         drop(old);
         let old = quiet.replace(chain);
@@ -113,9 +122,11 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
     // The pause ends.
     let right = quiet.resume();
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
-    drop(grown?);
+    // Builds run again before the right is given back, on every path.
+    let grown = grown.map(drop);
     drop(resumed);
     drop(right);
+    grown?;
     // Told outside the pause: the frontend reads the config space while
     // it handles the message.
     let frontend_told = match shared.frontend_channel().map(|c| c.config_changed()) {
