@@ -453,12 +453,17 @@ fn kills_during_background_index_builds_lose_nothing() {
         drop(client);
         daemon.stop_with(libc::SIGKILL);
     }
+    // The last kill may have come after its build installed the index:
+    // then there is nothing left to build.
+    let info: serde_json::Value =
+        serde_json::from_str(&sqcow2(&["info", "--output", "json", s(&top)])).unwrap();
+    let indexed_before = info["chain-index"]["state"] == "valid";
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
     let mut client = connect_retry(&daemon, 1, false);
     reference.verify_through(&mut client, "after the last restart");
     let stats = wait_indexed(&ctl);
     assert!(
-        stats["result"]["index"]["builds"].as_u64().unwrap_or(0) >= 1,
+        indexed_before || stats["result"]["index"]["builds"].as_u64().unwrap_or(0) >= 1,
         "the restarted daemon did not build the top's index: {stats}"
     );
     drop(client);
