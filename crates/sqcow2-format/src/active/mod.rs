@@ -371,7 +371,10 @@ impl Active {
     /// written and synced, then the table in memory extended.
     pub(crate) fn grow(&self, size: u64) -> Result<(), Error> {
         self.check_failed()?;
-        // No write-back rewrites the header meanwhile.
+        // Both held across the header's writes and syncs on purpose: no
+        // write-back rewrites the header meanwhile, and no request sees
+        // the new size before it is durable. (A resize runs offline or
+        // with the device paused: nothing waits for them.)
         let _order = self
             .flush_order
             .lock()

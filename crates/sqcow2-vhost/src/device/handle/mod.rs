@@ -113,13 +113,13 @@ impl<'h> Exclusive<'h> {
     /// wait; work deferred off the chain begins only after it.
     pub(crate) fn pause_for_switch(self) -> SwitchPause<'h> {
         let guard = self.handle.gate.pause_for_switch();
-        SwitchPause { right: self, guard }
+        Paused::new(self, guard)
     }
 
     /// A plain pause ([`RequestGate::pause`]): new requests wait.
     pub(crate) fn pause(self) -> Pause<'h> {
         let guard = self.handle.gate.pause();
-        Pause { right: self, guard }
+        Paused::new(self, guard)
     }
 
     /// While the gate is inactive (requests wait at it): waits at most
@@ -140,11 +140,56 @@ impl<'h> Exclusive<'h> {
 
 /// A switch's pause, taken by the right's holder: new requests wait, and
 /// work deferred off the chain waits for the pause to end.
+pub(crate) type SwitchPause<'h> = Paused<'h, ForSwitch>;
+
+/// A plain pause, taken by the right's holder: new requests wait.
+pub(crate) type Pause<'h> = Paused<'h, Plain>;
+
+/// The kind of a [`SwitchPause`].
+#[derive(Debug)]
+pub(crate) enum ForSwitch {}
+
+/// The kind of a [`Pause`].
+#[derive(Debug)]
+pub(crate) enum Plain {}
+
+/// A pause of kind `K` with the right it was taken with: what ends it
+/// is typed by the kind ([`SwitchPause::off_chain`], [`Pause::idle`]).
 #[must_use = "the pause ends when this is dropped"]
 #[derive(Debug)]
-pub(crate) struct SwitchPause<'h> {
+pub(crate) struct Paused<'h, K> {
     guard: PauseGuard,
     right: Exclusive<'h>,
+    kind: std::marker::PhantomData<K>,
+}
+
+impl<'h, K> Paused<'h, K> {
+    fn new(right: Exclusive<'h>, guard: PauseGuard) -> Self {
+        Paused {
+            guard,
+            right,
+            kind: std::marker::PhantomData,
+        }
+    }
+
+    /// The proof if `quiet`, holding the pause from now on; else the
+    /// pause back.
+    fn proof_if(self, quiet: bool) -> Result<Quiesced<'h>, Self> {
+        if quiet {
+            Ok(Quiesced {
+                _pause: Some(self.guard),
+                right: self.right,
+            })
+        } else {
+            Err(self)
+        }
+    }
+
+    /// Ends the pause; the right stays held.
+    pub(crate) fn resume(self) -> Exclusive<'h> {
+        drop(self.guard);
+        self.right
+    }
 }
 
 impl<'h> SwitchPause<'h> {
@@ -153,29 +198,9 @@ impl<'h> SwitchPause<'h> {
     /// after the pause, on the chain current then). The proof, which holds
     /// the pause from now on; the pause back if that did not happen.
     pub(crate) fn off_chain(self, timeout: Duration) -> Result<Quiesced<'h>, Self> {
-        if self.guard.off_chain(timeout) {
-            Ok(Quiesced {
-                _pause: Some(self.guard),
-                right: self.right,
-            })
-        } else {
-            Err(self)
-        }
+        let quiet = self.guard.off_chain(timeout);
+        self.proof_if(quiet)
     }
-
-    /// Ends the pause; the right stays held.
-    pub(crate) fn resume(self) -> Exclusive<'h> {
-        drop(self.guard);
-        self.right
-    }
-}
-
-/// A plain pause, taken by the right's holder: new requests wait.
-#[must_use = "the pause ends when this is dropped"]
-#[derive(Debug)]
-pub(crate) struct Pause<'h> {
-    guard: PauseGuard,
-    right: Exclusive<'h>,
 }
 
 impl<'h> Pause<'h> {
@@ -183,20 +208,8 @@ impl<'h> Pause<'h> {
     /// is on the chain. The proof, holding the pause; the pause back if
     /// that did not happen.
     pub(crate) fn idle(self, timeout: Duration) -> Result<Quiesced<'h>, Self> {
-        if self.guard.idle(timeout) {
-            Ok(Quiesced {
-                _pause: Some(self.guard),
-                right: self.right,
-            })
-        } else {
-            Err(self)
-        }
-    }
-
-    /// Ends the pause; the right stays held.
-    pub(crate) fn resume(self) -> Exclusive<'h> {
-        drop(self.guard);
-        self.right
+        let quiet = self.guard.idle(timeout);
+        self.proof_if(quiet)
     }
 }
 
