@@ -16,10 +16,12 @@ pub(crate) struct ResizeArgs {
     /// Quiet: print nothing but errors (qemu-img's -q).
     #[arg(short = 'q')]
     quiet: bool,
-    /// Allow a smaller size (what lies past the new end is lost).
+    /// Allow a smaller size (what lies past the new end is lost; offline
+    /// only).
     #[arg(long)]
     shrink: bool,
-    /// Preallocation of the new space: off (qemu-img's default) only.
+    /// Preallocation of the new space: off (qemu-img's default) only;
+    /// qemu-img's other modes are refused.
     #[arg(long, value_name = "MODE", default_value = "off")]
     preallocation: String,
     /// Grow the disk a running `sqcow2 serve` serves (IMAGE is then its
@@ -58,17 +60,15 @@ fn new_size(spec: &str, now: u64) -> anyhow::Result<u64> {
 
 /// Resizes the image as `args` say, opened with `options`.
 pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<()> {
-    match args.preallocation.as_str() {
-        "off" => {}
-        "metadata" | "falloc" | "full" => {
-            bail!(
-                "--preallocation={} is not supported (off only)",
-                args.preallocation
-            )
-        }
+    let preallocate = match args.preallocation.as_str() {
+        "off" => false,
+        "metadata" | "falloc" | "full" => true,
         other => bail!("Invalid preallocation mode '{other}'"),
-    }
+    };
     if args.live {
+        if preallocate {
+            bail!("--preallocation is not supported with --live (off only)");
+        }
         return run_live(args);
     }
     let chain = Chain::open(
@@ -89,7 +89,19 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
             );
             bail!("Use the --shrink option to perform a shrink operation.");
         }
-        bail!("shrinking a qcow2 image is not supported yet (qemu-img resize --shrink does it)");
+        if preallocate {
+            bail!("Preallocation can only be used for growing images");
+        }
+        // Closed first: a writer's journal applied, its tables written.
+        chain.close()?;
+        sqcow2_format::resize::shrink(&args.image, size, options.locking)?;
+        return finish(args, options);
+    }
+    if preallocate {
+        bail!(
+            "--preallocation={} is not supported when growing (off only)",
+            args.preallocation
+        );
     }
     chain.handover().grow_top(size)?;
     chain.close()?;
@@ -105,8 +117,13 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
     )?;
     chain.handover().zero_grown(now)?;
     chain.close()?;
-    // The index the top names covers the old size: rebuilt for the new
-    // one (the nearest valid index below, or a walk, as after a commit).
+    finish(args, options)
+}
+
+/// After either resize: the index the top names covers the old size,
+/// so it is rebuilt for the new one (the nearest valid index below, or
+/// a walk, as after a commit).
+fn finish(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     sqcow2_format::reshape::rebuild_named_index(&args.image, options.locking)
         .context("rebuilding the chain index after the resize")?;
     if !args.quiet {

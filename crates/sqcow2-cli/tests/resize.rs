@@ -376,3 +376,131 @@ fn growing_over_a_longer_backing_file_reads_zeros() {
     );
     assert_check_clean(&top);
 }
+
+fn assert_same_images(a: &Path, b: &Path) {
+    let cmp = qemu_img_raw(&["compare", s(a), s(b)]);
+    assert!(
+        cmp.status.success(),
+        "qemu-img compare: {}{}",
+        String::from_utf8_lossy(&cmp.stdout),
+        stderr(&cmp)
+    );
+}
+
+/// `--shrink` of a chain's top against `qemu-img resize --shrink` of a
+/// copy: the same bytes, checks clean, the file cut as QEMU cuts it, an
+/// internal snapshot that shares the table across the new end still
+/// reads its old data, the index valid; grown again, both read zeros
+/// past the old end.
+#[test]
+fn shrinking_matches_qemu_img() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ours");
+    std::fs::create_dir(&dir).unwrap();
+    let top = gen_chain(&dir, 3, "1G", "0.3");
+    qemu_io(
+        &top,
+        &[
+            "write -P 0x11 100M 2M".to_string(),
+            "write -P 0x22 700M 1M".to_string(),
+            "write -P 0x33 1000M 1M".to_string(),
+        ],
+    );
+    // The snapshot shares every table of the top, the one across the new
+    // end (100M) included.
+    qemu_img(&["snapshot", "-c", "before", s(&top)]);
+    let theirs_dir = copy_dir(&dir, root.path(), "theirs");
+    let theirs = theirs_dir.join(top.file_name().unwrap());
+
+    let out = sqcow2(&["resize", "--shrink", s(&top), "101M"]);
+    assert_eq!(out.trim(), "Image resized.");
+    qemu_img(&["resize", "-q", "--shrink", s(&theirs), "101M"]);
+    assert_eq!(virtual_size(&top), 101 << 20);
+    assert_same_images(&top, &theirs);
+    assert_check_clean(&top);
+    assert_eq!(
+        std::fs::metadata(&top).unwrap().len(),
+        std::fs::metadata(&theirs).unwrap().len(),
+        "the file cut after its last used cluster, as qemu-img cuts it"
+    );
+    let info: serde_json::Value =
+        serde_json::from_str(&sqcow2(&["info", "--output", "json", s(&top)])).unwrap();
+    assert_eq!(info["chain-index"]["state"], "valid", "{info:#}");
+    assert_same_as_qemu(&top);
+    qemu_io(&top, &["read -P 0x11 100M 1M".to_string()]);
+
+    // Grown again: past 101M, zeros (not the dropped data, nor what the
+    // backing files hold there), as qemu-img leaves it.
+    sqcow2(&["resize", s(&top), "1G"]);
+    qemu_img(&["resize", "-q", s(&theirs), "1G"]);
+    assert_same_images(&top, &theirs);
+    qemu_io(
+        &top,
+        &[
+            "read -P 0 101M 923M".to_string(),
+            "read -P 0x11 100M 1M".to_string(),
+        ],
+    );
+    assert_check_clean(&top);
+
+    // The snapshot kept everything.
+    qemu_img(&["snapshot", "-a", "before", s(&top)]);
+    qemu_io(
+        &top,
+        &[
+            "read -P 0x11 100M 2M".to_string(),
+            "read -P 0x22 700M 1M".to_string(),
+            "read -P 0x33 1000M 1M".to_string(),
+        ],
+    );
+    assert_check_clean(&top);
+}
+
+/// Shrink refusals, each also qemu-img's, write nothing.
+#[test]
+fn shrink_refusals_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("a.qcow2");
+    qemu_create(&img, "", "1G");
+    qemu_io(&img, &["write -P 0x5a 900M 1M".to_string()]);
+    let v2 = dir.path().join("v2.qcow2");
+    qemu_create(&v2, "compat=0.10", "1G");
+    qemu_img(&["snapshot", "-c", "s1", s(&v2)]);
+    let before = files_of(dir.path());
+    for (args, words) in [
+        (
+            vec![
+                "resize",
+                "--shrink",
+                "--preallocation=full",
+                s(&img),
+                "512M",
+            ],
+            "Preallocation can only be used for growing images",
+        ),
+        (
+            vec!["resize", "--shrink", s(&v2), "512M"],
+            "Can't resize a v2 image which has snapshots",
+        ),
+        (
+            vec!["resize", "--shrink", s(&img), "--", "-1G"],
+            "New image size must be positive",
+        ),
+        (
+            vec!["resize", "--shrink", s(&img), "100000"],
+            "The new size must be a multiple of 512",
+        ),
+    ] {
+        let o = sqcow2_raw(&args);
+        assert_eq!(o.status.code(), Some(1), "sqcow2 {args:?}");
+        assert!(stderr(&o).contains(words), "{args:?}: {}", stderr(&o));
+        let q = qemu_img_raw(&args);
+        assert_eq!(q.status.code(), Some(1), "qemu-img {args:?}");
+        assert!(
+            stderr(&q).contains(words),
+            "qemu-img {args:?}: {}",
+            stderr(&q)
+        );
+    }
+    assert_eq!(files_of(dir.path()), before, "a refused shrink wrote");
+}

@@ -49,7 +49,7 @@ pub mod prealloc;
 mod read_once;
 mod refcount;
 pub mod reshape;
-mod resize;
+pub mod resize;
 mod sidefile;
 mod size;
 mod snapshot;

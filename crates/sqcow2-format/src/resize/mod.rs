@@ -10,6 +10,9 @@ use crate::error::{ErrorKind, Feature};
 use crate::header::{field, Header, Version};
 use crate::storage::Storage;
 
+mod shrink;
+pub use shrink::shrink;
+
 /// Why a size is not one an image can be resized to (qemu-img's words).
 pub(crate) fn check_new_size(size: u64) -> Result<(), ErrorKind> {
     if size == 0 {
