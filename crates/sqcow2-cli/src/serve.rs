@@ -74,9 +74,26 @@ pub struct ServeArgs {
     /// same numbers as `sqcow2 stats --output prometheus`.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    /// Host page cache use, as QEMU's `cache` option: `none` opens the
+    /// images `O_DIRECT` too (guest data and aligned metadata bypass the
+    /// page cache; flushes still sync), `writeback` goes through it.
+    #[arg(long, value_enum, default_value_t = Cache::Writeback)]
+    cache: Cache,
     /// The top image of the chain.
     image: PathBuf,
 }
+
+/// `--cache`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Cache {
+    Writeback,
+    None,
+}
+
+/// Smallest cluster of a top served with `--cache none`: a cluster
+/// never shares a page with another, so the page cache (sub-sector
+/// metadata words) and direct writes (data) never meet in one page.
+const MIN_DIRECT_CLUSTER: u64 = 4096;
 
 pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     if !(1..=64).contains(&args.num_queues) {
@@ -122,6 +139,10 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         // The flusher thread writes tables back when they are due; no
         // guest write waits for it.
         background_write_back: true,
+        cache: match args.cache {
+            Cache::Writeback => sqcow2_format::CacheMode::WriteBack,
+            Cache::None => sqcow2_format::CacheMode::None,
+        },
         ..options.clone()
     };
     let opened = if args.inactive {
@@ -134,6 +155,13 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         chain_options.clone()
     };
     let chain = Chain::open(&args.image, &opened)?;
+    if args.cache == Cache::None && chain.cluster_size() < MIN_DIRECT_CLUSTER {
+        bail!(
+            "{}: --cache none needs clusters of at least {MIN_DIRECT_CLUSTER} bytes (this image has {})",
+            args.image.display(),
+            chain.cluster_size()
+        );
+    }
     if opened.writable {
         // What killed snapshots and merges left beside the top (their
         // temporary files, recognised by their headers, no longer made by

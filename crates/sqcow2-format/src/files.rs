@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
+use crate::direct::CacheMode;
 use crate::error::ErrorKind;
 use crate::lock::{LockRequest, Locking};
 use crate::read_once::DescriptorSlots;
@@ -82,6 +83,8 @@ pub(crate) struct FileCache {
     /// of the budget, in room the files leave; see `read_once.rs`).
     once_slots: Arc<DescriptorSlots>,
     state: Mutex<Clock>,
+    /// Host page cache use of the files it opens again.
+    cache: CacheMode,
 }
 
 #[derive(Debug, Default)]
@@ -107,7 +110,14 @@ impl FileCache {
             budget,
             once_slots: DescriptorSlots::new(budget / 8, budget),
             state: Mutex::new(Clock::default()),
+            cache: CacheMode::WriteBack,
         }
+    }
+
+    /// The same cache, opening files again with `cache`'s page cache use.
+    pub(crate) fn with_cache(mut self, cache: CacheMode) -> Self {
+        self.cache = cache;
+        self
     }
 
     /// Descriptors open now: layer files and the second descriptors of
@@ -227,7 +237,8 @@ impl LazyFile {
         let pinned = of
             .pinned_file()?
             .ok_or_else(|| io::Error::other("not a file"))?;
-        let file = FileStorage::from_file(open_for_reading(&fd_link(&pinned.file))?);
+        let file = FileStorage::from_file(open_for_reading(&fd_link(&pinned.file))?)
+            .with_cache(cache.cache)?;
         if file.file_id().is_none() || file.file_id() != of.file_id() {
             return Err(io::Error::other("not the same file"));
         }
@@ -277,7 +288,8 @@ impl LazyFile {
             return Ok(open);
         }
         // By its real path, no symlink followed on the way.
-        let file = FileStorage::from_file(crate::sidefile::dir::open_resolved(&self.path)?);
+        let file = FileStorage::from_file(crate::sidefile::dir::open_resolved(&self.path)?)
+            .with_cache(self.cache.cache)?;
         if file.file_id() != Some(self.identity) {
             return Err(io::Error::other(format!(
                 "{} was replaced since the chain was opened",

@@ -28,6 +28,7 @@ mod chain;
 pub mod check;
 mod compressed;
 pub mod create;
+pub mod direct;
 mod dirty;
 mod entry;
 mod error;
@@ -66,6 +67,7 @@ pub use chain::{
     backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,
     InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, Transfers, DEFAULT_MAX_LAYERS,
 };
+pub use direct::CacheMode;
 pub use entry::CompressedDescriptor;
 pub use error::{Error, ErrorKind, Feature, Table};
 pub use extension::HeaderExtension;

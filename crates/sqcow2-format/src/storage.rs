@@ -6,6 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
+use crate::direct::{CacheMode, DirectFile};
 use crate::error::ErrorKind;
 use crate::lock::{FileLock, LockRequest, Locking};
 use crate::read_once::{DescriptorSlots, OnceReader};
@@ -190,6 +191,9 @@ pub struct PinnedFile {
     /// with `IOSQE_ASYNC`, which sends them straight to its workers, in
     /// parallel).
     pub nowait: bool,
+    /// With `cache=none`, the file's `O_DIRECT` description, for the
+    /// transfers that fit its alignment.
+    pub direct: Option<Arc<crate::direct::DirectFile>>,
 }
 
 impl PinnedFile {
@@ -210,6 +214,7 @@ impl PinnedFile {
         PinnedFile {
             file: Arc::new(file),
             nowait,
+            direct: None,
         }
     }
 }
@@ -357,6 +362,35 @@ impl FileStorage {
         }
     }
 
+    /// The same storage with `mode`'s host page cache use: with
+    /// [`CacheMode::None`], an `O_DIRECT` description of the file beside
+    /// its first one (see [`crate::direct`]).
+    pub fn with_cache(mut self, mode: CacheMode) -> io::Result<Self> {
+        if mode == CacheMode::None && self.file.direct.is_none() {
+            self.file.direct = Some(DirectFile::open_beside(&self.file.file, self.writable)?);
+            // What still goes through the page cache reads no more than
+            // it asks for (no read-ahead to drop afterwards).
+            crate::direct::no_read_ahead(&self.file.file);
+            // (What was read before, the header, goes.)
+            crate::direct::drop_cached(&self.file.file, 0, 0);
+        }
+        Ok(self)
+    }
+
+    /// The `O_DIRECT` description, if `cache=none` and a transfer of
+    /// `len` bytes at `offset` fits it.
+    fn direct_for(&self, offset: u64, len: u64) -> Option<&DirectFile> {
+        self.file.direct.as_deref().filter(|d| d.fits(offset, len))
+    }
+
+    /// With `cache=none`, drops what a read through the page cache left
+    /// there.
+    fn drop_cached_read(&self, offset: u64, len: u64) {
+        if self.file.direct.is_some() && len > 0 {
+            crate::direct::drop_cached(&self.file.file, offset, len);
+        }
+    }
+
     /// The underlying file.
     pub fn file(&self) -> &File {
         &self.file.file
@@ -456,11 +490,21 @@ impl Storage for FileStorage {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        read_zero_filled(&self.file.file, buf, offset)
+        if let Some(direct) = self.direct_for(offset, buf.len() as u64) {
+            return direct.read_at(buf, offset);
+        }
+        read_zero_filled(&self.file.file, buf, offset)?;
+        self.drop_cached_read(offset, buf.len() as u64);
+        Ok(())
     }
 
     fn read_once_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        read_zero_filled(self.once.file(&self.file.file), buf, offset)
+        if let Some(direct) = self.direct_for(offset, buf.len() as u64) {
+            return direct.read_at(buf, offset);
+        }
+        read_zero_filled(self.once.file(&self.file.file), buf, offset)?;
+        self.drop_cached_read(offset, buf.len() as u64);
+        Ok(())
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -468,10 +512,17 @@ impl Storage for FileStorage {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if let Some(direct) = self.direct_for(offset, buf.len() as u64) {
+            return direct.write_vectored_at(&[buf], offset);
+        }
         self.file.file.write_all_at(buf, offset)
     }
 
     fn write_all_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        let len = bufs.iter().map(|b| b.len() as u64).sum();
+        if let Some(direct) = self.direct_for(offset, len) {
+            return direct.write_vectored_at(bufs, offset);
+        }
         let mut bufs: Vec<&[u8]> = bufs.iter().copied().filter(|b| !b.is_empty()).collect();
         let mut at = offset;
         while !bufs.is_empty() {
@@ -513,9 +564,16 @@ impl Storage for FileStorage {
         // mostly the device's cache flush.
         self.start_write_back();
         let _syncing = self.allocations.syncing();
+        // One description's sync covers the file's direct writes too.
         self.file.file.sync_data().inspect_err(|_| {
             self.sync_failed.store(true, Ordering::SeqCst);
-        })
+        })?;
+        if self.file.direct.is_some() {
+            // Metadata written through the page cache is on disk now:
+            // its pages go, as none would have been kept with O_DIRECT.
+            crate::direct::drop_cached(&self.file.file, 0, 0);
+        }
+        Ok(())
     }
 
     fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {

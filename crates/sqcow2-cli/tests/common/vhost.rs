@@ -95,12 +95,20 @@ impl Daemon {
         let pidfile = dir.join("serve.pid");
         let log = dir.join("serve.log");
         let _ = std::fs::remove_file(&pidfile);
+        // The suite runs the crash and restart tests once more with
+        // SQCOW2_TEST_CACHE=none (`scripts/test.sh`): every daemon they
+        // start serves with that --cache unless a test chose one.
+        let cache: Vec<String> = match std::env::var("SQCOW2_TEST_CACHE") {
+            Ok(mode) if !extra.contains(&"--cache") => vec!["--cache".into(), mode],
+            _ => Vec::new(),
+        };
         let child = Command::new(bin)
             .arg("serve")
             .arg("--socket")
             .arg(&socket)
             .arg("--pidfile")
             .arg(&pidfile)
+            .args(&cache)
             .args(extra)
             .arg(image)
             .env("RUST_LOG", "info")

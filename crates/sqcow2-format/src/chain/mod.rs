@@ -94,6 +94,9 @@ pub struct ChainOptions {
     /// commit or rebase just changed the chain below it): an index found
     /// stale is logged at INFO, not as a warning for the operator.
     pub stale_index_expected: bool,
+    /// Host page cache use of the image files (QEMU's `cache` option):
+    /// [`CacheMode::None`] opens each one `O_DIRECT` too.
+    pub cache: crate::direct::CacheMode,
 }
 
 impl Default for ChainOptions {
@@ -115,6 +118,7 @@ impl Default for ChainOptions {
             max_open_files: None,
             background_write_back: false,
             stale_index_expected: false,
+            cache: crate::direct::CacheMode::WriteBack,
         }
     }
 }

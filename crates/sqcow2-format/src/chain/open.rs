@@ -65,22 +65,27 @@ fn open_layer(
         // holds no lock): opened again for writing.
         (Expect::Top, None, Some(Opened::Reused(s))) if options.writable && !s.is_writable() => {
             // The same file (through its descriptor, not its name).
-            Arc::new(crate::storage::writable_same_file(&*s, path)?)
+            Arc::new(crate::storage::writable_same_file(&*s, path)?.with_cache(options.cache)?)
         }
         (_, _, Some(Opened::Reused(s))) => s,
         // Opened for writing in the first place (`open_layers`).
         (Expect::Top, None, Some(Opened::File(file))) if options.writable => {
-            Arc::new(FileStorage::from_writable_file(file)?)
+            Arc::new(FileStorage::from_writable_file(file)?.with_cache(options.cache)?)
         }
-        (Expect::Top, _, Some(Opened::File(file))) => Arc::new(FileStorage::from_file(file)),
-        (Expect::Top, _, None) => Arc::new(FileStorage::from_file(place()?.open_image(false)?)),
+        (Expect::Top, _, Some(Opened::File(file))) => {
+            Arc::new(FileStorage::from_file(file).with_cache(options.cache)?)
+        }
+        (Expect::Top, _, None) => {
+            Arc::new(FileStorage::from_file(place()?.open_image(false)?).with_cache(options.cache)?)
+        }
         // A layer below the top: its descriptor in the chain's cache, the
         // file reopened by its real path when it was closed.
         (_, _, file) => {
             let file = match file {
                 Some(Opened::File(f)) => FileStorage::from_file(f),
                 _ => FileStorage::open_read_only(path)?,
-            };
+            }
+            .with_cache(options.cache)?;
             file.lock(want, options.locking)?;
             let real = real_path(file.file()).unwrap_or_else(|_| path.to_path_buf());
             LazyFile::adopt(&real, file, want, options.locking, files.clone())?
@@ -243,9 +248,10 @@ fn open_layers(
     // layers it reuses.
     let files = match reuse {
         Some(old) => old.files.clone(),
-        None => Arc::new(FileCache::new(
-            options.max_open_files.unwrap_or_else(default_budget),
-        )),
+        None => Arc::new(
+            FileCache::new(options.max_open_files.unwrap_or_else(default_budget))
+                .with_cache(options.cache),
+        ),
     };
     // A chain reopened in place of another has the same top: its open
     // file, not whatever is at its name now.

@@ -271,7 +271,9 @@ impl Handover<'_> {
             return Err(Error::new(new_top, ErrorKind::FileReplaced));
         }
         let storage: Arc<dyn Storage> = Arc::new(
-            FileStorage::from_writable_file(file).map_err(|e| Error::new(new_top, e.into()))?,
+            FileStorage::from_writable_file(file)
+                .and_then(|s| s.with_cache(options.cache))
+                .map_err(|e| Error::new(new_top, e.into()))?,
         );
         let layer =
             Qcow2Layer::open(new_top, storage.clone()).map_err(|k| Error::new(new_top, k))?;

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
 use slab::Slab;
+use sqcow2_format::direct::AlignedBuf;
 use sqcow2_format::storage::PinnedFile;
+use std::os::fd::AsRawFd;
 use vm_memory::VolatileSlice;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -57,7 +59,25 @@ struct RingOp {
     _file: PinnedFile,
     /// The guest memory mapping the entry's buffer lies in.
     _mem: Arc<GuestMem>,
+    /// The aligned buffer a direct transfer of unaligned guest memory
+    /// goes through.
+    bounce: Option<Bounce>,
 }
+
+/// A direct transfer's aligned stand-in for guest memory (`cache=none`):
+/// a write's bytes are copied in before it is queued, a read's copied
+/// out to `guest` when it completes.
+struct Bounce {
+    buf: AlignedBuf,
+    /// Where a read's bytes go: `len` bytes of guest memory in the
+    /// operation's `_mem` (`None` for a write).
+    guest: Option<*mut u8>,
+}
+
+// SAFETY: `guest` points into the guest memory mapping the same
+// operation holds an `Arc` of, so it stays valid wherever the operation
+// goes; only the thread that reaps the operation writes through it.
+unsafe impl Send for Bounce {}
 
 /// A worker's ring and the eventfd its completions signal.
 pub(crate) struct Ring {
@@ -117,8 +137,11 @@ impl Ring {
     /// until the transfer ends, so its descriptor stays open) at `host`,
     /// for the request in `slot`; straight to io_uring's workers where the
     /// file's filesystem cannot try it without blocking (see
-    /// [`PinnedFile::nowait`]). Completions reaped to make room go to
-    /// `done`.
+    /// [`PinnedFile::nowait`]). With `cache=none` a transfer whose offset
+    /// and length fit the file's direct-I/O alignment goes through its
+    /// `O_DIRECT` description (through an aligned bounce buffer when the
+    /// guest's memory does not fit), any other through the page cache.
+    /// Completions reaped to make room go to `done`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn queue(
         &mut self,
@@ -130,9 +153,27 @@ impl Ring {
         mem: &Arc<GuestMem>,
         done: &mut Vec<RingCompletion>,
     ) -> io::Result<()> {
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&*file.file);
         let len = u32::try_from(buf.len()).map_err(io::Error::other)?;
-        let ptr = buf.ptr_guard_mut().as_ptr();
+        let guest = buf.ptr_guard_mut().as_ptr();
+        let (mut fd, mut ptr, mut bounce) = (file.file.as_raw_fd(), guest, None);
+        if let Some(direct) = file.direct.as_deref().filter(|d| d.fits(host, len.into())) {
+            fd = direct.file.as_raw_fd();
+            if !direct.mem_fits(guest as usize) {
+                let mut aligned = AlignedBuf::zeroed(buf.len(), direct.mem_align)?;
+                let reads = match direction {
+                    Direction::Read => Some(guest),
+                    Direction::Write => {
+                        buf.copy_to(aligned.as_mut_slice());
+                        None
+                    }
+                };
+                ptr = aligned.as_mut_ptr();
+                bounce = Some(Bounce {
+                    buf: aligned,
+                    guest: reads,
+                });
+            }
+        }
         let entry = match direction {
             Direction::Read => opcode::Read::new(types::Fd(fd), ptr, len)
                 .offset(host)
@@ -153,6 +194,7 @@ impl Ring {
             retries: 0,
             _file: file,
             _mem: mem.clone(),
+            bounce,
         };
         self.push(op, done)
     }
@@ -215,6 +257,19 @@ impl Ring {
                 continue;
             };
             let (slot, len) = (op.slot, op.len);
+            if let Some(Bounce {
+                buf,
+                guest: Some(guest),
+            }) = &op.bounce
+            {
+                // (A failed read, retried or not, moved nothing.)
+                let n = usize::try_from(res).unwrap_or(0).min(len as usize);
+                // SAFETY: `guest` is the start of the `len` bytes of guest
+                // memory this read was for, kept mapped by the `Arc` in
+                // `op`; the bounce buffer holds at least `len` bytes and
+                // does not overlap guest memory.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_slice().as_ptr(), *guest, n) };
+            }
             // Interrupted or not ready: the same I/O again (as QEMU does).
             if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < MAX_RETRIES {
                 op.retries += 1;
@@ -256,7 +311,6 @@ impl Ring {
 mod tests {
     use super::*;
     use std::fs::File;
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
@@ -295,8 +349,10 @@ mod tests {
             _file: PinnedFile {
                 file: file.clone(),
                 nowait: true,
+                direct: None,
             },
             _mem: mem.clone(),
+            bounce: None,
         };
         ring.push(op, &mut done).unwrap();
         ring.submit().unwrap();
