@@ -2,6 +2,7 @@
 //! in the spirit of `qemu-img`.
 
 mod check;
+mod compare;
 mod convert;
 mod create;
 mod gen_chain;
@@ -268,8 +269,11 @@ enum Command {
     /// Commit an image's data into a layer below (as `qemu-img commit`).
     Commit(reshape::CommitArgs),
     /// Change a disk's virtual size, like `qemu-img resize` (grows in
-    /// place where the L1 table addresses the new size; no shrink yet).
+    /// place where the L1 table addresses the new size; shrinks offline).
     Resize(resize::ResizeArgs),
+    /// Whether two images read the same, like `qemu-img compare` (exit
+    /// 0 identical, 1 different, 2 cannot open, 3/4 cannot read).
+    Compare(compare::CompareArgs),
     /// Change an image's backing file (as `qemu-img rebase`).
     Rebase(reshape::RebaseArgs),
     /// Merge layers FIRST..LAST of a chain (below its top) into one new
@@ -415,6 +419,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Resize(args) => resize::run(&args, &options).map(|()| ExitCode::SUCCESS),
+        Command::Compare(args) => Ok(compare::run(&args, &options)),
         Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
