@@ -40,8 +40,10 @@ pub struct ServeArgs {
     control: Option<PathBuf>,
     /// Engine threads: allocating writes, discards and write-zeroes run
     /// there, so that they never hold up the other requests of a queue.
-    #[arg(long, default_value_t = sqcow2_vhost::DEFAULT_ENGINE_THREADS)]
-    engine_threads: usize,
+    /// Default: 4, or 16 with `--cache none` (their transfers wait for
+    /// the device).
+    #[arg(long)]
+    engine_threads: Option<usize>,
     /// Start inactive, for a disk another daemon still serves (a live
     /// migration's destination): no image lock is taken and requests wait
     /// until `sqcow2 activate CONTROL`.
@@ -105,7 +107,11 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     if args.queues_per_thread == 0 {
         bail!("--queues-per-thread must be at least 1");
     }
-    if !(1..=256).contains(&args.engine_threads) {
+    let engine_threads = args.engine_threads.unwrap_or(match args.cache {
+        Cache::Writeback => sqcow2_vhost::DEFAULT_ENGINE_THREADS,
+        Cache::None => sqcow2_vhost::DEFAULT_DIRECT_ENGINE_THREADS,
+    });
+    if !(1..=256).contains(&engine_threads) {
         bail!("--engine-threads must be between 1 and 256");
     }
     let socket_mode = u32::from_str_radix(&args.socket_mode, 8)
@@ -183,7 +189,7 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         socket_mode,
         pidfile: args.pidfile.clone(),
         control: args.control.clone(),
-        engine_threads: args.engine_threads,
+        engine_threads,
         inactive: args.inactive,
         inactive_timeout: std::time::Duration::from_secs_f64(args.inactive_timeout),
         polling: match (args.poll_us, args.poll_max_us) {

@@ -28,6 +28,8 @@ pub enum CacheMode {
 /// Alignment assumed where the kernel does not report one (`statx`
 /// without `STATX_DIOALIGN`): a page fits every device.
 const FALLBACK_ALIGN: u32 = 4096;
+/// A memory page.
+const PAGE: usize = 4096;
 
 /// An image file's `O_DIRECT` description and the alignment its transfers
 /// need.
@@ -35,8 +37,14 @@ const FALLBACK_ALIGN: u32 = 4096;
 pub struct DirectFile {
     /// The description (`O_DIRECT`).
     pub file: File,
-    /// Alignment of memory buffers.
+    /// Alignment of memory buffers the kernel accepts.
     pub mem_align: usize,
+    /// Alignment of the bounce buffers: at least a page, which the
+    /// kernel's `mem_align` may be less than, but below which ext4 takes
+    /// a write for unaligned and serialises it against every direct
+    /// transfer of the file (measured: allocating writes at depth 32 went
+    /// from 9.4k to 22.3k IOPS with page-aligned buffers).
+    pub bounce_align: usize,
     /// Alignment of file offsets and lengths.
     pub offset_align: u64,
 }
@@ -65,6 +73,7 @@ impl DirectFile {
         Ok(Arc::new(DirectFile {
             file,
             mem_align: mem.max(1) as usize,
+            bounce_align: (mem.max(1) as usize).max(PAGE),
             offset_align: u64::from(offset.max(1)),
         }))
     }
@@ -82,7 +91,7 @@ impl DirectFile {
     /// Reads `buf.len()` bytes at `offset` (they fit, see
     /// [`DirectFile::fits`]); past the end of the file, zeros.
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let mut bounce = AlignedBuf::zeroed(buf.len(), self.mem_align)?;
+        let mut bounce = AlignedBuf::zeroed(buf.len(), self.bounce_align)?;
         let mut done = 0usize;
         while done < buf.len() {
             let n = match rustix::io::pread(
@@ -107,7 +116,7 @@ impl DirectFile {
     /// Writes the concatenation of `bufs` at `offset` (it fits).
     pub(crate) fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
         let len = bufs.iter().map(|b| b.len()).sum();
-        let mut bounce = AlignedBuf::zeroed(len, self.mem_align)?;
+        let mut bounce = AlignedBuf::zeroed(len, self.bounce_align)?;
         let mut at = 0;
         for b in bufs {
             bounce.as_mut_slice()[at..at + b.len()].copy_from_slice(b);

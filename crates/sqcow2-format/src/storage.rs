@@ -246,7 +246,19 @@ pub struct FileStorage {
     allocations: AllocationGate,
     /// The description [`Storage::read_once_at`] reads through.
     once: OnceReader,
+    /// With `cache=none`: the last range reserved ahead (see
+    /// [`DIRECT_RESERVE_CHUNK`]), whose blocks stay allocated until the
+    /// file is cut (nothing punches holes).
+    reserved: Mutex<std::ops::Range<u64>>,
 }
+
+/// With `cache=none`, space is reserved ahead in chunks of this many
+/// bytes. A reservation (`fallocate`) and a direct write into a hole
+/// both make ext4 wait for every direct transfer of the file in flight
+/// (`inode_dio_wait` under the exclusive inode lock); one per cluster
+/// serialised allocating writes (measured: 2.8k IOPS at depth 32 where
+/// qemu-storage-daemon did 14.6k).
+const DIRECT_RESERVE_CHUNK: u64 = 8 << 20;
 
 /// Keeps a file's block allocations apart from its syncs (see
 /// [`FileStorage`]): held exclusively by a sync for its whole length;
@@ -350,6 +362,7 @@ impl FileStorage {
             lock: Mutex::new(FileLock::default()),
             allocations: AllocationGate::default(),
             once: OnceReader::default(),
+            reserved: Mutex::new(0..0),
         }
     }
 
@@ -548,6 +561,10 @@ impl Storage for FileStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
+        {
+            let mut r = self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
+            r.end = r.end.min(len);
+        }
         self.file.file.set_len(len)
     }
 
@@ -584,6 +601,22 @@ impl Storage for FileStorage {
     }
 
     fn reserve_ahead(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let end = offset.saturating_add(len);
+        if self.file.direct.is_some() {
+            let reserved = || self.reserved.lock().unwrap_or_else(PoisonError::into_inner);
+            {
+                let r = reserved();
+                if offset >= r.start && end <= r.end {
+                    return Ok(true);
+                }
+            }
+            let ahead = end.div_ceil(DIRECT_RESERVE_CHUNK) * DIRECT_RESERVE_CHUNK;
+            let unsupported = [libc::EOPNOTSUPP, libc::ENOSYS];
+            if let Fallocated::Done = self.fallocate(0, offset, ahead - offset, &unsupported)? {
+                *reserved() = offset..ahead;
+                return Ok(true);
+            }
+        }
         // Mode 0 only allocates blocks (and extends the size), it never
         // changes data.
         match self.fallocate(0, offset, len, &[libc::EOPNOTSUPP, libc::ENOSYS])? {

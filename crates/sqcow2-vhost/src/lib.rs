@@ -24,7 +24,7 @@ mod transport;
 /// The control socket's messages (`docs/control-api.md`).
 pub use daemon::control::protocol;
 pub use daemon::server::{serve, ServeError, ServeOptions};
-pub use device::blk::DEFAULT_ENGINE_THREADS;
+pub use device::blk::{DEFAULT_DIRECT_ENGINE_THREADS, DEFAULT_ENGINE_THREADS};
 pub use device::polling::Polling;
 
 /// The device without the daemon, for the crate's integration tests and

@@ -16,6 +16,12 @@ use crate::device::request::{RequestLimits, ID_SIZE};
 /// Default number of engine threads (allocating writes, discards,
 /// write-zeroes run there, off the queue workers).
 pub const DEFAULT_ENGINE_THREADS: usize = 4;
+/// Engine threads by default with `--cache none`: each waits for the
+/// device on every transfer it makes (no page cache to complete it), so
+/// more of them keep allocating writes in flight (measured at depth 32,
+/// 4 KiB allocating writes into a fresh top: 23k IOPS with 4, 33k with
+/// 8, 41k with 16, against qemu-storage-daemon's 24k).
+pub const DEFAULT_DIRECT_ENGINE_THREADS: usize = 16;
 
 /// The shape of an exported device.
 #[derive(Debug, Clone)]

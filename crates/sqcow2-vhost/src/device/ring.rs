@@ -159,7 +159,7 @@ impl Ring {
         if let Some(direct) = file.direct.as_deref().filter(|d| d.fits(host, len.into())) {
             fd = direct.file.as_raw_fd();
             if !direct.mem_fits(guest as usize) {
-                let mut aligned = AlignedBuf::zeroed(buf.len(), direct.mem_align)?;
+                let mut aligned = AlignedBuf::zeroed(buf.len(), direct.bounce_align)?;
                 let reads = match direction {
                     Direction::Read => Some(guest),
                     Direction::Write => {
