@@ -6,8 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use sqcow2_format::storage::{FileStorage, Storage};
-use sqcow2_format::{Chain, ChainOptions, ExtentKind, GuestOffset, LockRequest};
+use sqcow2_format::ChainOptions;
+
+use crate::input::{Format, Image};
 
 /// `sqcow2 compare` (qemu-img compare's arguments).
 #[derive(Debug, clap::Args)]
@@ -35,130 +36,10 @@ pub(crate) struct CompareArgs {
     image2: PathBuf,
 }
 
-/// An image format `compare` reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Format {
-    Qcow2,
-    Raw,
-}
-
 /// Bytes compared at once (QEMU's IO_BUF_SIZE).
 const CHUNK: u64 = 2 << 20;
 /// What a mismatch is reported in (QEMU compares 512-byte sectors).
 const SECTOR: usize = 512;
-
-/// What a run of an image reads as, in the terms `-s` compares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Status {
-    /// Data some layer holds.
-    Data,
-    /// Zeros a layer records.
-    AllocatedZero,
-    /// Nothing allocated: zeros.
-    Unallocated,
-}
-
-impl Status {
-    fn reads_zeros(self) -> bool {
-        !matches!(self, Status::Data)
-    }
-}
-
-/// One opened image.
-enum Image {
-    Qcow2(Chain),
-    Raw(FileStorage, u64),
-}
-
-impl Image {
-    fn open(path: &Path, format: Option<Format>, options: &ChainOptions) -> anyhow::Result<Self> {
-        let format = match format {
-            Some(f) => f,
-            None => probe(path)?,
-        };
-        Ok(match format {
-            Format::Qcow2 => Image::Qcow2(Chain::open(path, options)?),
-            Format::Raw => {
-                let s = FileStorage::open_read_only(path)
-                    .map_err(|e| anyhow::anyhow!("Could not open '{}': {e}", path.display()))?;
-                let lock = if options.force_share {
-                    LockRequest::READER.sharing_all()
-                } else {
-                    LockRequest::READER
-                };
-                s.lock(lock, options.locking)
-                    .map_err(|k| sqcow2_format::Error::new(path, k))?;
-                let len = s.len()?;
-                Image::Raw(s, len)
-            }
-        })
-    }
-
-    fn size(&self) -> u64 {
-        match self {
-            Image::Qcow2(c) => c.virtual_size(),
-            Image::Raw(_, len) => *len,
-        }
-    }
-
-    /// What `[pos, pos + max)` starts with, and for how many bytes.
-    fn run(&self, pos: u64, max: u64) -> anyhow::Result<(Status, u64)> {
-        match self {
-            Image::Qcow2(c) => {
-                // Runs of one status joined up to `max` (the engine's end
-                // at slice boundaries; QEMU's reach the end of the table).
-                let status_at = |at: u64| -> anyhow::Result<(Status, u64)> {
-                    let e = c.resolve(GuestOffset(at), max - (at - pos), false)?;
-                    let status = match e.kind {
-                        ExtentKind::Zero {
-                            allocated: true, ..
-                        } => Status::AllocatedZero,
-                        ExtentKind::Zero { .. } => Status::Unallocated,
-                        _ => Status::Data,
-                    };
-                    Ok((status, e.len.max(1)))
-                };
-                let (status, mut len) = status_at(pos)?;
-                while len < max {
-                    let (next, n) = status_at(pos + len)?;
-                    if next != status {
-                        break;
-                    }
-                    len += n;
-                }
-                Ok((status, len.min(max)))
-            }
-            Image::Raw(s, _) => Ok(match s.allocation(pos, max) {
-                Some((false, n)) if n > 0 => (Status::Unallocated, n),
-                Some((true, n)) if n > 0 => (Status::Data, n),
-                _ => (Status::Data, max),
-            }),
-        }
-    }
-
-    fn read(&self, buf: &mut [u8], pos: u64) -> anyhow::Result<()> {
-        match self {
-            Image::Qcow2(c) => Ok(c.read_at(buf, pos)?),
-            Image::Raw(s, _) => Ok(s.read_at(buf, pos)?),
-        }
-    }
-}
-
-/// qcow2 where the file starts with its magic, raw otherwise (as
-/// qemu-img probes).
-fn probe(path: &Path) -> anyhow::Result<Format> {
-    let s = FileStorage::open_read_only(path)
-        .map_err(|e| anyhow::anyhow!("Could not open '{}': {e}", path.display()))?;
-    let mut magic = [0u8; 4];
-    if s.len()? >= 4 {
-        s.read_at(&mut magic, 0)?;
-    }
-    Ok(if &magic == b"QFI\xfb" {
-        Format::Qcow2
-    } else {
-        Format::Raw
-    })
-}
 
 /// How a comparison ended: the exit code and its message.
 enum Outcome {

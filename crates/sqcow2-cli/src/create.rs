@@ -18,7 +18,7 @@ fn parse_bool(key: &str, v: &str) -> anyhow::Result<bool> {
 }
 
 /// Applies `-o key=value,...` to the options.
-fn apply_options(opts: &mut CreateOptions, spec: &str) -> anyhow::Result<()> {
+pub(crate) fn apply_options(opts: &mut CreateOptions, spec: &str) -> anyhow::Result<()> {
     for item in spec.split(',').filter(|s| !s.is_empty()) {
         let (key, value) = item
             .split_once('=')

@@ -8,9 +8,11 @@ mod create;
 mod gen_chain;
 mod index_cmds;
 mod info;
+mod input;
 mod io;
 mod live;
 mod map;
+mod measure;
 mod output;
 mod readout;
 mod reshape;
@@ -274,6 +276,9 @@ enum Command {
     /// Whether two images read the same, like `qemu-img compare` (exit
     /// 0 identical, 1 different, 2 cannot open, 3/4 cannot read).
     Compare(compare::CompareArgs),
+    /// How large a file an image (or a disk of a size) needs in a
+    /// format, like `qemu-img measure`.
+    Measure(measure::MeasureArgs),
     /// Change an image's backing file (as `qemu-img rebase`).
     Rebase(reshape::RebaseArgs),
     /// Merge layers FIRST..LAST of a chain (below its top) into one new
@@ -420,6 +425,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Resize(args) => resize::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Compare(args) => Ok(compare::run(&args, &options)),
+        Command::Measure(args) => measure::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),
