@@ -303,9 +303,23 @@ enum Command {
     },
     /// Write the whole virtual disk to a raw file.
     Convert {
-        /// Output format (only `raw`).
+        /// Output format: `raw`, or `qcow2` (the chain flattened into
+        /// one image).
         #[arg(short = 'O', value_enum)]
         output_format: convert::TargetFormat,
+        /// Compress the clusters of a qcow2 output (those that get
+        /// smaller), with its compression_type.
+        #[arg(short = 'c')]
+        compress: bool,
+        /// Options of a qcow2 output (as `create -o`: cluster_size,
+        /// compression_type, refcount_bits, compat, lazy_refcounts).
+        #[arg(short = 'o')]
+        options: Vec<String>,
+        /// Write into the existing target (raw file or device, or a qcow2
+        /// image at least as large) instead of creating it; zeros are
+        /// written where the disk reads zeros.
+        #[arg(short = 'n')]
+        existing: bool,
         /// Source format, as qemu-img's -f (only qcow2).
         #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
         format: String,
@@ -322,7 +336,7 @@ enum Command {
         force_share: bool,
         /// Top image of the source chain.
         src: PathBuf,
-        /// Raw file to write.
+        /// File (or block device) to write.
         dst: PathBuf,
     },
 }
@@ -470,6 +484,9 @@ fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<Exit
         ),
         Command::Convert {
             output_format,
+            compress,
+            options: create_options,
+            existing,
             progress,
             quiet,
             force_share,
@@ -479,8 +496,13 @@ fn run_read_out(command: Command, options: &ChainOptions) -> anyhow::Result<Exit
         } => convert::run(
             &src,
             &dst,
-            output_format,
-            progress && !quiet,
+            &convert::ConvertSpec {
+                format: output_format,
+                compress,
+                options: create_options,
+                existing,
+                progress: progress && !quiet,
+            },
             &ChainOptions {
                 force_share,
                 ..options.clone()

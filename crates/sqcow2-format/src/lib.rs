@@ -59,6 +59,7 @@ mod sqcow2_ext;
 pub mod storage;
 mod summary;
 mod types;
+pub mod writer;
 
 /// Records the mapping journal holds (`<top>.sqjournal`, a ring).
 pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;

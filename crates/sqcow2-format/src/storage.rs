@@ -521,7 +521,14 @@ impl Storage for FileStorage {
     }
 
     fn len(&self) -> io::Result<u64> {
-        Ok(self.file.file.metadata()?.len())
+        use std::os::unix::fs::FileTypeExt;
+        let meta = self.file.file.metadata()?;
+        if meta.file_type().is_block_device() {
+            // (A device's size is where its end is; positioned I/O does
+            // not use the offset this moves.)
+            return Ok(rustix::fs::seek(&self.file.file, rustix::fs::SeekFrom::End(0))?);
+        }
+        Ok(meta.len())
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
