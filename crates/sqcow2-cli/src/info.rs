@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use serde::Serialize;
 use sqcow2_format::backing_path_of;
+use sqcow2_format::luks::LuksInfo;
 use sqcow2_format::storage::FileStorage;
 use sqcow2_format::IndexState;
 use sqcow2_format::SetFeature;
@@ -41,6 +42,13 @@ struct Qcow2Info {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     bitmaps: Vec<BitmapInfo>,
     refcount_bits: u32,
+    /// The LUKS header of an encrypted image.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    encrypt: Option<LuksInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_file_raw: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     corrupt: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -62,6 +70,9 @@ struct LayerInfo {
     format: &'static str,
     virtual_size: u64,
     actual_size: u64,
+    /// Shown for encrypted images only, as qemu-img.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    encrypted: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cluster_size: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -88,6 +99,9 @@ struct LayerInfo {
     /// in the image (top layer only; a read-write open replays them).
     #[serde(skip_serializing_if = "Option::is_none")]
     journal_pending: Option<usize>,
+    /// What sqcow2 cannot do with this image (it shows it only).
+    #[serde(rename = "sqcow2-unsupported", skip_serializing_if = "Option::is_none")]
+    unsupported: Option<String>,
 }
 
 fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<LayerInfo> {
@@ -99,6 +113,8 @@ fn layer_info(layer: &Layer, chain_length: Option<usize>) -> anyhow::Result<Laye
         format: layer.format_name(),
         virtual_size: layer.virtual_size(),
         actual_size: meta.blocks() * 512,
+        encrypted: None,
+        unsupported: None,
         cluster_size: header.map(|h| h.geometry.cluster_size()),
         backing_filename: header
             .and_then(|h| h.backing_file.as_ref())
@@ -137,6 +153,9 @@ fn qcow2_info(h: &sqcow2_format::Header, bitmaps: Vec<BitmapInfo>) -> Qcow2Info 
         lazy_refcounts: v3.then(|| h.lazy_refcounts()),
         bitmaps,
         refcount_bits: 1 << h.refcount_order,
+        encrypt: None,
+        data_file: h.data_file().map(|(name, _)| name),
+        data_file_raw: h.data_file().map(|(_, raw)| raw),
         corrupt: v3.then_some(h.is_marked_corrupt()),
         extended_l2: v3.then_some(h.geometry.extended_l2),
         dirty: h.is_dirty(),
@@ -162,6 +181,9 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         info.virtual_size
     )?;
     writeln!(out, "disk size: {}", human_size(info.actual_size))?;
+    if info.encrypted == Some(true) {
+        writeln!(out, "encrypted: yes")?;
+    }
     if let Some(c) = info.cluster_size {
         writeln!(out, "cluster_size: {c}")?;
     }
@@ -175,6 +197,7 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
         writeln!(out, "backing file format: {f}")?;
     }
     match info.chain_length {
+        _ if info.unsupported.is_some() => {}
         Some(n) => writeln!(out, "chain length: {n}")?,
         None => writeln!(
             out,
@@ -231,6 +254,12 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
              (any read-write open replays them, e.g. `sqcow2 io -c flush`; QEMU sees the image without them)"
         )?;
     }
+    if let Some(what) = &info.unsupported {
+        writeln!(
+            out,
+            "sqcow2: unsupported feature: {what} (the image is shown; its data is not read, written or served)"
+        )?;
+    }
     if !info.snapshots.is_empty() {
         print_snapshots(out, &info.snapshots)?;
     }
@@ -245,6 +274,15 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
             print_bitmaps(out, &q.bitmaps)?;
         }
         writeln!(out, "    refcount bits: {}", q.refcount_bits)?;
+        if let Some(luks) = &q.encrypt {
+            print_luks(out, luks)?;
+        }
+        if let Some(d) = &q.data_file {
+            writeln!(out, "    data file: {d}")?;
+        }
+        if let Some(raw) = q.data_file_raw {
+            writeln!(out, "    data file raw: {raw}")?;
+        }
         if let Some(corrupt) = q.corrupt {
             writeln!(out, "    corrupt: {corrupt}")?;
         }
@@ -267,6 +305,35 @@ fn print_human(out: &mut impl Write, info: &LayerInfo) -> io::Result<()> {
             writeln!(out, "    unknown header extension: {e} (kept)")?;
         }
     }
+    Ok(())
+}
+
+/// A LUKS header as `qemu-img info` shows it.
+fn print_luks(out: &mut impl Write, l: &LuksInfo) -> io::Result<()> {
+    writeln!(out, "    encrypt:")?;
+    writeln!(out, "        ivgen alg: {}", l.ivgen_alg)?;
+    writeln!(out, "        hash alg: {}", l.hash_alg)?;
+    writeln!(out, "        cipher alg: {}", l.cipher_alg)?;
+    writeln!(out, "        uuid: {}", l.uuid)?;
+    if let Some(h) = &l.ivgen_hash_alg {
+        writeln!(out, "        ivgen hash alg: {h}")?;
+    }
+    writeln!(out, "        format: {}", l.format)?;
+    writeln!(out, "        cipher mode: {}", l.cipher_mode)?;
+    writeln!(out, "        slots:")?;
+    for (i, s) in l.slots.iter().enumerate() {
+        writeln!(out, "            [{i}]:")?;
+        writeln!(out, "                active: {}", s.active)?;
+        if let Some(n) = s.iters {
+            writeln!(out, "                iters: {n}")?;
+        }
+        writeln!(out, "                key offset: {}", s.key_offset)?;
+        if let Some(n) = s.stripes {
+            writeln!(out, "                stripes: {n}")?;
+        }
+    }
+    writeln!(out, "        payload offset: {}", l.payload_offset)?;
+    writeln!(out, "        master key iters: {}", l.master_key_iters)?;
     Ok(())
 }
 
@@ -355,6 +422,54 @@ fn lone_image_info(image: &Path) -> anyhow::Result<LayerInfo> {
     layer_info(&Layer::Qcow2(layer), None)
 }
 
+/// What `info` shows of an image sqcow2 cannot read the data of (LUKS
+/// encryption, an external data file: `why`): its header, as qemu-img
+/// shows it.
+fn inspected_info(image: &Path, why: &sqcow2_format::Feature) -> anyhow::Result<LayerInfo> {
+    let storage = FileStorage::open_read_only(image)
+        .with_context(|| format!("{}: cannot open", image.display()))?;
+    let e = |k| sqcow2_format::Error::new(image, k);
+    let h = sqcow2_format::Header::read_for_inspection(&storage).map_err(e)?;
+    let meta = storage.file().metadata()?;
+    let mut q = qcow2_info(&h, describe_bitmaps(&h, &storage).map_err(e)?);
+    q.encrypt = match h.luks_header() {
+        Some((offset, len)) => {
+            Some(sqcow2_format::luks::read_luks(&storage, offset, len).map_err(e)?)
+        }
+        None => None,
+    };
+    let backing = h.backing_file.as_ref().map(|p| p.display().to_string());
+    Ok(LayerInfo {
+        filename: image.display().to_string(),
+        format: "qcow2",
+        virtual_size: h.virtual_size(),
+        actual_size: meta.blocks() * 512,
+        encrypted: (h.crypt_method != 0).then_some(true),
+        cluster_size: Some(h.geometry.cluster_size()),
+        full_backing_filename: h
+            .backing_file
+            .as_ref()
+            .and_then(|b| sqcow2_format::resolve_backing_path(image, b).ok())
+            .map(|p| p.display().to_string()),
+        backing_filename: backing,
+        backing_filename_format: h.backing_format().map(str::to_owned),
+        dirty_flag: Some(h.is_dirty()),
+        chain_length: None,
+        snapshots: if h.nb_snapshots > 0 {
+            describe_snapshots(&h, &storage).map_err(e)?
+        } else {
+            Vec::new()
+        },
+        format_specific: Some(FormatSpecific {
+            format: "qcow2",
+            data: q,
+        }),
+        chain_index: None,
+        journal_pending: None,
+        unsupported: Some(why.to_string()),
+    })
+}
+
 /// Runs `sqcow2 info`.
 pub fn run(
     image: &Path,
@@ -367,6 +482,15 @@ pub fn run(
         // `qemu-img info` does not open the backing chain: it shows an
         // image whose backing file is missing or unusable (with
         // `--backing-chain` it fails too).
+        // Shown, not read: what sqcow2 cannot read the data of.
+        Err(sqcow2_format::Error {
+            kind:
+                sqcow2_format::ErrorKind::Unsupported(
+                    why @ (sqcow2_format::Feature::LuksEncryption
+                    | sqcow2_format::Feature::ExternalDataFile),
+                ),
+            path,
+        }) if path == image => vec![inspected_info(image, &why)?],
         Err(e) if !backing_chain && e.concerns_the_backing_chain_of(image) => {
             tracing::warn!("{e}: the image alone is shown");
             vec![lone_image_info(image)?]

@@ -21,20 +21,31 @@ pub fn print_json(
 
 /// A size the way qemu-img prints it: `1 GiB`, `196 KiB`, `512 B`.
 pub fn human_size(bytes: u64) -> String {
+    // QEMU's size_to_str: the next unit from 1000 of one on, three
+    // significant digits (`%0.3g`).
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut value = bytes as f64;
     let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
+    while value >= 1000.0 && unit < UNITS.len() - 1 {
         value /= 1024.0;
         unit += 1;
     }
-    if unit == 0 {
-        format!("{bytes} B")
+    let decimals = if value >= 99.95 {
+        0
+    } else if value >= 9.995 {
+        1
+    } else if value >= 0.9995 {
+        2
     } else {
-        let s = format!("{value:.3}");
-        let s = s.trim_end_matches('0').trim_end_matches('.');
-        format!("{s} {}", UNITS[unit])
-    }
+        3
+    };
+    let s = format!("{value:.decimals$}");
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &s
+    };
+    format!("{s} {}", UNITS[unit])
 }
 
 /// Parses a size like qemu-img and qemu-io (see
@@ -53,6 +64,12 @@ mod tests {
         assert_eq!(human_size(1 << 30), "1 GiB");
         assert_eq!(human_size(196 * 1024), "196 KiB");
         assert_eq!(human_size(1536), "1.5 KiB");
+        // Three significant digits, the next unit from 1000 on (qemu-img
+        // printed these).
+        assert_eq!(human_size(2_297_856), "2.19 MiB");
+        assert_eq!(human_size(1000 * 1024), "0.977 MiB");
+        assert_eq!(human_size(999), "999 B");
+        assert_eq!(human_size(266_240), "260 KiB");
     }
 }
 

@@ -210,6 +210,19 @@ impl Header {
     /// corrupt (as QEMU opens one read-only: `info`, `map`, `convert`, a
     /// backing file, `check`).
     pub fn parse_for_reading(cluster: &[u8], file_size: u64) -> Result<Header, ErrorKind> {
+        Self::parse_with(cluster, file_size, Purpose::Use)
+    }
+
+    /// [`Header::parse_for_reading`] for `info`, which shows images
+    /// sqcow2 cannot read the data of: LUKS-encrypted ones and those with
+    /// an external data file are accepted ([`Header::crypt_method`],
+    /// [`Header::data_file`], [`Header::luks_header`] tell).
+    pub fn parse_for_inspection(cluster: &[u8], file_size: u64) -> Result<Header, ErrorKind> {
+        Self::parse_with(cluster, file_size, Purpose::Inspect)
+    }
+
+    fn parse_with(cluster: &[u8], file_size: u64, purpose: Purpose) -> Result<Header, ErrorKind> {
+        let inspect = purpose == Purpose::Inspect;
         let truncated = |needed: usize| ErrorKind::Truncated {
             what: "qcow2 header",
             offset: 0,
@@ -317,10 +330,11 @@ impl Header {
                 name,
             }));
         }
-        if features.incompatible & INCOMPAT_DATA_FILE != 0 {
+        let data_file = features.incompatible & INCOMPAT_DATA_FILE != 0;
+        if data_file && !inspect {
             return Err(ErrorKind::Unsupported(Feature::ExternalDataFile));
         }
-        if features.autoclear & crate::features::AUTOCLEAR_DATA_FILE_RAW != 0 {
+        if features.autoclear & crate::features::AUTOCLEAR_DATA_FILE_RAW != 0 && !data_file {
             // (QEMU's words: it refuses the image too.)
             return Err(invalid(
                 "autoclear_features",
@@ -347,6 +361,7 @@ impl Header {
         match crypt_method {
             0 => {}
             1 => return Err(ErrorKind::Unsupported(Feature::AesEncryption)),
+            2 if inspect => {}
             2 => return Err(ErrorKind::Unsupported(Feature::LuksEncryption)),
             m => return Err(ErrorKind::Unsupported(Feature::UnknownEncryption(m))),
         }
@@ -405,7 +420,7 @@ impl Header {
                 HeaderExtension::Bitmaps(b) if features.autoclear & AUTOCLEAR_BITMAPS != 0 => {
                     b.validate(cluster_size)?;
                 }
-                HeaderExtension::Crypto { .. } => {
+                HeaderExtension::Crypto { .. } if crypt_method != 2 => {
                     return Err(ErrorKind::InvalidExtension {
                         ext_type: ext.ext_type(),
                         offset: 0,
@@ -509,7 +524,54 @@ impl Header {
     }
 }
 
+/// What a header is parsed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// Reading or writing the image.
+    Use,
+    /// Showing what it is (`info`).
+    Inspect,
+}
+
 impl Header {
+    /// The external data file's name and whether it is raw (it holds the
+    /// guest's bytes at their own offsets), where the image has one.
+    pub fn data_file(&self) -> Option<(String, bool)> {
+        if self.features.incompatible & INCOMPAT_DATA_FILE == 0 {
+            return None;
+        }
+        let name = self.extensions.iter().find_map(|e| match e {
+            HeaderExtension::ExternalDataFile(n) => Some(String::from_utf8_lossy(n).into_owned()),
+            _ => None,
+        })?;
+        let raw = self.features.autoclear & crate::features::AUTOCLEAR_DATA_FILE_RAW != 0;
+        Some((name, raw))
+    }
+
+    /// Where the LUKS header of an encrypted image lies (offset, length).
+    pub fn luks_header(&self) -> Option<(u64, u64)> {
+        (self.crypt_method == 2)
+            .then(|| {
+                self.extensions.iter().find_map(|e| match e {
+                    HeaderExtension::Crypto { offset, length } => Some((*offset, *length)),
+                    _ => None,
+                })
+            })
+            .flatten()
+    }
+
+    /// Reads the header of the image in `storage` for `info`
+    /// ([`Header::parse_for_inspection`]).
+    pub fn read_for_inspection(storage: &dyn Storage) -> Result<Header, ErrorKind> {
+        let file_size = storage.len()?;
+        let mut first = vec![0u8; 112];
+        storage.read_at(&mut first, 0)?;
+        let len = Header::cluster_size_hint(&first).map_or(112, |cs| cs.min(file_size).max(112));
+        let mut cluster = vec![0u8; len as usize];
+        storage.read_at(&mut cluster, 0)?;
+        Header::parse_for_inspection(&cluster, file_size)
+    }
+
     /// Reads the header of the image in `storage` (its first cluster),
     /// validated; an image marked corrupt is refused, as QEMU refuses to
     /// open it.

@@ -45,6 +45,7 @@ pub mod index;
 pub mod indexing;
 mod layer;
 mod lock;
+pub mod luks;
 pub mod measure;
 mod nowait;
 pub mod prealloc;

@@ -526,7 +526,10 @@ impl Storage for FileStorage {
         if meta.file_type().is_block_device() {
             // (A device's size is where its end is; positioned I/O does
             // not use the offset this moves.)
-            return Ok(rustix::fs::seek(&self.file.file, rustix::fs::SeekFrom::End(0))?);
+            return Ok(rustix::fs::seek(
+                &self.file.file,
+                rustix::fs::SeekFrom::End(0),
+            )?);
         }
         Ok(meta.len())
     }
