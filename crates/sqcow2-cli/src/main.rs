@@ -1,6 +1,7 @@
 //! `sqcow2`: read-outs, conversion and maintenance of qcow2 / sQcow2 chains,
 //! in the spirit of `qemu-img`.
 
+mod amend;
 mod check;
 mod compare;
 mod convert;
@@ -279,6 +280,9 @@ enum Command {
     /// How large a file an image (or a disk of a size) needs in a
     /// format, like `qemu-img measure`.
     Measure(measure::MeasureArgs),
+    /// Change a closed image's format options, like `qemu-img amend`
+    /// (compat, lazy_refcounts, refcount_bits, size).
+    Amend(amend::AmendArgs),
     /// Change an image's backing file (as `qemu-img rebase`).
     Rebase(reshape::RebaseArgs),
     /// Merge layers FIRST..LAST of a chain (below its top) into one new
@@ -440,6 +444,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Resize(args) => resize::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Compare(args) => Ok(compare::run(&args, &options)),
         Command::Measure(args) => measure::run(&args, &options).map(|()| ExitCode::SUCCESS),
+        Command::Amend(args) => amend::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Rebase(args) => reshape::run_rebase(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Merge(args) => reshape::run_merge(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args, &options).map(|()| ExitCode::SUCCESS),

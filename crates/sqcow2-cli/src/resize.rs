@@ -1,6 +1,6 @@
 //! `sqcow2 resize`: a disk's virtual size changed, like `qemu-img resize`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use sqcow2_format::{Chain, ChainOptions};
@@ -71,17 +71,39 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
         }
         return run_live(args);
     }
+    resize_image(&args.image, &args.size, args.shrink, preallocate, options)?;
+    if !args.quiet {
+        println!("Image resized.");
+    }
+    Ok(())
+}
+
+/// Resizes the closed image at `image` to `spec` (as `amend -o size=`
+/// does: shrinking allowed).
+pub(crate) fn resize_to(image: &Path, spec: &str, options: &ChainOptions) -> anyhow::Result<()> {
+    resize_image(image, spec, true, false, options)
+}
+
+/// Resizes the closed image at `image` to `spec` (SIZE, +SIZE, -SIZE):
+/// a shrink only if `shrink`, no preallocation but off.
+fn resize_image(
+    image: &Path,
+    spec: &str,
+    shrink: bool,
+    preallocate: bool,
+    options: &ChainOptions,
+) -> anyhow::Result<()> {
     let chain = Chain::open(
-        &args.image,
+        image,
         &ChainOptions {
             writable: true,
             ..options.clone()
         },
     )?;
     let now = chain.virtual_size();
-    let size = new_size(&args.size, now)?;
+    let size = new_size(spec, now)?;
     if size < now {
-        if !args.shrink {
+        if !shrink {
             eprintln!(
                 "sqcow2: warning: Shrinking an image will delete all data beyond the shrunken \
                  image's end. Before performing such an operation, make sure there is no \
@@ -94,21 +116,18 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
         }
         // Closed first: a writer's journal applied, its tables written.
         chain.close()?;
-        sqcow2_format::resize::shrink(&args.image, size, options.locking)?;
-        return finish(args, options);
+        sqcow2_format::resize::shrink(image, size, options.locking)?;
+        return rebuild_index(image, options);
     }
     if preallocate {
-        bail!(
-            "--preallocation={} is not supported when growing (off only)",
-            args.preallocation
-        );
+        bail!("--preallocation modes other than off are not supported when growing");
     }
     chain.handover().grow_top(size)?;
     chain.close()?;
     // Reopened at the new size: what the backing file would show through
     // the new range is zeroed, as qemu-img does.
     let chain = Chain::open(
-        &args.image,
+        image,
         &ChainOptions {
             writable: true,
             stale_index_expected: true,
@@ -117,18 +136,15 @@ pub(crate) fn run(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<(
     )?;
     chain.handover().zero_grown(now)?;
     chain.close()?;
-    finish(args, options)
+    rebuild_index(image, options)
 }
 
 /// After either resize: the index the top names covers the old size,
 /// so it is rebuilt for the new one (the nearest valid index below, or
 /// a walk, as after a commit).
-fn finish(args: &ResizeArgs, options: &ChainOptions) -> anyhow::Result<()> {
-    sqcow2_format::reshape::rebuild_named_index(&args.image, options.locking)
+fn rebuild_index(image: &Path, options: &ChainOptions) -> anyhow::Result<()> {
+    sqcow2_format::reshape::rebuild_named_index(image, options.locking)
         .context("rebuilding the chain index after the resize")?;
-    if !args.quiet {
-        println!("Image resized.");
-    }
     Ok(())
 }
 

@@ -721,11 +721,27 @@ fn fix_copied_flags(storage: &dyn Storage, checked: &Checked) -> Result<(), Erro
 /// structures become free space. A crash before the header update leaves
 /// the old ones in force.
 pub(crate) fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Result<(), ErrorKind> {
+    let (table_offset, table) = write_refcounts(header, storage, header.refcount_order)?;
+    let mut field = [0u8; 12];
+    field[..8].copy_from_slice(&table_offset.to_be_bytes());
+    field[8..].copy_from_slice(&table.to_be_bytes());
+    storage.write_at(&field, 48)?;
+    storage.sync()?;
+    Ok(())
+}
+
+/// Writes a fresh refcount table and blocks of `order` at the end of the
+/// file, computed from the metadata alone, and syncs; where the table is
+/// and its clusters, for the caller to point the header at.
+pub(crate) fn write_refcounts(
+    header: &Header,
+    storage: &dyn Storage,
+    order: u32,
+) -> Result<(u64, u32), ErrorKind> {
     let g = header.geometry;
     let cs = g.cluster_size();
     let census = census(header, storage, Path::new(""))?;
     let mut counts = census.counts;
-    let order = header.refcount_order;
     let block_entries = (cs * 8) >> order;
     let highest = counts.keys().max().map_or(0, |m| m + 1);
     let start = (storage.len()?.div_ceil(cs)).max(highest);
@@ -771,10 +787,5 @@ pub(crate) fn rebuild_refcounts(header: &Header, storage: &dyn Storage) -> Resul
     let table_offset = (start + blocks) * cs;
     storage.write_at(&table_bytes, table_offset)?;
     storage.sync()?;
-    let mut field = [0u8; 12];
-    field[..8].copy_from_slice(&table_offset.to_be_bytes());
-    field[8..].copy_from_slice(&(table as u32).to_be_bytes());
-    storage.write_at(&field, 48)?;
-    storage.sync()?;
-    Ok(())
+    Ok((table_offset, table as u32))
 }

@@ -74,6 +74,23 @@ const FEATURE_NAMES: [(u8, u8, &str); 8] = [
     (2, 1, "raw external data"),
 ];
 
+/// The feature name table `create` writes.
+pub(crate) fn feature_names() -> Vec<crate::features::FeatureNameEntry> {
+    use crate::features::{FeatureKind, FeatureNameEntry};
+    FEATURE_NAMES
+        .iter()
+        .map(|&(kind, bit, name)| FeatureNameEntry {
+            kind: Some(match kind {
+                0 => FeatureKind::Incompatible,
+                1 => FeatureKind::Compatible,
+                _ => FeatureKind::Autoclear,
+            }),
+            bit,
+            name: name.to_string(),
+        })
+        .collect()
+}
+
 fn push_extension(out: &mut Vec<u8>, ext_type: u32, data: &[u8]) {
     out.extend_from_slice(&ext_type.to_be_bytes());
     out.extend_from_slice(&(data.len() as u32).to_be_bytes());

@@ -41,6 +41,13 @@ pub(crate) struct AreaEdit<'a> {
     pub index: Edit<&'a Path>,
     /// The backing file name and format.
     pub backing: Edit<BackingName<'a>>,
+    /// The header proper (its fixed fields, `header_length` bytes of
+    /// them): `Keep`, or new bytes (a version change; `Remove` is not
+    /// meaningful). With a v2 header, only extensions v2 knows are kept.
+    pub fixed: Edit<&'a [u8]>,
+    /// Write the feature name table (v3 headers), whether the image had
+    /// one or not.
+    pub feature_table: Option<&'a [crate::features::FeatureNameEntry]>,
 }
 
 fn push(out: &mut Vec<u8>, t: u32, data: &[u8]) {
@@ -98,8 +105,15 @@ pub(crate) fn compose(
     edit: &AreaEdit<'_>,
 ) -> std::io::Result<Vec<u8>> {
     let cs = header.geometry.cluster_size() as usize;
-    let mut out = vec![0u8; header.header_length as usize];
-    storage.read_at(&mut out, 0)?;
+    let mut out = match edit.fixed {
+        Edit::Set(bytes) => bytes.to_vec(),
+        Edit::Keep | Edit::Remove => {
+            let mut out = vec![0u8; header.header_length as usize];
+            storage.read_at(&mut out, 0)?;
+            out
+        }
+    };
+    let v2 = out.get(4..8) == Some(&2u32.to_be_bytes()[..]);
     let old_index = header.extensions.iter().find_map(|ext| match ext {
         HeaderExtension::Unknown { ext_type, data } if *ext_type == EXT_SQCOW2 => {
             Some(data.clone())
@@ -128,6 +142,7 @@ pub(crate) fn compose(
         match ext {
             HeaderExtension::Unknown { ext_type, .. } if *ext_type == EXT_SQCOW2 => {}
             HeaderExtension::BackingFormat(_) => {}
+            HeaderExtension::FeatureNameTable(_) if v2 || edit.feature_table.is_some() => {}
             HeaderExtension::FeatureNameTable(t) => {
                 push(&mut out, EXT_FEATURE_TABLE, &feature_table_bytes(t))
             }
@@ -142,6 +157,9 @@ pub(crate) fn compose(
                 )))
             }
         }
+    }
+    if let (Some(t), false) = (edit.feature_table, v2) {
+        push(&mut out, EXT_FEATURE_TABLE, &feature_table_bytes(t));
     }
     let index = match edit.index {
         Edit::Keep => old_index,

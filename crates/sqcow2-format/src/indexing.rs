@@ -682,6 +682,8 @@ pub fn index_in_place(
     let edit = crate::header_area::AreaEdit {
         index: crate::header_area::Edit::Set(&name),
         backing: crate::header_area::Edit::Keep,
+        fixed: crate::header_area::Edit::Keep,
+        feature_table: None,
     };
     // The top's header must be able to name the index: checked before
     // anything is written.

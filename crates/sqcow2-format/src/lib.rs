@@ -21,6 +21,7 @@
 #![warn(unreachable_pub)]
 
 mod active;
+pub mod amend;
 mod backing;
 mod bitmaps;
 mod bytes;

@@ -300,6 +300,8 @@ pub(crate) fn write_index_extension(
         &crate::header_area::AreaEdit {
             index: crate::header_area::Edit::Set(index),
             backing: crate::header_area::Edit::Keep,
+            fixed: crate::header_area::Edit::Keep,
+            feature_table: None,
         },
     )
 }

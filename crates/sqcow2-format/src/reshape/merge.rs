@@ -556,6 +556,8 @@ impl MergedFile {
         let edit = AreaEdit {
             index: Edit::Keep,
             backing: Edit::Set(crate::header_area::BackingName { name, format }),
+            fixed: crate::header_area::Edit::Keep,
+            feature_table: None,
         };
         if LayerIndex(at) == chain.top_index() && chain.is_writable() {
             chain.active()?.rewrite_header_area(&edit)

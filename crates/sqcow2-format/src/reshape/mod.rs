@@ -181,6 +181,8 @@ impl HeaderWriter {
                 }),
                 None => Edit::Remove,
             },
+            fixed: crate::header_area::Edit::Keep,
+            feature_table: None,
         };
         crate::header_area::rewrite(&self.storage, &header, &edit).map_err(io_err(path))
     }
