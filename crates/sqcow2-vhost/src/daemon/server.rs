@@ -403,14 +403,15 @@ impl Server {
         let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
         let threads =
             Arc::new(WorkerThreads::start(&backend, o.polling).map_err(io_err("worker threads"))?);
+        let channel = BackendChannel::default();
         let handler = FrontendHandler::new(SessionDevice {
             backend: backend.clone(),
             threads: threads.clone(),
-        });
+        })
+        .telling_negotiated(channel.negotiated());
         let reader = stream.try_clone().map_err(io_err("frontend socket"))?;
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
-        let channel = BackendChannel::default();
         *self.session_slot() = Some(Session {
             backend: backend.clone(),
             channel: channel.clone(),

@@ -12,9 +12,11 @@
 use std::io::{self, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketType};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
 
 /// `VHOST_USER_SET_BACKEND_REQ_FD`.
 const SET_BACKEND_REQ_FD: u32 = 21;
@@ -31,9 +33,25 @@ const NEED_REPLY: u32 = 0x8;
 /// one; shared by the connection's reader and whoever tells the frontend
 /// of a change.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct BackendChannel(Arc<Mutex<Option<UnixStream>>>);
+pub(crate) struct BackendChannel {
+    stream: Arc<Mutex<Option<UnixStream>>>,
+    /// The protocol features the session negotiated (the connection's
+    /// handler records them, see [`BackendChannel::negotiated`]).
+    protocol: Arc<AtomicU64>,
+}
 
 impl BackendChannel {
+    /// Where the connection's handler records the protocol features the
+    /// frontend acked: the channel is taken only with `BACKEND_REQ`, and
+    /// acked only with `REPLY_ACK`.
+    pub(crate) fn negotiated(&self) -> Arc<AtomicU64> {
+        self.protocol.clone()
+    }
+
+    fn has(&self, f: VhostUserProtocolFeatures) -> bool {
+        self.protocol.load(Ordering::Relaxed) & f.bits() != 0
+    }
+
     /// Tells the frontend that the config space changed (the message has
     /// no payload); whether it went out on a channel the frontend gave.
     /// Never waits: a frontend that does not read its channel is not told
@@ -41,7 +59,7 @@ impl BackendChannel {
     pub(crate) fn config_changed(&self) -> io::Result<bool> {
         // A descriptor of its own, so that no lock is held while sending.
         let stream = match self
-            .0
+            .stream
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
@@ -62,7 +80,7 @@ impl BackendChannel {
     }
 
     fn set(&self, stream: UnixStream) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(stream);
+        *self.stream.lock().unwrap_or_else(PoisonError::into_inner) = Some(stream);
     }
 }
 
@@ -95,8 +113,12 @@ fn peek_header(conn: &UnixStream) -> io::Result<Option<[u8; HEADER]>> {
 /// one else meanwhile) is `SET_BACKEND_REQ_FD`, receives it and its
 /// socket into `channel`, answering it when the frontend asks (REPLY_ACK);
 /// whether it did. Anything else is left unread for the vhost crate,
-/// which also reports a connection that ended or a malformed message.
+/// which also reports a connection that ended or a malformed message,
+/// and refuses the request itself before `BACKEND_REQ` was negotiated.
 pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::Result<bool> {
+    if !channel.has(VhostUserProtocolFeatures::BACKEND_REQ) {
+        return Ok(false);
+    }
     let Some(header) = peek_header(conn)? else {
         return Ok(false);
     };
@@ -145,7 +167,7 @@ pub(crate) fn take_channel(conn: &UnixStream, channel: &BackendChannel) -> io::R
             1
         }
     };
-    if u32_at(body, 4) & NEED_REPLY != 0 {
+    if u32_at(body, 4) & NEED_REPLY != 0 && channel.has(VhostUserProtocolFeatures::REPLY_ACK) {
         let mut writer = conn;
         writer.write_all(&message(
             SET_BACKEND_REQ_FD,
@@ -191,10 +213,52 @@ mod tests {
         ours
     }
 
+    /// A channel whose session negotiated `BACKEND_REQ` and `REPLY_ACK`.
+    fn negotiated() -> BackendChannel {
+        let channel = BackendChannel::default();
+        channel.negotiated().store(
+            (VhostUserProtocolFeatures::BACKEND_REQ | VhostUserProtocolFeatures::REPLY_ACK).bits(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        channel
+    }
+
+    /// As the protocol says: the channel is the backend's only once
+    /// `BACKEND_REQ` was negotiated (before, the request is left for the
+    /// crate to refuse), and an ack goes back only once `REPLY_ACK` was.
+    #[test]
+    fn the_channel_and_its_ack_follow_the_negotiated_features() {
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        let channel = BackendChannel::default();
+        let _ours = send_channel(&frontend, VERSION | NEED_REPLY, &[]);
+        assert!(
+            !take_channel(&backend, &channel).unwrap(),
+            "taken without BACKEND_REQ negotiated"
+        );
+        let mut still = [0u8; HEADER];
+        (&backend).read_exact(&mut still).unwrap();
+        assert_eq!(u32_at(&still, 0), SET_BACKEND_REQ_FD);
+        // BACKEND_REQ without REPLY_ACK: taken, no reply.
+        let (frontend, backend) = UnixStream::pair().unwrap();
+        channel.negotiated().store(
+            VhostUserProtocolFeatures::BACKEND_REQ.bits(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let _ours = send_channel(&frontend, VERSION | NEED_REPLY, &[]);
+        assert!(take_channel(&backend, &channel).unwrap());
+        frontend.set_nonblocking(true).unwrap();
+        let mut reply = [0u8; 1];
+        let got = (&frontend).read(&mut reply);
+        assert!(
+            matches!(&got, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "a reply without REPLY_ACK: {got:?}"
+        );
+    }
+
     #[test]
     fn the_channel_is_taken_acked_and_carries_the_config_change() {
         let (frontend, backend) = UnixStream::pair().unwrap();
-        let channel = BackendChannel::default();
+        let channel = negotiated();
         assert!(!channel.config_changed().unwrap(), "no channel yet");
         // As QEMU sends it: no payload, a reply asked for.
         let mut ours = send_channel(&frontend, VERSION | NEED_REPLY, &[]);
@@ -216,7 +280,7 @@ mod tests {
     #[test]
     fn other_messages_are_left_for_the_crate() {
         let (frontend, backend) = UnixStream::pair().unwrap();
-        let channel = BackendChannel::default();
+        let channel = negotiated();
         // GET_FEATURES (1), no payload.
         (&frontend).write_all(&message(1, VERSION, &[])).unwrap();
         assert!(!take_channel(&backend, &channel).unwrap());
@@ -236,7 +300,7 @@ mod tests {
     #[test]
     fn a_channel_nobody_reads_does_not_block() {
         let (frontend, backend) = UnixStream::pair().unwrap();
-        let channel = BackendChannel::default();
+        let channel = negotiated();
         let _ours = send_channel(&frontend, VERSION, &[]);
         assert!(take_channel(&backend, &channel).unwrap());
         let mut told = 0;
@@ -253,7 +317,7 @@ mod tests {
     #[test]
     fn a_request_in_pieces_is_taken_whole() {
         let (frontend, backend) = UnixStream::pair().unwrap();
-        let channel = BackendChannel::default();
+        let channel = negotiated();
         let msg = message(SET_BACKEND_REQ_FD, VERSION, &7u64.to_le_bytes());
         let (_ours, theirs) = UnixStream::pair().unwrap();
         let writer = {

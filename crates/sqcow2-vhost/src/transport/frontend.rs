@@ -86,6 +86,9 @@ pub(crate) struct FrontendHandler<D> {
     owned: bool,
     acked_features: u64,
     acked_protocol: u64,
+    /// Where the acked protocol features are told to the connection's
+    /// reader (which takes the backend channel itself).
+    negotiated: Option<Arc<std::sync::atomic::AtomicU64>>,
     mappings: Vec<Mapping>,
     inflight: Option<Arc<InflightRegion>>,
 }
@@ -114,8 +117,26 @@ impl<D: QueueDevice> FrontendHandler<D> {
             owned: false,
             acked_features: 0,
             acked_protocol: 0,
+            negotiated: None,
             mappings: Vec::new(),
             inflight: None,
+        }
+    }
+
+    /// The same handler, recording the protocol features it acks in
+    /// `negotiated` too.
+    pub(crate) fn telling_negotiated(
+        mut self,
+        negotiated: Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
+        self.negotiated = Some(negotiated);
+        self
+    }
+
+    fn set_acked_protocol(&mut self, features: u64) {
+        self.acked_protocol = features;
+        if let Some(n) = &self.negotiated {
+            n.store(features, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -249,7 +270,7 @@ impl<D: QueueDevice> VhostUserBackendReqHandlerMut for FrontendHandler<D> {
     fn reset_owner(&mut self) -> VhostResult<()> {
         self.owned = false;
         self.acked_features = 0;
-        self.acked_protocol = 0;
+        self.set_acked_protocol(0);
         Ok(())
     }
 
@@ -439,7 +460,7 @@ impl<D: QueueDevice> VhostUserBackendReqHandlerMut for FrontendHandler<D> {
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VhostResult<()> {
-        self.acked_protocol = features;
+        self.set_acked_protocol(features);
         Ok(())
     }
 
