@@ -117,14 +117,15 @@ if [ -n "${PATTERN_OFFSET:-}" ]; then
 fi
 if [ -n "${GROW:-}" ]; then
   # A live resize to GROW bytes: reads keep the disk busy until the
-  # size changes (at most 60 s), then the last MiB of the new space is
-  # written with O_DIRECT, flushed, read back and compared.
+  # size changes (looked at every 20 ms, at most 60 s), then the last
+  # MiB of the new space is written with O_DIRECT, flushed, read back
+  # and compared.
   echo "SQCOW2-GUEST-WAITING-GROW"
   i=0
-  while [ "$(blockdev --getsize64 /dev/vda)" != "$GROW" ] && [ $i -lt 600 ]; do
-    dd if=/dev/vda of=/dev/null bs=65536 count=16 skip=$((i % 64 * 16)) iflag=direct 2>/dev/null ||
+  while [ "$(blockdev --getsize64 /dev/vda)" != "$GROW" ] && [ $i -lt 3000 ]; do
+    dd if=/dev/vda of=/dev/null bs=65536 count=4 skip=$((i % 256 * 4)) iflag=direct 2>/dev/null ||
       echo "SQCOW2-GUEST-FAIL read while waiting"
-    sleep 0.1
+    sleep 0.02
     i=$((i + 1))
   done
   echo "SQCOW2-GUEST-GREW $(blockdev --getsize64 /dev/vda) $(cat /sys/block/vda/size)"

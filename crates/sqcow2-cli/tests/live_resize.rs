@@ -41,6 +41,7 @@ fn a_qemu_guest_sees_the_disk_grow_under_io() {
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
+            let asked = Instant::now();
             let out = run_raw(Command::new(sqcow2_bin()).args([
                 "resize",
                 "--live",
@@ -49,6 +50,19 @@ fn a_qemu_guest_sees_the_disk_grow_under_io() {
                 s(&ctl),
                 &NEW.to_string(),
             ]));
+            // When the guest's new size shows on its console (it looks
+            // every 20 ms): printed for scripts/bench-live-resize.sh.
+            while !std::fs::read_to_string(&console_path)
+                .unwrap_or_default()
+                .contains("SQCOW2-GUEST-GREW")
+                && asked.elapsed() < Duration::from_secs(120)
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            eprintln!(
+                "live-resize-timing: seen_ms={:.1}",
+                asked.elapsed().as_secs_f64() * 1e3
+            );
             format!(
                 "{}{}",
                 String::from_utf8_lossy(&out.stdout),
@@ -85,6 +99,7 @@ fn a_qemu_guest_sees_the_disk_grow_under_io() {
         serde_json::from_str(&resized).unwrap_or_else(|e| panic!("resize reply: {e}\n{context}"));
     assert_eq!(reply["size"], NEW, "{context}");
     assert_eq!(reply["old-size"], OLD, "{context}");
+    eprintln!("live-resize-timing: pause_ms={}", reply["pause-ms"]);
     assert_eq!(
         reply["frontend-told"], true,
         "QEMU gives a backend channel\n{context}"

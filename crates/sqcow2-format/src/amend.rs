@@ -7,17 +7,16 @@
 //! clusters.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use crate::check::{check_storage, Repair};
+use crate::closed::ClosedImage;
 use crate::entry::{OFFSET_MASK, ZERO};
 use crate::error::{Error, ErrorKind};
 use crate::features::{COMPAT_LAZY_REFCOUNTS, INCOMPAT_DIRTY};
 use crate::header::{field, Header, Version};
 use crate::header_area::{AreaEdit, Edit};
-use crate::lock::{LockRequest, Locking};
-use crate::sidefile::ImagePlace;
-use crate::storage::{FileStorage, Storage};
+use crate::lock::Locking;
+use crate::storage::Storage;
 
 /// What to change (`None`: as it is).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -30,6 +29,64 @@ pub struct AmendOptions {
     pub refcount_bits: Option<u32>,
 }
 
+/// What an amend does to an image.
+struct Plan {
+    version: Version,
+    order: u32,
+    lazy: bool,
+    downgrade: bool,
+}
+
+/// What `opts` do to the image whose header is `header`, or why they are
+/// refused (qemu-img's words where it has them).
+fn plan_of(header: &Header, opts: &AmendOptions) -> Result<Plan, ErrorKind> {
+    let version = opts.version.unwrap_or(header.version);
+    let order = match opts.refcount_bits {
+        Some(bits) if !bits.is_power_of_two() || bits > 64 => {
+            return Err(refuse(
+                "Refcount width must be a power of two and may not exceed 64 bits",
+            ))
+        }
+        Some(bits) => bits.trailing_zeros(),
+        None => header.refcount_order,
+    };
+    let lazy = opts.lazy_refcounts.unwrap_or(header.lazy_refcounts());
+    if version == Version::V2 {
+        if lazy {
+            return Err(refuse(
+                "Lazy refcounts only supported with compatibility level 1.1 and above (use compat=1.1 or greater)",
+            ));
+        }
+        if order != 4 {
+            return Err(refuse(if header.version == Version::V2 {
+                "Refcount widths other than 16 bits require compatibility level 1.1 or above (use compat=1.1 or greater)"
+            } else {
+                "compat=0.10 requires refcount_bits=16"
+            }));
+        }
+    }
+    let downgrade = header.version == Version::V3 && version == Version::V2;
+    if downgrade {
+        let features = header.features.incompatible & !INCOMPAT_DIRTY;
+        if features != 0 {
+            return Err(refuse(format!(
+                "Cannot downgrade an image with incompatible features {features:#x} set"
+            )));
+        }
+        if header.has_bitmaps() || header.nb_snapshots > 0 {
+            return Err(refuse(
+                "sqcow2 does not downgrade images with persistent bitmaps or internal snapshots (qemu-img amend does)",
+            ));
+        }
+    }
+    Ok(Plan {
+        version,
+        order,
+        lazy,
+        downgrade,
+    })
+}
+
 /// Why an amend is refused, in qemu-img's words where it has them.
 fn refuse(reason: impl Into<String>) -> ErrorKind {
     ErrorKind::InvalidArgument(reason.into())
@@ -40,68 +97,20 @@ fn refuse(reason: impl Into<String>) -> ErrorKind {
 pub fn amend(path: &Path, opts: &AmendOptions, locking: Locking) -> Result<(), Error> {
     let e = |k: ErrorKind| Error::new(path, k);
     let io = |io: std::io::Error| Error::new(path, io.into());
-    let place = ImagePlace::of(path).map_err(io)?;
-    let storage = place
-        .open_image(true)
-        .and_then(FileStorage::from_writable_file)
-        .map_err(io)?;
-    storage.lock(LockRequest::WRITER, locking).map_err(e)?;
-    let header = Header::read(&storage).map_err(e)?;
-    let journaled =
-        crate::active::pending_journal(&place, storage.file_id(), &header).is_some_and(|n| n > 0);
-    if header.is_dirty() || journaled {
-        return Err(e(refuse(
-            "the image was not closed cleanly: open it read-write once (or sqcow2 check -r all) first",
-        )));
-    }
-    let version = opts.version.unwrap_or(header.version);
-    let order = match opts.refcount_bits {
-        Some(bits) if !bits.is_power_of_two() || bits > 64 => {
-            return Err(e(refuse(
-                "Refcount width must be a power of two and may not exceed 64 bits",
-            )))
-        }
-        Some(bits) => bits.trailing_zeros(),
-        None => header.refcount_order,
+    let mut plan = None;
+    let ClosedImage { storage, header } = ClosedImage::open(path, locking, |h| {
+        plan = Some(plan_of(h, opts)?);
+        Ok(())
+    })?;
+    let Some(Plan {
+        version,
+        order,
+        lazy,
+        downgrade,
+    }) = plan
+    else {
+        return Err(e(refuse("the image was not looked at")));
     };
-    let lazy = opts.lazy_refcounts.unwrap_or(header.lazy_refcounts());
-    if version == Version::V2 {
-        if lazy {
-            return Err(e(refuse(
-                "Lazy refcounts only supported with compatibility level 1.1 and above (use compat=1.1 or greater)",
-            )));
-        }
-        if order != 4 {
-            return Err(e(refuse(if header.version == Version::V2 {
-                "Refcount widths other than 16 bits require compatibility level 1.1 or above (use compat=1.1 or greater)"
-            } else {
-                "compat=0.10 requires refcount_bits=16"
-            })));
-        }
-    }
-    let downgrade = header.version == Version::V3 && version == Version::V2;
-    if downgrade {
-        let features = header.features.incompatible & !INCOMPAT_DIRTY;
-        if features != 0 {
-            return Err(e(refuse(format!(
-                "Cannot downgrade an image with incompatible features {features:#x} set"
-            ))));
-        }
-        if header.has_bitmaps() || header.nb_snapshots > 0 {
-            return Err(e(refuse(
-                "sqcow2 does not downgrade images with persistent bitmaps or internal snapshots (qemu-img amend does)",
-            )));
-        }
-    }
-    let storage: Arc<dyn Storage> = Arc::new(storage);
-    // Only a consistent image: its refcounts may be rebuilt.
-    let before = check_storage(path, storage.clone(), Repair::None)?;
-    if before.corruptions > 0 || before.check_errors > 0 {
-        return Err(e(refuse(format!(
-            "the image has {} corruptions: repair it first (sqcow2 check -r all)",
-            before.corruptions + before.check_errors
-        ))));
-    }
     if downgrade {
         unallocate_zero_clusters(&*storage, &header).map_err(e)?;
     }

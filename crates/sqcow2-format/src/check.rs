@@ -745,16 +745,7 @@ pub(crate) fn write_refcounts(
     let block_entries = (cs * 8) >> order;
     let highest = counts.keys().max().map_or(0, |m| m + 1);
     let start = (storage.len()?.div_ceil(cs)).max(highest);
-    let (mut blocks, mut table) = (1u64, 1u64);
-    loop {
-        let total = start + blocks + table;
-        let nb = total.div_ceil(block_entries);
-        let nt = (nb * 8).div_ceil(cs);
-        if (nb, nt) == (blocks, table) {
-            break;
-        }
-        (blocks, table) = (nb, nt);
-    }
+    let (blocks, table) = crate::refcount::structures_after(start, cs, order);
     if table * cs > crate::header::MAX_REFTABLE_BYTES {
         return Err(ErrorKind::TableTooLarge {
             table: crate::error::Table::Refcount,

@@ -27,6 +27,7 @@ mod bitmaps;
 mod bytes;
 mod chain;
 pub mod check;
+mod closed;
 mod compressed;
 pub mod create;
 pub mod direct;

@@ -74,6 +74,23 @@ pub(crate) fn reserve_clusters(
     Ok(storage.reserve(offset, count << cluster_bits)?)
 }
 
+/// How many refcount blocks and table clusters count clusters `0 ..
+/// start` and themselves, placed from cluster `start` on (blocks, then
+/// the table), with refcounts of `1 << order` bits.
+pub(crate) fn structures_after(start: u64, cluster_size: u64, order: u32) -> (u64, u64) {
+    let block_entries = (cluster_size * 8) >> order;
+    let (mut blocks, mut table) = (1u64, 1u64);
+    loop {
+        let total = start + blocks + table;
+        let nb = total.div_ceil(block_entries);
+        let nt = (nb * 8).div_ceil(cluster_size);
+        if (nb, nt) == (blocks, table) {
+            return (blocks, table);
+        }
+        (blocks, table) = (nb, nt);
+    }
+}
+
 /// Largest refcount an entry of `1 << order` bits holds.
 pub(crate) fn max_refcount(order: u32) -> u64 {
     if order == 6 {

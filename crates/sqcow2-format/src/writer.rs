@@ -244,16 +244,7 @@ impl ImageWriter {
         let order = self.opts.refcount_bits.trailing_zeros();
         let block_entries = (cs * 8) >> order;
         let start = self.cursor / cs;
-        let (mut blocks, mut table) = (1u64, 1u64);
-        loop {
-            let total = start + blocks + table;
-            let nb = total.div_ceil(block_entries);
-            let nt = (nb * 8).div_ceil(cs);
-            if (nb, nt) == (blocks, table) {
-                break;
-            }
-            (blocks, table) = (nb, nt);
-        }
+        let (blocks, table) = crate::refcount::structures_after(start, cs, order);
         if table * cs > crate::header::MAX_REFTABLE_BYTES {
             return Err(ErrorKind::SizeTooLarge(self.opts.size));
         }

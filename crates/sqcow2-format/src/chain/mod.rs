@@ -95,7 +95,7 @@ pub struct ChainOptions {
     /// stale is logged at INFO, not as a warning for the operator.
     pub stale_index_expected: bool,
     /// Host page cache use of the image files (QEMU's `cache` option):
-    /// [`CacheMode::None`] opens each one `O_DIRECT` too.
+    /// [`crate::CacheMode::None`] opens each one `O_DIRECT` too.
     pub cache: crate::direct::CacheMode,
 }
 

@@ -11,16 +11,15 @@
 //! repairs, never a cluster in use with refcount 0).
 
 use std::path::Path;
-use std::sync::Arc;
 
 use crate::check::{check_storage, CheckReport, Repair};
+use crate::closed::ClosedImage;
 use crate::entry::{COPIED, OFFSET_MASK};
 use crate::error::{Error, ErrorKind, Feature};
 use crate::header::{field, Header, Version};
-use crate::lock::{LockRequest, Locking};
+use crate::lock::Locking;
 use crate::refcount::Refcounts;
-use crate::sidefile::ImagePlace;
-use crate::storage::{FileStorage, Storage};
+use crate::storage::Storage;
 
 /// What a shrink did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,23 +35,7 @@ pub struct Shrunk {
 pub fn shrink(path: &Path, size: u64, locking: Locking) -> Result<Shrunk, Error> {
     let e = |k: ErrorKind| Error::new(path, k);
     let io = |io: std::io::Error| Error::new(path, io.into());
-    let place = ImagePlace::of(path).map_err(io)?;
-    let storage = place
-        .open_image(true)
-        .and_then(FileStorage::from_writable_file)
-        .map_err(io)?;
-    storage.lock(LockRequest::WRITER, locking).map_err(e)?;
-    let header = Header::read(&storage).map_err(e)?;
-    refuse(&place, &storage, &header, size).map_err(e)?;
-    let storage: Arc<dyn Storage> = Arc::new(storage);
-    // Refcounts are lowered as a leak repair: only on a consistent image.
-    let before = check_storage(path, storage.clone(), Repair::None)?;
-    if before.corruptions > 0 || before.check_errors > 0 {
-        return Err(e(ErrorKind::InvalidArgument(format!(
-            "the image has {} corruptions: repair it first (sqcow2 check -r all)",
-            before.corruptions + before.check_errors
-        ))));
-    }
+    let ClosedImage { storage, header } = ClosedImage::open(path, locking, |h| refuse(h, size))?;
     let file_len = storage.len().map_err(io)?;
     storage
         .write_at(&size.to_be_bytes(), field::SIZE as u64)
@@ -79,15 +62,9 @@ pub fn shrink(path: &Path, size: u64, locking: Locking) -> Result<Shrunk, Error>
     })
 }
 
-/// Why the image in `storage` cannot be shrunk to `size` (qemu-img's
-/// words where it has them).
-fn refuse(
-    place: &ImagePlace,
-    storage: &FileStorage,
-    header: &Header,
-    size: u64,
-) -> Result<(), ErrorKind> {
-    header.refuse_if_marked_corrupt()?;
+/// Why the image whose header is `header` cannot be shrunk to `size`
+/// (qemu-img's words where it has them).
+fn refuse(header: &Header, size: u64) -> Result<(), ErrorKind> {
     super::check_new_size(size)?;
     if size >= header.size {
         return Err(ErrorKind::InvalidArgument(format!(
@@ -100,14 +77,6 @@ fn refuse(
     }
     if header.has_bitmaps() {
         return Err(ErrorKind::Unsupported(Feature::WriteWithBitmaps));
-    }
-    let journaled =
-        crate::active::pending_journal(place, storage.file_id(), header).is_some_and(|n| n > 0);
-    if header.is_dirty() || journaled {
-        return Err(ErrorKind::InvalidArgument(
-            "the image was not closed cleanly: open it read-write once (or sqcow2 check -r all) first"
-                .into(),
-        ));
     }
     Ok(())
 }
