@@ -50,15 +50,15 @@ pub struct DirectFile {
 }
 
 impl DirectFile {
-    /// Opens the file `beside` has open again with `O_DIRECT` (through
-    /// `/proc/self/fd`: the same file whatever its name is now).
-    pub(crate) fn open_beside(beside: &File, writable: bool) -> io::Result<Arc<Self>> {
+    /// Opens `path` (the `/proc/self/fd` link of a file open already:
+    /// the same file whatever its name is now) with `O_DIRECT`.
+    pub(crate) fn open(path: &std::path::Path, writable: bool) -> io::Result<Arc<Self>> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(writable)
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-            .open(crate::storage::fd_link(beside))
+            .open(path)
             .map_err(|e| {
                 if e.raw_os_error() == Some(libc::EINVAL) {
                     io::Error::new(

@@ -380,7 +380,7 @@ impl FileStorage {
     /// its first one (see [`crate::direct`]).
     pub fn with_cache(mut self, mode: CacheMode) -> io::Result<Self> {
         if mode == CacheMode::None && self.file.direct.is_none() {
-            self.file.direct = Some(DirectFile::open_beside(&self.file.file, self.writable)?);
+            self.file.direct = Some(DirectFile::open(&fd_link(&self.file.file), self.writable)?);
             // What still goes through the page cache reads no more than
             // it asks for (no read-ahead to drop afterwards).
             crate::direct::no_read_ahead(&self.file.file);
