@@ -1,5 +1,6 @@
 //! Image open plus reads and writes: any bytes as a (top) qcow2 image,
-//! driven by a short operation script. Opening, I/O and closing must
+//! driven by a short operation script; first the header as `info` reads
+//! images it does not open (LUKS, external data file). Opening, I/O and closing must
 //! return data or errors, never panic, hang or allocate without bound.
 //!
 //! Input: `[flags][n][n x 7-byte op][image bytes]`; flags bit 0 opens the
@@ -30,6 +31,14 @@ fuzz_target!(|data: &[u8]| {
     let (ops, image) = rest.split_at(ops_len);
     let writable = flags & 1 != 0;
     let storage = Arc::new(MemStorage::with_limit(image.to_vec(), LIMIT));
+    // What `info` reads of an image it shows without opening it (LUKS,
+    // an external data file).
+    if let Ok(header) = sqcow2_format::Header::read_for_inspection(&*storage) {
+        if let Some((offset, len)) = header.luks_header() {
+            let _ = sqcow2_format::luks::read_luks(&*storage, offset, len);
+        }
+        let _ = header.data_file();
+    }
     let options = ChainOptions {
         writable,
         // One layer: a backing file named by the image is refused here
