@@ -53,7 +53,14 @@ fn images(dir: &Path) -> [(std::path::PathBuf, &'static str); 3] {
         "32M",
     ]);
     let ext = dir.join("ext.qcow2");
-    qemu_create(&ext, "data_file=ext.data,data_file_raw=on", "64M");
+    // (An absolute name: qemu-img makes a relative one in its working
+    // directory.)
+    let data = dir.join("ext.data");
+    qemu_create(
+        &ext,
+        &format!("data_file={},data_file_raw=on", data.display()),
+        "64M",
+    );
     [
         (luks, "LUKS encryption"),
         (essiv, "LUKS encryption"),
