@@ -5,25 +5,10 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::*;
 
 fn measure(program: &str, args: &[&str]) -> (String, Option<i32>) {
-    let bin = if program == "sqcow2" {
-        sqcow2_bin()
-    } else {
-        program.into()
-    };
-    let o = Command::new(bin)
-        .arg("measure")
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        o.status.code(),
-    )
+    verb_outcome(program, "measure", args)
 }
 
 #[test]

@@ -97,20 +97,15 @@ fn refuse(reason: impl Into<String>) -> ErrorKind {
 pub fn amend(path: &Path, opts: &AmendOptions, locking: Locking) -> Result<(), Error> {
     let e = |k: ErrorKind| Error::new(path, k);
     let io = |io: std::io::Error| Error::new(path, io.into());
-    let mut plan = None;
-    let ClosedImage { storage, header } = ClosedImage::open(path, locking, |h| {
-        plan = Some(plan_of(h, opts)?);
-        Ok(())
-    })?;
-    let Some(Plan {
-        version,
-        order,
-        lazy,
-        downgrade,
-    }) = plan
-    else {
-        return Err(e(refuse("the image was not looked at")));
-    };
+    let (
+        ClosedImage { storage, header },
+        Plan {
+            version,
+            order,
+            lazy,
+            downgrade,
+        },
+    ) = ClosedImage::open(path, locking, |h| plan_of(h, opts))?;
     if downgrade {
         unallocate_zero_clusters(&*storage, &header).map_err(e)?;
     }

@@ -22,14 +22,14 @@ pub(crate) struct ClosedImage {
 }
 
 impl ClosedImage {
-    /// Opens the image at `path` for a change; `refuse` says why its
-    /// header rules the change out (before the consistency check, which
-    /// reads the whole metadata).
-    pub(crate) fn open(
+    /// Opens the image at `path` for a change; `plan` makes what the
+    /// change needs of its header, or says why the header rules it out
+    /// (before the consistency check, which reads the whole metadata).
+    pub(crate) fn open<T>(
         path: &Path,
         locking: Locking,
-        refuse: impl FnOnce(&Header) -> Result<(), ErrorKind>,
-    ) -> Result<ClosedImage, Error> {
+        plan: impl FnOnce(&Header) -> Result<T, ErrorKind>,
+    ) -> Result<(ClosedImage, T), Error> {
         let e = |k: ErrorKind| Error::new(path, k);
         let io = |io: std::io::Error| Error::new(path, io.into());
         let place = ImagePlace::of(path).map_err(io)?;
@@ -47,7 +47,7 @@ impl ClosedImage {
                     .into(),
             )));
         }
-        refuse(&header).map_err(e)?;
+        let planned = plan(&header).map_err(e)?;
         let storage: Arc<dyn Storage> = Arc::new(storage);
         let report = check_storage(path, storage.clone(), Repair::None)?;
         if report.corruptions > 0 || report.check_errors > 0 {
@@ -56,6 +56,6 @@ impl ClosedImage {
                 report.corruptions + report.check_errors
             ))));
         }
-        Ok(ClosedImage { storage, header })
+        Ok((ClosedImage { storage, header }, planned))
     }
 }

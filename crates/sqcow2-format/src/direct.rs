@@ -91,30 +91,42 @@ impl DirectFile {
     /// Reads `buf.len()` bytes at `offset` (they fit, see
     /// [`DirectFile::fits`]); past the end of the file, zeros.
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        // Straight into `buf` where it is aligned as a bounce would be.
+        if buf.as_ptr() as usize % self.bounce_align == 0 {
+            return self.read_into(buf, offset);
+        }
         let mut bounce = AlignedBuf::zeroed(buf.len(), self.bounce_align)?;
+        self.read_into(bounce.as_mut_slice(), offset)?;
+        buf.copy_from_slice(bounce.as_slice());
+        Ok(())
+    }
+
+    /// [`DirectFile::read_at`] into aligned memory.
+    fn read_into(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < buf.len() {
-            let n = match rustix::io::pread(
-                &self.file,
-                &mut bounce.as_mut_slice()[done..],
-                offset + done as u64,
-            ) {
+            let n = match rustix::io::pread(&self.file, &mut buf[done..], offset + done as u64) {
                 Ok(n) => n,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             };
             done += n;
-            // The end of the file (a short read; the rest stays zero).
+            // The end of the file (a short read): the rest reads as zeros.
             if n == 0 || done as u64 % self.offset_align != 0 {
+                buf[done..].fill(0);
                 break;
             }
         }
-        buf.copy_from_slice(bounce.as_slice());
         Ok(())
     }
 
     /// Writes the concatenation of `bufs` at `offset` (it fits).
     pub(crate) fn write_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+        if let [one] = bufs {
+            if one.as_ptr() as usize % self.bounce_align == 0 {
+                return self.write_from(one, offset);
+            }
+        }
         let len = bufs.iter().map(|b| b.len()).sum();
         let mut bounce = AlignedBuf::zeroed(len, self.bounce_align)?;
         let mut at = 0;
@@ -122,9 +134,14 @@ impl DirectFile {
             bounce.as_mut_slice()[at..at + b.len()].copy_from_slice(b);
             at += b.len();
         }
+        self.write_from(bounce.as_slice(), offset)
+    }
+
+    /// [`DirectFile::write_vectored_at`] from aligned memory.
+    fn write_from(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         let mut done = 0usize;
-        while done < len {
-            match rustix::io::pwrite(&self.file, &bounce.as_slice()[done..], offset + done as u64) {
+        while done < buf.len() {
+            match rustix::io::pwrite(&self.file, &buf[done..], offset + done as u64) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => done += n,
                 Err(rustix::io::Errno::INTR) => continue,

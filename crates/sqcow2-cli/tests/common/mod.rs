@@ -75,6 +75,21 @@ pub fn sqcow2_bench_bin() -> PathBuf {
 }
 
 /// Runs a command, returning its output whatever the exit status.
+/// `PROGRAM VERB ARGS`' standard output and exit code, `sqcow2` being
+/// this build's binary (to hold sqcow2's answer beside qemu-img's).
+pub fn verb_outcome(program: &str, verb: &str, args: &[&str]) -> (String, Option<i32>) {
+    let bin = if program == "sqcow2" {
+        sqcow2_bin()
+    } else {
+        program.into()
+    };
+    let o = run_raw(Command::new(bin).arg(verb).args(args));
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        o.status.code(),
+    )
+}
+
 pub fn run_raw(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| {
         panic!("cannot run {cmd:?}: {e} (is QEMU installed? scripts/test.sh installs it)")

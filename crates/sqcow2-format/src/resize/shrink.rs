@@ -35,7 +35,8 @@ pub struct Shrunk {
 pub fn shrink(path: &Path, size: u64, locking: Locking) -> Result<Shrunk, Error> {
     let e = |k: ErrorKind| Error::new(path, k);
     let io = |io: std::io::Error| Error::new(path, io.into());
-    let ClosedImage { storage, header } = ClosedImage::open(path, locking, |h| refuse(h, size))?;
+    let (ClosedImage { storage, header }, ()) =
+        ClosedImage::open(path, locking, |h| refuse(h, size))?;
     let file_len = storage.len().map_err(io)?;
     storage
         .write_at(&size.to_be_bytes(), field::SIZE as u64)
