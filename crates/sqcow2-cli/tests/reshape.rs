@@ -375,7 +375,23 @@ fn rebase_u_shares_the_new_backing_file_as_qemu_img() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    // Wait for its locks in /proc/locks: probing with `qemu-img info`
+    // would take a lock itself and could make qemu-io fail to start.
+    let needle = {
+        use std::os::unix::fs::MetadataExt;
+        format!(":{} ", std::fs::metadata(&other).unwrap().ino())
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&needle))
+    {
+        assert!(writer.try_wait().unwrap().is_none(), "qemu-io exited");
+        assert!(std::time::Instant::now() < deadline, "qemu-io never locked");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Once it holds the file, a probe no longer races its start.
     while run_raw(Command::new("qemu-img").args(["info", s(&other)]))
         .status
         .success()
