@@ -370,35 +370,7 @@ fn rebase_u_shares_the_new_backing_file_as_qemu_img() {
     let other = dir.join("other.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&other), "1M"]);
     // Another process writes the new backing file meanwhile.
-    let mut writer = Command::new("qemu-io")
-        .args(["-c", "sleep 60000", s(&other)])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // Wait for its locks in /proc/locks: probing with `qemu-img info`
-    // would take a lock itself and could make qemu-io fail to start.
-    let needle = {
-        use std::os::unix::fs::MetadataExt;
-        format!(":{} ", std::fs::metadata(&other).unwrap().ino())
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !std::fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains(&needle))
-    {
-        assert!(writer.try_wait().unwrap().is_none(), "qemu-io exited");
-        assert!(std::time::Instant::now() < deadline, "qemu-io never locked");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    // Once it holds the file, a probe no longer races its start.
-    while run_raw(Command::new("qemu-img").args(["info", s(&other)]))
-        .status
-        .success()
-    {
-        assert!(std::time::Instant::now() < deadline, "qemu-io never locked");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let writer = common::QemuIoHolder::hold(&other, &[]);
     for tool in ["qemu-img", "sqcow2"] {
         let top = dir.join(format!("{tool}-top.qcow2"));
         qemu_img(&[
@@ -439,8 +411,7 @@ fn rebase_u_shares_the_new_backing_file_as_qemu_img() {
             "{tool}"
         );
     }
-    let _ = writer.kill();
-    let _ = writer.wait();
+    drop(writer);
 }
 
 /// A mistake in the arguments is said as one (exit 1), never as an I/O
@@ -660,15 +631,9 @@ fn merge_refuses_the_top_and_a_served_chain() {
     assert!(e.contains("below the top"), "{e}");
     // A reader holding the chain (as a daemon serving it would) keeps
     // the layer to switch from being rewritten.
-    let mut qio = Command::new("qemu-io")
-        .args(["-r", "-c", "sleep 5000", s(top)])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let qio = common::QemuIoHolder::hold(top, &["-r"]);
     let (c, e) = code(Command::new(sqcow2_bin()).args(["merge", s(top), "0", "0", s(&m)]));
-    let _ = qio.kill();
-    let _ = qio.wait();
+    drop(qio);
     assert_eq!(c, Some(1), "{e}");
     assert!(!m.exists() && !tmp.path().join("m.qcow2.sqtmp").exists());
 }

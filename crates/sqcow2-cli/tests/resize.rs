@@ -222,45 +222,14 @@ fn an_image_in_use_is_refused() {
     let img = dir.path().join("a.qcow2");
     qemu_create(&img, "", "1G");
     // qemu-io holds the image (write lock) while it sleeps.
-    let mut holder = Command::new("qemu-io")
-        .args(["-f", "qcow2", "-c", "sleep 5000", s(&img)])
-        .spawn()
-        .unwrap();
-    // Until qemu-io holds its locks (seen in /proc/locks, which takes no
-    // lock that could make qemu-io's open fail).
-    let inode = {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(&img).unwrap().ino()
-    };
-    let held = || {
-        std::fs::read_to_string("/proc/locks")
-            .unwrap()
-            .lines()
-            .any(|l| l.contains("OFDLCK") && l.contains(&format!(":{inode} ")))
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !held() {
-        assert!(
-            holder.try_wait().unwrap().is_none(),
-            "qemu-io ended before it held the image"
-        );
-        assert!(
-            std::time::Instant::now() < deadline,
-            "qemu-io never held the image"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut holder = QemuIoHolder::hold(&img, &["-f", "qcow2"]);
     let before = sha256_file(&img);
     let o = sqcow2_raw(&["resize", s(&img), "2G"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("lock"), "{}", stderr(&o));
     assert_eq!(sha256_file(&img), before);
-    assert!(
-        holder.try_wait().unwrap().is_none(),
-        "qemu-io held the image throughout"
-    );
-    holder.kill().ok();
-    holder.wait().ok();
+    assert!(holder.still_running(), "qemu-io held the image throughout");
+    drop(holder);
     assert_eq!(virtual_size(&img), 1 << 30);
 }
 

@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -96,44 +95,6 @@ fn serve_indexes_a_chain_qemu_made_while_a_client_writes() {
     reference.verify_files(&top, tmp.path());
 }
 
-/// `qemu-io -r` holding `image` open (QEMU's reader locks: it does not
-/// share write) until dropped.
-struct QemuReader(std::process::Child);
-
-impl QemuReader {
-    fn hold(image: &Path) -> QemuReader {
-        let reader = QemuReader(
-            Command::new("qemu-io")
-                .args(["-r", "-f", "qcow2", s(image)])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let inode = {
-            use std::os::unix::fs::MetadataExt;
-            std::fs::metadata(image).unwrap().ino()
-        };
-        let needle = format!(":{inode} ");
-        for _ in 0..500 {
-            let locks = std::fs::read_to_string("/proc/locks").unwrap();
-            if locks.lines().any(|l| l.contains(&needle)) {
-                return reader;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        panic!("qemu-io never locked {}", image.display());
-    }
-}
-
-impl Drop for QemuReader {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Waits for a failed index build of the daemon behind `ctl`; asserts it
 /// walks, saying why (with every one of `says`) alike in `stats` and
 /// `info`.
@@ -175,7 +136,8 @@ fn a_layer_another_process_holds_is_not_written_and_the_chain_walks() {
     let tmp = tempfile::tempdir().unwrap();
     let top = qemu_made(tmp.path(), 6);
     // QEMU reading layer 2 holds it and its backing files, layers 0-1.
-    let reader = QemuReader::hold(&tmp.path().join("layer2.qcow2"));
+    let reader =
+        common::QemuIoHolder::hold(&tmp.path().join("layer2.qcow2"), &["-r", "-f", "qcow2"]);
     let below: Vec<PathBuf> = (0..5)
         .map(|i| tmp.path().join(format!("layer{i}.qcow2")))
         .collect();

@@ -438,3 +438,61 @@ pub fn dirty_bit(path: &Path) -> bool {
         .and_then(|f| f.read_exact_at(&mut word, 72))
         .is_ok_and(|()| u64::from_be_bytes(word) & 1 != 0)
 }
+
+/// A `qemu-io` process holding `image` open (with QEMU's locks for
+/// `args`, e.g. `-r` for a reader) until dropped.
+#[allow(dead_code)]
+pub struct QemuIoHolder(std::process::Child);
+
+#[allow(dead_code)]
+impl QemuIoHolder {
+    /// Starts `qemu-io ARGS -c "sleep ..." IMAGE` and returns once its
+    /// locks show in `/proc/locks` (watching there takes no lock that
+    /// could make qemu-io's own open fail, as a `qemu-img info` probe
+    /// could).
+    pub fn hold(image: &Path, args: &[&str]) -> QemuIoHolder {
+        let mut holder = QemuIoHolder(
+            Command::new("qemu-io")
+                .args(args)
+                .args(["-c", "sleep 600000", s(image)])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("qemu-io"),
+        );
+        let needle = {
+            use std::os::unix::fs::MetadataExt;
+            format!(":{} ", std::fs::metadata(image).unwrap().ino())
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !std::fs::read_to_string("/proc/locks")
+            .unwrap()
+            .lines()
+            .any(|l| l.contains("OFDLCK") && l.contains(&needle))
+        {
+            assert!(
+                holder.still_running(),
+                "qemu-io ended before it held {}",
+                image.display()
+            );
+            assert!(
+                std::time::Instant::now() < deadline,
+                "qemu-io never held {}",
+                image.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        holder
+    }
+
+    pub fn still_running(&mut self) -> bool {
+        self.0.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for QemuIoHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
