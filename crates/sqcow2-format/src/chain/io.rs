@@ -40,7 +40,7 @@ pub struct InPlaceTarget {
 }
 
 impl Chain {
-    fn check_range(&self, offset: u64, len: u64) -> Result<(), Error> {
+    pub(super) fn check_range(&self, offset: u64, len: u64) -> Result<(), Error> {
         let size = self.virtual_size();
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::new(
@@ -167,6 +167,14 @@ impl Chain {
 
     /// Writes `buf` at guest `offset` into the top.
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        let written = self.write_top(buf, offset);
+        // Even after an error: part of the range may have changed.
+        self.mirror_change(offset, buf.len() as u64);
+        written
+    }
+
+    /// [`Chain::write_at`] without the mirror.
+    fn write_top(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
         let active = self.active()?;
         // In-place pieces are transfers to clusters a flush may release.
@@ -183,7 +191,9 @@ impl Chain {
     /// zero clusters (with `unmap`, their space is released); partial ones
     /// are written with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
-        self.zero_range(offset, len, Zeroing::Zeroes { unmap }, true)
+        let done = self.zero_range(offset, len, Zeroing::Zeroes { unmap }, true);
+        self.mirror_change(offset, len);
+        done
     }
 
     /// Discards `[offset, offset + len)`: whole clusters have their space
@@ -191,7 +201,9 @@ impl Chain {
     /// cluster of a v2 image over a backing file (no zero flag), are left
     /// as they are (discard is advisory, as in QEMU).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
-        self.zero_range(offset, len, Zeroing::Discard, false)
+        let done = self.zero_range(offset, len, Zeroing::Discard, false);
+        self.mirror_change(offset, len);
+        done
     }
 
     /// Zeroes or discards whole clusters as metadata (writing zeros where
@@ -212,7 +224,7 @@ impl Chain {
             if whole && active.zero_cluster(pos, how, &changed)? {
                 return Ok(());
             }
-            self.write_at(&zeros[..n as usize], pos.0)
+            self.write_top(&zeros[..n as usize], pos.0)
         })
     }
 
@@ -505,7 +517,7 @@ impl Transfers<'_> {
         self.chain.check_range(offset.0, len)?;
         let active = self.chain.active()?;
         let cluster_size = self.chain.cluster_size();
-        if len == 0 || offset.0 % cluster_size + len > cluster_size {
+        if len == 0 || offset.0 % cluster_size + len > cluster_size || self.chain.mirroring() {
             return Ok(None);
         }
         let Some(host) = active.in_place_target(offset, len)? else {

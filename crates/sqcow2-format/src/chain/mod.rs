@@ -4,6 +4,7 @@
 
 mod covering;
 mod io;
+pub(crate) mod mirror;
 mod open;
 mod resolved;
 mod successor;
@@ -202,6 +203,8 @@ pub struct Chain {
     /// Where the top is: its directory, opened once, in which its side
     /// files (journal, index) are made by name.
     top_place: Option<crate::sidefile::ImagePlace>,
+    /// A live commit's mirror: guest changes copied into its base.
+    mirror: arc_swap::ArcSwapOption<mirror::Mirror>,
 }
 
 /// Guest I/O that the caller moves itself (io_uring straight between the

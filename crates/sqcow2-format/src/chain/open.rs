@@ -565,6 +565,7 @@ impl Chain {
             summary,
             unclosed_below: std::sync::Mutex::new(Vec::new()),
             top_place,
+            mirror: Default::default(),
         })
     }
 }

@@ -195,6 +195,7 @@ impl Chain {
             summary,
             unclosed_below: std::sync::Mutex::new(unclosed_below),
             top_place: Some(prepared.place.clone()),
+            mirror: Default::default(),
         })
     }
 }

@@ -7,6 +7,7 @@
 
 mod commit;
 mod copy;
+mod live_commit;
 mod merge;
 mod rebase;
 
@@ -24,6 +25,7 @@ use crate::types::LayerIndex;
 
 pub use commit::{commit, CommitOptions, CommitReport};
 pub use copy::{Pace, RateLimit};
+pub use live_commit::{prepare_live_commit, LiveCommit, LiveCopied};
 pub use merge::{merge, prepare_merge, MergeOptions, MergeReport, MergedFile, PreparedMerge};
 pub use rebase::{rebase, RebaseOptions, RebaseReport};
 

@@ -1,0 +1,212 @@
+//! A live commit's mirror: after each guest write, write-zeroes or
+//! discard on the served chain, the view of that range where the layers
+//! from `from` up decide it is copied into the top of another chain (the
+//! commit's base). A background copy of the same view takes the same
+//! range locks, so whichever copy of a range runs last reads the newest
+//! view: the target ends equal to the view, whatever the guest writes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+use super::{Chain, ExtentKind};
+use crate::error::Error;
+use crate::types::{GuestOffset, LayerIndex};
+
+/// Ranges of guest bytes being copied, each held by one copy at a time,
+/// granted in the order asked where they overlap (a copy of a range the
+/// guest keeps writing is never starved).
+#[derive(Debug, Default)]
+pub(crate) struct RangeLocks {
+    state: Mutex<RangeQueue>,
+    freed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct RangeQueue {
+    next: u64,
+    /// Held and waiting ranges with their turn.
+    entries: Vec<(u64, u64, u64)>,
+}
+
+/// A range held until dropped.
+#[must_use = "the range is released when the guard drops"]
+pub(crate) struct RangeGuard<'a> {
+    locks: &'a RangeLocks,
+    turn: u64,
+}
+
+impl RangeLocks {
+    /// Waits until every overlapping range asked before is released, then
+    /// holds `[start, end)`.
+    pub(crate) fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
+        let mut q = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let turn = q.next;
+        q.next += 1;
+        q.entries.push((turn, start, end));
+        while q
+            .entries
+            .iter()
+            .any(|&(t, s, e)| t < turn && s < end && start < e)
+        {
+            q = self.freed.wait(q).unwrap_or_else(PoisonError::into_inner);
+        }
+        RangeGuard { locks: self, turn }
+    }
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        let mut q = self
+            .locks
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = q.entries.iter().position(|e| e.0 == self.turn) {
+            q.entries.swap_remove(i);
+        }
+        drop(q);
+        self.locks.freed.notify_all();
+    }
+}
+
+/// Where a served chain's changes are copied to.
+#[derive(Debug)]
+pub(crate) struct Mirror {
+    target: Arc<Chain>,
+    from: LayerIndex,
+    locks: RangeLocks,
+    /// The first copy that failed (the guest's request itself succeeded:
+    /// the commit fails instead).
+    failure: Mutex<Option<String>>,
+    /// Bytes the mirror wrote into the target.
+    written: AtomicU64,
+}
+
+/// What one copy of a range wrote.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RangeCopied {
+    /// Guest bytes written with data.
+    pub data_bytes: u64,
+    /// Guest bytes written as zeros.
+    pub zero_bytes: u64,
+}
+
+impl Mirror {
+    pub(crate) fn new(target: Arc<Chain>, from: LayerIndex) -> Mirror {
+        Mirror {
+            target,
+            from,
+            locks: RangeLocks::default(),
+            failure: Mutex::new(None),
+            written: AtomicU64::new(0),
+        }
+    }
+
+    /// Copies the view of `source` over `[offset, offset + len)` into the
+    /// target where layers from `from` up decide it (data as data, zeros
+    /// as zeros; what lower layers decide the target reads already),
+    /// holding the range meanwhile.
+    pub(crate) fn copy_range(
+        &self,
+        source: &Chain,
+        offset: u64,
+        len: u64,
+        buf: &mut Vec<u8>,
+    ) -> Result<RangeCopied, Error> {
+        let end = offset + len;
+        let _held = self.locks.lock(offset, end);
+        let mut copied = RangeCopied::default();
+        let mut pos = offset;
+        while pos < end {
+            let e = source.resolve(GuestOffset(pos), end - pos, false)?;
+            let n = e.len.min(end - pos);
+            if e.layer.0 >= self.from.0 {
+                match e.kind {
+                    ExtentKind::Data { .. } | ExtentKind::Compressed(_) => {
+                        buf.resize(n as usize, 0);
+                        source.read_at(&mut buf[..n as usize], pos)?;
+                        self.target.write_at(&buf[..n as usize], pos)?;
+                        copied.data_bytes += n;
+                    }
+                    ExtentKind::Zero { .. } => {
+                        self.target.write_zeroes(pos, n, false)?;
+                        copied.zero_bytes += n;
+                    }
+                }
+            }
+            pos += n;
+        }
+        Ok(copied)
+    }
+
+    /// After the guest changed `[offset, offset + len)` of `source`: the
+    /// range copied; a failure is kept for the commit, not returned.
+    pub(crate) fn after_change(&self, source: &Chain, offset: u64, len: u64) {
+        if self.failed() {
+            return;
+        }
+        let mut buf = Vec::new();
+        match self.copy_range(source, offset, len, &mut buf) {
+            Ok(c) => {
+                self.written
+                    .fetch_add(c.data_bytes + c.zero_bytes, Ordering::Relaxed);
+            }
+            Err(e) => self.fail(format!("mirroring a guest write at {offset}: {e}")),
+        }
+    }
+
+    pub(crate) fn fail(&self, why: String) {
+        let mut f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        if f.is_none() {
+            tracing::warn!(error = %why, "live commit: the mirror failed");
+            *f = Some(why);
+        }
+    }
+
+    pub(crate) fn failed(&self) -> bool {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Bytes the guest's changes made the mirror write.
+    pub(crate) fn written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+}
+
+impl Chain {
+    /// Guest changes from now on are mirrored into `mirror`'s target
+    /// (call with no request in flight: a change under way now would not
+    /// be). In-place transfers stop: writes go through [`Chain::write_at`].
+    pub(crate) fn start_mirror(&self, mirror: Arc<Mirror>) {
+        self.mirror.store(Some(mirror));
+    }
+
+    /// Guest changes are no longer mirrored.
+    pub(crate) fn stop_mirror(&self) {
+        self.mirror.store(None);
+    }
+
+    pub(crate) fn mirroring(&self) -> bool {
+        self.mirror.load().is_some()
+    }
+
+    /// Mirrors a change the guest made (no-op without a mirror).
+    pub(super) fn mirror_change(&self, offset: u64, len: u64) {
+        if self.check_range(offset, len).is_err() {
+            return; // refused: nothing changed
+        }
+        if let Some(m) = self.mirror.load_full() {
+            m.after_change(self, offset, len);
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! `commit --live`: the served chain's view from a base's layer up
+//! written into the base while the guest runs, then the base served as the
+//! top (QEMU's active block-commit with its pivot). It always finishes:
+//! guest changes are mirrored into the base as they complete (each one
+//! waits for its copy), so the background copy has a fixed amount of work
+//! ([`crate::chain::mirror`]). Until the switch the files on disk still
+//! name the old top, which reads every completed write; the base is
+//! written only where the layers above hide it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::chain::mirror::Mirror;
+use crate::chain::{Chain, ChainOptions};
+use crate::error::{Error, ErrorKind};
+use crate::layer::Layer;
+use crate::lock::{LockRequest, Locking, Perms};
+use crate::storage::Storage;
+use crate::types::LayerIndex;
+
+use super::copy::{has_short_layers, Pace};
+use super::{find_layer, invalid, LayerRef};
+
+/// Guest bytes the background copy holds (and copies) at once.
+const CHUNK: u64 = 1 << 20;
+
+/// A live commit prepared on a served chain: the base open for writing
+/// (its image lock taken, so no other process uses it), not yet mirrored.
+#[must_use = "a live commit holds the base for writing until finished or abandoned"]
+pub struct LiveCommit {
+    target: Arc<Chain>,
+    mirror: Arc<Mirror>,
+    base: LayerIndex,
+    base_path: PathBuf,
+    replaced: Vec<PathBuf>,
+    /// The served chain's top and layer count (the chain the mirror and
+    /// the copy must be given).
+    top_id: Option<(u64, u64)>,
+    layers: usize,
+    /// The served chain's description of the base, its lock relaxed to
+    /// share writing with `target` (put back by [`LiveCommit::abandon`]).
+    served_base: Arc<dyn Storage>,
+    served_lock: Option<LockRequest>,
+    locking: Locking,
+}
+
+impl std::fmt::Debug for LiveCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveCommit")
+            .field("base", &self.base_path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the background copy wrote.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LiveCopied {
+    /// Guest bytes written with data.
+    pub data_bytes: u64,
+    /// Guest bytes written as zeros.
+    pub zero_bytes: u64,
+}
+
+/// Checks a live commit of the served `chain` into `base` (its top's
+/// backing file when `None`) and opens the base for writing with
+/// `options` (the daemon's): refused when another process uses the base,
+/// before anything is written.
+pub fn prepare_live_commit(
+    chain: &Chain,
+    base: Option<&LayerRef>,
+    options: &ChainOptions,
+) -> Result<LiveCommit, Error> {
+    let top = chain.top().path();
+    if !chain.is_writable() {
+        return Err(invalid(top, "the chain is served read-only".into()));
+    }
+    if chain.layers().len() < 2 {
+        return Err(invalid(top, "image does not have a backing file".into()));
+    }
+    let base = match base {
+        Some(b) => find_layer(chain, b)?,
+        None => LayerIndex(chain.top_index().0 - 1),
+    };
+    if base.0 >= chain.top_index().0 {
+        return Err(invalid(top, "the base is the top itself".into()));
+    }
+    if !chain.unclosed_below().is_empty() {
+        return Err(invalid(
+            top,
+            "a live snapshot's old top is not closed yet: retry once the snapshot has finished"
+                .into(),
+        ));
+    }
+    let layer = &chain.layers()[base.0];
+    let base_path = layer.path().to_path_buf();
+    let Layer::Qcow2(q) = layer else {
+        return Err(invalid(
+            &base_path,
+            "a raw base is committed offline only (sqcow2 commit)".into(),
+        ));
+    };
+    q.header()
+        .refuse_if_marked_corrupt()
+        .map_err(|k| Error::new(&base_path, k))?;
+    if layer.virtual_size() != chain.virtual_size() {
+        return Err(invalid(
+            &base_path,
+            format!(
+                "the base is {} bytes, the disk {}: a live commit does not resize its base \
+                 (commit offline, or resize the base first)",
+                layer.virtual_size(),
+                chain.virtual_size()
+            ),
+        ));
+    }
+    let from = LayerIndex(base.0 + 1);
+    if has_short_layers(chain, from) {
+        return Err(invalid(
+            top,
+            "a layer above the base is shorter than the disk: commit offline".into(),
+        ));
+    }
+    // The served chain reads the base through a description that does not
+    // share writing; it shares it now (giving a permission back needs no
+    // probe), so that the only conflict the base's writer can find is
+    // another process's.
+    let served_base = chain.storage_of(base).clone();
+    let served_lock = served_base.locks();
+    if let Some(had) = served_lock {
+        served_base
+            .lock(
+                LockRequest {
+                    held: had.held,
+                    unshared: Perms::NONE,
+                },
+                options.locking,
+            )
+            .map_err(|k| Error::new(&base_path, k))?;
+    }
+    let restore = |e: Error| {
+        if let Some(had) = served_lock {
+            if let Err(k) = served_base.lock(had, options.locking) {
+                tracing::warn!(base = %base_path.display(), error = %k, "putting the base's lock back");
+            }
+        }
+        e
+    };
+    let target = Chain::open_expecting(
+        &base_path,
+        served_base.file_id(),
+        &ChainOptions {
+            writable: true,
+            top_storage: None,
+            // Its index (if any) covers the layers below it, which do not
+            // change; as the top it is built in the background anyway.
+            stale_index_expected: true,
+            ..options.clone()
+        },
+    )
+    .map_err(restore)?;
+    if target.virtual_size() != chain.virtual_size() {
+        drop(target);
+        return Err(restore(invalid(
+            &base_path,
+            "the base changed size since the chain was opened".into(),
+        )));
+    }
+    let target = Arc::new(target);
+    Ok(LiveCommit {
+        mirror: Arc::new(Mirror::new(target.clone(), from)),
+        target,
+        base,
+        replaced: chain.layers()[from.0..]
+            .iter()
+            .map(|l| l.path().to_path_buf())
+            .collect(),
+        base_path,
+        top_id: chain.top().storage().file_id(),
+        layers: chain.layers().len(),
+        served_base,
+        served_lock,
+        locking: options.locking,
+    })
+}
+
+impl LiveCommit {
+    /// The base's position in the served chain.
+    pub fn base(&self) -> LayerIndex {
+        self.base
+    }
+
+    /// The base's file.
+    pub fn base_path(&self) -> &Path {
+        &self.base_path
+    }
+
+    /// The layers above the base, lowest first: out of the chain after
+    /// the switch, left for the operator.
+    pub fn replaced(&self) -> &[PathBuf] {
+        &self.replaced
+    }
+
+    fn check_chain(&self, chain: &Chain) -> Result<(), Error> {
+        if chain.top().storage().file_id() != self.top_id || chain.layers().len() != self.layers {
+            return Err(Error::new(chain.top().path(), ErrorKind::FileReplaced));
+        }
+        Ok(())
+    }
+
+    /// Mirrors the guest's changes of `chain` (the chain prepared on) into
+    /// the base from now on. Call with no request in flight (a pause).
+    pub fn start_mirror(&self, chain: &Chain) -> Result<(), Error> {
+        self.check_chain(chain)?;
+        chain.start_mirror(self.mirror.clone());
+        Ok(())
+    }
+
+    /// The background copy: every range of `chain`'s view that the layers
+    /// above the base decide, written into the base (after
+    /// [`LiveCommit::start_mirror`]). `pace` is called after each chunk.
+    pub fn copy(&self, chain: &Chain, pace: Pace<'_>) -> Result<LiveCopied, Error> {
+        self.check_chain(chain)?;
+        let size = chain.virtual_size();
+        let mut buf = Vec::new();
+        let mut copied = LiveCopied::default();
+        let mut pos = 0;
+        while pos < size {
+            if let Some(why) = self.mirror.failure() {
+                return Err(invalid(&self.base_path, why));
+            }
+            let n = CHUNK.min(size - pos);
+            let c = self.mirror.copy_range(chain, pos, n, &mut buf)?;
+            copied.data_bytes += c.data_bytes;
+            copied.zero_bytes += c.zero_bytes;
+            pos += n;
+            if !pace(pos, size, c.data_bytes + c.zero_bytes) {
+                return Err(Error::new(
+                    &self.base_path,
+                    ErrorKind::Io(std::io::Error::new(
+                        std::io::ErrorKind::Interrupted,
+                        "cancelled",
+                    )),
+                ));
+            }
+        }
+        Ok(copied)
+    }
+
+    /// Bytes the guest's changes made the mirror write so far.
+    pub fn mirrored_bytes(&self) -> u64 {
+        self.mirror.written()
+    }
+
+    /// Why the mirror failed, if it did (the commit cannot finish).
+    pub fn mirror_failure(&self) -> Option<String> {
+        self.mirror.failure()
+    }
+
+    /// Writes the base's changes so far back and syncs them (while the
+    /// guest runs: the flush in the switch's pause then has little left).
+    pub fn flush(&self) -> Result<(), Error> {
+        self.target.flush()
+    }
+
+    /// The switch, with no request in flight: mirroring stops, the base is
+    /// made durable, and the chain to serve from now on (the base its
+    /// top) is returned. On an error the commit is abandoned (the served
+    /// chain is as before).
+    pub fn finish(self, chain: &Chain) -> Result<Chain, Error> {
+        chain.stop_mirror();
+        if let Some(why) = self.mirror.failure() {
+            let e = invalid(&self.base_path, why);
+            self.abandon(chain);
+            return Err(e);
+        }
+        if let Err(e) = self.target.flush() {
+            self.abandon(chain);
+            return Err(e);
+        }
+        let LiveCommit {
+            target,
+            mirror,
+            base_path,
+            ..
+        } = self;
+        drop(mirror);
+        Arc::try_unwrap(target)
+            .map_err(|_| invalid(&base_path, "the base is still in use (a bug)".into()))
+    }
+
+    /// Stops the commit: no more mirroring of `chain`, the base closed
+    /// (what was written stays: the layers above hide it) and the served
+    /// chain's lock on it put back.
+    pub fn abandon(self, chain: &Chain) {
+        chain.stop_mirror();
+        let LiveCommit {
+            target,
+            mirror,
+            base_path,
+            served_base,
+            served_lock,
+            locking,
+            ..
+        } = self;
+        drop(mirror);
+        match Arc::try_unwrap(target) {
+            Ok(t) => {
+                if let Err(e) = t.close() {
+                    tracing::warn!(base = %base_path.display(), error = %e, "closing the base");
+                }
+            }
+            Err(_) => tracing::warn!(base = %base_path.display(), "the base is still in use"),
+        }
+        if let Some(had) = served_lock {
+            if let Err(k) = served_base.lock(had, locking) {
+                tracing::warn!(base = %base_path.display(), error = %k, "putting the base's lock back");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::create::{create, CreateOptions};
+
+    const SIZE: u64 = 8 << 20;
+
+    fn image(dir: &Path, name: &str, backing: Option<&str>) -> PathBuf {
+        let path = dir.join(name);
+        create(
+            &path,
+            &CreateOptions {
+                size: SIZE,
+                backing_file: backing.map(Into::into),
+                backing_format: backing.map(|_| "qcow2".into()),
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        path
+    }
+
+    fn options(writable: bool) -> ChainOptions {
+        ChainOptions {
+            writable,
+            locking: Locking::Off,
+            use_index: false,
+            ..ChainOptions::default()
+        }
+    }
+
+    /// A xorshift generator (deterministic per seed).
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    fn read_all(chain: &Chain) -> Vec<u8> {
+        let mut all = vec![0u8; SIZE as usize];
+        chain.read_at(&mut all, 0).unwrap();
+        all
+    }
+
+    /// Guest writes, zeroes and discards racing the background copy (on
+    /// the ranges it copies): the base, served as the top afterwards,
+    /// reads exactly what the old chain read at the switch.
+    #[test]
+    fn the_base_ends_equal_to_the_view_whatever_the_guest_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = image(dir.path(), "base.qcow2", None);
+        image(dir.path(), "mid.qcow2", Some("base.qcow2"));
+        let top = image(dir.path(), "top.qcow2", Some("mid.qcow2"));
+        {
+            let fill = |path: &Path, seed: u64| {
+                let c = Chain::open(path, &options(true)).unwrap();
+                let mut s = seed;
+                for _ in 0..200 {
+                    let off = next(&mut s) % (SIZE - 70_000) & !511;
+                    let len = (next(&mut s) % 70_000 + 1) as usize & !511 | 512;
+                    c.write_at(&vec![(seed as u8) ^ (off as u8); len], off)
+                        .unwrap();
+                }
+                c.close().unwrap();
+            };
+            fill(&base, 1);
+            fill(&dir.path().join("mid.qcow2"), 2);
+            fill(&top, 3);
+        }
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        let commit =
+            prepare_live_commit(&chain, Some(&LayerRef::Position(0)), &options(true)).unwrap();
+        assert_eq!(commit.replaced().len(), 2);
+        commit.start_mirror(&chain).unwrap();
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (chain, done) = (&chain, &done);
+                s.spawn(move || {
+                    let mut st = 0x9e37_79b9_7f4a_7c15 ^ (t + 1);
+                    let mut ops = 0u64;
+                    while !done.load(Ordering::Relaxed) {
+                        ops += 1;
+                        if ops % 32 == 0 {
+                            // Released clusters become reusable.
+                            chain.flush().unwrap();
+                        }
+                        let off = next(&mut st) % (SIZE - 200_000) & !511;
+                        let len = (next(&mut st) % 200_000) & !511 | 512;
+                        match next(&mut st) % 8 {
+                            0 => chain.write_zeroes(off, len, true).unwrap(),
+                            1 => chain.discard(off, len).unwrap(),
+                            _ => chain
+                                .write_at(&vec![(st >> 8) as u8 | 1; len as usize], off)
+                                .unwrap(),
+                        }
+                    }
+                });
+            }
+            // Slowed, so that the guest changes ranges before, while and
+            // after they are copied.
+            let copied = commit
+                .copy(&chain, &mut |_, _, _| {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    true
+                })
+                .unwrap();
+            assert!(copied.data_bytes > 0);
+            done.store(true, Ordering::Relaxed);
+        });
+        assert!(
+            commit.mirrored_bytes() > 0,
+            "the guest's writes were mirrored"
+        );
+        let view = read_all(&chain);
+        let served = commit.finish(&chain).unwrap();
+        assert_eq!(served.top().path(), base.as_path());
+        assert!(served.is_writable());
+        assert!(read_all(&served) == view, "the base differs from the view");
+        served.close().unwrap();
+        drop(chain);
+        // And once closed, as any reader opens it.
+        let reopened = Chain::open(&base, &options(false)).unwrap();
+        assert!(read_all(&reopened) == view, "the closed base differs");
+    }
+
+    /// A live commit is refused for the top itself, a raw or smaller base,
+    /// and a read-only chain; nothing is left mirrored.
+    #[test]
+    fn refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        image(dir.path(), "base.qcow2", None);
+        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
+        let ro = Chain::open(&top, &options(false)).unwrap();
+        assert!(prepare_live_commit(&ro, None, &options(true)).is_err());
+        drop(ro);
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        let e = prepare_live_commit(&chain, Some(&LayerRef::Position(1)), &options(true));
+        assert!(e.unwrap_err().to_string().contains("top itself"));
+        let ok = prepare_live_commit(&chain, None, &options(true)).unwrap();
+        ok.start_mirror(&chain).unwrap();
+        assert!(chain.mirroring());
+        ok.abandon(&chain);
+        assert!(!chain.mirroring());
+    }
+}
