@@ -381,8 +381,8 @@ mod tests {
                 let c = Chain::open(path, &options(true)).unwrap();
                 let mut s = seed;
                 for _ in 0..200 {
-                    let off = next(&mut s) % (SIZE - 70_000) & !511;
-                    let len = (next(&mut s) % 70_000 + 1) as usize & !511 | 512;
+                    let off = (next(&mut s) % (SIZE - 70_000)) & !511;
+                    let len = ((next(&mut s) % 70_000 + 1) as usize & !511) | 512;
                     c.write_at(&vec![(seed as u8) ^ (off as u8); len], off)
                         .unwrap();
                 }
@@ -410,8 +410,8 @@ mod tests {
                             // Released clusters become reusable.
                             chain.flush().unwrap();
                         }
-                        let off = next(&mut st) % (SIZE - 200_000) & !511;
-                        let len = (next(&mut st) % 200_000) & !511 | 512;
+                        let off = (next(&mut st) % (SIZE - 200_000)) & !511;
+                        let len = ((next(&mut st) % 200_000) & !511) | 512;
                         match next(&mut st) % 8 {
                             0 => chain.write_zeroes(off, len, true).unwrap(),
                             1 => chain.discard(off, len).unwrap(),
