@@ -11,7 +11,8 @@ use sqcow2_format::reshape::{
 use sqcow2_format::Locking;
 
 use sqcow2_vhost::protocol::{
-    Command, LayerName, MergeRequest, MergeStarted, MergeState, Stats, StatsFormat,
+    Command, CommitRequest, CommitStarted, LayerName, MergeCounters, MergeRequest, MergeStarted,
+    MergeState, Stats, StatsFormat,
 };
 
 use crate::live::request;
@@ -45,7 +46,24 @@ pub struct CommitArgs {
     /// Output format of the report.
     #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
     output: OutputFormat,
-    /// The image whose data is committed.
+    /// Commit the top of a running `sqcow2 serve` while the guest writes,
+    /// then serve from the base: IMAGE is its control socket.
+    #[arg(long, conflicts_with = "keep")]
+    live: bool,
+    /// With --live: keep the guest's p99 latency within this factor of
+    /// its value before the commit (e.g. 1.2): the copy waits meanwhile.
+    #[arg(long, requires = "live")]
+    max_p99_ratio: Option<f64>,
+    /// With --live: return once the commit has started (follow it with
+    /// `sqcow2 stats`).
+    #[arg(long, requires = "live")]
+    no_wait: bool,
+    /// With --live: cancel the running commit (the chain served as it
+    /// was).
+    #[arg(long, requires = "live")]
+    cancel: bool,
+    /// The image whose data is committed (with --live: the control
+    /// socket).
     image: PathBuf,
 }
 
@@ -148,6 +166,9 @@ fn progress_of(pb: &Progress) -> impl FnMut(u64, u64) + '_ {
 /// Runs `sqcow2 commit`.
 pub fn run_commit(args: &CommitArgs, locking: Locking) -> anyhow::Result<()> {
     let _ = &args.cache;
+    if args.live {
+        return run_live_commit(args);
+    }
     let options = CommitOptions {
         image: args.image.clone(),
         base: args.base.clone(),
@@ -235,6 +256,98 @@ fn layer_name(r: &LayerRef) -> anyhow::Result<LayerName> {
     })
 }
 
+/// Follows the daemon's merge or commit to its end (progress on `pb`).
+fn follow(control: &std::path::Path, pb: &Progress) -> anyhow::Result<MergeCounters> {
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let stats: Stats = request(
+            control,
+            Command::Stats {
+                format: StatsFormat::Json,
+            },
+        )?;
+        let m = stats.merge;
+        pb.set_length(m.total_bytes);
+        pb.set_position(m.done_bytes);
+        if matches!(
+            m.state,
+            MergeState::Done | MergeState::Failed | MergeState::Cancelled
+        ) {
+            return Ok(m);
+        }
+    }
+}
+
+/// `sqcow2 commit --live CONTROL [-b BASE]`: starts the commit in the
+/// daemon and, unless --no-wait, follows it to its end.
+fn run_live_commit(args: &CommitArgs) -> anyhow::Result<()> {
+    let control = &args.image;
+    if args.cancel {
+        let r: serde_json::Value = request(control, Command::MergeCancel)?;
+        match args.output {
+            OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &r)?,
+            OutputFormat::Human if r["cancelled"] == true => {
+                println!("the running commit is cancelled (the chain served as it was)")
+            }
+            OutputFormat::Human => println!("no commit was running: nothing to cancel"),
+        }
+        return Ok(());
+    }
+    let started: CommitStarted = request(
+        control,
+        Command::Commit(CommitRequest {
+            base: args.base.as_ref().map(layer_name).transpose()?,
+            rate_limit: args.rate_limit.as_deref().map(parse_size).transpose()?,
+            max_p99_permille: args
+                .max_p99_ratio
+                .map(|r| (r * 1000.0).round().max(1.0) as u32),
+        }),
+    )?;
+    if args.no_wait {
+        match args.output {
+            OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &started)?,
+            OutputFormat::Human if !args.quiet => println!(
+                "committing into {} (follow with sqcow2 stats)",
+                started.base.display()
+            ),
+            OutputFormat::Human => {}
+        }
+        return Ok(());
+    }
+    let pb = bar(args.progress, args.quiet);
+    let end = follow(control, &pb)?;
+    pb.finish();
+    match args.output {
+        OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &end)?,
+        OutputFormat::Human if end.state == MergeState::Done && !args.quiet => {
+            println!(
+                "committed into {} in {:.0} ms (pause {:.2} ms, {} layers now); serving it",
+                started.base.display(),
+                end.elapsed_ms,
+                end.pause_ms,
+                end.layers_after
+            );
+            println!("replaced (no longer in this chain, left in place):");
+            for p in &end.replaced {
+                println!("  {}", p.display());
+            }
+        }
+        OutputFormat::Human => {}
+    }
+    if end.state != MergeState::Done {
+        anyhow::bail!(
+            "commit {}: {}",
+            if end.state == MergeState::Cancelled {
+                "cancelled"
+            } else {
+                "failed"
+            },
+            end.error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
 /// `sqcow2 merge --live CONTROL ...`: starts the merge in the daemon and,
 /// unless --no-wait, follows it to its end.
 fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
@@ -278,24 +391,7 @@ fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let pb = bar(args.progress, false);
-    let end = loop {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let stats: Stats = request(
-            control,
-            Command::Stats {
-                format: StatsFormat::Json,
-            },
-        )?;
-        let m = stats.merge;
-        pb.set_length(m.total_bytes);
-        pb.set_position(m.done_bytes);
-        if matches!(
-            m.state,
-            MergeState::Done | MergeState::Failed | MergeState::Cancelled
-        ) {
-            break m;
-        }
-    };
+    let end = follow(control, &pb)?;
     pb.finish();
     match args.output {
         OutputFormat::Json => print_json(&mut std::io::stdout().lock(), &end)?,

@@ -302,6 +302,12 @@ impl LiveCommit {
             locking,
             ..
         } = self;
+        // A change that took the mirror before it stopped copies on
+        // into the base: waited for (bounded), then the base is closed.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while Arc::strong_count(&mirror) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         drop(mirror);
         match Arc::try_unwrap(target) {
             Ok(t) => {

@@ -63,7 +63,7 @@ pub(super) struct Admitted<'s> {
 
 impl<'s> Admitted<'s> {
     pub(super) fn check(shared: &'s Shared, new: &'s Path) -> Result<Self, Failure> {
-        let right = shared.take_right()?;
+        let right = shared.take_right_to_replace()?;
         if !shared.is_active() {
             return Err(fail(
                 FailureKind::Inactive,

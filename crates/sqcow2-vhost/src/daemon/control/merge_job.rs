@@ -30,14 +30,17 @@ const BACKOFF: Duration = Duration::from_millis(20);
 #[derive(Debug, Default)]
 pub struct MergeJob {
     counters: Mutex<MergeCounters>,
-    running: AtomicBool,
+    pub(super) running: AtomicBool,
     cancel: AtomicBool,
     /// The daemon stops: no merge starts (set under the counters' lock).
     stopped: AtomicBool,
+    /// A live commit mirrors the served chain: nothing may replace it but
+    /// the commit's own switch (set before the commit takes the right).
+    committing: AtomicBool,
 }
 
 /// Clears `running` when the merge thread ends, however it ends.
-struct Running<'a>(&'a AtomicBool);
+pub(super) struct Running<'a>(pub(super) &'a AtomicBool);
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
@@ -49,8 +52,35 @@ fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
     Failure::new(kind, message)
 }
 
+/// Clears the commit flag when a live commit ends, however it ends.
+pub(super) struct Committing<'a>(pub(super) &'a AtomicBool);
+
+impl Drop for Committing<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// Checks a job's pacing options (a rate limit above 0, a p99 limit of
+/// at least 1.0x).
+pub(super) fn check_pacing(
+    rate_limit: Option<u64>,
+    max_p99_permille: Option<u32>,
+) -> Result<(), Failure> {
+    if rate_limit == Some(0) {
+        return Err(fail(FailureKind::BadRequest, "rate-limit must be above 0"));
+    }
+    if max_p99_permille.is_some_and(|p| p < 1000) {
+        return Err(fail(
+            FailureKind::BadRequest,
+            "max-p99-permille must be at least 1000 (1.0x the latency before the job)",
+        ));
+    }
+    Ok(())
+}
+
 impl MergeJob {
-    fn counters(&self) -> std::sync::MutexGuard<'_, MergeCounters> {
+    pub(super) fn counters(&self) -> std::sync::MutexGuard<'_, MergeCounters> {
         self.counters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -104,36 +134,51 @@ impl MergeJob {
         self.cancel.load(Ordering::Acquire)
     }
 
+    /// The flag [`Committing`] clears.
+    pub(super) fn committing_flag(&self) -> &AtomicBool {
+        &self.committing
+    }
+
+    /// Whether a cancel was asked for the running job.
+    pub(super) fn cancel_asked(&self) -> bool {
+        self.cancelled()
+    }
+
+    /// Whether a live commit mirrors the served chain (a snapshot, resize
+    /// or activation must not replace it).
+    pub(super) fn committing(&self) -> bool {
+        self.committing.load(Ordering::Acquire)
+    }
+
+    /// Takes the one job slot: `busy` if a merge or commit runs, refused
+    /// once the daemon stops. `commit`: the job is a live commit.
+    pub(super) fn claim(&self, commit: bool) -> Result<Running<'_>, Failure> {
+        let _c = self.counters();
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(fail(FailureKind::Busy, "the daemon is stopping"));
+        }
+        if self
+            .running
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(fail(FailureKind::Busy, "a merge or commit is running"));
+        }
+        self.cancel.store(false, Ordering::Release);
+        if commit {
+            self.committing.store(true, Ordering::Release);
+        }
+        Ok(Running(&self.running))
+    }
+
     /// Starts a merge: checks the range and creates the file now (an
     /// error is the reply), copies and switches in a background thread.
     pub fn start(shared: &Arc<Shared>, request: &MergeRequest) -> Result<MergeStarted, Failure> {
         let job = &shared.merge;
-        if request.rate_limit == Some(0) {
-            return Err(fail(FailureKind::BadRequest, "rate-limit must be above 0"));
-        }
-        if request.max_p99_permille.is_some_and(|p| p < 1000) {
-            return Err(fail(
-                FailureKind::BadRequest,
-                "max-p99-permille must be at least 1000 (1.0x the latency before the merge)",
-            ));
-        }
-        {
-            let _c = job.counters();
-            if job.stopped.load(Ordering::Acquire) {
-                return Err(fail(FailureKind::Busy, "the daemon is stopping"));
-            }
-            if job
-                .running
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
-            {
-                return Err(fail(FailureKind::Busy, "a merge is running"));
-            }
-            job.cancel.store(false, Ordering::Release);
-        }
+        check_pacing(request.rate_limit, request.max_p99_permille)?;
         // `running` is set before the activity is read: an inactivation
         // after this read ends the term, which the merge sees.
-        let running = Running(&job.running);
+        let running = job.claim(false)?;
         let Some(term) = shared.term() else {
             return Err(fail(FailureKind::Inactive, "the daemon is inactive"));
         };
@@ -225,7 +270,7 @@ impl MergeJob {
 }
 
 /// How a merge ended without its switch.
-enum MergeEnd {
+pub(super) enum MergeEnd {
     /// Stopped before the switch (its file removed): why.
     Cancelled(&'static str),
     /// An error.
@@ -239,13 +284,13 @@ impl From<String> for MergeEnd {
 }
 
 /// What a merge stopped by `merge-cancel` or a stop reports.
-const CANCELLED: &str = "cancelled";
+pub(super) const CANCELLED: &str = "cancelled";
 /// What a merge stopped by an inactivation (a handover) reports.
-const INACTIVATED: &str = "cancelled: the daemon was inactivated";
+pub(super) const INACTIVATED: &str = "cancelled: the daemon was inactivated";
 
 /// Why the merge begun in `term` must stop before its switch, if it
 /// must (for good: a cancel stays until the next merge, a term ends once).
-fn must_stop(shared: &Shared, term: Term) -> Option<&'static str> {
+pub(super) fn must_stop(shared: &Shared, term: Term) -> Option<&'static str> {
     if shared.merge.cancelled() {
         Some(CANCELLED)
     } else if !shared.holds(term) {
@@ -336,59 +381,99 @@ impl LatencyGuard {
     }
 }
 
+/// Paces a job's copy (a rate limit, the guest's p99) and keeps its
+/// progress in the counters.
+pub(super) struct Pacer<'a> {
+    shared: &'a Shared,
+    term: Term,
+    limit: Option<RateLimit>,
+    guard: Option<LatencyGuard>,
+    last_note: Instant,
+    done: u64,
+    total: u64,
+    written: u64,
+    throttled: Duration,
+}
+
+impl<'a> Pacer<'a> {
+    /// Measures the guest's baseline first when a p99 limit is asked.
+    pub(super) fn new(
+        shared: &'a Shared,
+        term: Term,
+        rate_limit: Option<u64>,
+        max_p99_permille: Option<u32>,
+    ) -> Pacer<'a> {
+        let job = &shared.merge;
+        let mut guard = None;
+        if let Some(permille) = max_p99_permille {
+            job.counters().state = MergeState::Measuring;
+            if let Some((g, base)) = LatencyGuard::measure(shared, permille) {
+                job.counters().baseline_p99_us = base;
+                guard = Some(g);
+            }
+            job.counters().state = MergeState::Copying;
+        }
+        Pacer {
+            shared,
+            term,
+            limit: rate_limit.map(RateLimit::new),
+            guard,
+            last_note: Instant::now(),
+            done: 0,
+            total: 0,
+            written: 0,
+            throttled: Duration::ZERO,
+        }
+    }
+
+    /// After a step of the copy: `(done, total)` bytes looked at, `written`
+    /// just now. Waits as the limits say; whether to go on.
+    pub(super) fn step(&mut self, done: u64, total: u64, written: u64) -> bool {
+        let (shared, term) = (self.shared, self.term);
+        self.written += written;
+        (self.done, self.total) = (done, total);
+        let stop = || must_stop(shared, term).is_some();
+        if let Some(l) = &mut self.limit {
+            self.throttled += l.charge_unless(written, &stop);
+        }
+        let mut p99 = None;
+        if let Some(g) = &mut self.guard {
+            let (w, p) = g.pace(shared, &stop);
+            self.throttled += w;
+            p99 = Some(p);
+        }
+        if self.last_note.elapsed() > Duration::from_millis(50) || done == total {
+            self.last_note = Instant::now();
+            self.note();
+            if let Some(p) = p99.filter(|p| *p > 0) {
+                shared.merge.counters().window_p99_us = p;
+            }
+        }
+        !stop()
+    }
+
+    /// Puts the progress in the counters.
+    pub(super) fn note(&self) {
+        let mut c = self.shared.merge.counters();
+        c.done_bytes = self.done;
+        c.total_bytes = self.total;
+        c.written_bytes = self.written;
+        c.throttled_ms = self.throttled.as_secs_f64() * 1e3;
+    }
+}
+
 fn run(
     shared: &Shared,
     term: Term,
     prepared: PreparedMerge,
     request: &MergeRequest,
 ) -> Result<(), MergeEnd> {
-    let job = &shared.merge;
     let locking = shared.options.locking;
-    let mut guard = None;
-    if let Some(permille) = request.max_p99_permille {
-        job.counters().state = MergeState::Measuring;
-        if let Some((g, base)) = LatencyGuard::measure(shared, permille) {
-            job.counters().baseline_p99_us = base;
-            guard = Some(g);
-        }
-        job.counters().state = MergeState::Copying;
-    }
-    let mut limit = request.rate_limit.map(RateLimit::new);
-    let mut last_note = Instant::now();
-    let (mut done_b, mut total_b, mut written_b, mut throttled) = (0, 0, 0, Duration::ZERO);
+    let mut pacer = Pacer::new(shared, term, request.rate_limit, request.max_p99_permille);
     let filled = prepared.fill(locking, &mut |done, total, written| {
-        written_b += written;
-        (done_b, total_b) = (done, total);
-        let stop = || must_stop(shared, term).is_some();
-        if let Some(l) = &mut limit {
-            throttled += l.charge_unless(written, &stop);
-        }
-        let mut p99 = None;
-        if let Some(g) = &mut guard {
-            let (w, p) = g.pace(shared, &stop);
-            throttled += w;
-            p99 = Some(p);
-        }
-        if last_note.elapsed() > Duration::from_millis(50) || done == total {
-            last_note = Instant::now();
-            let mut c = job.counters();
-            c.done_bytes = done_b;
-            c.total_bytes = total_b;
-            c.written_bytes = written_b;
-            c.throttled_ms = throttled.as_secs_f64() * 1e3;
-            if let Some(p) = p99.filter(|p| *p > 0) {
-                c.window_p99_us = p;
-            }
-        }
-        !stop()
+        pacer.step(done, total, written)
     });
-    {
-        let mut c = job.counters();
-        c.done_bytes = done_b;
-        c.total_bytes = total_b;
-        c.written_bytes = written_b;
-        c.throttled_ms = throttled.as_secs_f64() * 1e3;
-    }
+    pacer.note();
     if let Some(why) = must_stop(shared, term) {
         return Err(MergeEnd::Cancelled(why));
     }
@@ -407,7 +492,7 @@ fn run(
         return Err(MergeEnd::Cancelled(why));
     }
     let merged = published.map_err(|e| e.to_string())?;
-    job.counters().state = MergeState::Switching;
+    shared.merge.counters().state = MergeState::Switching;
     match switch(shared, term, &merged) {
         Ok(()) => Ok(()),
         Err(SwitchError::Inactivated) => {

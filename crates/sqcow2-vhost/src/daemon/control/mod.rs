@@ -1,6 +1,7 @@
 //! The control socket (`sqcow2 serve --control PATH`): one JSON object per
 //! line each way ([`protocol`]); see `docs/control-api.md`.
 
+mod commit_job;
 mod cpu_wait;
 mod index_builder;
 mod live_snapshot;
@@ -192,6 +193,20 @@ impl Shared {
             ));
         };
         self.refuse_if_stopping()?;
+        Ok(right)
+    }
+
+    /// [`Shared::take_right`] for a change that replaces the served
+    /// chain (a snapshot, a resize): `busy` too while a live commit
+    /// mirrors it.
+    fn take_right_to_replace(&self) -> Result<Exclusive<'_>, Failure> {
+        let right = self.take_right()?;
+        if self.merge.committing() {
+            return Err(fail(
+                FailureKind::Busy,
+                "a live commit is running: wait for it, or cancel it (commit-cancel)",
+            ));
+        }
         Ok(right)
     }
 
@@ -411,6 +426,9 @@ pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
         Command::Activate => activate(shared).map(|r| Reply::success(id.clone(), &r)),
         Command::Merge(request) => {
             MergeJob::start(shared, &request).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::Commit(request) => {
+            commit_job::start(shared, &request).map(|r| Reply::success(id.clone(), &r))
         }
         Command::MergeCancel => Ok(Reply::success(
             id.clone(),

@@ -42,6 +42,9 @@ pub enum Command {
     /// Start merging layers `first..=last` (below the top) into the new
     /// file `path`, in the background (progress in `stats`).
     Merge(MergeRequest),
+    /// Start committing the top (and the layers down to `base`) into
+    /// `base`, then serve from it (progress in `stats`, as a merge's).
+    Commit(CommitRequest),
     /// Cancel the running merge (its file is removed; the chain is left
     /// as it was).
     MergeCancel,
@@ -72,6 +75,36 @@ pub struct MergeRequest {
     /// recent window's p99 is above it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_p99_permille: Option<u32>,
+}
+
+/// What a `commit` request asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[serde(deny_unknown_fields)]
+pub struct CommitRequest {
+    /// The layer committed into (the top's backing file by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<LayerName>,
+    /// Most bytes per second the background copy writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<u64>,
+    /// Keep the guest's p99 latency within this many thousandths of its
+    /// value before the commit (as a merge's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_p99_permille: Option<u32>,
+}
+
+/// What `commit` answers (the commit goes on in the background).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct CommitStarted {
+    /// The layer committed into, served as the top once done.
+    pub base: PathBuf,
+    /// Its position in the chain.
+    pub position: usize,
+    /// The layers above it, lowest first: out of the chain once done,
+    /// left in place.
+    pub replaced: Vec<PathBuf>,
 }
 
 /// A layer in a request: its position or its file.
@@ -148,6 +181,9 @@ pub enum FailureKind {
     /// A merge could not start (bad range, existing file, another merge
     /// running).
     MergeFailed,
+    /// A live commit could not start (bad base, a base another process
+    /// uses, a read-only chain).
+    CommitFailed,
 }
 
 /// A failed request: its kind and a message for people.
@@ -339,7 +375,8 @@ impl Request {
             "info" => no_args(Command::Info),
             "activate" => no_args(Command::Activate),
             "inactivate" => no_args(Command::Inactivate),
-            "merge-cancel" => no_args(Command::MergeCancel),
+            "merge-cancel" | "commit-cancel" => no_args(Command::MergeCancel),
+            "commit" => args::<CommitRequest>("commit", object).map(Command::Commit),
             "snapshot" => args::<SnapshotArgs>("snapshot needs \"path\"", object)
                 .map(|a| Command::Snapshot { path: a.path }),
             "resize" => args::<ResizeArgs>("resize needs \"size\" (bytes)", object)
@@ -378,6 +415,18 @@ impl Request {
             Command::Inactivate => ("inactivate", vec![]),
             Command::MergeCancel => ("merge-cancel", vec![]),
             Command::Resize { size } => ("resize", vec![("size", Value::from(*size))]),
+            Command::Commit(c) => (
+                "commit",
+                match serde_json::to_value(c) {
+                    Ok(Value::Object(fields)) => {
+                        for (k, v) in fields {
+                            o.insert(k, v);
+                        }
+                        vec![]
+                    }
+                    _ => vec![],
+                },
+            ),
             Command::Merge(m) => (
                 "merge",
                 match serde_json::to_value(m) {
@@ -693,10 +742,24 @@ pub enum MergeState {
     Cancelled,
 }
 
-/// The last merge.
+/// What a background job of the daemon does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobKind {
+    /// A live merge: layers below the top into a new file.
+    #[default]
+    Merge,
+    /// A live commit: the top into a layer below, then served from it.
+    Commit,
+}
+
+/// The last merge or live commit (one at a time).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct MergeCounters {
+    /// Which job.
+    #[serde(default)]
+    pub kind: JobKind,
     /// Where it is.
     pub state: MergeState,
     /// The new file.
@@ -725,6 +788,9 @@ pub struct MergeCounters {
     pub layers_after: usize,
     /// The files no longer in the chain (left for the operator).
     pub replaced: Vec<PathBuf>,
+    /// A commit: bytes the guest's own changes had mirrored into the base.
+    #[serde(default)]
+    pub mirrored_bytes: u64,
     /// Why it failed or stopped.
     pub error: Option<String>,
 }

@@ -17,7 +17,7 @@ use super::{fail, Failure, Shared, SNAPSHOT_DRAIN_TIMEOUT};
 /// Grows the served disk to `size` bytes. Shrinking a served disk is
 /// refused (the guest's data past the end would go under it).
 pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure> {
-    let right = shared.take_right()?;
+    let right = shared.take_right_to_replace()?;
     if !shared.is_active() {
         return Err(fail(
             FailureKind::Inactive,

@@ -1,0 +1,306 @@
+//! A live commit (`commit` on the control socket): the top and the layers
+//! down to a base written into the base while the guest runs, then the
+//! base served as the top (QEMU's active block-commit and its pivot).
+//! Guest changes are mirrored into the base from a pause at the start,
+//! so the background copy has a fixed amount of work and always ends;
+//! the switch is a pause as short as a live snapshot's. It shares the
+//! merge's job slot, counters, pacing and cancel.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sqcow2_format::reshape::{prepare_live_commit, LayerRef, LiveCommit};
+use sqcow2_format::{Chain, ChainOptions, ErrorKind};
+use tracing::{info, warn};
+
+use super::merge_job::{
+    check_pacing, must_stop, Committing, MergeEnd, Pacer, Resume, Running, CANCELLED, INACTIVATED,
+};
+use super::protocol::{
+    CommitRequest, CommitStarted, Failure, FailureKind, JobKind, MergeCounters, MergeState,
+};
+use super::{Shared, Term, SNAPSHOT_DRAIN_TIMEOUT};
+use crate::device::handle::{Exclusive, Quiesced};
+
+fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
+    Failure::new(kind, message)
+}
+
+/// Starts a live commit: checks it, opens the base for writing (refused
+/// if another process uses it, before anything is written) and starts
+/// mirroring inside a pause; the copy and the switch run in a thread.
+pub(super) fn start(
+    shared: &Arc<Shared>,
+    request: &CommitRequest,
+) -> Result<CommitStarted, Failure> {
+    check_pacing(request.rate_limit, request.max_p99_permille)?;
+    let job = &shared.merge;
+    let running = job.claim(true)?;
+    let committing = Committing(job.committing_flag());
+    let Some(term) = shared.term() else {
+        return Err(fail(FailureKind::Inactive, "the daemon is inactive"));
+    };
+    // No snapshot, resize or handover replaces the chain from here on
+    // (each refuses while `committing`); none runs now.
+    let right = shared.take_right()?;
+    if !shared.holds(term) {
+        return Err(fail(FailureKind::Inactive, "the daemon is inactive"));
+    }
+    let chain = shared.handle.get();
+    let base: Option<LayerRef> = request.base.as_ref().map(Into::into);
+    let commit = prepare_live_commit(&chain, base.as_ref(), &shared.options).map_err(|e| {
+        let kind = match e.kind {
+            ErrorKind::Locked { .. } => FailureKind::Locked,
+            _ => FailureKind::CommitFailed,
+        };
+        fail(kind, e.to_string())
+    })?;
+    let quiet = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => quiet,
+        Err(pause) => {
+            let right = pause.resume();
+            abandon(shared, term, &chain, commit, Some(right));
+            return Err(fail(
+                FailureKind::IoError,
+                format!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"),
+            ));
+        }
+    };
+    let mirrored = commit.start_mirror(&quiet.current());
+    let right = quiet.resume();
+    if let Err(e) = mirrored {
+        abandon(shared, term, &chain, commit, Some(right));
+        return Err(fail(FailureKind::CommitFailed, e.to_string()));
+    }
+    drop(right);
+    let started = CommitStarted {
+        base: commit.base_path().to_path_buf(),
+        position: commit.base().0,
+        replaced: commit.replaced().to_vec(),
+    };
+    *job.counters() = MergeCounters {
+        kind: JobKind::Commit,
+        state: MergeState::Copying,
+        path: Some(started.base.clone()),
+        first: started.position + 1,
+        last: chain.top_index().0,
+        replaced: started.replaced.clone(),
+        ..MergeCounters::default()
+    };
+    info!(base = %started.base.display(), "live commit started");
+    let thread_shared = shared.clone();
+    let request = request.clone();
+    std::mem::forget(running);
+    std::mem::forget(committing);
+    let spawned = std::thread::Builder::new()
+        .name("sqcow2-commit".into())
+        .spawn(move || {
+            let shared = thread_shared;
+            let _running = Running(&shared.merge.running);
+            let _committing = Committing(shared.merge.committing_flag());
+            let begin = Instant::now();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run(&shared, term, &chain, commit, &request)
+            }));
+            let mut c = shared.merge.counters();
+            c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
+            match outcome {
+                Ok(Ok(())) => c.state = MergeState::Done,
+                Ok(Err(MergeEnd::Cancelled(why))) => {
+                    info!(why, "live commit cancelled");
+                    c.state = MergeState::Cancelled;
+                    c.error = Some(why.into());
+                }
+                Ok(Err(MergeEnd::Failed(e))) => {
+                    warn!(error = %e, "live commit failed");
+                    c.state = MergeState::Failed;
+                    c.error = Some(e);
+                }
+                Err(_) => {
+                    c.state = MergeState::Failed;
+                    c.error = Some("the commit panicked (a bug)".into());
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        // The commit went with the closure: dropped, its mirror still set
+        // on the chain would copy into a closed base. Stop serving writes
+        // rather than lose them silently.
+        shared
+            .handle
+            .get()
+            .fail("a live commit could not start its thread");
+        job.running.store(false, Ordering::Release);
+        job.committing_flag().store(false, Ordering::Release);
+        return Err(fail(
+            FailureKind::CommitFailed,
+            format!("cannot start the commit: {e}"),
+        ));
+    }
+    Ok(started)
+}
+
+fn run(
+    shared: &Shared,
+    term: Term,
+    chain: &Arc<Chain>,
+    commit: LiveCommit,
+    request: &CommitRequest,
+) -> Result<(), MergeEnd> {
+    let mut pacer = Pacer::new(shared, term, request.rate_limit, request.max_p99_permille);
+    let copied = commit.copy(chain, &mut |done, total, written| {
+        pacer.step(done, total, written)
+    });
+    pacer.note();
+    shared.merge.counters().mirrored_bytes = commit.mirrored_bytes();
+    if let Some(why) = must_stop(shared, term) {
+        abandon(shared, term, chain, commit, None);
+        return Err(MergeEnd::Cancelled(why));
+    }
+    if let Err(e) = copied {
+        abandon(shared, term, chain, commit, None);
+        return Err(MergeEnd::Failed(e.to_string()));
+    }
+    shared.merge.counters().state = MergeState::Switching;
+    switch(shared, term, chain, commit)
+}
+
+/// Stops a commit that will not switch, the guest running. Opening the
+/// base for writing changed it on disk (its sQcow2 mark, and its tables
+/// where the layers above hide it): the served chain is reopened in a
+/// pause, the base read as it is now, and the top's index, stale for
+/// the next open, built again. Not after an inactivation (the chain was
+/// replaced; the next activation opens it afresh).
+fn abandon(
+    shared: &Shared,
+    term: Term,
+    chain: &Chain,
+    commit: LiveCommit,
+    right: Option<Exclusive<'_>>,
+) {
+    commit.abandon(chain);
+    let right = right.unwrap_or_else(|| shared.handle.exclusive());
+    if !shared.holds(term) {
+        return;
+    }
+    shared.index_builder.suspend();
+    let resumed = Resume(shared);
+    let right = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => {
+            reopen(shared, &quiet);
+            quiet.resume()
+        }
+        Err(pause) => {
+            warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the chain is reopened at the next start");
+            pause.resume()
+        }
+    };
+    // Builds run again before the right is given back.
+    drop(resumed);
+    drop(right);
+}
+
+/// Inside a pause: the served chain opened again (its open files reused,
+/// each layer's tables read as they are now; the top's index rebuilt in
+/// the background). On an error the old chain serves on (it reads the
+/// same data).
+fn reopen(shared: &Shared, quiet: &Quiesced<'_>) {
+    let old = quiet.current();
+    let options = ChainOptions {
+        stale_index_expected: true,
+        ..shared.options.clone()
+    };
+    let top = old.top().path().to_path_buf();
+    let reopened = old
+        .flush_clean()
+        .and_then(|()| Chain::open_reusing(&top, &options, &old));
+    match reopened {
+        Ok(chain) => {
+            old.handover().release_top();
+            drop(quiet.replace(chain));
+        }
+        Err(e) => {
+            warn!(error = %e, "reopening the chain after an abandoned commit failed: serving it as it was")
+        }
+    }
+}
+
+/// The pause: requests drained, mirroring stopped, the base made durable
+/// and put in place as the served chain's top; the old chain (its top
+/// closed clean) dropped after the pause; the new top's index built after.
+fn switch(
+    shared: &Shared,
+    term: Term,
+    chain: &Arc<Chain>,
+    commit: LiveCommit,
+) -> Result<(), MergeEnd> {
+    let right = shared.handle.exclusive();
+    if !shared.holds(term) {
+        abandon(shared, term, chain, commit, Some(right));
+        return Err(MergeEnd::Cancelled(INACTIVATED));
+    }
+    if shared.merge.cancel_asked() {
+        abandon(shared, term, chain, commit, Some(right));
+        return Err(MergeEnd::Cancelled(CANCELLED));
+    }
+    // Most of what the mirror wrote, written back and synced while the
+    // guest runs: the flush in the pause has little left.
+    if let Err(e) = commit.flush() {
+        abandon(shared, term, chain, commit, Some(right));
+        return Err(MergeEnd::Failed(format!("flushing the base: {e}")));
+    }
+    shared.index_builder.suspend();
+    let resumed = Resume(shared);
+    let start = Instant::now();
+    let (right, switched) = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => {
+            let current = quiet.current();
+            let switched = if Arc::ptr_eq(&current, chain) {
+                commit
+                    .finish(&current)
+                    .map(|base| {
+                        let top = base.top().path().display().to_string();
+                        let old = quiet.replace(base);
+                        // Logged before any request reaches the base: a
+                        // log without it means the old top has them all.
+                        info!(top, "live commit switched: serving the base");
+                        old
+                    })
+                    .map_err(|e| {
+                        // Abandoned: the chain read afresh (see `abandon`).
+                        reopen(shared, &quiet);
+                        format!("switching to the base: {e}")
+                    })
+            } else {
+                commit.abandon(chain);
+                Err("the served chain was replaced during the commit (a bug)".to_string())
+            };
+            (quiet.resume(), switched)
+        }
+        Err(pause) => {
+            commit.abandon(chain);
+            (
+                pause.resume(),
+                Err(format!(
+                    "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
+                )),
+            )
+        }
+    };
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    drop(resumed);
+    drop(right);
+    // The old chain, dropped here by the caller's last reference: its top
+    // is written back and left clean, outside the pause.
+    let old = switched.map_err(MergeEnd::Failed)?;
+    let layers = shared.handle.get().layers().len();
+    {
+        let mut c = shared.merge.counters();
+        c.pause_ms = pause_ms;
+        c.layers_after = layers;
+    }
+    drop(old);
+    info!(layers, pause_ms, "live commit done");
+    Ok(())
+}
