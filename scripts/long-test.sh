@@ -29,6 +29,10 @@
 #       `kills_during_live_merges_leave_the_old_chain_or_the_new_one`; the
 #       test run does 4): the chain from before the merge or after it, each
 #       completed write read back, the same checks at the end.
+#   scripts/long-test.sh kill-commits [ROUNDS=50] [SEED=43]
+#       kill -9 at random moments of live commits (live_commit.rs
+#       `kills_during_live_commits_lose_no_completed_write`; the test run
+#       does 8): the top the log names has every completed write.
 #   scripts/long-test.sh guest-restart [RESTARTS=50] [SEED]
 #       A QEMU guest writes, flushes, reads back and verifies blocks on a
 #       served 20-layer chain while the daemon is killed with kill -9 and
@@ -80,6 +84,10 @@ case $name in
     export SQCOW2_MERGE_KILLS=${1:-50} SQCOW2_MERGE_SEED=${2:-41}
     run_tests "kills during|^test |test result|panicked|failed" \
       --test live_merge kills_during_live_merges -- --nocapture ;;
+  kill-commits)
+    export SQCOW2_COMMIT_KILLS=${1:-50} SQCOW2_COMMIT_SEED=${2:-43}
+    run_tests "kills during|^test |test result|panicked|failed" \
+      --test live_commit kills_during_live_commits -- --nocapture ;;
   guest-restart)
     ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
     ensure_commands qemu-img:qemu-utils qemu-io:qemu-utils

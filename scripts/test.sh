@@ -29,6 +29,6 @@ echo "==> cargo test"
 cargo test --workspace --locked "$@"
 echo "==> crash and restart tests again with serve --cache none"
 SQCOW2_TEST_CACHE=none cargo test -p sqcow2-cli --locked --test crash_loop \
-    --test guest_restart --test vhost_inflight --test live_snapshot "$@"
+    --test guest_restart --test vhost_inflight --test live_snapshot --test live_commit "$@"
 echo "==> fuzzing (seeds, regressions, then ${SQCOW2_FUZZ_SECONDS:-15} s per target)"
 scripts/fuzz.sh "${SQCOW2_FUZZ_SECONDS:-15}"

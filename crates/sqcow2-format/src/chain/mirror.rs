@@ -1,13 +1,18 @@
-//! A live commit's mirror: after each guest write, write-zeroes or
-//! discard on the served chain, the view of that range where the layers
-//! from `from` up decide it is copied into the top of another chain (the
-//! commit's base). A background copy of the same view takes the same
-//! range locks, so whichever copy of a range runs last reads the newest
-//! view: the target ends equal to the view, whatever the guest writes.
+//! A live commit's mirror: what the guest changes on the served chain
+//! (writes, write-zeroes, discards) reaches the top of another chain (the
+//! commit's base), as the view of the range where the layers from `from`
+//! up decide it. Asynchronous first: a change marks its clusters
+//! ([`ChangedClusters`]) and completes; the commit's copier copies them
+//! later. Then synchronous ([`Mirror::go_synchronous`]): each change
+//! copies its own range before it completes, so the copier's remaining
+//! work is fixed and the commit ends whatever the guest writes. Copies of
+//! a range take the same range locks, so whichever runs last reads the
+//! newest view: the target ends equal to the view.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
+use super::changed::ChangedClusters;
 use super::{Chain, ExtentKind};
 use crate::error::Error;
 use crate::types::{GuestOffset, LayerIndex};
@@ -78,8 +83,15 @@ pub(crate) struct Mirror {
     /// The first copy that failed (the guest's request itself succeeded:
     /// the commit fails instead).
     failure: Mutex<Option<String>>,
-    /// Bytes the mirror wrote into the target.
+    /// Bytes the guest's changes had copied into the target.
     written: AtomicU64,
+    /// Changes copy their own range (else they mark their clusters).
+    synchronous: AtomicBool,
+    /// Changes that found the mirror asynchronous and have not marked
+    /// their clusters yet.
+    marking: AtomicUsize,
+    changed: ChangedClusters,
+    cluster_size: u64,
 }
 
 /// What one copy of a range wrote.
@@ -92,14 +104,62 @@ pub(crate) struct RangeCopied {
 }
 
 impl Mirror {
-    pub(crate) fn new(target: Arc<Chain>, from: LayerIndex) -> Mirror {
+    /// An asynchronous mirror of a chain of `size` guest bytes in
+    /// clusters of `cluster_size`.
+    pub(crate) fn new(
+        target: Arc<Chain>,
+        from: LayerIndex,
+        size: u64,
+        cluster_size: u64,
+    ) -> Mirror {
         Mirror {
             target,
             from,
             locks: RangeLocks::default(),
             failure: Mutex::new(None),
             written: AtomicU64::new(0),
+            synchronous: AtomicBool::new(false),
+            marking: AtomicUsize::new(0),
+            changed: ChangedClusters::new(size.div_ceil(cluster_size)),
+            cluster_size,
         }
+    }
+
+    /// From now on each change copies its own range; returns once every
+    /// change that marked clusters instead has marked them (what is
+    /// marked then is all the copier has left to do).
+    pub(crate) fn go_synchronous(&self) {
+        self.synchronous.store(true, Ordering::SeqCst);
+        while self.marking.load(Ordering::SeqCst) > 0 {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Clusters changed and not copied yet.
+    pub(crate) fn changed_clusters(&self) -> u64 {
+        self.changed.count()
+    }
+
+    /// Copies the clusters changed since the last call (at most
+    /// `max_run` at once), calling `pace(bytes written)` after each run;
+    /// `Ok(false)` when `pace` said stop.
+    pub(crate) fn copy_changed(
+        &self,
+        source: &Chain,
+        max_run: u64,
+        pace: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<bool, Error> {
+        let mut buf = Vec::new();
+        let cs = self.cluster_size;
+        let size = source.virtual_size();
+        self.changed.take(max_run, &mut |first, n| {
+            let start = first * cs;
+            let len = (n * cs).min(size - start);
+            let c = self.copy_range(source, start, len, &mut buf)?;
+            let bytes = c.data_bytes + c.zero_bytes;
+            self.written.fetch_add(bytes, Ordering::Relaxed);
+            Ok(pace(bytes))
+        })
     }
 
     /// Copies the view of `source` over `[offset, offset + len)` into the
@@ -142,9 +202,19 @@ impl Mirror {
     /// After the guest changed `[offset, offset + len)` of `source`: the
     /// range copied; a failure is kept for the commit, not returned.
     pub(crate) fn after_change(&self, source: &Chain, offset: u64, len: u64) {
-        if self.failed() {
+        if self.failed() || len == 0 {
             return;
         }
+        // Counted before the mode is read: `go_synchronous` waits for a
+        // change that read "asynchronous" until its clusters are marked.
+        self.marking.fetch_add(1, Ordering::SeqCst);
+        if !self.synchronous.load(Ordering::SeqCst) {
+            let cs = self.cluster_size;
+            self.changed.mark(offset / cs, (offset + len - 1) / cs);
+            self.marking.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        self.marking.fetch_sub(1, Ordering::SeqCst);
         let mut buf = Vec::new();
         match self.copy_range(source, offset, len, &mut buf) {
             Ok(c) => {

@@ -2,6 +2,7 @@
 //! layer by layer or through the chain index ([`walk`], [`resolved`]), read
 //! and written like QEMU reads and writes it ([`io`]).
 
+mod changed;
 mod covering;
 mod io;
 pub(crate) mod mirror;

@@ -21,8 +21,16 @@ use crate::types::LayerIndex;
 use super::copy::{has_short_layers, Pace};
 use super::{find_layer, invalid, LayerRef};
 
-/// Guest bytes the background copy holds (and copies) at once.
-const CHUNK: u64 = 1 << 20;
+/// Guest bytes the background copy holds (and copies) at once: a guest
+/// change of the same range waits for it (asynchronous mirror: only the
+/// copy of its clusters, later, does).
+const CHUNK: u64 = 256 << 10;
+/// Changed clusters left below which the mirror goes synchronous (the
+/// guest's changes then wait for their copies until the rest is copied).
+const SYNCHRONOUS_BELOW: u64 = 256;
+/// Passes over the changed clusters at most before it goes synchronous
+/// (each must at least halve what is left).
+const ASYNC_PASSES: u32 = 16;
 
 /// A live commit prepared on a served chain: the base open for writing
 /// (its image lock taken, so no other process uses it), not yet mirrored.
@@ -167,7 +175,12 @@ pub fn prepare_live_commit(
     }
     let target = Arc::new(target);
     Ok(LiveCommit {
-        mirror: Arc::new(Mirror::new(target.clone(), from)),
+        mirror: Arc::new(Mirror::new(
+            target.clone(),
+            from,
+            chain.virtual_size(),
+            chain.cluster_size(),
+        )),
         target,
         base,
         replaced: chain.layers()[from.0..]
@@ -221,6 +234,15 @@ impl LiveCommit {
     pub fn copy(&self, chain: &Chain, pace: Pace<'_>) -> Result<LiveCopied, Error> {
         self.check_chain(chain)?;
         let size = chain.virtual_size();
+        let cancelled = || {
+            Error::new(
+                &self.base_path,
+                ErrorKind::Io(std::io::Error::new(
+                    std::io::ErrorKind::Interrupted,
+                    "cancelled",
+                )),
+            )
+        };
         let mut buf = Vec::new();
         let mut copied = LiveCopied::default();
         let mut pos = 0;
@@ -234,14 +256,39 @@ impl LiveCommit {
             copied.zero_bytes += c.zero_bytes;
             pos += n;
             if !pace(pos, size, c.data_bytes + c.zero_bytes) {
-                return Err(Error::new(
-                    &self.base_path,
-                    ErrorKind::Io(std::io::Error::new(
-                        std::io::ErrorKind::Interrupted,
-                        "cancelled",
-                    )),
-                ));
+                return Err(cancelled());
             }
+        }
+        // What the guest changed meanwhile, pass after pass while that
+        // shrinks fast; then the mirror goes synchronous and the rest
+        // (marked, and fixed from then on) is copied once.
+        let cluster_runs = (CHUNK / chain.cluster_size()).max(1);
+        let mut passes = 0;
+        let mut before = u64::MAX;
+        loop {
+            let left = self.mirror.changed_clusters();
+            let converging = left.saturating_mul(2) <= before;
+            if left <= SYNCHRONOUS_BELOW || passes >= ASYNC_PASSES || !converging {
+                break;
+            }
+            before = left;
+            passes += 1;
+            if !self
+                .mirror
+                .copy_changed(chain, cluster_runs, &mut |w| pace(size, size, w))?
+            {
+                return Err(cancelled());
+            }
+        }
+        self.mirror.go_synchronous();
+        if !self
+            .mirror
+            .copy_changed(chain, cluster_runs, &mut |w| pace(size, size, w))?
+        {
+            return Err(cancelled());
+        }
+        if let Some(why) = self.mirror.failure() {
+            return Err(invalid(&self.base_path, why));
         }
         Ok(copied)
     }
@@ -268,6 +315,13 @@ impl LiveCommit {
     /// chain is as before).
     pub fn finish(self, chain: &Chain) -> Result<Chain, Error> {
         chain.stop_mirror();
+        // Nothing is left once the copy has ended (the mirror synchronous);
+        // copied here if something is, as a guard.
+        let left = self.mirror.copy_changed(chain, 16, &mut |_| true);
+        if let Err(e) = left {
+            self.abandon(chain);
+            return Err(e);
+        }
         if let Some(why) = self.mirror.failure() {
             let e = invalid(&self.base_path, why);
             self.abandon(chain);
@@ -437,8 +491,15 @@ mod tests {
                 })
                 .unwrap();
             assert!(copied.data_bytes > 0);
+            // The guest goes on: its changes copy themselves now.
+            std::thread::sleep(std::time::Duration::from_millis(30));
             done.store(true, Ordering::Relaxed);
         });
+        assert_eq!(
+            commit.mirror.changed_clusters(),
+            0,
+            "changes after the copy were left for the switch"
+        );
         assert!(
             commit.mirrored_bytes() > 0,
             "the guest's writes were mirrored"

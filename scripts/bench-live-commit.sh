@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Deleting the newest snapshot while the guest runs: the top of a
+# two-layer chain (SIZE disk, FILL of its clusters written in each layer:
+# 4G and 0.25 put 1 GiB in the top) committed into its backing file,
+# which is then served, while a libblkio client runs a 70/30 random
+# read/write load (4 KiB, depth 16, one queue): client IOPS and p99
+# before, during and after, the commit's duration and pause, bytes the
+# guest's own writes mirrored, the daemon's peak RSS.
+#   sqcow2 commit --live (no limit), and with --max-p99-ratio 1.2;
+#   qemu-storage-daemon (aio=io_uring, polling iothread): QMP block-commit
+#   of the active layer, block-job-complete once the job is ready (the
+#   pivot), as libvirt's blockcommit --active --pivot does.
+#
+#   scripts/bench-live-commit.sh [SIZE=4G] [FILL=0.25] [DIR=/tmp/sqcow2-commit]
+# Prints a markdown table; raw results in DIR/results.jsonl. QSD=path runs
+# another qemu-storage-daemon than the installed one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/deps.sh
+ensure_commands qemu-storage-daemon:qemu-system-x86
+ensure_commands qemu-img:qemu-utils
+qsd_bin=${QSD:-qemu-storage-daemon}
+layers=2
+size=${1:-4G}
+fill=${2:-0.25}
+root=${3:-/tmp/sqcow2-commit}
+phase_s=${PHASE_S:-10}
+slice_s=${SLICE_S:-3}
+timeout_s=${TIMEOUT_S:-300}
+cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
+bin=$PWD/target/release/sqcow2
+bench=$PWD/target/release/sqcow2-bench
+rm -rf "$root" && mkdir -p "$root"
+out=$root/results.jsonl
+: >"$out"
+
+load() { # SOCKET SECONDS -> one JSON line
+  "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" --output json | tr -d '\n'
+  echo
+}
+
+peak_rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+record() { # WHO PHASE JSON-FILE-OF-SLICES EXTRA-JSON
+  python3 - "$@" >>"$out" <<'PY'
+import json, sys
+who, phase, path, extra = sys.argv[1:5]
+slices = [json.loads(l) for l in open(path) if l.strip()]
+ops = sum(s["ios"] for s in slices)
+secs = sum(s["seconds"] for s in slices)
+rec = {"who": who, "phase": phase, "slices": len(slices),
+       "iops": ops / secs if secs else 0.0,
+       "p99_us": max((s["lat_p99_us"] for s in slices), default=0.0),
+       "errors": sum(s["errors"] for s in slices)}
+rec.update(json.loads(extra))
+print(json.dumps(rec))
+PY
+}
+
+fresh_chain() { # DIR -> top
+  rm -rf "$1" && mkdir -p "$1"
+  (cd "$1" && "$bin" gen-chain --layers "$layers" --size "$size" --fill "$fill" --seed 7 . | tail -1)
+}
+
+run_sqcow2() { # WHO [commit options...]
+  local who=$1; shift
+  local dir=$root/$who
+  echo "==> $who: generating $layers layers of $size" >&2
+  local top; top=$(fresh_chain "$dir")
+  cd "$dir"
+  local base; base=$(qemu-img info --output json "$top" | python3 -c 'import json,sys; print(json.load(sys.stdin)["full-backing-filename"])')
+  "$bin" serve --socket v.sock --control c.sock --pidfile serve.pid "$top" 2>serve.log &
+  while [ ! -f serve.pid ]; do sleep 0.1; done
+  local pid; pid=$(cat serve.pid)
+  while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
+  echo "==> $who: before" >&2
+  load v.sock "$phase_s" >before.jsonl
+  record "$who" before before.jsonl "{}"
+  echo "==> $who: committing the top" >&2
+  : >during.jsonl
+  # The load runs before the commit starts: a latency-paced commit
+  # measures the guest's p99 over its first second.
+  load v.sock "$slice_s" >>during.jsonl &
+  local first=$!
+  sleep 0.5
+  "$bin" commit --live --no-wait "$@" c.sock >/dev/null
+  wait "$first"
+  while :; do
+    local state
+    state=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; print(json.load(sys.stdin)["merge"]["state"])')
+    case $state in done|failed|cancelled) break ;; esac
+    load v.sock "$slice_s" >>during.jsonl
+  done
+  local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
+  record "$who" during during.jsonl "$commit_json"
+  echo "==> $who: after" >&2
+  load v.sock "$phase_s" >after.jsonl
+  record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  qemu-img check -q "$base"
+  cd - >/dev/null
+  rm -rf "$dir"
+}
+
+qmp() { # SOCKET COMMAND-JSON... -> replies
+  python3 - "$@" <<'PY'
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rw")
+f.readline()
+def call(c):
+    f.write(c + "\n"); f.flush()
+    while True:
+        r = json.loads(f.readline())
+        if "return" in r or "error" in r:
+            return r
+call('{"execute": "qmp_capabilities"}')
+for c in sys.argv[2:]:
+    print(json.dumps(call(c)))
+PY
+}
+
+run_qsd() {
+  local who=qsd-commit dir=$root/qsd-commit
+  echo "==> $who: generating $layers layers of $size" >&2
+  local top; top=$(fresh_chain "$dir")
+  cd "$dir"
+  local base; base=$(qemu-img info --output json "$top" | python3 -c 'import json,sys; print(json.load(sys.stdin)["full-backing-filename"])')
+  ulimit -n "$(ulimit -Hn)"
+  "$qsd_bin" \
+    --object iothread,id=iot0,poll-max-ns=32768 \
+    --chardev socket,id=qmp,path=qmp.sock,server=on,wait=off --monitor chardev=qmp \
+    --blockdev "driver=file,node-name=file,filename=$top,aio=io_uring" \
+    --blockdev "driver=qcow2,node-name=disk,file=file" \
+    --export "type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0" \
+    --pidfile qsd.pid 2>qsd.log &
+  while [ ! -S v.sock ] || [ ! -f qsd.pid ]; do sleep 0.1; done
+  local pid; pid=$(cat qsd.pid)
+  echo "==> $who: before" >&2
+  load v.sock "$phase_s" >before.jsonl
+  record "$who" before before.jsonl "{}"
+  echo "==> $who: block-commit of the active layer, then block-job-complete" >&2
+  local t0; t0=$(date +%s.%N)
+  qmp qmp.sock '{"execute": "block-commit", "arguments": {"job-id": "c", "device": "disk"}}' >commit.json
+  : >during.jsonl
+  local state=running
+  while :; do
+    local jobs; jobs=$(qmp qmp.sock '{"execute": "query-block-jobs"}')
+    if ! grep -q '"device": "c"' <<<"$jobs"; then state=done; break; fi
+    if grep -q '"ready": true' <<<"$jobs"; then
+      qmp qmp.sock '{"execute": "block-job-complete", "arguments": {"device": "c"}}' >complete.json
+    fi
+    if python3 -c "import sys,time; sys.exit(0 if time.time() - $t0 > $timeout_s else 1)"; then state=timeout; break; fi
+    load v.sock "$slice_s" >>during.jsonl
+  done
+  local ms; ms=$(python3 -c "import time; print((time.time() - $t0) * 1000)")
+  record "$who" during during.jsonl "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
+  if [ "$state" = done ]; then
+    echo "==> $who: after" >&2
+    load v.sock "$phase_s" >after.jsonl
+    record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
+  fi
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  [ "$state" != done ] || qemu-img check -q "$base"
+  cd - >/dev/null
+  rm -rf "$dir"
+}
+
+run_sqcow2 sqcow2
+run_sqcow2 sqcow2-p99-1.2 --max-p99-ratio 1.2
+[ -n "${SKIP_QSD:-}" ] || run_qsd
+
+python3 - "$out" "$size" "$fill" <<'PY'
+import json, sys
+path, size, fill = sys.argv[1:4]
+rows = [json.loads(l) for l in open(path)]
+by = {}
+for r in rows:
+    by.setdefault(r["who"], {})[r["phase"]] = r
+print(f"two layers of {size}, {float(fill)*100:g} % of the clusters written in each; load: 70/30 random read/write, 4 KiB, depth 16, 1 queue\n")
+print("| server | commit | duration | pause | mirrored | IOPS before | during | after | p99 before | during | after | peak RSS |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for who, ph in by.items():
+    b, d, a = ph.get("before", {}), ph.get("during", {}), ph.get("after", {})
+    how = {"sqcow2": "commit --live", "sqcow2-p99-1.2": "commit --live --max-p99-ratio 1.2", "qsd-commit": "block-commit + block-job-complete"}.get(who, who)
+    pause = f'{d["pause-ms"]:.2f} ms' if d.get("pause-ms") is not None else "–"
+    mirrored = f'{d["mirrored-bytes"]/2**20:,.0f} MiB' if "mirrored-bytes" in d else "–"
+    rss = f'{a["peak_rss_kib"]/1024:.1f} MiB' if "peak_rss_kib" in a else "–"
+    f = lambda r, k, fmt: (fmt.format(r[k]) if k in r else "–")
+    print(f'| {who} | {how} ({d.get("state", "?")}) | {d.get("merge_ms", 0)/1000:.1f} s | {pause} | {mirrored} | '
+          f'{f(b, "iops", "{:,.0f}")} | {f(d, "iops", "{:,.0f}")} | {f(a, "iops", "{:,.0f}")} | '
+          f'{f(b, "p99_us", "{:,.0f} µs")} | {f(d, "p99_us", "{:,.0f} µs")} | {f(a, "p99_us", "{:,.0f} µs")} | {rss} |')
+errors = sum(r.get("errors", 0) for r in rows)
+print(f"\nclient request errors: {errors}")
+PY
