@@ -136,21 +136,11 @@ pub fn prepare_live_commit(
     let served_lock = served_base.locks();
     if let Some(had) = served_lock {
         served_base
-            .lock(
-                LockRequest {
-                    held: had.held,
-                    unshared: Perms::NONE,
-                },
-                options.locking,
-            )
+            .lock(relaxed(had), options.locking)
             .map_err(|k| Error::new(&base_path, k))?;
     }
     let restore = |e: Error| {
-        if let Some(had) = served_lock {
-            if let Err(k) = served_base.lock(had, options.locking) {
-                tracing::warn!(base = %base_path.display(), error = %k, "putting the base's lock back");
-            }
-        }
+        put_lock_back(&served_base, served_lock, options.locking, &base_path);
         e
     };
     let target = Chain::open_expecting(
@@ -317,17 +307,15 @@ impl LiveCommit {
         chain.stop_mirror();
         // Nothing is left once the copy has ended (the mirror synchronous);
         // copied here if something is, as a guard.
-        let left = self.mirror.copy_changed(chain, 16, &mut |_| true);
-        if let Err(e) = left {
-            self.abandon(chain);
-            return Err(e);
-        }
-        if let Some(why) = self.mirror.failure() {
-            let e = invalid(&self.base_path, why);
-            self.abandon(chain);
-            return Err(e);
-        }
-        if let Err(e) = self.target.flush() {
+        let ready = self
+            .mirror
+            .copy_changed(chain, 16, &mut |_| true)
+            .and_then(|_| match self.mirror.failure() {
+                Some(why) => Err(invalid(&self.base_path, why)),
+                None => Ok(()),
+            })
+            .and_then(|()| self.target.flush());
+        if let Err(e) = ready {
             self.abandon(chain);
             return Err(e);
         }
@@ -335,16 +323,25 @@ impl LiveCommit {
             target,
             mirror,
             base_path,
+            served_base,
+            served_lock,
+            locking,
             ..
         } = self;
         drop(mirror);
-        Arc::try_unwrap(target)
-            .map_err(|_| invalid(&base_path, "the base is still in use (a bug)".into()))
+        Arc::try_unwrap(target).map_err(|target| {
+            // Still referenced (a bug): not served; the base stays open
+            // with it, and the served chain's lock is put back.
+            drop(target);
+            put_lock_back(&served_base, served_lock, locking, &base_path);
+            invalid(&base_path, "the base is still in use (a bug)".into())
+        })
     }
 
     /// Stops the commit: no more mirroring of `chain`, the base closed
     /// (what was written stays: the layers above hide it) and the served
-    /// chain's lock on it put back.
+    /// chain's lock on it put back (unless it changed meanwhile: an
+    /// inactivation dropped it, and it stays dropped).
     pub fn abandon(self, chain: &Chain) {
         chain.stop_mirror();
         let LiveCommit {
@@ -371,11 +368,34 @@ impl LiveCommit {
             }
             Err(_) => tracing::warn!(base = %base_path.display(), "the base is still in use"),
         }
-        if let Some(had) = served_lock {
-            if let Err(k) = served_base.lock(had, locking) {
-                tracing::warn!(base = %base_path.display(), error = %k, "putting the base's lock back");
-            }
-        }
+        put_lock_back(&served_base, served_lock, locking, &base_path);
+    }
+}
+
+/// The lock the served chain's description of the base holds while the
+/// base is written through another: as before, sharing writing.
+fn relaxed(had: LockRequest) -> LockRequest {
+    LockRequest {
+        held: had.held,
+        unshared: Perms::NONE,
+    }
+}
+
+/// Puts the served chain's lock on the base back to `had`, if the
+/// description still holds the relaxed one (compare and set: an
+/// inactivation that dropped every lock meanwhile keeps them dropped).
+fn put_lock_back(
+    served_base: &Arc<dyn Storage>,
+    had: Option<LockRequest>,
+    locking: Locking,
+    base_path: &Path,
+) {
+    let Some(had) = had else { return };
+    if served_base.locks() != Some(relaxed(had)) {
+        return;
+    }
+    if let Err(k) = served_base.lock(had, locking) {
+        tracing::warn!(base = %base_path.display(), error = %k, "putting the base's lock back");
     }
 }
 

@@ -7,7 +7,7 @@
 //! merge's job slot, counters, pacing and cancel.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use sqcow2_format::reshape::{prepare_live_commit, LayerRef, LiveCommit};
@@ -49,13 +49,23 @@ pub(super) fn start(
     }
     let chain = shared.handle.get();
     let base: Option<LayerRef> = request.base.as_ref().map(Into::into);
-    let commit = prepare_live_commit(&chain, base.as_ref(), &shared.options).map_err(|e| {
-        let kind = match e.kind {
-            ErrorKind::Locked { .. } => FailureKind::Locked,
-            _ => FailureKind::CommitFailed,
-        };
-        fail(kind, e.to_string())
-    })?;
+    // No index build (which marks layers, taking their locks) runs until
+    // the commit ends: its switch or its abandon lets them run again.
+    shared.index_builder.suspend();
+    let resumed = Resume(shared);
+    let commit = match prepare_live_commit(&chain, base.as_ref(), &shared.options) {
+        Ok(commit) => commit,
+        Err(e) => {
+            let kind = match e.kind {
+                ErrorKind::Locked { .. } => FailureKind::Locked,
+                _ => FailureKind::CommitFailed,
+            };
+            drop(resumed);
+            drop(right);
+            return Err(fail(kind, e.to_string()));
+        }
+    };
+    std::mem::forget(resumed);
     let quiet = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
         Ok(quiet) => quiet,
         Err(pause) => {
@@ -89,6 +99,11 @@ pub(super) fn start(
         ..MergeCounters::default()
     };
     info!(base = %started.base.display(), "live commit started");
+    // The commit goes to the thread through a slot, so that it can be
+    // abandoned here if the thread cannot start.
+    let slot = Arc::new(Mutex::new(Some(commit)));
+    let thread_slot = slot.clone();
+    let chain_here = chain.clone();
     let thread_shared = shared.clone();
     let request = request.clone();
     std::mem::forget(running);
@@ -100,8 +115,10 @@ pub(super) fn start(
             let _running = Running(&shared.merge.running);
             let _committing = Committing(shared.merge.committing_flag());
             let begin = Instant::now();
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                run(&shared, term, &chain, commit, &request)
+            let taken = lock_slot(&thread_slot).take();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match taken {
+                Some(commit) => run(&shared, term, &chain, commit, &request),
+                None => Err(MergeEnd::Failed("the commit was taken (a bug)".into())),
             }));
             let mut c = shared.merge.counters();
             c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
@@ -124,13 +141,10 @@ pub(super) fn start(
             }
         });
     if let Err(e) = spawned {
-        // The commit went with the closure: dropped, its mirror still set
-        // on the chain would copy into a closed base. Stop serving writes
-        // rather than lose them silently.
-        shared
-            .handle
-            .get()
-            .fail("a live commit could not start its thread");
+        // The thread never ran: the commit is still in the slot.
+        if let Some(commit) = lock_slot(&slot).take() {
+            abandon(shared, term, &chain_here, commit, None);
+        }
         job.running.store(false, Ordering::Release);
         job.committing_flag().store(false, Ordering::Release);
         return Err(fail(
@@ -139,6 +153,10 @@ pub(super) fn start(
         ));
     }
     Ok(started)
+}
+
+fn lock_slot(slot: &Mutex<Option<LiveCommit>>) -> MutexGuard<'_, Option<LiveCommit>> {
+    slot.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn run(
@@ -253,41 +271,44 @@ fn switch(
     shared.index_builder.suspend();
     let resumed = Resume(shared);
     let start = Instant::now();
-    let (right, switched) = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
-        Ok(quiet) => {
-            let current = quiet.current();
-            let switched = if Arc::ptr_eq(&current, chain) {
-                commit
-                    .finish(&current)
-                    .map(|base| {
-                        let top = base.top().path().display().to_string();
-                        let old = quiet.replace(base);
-                        // Logged before any request reaches the base: a
-                        // log without it means the old top has them all.
-                        info!(top, "live commit switched: serving the base");
-                        old
-                    })
-                    .map_err(|e| {
-                        // Abandoned: the chain read afresh (see `abandon`).
-                        reopen(shared, &quiet);
-                        format!("switching to the base: {e}")
-                    })
-            } else {
-                commit.abandon(chain);
-                Err("the served chain was replaced during the commit (a bug)".to_string())
-            };
-            (quiet.resume(), switched)
-        }
+    let quiet = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+        Ok(quiet) => quiet,
         Err(pause) => {
-            commit.abandon(chain);
-            (
-                pause.resume(),
-                Err(format!(
-                    "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
-                )),
-            )
+            // Abandoned with the guest running again.
+            let right = pause.resume();
+            drop(resumed);
+            abandon(shared, term, chain, commit, Some(right));
+            return Err(MergeEnd::Failed(format!(
+                "requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}"
+            )));
         }
     };
+    let current = quiet.current();
+    if !Arc::ptr_eq(&current, chain) {
+        let right = quiet.resume();
+        drop(resumed);
+        abandon(shared, term, chain, commit, Some(right));
+        return Err(MergeEnd::Failed(
+            "the served chain was replaced during the commit (a bug)".into(),
+        ));
+    }
+    let switched = commit
+        .finish(&current)
+        .map(|base| {
+            let top = base.top().path().display().to_string();
+            let old = quiet.replace(base);
+            // Logged before any request reaches the base: a log without it
+            // means the old top has them all.
+            info!(top, "live commit switched: serving the base");
+            old
+        })
+        .map_err(|e| {
+            // Abandoned: the chain read afresh (see `abandon`).
+            reopen(shared, &quiet);
+            format!("switching to the base: {e}")
+        });
+    drop(current);
+    let right = quiet.resume();
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
     drop(resumed);
     drop(right);
