@@ -98,6 +98,7 @@ run_sqcow2() { # WHO [commit options...]
   record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   qemu-img check -q "$base"
+  grep "live commit" serve.log | sed 's/\x1b\[[0-9;]*m//g' >&2 || true
   cd - >/dev/null
   rm -rf "$dir"
 }

@@ -1,11 +1,12 @@
-//! Clusters the guest changed that a live commit's copier has still to
-//! copy: one bit per guest cluster, set after the change is in the top,
-//! cleared by the copier before it reads the view (so a change that lands
-//! after the read sets the bit again and is copied again).
+//! What the guest changed that a live commit's copier has still to copy:
+//! one bit per granule of guest bytes (called clusters here), set after
+//! the change is in the top, cleared by the copier before it reads the
+//! view (so a change that lands after the read sets the bit again and is
+//! copied again).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A bitmap of guest clusters (1 TiB of 64 KiB clusters: 2 MiB).
+/// A bitmap of guest granules.
 #[derive(Debug)]
 pub(crate) struct ChangedClusters {
     words: Vec<AtomicU64>,

@@ -91,7 +91,15 @@ pub(crate) struct Mirror {
     /// their clusters yet.
     marking: AtomicUsize,
     changed: ChangedClusters,
-    cluster_size: u64,
+    /// Bytes per bit of `changed`.
+    granule: u64,
+}
+
+/// Bytes per bit of a mirror's change map: 4 KiB (a guest's usual write,
+/// so that the copier copies what changed, not whole clusters), larger
+/// for disks over 256 GiB (at most 8 MiB of bits).
+fn granule_for(size: u64) -> u64 {
+    size.div_ceil(1 << 26).next_power_of_two().max(4096)
 }
 
 /// What one copy of a range wrote.
@@ -104,14 +112,9 @@ pub(crate) struct RangeCopied {
 }
 
 impl Mirror {
-    /// An asynchronous mirror of a chain of `size` guest bytes in
-    /// clusters of `cluster_size`.
-    pub(crate) fn new(
-        target: Arc<Chain>,
-        from: LayerIndex,
-        size: u64,
-        cluster_size: u64,
-    ) -> Mirror {
+    /// An asynchronous mirror of a chain of `size` guest bytes.
+    pub(crate) fn new(target: Arc<Chain>, from: LayerIndex, size: u64) -> Mirror {
+        let granule = granule_for(size);
         Mirror {
             target,
             from,
@@ -120,8 +123,8 @@ impl Mirror {
             written: AtomicU64::new(0),
             synchronous: AtomicBool::new(false),
             marking: AtomicUsize::new(0),
-            changed: ChangedClusters::new(size.div_ceil(cluster_size)),
-            cluster_size,
+            changed: ChangedClusters::new(size.div_ceil(granule)),
+            granule,
         }
     }
 
@@ -135,22 +138,23 @@ impl Mirror {
         }
     }
 
-    /// Clusters changed and not copied yet.
-    pub(crate) fn changed_clusters(&self) -> u64 {
-        self.changed.count()
+    /// Bytes changed and not copied yet.
+    pub(crate) fn changed_bytes(&self) -> u64 {
+        self.changed.count() * self.granule
     }
 
-    /// Copies the clusters changed since the last call (at most
-    /// `max_run` at once), calling `pace(bytes written)` after each run;
-    /// `Ok(false)` when `pace` said stop.
+    /// Copies what changed since the last call (at most `max_bytes` at
+    /// once), calling `pace(bytes written)` after each run; `Ok(false)`
+    /// when `pace` said stop.
     pub(crate) fn copy_changed(
         &self,
         source: &Chain,
-        max_run: u64,
+        max_bytes: u64,
         pace: &mut dyn FnMut(u64) -> bool,
     ) -> Result<bool, Error> {
+        let max_run = (max_bytes / self.granule).max(1);
         let mut buf = Vec::new();
-        let cs = self.cluster_size;
+        let cs = self.granule;
         let size = source.virtual_size();
         self.changed.take(max_run, &mut |first, n| {
             let start = first * cs;
@@ -209,8 +213,8 @@ impl Mirror {
         // change that read "asynchronous" until its clusters are marked.
         self.marking.fetch_add(1, Ordering::SeqCst);
         if !self.synchronous.load(Ordering::SeqCst) {
-            let cs = self.cluster_size;
-            self.changed.mark(offset / cs, (offset + len - 1) / cs);
+            let g = self.granule;
+            self.changed.mark(offset / g, (offset + len - 1) / g);
             self.marking.fetch_sub(1, Ordering::SeqCst);
             return;
         }

@@ -25,9 +25,9 @@ use super::{find_layer, invalid, LayerRef};
 /// change of the same range waits for it (asynchronous mirror: only the
 /// copy of its clusters, later, does).
 const CHUNK: u64 = 256 << 10;
-/// Changed clusters left below which the mirror goes synchronous (the
+/// Changed bytes left below which the mirror goes synchronous (the
 /// guest's changes then wait for their copies until the rest is copied).
-const SYNCHRONOUS_BELOW: u64 = 256;
+const SYNCHRONOUS_BELOW: u64 = 4 << 20;
 /// Passes over the changed clusters at most before it goes synchronous
 /// (each must at least halve what is left).
 const ASYNC_PASSES: u32 = 16;
@@ -165,12 +165,7 @@ pub fn prepare_live_commit(
     }
     let target = Arc::new(target);
     Ok(LiveCommit {
-        mirror: Arc::new(Mirror::new(
-            target.clone(),
-            from,
-            chain.virtual_size(),
-            chain.cluster_size(),
-        )),
+        mirror: Arc::new(Mirror::new(target.clone(), from, chain.virtual_size())),
         target,
         base,
         replaced: chain.layers()[from.0..]
@@ -252,11 +247,10 @@ impl LiveCommit {
         // What the guest changed meanwhile, pass after pass while that
         // shrinks fast; then the mirror goes synchronous and the rest
         // (marked, and fixed from then on) is copied once.
-        let cluster_runs = (CHUNK / chain.cluster_size()).max(1);
         let mut passes = 0;
         let mut before = u64::MAX;
         loop {
-            let left = self.mirror.changed_clusters();
+            let left = self.mirror.changed_bytes();
             let converging = left.saturating_mul(2) <= before;
             if left <= SYNCHRONOUS_BELOW || passes >= ASYNC_PASSES || !converging {
                 break;
@@ -265,7 +259,7 @@ impl LiveCommit {
             passes += 1;
             if !self
                 .mirror
-                .copy_changed(chain, cluster_runs, &mut |w| pace(size, size, w))?
+                .copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))?
             {
                 return Err(cancelled());
             }
@@ -273,7 +267,7 @@ impl LiveCommit {
         self.mirror.go_synchronous();
         if !self
             .mirror
-            .copy_changed(chain, cluster_runs, &mut |w| pace(size, size, w))?
+            .copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))?
         {
             return Err(cancelled());
         }
@@ -309,7 +303,7 @@ impl LiveCommit {
         // copied here if something is, as a guard.
         let ready = self
             .mirror
-            .copy_changed(chain, 16, &mut |_| true)
+            .copy_changed(chain, CHUNK, &mut |_| true)
             .and_then(|_| match self.mirror.failure() {
                 Some(why) => Err(invalid(&self.base_path, why)),
                 None => Ok(()),
@@ -516,7 +510,7 @@ mod tests {
             done.store(true, Ordering::Relaxed);
         });
         assert_eq!(
-            commit.mirror.changed_clusters(),
+            commit.mirror.changed_bytes(),
             0,
             "changes after the copy were left for the switch"
         );

@@ -283,6 +283,7 @@ fn switch(
             )));
         }
     };
+    let drained_ms = start.elapsed().as_secs_f64() * 1e3;
     let current = quiet.current();
     if !Arc::ptr_eq(&current, chain) {
         let right = quiet.resume();
@@ -296,10 +297,14 @@ fn switch(
         .finish(&current)
         .map(|base| {
             let top = base.top().path().display().to_string();
+            let finished_ms = start.elapsed().as_secs_f64() * 1e3;
             let old = quiet.replace(base);
             // Logged before any request reaches the base: a log without it
             // means the old top has them all.
-            info!(top, "live commit switched: serving the base");
+            info!(
+                top,
+                drained_ms, finished_ms, "live commit switched: serving the base"
+            );
             old
         })
         .map_err(|e| {
