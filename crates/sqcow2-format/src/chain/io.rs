@@ -30,13 +30,16 @@ pub struct ReadExtent {
 }
 
 /// Where an in-place write goes: the top's own cluster.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct InPlaceTarget {
     /// Host offset of the first byte.
     pub host: HostOffset,
     /// The top's open file, pinned for the transfer (`None` when the top
     /// is not a file: write through [`Chain::write_at`]).
     pub file: Option<PinnedFile>,
+    /// While a live commit mirrors the chain: held until the data is
+    /// written, then dropped.
+    pub mark: Option<super::mirror::ChangeMark>,
 }
 
 impl Chain {
@@ -242,7 +245,9 @@ impl Chain {
         if let Some(active) = &self.active {
             active.flush(&self.fence)?;
         }
-        self.flush_below()
+        self.flush_below()?;
+        self.flush_mirror();
+        Ok(())
     }
 
     /// Flushes the old tops live snapshots left below this chain's top
@@ -517,9 +522,13 @@ impl Transfers<'_> {
         self.chain.check_range(offset.0, len)?;
         let active = self.chain.active()?;
         let cluster_size = self.chain.cluster_size();
-        if len == 0 || offset.0 % cluster_size + len > cluster_size || self.chain.mirroring() {
+        if len == 0 || offset.0 % cluster_size + len > cluster_size {
             return Ok(None);
         }
+        // Taken before the lookup: the write may land any time after.
+        let Ok(mark) = self.chain.in_place_mark(offset.0, len) else {
+            return Ok(None);
+        };
         let Some(host) = active.in_place_target(offset, len)? else {
             return Ok(None);
         };
@@ -529,7 +538,7 @@ impl Transfers<'_> {
             .storage()
             .pinned_file()
             .map_err(|e| Error::new(self.chain.top().path(), e.into()))?;
-        Ok(Some(InPlaceTarget { host, file }))
+        Ok(Some(InPlaceTarget { host, file, mark }))
     }
 
     /// [`crate::Transfers::in_place_target`] from cached metadata only: `None` also

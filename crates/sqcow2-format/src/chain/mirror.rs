@@ -102,6 +102,25 @@ fn granule_for(size: u64) -> u64 {
     size.div_ceil(1 << 26).next_power_of_two().max(4096)
 }
 
+/// A write the caller moves itself (io_uring, [`crate::Transfers`])
+/// into the top while a live commit mirrors it: hold it until the data is
+/// written; dropping it marks the range changed for the commit's copier
+/// (which cannot go synchronous until every mark is dropped).
+#[must_use = "drop it once the data is written, not before"]
+#[derive(Debug)]
+pub struct ChangeMark {
+    mirror: Arc<Mirror>,
+    offset: u64,
+    len: u64,
+}
+
+impl Drop for ChangeMark {
+    fn drop(&mut self) {
+        self.mirror.mark(self.offset, self.len);
+        self.mirror.marking.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// What one copy of a range wrote.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct RangeCopied {
@@ -128,14 +147,39 @@ impl Mirror {
         }
     }
 
-    /// From now on each change copies its own range; returns once every
-    /// change that marked clusters instead has marked them (what is
-    /// marked then is all the copier has left to do).
+    /// From now on each change copies its own range (and no in-place
+    /// write is allowed); returns once every change that marks instead
+    /// has marked (in-place writes in flight included: what is marked
+    /// then is all the copier has left to do).
     pub(crate) fn go_synchronous(&self) {
         self.synchronous.store(true, Ordering::SeqCst);
         while self.marking.load(Ordering::SeqCst) > 0 {
             std::thread::yield_now();
         }
+    }
+
+    fn mark(&self, offset: u64, len: u64) {
+        if len > 0 {
+            let g = self.granule;
+            self.changed.mark(offset / g, (offset + len - 1) / g);
+        }
+    }
+
+    /// For an in-place write of `[offset, offset + len)`: its mark while
+    /// the mirror is asynchronous; `None` once synchronous (the write
+    /// must go through [`Chain::write_at`], which copies it).
+    pub(crate) fn begin_in_place(self: &Arc<Self>, offset: u64, len: u64) -> Option<ChangeMark> {
+        // Counted before the mode is read, as in `after_change`.
+        self.marking.fetch_add(1, Ordering::SeqCst);
+        if self.synchronous.load(Ordering::SeqCst) {
+            self.marking.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(ChangeMark {
+            mirror: self.clone(),
+            offset,
+            len,
+        })
     }
 
     /// Bytes changed and not copied yet.
@@ -213,8 +257,7 @@ impl Mirror {
         // change that read "asynchronous" until its clusters are marked.
         self.marking.fetch_add(1, Ordering::SeqCst);
         if !self.synchronous.load(Ordering::SeqCst) {
-            let g = self.granule;
-            self.changed.mark(offset / g, (offset + len - 1) / g);
+            self.mark(offset, len);
             self.marking.fetch_sub(1, Ordering::SeqCst);
             return;
         }
@@ -260,7 +303,8 @@ impl Mirror {
 impl Chain {
     /// Guest changes from now on are mirrored into `mirror`'s target
     /// (call with no request in flight: a change under way now would not
-    /// be). In-place transfers stop: writes go through [`Chain::write_at`].
+    /// be). In-place transfers carry a [`ChangeMark`] while the mirror is
+    /// asynchronous and stop once it is synchronous.
     pub(crate) fn start_mirror(&self, mirror: Arc<Mirror>) {
         self.mirror.store(Some(mirror));
     }
@@ -270,8 +314,30 @@ impl Chain {
         self.mirror.store(None);
     }
 
+    #[cfg(test)]
     pub(crate) fn mirroring(&self) -> bool {
         self.mirror.load().is_some()
+    }
+
+    /// The mark an in-place write of `[offset, offset + len)` must hold:
+    /// `Ok(None)` without a mirror, `Err(())` when the mirror wants the
+    /// write through [`Chain::write_at`].
+    pub(super) fn in_place_mark(&self, offset: u64, len: u64) -> Result<Option<ChangeMark>, ()> {
+        match self.mirror.load_full() {
+            None => Ok(None),
+            Some(m) => m.begin_in_place(offset, len).map(Some).ok_or(()),
+        }
+    }
+
+    /// After a flush: a live commit's base flushed too, so that what the
+    /// guest flushed stays durable once the base is served in its place
+    /// (a failure fails the commit, not the flush: the top has it all).
+    pub(super) fn flush_mirror(&self) {
+        if let Some(m) = self.mirror.load_full() {
+            if let Err(e) = m.target.flush() {
+                m.fail(format!("flushing the base: {e}"));
+            }
+        }
     }
 
     /// Mirrors a change the guest made (no-op without a mirror).

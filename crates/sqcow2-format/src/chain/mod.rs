@@ -29,6 +29,7 @@ use sqcow2_cache::{Policy, SliceCache, StatsSnapshot};
 pub(crate) use covering::backing_name as backing_name_of;
 pub use covering::Installed;
 pub use io::{InPlaceTarget, ReadExtent};
+pub use mirror::ChangeMark;
 pub use successor::PreparedTop;
 pub use walk::backing_path_of;
 

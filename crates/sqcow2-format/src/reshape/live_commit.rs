@@ -293,9 +293,9 @@ impl LiveCommit {
         self.target.flush()
     }
 
-    /// The switch, with no request in flight: mirroring stops, the base is
-    /// made durable, and the chain to serve from now on (the base its
-    /// top) is returned. On an error the commit is abandoned (the served
+    /// The switch, with no request in flight, after [`LiveCommit::flush`]:
+    /// mirroring stops, the base's latest mappings are published, and the
+    /// chain to serve from now on (the base its top) is returned. On an error the commit is abandoned (the served
     /// chain is as before).
     pub fn finish(self, chain: &Chain) -> Result<Chain, Error> {
         chain.stop_mirror();
@@ -308,7 +308,11 @@ impl LiveCommit {
                 Some(why) => Err(invalid(&self.base_path, why)),
                 None => Ok(()),
             })
-            .and_then(|()| self.target.flush());
+            // Flushed before the pause (every copy of the background
+            // copy durable) and at each guest flush since: what the
+            // guest wrote since then needs only its mappings published to
+            // survive this process (as the top's do).
+            .and_then(|()| self.target.durability().publish());
         if let Err(e) = ready {
             self.abandon(chain);
             return Err(e);

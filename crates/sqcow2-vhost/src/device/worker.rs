@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slab::Slab;
-use sqcow2_format::{Chain, ExtentKind, GuestOffset, TransferTicket};
+use sqcow2_format::{Chain, ChangeMark, ExtentKind, GuestOffset, InPlaceTarget, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -84,6 +84,9 @@ struct InFlight {
     permit: RequestPermit,
     /// Held while data transfers of the request may still run.
     transfer: Option<TransferTicket>,
+    /// A live commit's marks of the in-place writes queued: dropped once
+    /// no ring transfer of the request runs (the data is written).
+    marks: Vec<ChangeMark>,
     /// Parts still being set up (blocks completion while set).
     submitting: bool,
     ring_pending: u32,
@@ -485,6 +488,7 @@ impl QueueWorker {
             transfer,
             submitting: true,
             ring_pending: 0,
+            marks: Vec::new(),
             jobs_pending: 0,
             failed: false,
             short: false,
@@ -602,6 +606,7 @@ impl QueueWorker {
         if f.submitting || f.ring_pending > 0 {
             return None;
         }
+        f.marks.clear();
         if f.jobs_pending > 0 {
             if f.may_leave_chain() {
                 // What is left are engine jobs, which look the chain up
@@ -659,8 +664,15 @@ impl QueueWorker {
                     }
                     None => None,
                 };
-                match target.and_then(|t| t.file.map(|file| (t.host, file))) {
-                    Some((host, file)) => {
+                match target {
+                    Some(InPlaceTarget {
+                        host,
+                        file: Some(file),
+                        mark,
+                    }) => {
+                        if let (Some(m), Some(f)) = (mark, self.slots.get_mut(slot)) {
+                            f.marks.push(m);
+                        }
                         // The bounce buffer holds one contiguous range.
                         self.write_through_engine(slot, &mut bounce)?;
                         self.ring
@@ -676,7 +688,7 @@ impl QueueWorker {
                             .map_err(TransferError::Ring)?;
                         self.ring_queued(slot);
                     }
-                    None => {
+                    _ => {
                         bounce.append(pos, &src);
                         if bounce.data.len() >= WRITE_CHUNK {
                             self.write_through_engine(slot, &mut bounce)?;
