@@ -21,6 +21,9 @@ use crate::device::handle::Quiesced;
 
 /// How long the guest's latency is measured before a latency-paced copy.
 const BASELINE: Duration = Duration::from_secs(1);
+/// Baseline windows tried before a latency-paced copy goes unpaced (the
+/// guest does no I/O: nothing to protect).
+const BASELINE_TRIES: u32 = 5;
 /// The window a latency-paced copy looks at.
 const WINDOW: Duration = Duration::from_millis(200);
 /// How long a latency-paced copy waits when the window is above the limit.
@@ -328,10 +331,18 @@ impl LatencyGuard {
     /// Measures the baseline p99 (over [`BASELINE`]); `None` when the
     /// guest does no I/O meanwhile (nothing to protect).
     fn measure(shared: &Shared, permille: u32) -> Option<(LatencyGuard, u64)> {
-        let before = latencies(shared)?;
-        std::thread::sleep(BASELINE);
-        let now = latencies(shared)?;
-        let base = window_p99(&before, &now)?;
+        // A frontend that has just connected (or reconnects) may not have
+        // completed requests yet: a few windows are tried.
+        let (now, base) = (0..BASELINE_TRIES).find_map(|_| {
+            let Some(before) = latencies(shared) else {
+                std::thread::sleep(BASELINE / 5);
+                return None;
+            };
+            std::thread::sleep(BASELINE);
+            let now = latencies(shared)?;
+            let base = window_p99(&before, &now)?;
+            Some((now, base))
+        })?;
         let limit_us = base * u64::from(permille) / 1000;
         Some((
             LatencyGuard {
