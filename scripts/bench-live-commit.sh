@@ -3,8 +3,9 @@
 # two-layer chain (SIZE disk, FILL of its clusters written in each layer:
 # 4G and 0.25 put 1 GiB in the top) committed into its backing file,
 # which is then served, while a libblkio client runs a 70/30 random
-# read/write load (4 KiB, depth 16, one queue): client IOPS and p99
-# before, during and after, the commit's duration and pause, bytes the
+# read/write load (4 KiB, depth 16, one queue), warmed first: client IOPS
+# and p99 (the largest of 3 s slices' in each phase) before, during and
+# after, the commit's duration and pause, bytes the
 # guest's own writes mirrored, the daemon's peak RSS.
 #   sqcow2 commit --live (no limit), and with --max-p99-ratio 1.2;
 #   qemu-storage-daemon (aio=io_uring, polling iothread): QMP block-commit
@@ -24,7 +25,7 @@ layers=2
 size=${1:-4G}
 fill=${2:-0.25}
 root=${3:-/tmp/sqcow2-commit}
-phase_s=${PHASE_S:-10}
+phase_s=${PHASE_S:-9}
 slice_s=${SLICE_S:-3}
 timeout_s=${TIMEOUT_S:-300}
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
@@ -34,28 +35,7 @@ rm -rf "$root" && mkdir -p "$root"
 out=$root/results.jsonl
 : >"$out"
 
-load() { # SOCKET SECONDS -> one JSON line
-  "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" --output json | tr -d '\n'
-  echo
-}
-
-peak_rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
-
-record() { # WHO PHASE JSON-FILE-OF-SLICES EXTRA-JSON
-  python3 - "$@" >>"$out" <<'PY'
-import json, sys
-who, phase, path, extra = sys.argv[1:5]
-slices = [json.loads(l) for l in open(path) if l.strip()]
-ops = sum(s["ios"] for s in slices)
-secs = sum(s["seconds"] for s in slices)
-rec = {"who": who, "phase": phase, "slices": len(slices),
-       "iops": ops / secs if secs else 0.0,
-       "p99_us": max((s["lat_p99_us"] for s in slices), default=0.0),
-       "errors": sum(s["errors"] for s in slices)}
-rec.update(json.loads(extra))
-print(json.dumps(rec))
-PY
-}
+. scripts/lib/live-load.sh
 
 fresh_chain() { # DIR -> top
   rm -rf "$1" && mkdir -p "$1"
@@ -73,8 +53,10 @@ run_sqcow2() { # WHO [commit options...]
   while [ ! -f serve.pid ]; do sleep 0.1; done
   local pid; pid=$(cat serve.pid)
   while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
+  # Warm (page cache, metadata) before the "before" phase, unrecorded.
+  load v.sock "$phase_s" >/dev/null
   echo "==> $who: before" >&2
-  load v.sock "$phase_s" >before.jsonl
+  load_slices v.sock "$phase_s" "$slice_s" >before.jsonl
   record "$who" before before.jsonl "{}"
   echo "==> $who: committing the top" >&2
   : >during.jsonl
@@ -94,30 +76,13 @@ run_sqcow2() { # WHO [commit options...]
   local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
   record "$who" during during.jsonl "$commit_json"
   echo "==> $who: after" >&2
-  load v.sock "$phase_s" >after.jsonl
+  load_slices v.sock "$phase_s" "$slice_s" >after.jsonl
   record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   qemu-img check -q "$base"
   grep "live commit" serve.log | sed 's/\x1b\[[0-9;]*m//g' >&2 || true
   cd - >/dev/null
   rm -rf "$dir"
-}
-
-qmp() { # SOCKET COMMAND-JSON... -> replies
-  python3 - "$@" <<'PY'
-import json, socket, sys
-s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rw")
-f.readline()
-def call(c):
-    f.write(c + "\n"); f.flush()
-    while True:
-        r = json.loads(f.readline())
-        if "return" in r or "error" in r:
-            return r
-call('{"execute": "qmp_capabilities"}')
-for c in sys.argv[2:]:
-    print(json.dumps(call(c)))
-PY
 }
 
 run_qsd() {
@@ -136,8 +101,10 @@ run_qsd() {
     --pidfile qsd.pid 2>qsd.log &
   while [ ! -S v.sock ] || [ ! -f qsd.pid ]; do sleep 0.1; done
   local pid; pid=$(cat qsd.pid)
+  # Warm (page cache, metadata) before the "before" phase, unrecorded.
+  load v.sock "$phase_s" >/dev/null
   echo "==> $who: before" >&2
-  load v.sock "$phase_s" >before.jsonl
+  load_slices v.sock "$phase_s" "$slice_s" >before.jsonl
   record "$who" before before.jsonl "{}"
   echo "==> $who: block-commit of the active layer, then block-job-complete" >&2
   local t0; t0=$(date +%s.%N)
@@ -157,7 +124,7 @@ run_qsd() {
   record "$who" during during.jsonl "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
   if [ "$state" = done ]; then
     echo "==> $who: after" >&2
-    load v.sock "$phase_s" >after.jsonl
+    load_slices v.sock "$phase_s" "$slice_s" >after.jsonl
     record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
   fi
   kill "$pid"; wait "$pid" 2>/dev/null || true
@@ -177,7 +144,7 @@ rows = [json.loads(l) for l in open(path)]
 by = {}
 for r in rows:
     by.setdefault(r["who"], {})[r["phase"]] = r
-print(f"two layers of {size}, {float(fill)*100:g} % of the clusters written in each; load: 70/30 random read/write, 4 KiB, depth 16, 1 queue\n")
+print(f"two layers of {size}, {float(fill)*100:g} % of the clusters written in each; load: 70/30 random read/write, 4 KiB, depth 16, 1 queue; p99: the largest of 3 s slices' in each phase\n")
 print("| server | commit | duration | pause | mirrored | IOPS before | during | after | p99 before | during | after | peak RSS |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for who, ph in by.items():

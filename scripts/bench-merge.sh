@@ -31,28 +31,7 @@ rm -rf "$root" && mkdir -p "$root"
 out=$root/results.jsonl
 : >"$out"
 
-load() { # SOCKET SECONDS -> one JSON line
-  "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" --output json | tr -d '\n'
-  echo
-}
-
-peak_rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
-
-record() { # WHO PHASE JSON-FILE-OF-SLICES EXTRA-JSON
-  python3 - "$@" >>"$out" <<'PY'
-import json, sys
-who, phase, path, extra = sys.argv[1:5]
-slices = [json.loads(l) for l in open(path) if l.strip()]
-ops = sum(s["ios"] for s in slices)
-secs = sum(s["seconds"] for s in slices)
-rec = {"who": who, "phase": phase, "slices": len(slices),
-       "iops": ops / secs if secs else 0.0,
-       "p99_us": max((s["lat_p99_us"] for s in slices), default=0.0),
-       "errors": sum(s["errors"] for s in slices)}
-rec.update(json.loads(extra))
-print(json.dumps(rec))
-PY
-}
+. scripts/lib/live-load.sh
 
 fresh_chain() { # DIR -> top
   rm -rf "$1" && mkdir -p "$1"
@@ -98,23 +77,6 @@ run_sqcow2() { # WHO [merge options...]
   qemu-img check -q "$dir/merged.qcow2"
   cd - >/dev/null
   rm -rf "$dir"
-}
-
-qmp() { # SOCKET COMMAND-JSON... -> replies
-  python3 - "$@" <<'PY'
-import json, socket, sys
-s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rw")
-f.readline()
-def call(c):
-    f.write(c + "\n"); f.flush()
-    while True:
-        r = json.loads(f.readline())
-        if "return" in r or "error" in r:
-            return r
-call('{"execute": "qmp_capabilities"}')
-for c in sys.argv[2:]:
-    print(json.dumps(call(c)))
-PY
 }
 
 run_qsd() {

@@ -327,16 +327,25 @@ fn run_live_commit(args: &CommitArgs) -> anyhow::Result<()> {
                 end.pause_ms,
                 end.layers_after
             );
-            println!("replaced (no longer in this chain, left in place):");
-            for p in &end.replaced {
-                println!("  {}", p.display());
-            }
+            print_replaced(&end);
         }
         OutputFormat::Human => {}
     }
+    fail_unless_done("commit", &end)
+}
+
+fn print_replaced(end: &MergeCounters) {
+    println!("replaced (no longer in this chain, left in place):");
+    for p in &end.replaced {
+        println!("  {}", p.display());
+    }
+}
+
+/// The error of a job (`what`) that did not end done.
+fn fail_unless_done(what: &str, end: &MergeCounters) -> anyhow::Result<()> {
     if end.state != MergeState::Done {
         anyhow::bail!(
-            "commit {}: {}",
+            "{what} {}: {}",
             if end.state == MergeState::Cancelled {
                 "cancelled"
             } else {
@@ -408,23 +417,9 @@ fn run_live_merge(args: &MergeArgs) -> anyhow::Result<()> {
                 end.pause_ms,
                 end.layers_after
             );
-            println!("replaced (no longer in this chain, left in place):");
-            for p in &end.replaced {
-                println!("  {}", p.display());
-            }
+            print_replaced(&end);
         }
         OutputFormat::Human => {}
     }
-    if end.state != MergeState::Done {
-        anyhow::bail!(
-            "merge {}: {}",
-            if end.state == MergeState::Cancelled {
-                "cancelled"
-            } else {
-                "failed"
-            },
-            end.error.as_deref().unwrap_or("")
-        );
-    }
-    Ok(())
+    fail_unless_done("merge", &end)
 }

@@ -120,25 +120,7 @@ pub(super) fn start(
                 Some(commit) => run(&shared, term, &chain, commit, &request),
                 None => Err(MergeEnd::Failed("the commit was taken (a bug)".into())),
             }));
-            let mut c = shared.merge.counters();
-            c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
-            match outcome {
-                Ok(Ok(())) => c.state = MergeState::Done,
-                Ok(Err(MergeEnd::Cancelled(why))) => {
-                    info!(why, "live commit cancelled");
-                    c.state = MergeState::Cancelled;
-                    c.error = Some(why.into());
-                }
-                Ok(Err(MergeEnd::Failed(e))) => {
-                    warn!(error = %e, "live commit failed");
-                    c.state = MergeState::Failed;
-                    c.error = Some(e);
-                }
-                Err(_) => {
-                    c.state = MergeState::Failed;
-                    c.error = Some("the commit panicked (a bug)".into());
-                }
-            }
+            shared.merge.ended("live commit", begin, outcome);
         });
     if let Err(e) = spawned {
         // The thread never ran: the commit is still in the slot.

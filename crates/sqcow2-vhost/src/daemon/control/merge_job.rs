@@ -137,6 +137,34 @@ impl MergeJob {
         self.cancel.load(Ordering::Acquire)
     }
 
+    /// Records how the job's thread (`what`: "merge", "commit") ended.
+    pub(super) fn ended(
+        &self,
+        what: &str,
+        begin: Instant,
+        outcome: std::thread::Result<Result<(), MergeEnd>>,
+    ) {
+        let mut c = self.counters();
+        c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
+        match outcome {
+            Ok(Ok(())) => c.state = MergeState::Done,
+            Ok(Err(MergeEnd::Cancelled(why))) => {
+                info!(why, "{what} cancelled");
+                c.state = MergeState::Cancelled;
+                c.error = Some(why.into());
+            }
+            Ok(Err(MergeEnd::Failed(e))) => {
+                warn!(error = %e, "{what} failed");
+                c.state = MergeState::Failed;
+                c.error = Some(e);
+            }
+            Err(_) => {
+                c.state = MergeState::Failed;
+                c.error = Some(format!("the {what} panicked (a bug)"));
+            }
+        }
+    }
+
     /// The flag [`Committing`] clears.
     pub(super) fn committing_flag(&self) -> &AtomicBool {
         &self.committing
@@ -241,25 +269,7 @@ impl MergeJob {
                 let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     run(&shared, term, prepared, &request)
                 }));
-                let mut c = shared.merge.counters();
-                c.elapsed_ms = begin.elapsed().as_secs_f64() * 1e3;
-                match outcome {
-                    Ok(Ok(())) => c.state = MergeState::Done,
-                    Ok(Err(MergeEnd::Cancelled(why))) => {
-                        info!(why, "merge cancelled");
-                        c.state = MergeState::Cancelled;
-                        c.error = Some(why.into());
-                    }
-                    Ok(Err(MergeEnd::Failed(e))) => {
-                        warn!(error = %e, "merge failed");
-                        c.state = MergeState::Failed;
-                        c.error = Some(e);
-                    }
-                    Err(_) => {
-                        c.state = MergeState::Failed;
-                        c.error = Some("the merge panicked (a bug)".into());
-                    }
-                }
+                shared.merge.ended("merge", begin, outcome);
             });
         if let Err(e) = spawned {
             job.running.store(false, Ordering::Release);

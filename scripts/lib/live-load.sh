@@ -1,0 +1,54 @@
+# Helpers of the benchmarks that change a chain under a guest's load
+# (bench-merge.sh, bench-live-commit.sh): a 70/30 random read/write load
+# (libblkio, 4 KiB, depth 16, one queue) in slices, results recorded as
+# JSON lines, QMP calls to a qemu-storage-daemon. Expects $bench (the
+# sqcow2-bench binary) and $out (the results file).
+
+load() { # SOCKET SECONDS -> one JSON line
+  "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" --output json | tr -d '\n'
+  echo
+}
+
+load_slices() { # SOCKET SECONDS SLICE -> JSON lines, one per slice
+  local left=$2
+  while [ "$left" -gt 0 ]; do
+    load "$1" "$(( left < $3 ? left : $3 ))"
+    left=$(( left - $3 ))
+  done
+}
+
+peak_rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+record() { # WHO PHASE JSON-FILE-OF-SLICES EXTRA-JSON
+  # p99: the largest of the slices' (the same statistic in every phase).
+  python3 - "$@" >>"$out" <<'PY'
+import json, sys
+who, phase, path, extra = sys.argv[1:5]
+slices = [json.loads(l) for l in open(path) if l.strip()]
+ops = sum(s["ios"] for s in slices)
+secs = sum(s["seconds"] for s in slices)
+rec = {"who": who, "phase": phase, "slices": len(slices),
+       "iops": ops / secs if secs else 0.0,
+       "p99_us": max((s["lat_p99_us"] for s in slices), default=0.0),
+       "errors": sum(s["errors"] for s in slices)}
+rec.update(json.loads(extra))
+print(json.dumps(rec))
+PY
+}
+
+qmp() { # SOCKET COMMAND-JSON... -> replies
+  python3 - "$@" <<'PY'
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rw")
+f.readline()
+def call(c):
+    f.write(c + "\n"); f.flush()
+    while True:
+        r = json.loads(f.readline())
+        if "return" in r or "error" in r:
+            return r
+call('{"execute": "qmp_capabilities"}')
+for c in sys.argv[2:]:
+    print(json.dumps(call(c)))
+PY
+}
