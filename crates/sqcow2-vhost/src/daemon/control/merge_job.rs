@@ -22,8 +22,11 @@ use crate::device::handle::Quiesced;
 /// How long the guest's latency is measured before a latency-paced copy.
 const BASELINE: Duration = Duration::from_secs(1);
 /// Baseline windows tried before a latency-paced copy goes unpaced (the
-/// guest does no I/O: nothing to protect).
-const BASELINE_TRIES: u32 = 5;
+/// guest does no I/O: nothing to protect); a frontend connecting may take
+/// seconds to send its first request.
+const BASELINE_TRIES: u32 = 15;
+/// Longest wait of a latency-paced copy between two steps.
+const MAX_WAIT: Duration = Duration::from_secs(1);
 /// The window a latency-paced copy looks at.
 const WINDOW: Duration = Duration::from_millis(200);
 /// How long a latency-paced copy waits when the window is above the limit.
@@ -367,13 +370,16 @@ impl LatencyGuard {
     /// Waits while the guest's recent p99 is above the limit: once a
     /// window (at least [`WINDOW`] long) is above it, the copy waits in
     /// steps of [`BACKOFF`] until a whole window without the copy is at
-    /// or below it. Returns the time waited and the last window's p99.
+    /// or below it, or [`MAX_WAIT`] has passed. Returns the time waited
+    /// and the last window's p99.
     fn pace(&mut self, shared: &Shared, stop: &dyn Fn() -> bool) -> (Duration, u64) {
         let mut waited = Duration::ZERO;
         let mut p99 = 0;
         let mut throttling = false;
         loop {
-            if stop() {
+            // The copy goes on at least a step per MAX_WAIT (a guest whose
+            // p99 stays above the limit without it would stall it).
+            if stop() || waited >= MAX_WAIT {
                 return (waited, p99);
             }
             if self.at.elapsed() < WINDOW {
