@@ -8,13 +8,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::reference::Reference;
-use common::vhost::{connect_retry, control, Daemon};
+use common::vhost::{connect_retry, control, served_layers, wait_job_ended, Daemon};
 use common::{
     assert_check_clean, check_after_crash, env_count, gen_chain, s, sha256_file, sqcow2_bin,
     QemuIoHolder,
@@ -22,47 +21,6 @@ use common::{
 use serde_json::{json, Value};
 
 const BLOCK: u64 = 16 << 10;
-
-fn wait_job(ctl: &Path) -> Value {
-    for _ in 0..2400 {
-        let stats = control(ctl, json!({"command": "stats"}));
-        let m = &stats["result"]["merge"];
-        if m["state"] != "copying" && m["state"] != "switching" && m["state"] != "measuring" {
-            return m.clone();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the commit did not end within 120 s");
-}
-
-/// `qemu-img check` finds no corruption in `image` (leaks allowed: a
-/// cluster counted before a kill and never mapped is one).
-fn no_check_errors(image: &Path, round: &str) {
-    let out = common::run_raw(std::process::Command::new("qemu-img").args([
-        "check",
-        "--output=json",
-        s(image),
-    ]));
-    let report: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{round}: qemu-img check {}: {e}", image.display()));
-    assert!(
-        matches!(out.status.code(), Some(0) | Some(3))
-            && report["corruptions"].as_u64().unwrap_or(0) == 0
-            && report["check-errors"].as_u64().unwrap_or(0) == 0,
-        "{round}: qemu-img check {}: {report}",
-        image.display()
-    );
-}
-
-fn layers(ctl: &Path) -> Vec<PathBuf> {
-    let info = control(ctl, json!({"command": "info"}));
-    info["result"]["chain"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| PathBuf::from(p.as_str().unwrap()))
-        .collect()
-}
 
 /// Writes, zeroes and discards random blocks (a flush every few) until
 /// `stop`, noting each completed change in `reference`.
@@ -113,7 +71,7 @@ fn live_commits_under_writes_lose_nothing_and_serve_the_base() {
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(client, size, 7, reference.clone(), stop.clone());
     std::thread::sleep(Duration::from_millis(300));
-    let before = layers(&ctl);
+    let before = served_layers(&ctl);
     let r = control(
         &ctl,
         json!({"command": "commit", "base": 3, "rate-limit": 512u64 << 20,
@@ -133,15 +91,15 @@ fn live_commits_under_writes_lose_nothing_and_serve_the_base() {
             assert_eq!(busy["error"]["kind"], "busy", "{refused}: {busy}");
         } else {
             // Only once the commit has ended.
-            assert_ne!(wait_job(&ctl)["state"], "copying");
+            assert_ne!(wait_job_ended(&ctl, 120)["state"], "copying");
         }
     }
-    let m = wait_job(&ctl);
+    let m = wait_job_ended(&ctl, 120);
     assert_eq!(m["state"], "done", "{m}");
     assert_eq!(m["kind"], "commit", "{m}");
     assert!(m["mirrored-bytes"].as_u64().unwrap() > 0, "{m}");
     assert!(m["pause-ms"].as_f64().unwrap() > 0.0, "{m}");
-    let after = layers(&ctl);
+    let after = served_layers(&ctl);
     assert_eq!(after, before[..=3].to_vec(), "serves the base as its top");
     let base = after[3].clone();
     // The CLI, into the base of what is left.
@@ -156,7 +114,7 @@ fn live_commits_under_writes_lose_nothing_and_serve_the_base() {
     );
     let end: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(end["state"], "done", "{end}");
-    assert_eq!(layers(&ctl), vec![before[0].clone()]);
+    assert_eq!(served_layers(&ctl), vec![before[0].clone()]);
     std::thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);
     let writes = w.join().unwrap();
@@ -187,7 +145,7 @@ fn a_base_another_process_uses_is_refused_untouched() {
     let top = gen_chain(tmp.path(), 3, "64M", "0.3");
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-    let chain = layers(&ctl);
+    let chain = served_layers(&ctl);
     let other = tmp.path().join("other.qcow2");
     common::qemu_img(&[
         "create",
@@ -213,7 +171,7 @@ fn a_base_another_process_uses_is_refused_untouched() {
     client.flush();
     let r = control(&ctl, json!({"command": "commit", "base": 0}));
     assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(wait_job(&ctl)["state"], "done");
+    assert_eq!(wait_job_ended(&ctl, 120)["state"], "done");
     assert_eq!(client.read(0, 4096), vec![0x5a; 4096]);
     // Nothing to commit into any more; a bad base.
     for (req, kind) in [
@@ -238,7 +196,7 @@ fn a_cancelled_commit_serves_the_chain_as_it_was() {
     let reference = Arc::new(Mutex::new(Reference::new(&top, tmp.path(), BLOCK)));
     let ctl = tmp.path().join("control.sock");
     let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
-    let before = layers(&ctl);
+    let before = served_layers(&ctl);
     let client = connect_retry(&daemon, 1, false);
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(client, size, 11, reference.clone(), stop.clone());
@@ -250,9 +208,9 @@ fn a_cancelled_commit_serves_the_chain_as_it_was() {
     std::thread::sleep(Duration::from_millis(400));
     let c = control(&ctl, json!({"command": "commit-cancel"}));
     assert_eq!(c["result"]["cancelled"], true, "{c}");
-    let m = wait_job(&ctl);
+    let m = wait_job_ended(&ctl, 120);
     assert_eq!(m["state"], "cancelled", "{m}");
-    assert_eq!(layers(&ctl), before);
+    assert_eq!(served_layers(&ctl), before);
     // A snapshot works again.
     let snap = tmp.path().join("snap.qcow2");
     let r = control(&ctl, json!({"command": "snapshot", "path": snap}));
@@ -307,7 +265,7 @@ fn kills_during_live_commits_lose_no_completed_write() {
                 reference.wrote(offset, fill);
             }
         }
-        let chain = layers(&ctl);
+        let chain = served_layers(&ctl);
         let base_at = rng.usize(0..chain.len() - 1);
         let base = chain[base_at].clone();
         // Half of them slowed, so that more kills land in the copy.
@@ -339,7 +297,7 @@ fn kills_during_live_commits_lose_no_completed_write() {
                 }
             }
             _ => {
-                wait_job(&ctl);
+                wait_job_ended(&ctl, 120);
                 for _ in 0..rng.usize(0..16) {
                     let offset = rng.u64(0..size / BLOCK) * BLOCK;
                     let fill = rng.u8(1..);
@@ -362,7 +320,7 @@ fn kills_during_live_commits_lose_no_completed_write() {
             if f == top && !switched {
                 check_after_crash(&f, &format!("round {round}, {}", f.display()));
             } else {
-                no_check_errors(&f, &format!("round {round}"));
+                common::assert_no_corruption(&f, &format!("round {round}"));
             }
         }
     }
@@ -371,7 +329,7 @@ fn kills_during_live_commits_lose_no_completed_write() {
     reference.verify_through(&mut client, "at the end");
     drop(client);
     common::vhost::wait_indexed(&ctl);
-    let chain = layers(&ctl);
+    let chain = served_layers(&ctl);
     daemon.stop();
     // The layers commits took out of the chain, deleted as an operator
     // would (a killed writer left leaks in some: checked above).
@@ -400,7 +358,7 @@ fn inactivating_ends_a_commit_and_leaves_no_lock() {
     let mut reference = Reference::new(&top, dir, BLOCK);
     let ctl = dir.join("control.sock");
     let mut daemon = Daemon::start(dir, &top, &["--control", s(&ctl)]);
-    let chain = layers(&ctl);
+    let chain = served_layers(&ctl);
     let r = control(
         &ctl,
         json!({"command": "commit", "base": 0, "rate-limit": 4u64 << 20}),
@@ -435,8 +393,8 @@ fn inactivating_ends_a_commit_and_leaves_no_lock() {
     }
     let r = control(&ctl, json!({"command": "commit", "base": 0}));
     assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(wait_job(&ctl)["state"], "done");
-    assert_eq!(layers(&ctl), vec![chain[0].clone()]);
+    assert_eq!(wait_job_ended(&ctl, 120)["state"], "done");
+    assert_eq!(served_layers(&ctl), vec![chain[0].clone()]);
     reference.verify_through(&mut client, "after the handover and the commit");
     drop(client);
     daemon.stop();

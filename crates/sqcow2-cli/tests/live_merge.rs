@@ -13,23 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::reference::Reference;
-use common::vhost::{connect_retry, control, wait_indexed, Daemon};
+use common::vhost::{connect_retry, control, served_layers, wait_indexed, wait_job_ended, Daemon};
 use common::{env_count, gen_chain, s};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const BLOCK: u64 = 16 << 10;
-
-fn wait_merge(ctl: &Path) -> Value {
-    for _ in 0..1200 {
-        let stats = control(ctl, json!({"command": "stats"}));
-        let m = &stats["result"]["merge"];
-        if m["state"] != "copying" && m["state"] != "switching" && m["state"] != "measuring" {
-            return m.clone();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the merge did not end within 60 s");
-}
 
 /// Merges layers `first..=last` into `path` and waits until that is done.
 fn merge_to_the_end(ctl: &Path, first: usize, last: usize, path: &Path) {
@@ -38,18 +26,8 @@ fn merge_to_the_end(ctl: &Path, first: usize, last: usize, path: &Path) {
         json!({"command": "merge", "first": first, "last": last, "path": path}),
     );
     assert_eq!(r["ok"], true, "{r}");
-    let m = wait_merge(ctl);
+    let m = wait_job_ended(ctl, 60);
     assert_eq!(m["state"], "done", "{m}");
-}
-
-fn layers(ctl: &Path) -> Vec<PathBuf> {
-    let info = control(ctl, json!({"command": "info"}));
-    info["result"]["chain"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| PathBuf::from(p.as_str().unwrap()))
-        .collect()
 }
 
 /// Writes random blocks (a flush every few) until `stop`, noting each
@@ -91,7 +69,7 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(client, size, 3, reference.clone(), stop.clone());
     std::thread::sleep(Duration::from_millis(300));
-    let before = layers(&ctl);
+    let before = served_layers(&ctl);
     // The base and the eight layers above it, then a middle range of what
     // is left, paced by a byte rate.
     let merged = tmp.path().join("merged-0-8.qcow2");
@@ -101,9 +79,9 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
     );
     assert_eq!(r["ok"], true, "{r}");
     assert_eq!(r["result"]["replaced"].as_array().unwrap().len(), 9);
-    let m = wait_merge(&ctl);
+    let m = wait_job_ended(&ctl, 60);
     assert_eq!(m["state"], "done", "{m}");
-    let after = layers(&ctl);
+    let after = served_layers(&ctl);
     assert_eq!(after.len(), before.len() - 8, "{after:?}");
     assert_eq!(after[0], merged);
     let merged2 = tmp.path().join("merged-1-2.qcow2");
@@ -121,11 +99,11 @@ fn a_live_merge_under_writes_loses_nothing_and_ends_indexed() {
     if busy["ok"] == false {
         assert_eq!(busy["error"]["kind"], "busy", "{busy}");
     }
-    let m = wait_merge(&ctl);
+    let m = wait_job_ended(&ctl, 60);
     assert_eq!(m["state"], "done", "{m}");
-    assert_eq!(layers(&ctl).len(), after.len() - 1);
+    assert_eq!(served_layers(&ctl).len(), after.len() - 1);
     // The top cannot be merged.
-    let top_at = layers(&ctl).len() - 1;
+    let top_at = served_layers(&ctl).len() - 1;
     let r = control(
         &ctl,
         json!({"command": "merge", "first": 0, "last": top_at, "path": tmp.path().join("y.qcow2")}),
@@ -181,7 +159,7 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
         let reply = control(&ctl, json!({"command": "snapshot", "path": new}));
         assert_eq!(reply["ok"], true, "round {round}: {reply}");
         top = new;
-        let before = layers(&ctl);
+        let before = served_layers(&ctl);
         let below_top = before.len() - 1;
         let first = rng.usize(0..below_top - 1);
         let last = rng.usize(first + 1..below_top);
@@ -216,7 +194,7 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
                 }
             }
             _ => {
-                wait_merge(&ctl);
+                wait_job_ended(&ctl, 60);
                 std::thread::sleep(Duration::from_millis(rng.u64(0..20)));
             }
         }
@@ -231,7 +209,7 @@ fn kills_during_live_merges_leave_the_old_chain_or_the_new_one() {
             .log()
             .matches("removed what a killed operation left")
             .count();
-        let now = layers(&ctl);
+        let now = served_layers(&ctl);
         if now == before {
             old_chain += 1;
         } else {
@@ -325,13 +303,13 @@ fn refusals_cancel_and_a_chain_made_by_qemu() {
     std::thread::sleep(Duration::from_millis(300));
     let r = control(&ctl, json!({"command": "merge-cancel"}));
     assert_eq!(r["result"]["cancelled"], true, "{r}");
-    let m = wait_merge(&ctl);
+    let m = wait_job_ended(&ctl, 60);
     assert_eq!(m["state"], "cancelled", "{m}");
-    assert_eq!(layers(&ctl).len(), 5);
+    assert_eq!(served_layers(&ctl).len(), 5);
     assert!(!dir.join("m.qcow2").exists() && !dir.join("m.qcow2.sqtmp").exists());
     // The same merge to the end: the layers below it carry no sQcow2 bit.
     merge_to_the_end(&ctl, 1, 3, &dir.join("m.qcow2"));
-    assert_eq!(layers(&ctl).len(), 3);
+    assert_eq!(served_layers(&ctl).len(), 3);
     let mut client = connect_retry(&daemon, 1, false);
     reference.verify_through(&mut client, "after the merge");
     drop(client);
@@ -387,7 +365,7 @@ fn inactivating_cancels_a_running_merge() {
     let r = control(&ctl, json!({"command": "activate"}));
     assert_eq!(r["result"]["active"], true, "{r}");
     merge_to_the_end(&ctl, 1, 3, &merged);
-    assert_eq!(layers(&ctl).len(), 3);
+    assert_eq!(served_layers(&ctl).len(), 3);
     let mut client = connect_retry(&daemon, 1, false);
     reference.verify_through(&mut client, "after the handover and the merge");
     drop(client);
@@ -412,7 +390,7 @@ fn live_merges_warn_of_nothing_they_rebuild() {
         merge_to_the_end(&ctl, first, last, &dir.join(name));
         wait_indexed(&ctl);
     }
-    assert_eq!(layers(&ctl).len(), 3);
+    assert_eq!(served_layers(&ctl).len(), 3);
     daemon.stop();
     let log = daemon.log();
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" WARN ")).collect();

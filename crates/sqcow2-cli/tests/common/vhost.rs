@@ -442,3 +442,30 @@ pub fn wait_indexed(ctl: &std::path::Path) -> serde_json::Value {
     );
     stats
 }
+
+/// The files of the chain the daemon behind `ctl` serves, base first.
+#[allow(dead_code)]
+pub fn served_layers(ctl: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let info = control(ctl, serde_json::json!({"command": "info"}));
+    info["result"]["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| std::path::PathBuf::from(p.as_str().unwrap()))
+        .collect()
+}
+
+/// Waits (at most `secs` seconds) until the daemon's merge or live commit
+/// has ended; its `stats` block.
+#[allow(dead_code)]
+pub fn wait_job_ended(ctl: &std::path::Path, secs: u64) -> serde_json::Value {
+    for _ in 0..secs * 20 {
+        let stats = control(ctl, serde_json::json!({"command": "stats"}));
+        let m = &stats["result"]["merge"];
+        if m["state"] != "copying" && m["state"] != "switching" && m["state"] != "measuring" {
+            return m.clone();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the merge or commit did not end within {secs} s");
+}
