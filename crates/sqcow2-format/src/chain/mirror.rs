@@ -222,6 +222,10 @@ impl Mirror {
         buf: &mut Vec<u8>,
     ) -> Result<RangeCopied, Error> {
         let end = offset + len;
+        // Held across the read and the write, on purpose: a copy of the
+        // same range must not read the view before this one has written
+        // it (the newest view is written last). Only overlapping copies
+        // wait; the locks' own mutex is never held across I/O.
         let _held = self.locks.lock(offset, end);
         let mut copied = RangeCopied::default();
         let mut pos = offset;
