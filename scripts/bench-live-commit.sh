@@ -3,10 +3,11 @@
 # two-layer chain (SIZE disk, FILL of its clusters written in each layer:
 # 4G and 0.25 put 1 GiB in the top) committed into its backing file,
 # which is then served, while a libblkio client runs a 70/30 random
-# read/write load (4 KiB, depth 16, one queue), warmed first: client IOPS
-# and p99 (the largest of 3 s slices' in each phase) before, during and
-# after, the commit's duration and pause, bytes the
-# guest's own writes mirrored, the daemon's peak RSS.
+# read/write load (4 KiB, depth 16, one queue), warmed first, then one
+# connection throughout whose phases (before, during, after the commit)
+# the script names: client IOPS and p99 of each phase (over all its
+# requests, and the largest of its 3 s slices'), the commit's duration
+# and pause, bytes the guest's own writes mirrored, the daemon's peak RSS.
 #   sqcow2 commit --live (no limit), and with --max-p99-ratio 1.2;
 #   qemu-storage-daemon (aio=io_uring, polling iothread): QMP block-commit
 #   of the active layer, block-job-complete once the job is ready (the
@@ -14,7 +15,8 @@
 #
 #   scripts/bench-live-commit.sh [SIZE=4G] [FILL=0.25] [DIR=/tmp/sqcow2-commit]
 # Prints a markdown table; raw results in DIR/results.jsonl. QSD=path runs
-# another qemu-storage-daemon than the installed one.
+# another qemu-storage-daemon than the installed one; SKIP_QSD=1 leaves
+# it out; PHASE_S (9) is the length of the phases before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
@@ -26,7 +28,7 @@ size=${1:-4G}
 fill=${2:-0.25}
 root=${3:-/tmp/sqcow2-commit}
 phase_s=${PHASE_S:-9}
-slice_s=${SLICE_S:-3}
+slice_ms=${SLICE_MS:-3000}
 timeout_s=${TIMEOUT_S:-300}
 cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
 bin=$PWD/target/release/sqcow2
@@ -55,29 +57,30 @@ run_sqcow2() { # WHO [commit options...]
   while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
   # Warm (page cache, metadata) before the "before" phase, unrecorded.
   load v.sock "$phase_s" >/dev/null
+  # One load throughout, its phases named in a file.
+  echo before >phase
+  phased_load v.sock $((timeout_s + 4 * phase_s)) phase "$slice_ms" >load.json &
+  local loader=$!
   echo "==> $who: before" >&2
-  load_slices v.sock "$phase_s" "$slice_s" >before.jsonl
-  record "$who" before before.jsonl "{}"
+  sleep "$phase_s"
   echo "==> $who: committing the top" >&2
-  : >during.jsonl
-  # The load runs before the commit starts: a latency-paced commit
-  # measures the guest's p99 over its first second.
-  load v.sock "$slice_s" >>during.jsonl &
-  local first=$!
-  sleep 0.5
+  echo during >phase
   "$bin" commit --live --no-wait "$@" c.sock >/dev/null
-  wait "$first"
   while :; do
     local state
     state=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; print(json.load(sys.stdin)["merge"]["state"])')
     case $state in done|failed|cancelled) break ;; esac
-    load v.sock "$slice_s" >>during.jsonl
+    sleep 0.1
   done
-  local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
-  record "$who" during during.jsonl "$commit_json"
+  echo after >phase
   echo "==> $who: after" >&2
-  load_slices v.sock "$phase_s" "$slice_s" >after.jsonl
-  record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
+  local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
+  sleep "$phase_s"
+  echo end >phase
+  wait "$loader"
+  record_phase "$who" before load.json "{}"
+  record_phase "$who" during load.json "$commit_json"
+  record_phase "$who" after load.json "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   qemu-img check -q "$base"
   grep "live commit" serve.log | sed 's/\x1b\[[0-9;]*m//g' >&2 || true
@@ -103,13 +106,15 @@ run_qsd() {
   local pid; pid=$(cat qsd.pid)
   # Warm (page cache, metadata) before the "before" phase, unrecorded.
   load v.sock "$phase_s" >/dev/null
+  echo before >phase
+  phased_load v.sock $((timeout_s + 4 * phase_s)) phase "$slice_ms" >load.json &
+  local loader=$!
   echo "==> $who: before" >&2
-  load_slices v.sock "$phase_s" "$slice_s" >before.jsonl
-  record "$who" before before.jsonl "{}"
+  sleep "$phase_s"
   echo "==> $who: block-commit of the active layer, then block-job-complete" >&2
+  echo during >phase
   local t0; t0=$(date +%s.%N)
   qmp qmp.sock '{"execute": "block-commit", "arguments": {"job-id": "c", "device": "disk"}}' >commit.json
-  : >during.jsonl
   local state=running
   while :; do
     local jobs; jobs=$(qmp qmp.sock '{"execute": "query-block-jobs"}')
@@ -118,15 +123,19 @@ run_qsd() {
       qmp qmp.sock '{"execute": "block-job-complete", "arguments": {"device": "c"}}' >complete.json
     fi
     if python3 -c "import sys,time; sys.exit(0 if time.time() - $t0 > $timeout_s else 1)"; then state=timeout; break; fi
-    load v.sock "$slice_s" >>during.jsonl
+    sleep 0.5
   done
   local ms; ms=$(python3 -c "import time; print((time.time() - $t0) * 1000)")
-  record "$who" during during.jsonl "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
   if [ "$state" = done ]; then
+    echo after >phase
     echo "==> $who: after" >&2
-    load_slices v.sock "$phase_s" "$slice_s" >after.jsonl
-    record "$who" after after.jsonl "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
+    sleep "$phase_s"
   fi
+  echo end >phase
+  wait "$loader"
+  record_phase "$who" before load.json "{}"
+  record_phase "$who" during load.json "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
+  [ "$state" != done ] || record_phase "$who" after load.json "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   [ "$state" != done ] || qemu-img check -q "$base"
   cd - >/dev/null
@@ -144,9 +153,9 @@ rows = [json.loads(l) for l in open(path)]
 by = {}
 for r in rows:
     by.setdefault(r["who"], {})[r["phase"]] = r
-print(f"two layers of {size}, {float(fill)*100:g} % of the clusters written in each; load: 70/30 random read/write, 4 KiB, depth 16, 1 queue; p99: the largest of 3 s slices' in each phase\n")
-print("| server | commit | duration | pause | mirrored | IOPS before | during | after | p99 before | during | after | peak RSS |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+print(f"two layers of {size}, {float(fill)*100:g} % of the clusters written in each; load: 70/30 random read/write, 4 KiB, depth 16, 1 queue, one connection throughout; p99: over every request of the phase (in brackets: the largest of its 3 s slices')\n")
+print("| server | commit | duration | pause | mirrored | IOPS before | during | after | p99 before | during | after | during/before | peak RSS |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for who, ph in by.items():
     b, d, a = ph.get("before", {}), ph.get("during", {}), ph.get("after", {})
     how = {"sqcow2": "commit --live", "sqcow2-p99-1.2": "commit --live --max-p99-ratio 1.2", "qsd-commit": "block-commit + block-job-complete"}.get(who, who)
@@ -154,9 +163,11 @@ for who, ph in by.items():
     mirrored = f'{d["mirrored-bytes"]/2**20:,.0f} MiB' if "mirrored-bytes" in d else "–"
     rss = f'{a["peak_rss_kib"]/1024:.1f} MiB' if "peak_rss_kib" in a else "–"
     f = lambda r, k, fmt: (fmt.format(r[k]) if k in r else "–")
+    p99 = lambda r: (f'{r["p99_us"]:,.0f} µs ({r["worst_p99_us"]:,.0f})' if "p99_us" in r else "–")
+    ratio = lambda b, d: (f'{d["p99_us"] / b["p99_us"]:.2f}x' if b.get("p99_us") and "p99_us" in d else "–")
     print(f'| {who} | {how} ({d.get("state", "?")}) | {d.get("merge_ms", 0)/1000:.1f} s | {pause} | {mirrored} | '
           f'{f(b, "iops", "{:,.0f}")} | {f(d, "iops", "{:,.0f}")} | {f(a, "iops", "{:,.0f}")} | '
-          f'{f(b, "p99_us", "{:,.0f} µs")} | {f(d, "p99_us", "{:,.0f} µs")} | {f(a, "p99_us", "{:,.0f} µs")} | {rss} |')
+          f'{p99(b)} | {p99(d)} | {p99(a)} | {ratio(b, d)} | {rss} |')
 errors = sum(r.get("errors", 0) for r in rows)
 print(f"\nclient request errors: {errors}")
 PY

@@ -17,6 +17,33 @@ load_slices() { # SOCKET SECONDS SLICE -> JSON lines, one per slice
   done
 }
 
+phased_load() { # SOCKET MAX-SECONDS PHASE-FILE SLICE-MS -> one JSON object
+  # One connection throughout; the phase is the word in PHASE-FILE
+  # (`end` stops the load): latencies kept per phase (`phases`).
+  "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" \
+    --phase-file "$3" --slice-ms "$4" --output json | tr -d '\n'
+  echo
+}
+
+record_phase() { # WHO PHASE JSON-FILE-OF-A-PHASED-LOAD EXTRA-JSON
+  # p99: over every request of the phase; worst_p99: the largest p99 of
+  # the phase's slices.
+  python3 - "$@" >>"$out" <<'PY'
+import json, sys
+who, phase, path, extra = sys.argv[1:5]
+load = json.load(open(path))
+ph = [p for p in load.get("phases", []) if p["name"] == phase]
+rec = {"who": who, "phase": phase, "slices": 0, "iops": 0.0, "p99_us": 0.0,
+       "worst_p99_us": 0.0, "errors": load["errors"] if phase == "before" else 0}
+if ph:
+    p = ph[0]
+    rec.update({"iops": p["iops"], "p99_us": p["lat_p99_us"],
+                "worst_p99_us": p["worst_slice_p99_us"], "seconds": p["seconds"]})
+rec.update(json.loads(extra))
+print(json.dumps(rec))
+PY
+}
+
 peak_rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
 
 record() { # WHO PHASE JSON-FILE-OF-SLICES EXTRA-JSON

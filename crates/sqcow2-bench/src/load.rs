@@ -11,6 +11,8 @@ use anyhow::{bail, Context};
 use blkio::{Blkio, Blkioq, ReqFlags};
 use serde::{Deserialize, Serialize};
 
+use crate::phases::{PhaseClock, PhaseLatencies, PhaseResult};
+
 /// What the load does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -64,6 +66,16 @@ pub struct LoadSpec {
     pub slow_us: Option<u64>,
     /// Count completions per interval of this length ([`LoadResult::timeline_iops`]).
     pub timeline: Option<Duration>,
+    /// Phases named by a file (`--phase-file`) and their slices.
+    pub phases: Option<PhaseSpec>,
+}
+
+/// `--phase-file`: the phase file and the slice length of each phase's
+/// worst-slice p99.
+#[derive(Debug, Clone)]
+pub struct PhaseSpec {
+    pub file: PathBuf,
+    pub slice: Duration,
 }
 
 /// A request at least `--slow-us` slow.
@@ -120,6 +132,9 @@ pub struct LoadResult {
     /// When the load began: microseconds since the Unix epoch.
     #[serde(default)]
     pub start_unix_us: u64,
+    /// With `--phase-file`: each phase's figures, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseResult>,
 }
 
 /// Connects to `target` with `queues` queues; `read_only` for loads that
@@ -221,15 +236,20 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let start_unix_us = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64);
+    let clock = spec
+        .phases
+        .as_ref()
+        .map(|p| PhaseClock::watch(p.file.clone()));
     let threads: Vec<_> = queues
         .into_iter()
         .enumerate()
         .map(|(i, q)| {
             let spec = spec.clone();
             let base = region.addr + i * per_queue;
+            let clock = clock.clone();
             std::thread::spawn(move || {
                 let mut q = q;
-                drive_queue(&mut q, i, base, capacity, &spec, start)
+                drive_queue(&mut q, i, base, capacity, &spec, start, clock.as_deref())
             })
         })
         .collect();
@@ -241,6 +261,7 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     let mut max_ns = 0u64;
     let mut flush_lat = Vec::new();
     let mut timeline: Vec<u64> = Vec::new();
+    let mut phase_lat = PhaseLatencies::default();
     for t in threads {
         let r = t
             .join()
@@ -258,8 +279,10 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
         for (sum, n) in timeline.iter_mut().zip(&r.timeline) {
             *sum += n;
         }
+        phase_lat.add(&r.phases);
     }
-    let seconds = start.elapsed().as_secs_f64();
+    let end = Instant::now();
+    let seconds = end.duration_since(start).as_secs_f64();
     drop(b);
     let mut r = summarize(spec, seconds, ios, errors, lat);
     r.flushes = flushes;
@@ -271,6 +294,9 @@ pub fn run(spec: &LoadSpec) -> anyhow::Result<LoadResult> {
     slow.sort_by_key(|s| s.start_unix_us);
     r.slow = slow;
     r.start_unix_us = start_unix_us;
+    if let Some(clock) = &clock {
+        r.phases = phase_lat.results(&clock.finish(), end);
+    }
     if let Some(every) = spec.timeline {
         r.timeline_iops = timeline
             .iter()
@@ -313,6 +339,7 @@ pub fn summarize(
         slow: Vec::new(),
         timeline_iops: Vec::new(),
         start_unix_us: 0,
+        phases: Vec::new(),
     }
 }
 
@@ -340,6 +367,8 @@ pub struct QueueResult {
     pub flush_samples: Vec<u64>,
     /// Reads and writes completed per `spec.timeline` interval.
     pub timeline: Vec<u64>,
+    /// Latencies per phase (with a phase clock).
+    pub phases: PhaseLatencies,
 }
 
 /// Microseconds since the Unix epoch at `at` (an `Instant` of this
@@ -357,6 +386,7 @@ pub fn drive_queue(
     capacity: u64,
     spec: &LoadSpec,
     start: Instant,
+    clock: Option<&PhaseClock>,
 ) -> anyhow::Result<QueueResult> {
     let bs = spec.block_size as u64;
     let blocks = capacity / bs;
@@ -377,7 +407,10 @@ pub fn drive_queue(
         max_ns: 0,
         flush_samples: Vec::new(),
         timeline: Vec::new(),
+        phases: PhaseLatencies::default(),
     };
+    // Phase starts as this queue saw them (index -> start).
+    let mut phase_starts: Vec<Instant> = Vec::new();
     let mut next_flush = spec.flush_interval.map(|i| Instant::now() + i);
     let slow_ns = spec.slow_us.map(|us| us * 1000);
     let mut seen = 0u64;
@@ -445,6 +478,7 @@ pub fn drive_queue(
         submit(q, slot, &mut rng, &mut started, &mut is_flush);
     }
     let deadline = Instant::now() + spec.duration;
+    let going = |now: Instant| now < deadline && !clock.is_some_and(PhaseClock::ended);
     let mut completions: Vec<MaybeUninit<blkio::Completion>> =
         (0..spec.iodepth).map(|_| MaybeUninit::uninit()).collect();
     let mut in_flight = spec.iodepth;
@@ -477,7 +511,7 @@ pub fn drive_queue(
             if is_flush[slot] {
                 out.flushes += 1;
                 out.flush_samples.push(ns);
-                if now < deadline {
+                if going(now) {
                     submit(q, slot, &mut rng, &mut started, &mut is_flush);
                 } else {
                     in_flight -= 1;
@@ -487,6 +521,14 @@ pub fn drive_queue(
             out.ios += 1;
             seen += 1;
             out.max_ns = out.max_ns.max(ns);
+            if let (Some(clock), Some(p)) = (clock, &spec.phases) {
+                let phase = clock.current();
+                while phase_starts.len() <= phase {
+                    phase_starts.push(now);
+                }
+                let since = now.duration_since(phase_starts[phase]);
+                out.phases.record(phase, since, p.slice, ns / 1000);
+            }
             if let Some(every) = spec.timeline {
                 let bucket =
                     (now.duration_since(start).as_nanos() / every.as_nanos().max(1)) as usize;
@@ -504,7 +546,7 @@ pub fn drive_queue(
                     out.samples[j] = ns;
                 }
             }
-            if now < deadline {
+            if going(now) {
                 submit(q, slot, &mut rng, &mut started, &mut is_flush);
             } else {
                 in_flight -= 1;
@@ -554,6 +596,15 @@ pub struct LoadArgs {
     /// the JSON output: IOPS over time, e.g. across live snapshots).
     #[arg(long)]
     timeline_ms: Option<u64>,
+    /// Keep latencies per phase, the phase being the word in this file
+    /// (`phases` in the JSON output; `end` stops the load, `--duration`
+    /// is then a maximum): a change made under one continuous load
+    /// measured against the same connection's steady state.
+    #[arg(long)]
+    phase_file: Option<PathBuf>,
+    /// Slices of each phase for its worst-slice p99, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    slice_ms: u64,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     output: crate::OutputFormat,
@@ -590,6 +641,10 @@ pub fn run_cli(args: &LoadArgs) -> anyhow::Result<()> {
             .timeline_ms
             .filter(|&ms| ms > 0)
             .map(Duration::from_millis),
+        phases: args.phase_file.clone().map(|file| PhaseSpec {
+            file,
+            slice: Duration::from_millis(args.slice_ms.max(1)),
+        }),
     };
     let r = run(&spec)?;
     match args.output {
@@ -638,6 +693,7 @@ pub(crate) mod tests {
             slow: Vec::new(),
             timeline_iops: Vec::new(),
             start_unix_us: 0,
+            phases: Vec::new(),
         }
     }
 }

@@ -6,6 +6,7 @@
 mod fixtures;
 mod load;
 mod page_cache;
+mod phases;
 mod plot;
 mod remote;
 mod report;

@@ -243,6 +243,7 @@ pub fn measure(
         flush_every: 0,
         flush_interval: None,
         timeline: None,
+        phases: None,
         keep_samples: 200_000,
         slow_us: None,
     };

@@ -267,6 +267,7 @@ fn measure(
         flush_every: 0,
         flush_interval: None,
         timeline: None,
+        phases: None,
         keep_samples: 0,
         slow_us: None,
     };

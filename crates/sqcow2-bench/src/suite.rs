@@ -399,6 +399,7 @@ fn loads(target: Target, seconds: f64) -> [LoadSpec; 3] {
         flush_every: 0,
         flush_interval: None,
         timeline: None,
+        phases: None,
         keep_samples: 200_000,
         slow_us: None,
     };
@@ -772,6 +773,7 @@ fn measure_writes(
                         flush_every: 0,
                         flush_interval: None,
                         timeline: None,
+                        phases: None,
                         keep_samples: 200_000,
                         slow_us: None,
                     };
