@@ -350,6 +350,50 @@ fn reconnect_keeps_data_and_a_second_frontend_is_refused() {
     assert_eq!(&raw[5 << 20..(5 << 20) + unflushed.len()], &unflushed[..]);
 }
 
+/// A frontend's end leaves the image clean (journal ended); the next
+/// frontend finds the journal running before its first write. Restarted
+/// by that write instead, it made every change wait for a publish whose
+/// sync covered all in-place writes since: 1.2-1.9 s stalls a few
+/// seconds after each reconnect under a 70/30 random load.
+#[test]
+fn a_reconnected_frontend_writes_into_a_running_journal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 2, "16M", "0.3");
+    let journal = top.with_extension("qcow2.sqjournal");
+    let dirty = || std::fs::read(&top).unwrap()[79] & 1 == 1;
+    let mut daemon = Daemon::start(tmp.path(), &top, &[]);
+    let mut first = connect_retry(&daemon, 1, false);
+    first.write(1 << 20, &[0x11u8; 64 << 10]);
+    assert!(
+        journal.exists(),
+        "no journal while the first frontend writes"
+    );
+    drop(first);
+    // The daemon ends the session (a flush that leaves the image clean).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while (journal.exists() || dirty()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        !journal.exists() && !dirty(),
+        "not clean after the frontend left"
+    );
+    let mut second = connect_retry(&daemon, 1, false);
+    assert!(
+        journal.exists() && dirty(),
+        "the journal is not running when the next frontend starts:\n{}",
+        daemon.log()
+    );
+    let data = vec![0x22u8; 64 << 10];
+    second.write(9 << 20, &data);
+    assert_eq!(second.read(9 << 20, data.len()), data);
+    drop(second);
+    daemon.stop();
+    assert_qemu_check_clean(&top);
+    let raw = qemu_raw(&top, tmp.path());
+    assert_eq!(&raw[9 << 20..(9 << 20) + data.len()], &data[..]);
+}
+
 #[test]
 fn memory_mapped_while_queues_run() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1017,6 +1017,24 @@ impl Active {
         }
     }
 
+    /// Starts a journal again after [`Active::close`] left the image
+    /// clean, now, before writes come: started by the first change
+    /// instead, it makes that change and every one after it wait for a
+    /// publish whose sync covers everything written in place meanwhile
+    /// (a frontend that reconnected stalled 1.2-1.9 s a few seconds in,
+    /// under 70/30 random I/O).
+    pub(crate) fn resume_journal_now(&self) {
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.journal_stopped_at.load(Ordering::Acquire) == u64::MAX || self.superseded() {
+            return;
+        }
+        self.journal_stopped_at.store(u64::MAX, Ordering::Release);
+        self.start_journal();
+    }
+
     /// Cuts the spares at the end of the file off (they are counted, so
     /// nothing else can be there). The caller holds the metadata lock.
     fn trim_spares(&self, spares: &[u64]) -> Result<(), Error> {

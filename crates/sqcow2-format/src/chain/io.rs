@@ -387,6 +387,18 @@ impl Durability<'_> {
             .is_some_and(|a| a.take_write_back_due())
     }
 
+    /// Starts the mapping journal again if [`crate::Chain::flush_clean`] ended it
+    /// (the image is then dirty again): call before the guest writes on
+    /// (a frontend connects, a pause ends), so that its changes are
+    /// journaled from the first, instead of the first one restarting the
+    /// journal and waiting, with every change after it, for a publish
+    /// that syncs everything written since. A no-op otherwise.
+    pub fn resume_journal(&self) {
+        if let Some(active) = &self.chain.active {
+            active.resume_journal_now();
+        }
+    }
+
     /// Whether a completed change is neither in the mapping journal nor
     /// in the file yet, so that [`crate::Durability::publish`] must run before a
     /// process death could not lose it (always false for a read-only

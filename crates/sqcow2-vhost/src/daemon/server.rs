@@ -412,6 +412,9 @@ impl Server {
         let reader = stream.try_clone().map_err(io_err("frontend socket"))?;
         let mut requests = BackendReqHandler::from_stream(stream, Arc::new(Mutex::new(handler)));
         info!("frontend connected");
+        // The last session's end left the image clean: journaled again
+        // before this frontend's first request (cheap: nothing is dirty).
+        self.shared.handle.get().durability().resume_journal();
         *self.session_slot() = Some(Session {
             backend: backend.clone(),
             channel: channel.clone(),
