@@ -16,7 +16,8 @@
 #   scripts/bench-live-commit.sh [SIZE=4G] [FILL=0.25] [DIR=/tmp/sqcow2-commit]
 # Prints a markdown table; raw results in DIR/results.jsonl. QSD=path runs
 # another qemu-storage-daemon than the installed one; SKIP_QSD=1 leaves
-# it out; PHASE_S (9) is the length of the phases before and after.
+# it out; PHASE_S (9) is the length of the phases before and after;
+# EXTRA="OPTIONS" adds a run of `commit --live OPTIONS`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
@@ -42,6 +43,8 @@ out=$root/results.jsonl
 fresh_chain() { # DIR -> top
   rm -rf "$1" && mkdir -p "$1"
   (cd "$1" && "$bin" gen-chain --layers "$layers" --size "$size" --fill "$fill" --seed 7 . | tail -1)
+  # A chain at rest: its writing back does not land in the "before" phase.
+  sync
 }
 
 run_sqcow2() { # WHO [commit options...]
@@ -144,6 +147,8 @@ run_qsd() {
 
 run_sqcow2 sqcow2
 run_sqcow2 sqcow2-p99-1.2 --max-p99-ratio 1.2
+# EXTRA="-r 10M": one more run with these commit options.
+[ -z "${EXTRA:-}" ] || run_sqcow2 "sqcow2 $EXTRA" $EXTRA
 [ -n "${SKIP_QSD:-}" ] || run_qsd
 
 python3 - "$out" "$size" "$fill" <<'PY'

@@ -253,8 +253,10 @@ impl LiveCommit {
             let left = self.mirror.changed_bytes();
             let converging = left.saturating_mul(2) <= before;
             if left <= SYNCHRONOUS_BELOW || passes >= ASYNC_PASSES || !converging {
+                tracing::info!(passes, left, "live commit: the mirror goes synchronous");
                 break;
             }
+            tracing::debug!(pass = passes + 1, left, "live commit: copying the changes");
             before = left;
             passes += 1;
             if !self
