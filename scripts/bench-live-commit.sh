@@ -62,7 +62,7 @@ run_sqcow2() { # WHO [commit options...]
   load v.sock "$phase_s" >/dev/null
   # One load throughout, its phases named in a file.
   echo before >phase
-  phased_load v.sock $((timeout_s + 4 * phase_s)) phase "$slice_ms" >load.json &
+  phased_load v.sock 86400 phase "$slice_ms" >load.json &
   local loader=$!
   echo "==> $who: before" >&2
   sleep "$phase_s"
@@ -110,7 +110,7 @@ run_qsd() {
   # Warm (page cache, metadata) before the "before" phase, unrecorded.
   load v.sock "$phase_s" >/dev/null
   echo before >phase
-  phased_load v.sock $((timeout_s + 4 * phase_s)) phase "$slice_ms" >load.json &
+  phased_load v.sock 86400 phase "$slice_ms" >load.json &
   local loader=$!
   echo "==> $who: before" >&2
   sleep "$phase_s"
