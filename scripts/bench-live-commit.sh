@@ -58,14 +58,9 @@ run_sqcow2() { # WHO [commit options...]
   while [ ! -f serve.pid ]; do sleep 0.1; done
   local pid; pid=$(cat serve.pid)
   while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
-  # Warm (page cache, metadata) before the "before" phase, unrecorded.
-  load v.sock "$phase_s" >/dev/null
   # One load throughout, its phases named in a file.
-  echo before >phase
-  phased_load v.sock 86400 phase "$slice_ms" >load.json &
-  local loader=$!
-  echo "==> $who: before" >&2
-  sleep "$phase_s"
+  local loader
+  begin_phases v.sock "$who" "$phase_s" "$slice_ms"
   echo "==> $who: committing the top" >&2
   echo during >phase
   "$bin" commit --live --no-wait "$@" c.sock >/dev/null
@@ -79,8 +74,7 @@ run_sqcow2() { # WHO [commit options...]
   echo "==> $who: after" >&2
   local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
   sleep "$phase_s"
-  echo end >phase
-  wait "$loader"
+  end_phases
   record_phase "$who" before load.json "{}"
   record_phase "$who" during load.json "$commit_json"
   record_phase "$who" after load.json "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"
@@ -107,13 +101,9 @@ run_qsd() {
     --pidfile qsd.pid 2>qsd.log &
   while [ ! -S v.sock ] || [ ! -f qsd.pid ]; do sleep 0.1; done
   local pid; pid=$(cat qsd.pid)
-  # Warm (page cache, metadata) before the "before" phase, unrecorded.
-  load v.sock "$phase_s" >/dev/null
-  echo before >phase
-  phased_load v.sock 86400 phase "$slice_ms" >load.json &
-  local loader=$!
-  echo "==> $who: before" >&2
-  sleep "$phase_s"
+  # One load throughout, its phases named in a file.
+  local loader
+  begin_phases v.sock "$who" "$phase_s" "$slice_ms"
   echo "==> $who: block-commit of the active layer, then block-job-complete" >&2
   echo during >phase
   local t0; t0=$(date +%s.%N)
@@ -134,8 +124,7 @@ run_qsd() {
     echo "==> $who: after" >&2
     sleep "$phase_s"
   fi
-  echo end >phase
-  wait "$loader"
+  end_phases
   record_phase "$who" before load.json "{}"
   record_phase "$who" during load.json "{\"state\": \"$state\", \"merge_ms\": $ms, \"pause-ms\": null}"
   [ "$state" != done ] || record_phase "$who" after load.json "{\"peak_rss_kib\": $(peak_rss_kib "$pid")}"

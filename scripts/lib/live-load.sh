@@ -25,6 +25,21 @@ phased_load() { # SOCKET MAX-SECONDS PHASE-FILE SLICE-MS -> one JSON object
   echo
 }
 
+begin_phases() { # SOCKET WHO SECONDS SLICE-MS: warm, then one phased load
+  # (load.json, its pid in $loader) SECONDS into its "before" phase.
+  load "$1" "$3" >/dev/null # page cache, metadata: unrecorded
+  echo before >phase
+  phased_load "$1" 86400 phase "$4" >load.json &
+  loader=$!
+  echo "==> $2: before" >&2
+  sleep "$3"
+}
+
+end_phases() { # the phased load stopped and waited for
+  echo end >phase
+  wait "$loader"
+}
+
 record_phase() { # WHO PHASE JSON-FILE-OF-A-PHASED-LOAD EXTRA-JSON
   # p99: over every request of the phase; worst_p99: the largest p99 of
   # the phase's slices.

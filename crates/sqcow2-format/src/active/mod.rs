@@ -1006,15 +1006,7 @@ impl Active {
     /// clean, once there is a change to write (call with the flush order
     /// held).
     fn resume_journal(&self) {
-        let stopped = self.journal_stopped_at.load(Ordering::Acquire);
-        if stopped == u64::MAX || self.superseded() {
-            return;
-        }
-        let changed = self.read_state().changes > stopped;
-        if changed {
-            self.journal_stopped_at.store(u64::MAX, Ordering::Release);
-            self.start_journal();
-        }
+        self.restart_journal(true);
     }
 
     /// Starts a journal again after [`Active::close`] left the image
@@ -1022,13 +1014,25 @@ impl Active {
     /// instead, it makes that change and every one after it wait for a
     /// publish whose sync covers everything written in place meanwhile
     /// (a frontend that reconnected stalled 1.2-1.9 s a few seconds in,
-    /// under 70/30 random I/O).
+    /// under 70/30 random I/O). Holds the flush order across the start's
+    /// sync, as every write-back does.
     pub(crate) fn resume_journal_now(&self) {
         let _order = self
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if self.journal_stopped_at.load(Ordering::Acquire) == u64::MAX || self.superseded() {
+        self.restart_journal(false);
+    }
+
+    /// The journal started again if [`Active::close`] stopped it (and,
+    /// if `after_a_change`, some change came since). The caller holds
+    /// the flush order.
+    fn restart_journal(&self, after_a_change: bool) {
+        let stopped = self.journal_stopped_at.load(Ordering::Acquire);
+        if stopped == u64::MAX || self.superseded() {
+            return;
+        }
+        if after_a_change && self.read_state().changes <= stopped {
             return;
         }
         self.journal_stopped_at.store(u64::MAX, Ordering::Release);
