@@ -144,3 +144,45 @@ fn cache_none_refuses_small_clusters() {
         "{err}"
     );
 }
+
+/// Writes that allocate tables (a new L2 table, so a new L1 entry) leave
+/// the page cache alone while the daemon serves, before any flush: the
+/// small metadata writes they publish go around it too.
+#[test]
+fn cache_none_allocating_tables_leave_the_page_cache_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.qcow2");
+    qemu_create(&img, "cluster_size=65536", "2G");
+    drop_cache(&img);
+    let mut daemon = Daemon::start(dir.path(), &img, &["--cache", "none"]);
+    let mut c = connect_retry(&daemon, 1, false);
+    // Each 512 MiB range of the disk has its own L2 table.
+    for (i, off) in [0u64, 600 << 20, 1100 << 20, 1800 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        c.write(off, &vec![0x30 + i as u8; 4096]);
+    }
+    // Long enough for the mappings to be published (no guest flush).
+    for _ in 0..200 {
+        c.read(0, 4096);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let served = cached_pages(&img);
+    drop(c);
+    daemon.stop();
+    assert_eq!(
+        served, 0,
+        "pages of the image cached by allocating writes with --cache none"
+    );
+    qemu_io(
+        &img,
+        &[
+            "read -P 0x30 0 4k".to_string(),
+            "read -P 0x31 600M 4k".to_string(),
+            "read -P 0x32 1100M 4k".to_string(),
+            "read -P 0x33 1800M 4k".to_string(),
+        ],
+    );
+    assert_check_clean(&img);
+}

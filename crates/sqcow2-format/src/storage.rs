@@ -58,6 +58,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
             "read-only storage",
         ))
     }
+    /// [`Storage::write_at`] of a few bytes of metadata (table entries)
+    /// that no other write changes at the same time within their aligned
+    /// block (the table has one writer): with `cache=none`, files read
+    /// the block, patch it and write it back through `O_DIRECT`, so that
+    /// the page cache stays untouched.
+    fn write_metadata_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.write_at(buf, offset)
+    }
     /// Writes `bufs` one after another from `offset` ([`Storage::write_at`]
     /// of each; files write them with one system call).
     fn write_all_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
@@ -539,6 +547,25 @@ impl Storage for FileStorage {
             return direct.write_vectored_at(&[buf], offset);
         }
         self.file.file.write_all_at(buf, offset)
+    }
+
+    fn write_metadata_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let Some(direct) = self.file.direct.as_deref() else {
+            return self.file.file.write_all_at(buf, offset);
+        };
+        if buf.is_empty() || direct.fits(offset, buf.len() as u64) {
+            return self.write_at(buf, offset);
+        }
+        // The aligned block around it, as the file holds it now (a direct
+        // read writes back a cached page of it first), patched.
+        let align = direct.offset_align;
+        let start = offset - offset % align;
+        let end = (offset + buf.len() as u64).div_ceil(align) * align;
+        let mut block = vec![0u8; (end - start) as usize];
+        direct.read_at(&mut block, start)?;
+        let at = (offset - start) as usize;
+        block[at..at + buf.len()].copy_from_slice(buf);
+        direct.write_vectored_at(&[&block], start)
     }
 
     fn write_all_vectored_at(&self, bufs: &[&[u8]], offset: u64) -> io::Result<()> {

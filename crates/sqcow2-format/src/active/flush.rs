@@ -453,9 +453,10 @@ impl TopFile {
             if wb.order.tables_before_l1 && !wb.tables.is_empty() {
                 self.sync()?;
             }
+            // (Write-outs are serialised: the L1 table has one writer.)
             for (i, value) in &wb.l1 {
                 storage
-                    .write_at(&value.to_be_bytes(), l1_offset + *i as u64 * 8)
+                    .write_metadata_at(&value.to_be_bytes(), l1_offset + *i as u64 * 8)
                     .map_err(|e| self.io(e))?;
             }
         }
