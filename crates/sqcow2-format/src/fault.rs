@@ -1,7 +1,7 @@
 //! Test hooks (cargo feature `fault-injection`): make the engine panic at a
 //! named point, to test what a bug in the middle of an update leaves
-//! behind. Armed per chain; without the feature the hooks compile to
-//! nothing.
+//! behind, or stall at one, to widen a race. Armed per chain; without the
+//! feature the hooks compile to nothing.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -13,6 +13,9 @@ pub enum FaultPoint {
     /// In the middle of a metadata update of an allocating write: the old
     /// cluster's release is queued, the new mapping not yet set.
     MidMetadataUpdate,
+    /// After an allocating write's new mapping is set, before its journal
+    /// record is written (armed with [`Faults::stall`] only).
+    BeforeJournalRecord,
 }
 
 /// Armed faults of one chain: hits left before each point panics (0: not
@@ -20,6 +23,8 @@ pub enum FaultPoint {
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
     mid_metadata_update: AtomicU32,
+    /// Milliseconds the next hit of `BeforeJournalRecord` stalls.
+    journal_record_stall_ms: AtomicU32,
 }
 
 impl Faults {
@@ -28,6 +33,15 @@ impl Faults {
     pub(crate) fn arm(&self, point: FaultPoint, nth: u32) {
         match point {
             FaultPoint::MidMetadataUpdate => self.mid_metadata_update.store(nth, Ordering::SeqCst),
+            FaultPoint::BeforeJournalRecord => {}
+        }
+    }
+
+    /// The next hit of `point` sleeps `ms` milliseconds.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn stall(&self, point: FaultPoint, ms: u32) {
+        if point == FaultPoint::BeforeJournalRecord {
+            self.journal_record_stall_ms.store(ms, Ordering::SeqCst);
         }
     }
 
@@ -38,6 +52,13 @@ impl Faults {
         }
         let counter = match point {
             FaultPoint::MidMetadataUpdate => &self.mid_metadata_update,
+            FaultPoint::BeforeJournalRecord => {
+                let ms = self.journal_record_stall_ms.swap(0, Ordering::SeqCst);
+                if ms > 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(ms.into()));
+                }
+                return;
+            }
         };
         let left = counter.load(Ordering::SeqCst);
         if left == 0 {

@@ -1137,9 +1137,16 @@ impl Claim<'_> {
         let change = st.changes;
         let over = st.settle();
         drop(st);
-        // Journaled (or noted as not) before anyone waiting for the claim
-        // can write into the cluster and complete.
+        active
+            .top
+            .faults
+            .hit(crate::fault::FaultPoint::BeforeJournalRecord);
+        // Journaled (or noted as not) before anyone can write into the
+        // cluster and complete: until then it stays claimed, so that a
+        // write planned meanwhile waits too, and no write takes the
+        // in-place path.
         active.settle_change(change, records);
+        active.write_state_anyway().end_settled_claim(&self.alloc);
         self.alloc.cell.end();
         active.after_settle(over);
         Ok(())

@@ -167,7 +167,9 @@ impl ActiveState {
     }
 
     /// Links the cluster of `alloc`, whose data is written, into the
-    /// mapping; `bitmap` is the new subcluster bitmap (extended L2).
+    /// mapping; `bitmap` is the new subcluster bitmap (extended L2). The
+    /// cluster stays claimed until [`ActiveState::end_settled_claim`]
+    /// (once the change is journaled, or noted as not).
     pub(crate) fn commit(&mut self, alloc: &Allocation, bitmap: u64) -> Result<(), Error> {
         let g = self.top.geometry;
         match alloc.kind {
@@ -186,8 +188,14 @@ impl ActiveState {
                 self.set_entry(alloc.l2, alloc.index, host.0 | COPIED, bitmap);
             }
         }
-        self.end_claim(alloc);
+        self.unpin(alloc.l2);
         Ok(())
+    }
+
+    /// Ends the claim of a committed allocation whose change is settled:
+    /// a write into the cluster may complete from now on.
+    pub(crate) fn end_settled_claim(&mut self, alloc: &Allocation) {
+        self.claims.remove(&alloc.cluster);
     }
 
     /// Gives back what `alloc` reserved (its data could not be written).

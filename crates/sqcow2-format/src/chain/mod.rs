@@ -380,6 +380,15 @@ impl Chain {
         }
     }
 
+    /// Test hook: the writable engine sleeps `ms` milliseconds at the next
+    /// hit of `point` (cargo feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    pub fn stall_at(&self, point: crate::fault::FaultPoint, ms: u32) {
+        if let Some(a) = &self.active {
+            a.faults().stall(point, ms);
+        }
+    }
+
     /// Guest I/O the caller moves itself.
     pub fn transfers(&self) -> Transfers<'_> {
         Transfers { chain: self }

@@ -1,0 +1,80 @@
+//! A write into a cluster whose allocation has just set its mapping must
+//! not complete before that mapping is journaled: a process death would
+//! then lose the completed write with the mapping (real files, real page
+//! cache; the death is simulated by keeping the files as they were when
+//! the write completed).
+
+use std::path::Path;
+
+use sqcow2_format::create::{create, CreateOptions};
+use sqcow2_format::{Chain, ChainOptions, FaultPoint, Locking};
+
+const KIB4: usize = 4096;
+const AT: u64 = 1 << 20;
+
+fn writer() -> ChainOptions {
+    ChainOptions {
+        writable: true,
+        // The "dead" writer keeps its descriptors.
+        locking: Locking::Off,
+        ..ChainOptions::default()
+    }
+}
+
+fn files(dir: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    ["top.qcow2", "top.qcow2.sqjournal"]
+        .iter()
+        .map(|n| {
+            let p = dir.join(n);
+            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: 16 << 20,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    let chain = Chain::open(&top, &writer()).unwrap();
+    assert!(chain.durability().journaled(), "no journal");
+    // The tables exist and spares are made.
+    chain.write_at(&[0x11; KIB4], 0).unwrap();
+    chain.flush().unwrap();
+
+    // The allocation of the cluster at AT stalls after setting its
+    // mapping, before its journal record; a write into the same cluster
+    // starts meanwhile.
+    chain.stall_at(FaultPoint::BeforeJournalRecord, 400);
+    let left = std::thread::scope(|s| {
+        let allocating = s.spawn(|| chain.write_at(&[0xaa; KIB4], AT).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        chain.write_at(&[0xbb; KIB4], AT + KIB4 as u64).unwrap();
+        // The process dies as this write completes: its files as they are.
+        let left = files(dir.path());
+        allocating.join().unwrap();
+        left
+    });
+    std::mem::forget(chain);
+
+    for (path, bytes) in left {
+        std::fs::write(path, bytes).unwrap();
+    }
+    let chain = Chain::open(&top, &writer()).unwrap();
+    let mut got = vec![0u8; KIB4];
+    chain.read_at(&mut got, AT + KIB4 as u64).unwrap();
+    assert!(
+        got.iter().all(|b| *b == 0xbb),
+        "a completed write was lost with its cluster's mapping (reads {:#x})",
+        got[0]
+    );
+    chain.close().unwrap();
+}
