@@ -78,3 +78,51 @@ fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
     );
     chain.close().unwrap();
 }
+
+/// Where the transfer path (the daemon's io_uring writes) may write in
+/// place: not into a new cluster whose change is not journaled yet, and
+/// once it is, there at once (no write-back needed first).
+#[test]
+fn a_new_cluster_goes_in_place_once_journaled_not_before() {
+    use sqcow2_format::GuestOffset;
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.qcow2");
+    create(
+        &top,
+        &CreateOptions {
+            size: 16 << 20,
+            ..CreateOptions::default()
+        },
+    )
+    .unwrap();
+    let chain = Chain::open(&top, &writer()).unwrap();
+    chain.write_at(&[0x11; KIB4], 0).unwrap();
+    chain.flush().unwrap();
+    let in_place = |chain: &Chain| {
+        let ticket = chain.transfers().begin();
+        chain
+            .transfers()
+            .in_place_target(&ticket, GuestOffset(AT + KIB4 as u64), KIB4 as u64)
+            .unwrap()
+            .is_some()
+    };
+    chain.stall_at(FaultPoint::BeforeJournalRecord, 300);
+    std::thread::scope(|s| {
+        let allocating = s.spawn(|| chain.write_at(&[0xaa; KIB4], AT).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(
+            !in_place(&chain),
+            "in place into a cluster whose mapping is not journaled yet"
+        );
+        allocating.join().unwrap();
+    });
+    assert!(
+        chain.durability().journaled() && !chain.durability().needs_publish(),
+        "the change was not journaled"
+    );
+    assert!(
+        in_place(&chain),
+        "a journaled mapping still waits for a write-back before going in place"
+    );
+    chain.close().unwrap();
+}

@@ -181,6 +181,17 @@ impl Active {
         self.unjournaled.load(Ordering::Acquire) > self.published.load(Ordering::Acquire)
     }
 
+    /// Whether changed mappings whose claims have ended are safe from a
+    /// process death: read with the metadata lock held (`st`), so that a
+    /// claim seen ended was settled before (see [`state::Settled`]).
+    fn settled(&self, st: &ActiveState) -> state::Settled {
+        if st.journal.is_some() && !self.needs_publish() {
+            state::Settled::Journaled
+        } else {
+            state::Settled::Unknown
+        }
+    }
+
     /// Journal records not covered by a checkpoint yet.
     pub(crate) fn journal_backlog(&self) -> u64 {
         self.read_state()
@@ -404,16 +415,20 @@ impl Active {
     ) -> Result<Option<HostOffset>, Error> {
         self.check_failed()?;
         let known = self.known_len.load(Ordering::Relaxed);
-        match self.read_state().peek_in_place(guest, len, known)? {
-            InPlace::At(host) => return Ok(Some(host)),
-            InPlace::No => return Ok(None),
-            InPlace::Unknown => {}
+        {
+            let st = self.read_state();
+            match st.peek_in_place(guest, len, known, self.settled(&st))? {
+                InPlace::At(host) => return Ok(Some(host)),
+                InPlace::No => return Ok(None),
+                InPlace::Unknown => {}
+            }
         }
         let len_now = self.top.storage.len().map_err(|e| self.top.io(e))?;
         self.known_len.fetch_max(len_now, Ordering::Relaxed);
         let mut st = self.write_state()?;
         st.load_for_in_place(guest)?;
-        Ok(match st.peek_in_place(guest, len, len_now)? {
+        let settled = self.settled(&st);
+        Ok(match st.peek_in_place(guest, len, len_now, settled)? {
             InPlace::At(host) => Some(host),
             InPlace::No | InPlace::Unknown => None,
         })

@@ -323,6 +323,7 @@ impl ActiveState {
         guest: GuestOffset,
         len: u64,
         file_len: u64,
+        settled: Settled,
     ) -> Result<InPlace, Error> {
         let g = self.g();
         let Some((entry, bitmap)) = self.raw_entry(guest)? else {
@@ -330,9 +331,16 @@ impl ActiveState {
         };
         let host = entry & OFFSET_MASK;
         let plain = entry & (COMPRESSED | ZERO) == 0 && entry & COPIED != 0;
-        if !plain || host == 0 || g.offset_in_cluster(host) != 0 || self.unpublished(guest) {
-            // A mapping not yet in the file goes through the engine, whose
-            // writes are journaled or published before they complete.
+        if !plain || host == 0 || g.offset_in_cluster(host) != 0 {
+            return Ok(InPlace::No);
+        }
+        // A mapping not yet in the file: in place only once its change is
+        // journaled (its claim ends after that) and no change waits to be
+        // published; otherwise through the engine, whose writes are
+        // journaled or published before they complete.
+        if self.unpublished(guest)
+            && (settled == Settled::Unknown || self.claims.contains_key(&g.guest_cluster(guest)))
+        {
             return Ok(InPlace::No);
         }
         let in_cluster = g.offset_in_cluster(guest.0);
@@ -827,4 +835,15 @@ impl OrderNeeds {
         self.data_before_l2 |= other.data_before_l2;
         self.tables_before_l1 |= other.tables_before_l1;
     }
+}
+
+/// Whether the mappings changed since the last write-back are safe from a
+/// process death once their claims have ended, as far as the caller can
+/// tell (read under the metadata lock, after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// A journal is active and every change it did not take is published.
+    Journaled,
+    /// Not known: such a mapping must be published first.
+    Unknown,
 }
