@@ -21,7 +21,7 @@ use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::gate::DeferredWork;
 use crate::device::handle::ChainHandle;
+use crate::device::job_queue::JobQueue;
 use sqcow2_format::Chain;
 
 /// What an offloaded operation says when it is done: `Ok`, or why it
@@ -234,7 +235,7 @@ type PersistRequest = (Option<ReturnAddress>, Persist);
 
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
-    jobs: Option<Sender<Job>>,
+    jobs: Arc<JobQueue<Job>>,
     flushes: Option<Sender<PersistRequest>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -283,21 +284,19 @@ impl Offload {
         engine_threads: usize,
         panics: Arc<AtomicU64>,
     ) -> io::Result<Self> {
-        let (jobs, job_rx) = channel::<Job>();
-        let job_rx = Arc::new(Mutex::new(job_rx));
+        let jobs = Arc::new(JobQueue::<Job>::new());
         let (flushes, flush_rx) = channel::<PersistRequest>();
         let asked = Arc::new(CheckpointAsked::default());
         let mut threads = Vec::new();
         for i in 0..engine_threads.max(1) {
-            let rx = job_rx.clone();
+            let queue = jobs.clone();
             let (handle, panics, flushes) = (handle.clone(), panics.clone(), flushes.clone());
             let asked = asked.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("engine-{i}"))
                     .spawn(move || loop {
-                        let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
-                        let Ok(job) = job else {
+                        let Some(job) = queue.take() else {
                             return;
                         };
                         // Counted as using the chain (a switch waits for
@@ -341,7 +340,7 @@ impl Offload {
                 .spawn(move || flusher(flush_rx, handle, panics, &asked))?,
         );
         Ok(Offload {
-            jobs: Some(jobs),
+            jobs,
             flushes: Some(flushes),
             threads,
         })
@@ -357,16 +356,14 @@ impl Offload {
         publish: bool,
         work: impl EngineWork,
     ) -> Result<(), ReturnAddress> {
-        let Some(jobs) = &self.jobs else {
-            return Err(reply);
-        };
-        jobs.send(Job {
-            work: Box::new(work),
-            ticket,
-            reply,
-            publish,
-        })
-        .map_err(|e| e.0.reply)
+        self.jobs
+            .push(Job {
+                work: Box::new(work),
+                ticket,
+                reply,
+                publish,
+            })
+            .map_err(|job| job.reply)
     }
 
     /// Flushes or publishes the chain; the result goes to `reply` (those
@@ -453,10 +450,10 @@ fn flusher(
 
 impl Drop for Offload {
     fn drop(&mut self) {
-        // Closing the channels ends the threads once their queues are done
-        // (the flusher's once the engine threads, which hold senders to
-        // it, have ended).
-        self.jobs.take();
+        // Closing the queue and the channel ends the threads once their
+        // jobs are done (the flusher's once the engine threads, which hold
+        // senders to it, have ended).
+        self.jobs.close();
         self.flushes.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
