@@ -20,6 +20,8 @@
 # Prints a table of medians: IOPS (MB/s for seq-1m) of each server,
 # sqcow2/qsd, and the pages of the images cached after the load.
 # Raw results in $OUT (default /tmp/sqcow2-bench-cache-none).
+# POLL_US (default 32) is the longest adaptive poll of both servers
+# (sqcow2 `--poll-max-us`, the iothread's `poll-max-ns`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
@@ -30,6 +32,7 @@ secs=${2:-4}
 out=${OUT:-/tmp/sqcow2-bench-cache-none}
 size=${SIZE:-1G}
 qsd=${QSD:-qemu-storage-daemon}
+poll_us=${POLL_US:-32}
 root=$PWD
 
 echo "==> building (release)" >&2
@@ -64,7 +67,7 @@ cached_pages() {
 
 serve_sqcow2() {
   rm -f v.sock c.sock
-  "$sq" serve --cache none --socket v.sock --control c.sock "$1" 2>>sqcow2.log &
+  "$sq" serve --cache none --poll-max-us "$poll_us" --socket v.sock --control c.sock "$1" 2>>sqcow2.log &
   pid=$!
   wait_socket c.sock
   for _ in $(seq 1200); do
@@ -80,7 +83,7 @@ sys.exit(0 if i["pending-layers"] == 0 and not i["building"] and i["walking-beca
 
 serve_qsd() {
   rm -f v.sock
-  "$qsd" --object iothread,id=iot0,poll-max-ns=32768 \
+  "$qsd" --object iothread,id=iot0,poll-max-ns=$((poll_us * 1000)) \
     --blockdev "driver=file,node-name=file,filename=$1,aio=io_uring,cache.direct=on" \
     --blockdev driver=qcow2,node-name=disk,file=file,cache.direct=on \
     --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=v.sock,writable=on,iothread=iot0 \
