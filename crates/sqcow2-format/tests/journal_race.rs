@@ -32,8 +32,9 @@ fn files(dir: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
         .collect()
 }
 
-#[test]
-fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
+/// A 16 MiB image open for writing with a journal, its tables made and
+/// flushed.
+fn journaled_image() -> (tempfile::TempDir, std::path::PathBuf, Chain) {
     let dir = tempfile::tempdir().unwrap();
     let top = dir.path().join("top.qcow2");
     create(
@@ -49,6 +50,12 @@ fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
     // The tables exist and spares are made.
     chain.write_at(&[0x11; KIB4], 0).unwrap();
     chain.flush().unwrap();
+    (dir, top, chain)
+}
+
+#[test]
+fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
+    let (dir, top, chain) = journaled_image();
 
     // The allocation of the cluster at AT stalls after setting its
     // mapping, before its journal record; a write into the same cluster
@@ -85,19 +92,7 @@ fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
 #[test]
 fn a_new_cluster_goes_in_place_once_journaled_not_before() {
     use sqcow2_format::GuestOffset;
-    let dir = tempfile::tempdir().unwrap();
-    let top = dir.path().join("top.qcow2");
-    create(
-        &top,
-        &CreateOptions {
-            size: 16 << 20,
-            ..CreateOptions::default()
-        },
-    )
-    .unwrap();
-    let chain = Chain::open(&top, &writer()).unwrap();
-    chain.write_at(&[0x11; KIB4], 0).unwrap();
-    chain.flush().unwrap();
+    let (_dir, _top, chain) = journaled_image();
     let in_place = |chain: &Chain| {
         let ticket = chain.transfers().begin();
         chain
