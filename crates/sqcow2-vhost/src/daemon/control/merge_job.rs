@@ -673,7 +673,12 @@ fn switch_paused(
 }
 
 /// Lets index builds run again, and wakes one (the top's index no longer
-/// matches the chain), when the switch ends.
+/// matches the chain), when the switch ends; and starts the served
+/// chain's mapping journal again if the flush before the pause ended it
+/// and no switch replaced that chain (a switch refused inside the pause):
+/// restarted by the guest's next change instead, it made that change and
+/// every one after it wait for a publish whose sync covered everything
+/// written in place since.
 pub(super) struct Resume<'a>(pub(super) &'a Shared);
 
 impl Drop for Resume<'_> {
@@ -686,6 +691,7 @@ impl Drop for Resume<'_> {
         );
         self.0.index_builder.resume();
         self.0.index_builder.wake();
+        self.0.handle.get().durability().resume_journal();
     }
 }
 
