@@ -3,7 +3,7 @@
 //! behind, or stall at one, to widen a race. Armed per chain; without the
 //! feature the hooks compile to nothing.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 /// Where the engine can be made to panic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,7 +14,7 @@ pub enum FaultPoint {
     /// cluster's release is queued, the new mapping not yet set.
     MidMetadataUpdate,
     /// After an allocating write's new mapping is set, before its journal
-    /// record is written (armed with [`Faults::stall`] only).
+    /// record is written (also a stall point: [`Faults::stall`]).
     BeforeJournalRecord,
 }
 
@@ -23,8 +23,11 @@ pub enum FaultPoint {
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
     mid_metadata_update: AtomicU32,
+    before_journal_record: AtomicU32,
     /// Milliseconds the next hit of `BeforeJournalRecord` stalls.
     journal_record_stall_ms: AtomicU32,
+    /// A hit of `BeforeJournalRecord` is stalling now.
+    journal_record_stalling: AtomicBool,
 }
 
 impl Faults {
@@ -33,7 +36,9 @@ impl Faults {
     pub(crate) fn arm(&self, point: FaultPoint, nth: u32) {
         match point {
             FaultPoint::MidMetadataUpdate => self.mid_metadata_update.store(nth, Ordering::SeqCst),
-            FaultPoint::BeforeJournalRecord => {}
+            FaultPoint::BeforeJournalRecord => {
+                self.before_journal_record.store(nth, Ordering::SeqCst)
+            }
         }
     }
 
@@ -43,6 +48,13 @@ impl Faults {
         if point == FaultPoint::BeforeJournalRecord {
             self.journal_record_stall_ms.store(ms, Ordering::SeqCst);
         }
+    }
+
+    /// Whether a hit of `point` is stalling now.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn stalling(&self, point: FaultPoint) -> bool {
+        point == FaultPoint::BeforeJournalRecord
+            && self.journal_record_stalling.load(Ordering::SeqCst)
     }
 
     /// A hook: panics if `point` is armed and its turn has come.
@@ -55,9 +67,11 @@ impl Faults {
             FaultPoint::BeforeJournalRecord => {
                 let ms = self.journal_record_stall_ms.swap(0, Ordering::SeqCst);
                 if ms > 0 {
+                    self.journal_record_stalling.store(true, Ordering::SeqCst);
                     std::thread::sleep(std::time::Duration::from_millis(ms.into()));
+                    self.journal_record_stalling.store(false, Ordering::SeqCst);
                 }
-                return;
+                &self.before_journal_record
             }
         };
         let left = counter.load(Ordering::SeqCst);

@@ -32,6 +32,19 @@ fn files(dir: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
         .collect()
 }
 
+/// Returns once the allocation has set its mapping and stalls before its
+/// journal record.
+fn wait_for_the_stall(chain: &Chain) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !chain.stalling_at(FaultPoint::BeforeJournalRecord) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the allocation never reached its journal record"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// A 16 MiB image open for writing with a journal, its tables made and
 /// flushed.
 fn journaled_image() -> (tempfile::TempDir, std::path::PathBuf, Chain) {
@@ -63,7 +76,7 @@ fn a_write_into_a_new_cluster_completes_only_once_its_mapping_is_journaled() {
     chain.stall_at(FaultPoint::BeforeJournalRecord, 400);
     let left = std::thread::scope(|s| {
         let allocating = s.spawn(|| chain.write_at(&[0xaa; KIB4], AT).unwrap());
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        wait_for_the_stall(&chain);
         chain.write_at(&[0xbb; KIB4], AT + KIB4 as u64).unwrap();
         // The process dies as this write completes: its files as they are.
         let left = files(dir.path());
@@ -104,7 +117,7 @@ fn a_new_cluster_goes_in_place_once_journaled_not_before() {
     chain.stall_at(FaultPoint::BeforeJournalRecord, 300);
     std::thread::scope(|s| {
         let allocating = s.spawn(|| chain.write_at(&[0xaa; KIB4], AT).unwrap());
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        wait_for_the_stall(&chain);
         assert!(
             !in_place(&chain),
             "in place into a cluster whose mapping is not journaled yet"

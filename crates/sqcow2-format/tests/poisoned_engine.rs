@@ -98,3 +98,40 @@ fn a_panic_mid_update_fails_later_writes_and_keeps_the_disk_consistent() {
     chain.read_at(&mut buf, 3 * CLUSTER).unwrap();
     assert_eq!(buf, vec![0; CLUSTER as usize]);
 }
+
+/// A panic after an allocating write set its mapping and before its
+/// change was journaled: the engine fails (the change is neither
+/// journaled nor counted for a publish), and a later write into the same
+/// cluster gets that error instead of waiting forever for the claim.
+#[test]
+fn a_panic_before_the_journal_record_fails_the_engine_and_ends_the_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = image_bytes(&CreateOptions {
+        size: 16 << 20,
+        ..CreateOptions::default()
+    })
+    .unwrap();
+    let storage = Arc::new(MemStorage::new(bytes));
+    let chain = open(&storage, dir.path());
+    chain.write_at(&[0x11; CLUSTER as usize], 0).unwrap();
+    chain.flush().unwrap();
+    chain.arm_fault(FaultPoint::BeforeJournalRecord, 1);
+    let panicked = catch_unwind(AssertUnwindSafe(|| {
+        let _ = chain.write_at(&[0x22; 4096], 3 * CLUSTER);
+    }));
+    assert!(panicked.is_err(), "the armed fault did not fire");
+    // Same cluster: an error, not a wait for a claim nobody will end (on
+    // a thread of its own, left behind if it hangs).
+    let chain: &'static Chain = Box::leak(Box::new(chain));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(chain.write_at(&[0x33; 4096], 3 * CLUSTER + 4096));
+    });
+    let write = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("a write into the cluster waited for the claim");
+    let msg = write
+        .expect_err("a write succeeded after the panic")
+        .to_string();
+    assert!(msg.contains("reopen"), "unclear error: {msg}");
+}

@@ -462,6 +462,7 @@ impl Active {
                         active: self,
                         alloc,
                         committed: false,
+                        settled: false,
                     };
                     let filled = self.fill(&claim.alloc, data, guest, below)?;
                     claim.commit(filled, changed)?;
@@ -1125,6 +1126,9 @@ struct Claim<'a> {
     active: &'a Active,
     alloc: Allocation,
     committed: bool,
+    /// The committed change is journaled (or counted as not) and the
+    /// claim ended.
+    settled: bool,
 }
 
 /// What the data write of an allocation left.
@@ -1162,6 +1166,7 @@ impl Claim<'_> {
         // in-place path.
         active.settle_change(change, records);
         active.write_state_anyway().end_settled_claim(&self.alloc);
+        self.settled = true;
         self.alloc.cell.end();
         active.after_settle(over);
         Ok(())
@@ -1171,6 +1176,19 @@ impl Claim<'_> {
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
         if self.committed {
+            if !self.settled {
+                // A panic between setting the mapping and settling its
+                // change, which is then neither journaled nor counted as
+                // unjournaled: the engine fails (writes refused until the
+                // image is reopened), and the claim ends, so that no write
+                // waits for it forever.
+                self.active
+                    .fail("a panic interrupted an allocating write after its mapping was set");
+                self.active
+                    .write_state_anyway()
+                    .end_settled_claim(&self.alloc);
+                self.alloc.cell.end();
+            }
             return;
         }
         if std::thread::panicking() {

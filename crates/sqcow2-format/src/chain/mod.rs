@@ -389,6 +389,15 @@ impl Chain {
         }
     }
 
+    /// Test hook: whether the writable engine is stalling at `point` now
+    /// (cargo feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    pub fn stalling_at(&self, point: crate::fault::FaultPoint) -> bool {
+        self.active
+            .as_ref()
+            .is_some_and(|a| a.faults().stalling(point))
+    }
+
     /// Guest I/O the caller moves itself.
     pub fn transfers(&self) -> Transfers<'_> {
         Transfers { chain: self }
