@@ -482,9 +482,16 @@ impl QemuIoHolder {
                 .spawn()
                 .expect("qemu-io"),
         );
+        holder.wait_held(image);
+        holder
+    }
+
+    /// Returns once qemu-io's locks on `path` (the image or a file of its
+    /// backing chain, which qemu-io opens after it) show in `/proc/locks`.
+    pub fn wait_held(&mut self, path: &Path) {
         let needle = {
             use std::os::unix::fs::MetadataExt;
-            format!(":{} ", std::fs::metadata(image).unwrap().ino())
+            format!(":{} ", std::fs::metadata(path).unwrap().ino())
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while !std::fs::read_to_string("/proc/locks")
@@ -493,18 +500,17 @@ impl QemuIoHolder {
             .any(|l| l.contains("OFDLCK") && l.contains(&needle))
         {
             assert!(
-                holder.still_running(),
+                self.still_running(),
                 "qemu-io ended before it held {}",
-                image.display()
+                path.display()
             );
             assert!(
                 std::time::Instant::now() < deadline,
                 "qemu-io never held {}",
-                image.display()
+                path.display()
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        holder
     }
 
     pub fn still_running(&mut self) -> bool {
