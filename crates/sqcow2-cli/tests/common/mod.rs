@@ -447,20 +447,6 @@ pub fn dirty_bit(path: &Path) -> bool {
         .is_ok_and(|()| u64::from_be_bytes(word) & 1 != 0)
 }
 
-/// Whether the mapping journal of the top at `top` is running: its file
-/// beside the top, the top carrying the dirty bit (both gone once a
-/// writer leaves the image clean).
-#[allow(dead_code)]
-pub fn journal_running(top: &Path) -> bool {
-    top.with_extension("qcow2.sqjournal").exists() && dirty_bit(top)
-}
-
-/// Whether neither the journal's file nor the dirty bit is left.
-#[allow(dead_code)]
-pub fn left_clean(top: &Path) -> bool {
-    !top.with_extension("qcow2.sqjournal").exists() && !dirty_bit(top)
-}
-
 /// A `qemu-io` process holding `image` open (with QEMU's locks for
 /// `args`, e.g. `-r` for a reader) until dropped.
 #[allow(dead_code)]
@@ -482,16 +468,9 @@ impl QemuIoHolder {
                 .spawn()
                 .expect("qemu-io"),
         );
-        holder.wait_held(image);
-        holder
-    }
-
-    /// Returns once qemu-io's locks on `path` (the image or a file of its
-    /// backing chain, which qemu-io opens after it) show in `/proc/locks`.
-    pub fn wait_held(&mut self, path: &Path) {
         let needle = {
             use std::os::unix::fs::MetadataExt;
-            format!(":{} ", std::fs::metadata(path).unwrap().ino())
+            format!(":{} ", std::fs::metadata(image).unwrap().ino())
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while !std::fs::read_to_string("/proc/locks")
@@ -500,17 +479,18 @@ impl QemuIoHolder {
             .any(|l| l.contains("OFDLCK") && l.contains(&needle))
         {
             assert!(
-                self.still_running(),
+                holder.still_running(),
                 "qemu-io ended before it held {}",
-                path.display()
+                image.display()
             );
             assert!(
                 std::time::Instant::now() < deadline,
                 "qemu-io never held {}",
-                path.display()
+                image.display()
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        holder
     }
 
     pub fn still_running(&mut self) -> bool {
