@@ -122,11 +122,14 @@ fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
 /// Binds the socket with `mode` from the start.
 fn bind(path: &Path, mode: u32) -> Result<Listener, ServeError> {
     claim_socket_path(path)?;
-    let listener = crate::daemon::socket_file::with_umask(mode, || Listener::new(path, false))
-        .map_err(|e| ServeError::Socket {
-            path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
+    let listener = crate::daemon::socket_file::with_umask(mode, || {
+        std::os::unix::net::UnixListener::bind(path)
+    })
+    .map_err(|e| ServeError::Socket {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let listener = Listener::from(crate::daemon::socket_file::above_connections(listener));
     crate::daemon::socket_file::chmod_socket(path, mode)
         .map_err(io_err(format!("chmod {}", path.display())))?;
     // Accepted only when epoll says a connection waits; never blocks.
