@@ -159,7 +159,9 @@ fn a_base_another_process_uses_is_refused_untouched() {
         s(&other),
     ]);
     let before = sha256_file(&chain[0]);
-    let holder = QemuIoHolder::hold(&other, &["-r"]);
+    let mut holder = QemuIoHolder::hold(&other, &["-r"]);
+    // The backing file is opened (and locked) after the image.
+    holder.wait_held(&chain[0]);
     let r = control(&ctl, json!({"command": "commit", "base": 0}));
     assert_eq!(r["ok"], false, "{r}");
     assert_eq!(r["error"]["kind"], "locked", "{r}");

@@ -136,8 +136,10 @@ fn a_layer_another_process_holds_is_not_written_and_the_chain_walks() {
     let tmp = tempfile::tempdir().unwrap();
     let top = qemu_made(tmp.path(), 6);
     // QEMU reading layer 2 holds it and its backing files, layers 0-1.
-    let reader =
+    let mut reader =
         common::QemuIoHolder::hold(&tmp.path().join("layer2.qcow2"), &["-r", "-f", "qcow2"]);
+    // Layer 0, opened (and locked) last.
+    reader.wait_held(&tmp.path().join("layer0.qcow2"));
     let below: Vec<PathBuf> = (0..5)
         .map(|i| tmp.path().join(format!("layer{i}.qcow2")))
         .collect();

@@ -454,9 +454,9 @@ pub struct QemuIoHolder(std::process::Child);
 
 #[allow(dead_code)]
 impl QemuIoHolder {
-    /// Starts `qemu-io ARGS -c "sleep ..." IMAGE` and returns once its
-    /// locks show in `/proc/locks` (watching there takes no lock that
-    /// could make qemu-io's own open fail, as a `qemu-img info` probe
+    /// Starts `qemu-io ARGS -c "sleep ..." IMAGE` and returns once it
+    /// holds its locks on IMAGE (watched in `/proc`, which takes no lock
+    /// that could make qemu-io's own open fail, as a `qemu-img info` probe
     /// could).
     pub fn hold(image: &Path, args: &[&str]) -> QemuIoHolder {
         let mut holder = QemuIoHolder(
@@ -468,29 +468,47 @@ impl QemuIoHolder {
                 .spawn()
                 .expect("qemu-io"),
         );
-        let needle = {
-            use std::os::unix::fs::MetadataExt;
-            format!(":{} ", std::fs::metadata(image).unwrap().ino())
+        holder.wait_held(image);
+        holder
+    }
+
+    /// Returns once qemu-io itself holds a lock on `path` (the image or a
+    /// file of its backing chain, which qemu-io opens after it): a lock
+    /// line in the fdinfo of qemu-io's descriptor of that file. Not
+    /// `/proc/locks`, where OFD locks carry no pid: another process's
+    /// lock on the same file (a daemon serving it) would match there.
+    pub fn wait_held(&mut self, path: &Path) {
+        use std::os::unix::fs::MetadataExt;
+        let want = std::fs::metadata(path).unwrap();
+        let pid = self.0.id();
+        let held = || -> bool {
+            let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+                return false;
+            };
+            fds.flatten().any(|fd| {
+                let same = std::fs::metadata(fd.path())
+                    .is_ok_and(|m| m.dev() == want.dev() && m.ino() == want.ino());
+                same && std::fs::read_to_string(format!(
+                    "/proc/{pid}/fdinfo/{}",
+                    fd.file_name().to_string_lossy()
+                ))
+                .is_ok_and(|info| info.lines().any(|l| l.starts_with("lock:")))
+            })
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !std::fs::read_to_string("/proc/locks")
-            .unwrap()
-            .lines()
-            .any(|l| l.contains("OFDLCK") && l.contains(&needle))
-        {
+        while !held() {
             assert!(
-                holder.still_running(),
+                self.still_running(),
                 "qemu-io ended before it held {}",
-                image.display()
+                path.display()
             );
             assert!(
                 std::time::Instant::now() < deadline,
                 "qemu-io never held {}",
-                image.display()
+                path.display()
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        holder
     }
 
     pub fn still_running(&mut self) -> bool {
