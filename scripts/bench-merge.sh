@@ -24,14 +24,9 @@ root=${4:-/tmp/sqcow2-merge}
 phase_s=${PHASE_S:-10}
 slice_s=${SLICE_S:-3}
 timeout_s=${TIMEOUT_S:-900}
-cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
-bin=$PWD/target/release/sqcow2
-bench=$PWD/target/release/sqcow2-bench
-rm -rf "$root" && mkdir -p "$root"
-out=$root/results.jsonl
-: >"$out"
 
 . scripts/lib/live-load.sh
+live_bench_init "$root"
 
 fresh_chain() { # DIR -> top
   rm -rf "$1" && mkdir -p "$1"

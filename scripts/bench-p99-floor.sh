@@ -18,12 +18,8 @@ root=${2:-/tmp/sqcow2-p99-floor}
 rates=${RATES:-10 40}
 total_mb=${TOTAL_MB:-400}
 phase_s=${PHASE_S:-9}
-cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
-bin=$PWD/target/release/sqcow2
-bench=$PWD/target/release/sqcow2-bench
-rm -rf "$root" && mkdir -p "$root"
-out=$root/results.jsonl
-: >"$out"
+. scripts/lib/live-load.sh
+live_bench_init "$root"
 
 copy_at() { # MB/s: TOTAL_MB from src.bin to copy.bin at that rate
   python3 - "$1" "$total_mb" <<'PY'
@@ -53,12 +49,8 @@ run() { # CASE ROUND
   sync
   "$bin" serve --socket v.sock --pidfile serve.pid layer0001.qcow2 2>serve.log &
   while [ ! -f serve.pid ]; do sleep 0.1; done
-  "$bench" load --socket v.sock --pattern mixed --iodepth 16 --duration "$phase_s" >/dev/null
-  echo before >phase
-  "$bench" load --socket v.sock --pattern mixed --iodepth 16 --duration 600 \
-    --phase-file phase --slice-ms 3000 --output json >load.json &
-  local loader=$!
-  sleep "$phase_s"
+  local loader
+  begin_phases v.sock "$1" "$phase_s" 3000
   echo during >phase
   case $1 in
     idle) sleep 15 ;;
@@ -66,17 +58,11 @@ run() { # CASE ROUND
   esac
   echo after >phase
   sleep "$phase_s"
-  echo end >phase
-  wait "$loader"
+  end_phases
   kill "$(cat serve.pid)"; wait 2>/dev/null || true
-  python3 - "$1" "$2" >>"$out" <<'PY'
-import json, sys
-d = json.load(open("load.json"))
-ph = {p["name"]: p for p in d["phases"]}
-print(json.dumps({"case": sys.argv[1], "round": int(sys.argv[2]),
-                  **{f"{n}_p99_us": ph[n]["lat_p99_us"] for n in ("before", "during", "after")},
-                  "during_s": ph["during"]["seconds"], "errors": d["errors"]}))
-PY
+  for phase in before during after; do
+    record_phase "$1" "$phase" load.json "{\"round\": $2}"
+  done
   cd - >/dev/null
   rm -rf "$dir"
 }
@@ -90,7 +76,14 @@ done
 
 python3 - "$out" "$total_mb" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+recs = [json.loads(l) for l in open(sys.argv[1])]
+runs = {}
+for r in recs:
+    runs.setdefault((r["who"], r["round"]), {})[r["phase"]] = r
+rows = [{"case": who, "round": n, "errors": ph["before"]["errors"],
+         "during_s": ph["during"].get("seconds", 0.0),
+         **{f"{p}_p99_us": ph[p]["p99_us"] for p in ("before", "during", "after")}}
+        for (who, n), ph in runs.items()]
 print(f"70/30 random 4 KiB, depth 16, one connection; middle phase: nothing (idle) or another process copying {sys.argv[2]} MB at R MB/s (copy-R)\n")
 print("| case | round | p99 before | during | after | during/before | middle phase |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

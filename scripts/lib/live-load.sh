@@ -1,8 +1,18 @@
 # Helpers of the benchmarks that change a chain under a guest's load
 # (bench-merge.sh, bench-live-commit.sh): a 70/30 random read/write load
 # (libblkio, 4 KiB, depth 16, one queue) in slices, results recorded as
-# JSON lines, QMP calls to a qemu-storage-daemon. Expects $bench (the
-# sqcow2-bench binary) and $out (the results file).
+# JSON lines, QMP calls to a qemu-storage-daemon. `live_bench_init ROOT`
+# sets $bin, $bench (the release binaries, built) and $out (the results
+# file, in ROOT made afresh), which the others use.
+
+live_bench_init() { # ROOT
+  cargo build --release --locked -p sqcow2-cli -p sqcow2-bench >&2
+  bin=$PWD/target/release/sqcow2
+  bench=$PWD/target/release/sqcow2-bench
+  rm -rf "$1" && mkdir -p "$1"
+  out=$1/results.jsonl
+  : >"$out"
+}
 
 load() { # SOCKET SECONDS -> one JSON line
   "$bench" load --socket "$1" --pattern mixed --iodepth 16 --duration "$2" --output json | tr -d '\n'

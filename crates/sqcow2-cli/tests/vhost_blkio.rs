@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use common::vhost::{connect_retry, Client, Daemon};
-use common::{env_count, gen_chain, qemu_raw, run_raw, s, sqcow2};
+use common::{env_count, gen_chain, journal_running, left_clean, qemu_raw, run_raw, s, sqcow2};
 
 fn assert_qemu_check_clean(image: &Path) {
     let out =
@@ -359,28 +359,23 @@ fn reconnect_keeps_data_and_a_second_frontend_is_refused() {
 fn a_reconnected_frontend_writes_into_a_running_journal() {
     let tmp = tempfile::tempdir().unwrap();
     let top = gen_chain(tmp.path(), 2, "16M", "0.3");
-    let journal = top.with_extension("qcow2.sqjournal");
-    let dirty = || std::fs::read(&top).unwrap()[79] & 1 == 1;
     let mut daemon = Daemon::start(tmp.path(), &top, &[]);
     let mut first = connect_retry(&daemon, 1, false);
     first.write(1 << 20, &[0x11u8; 64 << 10]);
     assert!(
-        journal.exists(),
+        top.with_extension("qcow2.sqjournal").exists(),
         "no journal while the first frontend writes"
     );
     drop(first);
     // The daemon ends the session (a flush that leaves the image clean).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while (journal.exists() || dirty()) && std::time::Instant::now() < deadline {
+    while !left_clean(&top) && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    assert!(
-        !journal.exists() && !dirty(),
-        "not clean after the frontend left"
-    );
+    assert!(left_clean(&top), "not clean after the frontend left");
     let mut second = connect_retry(&daemon, 1, false);
     assert!(
-        journal.exists() && dirty(),
+        journal_running(&top),
         "the journal is not running when the next frontend starts:\n{}",
         daemon.log()
     );

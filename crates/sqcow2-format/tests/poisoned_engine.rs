@@ -25,18 +25,25 @@ fn open(storage: &Arc<MemStorage>, dir: &std::path::Path) -> Chain {
     .expect("open")
 }
 
-#[test]
-fn a_panic_mid_update_fails_later_writes_and_keeps_the_disk_consistent() {
-    let dir = tempfile::tempdir().unwrap();
+/// A 16 MiB image in memory, open for writing, its first cluster written
+/// and flushed.
+fn flushed_image(dir: &std::path::Path) -> (Arc<MemStorage>, Chain) {
     let bytes = image_bytes(&CreateOptions {
         size: 16 << 20,
         ..CreateOptions::default()
     })
     .unwrap();
     let storage = Arc::new(MemStorage::new(bytes));
-    let chain = open(&storage, dir.path());
+    let chain = open(&storage, dir);
     chain.write_at(&[0x11; CLUSTER as usize], 0).unwrap();
     chain.flush().unwrap();
+    (storage, chain)
+}
+
+#[test]
+fn a_panic_mid_update_fails_later_writes_and_keeps_the_disk_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage, chain) = flushed_image(dir.path());
     // What the flush left: spare clusters counted but not used yet (leaks
     // until the image, marked dirty, is next opened for writing).
     let top = dir.path().join("top.qcow2");
@@ -106,15 +113,7 @@ fn a_panic_mid_update_fails_later_writes_and_keeps_the_disk_consistent() {
 #[test]
 fn a_panic_before_the_journal_record_fails_the_engine_and_ends_the_claim() {
     let dir = tempfile::tempdir().unwrap();
-    let bytes = image_bytes(&CreateOptions {
-        size: 16 << 20,
-        ..CreateOptions::default()
-    })
-    .unwrap();
-    let storage = Arc::new(MemStorage::new(bytes));
-    let chain = open(&storage, dir.path());
-    chain.write_at(&[0x11; CLUSTER as usize], 0).unwrap();
-    chain.flush().unwrap();
+    let (_storage, chain) = flushed_image(dir.path());
     chain.arm_fault(FaultPoint::BeforeJournalRecord, 1);
     let panicked = catch_unwind(AssertUnwindSafe(|| {
         let _ = chain.write_at(&[0x22; 4096], 3 * CLUSTER);

@@ -447,6 +447,20 @@ pub fn dirty_bit(path: &Path) -> bool {
         .is_ok_and(|()| u64::from_be_bytes(word) & 1 != 0)
 }
 
+/// Whether the mapping journal of the top at `top` is running: its file
+/// beside the top, the top carrying the dirty bit (both gone once a
+/// writer leaves the image clean).
+#[allow(dead_code)]
+pub fn journal_running(top: &Path) -> bool {
+    top.with_extension("qcow2.sqjournal").exists() && dirty_bit(top)
+}
+
+/// Whether neither the journal's file nor the dirty bit is left.
+#[allow(dead_code)]
+pub fn left_clean(top: &Path) -> bool {
+    !top.with_extension("qcow2.sqjournal").exists() && !dirty_bit(top)
+}
+
 /// A `qemu-io` process holding `image` open (with QEMU's locks for
 /// `args`, e.g. `-r` for a reader) until dropped.
 #[allow(dead_code)]

@@ -461,8 +461,7 @@ impl Active {
                     let claim = Claim {
                         active: self,
                         alloc,
-                        committed: false,
-                        settled: false,
+                        stage: ClaimStage::Claimed,
                     };
                     let filled = self.fill(&claim.alloc, data, guest, below)?;
                     claim.commit(filled, changed)?;
@@ -1033,6 +1032,11 @@ impl Active {
     /// under 70/30 random I/O). Holds the flush order across the start's
     /// sync, as every write-back does.
     pub(crate) fn resume_journal_now(&self) {
+        if self.journal_stopped_at.load(Ordering::Acquire) == u64::MAX {
+            // Running (checked again under the flush order): no wait
+            // behind a flush for nothing.
+            return;
+        }
         let _order = self
             .flush_order
             .lock()
@@ -1125,10 +1129,18 @@ fn write_sparse(
 struct Claim<'a> {
     active: &'a Active,
     alloc: Allocation,
-    committed: bool,
-    /// The committed change is journaled (or counted as not) and the
-    /// claim ended.
-    settled: bool,
+    stage: ClaimStage,
+}
+
+/// How far an allocation in flight has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClaimStage {
+    /// Its data is being written; the mapping is unchanged.
+    Claimed,
+    /// The mapping is set; the change is not settled yet.
+    Committed,
+    /// The change is journaled (or counted as not) and the claim ended.
+    Settled,
 }
 
 /// What the data write of an allocation left.
@@ -1150,7 +1162,7 @@ impl Claim<'_> {
         if filled.needs_sync {
             st.order.data_before_l2 = true;
         }
-        self.committed = true;
+        self.stage = ClaimStage::Committed;
         changed(self.alloc.start, active.top.geometry.cluster_size());
         let records = st.record_change(self.alloc.l2, self.alloc.start);
         let change = st.changes;
@@ -1166,7 +1178,7 @@ impl Claim<'_> {
         // in-place path.
         active.settle_change(change, records);
         active.write_state_anyway().end_settled_claim(&self.alloc);
-        self.settled = true;
+        self.stage = ClaimStage::Settled;
         self.alloc.cell.end();
         active.after_settle(over);
         Ok(())
@@ -1175,8 +1187,9 @@ impl Claim<'_> {
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        if self.committed {
-            if !self.settled {
+        match self.stage {
+            ClaimStage::Settled => return,
+            ClaimStage::Committed => {
                 // A panic between setting the mapping and settling its
                 // change, which is then neither journaled nor counted as
                 // unjournaled: the engine fails (writes refused until the
@@ -1187,14 +1200,14 @@ impl Drop for Claim<'_> {
                 self.active
                     .write_state_anyway()
                     .end_settled_claim(&self.alloc);
-                self.alloc.cell.end();
             }
-            return;
+            ClaimStage::Claimed => {
+                if std::thread::panicking() {
+                    self.active.fail("a panic interrupted an allocating write");
+                }
+                self.active.write_state_anyway().abort(&self.alloc);
+            }
         }
-        if std::thread::panicking() {
-            self.active.fail("a panic interrupted an allocating write");
-        }
-        self.active.write_state_anyway().abort(&self.alloc);
         self.alloc.cell.end();
     }
 }
