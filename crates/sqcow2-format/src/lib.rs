@@ -69,8 +69,8 @@ pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
 pub use bitmaps::{describe_bitmaps, BitmapInfo};
 pub use chain::{
-    backing_path_of, Chain, ChainOptions, ChangeMark, Diagnostics, Durability, Extent, ExtentKind,
-    Handover, InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, Transfers,
+    backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,
+    InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, TransferHold, Transfers,
     DEFAULT_MAX_LAYERS,
 };
 pub use direct::CacheMode;

@@ -399,6 +399,15 @@ impl Active {
         Ok(())
     }
 
+    /// Whether the top decides any byte of the cluster at `guest` (its
+    /// entry maps data, zeros or a compressed cluster).
+    pub(crate) fn decides(&self, guest: GuestOffset) -> Result<bool, Error> {
+        Ok(self
+            .read_state()
+            .raw_entry(guest)?
+            .is_some_and(|(entry, bitmap)| entry != 0 || bitmap != 0))
+    }
+
     /// The mapping of `[guest, guest + max)` in the top.
     pub(crate) fn status(&self, guest: GuestOffset, max: u64) -> Result<(LayerStatus, u64), Error> {
         self.read_state().status(guest, max)

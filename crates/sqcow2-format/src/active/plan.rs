@@ -230,17 +230,18 @@ impl ActiveState {
         let v2 = self.top.version == Version::V2;
         let unmap = match how {
             Zeroing::Zeroes { unmap } => unmap,
-            Zeroing::Discard => true,
+            Zeroing::Discard | Zeroing::ToBacking => true,
         };
         // v2 has no zero flag: over a backing file, only data reads as
         // zeros, and a discard is not done at all (as QEMU: unmapping
         // would show the backing file's stale data, zeros would take
         // space).
         if v2 && self.top.has_backing {
-            return Ok(match how {
-                Zeroing::Discard => ZeroOutcome::Unchanged,
-                Zeroing::Zeroes { .. } => ZeroOutcome::WriteZeros,
-            });
+            match how {
+                Zeroing::Discard => return Ok(ZeroOutcome::Unchanged),
+                Zeroing::Zeroes { .. } => return Ok(ZeroOutcome::WriteZeros),
+                Zeroing::ToBacking => {}
+            }
         }
         if let Some(s) = &self.top.summary {
             s.mark(guest);
@@ -251,6 +252,7 @@ impl ActiveState {
         let compressed = entry & COMPRESSED != 0;
         let keep = !unmap && !v2 && !compressed && host != 0 && self.owned(HostOffset(host))?;
         let (new_entry, new_bitmap) = match (g.extended_l2, v2, keep) {
+            _ if how == Zeroing::ToBacking => (0, 0),
             (true, _, true) => (host | COPIED, ALL_ZERO),
             (true, _, false) => (0, ALL_ZERO),
             (false, false, true) => (host | ZERO | COPIED, 0),
@@ -274,6 +276,9 @@ pub(crate) enum Zeroing {
     /// A discard: the space released, zeros to read (not done on a v2
     /// image over a backing file, which cannot say zeros without data).
     Discard,
+    /// Unmapped: the space released, the backing file's data to read (a
+    /// live commit's drain, once the base holds the cluster's view).
+    ToBacking,
 }
 
 /// What [`ActiveState::zero_cluster`] did.

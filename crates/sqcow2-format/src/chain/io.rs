@@ -18,7 +18,7 @@ use super::{Chain, Durability, Extent, ExtentKind, Transfers, UnclosedTop};
 use crate::active::{Active, Zeroing};
 
 /// A run of guest bytes to read, and where its data is.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ReadExtent {
     /// The mapping.
     pub extent: Extent,
@@ -27,6 +27,8 @@ pub struct ReadExtent {
     /// `None` for other kinds, and for storage that is not a file (read
     /// those through [`Chain::read_at`]).
     pub file: Option<PinnedFile>,
+    /// While a live commit drains the top: held until the data has moved.
+    pub hold: Option<super::TransferHold>,
 }
 
 /// Where an in-place write goes: the top's own cluster.
@@ -37,9 +39,9 @@ pub struct InPlaceTarget {
     /// The top's open file, pinned for the transfer (`None` when the top
     /// is not a file: write through [`Chain::write_at`]).
     pub file: Option<PinnedFile>,
-    /// While a live commit mirrors the chain: held until the data is
-    /// written, then dropped.
-    pub mark: Option<super::mirror::ChangeMark>,
+    /// While a live commit mirrors or drains the chain: held until the
+    /// data is written, then dropped.
+    pub hold: Option<super::TransferHold>,
 }
 
 impl Chain {
@@ -65,6 +67,7 @@ impl Chain {
     /// Reads guest bytes at `offset` into `buf`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
+        self.check_readable()?;
         let _ticket = self.fence.begin();
         self.read_from(self.top_index(), buf, offset, ReadPattern::Stream)
     }
@@ -94,6 +97,14 @@ impl Chain {
             };
             let n = extent.len as usize;
             let out = &mut buf[done..done + n];
+            if index == self.top_index() && extent.layer != index {
+                if let Some(drain) = self.drain() {
+                    // Not the top's: the base's writer has the fresh view.
+                    drain.target.read_at(out, pos.0)?;
+                    done += n;
+                    continue;
+                }
+            }
             let layer = &self.layers[extent.layer.0];
             if !matches!(extent.kind, ExtentKind::Zero { .. }) {
                 self.count_data_read(extent.layer);
@@ -176,18 +187,32 @@ impl Chain {
         written
     }
 
-    /// [`Chain::write_at`] without the mirror.
+    /// [`Chain::write_at`] without the mirror; while a drain runs, each
+    /// cluster the top does not decide is written into the base.
     fn write_top(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
+        let drain = self.drain();
+        self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
+            let data = &buf[(pos.0 - offset) as usize..(pos.0 - offset + n) as usize];
+            let Some(drain) = &drain else {
+                return self.write_top_cluster(data, pos);
+            };
+            let _held = drain.share(pos.0, pos.0 + n);
+            if self.top_decides(pos)? {
+                self.write_top_cluster(data, pos)
+            } else {
+                drain.routed(n, drain.target.write_at(data, pos.0))
+            }
+        })
+    }
+
+    /// Writes `data` (within one cluster) at `pos` into the top.
+    fn write_top_cluster(&self, data: &[u8], pos: GuestOffset) -> Result<(), Error> {
         let active = self.active()?;
         // In-place pieces are transfers to clusters a flush may release.
         let _ticket = self.fence.begin();
-        let below = BelowTop(self);
         let changed = |o: GuestOffset, n: u64| self.mapping_changed(o, n);
-        self.for_each_cluster(offset, buf.len() as u64, |pos, n| {
-            let data = &buf[(pos.0 - offset) as usize..(pos.0 - offset + n) as usize];
-            active.write_cluster(data, pos, &below, &changed)
-        })
+        active.write_cluster(data, pos, &BelowTop(self), &changed)
     }
 
     /// Makes `[offset, offset + len)` read as zeros. Whole clusters become
@@ -219,15 +244,34 @@ impl Chain {
         let size = self.virtual_size();
         let zeros = vec![0u8; cluster_size as usize];
         let changed = |o: GuestOffset, n: u64| self.mapping_changed(o, n);
+        let drain = self.drain();
         self.for_each_cluster(offset, len, |pos, n| {
             let whole = n == cluster_size || pos.0 + n == size && pos.0 % cluster_size == 0;
             if !whole && !partial {
                 return Ok(());
             }
+            let _held = match &drain {
+                Some(drain) => {
+                    let held = drain.share(pos.0, pos.0 + n);
+                    if !self.top_decides(pos)? {
+                        let target = &drain.target;
+                        return drain.routed(
+                            n,
+                            match how {
+                                Zeroing::Discard if whole => target.discard(pos.0, n),
+                                Zeroing::Zeroes { unmap } => target.write_zeroes(pos.0, n, unmap),
+                                _ => Ok(()),
+                            },
+                        );
+                    }
+                    Some(held)
+                }
+                None => None,
+            };
             if whole && active.zero_cluster(pos, how, &changed)? {
                 return Ok(());
             }
-            self.write_top(&zeros[..n as usize], pos.0)
+            self.write_top_cluster(&zeros[..n as usize], pos)
         })
     }
 
@@ -247,6 +291,11 @@ impl Chain {
         }
         self.flush_below()?;
         self.flush_mirror();
+        if let Some(drain) = self.drain() {
+            // The base holds guest writes of its own: after the top,
+            // whose unmappings must be durable before them.
+            drain.target.flush()?;
+        }
         Ok(())
     }
 
@@ -480,6 +529,7 @@ impl Transfers<'_> {
     ) -> Result<ReadExtent, Error> {
         self.chain.check_ticket(ticket)?;
         self.chain.check_range(start.0, max)?;
+        self.chain.check_readable()?;
         let extent = self.chain.resolve(start, max, false)?;
         let file = match extent.kind {
             ExtentKind::Data { .. } => {
@@ -496,10 +546,25 @@ impl Transfers<'_> {
             }
             _ => None,
         };
+        if extent.layer != self.chain.top_index() {
+            if let Some(drain) = self.chain.drain() {
+                // Not the top's: read where the base's writer says, under
+                // its own ticket.
+                let base = drain.target.transfers();
+                let ticket = base.begin();
+                let mut read = base.resolve_for_read(&ticket, start, extent.len)?;
+                read.hold = Some(super::TransferHold::ticket(ticket));
+                return Ok(read);
+            }
+        }
         if !matches!(extent.kind, ExtentKind::Zero { .. }) {
             self.chain.count_data_read(extent.layer);
         }
-        Ok(ReadExtent { extent, file })
+        Ok(ReadExtent {
+            extent,
+            file,
+            hold: None,
+        })
     }
 
     /// [`crate::Transfers::resolve_for_read`] from cached metadata only: `None` when
@@ -538,8 +603,22 @@ impl Transfers<'_> {
             return Ok(None);
         }
         // Taken before the lookup: the write may land any time after.
-        let Ok(mark) = self.chain.in_place_mark(offset.0, len) else {
-            return Ok(None);
+        let hold = match self.chain.drain() {
+            Some(drain) => {
+                let start = offset.0 - offset.0 % cluster_size;
+                let Some(held) = drain.try_share(start, start + cluster_size) else {
+                    return Ok(None);
+                };
+                if !active.decides(offset)? {
+                    // The base's: through the engine, which routes it.
+                    return Ok(None);
+                }
+                Some(super::TransferHold::range(held))
+            }
+            None => match self.chain.in_place_mark(offset.0, len) {
+                Ok(mark) => mark.map(super::TransferHold::mark),
+                Err(()) => return Ok(None),
+            },
         };
         let Some(host) = active.in_place_target(offset, len)? else {
             return Ok(None);
@@ -550,7 +629,7 @@ impl Transfers<'_> {
             .storage()
             .pinned_file()
             .map_err(|e| Error::new(self.chain.top().path(), e.into()))?;
-        Ok(Some(InPlaceTarget { host, file, mark }))
+        Ok(Some(InPlaceTarget { host, file, hold }))
     }
 
     /// [`crate::Transfers::in_place_target`] from cached metadata only: `None` also

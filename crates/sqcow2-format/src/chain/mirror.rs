@@ -108,7 +108,7 @@ fn granule_for(size: u64) -> u64 {
 /// (which cannot go synchronous until every mark is dropped).
 #[must_use = "drop it once the data is written, not before"]
 #[derive(Debug)]
-pub struct ChangeMark {
+pub(crate) struct ChangeMark {
     mirror: Arc<Mirror>,
     offset: u64,
     len: u64,

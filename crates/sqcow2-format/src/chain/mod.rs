@@ -4,6 +4,7 @@
 
 mod changed;
 mod covering;
+pub(crate) mod drain;
 mod io;
 pub(crate) mod mirror;
 mod open;
@@ -28,8 +29,8 @@ use sqcow2_cache::{Policy, SliceCache, StatsSnapshot};
 
 pub(crate) use covering::backing_name as backing_name_of;
 pub use covering::Installed;
+pub use drain::TransferHold;
 pub use io::{InPlaceTarget, ReadExtent};
-pub use mirror::ChangeMark;
 pub use successor::PreparedTop;
 pub use walk::backing_path_of;
 
@@ -207,6 +208,11 @@ pub struct Chain {
     top_place: Option<crate::sidefile::ImagePlace>,
     /// A live commit's mirror: guest changes copied into its base.
     mirror: arc_swap::ArcSwapOption<mirror::Mirror>,
+    /// A live commit's drain: the top shrinking into the base below it.
+    drain: arc_swap::ArcSwapOption<drain::Drain>,
+    /// Why the chain must not be read any more (its view of the base of
+    /// an abandoned drain is stale, and it could not be reopened).
+    unreadable: std::sync::OnceLock<String>,
 }
 
 /// Guest I/O that the caller moves itself (io_uring straight between the
@@ -360,6 +366,23 @@ impl Chain {
     /// must be reopened to take writes again.
     pub fn failure(&self) -> Option<&str> {
         self.active.as_deref().and_then(Active::failure)
+    }
+
+    /// Refuses reads and writes from now on: for a chain whose view of a
+    /// layer is known to be stale and that could not be reopened.
+    pub fn refuse_io(&self, reason: &str) {
+        let _ = self.unreadable.set(reason.to_owned());
+        self.fail(reason);
+    }
+
+    pub(crate) fn check_readable(&self) -> Result<(), Error> {
+        match self.unreadable.get() {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                self.top().path(),
+                ErrorKind::Io(std::io::Error::other(why.clone())),
+            )),
+        }
     }
 
     /// Refuses writes from now on, until the chain is reopened: for callers

@@ -566,6 +566,8 @@ impl Chain {
             unclosed_below: std::sync::Mutex::new(Vec::new()),
             top_place,
             mirror: Default::default(),
+            drain: Default::default(),
+            unreadable: Default::default(),
         })
     }
 }

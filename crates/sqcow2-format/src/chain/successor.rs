@@ -196,6 +196,8 @@ impl Chain {
             unclosed_below: std::sync::Mutex::new(unclosed_below),
             top_place: Some(prepared.place.clone()),
             mirror: Default::default(),
+            drain: Default::default(),
+            unreadable: Default::default(),
         })
     }
 }

@@ -1,15 +1,18 @@
 //! `commit --live`: the served chain's view from a base's layer up
 //! written into the base while the guest runs, then the base served as the
-//! top (QEMU's active block-commit with its pivot). It always finishes:
-//! guest changes are mirrored into the base as they complete (each one
-//! waits for its copy), so the background copy has a fixed amount of work
-//! ([`crate::chain::mirror`]). Until the switch the files on disk still
-//! name the old top, which reads every completed write; the base is
-//! written only where the layers above hide it.
+//! top (QEMU's active block-commit with its pivot). It always finishes,
+//! whatever the guest writes and at any pace. Into the base directly
+//! below the top, the top drains ([`crate::chain::drain`]): it only
+//! shrinks, clusters it no longer decides read and written in the base.
+//! Over several layers, guest changes are mirrored into the base
+//! ([`crate::chain::mirror`]): marked, copied pass after pass, then each
+//! one waiting for its copy. Until the switch the files on disk still
+//! name the old top, which reads every completed write.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::chain::drain::Drain;
 use crate::chain::mirror::Mirror;
 use crate::chain::{Chain, ChainOptions};
 use crate::error::{Error, ErrorKind};
@@ -32,12 +35,24 @@ const SYNCHRONOUS_BELOW: u64 = 4 << 20;
 /// (each must at least halve what is left).
 const ASYNC_PASSES: u32 = 16;
 
+/// How the guest's changes reach the base while the copy runs.
+#[derive(Debug)]
+enum Mode {
+    /// The top drains into the base directly below it.
+    Drain(Arc<Drain>),
+    /// Changes are mirrored into a base further down.
+    Mirror(Arc<Mirror>),
+}
+
+/// Guest bytes a drain holds (and copies) at once.
+const DRAIN_BATCH: u64 = 1 << 20;
+
 /// A live commit prepared on a served chain: the base open for writing
 /// (its image lock taken, so no other process uses it), not yet mirrored.
 #[must_use = "a live commit holds the base for writing until finished or abandoned"]
 pub struct LiveCommit {
     target: Arc<Chain>,
-    mirror: Arc<Mirror>,
+    mode: Mode,
     base: LayerIndex,
     base_path: PathBuf,
     replaced: Vec<PathBuf>,
@@ -164,8 +179,17 @@ pub fn prepare_live_commit(
         )));
     }
     let target = Arc::new(target);
+    let mode = if from == chain.top_index() && chain.active().is_ok() {
+        Mode::Drain(Arc::new(Drain::new(target.clone())))
+    } else {
+        Mode::Mirror(Arc::new(Mirror::new(
+            target.clone(),
+            from,
+            chain.virtual_size(),
+        )))
+    };
     Ok(LiveCommit {
-        mirror: Arc::new(Mirror::new(target.clone(), from, chain.virtual_size())),
+        mode,
         target,
         base,
         replaced: chain.layers()[from.0..]
@@ -205,38 +229,107 @@ impl LiveCommit {
         Ok(())
     }
 
-    /// Mirrors the guest's changes of `chain` (the chain prepared on) into
-    /// the base from now on. Call with no request in flight (a pause).
-    pub fn start_mirror(&self, chain: &Chain) -> Result<(), Error> {
+    /// The guest's changes of `chain` (the chain prepared on) reach the
+    /// base from now on (drained or mirrored). Call with no request in
+    /// flight (a pause).
+    pub fn start(&self, chain: &Chain) -> Result<(), Error> {
         self.check_chain(chain)?;
-        chain.start_mirror(self.mirror.clone());
+        match &self.mode {
+            Mode::Drain(d) => chain.start_drain(d.clone()),
+            Mode::Mirror(m) => chain.start_mirror(m.clone()),
+        }
         Ok(())
+    }
+
+    /// Whether the top drains into the base (else changes are mirrored).
+    pub fn drains(&self) -> bool {
+        matches!(self.mode, Mode::Drain(_))
+    }
+
+    /// Why the commit cannot finish, if something failed.
+    fn failure(&self) -> Option<String> {
+        match &self.mode {
+            Mode::Drain(d) => d.failure(),
+            Mode::Mirror(m) => m.failure(),
+        }
     }
 
     /// The background copy: every range of `chain`'s view that the layers
     /// above the base decide, written into the base (after
-    /// [`LiveCommit::start_mirror`]). `pace` is called after each chunk.
+    /// [`LiveCommit::start`]); a drain also unmaps it from the top. `pace`
+    /// is called after each chunk or batch.
     pub fn copy(&self, chain: &Chain, pace: Pace<'_>) -> Result<LiveCopied, Error> {
         self.check_chain(chain)?;
+        match &self.mode {
+            Mode::Drain(d) => self.drain(chain, d, pace),
+            Mode::Mirror(m) => self.mirror_copy(chain, m, pace),
+        }
+    }
+
+    fn cancelled(&self) -> Error {
+        Error::new(
+            &self.base_path,
+            ErrorKind::Io(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "cancelled",
+            )),
+        )
+    }
+
+    /// The top drained a batch at a time, in one pass (nothing becomes
+    /// the top's again); a second pass finds nothing (checked).
+    fn drain(
+        &self,
+        chain: &Chain,
+        drain: &Arc<Drain>,
+        pace: Pace<'_>,
+    ) -> Result<LiveCopied, Error> {
         let size = chain.virtual_size();
-        let cancelled = || {
-            Error::new(
-                &self.base_path,
-                ErrorKind::Io(std::io::Error::new(
-                    std::io::ErrorKind::Interrupted,
-                    "cancelled",
-                )),
-            )
-        };
+        let batch = DRAIN_BATCH.max(chain.cluster_size());
+        let mut buf = Vec::new();
+        let mut copied = LiveCopied::default();
+        for pass in 0..2 {
+            let mut pos = 0;
+            while pos < size {
+                if let Some(why) = drain.failure() {
+                    return Err(invalid(&self.base_path, why));
+                }
+                let end = (pos + batch).min(size);
+                let d = drain.drain_range(chain, pos, end, &mut buf)?;
+                if pass == 1 && d.data_bytes + d.zero_bytes > 0 {
+                    return Err(invalid(
+                        &self.base_path,
+                        "the top still decided clusters after the drain (a bug)".into(),
+                    ));
+                }
+                copied.data_bytes += d.data_bytes;
+                copied.zero_bytes += d.zero_bytes;
+                pos = end;
+                if pass == 0 && !pace(pos, size, d.data_bytes + d.zero_bytes) {
+                    return Err(self.cancelled());
+                }
+            }
+        }
+        Ok(copied)
+    }
+
+    fn mirror_copy(
+        &self,
+        chain: &Chain,
+        mirror: &Mirror,
+        pace: Pace<'_>,
+    ) -> Result<LiveCopied, Error> {
+        let size = chain.virtual_size();
+        let cancelled = || self.cancelled();
         let mut buf = Vec::new();
         let mut copied = LiveCopied::default();
         let mut pos = 0;
         while pos < size {
-            if let Some(why) = self.mirror.failure() {
+            if let Some(why) = mirror.failure() {
                 return Err(invalid(&self.base_path, why));
             }
             let n = CHUNK.min(size - pos);
-            let c = self.mirror.copy_range(chain, pos, n, &mut buf)?;
+            let c = mirror.copy_range(chain, pos, n, &mut buf)?;
             copied.data_bytes += c.data_bytes;
             copied.zero_bytes += c.zero_bytes;
             pos += n;
@@ -250,7 +343,7 @@ impl LiveCommit {
         let mut passes = 0;
         let mut before = u64::MAX;
         loop {
-            let left = self.mirror.changed_bytes();
+            let left = mirror.changed_bytes();
             let converging = left.saturating_mul(2) <= before;
             if left <= SYNCHRONOUS_BELOW || passes >= ASYNC_PASSES || !converging {
                 tracing::info!(passes, left, "live commit: the mirror goes synchronous");
@@ -259,34 +352,41 @@ impl LiveCommit {
             tracing::debug!(pass = passes + 1, left, "live commit: copying the changes");
             before = left;
             passes += 1;
-            if !self
-                .mirror
-                .copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))?
-            {
+            if !mirror.copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))? {
                 return Err(cancelled());
             }
         }
-        self.mirror.go_synchronous();
-        if !self
-            .mirror
-            .copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))?
-        {
+        mirror.go_synchronous();
+        if !mirror.copy_changed(chain, CHUNK, &mut |w| pace(size, size, w))? {
             return Err(cancelled());
         }
-        if let Some(why) = self.mirror.failure() {
+        if let Some(why) = mirror.failure() {
             return Err(invalid(&self.base_path, why));
         }
         Ok(copied)
     }
 
-    /// Bytes the guest's changes made the mirror write so far.
+    /// Bytes the guest's changes made the mirror write so far (a drain
+    /// copies nothing for them).
     pub fn mirrored_bytes(&self) -> u64 {
-        self.mirror.written()
+        match &self.mode {
+            Mode::Drain(_) => 0,
+            Mode::Mirror(m) => m.written(),
+        }
     }
 
-    /// Why the mirror failed, if it did (the commit cannot finish).
+    /// Guest bytes written into the base directly (a drain's clusters
+    /// the top no longer decides).
+    pub fn routed_bytes(&self) -> u64 {
+        match &self.mode {
+            Mode::Drain(d) => d.routed_bytes(),
+            Mode::Mirror(_) => 0,
+        }
+    }
+
+    /// Why the commit cannot finish, if something failed.
     pub fn mirror_failure(&self) -> Option<String> {
-        self.mirror.failure()
+        self.failure()
     }
 
     /// Writes the base's changes so far back and syncs them (while the
@@ -300,13 +400,22 @@ impl LiveCommit {
     /// chain to serve from now on (the base its top) is returned. On an error the commit is abandoned (the served
     /// chain is as before).
     pub fn finish(self, chain: &Chain) -> Result<Chain, Error> {
-        chain.stop_mirror();
-        // Nothing is left once the copy has ended (the mirror synchronous);
-        // copied here if something is, as a guard.
-        let ready = self
-            .mirror
-            .copy_changed(chain, CHUNK, &mut |_| true)
-            .and_then(|_| match self.mirror.failure() {
+        let left = match &self.mode {
+            Mode::Drain(_) => {
+                // The copy left the top deciding nothing: served from the
+                // base alone from now on.
+                chain.stop_drain();
+                Ok(())
+            }
+            Mode::Mirror(m) => {
+                chain.stop_mirror();
+                // Nothing is left once the copy has ended (the mirror
+                // synchronous); copied here if something is, as a guard.
+                m.copy_changed(chain, CHUNK, &mut |_| true).map(|_| ())
+            }
+        };
+        let ready = left
+            .and_then(|()| match self.failure() {
                 Some(why) => Err(invalid(&self.base_path, why)),
                 None => Ok(()),
             })
@@ -321,14 +430,14 @@ impl LiveCommit {
         }
         let LiveCommit {
             target,
-            mirror,
+            mode,
             base_path,
             served_base,
             served_lock,
             locking,
             ..
         } = self;
-        drop(mirror);
+        drop(mode);
         Arc::try_unwrap(target).map_err(|target| {
             // Still referenced (a bug): not served; the base stays open
             // with it, and the served chain's lock is put back.
@@ -338,28 +447,37 @@ impl LiveCommit {
         })
     }
 
-    /// Stops the commit: no more mirroring of `chain`, the base closed
-    /// (what was written stays: the layers above hide it) and the served
-    /// chain's lock on it put back (unless it changed meanwhile: an
-    /// inactivation dropped it, and it stays dropped).
+    /// Stops the commit: no more mirroring or draining of `chain`, the
+    /// base closed (what was written stays: the layers above hide it, or,
+    /// drained, the top no longer decides it) and the served chain's lock
+    /// on it put back (unless it changed meanwhile: an inactivation
+    /// dropped it, and it stays dropped). After a drain, `chain` reads the
+    /// base as it was: call with no request in flight, and serve a chain
+    /// opened again from then on ([`LiveCommit::drains`]).
     pub fn abandon(self, chain: &Chain) {
         chain.stop_mirror();
+        chain.stop_drain();
         let LiveCommit {
             target,
-            mirror,
+            mode,
             base_path,
             served_base,
             served_lock,
             locking,
             ..
         } = self;
-        // A change that took the mirror before it stopped copies on
-        // into the base: waited for (bounded), then the base is closed.
+        // A change that took the mirror (or the drain) before it stopped
+        // goes on into the base: waited for (bounded), then the base is
+        // closed.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while Arc::strong_count(&mirror) > 1 && std::time::Instant::now() < deadline {
+        let busy = || match &mode {
+            Mode::Drain(d) => Arc::strong_count(d) > 1,
+            Mode::Mirror(m) => Arc::strong_count(m) > 1,
+        };
+        while busy() && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        drop(mirror);
+        drop(mode);
         match Arc::try_unwrap(target) {
             Ok(t) => {
                 if let Err(e) = t.close() {
@@ -403,9 +521,11 @@ fn put_lock_back(
 mod tests {
     use std::path::Path;
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
 
     use super::*;
     use crate::create::{create, CreateOptions};
+    use crate::types::GuestOffset;
 
     const SIZE: u64 = 8 << 20;
 
@@ -448,60 +568,96 @@ mod tests {
     }
 
     /// Guest writes, zeroes and discards racing the background copy (on
-    /// the ranges it copies): the base, served as the top afterwards,
-    /// reads exactly what the old chain read at the switch.
-    #[test]
-    fn the_base_ends_equal_to_the_view_whatever_the_guest_writes() {
+    /// the ranges it copies) of a commit of the layers above `layers[0]`
+    /// (`mid` between: mirrored; else drained): the base, served as the
+    /// top afterwards, reads exactly what the old chain read at the
+    /// switch.
+    fn commit_under_writes(mid: bool) {
         let dir = tempfile::tempdir().unwrap();
         let base = image(dir.path(), "base.qcow2", None);
-        image(dir.path(), "mid.qcow2", Some("base.qcow2"));
-        let top = image(dir.path(), "top.qcow2", Some("mid.qcow2"));
-        {
-            let fill = |path: &Path, seed: u64| {
-                let c = Chain::open(path, &options(true)).unwrap();
-                let mut s = seed;
-                for _ in 0..200 {
-                    let off = (next(&mut s) % (SIZE - 70_000)) & !511;
-                    let len = ((next(&mut s) % 70_000 + 1) as usize & !511) | 512;
-                    c.write_at(&vec![(seed as u8) ^ (off as u8); len], off)
-                        .unwrap();
-                }
-                c.close().unwrap();
-            };
-            fill(&base, 1);
-            fill(&dir.path().join("mid.qcow2"), 2);
-            fill(&top, 3);
+        let mut files = vec![base.clone()];
+        if mid {
+            files.push(image(dir.path(), "mid.qcow2", Some("base.qcow2")));
+        }
+        let below = if mid { "mid.qcow2" } else { "base.qcow2" };
+        let top = image(dir.path(), "top.qcow2", Some(below));
+        files.push(top.clone());
+        for (seed, path) in files.iter().enumerate() {
+            let c = Chain::open(path, &options(true)).unwrap();
+            let seed = seed as u64 + 1;
+            let mut s = seed;
+            for _ in 0..200 {
+                let off = (next(&mut s) % (SIZE - 70_000)) & !511;
+                let len = ((next(&mut s) % 70_000 + 1) as usize & !511) | 512;
+                c.write_at(&vec![(seed as u8) ^ (off as u8); len], off)
+                    .unwrap();
+            }
+            c.close().unwrap();
         }
         let chain = Chain::open(&top, &options(true)).unwrap();
         let commit =
             prepare_live_commit(&chain, Some(&LayerRef::Position(0)), &options(true)).unwrap();
-        assert_eq!(commit.replaced().len(), 2);
-        commit.start_mirror(&chain).unwrap();
+        assert_eq!(commit.replaced().len(), files.len() - 1);
+        assert_eq!(commit.drains(), !mid);
+        if let Mode::Drain(d) = &commit.mode {
+            // Guest writes into a batch between its copy and its
+            // unmapping, if the batch's hold let them.
+            *d.before_unmap.lock().unwrap() = Some(crate::chain::drain::TestHook(Box::new(|| {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            })));
+        }
+        commit.start(&chain).unwrap();
         let done = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            for t in 0..4u64 {
-                let (chain, done) = (&chain, &done);
-                s.spawn(move || {
-                    let mut st = 0x9e37_79b9_7f4a_7c15 ^ (t + 1);
-                    let mut ops = 0u64;
-                    while !done.load(Ordering::Relaxed) {
-                        ops += 1;
-                        if ops % 32 == 0 {
-                            // Released clusters become reusable.
-                            chain.flush().unwrap();
+        let before = read_all(&chain);
+        let stripe = SIZE / 4;
+        let cs = chain.cluster_size();
+        let expected = std::thread::scope(|s| {
+            // Each writer owns a stripe and knows what it must read.
+            let writers: Vec<_> = (0..4u64)
+                .map(|t| {
+                    let (chain, done) = (&chain, &done);
+                    let mut model =
+                        before[(t * stripe) as usize..((t + 1) * stripe) as usize].to_vec();
+                    s.spawn(move || {
+                        let mut st = 0x9e37_79b9_7f4a_7c15 ^ (t + 1);
+                        let mut ops = 0u64;
+                        while !done.load(Ordering::Relaxed) {
+                            ops += 1;
+                            if ops % 32 == 0 {
+                                // Released clusters become reusable.
+                                chain.flush().unwrap();
+                            }
+                            let rel = (next(&mut st) % (stripe - 200_000)) & !511;
+                            let len = ((next(&mut st) % 200_000) & !511) | 512;
+                            let off = t * stripe + rel;
+                            let span = rel as usize..(rel + len) as usize;
+                            match next(&mut st) % 8 {
+                                0 => {
+                                    chain.write_zeroes(off, len, true).unwrap();
+                                    model[span].fill(0);
+                                }
+                                1 => {
+                                    chain.discard(off, len).unwrap();
+                                    // Whole clusters read as zeros.
+                                    let first = off.div_ceil(cs) * cs;
+                                    let last = (off + len) / cs * cs;
+                                    if first < last {
+                                        let a = (first - t * stripe) as usize;
+                                        let b = (last - t * stripe) as usize;
+                                        model[a..b].fill(0);
+                                    }
+                                }
+                                _ => {
+                                    let byte = (st >> 8) as u8 | 1;
+                                    chain.write_at(&vec![byte; len as usize], off).unwrap();
+                                    model[span].fill(byte);
+                                }
+                            }
                         }
-                        let off = (next(&mut st) % (SIZE - 200_000)) & !511;
-                        let len = ((next(&mut st) % 200_000) & !511) | 512;
-                        match next(&mut st) % 8 {
-                            0 => chain.write_zeroes(off, len, true).unwrap(),
-                            1 => chain.discard(off, len).unwrap(),
-                            _ => chain
-                                .write_at(&vec![(st >> 8) as u8 | 1; len as usize], off)
-                                .unwrap(),
-                        }
-                    }
-                });
-            }
+                        model
+                    })
+                })
+                .collect();
             // Slowed, so that the guest changes ranges before, while and
             // after they are copied.
             let copied = commit
@@ -511,20 +667,35 @@ mod tests {
                 })
                 .unwrap();
             assert!(copied.data_bytes > 0);
-            // The guest goes on: its changes copy themselves now.
+            // The guest goes on: its changes reach the base now.
             std::thread::sleep(std::time::Duration::from_millis(30));
             done.store(true, Ordering::Relaxed);
+            writers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap())
+                .collect::<Vec<u8>>()
         });
-        assert_eq!(
-            commit.mirror.changed_bytes(),
-            0,
-            "changes after the copy were left for the switch"
-        );
-        assert!(
-            commit.mirrored_bytes() > 0,
-            "the guest's writes were mirrored"
-        );
+        match &commit.mode {
+            Mode::Mirror(m) => {
+                assert_eq!(
+                    m.changed_bytes(),
+                    0,
+                    "changes after the copy were left for the switch"
+                );
+                assert!(
+                    commit.mirrored_bytes() > 0,
+                    "the guest's writes were mirrored"
+                );
+            }
+            Mode::Drain(_) => {
+                assert!(commit.routed_bytes() > 0, "no guest write went to the base");
+                for c in (0..SIZE).step_by(chain.cluster_size() as usize) {
+                    assert!(!chain.top_decides(GuestOffset(c)).unwrap(), "{c}");
+                }
+            }
+        }
         let view = read_all(&chain);
+        assert!(view == expected, "the chain lost a guest change");
         let served = commit.finish(&chain).unwrap();
         assert_eq!(served.top().path(), base.as_path());
         assert!(served.is_writable());
@@ -534,6 +705,74 @@ mod tests {
         // And once closed, as any reader opens it.
         let reopened = Chain::open(&base, &options(false)).unwrap();
         assert!(read_all(&reopened) == view, "the closed base differs");
+        if !mid {
+            // The old top, drained, over the base reads the same.
+            let old = Chain::open(&top, &options(false)).unwrap();
+            assert!(
+                read_all(&old) == view,
+                "the drained top over the base differs"
+            );
+        }
+    }
+
+    #[test]
+    fn the_base_ends_equal_to_the_view_whatever_the_guest_writes() {
+        commit_under_writes(true);
+    }
+
+    #[test]
+    fn the_top_drains_into_the_base_whatever_the_guest_writes() {
+        commit_under_writes(false);
+    }
+
+    /// A guest write into a cluster whose batch has been copied into the
+    /// base and not yet unmapped from the top waits for the unmapping,
+    /// then lands in the base: it is never left behind in the top.
+    #[test]
+    fn a_write_into_a_batch_being_drained_waits_then_lands_in_the_base() {
+        let dir = tempfile::tempdir().unwrap();
+        image(dir.path(), "base.qcow2", None);
+        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        chain.write_at(&[0x11; 65536], 0).unwrap();
+        let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
+        let Mode::Drain(d) = &commit.mode else {
+            panic!("not drained")
+        };
+        let (copied_tx, copied_rx) = std::sync::mpsc::channel::<()>();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        *d.before_unmap.lock().unwrap() =
+            Some(crate::chain::drain::TestHook(Box::new(move || {
+                let _ = copied_tx.send(());
+                let _ = go_rx.lock().unwrap().recv();
+            })));
+        commit.start(&chain).unwrap();
+        let landed = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let copier = s.spawn(|| commit.copy(&chain, &mut |_, _, _| true).unwrap());
+            copied_rx.recv().unwrap();
+            let writer = s.spawn(|| {
+                chain.write_at(&[0x22; 4096], 4096).unwrap();
+                landed.store(true, Ordering::SeqCst);
+            });
+            // The copier stalls between the base's sync and the unmapping.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let early = landed.load(Ordering::SeqCst);
+            go_tx.send(()).unwrap();
+            copier.join().unwrap();
+            writer.join().unwrap();
+            assert!(!early, "the write completed inside the drained batch");
+        });
+        let mut got = vec![0u8; 8192];
+        chain.read_at(&mut got, 0).unwrap();
+        assert_eq!(&got[..4096], &[0x11; 4096][..]);
+        assert_eq!(&got[4096..], &[0x22; 4096][..], "the write was lost");
+        assert!(!chain.top_decides(GuestOffset(0)).unwrap());
+        let base = commit.finish(&chain).unwrap();
+        let mut got = vec![0u8; 4096];
+        base.read_at(&mut got, 4096).unwrap();
+        assert_eq!(got, vec![0x22; 4096]);
     }
 
     /// A live commit is refused for the top itself, a raw or smaller base,
@@ -550,9 +789,10 @@ mod tests {
         let e = prepare_live_commit(&chain, Some(&LayerRef::Position(1)), &options(true));
         assert!(e.unwrap_err().to_string().contains("top itself"));
         let ok = prepare_live_commit(&chain, None, &options(true)).unwrap();
-        ok.start_mirror(&chain).unwrap();
-        assert!(chain.mirroring());
+        assert!(ok.drains());
+        ok.start(&chain).unwrap();
+        assert!(chain.drain().is_some());
         ok.abandon(&chain);
-        assert!(!chain.mirroring());
+        assert!(chain.drain().is_none() && !chain.mirroring());
     }
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slab::Slab;
-use sqcow2_format::{Chain, ChangeMark, ExtentKind, GuestOffset, InPlaceTarget, TransferTicket};
+use sqcow2_format::{Chain, ExtentKind, GuestOffset, InPlaceTarget, TransferHold, TransferTicket};
 use tracing::{debug, warn};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -84,9 +84,10 @@ struct InFlight {
     permit: RequestPermit,
     /// Held while data transfers of the request may still run.
     transfer: Option<TransferTicket>,
-    /// A live commit's marks of the in-place writes queued: dropped once
-    /// no ring transfer of the request runs (the data is written).
-    marks: Vec<ChangeMark>,
+    /// A live commit's holds of the ring transfers queued (marks of
+    /// in-place writes, drained ranges, the base's tickets): dropped once
+    /// no ring transfer of the request runs (the data has moved).
+    holds: Vec<TransferHold>,
     /// Parts still being set up (blocks completion while set).
     submitting: bool,
     ring_pending: u32,
@@ -488,7 +489,7 @@ impl QueueWorker {
             transfer,
             submitting: true,
             ring_pending: 0,
-            marks: Vec::new(),
+            holds: Vec::new(),
             jobs_pending: 0,
             failed: false,
             short: false,
@@ -606,7 +607,7 @@ impl QueueWorker {
         if f.submitting || f.ring_pending > 0 {
             return None;
         }
-        f.marks.clear();
+        f.holds.clear();
         if f.jobs_pending > 0 {
             if f.may_leave_chain() {
                 // What is left are engine jobs, which look the chain up
@@ -668,10 +669,10 @@ impl QueueWorker {
                     Some(InPlaceTarget {
                         host,
                         file: Some(file),
-                        mark,
+                        hold,
                     }) => {
-                        if let (Some(m), Some(f)) = (mark, self.slots.get_mut(slot)) {
-                            f.marks.push(m);
+                        if let (Some(h), Some(f)) = (hold, self.slots.get_mut(slot)) {
+                            f.holds.push(h);
                         }
                         // The bounce buffer holds one contiguous range.
                         self.write_through_engine(slot, &mut bounce)?;
@@ -752,6 +753,9 @@ impl QueueWorker {
                     };
                 let n = read.extent.len.min(want) as usize;
                 let dst = piece.subslice(done, n).map_err(|_| TransferError::Memory)?;
+                if let (Some(h), Some(f)) = (read.hold, self.slots.get_mut(slot)) {
+                    f.holds.push(h);
+                }
                 match (read.extent.kind, read.file) {
                     (ExtentKind::Zero { .. }, _) => fill_zero(&dst),
                     (ExtentKind::Data { host }, Some(file)) => {

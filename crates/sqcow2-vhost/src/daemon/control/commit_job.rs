@@ -77,7 +77,7 @@ pub(super) fn start(
             ));
         }
     };
-    let mirrored = commit.start_mirror(&quiet.current());
+    let mirrored = commit.start(&quiet.current());
     let right = quiet.resume();
     if let Err(e) = mirrored {
         abandon(shared, term, &chain, commit, Some(right));
@@ -168,10 +168,11 @@ fn run(
 
 /// Stops a commit that will not switch, the guest running. Opening the
 /// base for writing changed it on disk (its sQcow2 mark, and its tables
-/// where the layers above hide it): the served chain is reopened in a
-/// pause, the base read as it is now, and the top's index, stale for
-/// the next open, built again. Not after an inactivation (the chain was
-/// replaced; the next activation opens it afresh).
+/// where the layers above hide it or the drained top no longer decides):
+/// the commit is stopped and the served chain reopened in one pause, the
+/// base read as it is now, and the top's index, stale for the next open,
+/// built again. Not after an inactivation (the chain was replaced; the
+/// next activation opens it afresh).
 fn abandon(
     shared: &Shared,
     term: Term,
@@ -179,21 +180,30 @@ fn abandon(
     commit: LiveCommit,
     right: Option<Exclusive<'_>>,
 ) {
-    commit.abandon(chain);
-    let right = right.unwrap_or_else(|| shared.handle.exclusive());
+    let mut right = right.unwrap_or_else(|| shared.handle.exclusive());
     if !shared.holds(term) {
+        commit.abandon(chain);
         return;
     }
     shared.index_builder.suspend();
     let resumed = Resume(shared);
-    let right = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
-        Ok(quiet) => {
-            reopen(shared, &quiet);
-            quiet.resume()
-        }
-        Err(pause) => {
-            warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the chain is reopened at the next start");
-            pause.resume()
+    let right = loop {
+        match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
+            Ok(quiet) => {
+                stop_in_pause(shared, &quiet, chain, commit);
+                break quiet.resume();
+            }
+            Err(pause) if commit.drains() => {
+                // The chain reads what its top no longer decides through
+                // the drain, which stops only in a pause: tried again.
+                warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the drain ends at the next pause");
+                right = pause.resume();
+            }
+            Err(pause) => {
+                commit.abandon(chain);
+                warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the chain is reopened at the next start");
+                break pause.resume();
+            }
         }
     };
     // Builds run again before the right is given back.
@@ -201,11 +211,26 @@ fn abandon(
     drop(right);
 }
 
+/// Inside a pause: the commit stopped (the base closed, its tables
+/// written) and the served chain reopened, reading the base as it is
+/// now. After a drain the old chain's view of the base is stale: if it
+/// cannot be reopened, it refuses every request rather than serve it.
+fn stop_in_pause(shared: &Shared, quiet: &Quiesced<'_>, chain: &Chain, commit: LiveCommit) {
+    let drained = commit.drains();
+    commit.abandon(chain);
+    if !reopen(shared, quiet) && drained {
+        warn!("the chain could not be reopened after its top was drained in part: it refuses requests");
+        quiet
+            .current()
+            .refuse_io("the chain could not be reopened after a drain was abandoned");
+    }
+}
+
 /// Inside a pause: the served chain opened again (its open files reused,
 /// each layer's tables read as they are now; the top's index rebuilt in
-/// the background). On an error the old chain serves on (it reads the
-/// same data).
-fn reopen(shared: &Shared, quiet: &Quiesced<'_>) {
+/// the background); whether it was. On an error the old chain serves
+/// on.
+fn reopen(shared: &Shared, quiet: &Quiesced<'_>) -> bool {
     let old = quiet.current();
     let options = ChainOptions {
         stale_index_expected: true,
@@ -219,9 +244,11 @@ fn reopen(shared: &Shared, quiet: &Quiesced<'_>) {
         Ok(chain) => {
             old.handover().release_top();
             drop(quiet.replace(chain));
+            true
         }
         Err(e) => {
-            warn!(error = %e, "reopening the chain after an abandoned commit failed: serving it as it was")
+            warn!(error = %e, "reopening the chain after an abandoned commit failed: serving it as it was");
+            false
         }
     }
 }
@@ -275,6 +302,7 @@ fn switch(
             "the served chain was replaced during the commit (a bug)".into(),
         ));
     }
+    let drained = commit.drains();
     let switched = commit
         .finish(&current)
         .map(|base| {
@@ -290,8 +318,12 @@ fn switch(
             old
         })
         .map_err(|e| {
-            // Abandoned: the chain read afresh (see `abandon`).
-            reopen(shared, &quiet);
+            // Abandoned: the chain read afresh (see `stop_in_pause`).
+            if !reopen(shared, &quiet) && drained {
+                quiet
+                    .current()
+                    .refuse_io("the chain could not be reopened after a drain was abandoned");
+            }
             format!("switching to the base: {e}")
         });
     drop(current);

@@ -1,0 +1,360 @@
+//! A live commit's drain of the top into the base directly below it: the
+//! top only shrinks. While it runs, each guest cluster goes where it is
+//! decided: a cluster the top still decides (its entry maps data, zeros
+//! or a compressed cluster) is read and written in the top as before;
+//! every other cluster is read and written through the base's own writer
+//! (the target chain), whose view of the base is the fresh one. The
+//! copier takes the top's clusters a batch at a time: holding the batch
+//! against guest changes, it writes their view into the base, makes the
+//! base durable, then unmaps them from the top (journaled), so that they
+//! read through to the base from then on. Nothing the guest writes makes
+//! more work, so the copy ends whatever the guest does, at any pace.
+//!
+//! On disk the chain stays the old top over the base throughout: a
+//! cluster reads from the top until its unmapping, and the base holds
+//! that cluster's data (synced) before it; a guest write into a cluster
+//! the top no longer decides is in the base, where the chain reads it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+use super::Chain;
+use crate::error::Error;
+use crate::fence::TransferTicket;
+use crate::types::GuestOffset;
+
+/// Ranges of guest bytes held, shared (guest changes) or exclusive (the
+/// copier), granted in the order asked where they conflict: a copier
+/// waiting for a range is not starved by the guest's changes of it.
+#[derive(Debug, Default)]
+struct RangeHolds {
+    state: Mutex<HoldQueue>,
+    freed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HoldQueue {
+    next: u64,
+    entries: Vec<HoldEntry>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HoldEntry {
+    turn: u64,
+    start: u64,
+    end: u64,
+    exclusive: bool,
+}
+
+impl HoldQueue {
+    /// Queues a hold of `[start, end)`; its turn.
+    fn push(&mut self, start: u64, end: u64, exclusive: bool) -> u64 {
+        let turn = self.next;
+        self.next += 1;
+        self.entries.push(HoldEntry {
+            turn,
+            start,
+            end,
+            exclusive,
+        });
+        turn
+    }
+}
+
+impl HoldEntry {
+    fn conflicts(&self, start: u64, end: u64, exclusive: bool) -> bool {
+        self.start < end && start < self.end && (self.exclusive || exclusive)
+    }
+}
+
+impl RangeHolds {
+    fn queue(&self) -> std::sync::MutexGuard<'_, HoldQueue> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until no range asked before conflicts, then holds
+    /// `[start, end)`; returns its turn.
+    fn lock(&self, start: u64, end: u64, exclusive: bool) -> u64 {
+        let mut q = self.queue();
+        let turn = q.push(start, end, exclusive);
+        while q
+            .entries
+            .iter()
+            .any(|e| e.turn < turn && e.conflicts(start, end, exclusive))
+        {
+            q = self.freed.wait(q).unwrap_or_else(PoisonError::into_inner);
+        }
+        turn
+    }
+
+    /// A shared hold of `[start, end)` if no range held or asked
+    /// conflicts now (never waits).
+    fn try_share(&self, start: u64, end: u64) -> Option<u64> {
+        let mut q = self.queue();
+        if q.entries.iter().any(|e| e.conflicts(start, end, false)) {
+            return None;
+        }
+        Some(q.push(start, end, false))
+    }
+
+    fn release(&self, turn: u64) {
+        let mut q = self.queue();
+        if let Some(i) = q.entries.iter().position(|e| e.turn == turn) {
+            q.entries.swap_remove(i);
+        }
+        drop(q);
+        self.freed.notify_all();
+    }
+}
+
+/// A range held until dropped.
+#[must_use = "the range is released when the guard drops"]
+#[derive(Debug)]
+pub(crate) struct DrainHold {
+    drain: Arc<Drain>,
+    turn: u64,
+}
+
+impl Drop for DrainHold {
+    fn drop(&mut self) {
+        self.drain.holds.release(self.turn);
+    }
+}
+
+/// What a transfer the caller moves itself must hold until its data has
+/// moved, when the chain is being committed live: a mark of a live
+/// commit's mirror, the range of a drain, the base's own ticket.
+#[must_use = "drop it once the data has moved, not before"]
+#[derive(Debug)]
+pub struct TransferHold(#[allow(dead_code)] HoldKind);
+
+/// Each kind is held for its drop.
+#[derive(Debug)]
+#[allow(dead_code)]
+enum HoldKind {
+    Mark(super::mirror::ChangeMark),
+    Range(DrainHold),
+    Ticket(TransferTicket),
+}
+
+impl TransferHold {
+    pub(crate) fn mark(mark: super::mirror::ChangeMark) -> Self {
+        TransferHold(HoldKind::Mark(mark))
+    }
+    pub(crate) fn range(hold: DrainHold) -> Self {
+        TransferHold(HoldKind::Range(hold))
+    }
+    pub(crate) fn ticket(ticket: TransferTicket) -> Self {
+        TransferHold(HoldKind::Ticket(ticket))
+    }
+}
+
+/// The base a served chain's top drains into, and the holds of ranges
+/// against its copier.
+#[derive(Debug)]
+pub(crate) struct Drain {
+    pub(crate) target: Arc<Chain>,
+    holds: RangeHolds,
+    /// The first failure of a change routed to the base (the guest's
+    /// request failed too; the commit fails with it).
+    failure: Mutex<Option<String>>,
+    /// Guest bytes changed in the base directly.
+    routed: AtomicU64,
+    /// Called by each batch between the base's sync and the unmapping
+    /// (unit tests: stalls there, to show what the hold keeps out).
+    #[cfg(test)]
+    pub(crate) before_unmap: Mutex<Option<TestHook>>,
+}
+
+/// A unit test's hook.
+#[cfg(test)]
+pub(crate) struct TestHook(pub(crate) Box<dyn FnMut() + Send>);
+
+#[cfg(test)]
+impl std::fmt::Debug for TestHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestHook")
+    }
+}
+
+impl Drain {
+    pub(crate) fn new(target: Arc<Chain>) -> Drain {
+        Drain {
+            target,
+            holds: RangeHolds::default(),
+            failure: Mutex::new(None),
+            routed: AtomicU64::new(0),
+            #[cfg(test)]
+            before_unmap: Mutex::new(None),
+        }
+    }
+
+    /// Holds `[start, end)` against the copier (waits for it).
+    pub(crate) fn share(self: &Arc<Self>, start: u64, end: u64) -> DrainHold {
+        DrainHold {
+            drain: self.clone(),
+            turn: self.holds.lock(start, end, false),
+        }
+    }
+
+    /// [`Drain::share`] if it need not wait.
+    pub(crate) fn try_share(self: &Arc<Self>, start: u64, end: u64) -> Option<DrainHold> {
+        let turn = self.holds.try_share(start, end)?;
+        Some(DrainHold {
+            drain: self.clone(),
+            turn,
+        })
+    }
+
+    /// Holds `[start, end)` alone (the copier): waits for the guest's
+    /// changes of it in flight.
+    pub(crate) fn exclusive(self: &Arc<Self>, start: u64, end: u64) -> DrainHold {
+        DrainHold {
+            drain: self.clone(),
+            turn: self.holds.lock(start, end, true),
+        }
+    }
+
+    /// Counts a change routed to the base, or keeps its failure.
+    pub(crate) fn routed<T>(&self, len: u64, done: Result<T, Error>) -> Result<T, Error> {
+        match &done {
+            Ok(_) => {
+                self.routed.fetch_add(len, Ordering::Relaxed);
+            }
+            Err(e) => {
+                let mut f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+                if f.is_none() {
+                    tracing::warn!(error = %e, "live commit: a change of the base failed");
+                    *f = Some(format!("a guest change of the base failed: {e}"));
+                }
+            }
+        }
+        done
+    }
+
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Guest bytes changed in the base directly so far.
+    pub(crate) fn routed_bytes(&self) -> u64 {
+        self.routed.load(Ordering::Relaxed)
+    }
+}
+
+impl Chain {
+    /// From now on clusters the top does not decide are read and written
+    /// in `drain`'s base (call with no request in flight: a pause).
+    pub(crate) fn start_drain(&self, drain: Arc<Drain>) {
+        self.drain.store(Some(drain));
+    }
+
+    /// Routing stops: call with no request in flight, and only when this
+    /// chain will not serve again (its view of the base is stale) or
+    /// nothing was drained.
+    pub(crate) fn stop_drain(&self) {
+        self.drain.store(None);
+    }
+
+    /// The drain in progress, if any.
+    pub(crate) fn drain(&self) -> Option<Arc<Drain>> {
+        self.drain.load_full()
+    }
+
+    /// Whether the top decides any byte of the cluster at `guest`.
+    pub(crate) fn top_decides(&self, guest: GuestOffset) -> Result<bool, Error> {
+        self.active()?.decides(guest)
+    }
+}
+
+/// Guest bytes a drain's batch copied.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Drained {
+    pub(crate) data_bytes: u64,
+    pub(crate) zero_bytes: u64,
+}
+
+impl Drain {
+    /// Drains the top's clusters in `[start, end)` (cluster-aligned) of
+    /// `chain`: their view written into the base, the base synced, then
+    /// each unmapped from the top (journaled), the range held against
+    /// guest changes throughout.
+    pub(crate) fn drain_range(
+        self: &Arc<Self>,
+        chain: &Chain,
+        start: u64,
+        end: u64,
+        buf: &mut Vec<u8>,
+    ) -> Result<Drained, Error> {
+        let cs = chain.cluster_size();
+        let mut done = Drained::default();
+        // Nothing becomes the top's again: a range it decides nothing of
+        // is skipped without holding it.
+        let mut any = false;
+        for c in (start..end).step_by(cs as usize) {
+            if chain.top_decides(GuestOffset(c))? {
+                any = true;
+                break;
+            }
+        }
+        if !any {
+            return Ok(done);
+        }
+        // Held across the copy, the sync and the unmapping, on purpose: a
+        // guest change of these clusters must land after the unmapping
+        // (then in the base) or before the copy (then copied).
+        let _held = self.exclusive(start, end);
+        let top = chain.top_index();
+        let mut decided = Vec::new();
+        for c in (start..end).step_by(cs as usize) {
+            if !chain.top_decides(GuestOffset(c))? {
+                continue;
+            }
+            decided.push(c);
+            let c_end = (c + cs).min(end);
+            let mut pos = c;
+            while pos < c_end {
+                let e = chain.resolve(GuestOffset(pos), c_end - pos, false)?;
+                let n = e.len.min(c_end - pos);
+                if e.layer == top {
+                    match e.kind {
+                        super::ExtentKind::Data { .. } | super::ExtentKind::Compressed(_) => {
+                            buf.resize(n as usize, 0);
+                            chain.read_at(&mut buf[..n as usize], pos)?;
+                            self.target.write_at(&buf[..n as usize], pos)?;
+                            done.data_bytes += n;
+                        }
+                        super::ExtentKind::Zero { .. } => {
+                            self.target.write_zeroes(pos, n, false)?;
+                            done.zero_bytes += n;
+                        }
+                    }
+                }
+                pos += n;
+            }
+        }
+        if decided.is_empty() {
+            return Ok(done);
+        }
+        // In the base for good before the top lets go of them.
+        self.target.flush()?;
+        #[cfg(test)]
+        if let Some(hook) = self
+            .before_unmap
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            (hook.0)();
+        }
+        let active = chain.active()?;
+        let changed = |o: GuestOffset, n: u64| chain.mapping_changed(o, n);
+        for c in decided {
+            active.zero_cluster(GuestOffset(c), crate::active::Zeroing::ToBacking, &changed)?;
+        }
+        Ok(done)
+    }
+}
