@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Deleting the newest snapshot while the guest runs: the top of a
-# two-layer chain (SIZE disk, FILL of its clusters written in each layer:
-# 4G and 0.25 put 1 GiB in the top) committed into its backing file,
-# which is then served, while a libblkio client runs a 70/30 random
+# two-layer chain (SIZE disk, FILL of its clusters written in each layer;
+# the warm-up's random writes leave nearly all of the disk in the top:
+# 1 GiB by default) committed into its backing file, which is then
+# served, while a libblkio client runs a 70/30 random
 # read/write load (4 KiB, depth 16, one queue), warmed first, then one
 # connection throughout whose phases (before, during, after the commit)
 # the script names: client IOPS and p99 of each phase (over all its
@@ -13,10 +14,12 @@
 #   of the active layer, block-job-complete once the job is ready (the
 #   pivot), as libvirt's blockcommit --active --pivot does.
 #
-#   scripts/bench-live-commit.sh [SIZE=4G] [FILL=0.25] [DIR=/tmp/sqcow2-commit]
+#   scripts/bench-live-commit.sh [SIZE=1G] [FILL=0.5] [DIR=/tmp/sqcow2-commit]
 # Prints a markdown table; raw results in DIR/results.jsonl. QSD=path runs
 # another qemu-storage-daemon than the installed one; SKIP_QSD=1 leaves
-# it out; PHASE_S (9) is the length of the phases before and after;
+# it out; PHASE_S (40) is the length of the warm-up and of the phases
+# before and after (shorter, the load has not settled: with 4 s, its p99
+# rose 2-4x between two phases with nothing else running);
 # EXTRA="OPTIONS" adds a run of `commit --live OPTIONS`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +28,10 @@ ensure_commands qemu-storage-daemon:qemu-system-x86
 ensure_commands qemu-img:qemu-utils
 qsd_bin=${QSD:-qemu-storage-daemon}
 layers=2
-size=${1:-4G}
-fill=${2:-0.25}
+size=${1:-1G}
+fill=${2:-0.5}
 root=${3:-/tmp/sqcow2-commit}
-phase_s=${PHASE_S:-9}
+phase_s=${PHASE_S:-40}
 slice_ms=${SLICE_MS:-3000}
 timeout_s=${TIMEOUT_S:-300}
 

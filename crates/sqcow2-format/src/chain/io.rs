@@ -197,8 +197,13 @@ impl Chain {
             let Some(drain) = &drain else {
                 return self.write_top_cluster(data, pos);
             };
-            let _held = drain.share(pos.0, pos.0 + n);
-            if self.top_decides(pos)? {
+            // Held only where the top decides (what it does not decide
+            // stays so: the top only shrinks).
+            let held = match self.top_decides(pos)? {
+                true => Some(drain.share(pos.0, pos.0 + n)),
+                false => None,
+            };
+            if held.is_some() && self.top_decides(pos)? {
                 self.write_top_cluster(data, pos)
             } else {
                 drain.routed(n, drain.target.write_at(data, pos.0))
@@ -507,6 +512,23 @@ impl Durability<'_> {
     }
 }
 
+/// Where a write of a cluster the draining top no longer decides may go
+/// straight to the base's file (the base's ticket held with it).
+fn in_place_in_base(
+    drain: &super::drain::Drain,
+    offset: GuestOffset,
+    len: u64,
+) -> Result<Option<InPlaceTarget>, Error> {
+    let base = drain.target.transfers();
+    let ticket = base.begin();
+    Ok(base
+        .in_place_target(&ticket, offset, len)?
+        .map(|target| InPlaceTarget {
+            hold: Some(super::TransferHold::ticket(ticket)),
+            ..target
+        }))
+}
+
 impl Transfers<'_> {
     /// A ticket for a transfer about to look mappings up; hold it until the
     /// transfer's data has moved.
@@ -605,13 +627,19 @@ impl Transfers<'_> {
         // Taken before the lookup: the write may land any time after.
         let hold = match self.chain.drain() {
             Some(drain) => {
+                // Not the top's (for good: the top only shrinks): in place
+                // in the base, under the base's own ticket.
+                if !active.decides(offset)? {
+                    return in_place_in_base(&drain, offset, len);
+                }
                 let start = offset.0 - offset.0 % cluster_size;
                 let Some(held) = drain.try_share(start, start + cluster_size) else {
                     return Ok(None);
                 };
                 if !active.decides(offset)? {
-                    // The base's: through the engine, which routes it.
-                    return Ok(None);
+                    // Drained meanwhile.
+                    drop(held);
+                    return in_place_in_base(&drain, offset, len);
                 }
                 Some(super::TransferHold::range(held))
             }

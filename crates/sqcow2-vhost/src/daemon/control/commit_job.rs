@@ -66,6 +66,7 @@ pub(super) fn start(
         }
     };
     std::mem::forget(resumed);
+    let paused = Instant::now();
     let quiet = match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
         Ok(quiet) => quiet,
         Err(pause) => {
@@ -79,6 +80,7 @@ pub(super) fn start(
     };
     let mirrored = commit.start(&quiet.current());
     let right = quiet.resume();
+    let start_pause_ms = paused.elapsed().as_secs_f64() * 1e3;
     if let Err(e) = mirrored {
         abandon(shared, term, &chain, commit, Some(right));
         return Err(fail(FailureKind::CommitFailed, e.to_string()));
@@ -98,7 +100,7 @@ pub(super) fn start(
         replaced: started.replaced.clone(),
         ..MergeCounters::default()
     };
-    info!(base = %started.base.display(), "live commit started");
+    info!(base = %started.base.display(), drains = commit.drains(), start_pause_ms, "live commit started");
     // The commit goes to the thread through a slot, so that it can be
     // abandoned here if the thread cannot start.
     let slot = Arc::new(Mutex::new(Some(commit)));
