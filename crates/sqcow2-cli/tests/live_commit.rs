@@ -396,6 +396,20 @@ fn kills_during_live_commits_lose_no_completed_write() {
 /// daemon, activated again, commits what is left and serves the base.
 #[test]
 fn inactivating_ends_a_commit_and_leaves_no_lock() {
+    inactivating_during(
+        json!({"command": "commit", "base": 0, "rate-limit": 4u64 << 20}),
+        0,
+    );
+}
+
+/// The same for a drain (the top into the layer below it): stopped, the
+/// chain reopened, before the locks go.
+#[test]
+fn inactivating_ends_a_drain_and_leaves_no_lock() {
+    inactivating_during(json!({"command": "commit", "rate-limit": 4u64 << 20}), 1);
+}
+
+fn inactivating_during(request: Value, base: usize) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let top = gen_chain(dir, 3, "256M", "0.5");
@@ -403,10 +417,7 @@ fn inactivating_ends_a_commit_and_leaves_no_lock() {
     let ctl = dir.join("control.sock");
     let mut daemon = Daemon::start(dir, &top, &["--control", s(&ctl)]);
     let chain = served_layers(&ctl);
-    let r = control(
-        &ctl,
-        json!({"command": "commit", "base": 0, "rate-limit": 4u64 << 20}),
-    );
+    let r = control(&ctl, request);
     assert_eq!(r["ok"], true, "{r}");
     std::thread::sleep(Duration::from_millis(300));
     let r = control(&ctl, json!({"command": "inactivate"}));
@@ -414,7 +425,7 @@ fn inactivating_ends_a_commit_and_leaves_no_lock() {
     let m = control(&ctl, json!({"command": "stats"}))["result"]["merge"].clone();
     assert_eq!(m["state"], "cancelled", "{m}");
     // The next owner writes the base (and the top).
-    common::qemu_io(&chain[0], &["write -P 0x66 0 64k".to_string()]);
+    common::qemu_io(&chain[base], &["write -P 0x66 0 64k".to_string()]);
     common::qemu_io(&top, &["write -P 0x77 64k 64k".to_string()]);
     for b in 0..(64 << 10) / BLOCK {
         reference.wrote((64 << 10) + b * BLOCK, 0x77);

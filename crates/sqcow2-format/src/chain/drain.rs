@@ -355,6 +355,12 @@ impl Drain {
         for c in decided {
             active.zero_cluster(GuestOffset(c), crate::active::Zeroing::ToBacking, &changed)?;
         }
+        // Safe from a death of this process before the range is let go (a
+        // change the journal could not take is published): a guest write
+        // into these clusters goes to the base from then on.
+        if active.needs_publish() {
+            active.publish()?;
+        }
         Ok(done)
     }
 }

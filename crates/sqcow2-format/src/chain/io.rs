@@ -197,13 +197,11 @@ impl Chain {
             let Some(drain) = &drain else {
                 return self.write_top_cluster(data, pos);
             };
-            // Held only where the top decides (what it does not decide
-            // stays so: the top only shrinks).
-            let held = match self.top_decides(pos)? {
-                true => Some(drain.share(pos.0, pos.0 + n)),
-                false => None,
-            };
-            if held.is_some() && self.top_decides(pos)? {
+            // Held everywhere: a cluster the copier is unmapping reads as
+            // not the top's before its unmapping is journaled and
+            // published, which the copier does under its hold.
+            let _held = drain.share(pos.0, pos.0 + n);
+            if self.top_decides(pos)? {
                 self.write_top_cluster(data, pos)
             } else {
                 drain.routed(n, drain.target.write_at(data, pos.0))
@@ -427,6 +425,10 @@ impl Durability<'_> {
                 below.writer.publish()?;
             }
         }
+        if let Some(drain) = self.chain.drain() {
+            // The base takes the guest's writes the top no longer decides.
+            drain.target.durability().publish()?;
+        }
         Ok(())
     }
 
@@ -464,6 +466,10 @@ impl Durability<'_> {
             .active
             .as_ref()
             .is_some_and(|a| a.needs_publish())
+            || self
+                .chain
+                .drain()
+                .is_some_and(|d| d.target.durability().needs_publish())
     }
 
     /// For a chain opened read-only: the changes a writer of the top that
@@ -627,17 +633,13 @@ impl Transfers<'_> {
         // Taken before the lookup: the write may land any time after.
         let hold = match self.chain.drain() {
             Some(drain) => {
-                // Not the top's (for good: the top only shrinks): in place
-                // in the base, under the base's own ticket.
-                if !active.decides(offset)? {
-                    return in_place_in_base(&drain, offset, len);
-                }
+                // Held first (see `write_top`); never waited for here.
                 let start = offset.0 - offset.0 % cluster_size;
                 let Some(held) = drain.try_share(start, start + cluster_size) else {
                     return Ok(None);
                 };
                 if !active.decides(offset)? {
-                    // Drained meanwhile.
+                    // The base's: in place there, under its own ticket.
                     drop(held);
                     return in_place_in_base(&drain, offset, len);
                 }

@@ -53,6 +53,8 @@ const DRAIN_BATCH: u64 = 1 << 20;
 pub struct LiveCommit {
     target: Arc<Chain>,
     mode: Mode,
+    /// [`LiveCommit::start`] ran: the served chain routes or mirrors.
+    started: std::sync::atomic::AtomicBool,
     base: LayerIndex,
     base_path: PathBuf,
     replaced: Vec<PathBuf>,
@@ -190,6 +192,7 @@ pub fn prepare_live_commit(
     };
     Ok(LiveCommit {
         mode,
+        started: Default::default(),
         target,
         base,
         replaced: chain.layers()[from.0..]
@@ -238,7 +241,16 @@ impl LiveCommit {
             Mode::Drain(d) => chain.start_drain(d.clone()),
             Mode::Mirror(m) => chain.start_mirror(m.clone()),
         }
+        self.started
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+
+    /// Whether the served chain routes through a drain: once started, it
+    /// stops only in a pause, followed by a reopen
+    /// ([`LiveCommit::abandon`]).
+    pub fn drain_started(&self) -> bool {
+        self.drains() && self.started.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether the top drains into the base (else changes are mirrored).

@@ -168,6 +168,10 @@ fn run(
     switch(shared, term, chain, commit)
 }
 
+/// Pauses tried after the first before a drain that cannot be stopped
+/// makes the chain refuse requests.
+const DRAIN_STOP_TRIES: u32 = 3;
+
 /// Stops a commit that will not switch, the guest running. Opening the
 /// base for writing changed it on disk (its sQcow2 mark, and its tables
 /// where the layers above hide it or the drained top no longer decides):
@@ -189,19 +193,25 @@ fn abandon(
     }
     shared.index_builder.suspend();
     let resumed = Resume(shared);
+    let mut tries = 0;
     let right = loop {
         match right.pause().idle(SNAPSHOT_DRAIN_TIMEOUT) {
             Ok(quiet) => {
                 stop_in_pause(shared, &quiet, chain, commit);
                 break quiet.resume();
             }
-            Err(pause) if commit.drains() => {
+            Err(pause) if commit.drain_started() && tries < DRAIN_STOP_TRIES => {
                 // The chain reads what its top no longer decides through
                 // the drain, which stops only in a pause: tried again.
+                tries += 1;
                 warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the drain ends at the next pause");
                 right = pause.resume();
             }
             Err(pause) => {
+                if commit.drain_started() {
+                    warn!("requests still in flight after {DRAIN_STOP_TRIES} more pauses: the drained chain refuses requests");
+                    chain.refuse_io("a drain could not be stopped in a pause");
+                }
                 commit.abandon(chain);
                 warn!("requests still in flight after {SNAPSHOT_DRAIN_TIMEOUT:?}: the chain is reopened at the next start");
                 break pause.resume();
@@ -218,7 +228,7 @@ fn abandon(
 /// now. After a drain the old chain's view of the base is stale: if it
 /// cannot be reopened, it refuses every request rather than serve it.
 fn stop_in_pause(shared: &Shared, quiet: &Quiesced<'_>, chain: &Chain, commit: LiveCommit) {
-    let drained = commit.drains();
+    let drained = commit.drain_started();
     commit.abandon(chain);
     if !reopen(shared, quiet) && drained {
         warn!("the chain could not be reopened after its top was drained in part: it refuses requests");
@@ -304,7 +314,7 @@ fn switch(
             "the served chain was replaced during the commit (a bug)".into(),
         ));
     }
-    let drained = commit.drains();
+    let drained = commit.drain_started();
     let switched = commit
         .finish(&current)
         .map(|base| {

@@ -567,6 +567,17 @@ fn activate(shared: &Shared) -> Result<Activity, Failure> {
 /// dropped and every image lock released; a merge that was copying stops
 /// (its file removed) before the reply.
 fn inactivate(shared: &Shared) -> Result<Activity, Failure> {
+    // A live commit is stopped first, the daemon still active: a drain's
+    // copier writes the top, and its stop reopens the chain in a pause.
+    if shared.merge.committing() {
+        shared.merge.cancel();
+        if !shared.merge.wait_ended(STOP_MERGE_TIMEOUT) {
+            return Err(fail(
+                FailureKind::Busy,
+                format!("the live commit did not end within {STOP_MERGE_TIMEOUT:?}: still active"),
+            ));
+        }
+    }
     let activity = inactivate_chain(shared)?;
     // A merge begun before sees its term ended and stops, cancelled (none
     // starts while the daemon is inactive). Waited for here, without the
