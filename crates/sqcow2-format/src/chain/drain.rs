@@ -16,96 +16,14 @@
 //! the top no longer decides is in the base, where the chain reads it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::range_holds::RangeHolds;
 
 use super::Chain;
 use crate::error::Error;
 use crate::fence::TransferTicket;
 use crate::types::GuestOffset;
-
-/// Ranges of guest bytes held, shared (guest changes) or exclusive (the
-/// copier), granted in the order asked where they conflict: a copier
-/// waiting for a range is not starved by the guest's changes of it.
-#[derive(Debug, Default)]
-struct RangeHolds {
-    state: Mutex<HoldQueue>,
-    freed: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct HoldQueue {
-    next: u64,
-    entries: Vec<HoldEntry>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct HoldEntry {
-    turn: u64,
-    start: u64,
-    end: u64,
-    exclusive: bool,
-}
-
-impl HoldQueue {
-    /// Queues a hold of `[start, end)`; its turn.
-    fn push(&mut self, start: u64, end: u64, exclusive: bool) -> u64 {
-        let turn = self.next;
-        self.next += 1;
-        self.entries.push(HoldEntry {
-            turn,
-            start,
-            end,
-            exclusive,
-        });
-        turn
-    }
-}
-
-impl HoldEntry {
-    fn conflicts(&self, start: u64, end: u64, exclusive: bool) -> bool {
-        self.start < end && start < self.end && (self.exclusive || exclusive)
-    }
-}
-
-impl RangeHolds {
-    fn queue(&self) -> std::sync::MutexGuard<'_, HoldQueue> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Waits until no range asked before conflicts, then holds
-    /// `[start, end)`; returns its turn.
-    fn lock(&self, start: u64, end: u64, exclusive: bool) -> u64 {
-        let mut q = self.queue();
-        let turn = q.push(start, end, exclusive);
-        while q
-            .entries
-            .iter()
-            .any(|e| e.turn < turn && e.conflicts(start, end, exclusive))
-        {
-            q = self.freed.wait(q).unwrap_or_else(PoisonError::into_inner);
-        }
-        turn
-    }
-
-    /// A shared hold of `[start, end)` if no range held or asked
-    /// conflicts now (never waits).
-    fn try_share(&self, start: u64, end: u64) -> Option<u64> {
-        let mut q = self.queue();
-        if q.entries.iter().any(|e| e.conflicts(start, end, false)) {
-            return None;
-        }
-        Some(q.push(start, end, false))
-    }
-
-    fn release(&self, turn: u64) {
-        let mut q = self.queue();
-        if let Some(i) = q.entries.iter().position(|e| e.turn == turn) {
-            q.entries.swap_remove(i);
-        }
-        drop(q);
-        self.freed.notify_all();
-    }
-}
 
 /// A range held until dropped.
 #[must_use = "the range is released when the guard drops"]
@@ -261,7 +179,8 @@ impl Chain {
 
     /// The drain in progress, if any.
     pub(crate) fn drain(&self) -> Option<Arc<Drain>> {
-        self.drain.load_full()
+        // A guard first: no count taken on the hot path without a drain.
+        self.drain.load().as_ref().map(Arc::clone)
     }
 
     /// Whether the top decides any byte of the cluster at `guest`.

@@ -10,76 +10,20 @@
 //! newest view: the target ends equal to the view.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::changed::ChangedClusters;
+use super::range_holds::RangeHolds;
 use super::{Chain, ExtentKind};
 use crate::error::Error;
 use crate::types::{GuestOffset, LayerIndex};
-
-/// Ranges of guest bytes being copied, each held by one copy at a time,
-/// granted in the order asked where they overlap (a copy of a range the
-/// guest keeps writing is never starved).
-#[derive(Debug, Default)]
-pub(crate) struct RangeLocks {
-    state: Mutex<RangeQueue>,
-    freed: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct RangeQueue {
-    next: u64,
-    /// Held and waiting ranges with their turn.
-    entries: Vec<(u64, u64, u64)>,
-}
-
-/// A range held until dropped.
-#[must_use = "the range is released when the guard drops"]
-pub(crate) struct RangeGuard<'a> {
-    locks: &'a RangeLocks,
-    turn: u64,
-}
-
-impl RangeLocks {
-    /// Waits until every overlapping range asked before is released, then
-    /// holds `[start, end)`.
-    pub(crate) fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
-        let mut q = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let turn = q.next;
-        q.next += 1;
-        q.entries.push((turn, start, end));
-        while q
-            .entries
-            .iter()
-            .any(|&(t, s, e)| t < turn && s < end && start < e)
-        {
-            q = self.freed.wait(q).unwrap_or_else(PoisonError::into_inner);
-        }
-        RangeGuard { locks: self, turn }
-    }
-}
-
-impl Drop for RangeGuard<'_> {
-    fn drop(&mut self) {
-        let mut q = self
-            .locks
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(i) = q.entries.iter().position(|e| e.0 == self.turn) {
-            q.entries.swap_remove(i);
-        }
-        drop(q);
-        self.locks.freed.notify_all();
-    }
-}
 
 /// Where a served chain's changes are copied to.
 #[derive(Debug)]
 pub(crate) struct Mirror {
     target: Arc<Chain>,
     from: LayerIndex,
-    locks: RangeLocks,
+    locks: RangeHolds,
     /// The first copy that failed (the guest's request itself succeeded:
     /// the commit fails instead).
     failure: Mutex<Option<String>>,
@@ -137,7 +81,7 @@ impl Mirror {
         Mirror {
             target,
             from,
-            locks: RangeLocks::default(),
+            locks: RangeHolds::default(),
             failure: Mutex::new(None),
             written: AtomicU64::new(0),
             synchronous: AtomicBool::new(false),
@@ -226,7 +170,7 @@ impl Mirror {
         // same range must not read the view before this one has written
         // it (the newest view is written last). Only overlapping copies
         // wait; the locks' own mutex is never held across I/O.
-        let _held = self.locks.lock(offset, end);
+        let _held = self.locks.lock_exclusive(offset, end);
         let mut copied = RangeCopied::default();
         let mut pos = offset;
         while pos < end {

@@ -8,6 +8,7 @@ pub(crate) mod drain;
 mod io;
 pub(crate) mod mirror;
 mod open;
+mod range_holds;
 mod resolved;
 mod successor;
 mod walk;
