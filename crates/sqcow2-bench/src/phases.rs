@@ -144,7 +144,7 @@ impl PhaseLatencies {
             .map(|(i, (name, start))| {
                 let until = names.get(i + 1).map_or(end, |n| n.1);
                 let seconds = until.saturating_duration_since(*start).as_secs_f64();
-                let (ios, p50, p99, p999, max, worst) = match self.phases.get(i) {
+                let (ios, p50, p99, p999, max, per_slice) = match self.phases.get(i) {
                     Some((all, slices)) => (
                         all.len(),
                         all.value_at_quantile(0.5),
@@ -153,13 +153,12 @@ impl PhaseLatencies {
                         all.max(),
                         slices
                             .iter()
-                            .filter(|h| h.len() >= MIN_SLICE_IOS)
-                            .map(|h| h.value_at_quantile(0.99))
-                            .max()
-                            .unwrap_or(0),
+                            .map(|h| (h.len() >= MIN_SLICE_IOS).then(|| h.value_at_quantile(0.99)))
+                            .collect::<Vec<_>>(),
                     ),
-                    None => (0, 0, 0, 0, 0, 0),
+                    None => (0, 0, 0, 0, 0, Vec::new()),
                 };
+                let worst = per_slice.iter().flatten().copied().max().unwrap_or(0);
                 PhaseResult {
                     name: name.clone(),
                     seconds,
@@ -174,6 +173,7 @@ impl PhaseLatencies {
                     lat_p999_us: p999,
                     lat_max_us: max,
                     worst_slice_p99_us: worst,
+                    slice_p99_us: per_slice,
                 }
             })
             .collect()
@@ -195,6 +195,9 @@ pub struct PhaseResult {
     pub lat_max_us: u64,
     /// The largest p99 of the phase's slices (`--slice-ms`).
     pub worst_slice_p99_us: u64,
+    /// Each slice's p99, in order (`None`: too few requests in it).
+    #[serde(default)]
+    pub slice_p99_us: Vec<Option<u64>>,
 }
 
 #[cfg(test)]
