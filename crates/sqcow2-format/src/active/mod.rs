@@ -98,6 +98,15 @@ pub(crate) struct Active {
     /// When the last flush began, in ms since `opened` plus one (0: none
     /// yet).
     last_flush_ms: AtomicU64,
+    /// Made durable before any of the top's tables is written.
+    durable_first: Mutex<Option<Arc<dyn DurableFirst>>>,
+}
+
+/// What must be durable before the top's tables may reach its file: a
+/// live commit's base holding the data of clusters the top let go of
+/// (their unmapping must not outlive a power loss that the copy does not).
+pub(crate) trait DurableFirst: Send + Sync + std::fmt::Debug {
+    fn make_durable(&self) -> Result<(), Error>;
 }
 
 /// A top flushed within this long is written back in the background as
@@ -125,7 +134,38 @@ impl Active {
             write_back_due: AtomicBool::new(false),
             opened: Instant::now(),
             last_flush_ms: AtomicU64::new(0),
+            durable_first: Mutex::new(None),
         }
+    }
+
+    /// From now on every write-back of the top's tables makes `first`
+    /// durable before it (`None`: no longer).
+    pub(crate) fn set_durable_first(&self, first: Option<Arc<dyn DurableFirst>>) {
+        *self
+            .durable_first
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = first;
+    }
+
+    /// Writes `wb` out, after what must be durable first.
+    fn write_out(
+        &self,
+        wb: &flush::WriteBack,
+        incompatible: u64,
+        l1_offset: u64,
+        durability: Durability,
+    ) -> Result<(), Error> {
+        if !wb.is_empty() {
+            let first = self
+                .durable_first
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            if let Some(first) = first {
+                first.make_durable()?;
+            }
+        }
+        self.top.write_out(wb, incompatible, l1_offset, durability)
     }
 
     /// Leaves early write-backs to the caller (see
@@ -705,10 +745,7 @@ impl Active {
             let h = &st.header;
             (wb, h.features.incompatible, h.l1_table_offset)
         };
-        if let Err(e) = self
-            .top
-            .write_out(&wb, incompatible, l1_offset, Durability::Durable)
-        {
+        if let Err(e) = self.write_out(&wb, incompatible, l1_offset, Durability::Durable) {
             self.write_state_anyway().restore(wb);
             return Err(e);
         }
@@ -759,7 +796,7 @@ impl Active {
         if wb.is_empty() && !wb.sets_dirty_bit() && durability == Durability::Published {
             return Ok(());
         }
-        match self.top.write_out(&wb, incompatible, l1_offset, durability) {
+        match self.write_out(&wb, incompatible, l1_offset, durability) {
             Ok(()) => {
                 self.write_back_done(&wb);
                 self.write_back_state()?.written(wb);
@@ -807,6 +844,17 @@ impl Active {
     pub(crate) fn prefill_spares(&self) {
         if let Ok(mut st) = self.write_state() {
             st.spares.want_full_batch();
+        }
+        self.refill_spares();
+    }
+
+    /// Tops the pool of spare clusters up once a quarter of it is used,
+    /// for a copier about to allocate a batch off any request's path (a
+    /// live commit's drain into this top): refills, each a sync at the
+    /// next write-back, come many clusters at a time.
+    pub(crate) fn top_up_spares(&self) {
+        if let Ok(mut st) = self.write_state() {
+            st.spares.want_topped_up();
         }
         self.refill_spares();
     }

@@ -50,6 +50,9 @@ pub(crate) struct Spares {
     /// The next refill prepares the whole pool at once (asked ahead of a
     /// burst, off any request's path).
     ahead: bool,
+    /// The next refill tops the pool up, however much of it is left (a
+    /// bulk copier's, off any request's path).
+    topping_up: bool,
     /// An allocation found no spare since the last refill.
     ran_dry: bool,
     /// The last refill filled the pool to its target.
@@ -80,6 +83,7 @@ impl Spares {
             max_pool,
             max_refill,
             ahead: false,
+            topping_up: false,
             ran_dry: false,
             filled: false,
             wanted: false,
@@ -99,7 +103,8 @@ impl Spares {
     /// for spares and at most half of the pool is left; at most
     /// [`MAX_REFILL_BYTES`] of them unless asked ahead.
     pub(crate) fn refill_wanted(&mut self) -> usize {
-        if !self.wanted || self.target == 0 || self.ready.len() > self.target / 2 {
+        let topping_up = std::mem::take(&mut self.topping_up);
+        if !self.wanted || self.target == 0 || (!topping_up && self.ready.len() > self.target / 2) {
             // A pool asked for ahead but full enough: nothing owed.
             self.ahead &= self.ready.len() <= self.target / 2;
             return 0;
@@ -112,7 +117,7 @@ impl Spares {
             self.target = (self.target * 2).min(self.max_pool);
         }
         let missing = self.target.saturating_sub(self.ready.len());
-        let n = if std::mem::take(&mut self.ahead) {
+        let n = if std::mem::take(&mut self.ahead) || topping_up {
             missing
         } else {
             missing.min(self.max_refill)
@@ -128,6 +133,19 @@ impl Spares {
         self.wanted = true;
         self.ahead = true;
         self.target = self.max_pool;
+    }
+
+    /// Asks for the whole pool at the next refill once a quarter of it is
+    /// used, for a copier that allocates in batches off any request's
+    /// path: the pool then never falls to half, where refills come a
+    /// megabyte at a time from the allocating write, each a sync at the
+    /// next write-back.
+    pub(crate) fn want_topped_up(&mut self) {
+        self.target = self.max_pool;
+        if self.ready.len() <= self.target * 3 / 4 {
+            self.wanted = true;
+            self.topping_up = true;
+        }
     }
 
     /// Preparing a batch failed (a full filesystem): start small again.
@@ -269,6 +287,34 @@ mod tests {
         );
         let mut s = Spares::new(16, false);
         s.want_full_batch();
+        assert_eq!(s.refill_wanted(), 0, "disabled");
+    }
+
+    #[test]
+    fn a_copier_keeps_the_pool_topped_up_in_few_refills() {
+        let mut s = Spares::new(16, true);
+        let mut next = 0u64;
+        let mut refills = Vec::new();
+        // Batches of 16 allocations; the copier asks before each, the
+        // allocating writes after each cluster.
+        for _ in 0..64 {
+            s.want_topped_up();
+            let k = s.refill_wanted();
+            if k > 0 {
+                refills.push(k);
+                s.add(&(next..next + k as u64).collect::<Vec<_>>());
+                next += k as u64;
+            }
+            for _ in 0..16 {
+                assert!(s.take().is_some(), "ran dry");
+                assert_eq!(s.refill_wanted(), 0, "a refill on the write's path");
+            }
+        }
+        // 1024 clusters in refills of at least a quarter of the pool.
+        assert!(refills.iter().all(|&k| k >= 64), "{refills:?}");
+        assert!(refills.len() <= 1024 / 64 + 1, "{refills:?}");
+        let mut s = Spares::new(16, false);
+        s.want_topped_up();
         assert_eq!(s.refill_wanted(), 0, "disabled");
     }
 

@@ -5,15 +5,23 @@
 //! every other cluster is read and written through the base's own writer
 //! (the target chain), whose view of the base is the fresh one. The
 //! copier takes the top's clusters a batch at a time: holding the batch
-//! against guest changes, it writes their view into the base, makes the
-//! base durable, then unmaps them from the top (journaled), so that they
-//! read through to the base from then on. Nothing the guest writes makes
-//! more work, so the copy ends whatever the guest does, at any pace.
+//! against guest changes, it writes their view into the base, publishes
+//! the base's mappings, then unmaps them from the top (journaled), so
+//! that they read through to the base from then on. Nothing the guest
+//! writes makes more work, so the copy ends whatever the guest does, at
+//! any pace.
 //!
 //! On disk the chain stays the old top over the base throughout: a
-//! cluster reads from the top until its unmapping, and the base holds
-//! that cluster's data (synced) before it; a guest write into a cluster
-//! the top no longer decides is in the base, where the chain reads it.
+//! cluster reads from the top until its unmapping, and the base's file
+//! maps that cluster's data before it (a death of this process loses
+//! neither); a guest write into a cluster the top no longer decides is
+//! in the base, where the chain reads it. Against a power loss the base
+//! is synced before any of the top's tables is written (the top's
+//! [`DurableFirst`]): an unmapping reaches the disk only after the copy
+//! it relies on. The copier syncs nothing itself: a sync per batch wrote
+//! back every guest write routed to the base since the last one (late in
+//! a drain, all of them), many times over what the kernel's write-back
+//! writes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::range_holds::RangeHolds;
 
 use super::Chain;
+use crate::active::DurableFirst;
 use crate::error::Error;
 use crate::fence::TransferTicket;
 use crate::types::GuestOffset;
@@ -78,10 +87,16 @@ pub(crate) struct Drain {
     failure: Mutex<Option<String>>,
     /// Guest bytes changed in the base directly.
     routed: AtomicU64,
-    /// Called by each batch between the base's sync and the unmapping
+    /// Whether the copier let the top go of clusters whose copies the
+    /// base has not synced yet (held across the sync that clears it).
+    unsynced: Mutex<bool>,
+    /// Called by each batch between the base's publish and the unmapping
     /// (unit tests: stalls there, to show what the hold keeps out).
     #[cfg(test)]
     pub(crate) before_unmap: Mutex<Option<TestHook>>,
+    /// Syncs of the base so far (unit tests).
+    #[cfg(test)]
+    pub(crate) base_syncs: AtomicU64,
 }
 
 /// A unit test's hook.
@@ -102,8 +117,11 @@ impl Drain {
             holds: RangeHolds::default(),
             failure: Mutex::new(None),
             routed: AtomicU64::new(0),
+            unsynced: Mutex::new(false),
             #[cfg(test)]
             before_unmap: Mutex::new(None),
+            #[cfg(test)]
+            base_syncs: AtomicU64::new(0),
         }
     }
 
@@ -161,20 +179,59 @@ impl Drain {
     pub(crate) fn routed_bytes(&self) -> u64 {
         self.routed.load(Ordering::Relaxed)
     }
+
+    /// Flushes the base (everything written to it so far durable).
+    pub(crate) fn sync_base(&self) -> Result<(), Error> {
+        // Held across the flush on purpose: a caller that finds nothing
+        // unsynced must not go on while another's sync is still running.
+        let mut unsynced = self.unsynced.lock().unwrap_or_else(PoisonError::into_inner);
+        self.target.flush()?;
+        *unsynced = false;
+        #[cfg(test)]
+        self.base_syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl DurableFirst for Drain {
+    /// The base synced if a copy the top relies on may not be durable yet.
+    fn make_durable(&self) -> Result<(), Error> {
+        let mut unsynced = self.unsynced.lock().unwrap_or_else(PoisonError::into_inner);
+        if *unsynced {
+            self.target.flush()?;
+            *unsynced = false;
+            #[cfg(test)]
+            self.base_syncs.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
 }
 
 impl Chain {
     /// From now on clusters the top does not decide are read and written
-    /// in `drain`'s base (call with no request in flight: a pause).
+    /// in `drain`'s base (call with no request in flight: a pause), and
+    /// the base is synced before the top's tables are written.
     pub(crate) fn start_drain(&self, drain: Arc<Drain>) {
+        if let Some(active) = &self.active {
+            active.set_durable_first(Some(drain.clone()));
+        }
         self.drain.store(Some(drain));
     }
 
-    /// Routing stops: call with no request in flight, and only when this
-    /// chain will not serve again (its view of the base is stale) or
-    /// nothing was drained.
-    pub(crate) fn stop_drain(&self) {
-        self.drain.store(None);
+    /// Routing stops, once the base has synced what the top let go of
+    /// (cheap after [`Drain::sync_base`]); an error of that sync is
+    /// returned, after the routing stopped all the same. Call with no
+    /// request in flight, and only when this chain will not serve again
+    /// (its view of the base is stale) or nothing was drained.
+    pub(crate) fn stop_drain(&self) -> Result<(), Error> {
+        let Some(drain) = self.drain.swap(None) else {
+            return Ok(());
+        };
+        let synced = drain.make_durable();
+        if let Some(active) = &self.active {
+            active.set_durable_first(None);
+        }
+        synced
     }
 
     /// The drain in progress, if any.
@@ -222,7 +279,13 @@ impl Drain {
         if !any {
             return Ok(done);
         }
-        // Held across the copy, the sync and the unmapping, on purpose: a
+        // The base's new clusters come from spares prepared here, off any
+        // guest request's path and many at once: a publish of copies onto
+        // spares over zeros syncs nothing (one sync per refill).
+        if let Ok(base) = self.target.active() {
+            base.top_up_spares();
+        }
+        // Held across the copy, the publish and the unmapping, on purpose: a
         // guest change of these clusters must land after the unmapping
         // (then in the base) or before the copy (then copied).
         let _held = self.exclusive(start, end);
@@ -258,8 +321,12 @@ impl Drain {
         if decided.is_empty() {
             return Ok(done);
         }
-        // In the base for good before the top lets go of them.
-        self.target.flush()?;
+        // Mapped in the base's file before the top lets go of them (a
+        // read-only open of the base after a death of this process does
+        // not replay its journal); synced before the top's tables say so
+        // (`make_durable`). Marked first: a sync from now on covers them.
+        *self.unsynced.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.target.durability().publish()?;
         #[cfg(test)]
         if let Some(hook) = self
             .before_unmap

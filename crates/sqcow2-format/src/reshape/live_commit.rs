@@ -404,7 +404,12 @@ impl LiveCommit {
     /// Writes the base's changes so far back and syncs them (while the
     /// guest runs: the flush in the switch's pause then has little left).
     pub fn flush(&self) -> Result<(), Error> {
-        self.target.flush()
+        match &self.mode {
+            // Also what the top let go of: the switch's pause then syncs
+            // nothing more.
+            Mode::Drain(d) => d.sync_base(),
+            Mode::Mirror(_) => self.target.flush(),
+        }
     }
 
     /// The switch, with no request in flight, after [`LiveCommit::flush`]:
@@ -415,9 +420,8 @@ impl LiveCommit {
         let left = match &self.mode {
             Mode::Drain(_) => {
                 // The copy left the top deciding nothing: served from the
-                // base alone from now on.
-                chain.stop_drain();
-                Ok(())
+                // base alone from now on (synced before the pause).
+                chain.stop_drain()
             }
             Mode::Mirror(m) => {
                 chain.stop_mirror();
@@ -468,7 +472,11 @@ impl LiveCommit {
     /// opened again from then on ([`LiveCommit::drains`]).
     pub fn abandon(self, chain: &Chain) {
         chain.stop_mirror();
-        chain.stop_drain();
+        if let Err(e) = chain.stop_drain() {
+            // The top's tables may now reach the disk before copies the
+            // base could not sync (a failing base loses them anyway).
+            tracing::warn!(error = %e, "live commit: the base could not be synced as the drain stopped");
+        }
         let LiveCommit {
             target,
             mode,
@@ -785,6 +793,59 @@ mod tests {
         let mut got = vec![0u8; 4096];
         base.read_at(&mut got, 4096).unwrap();
         assert_eq!(got, vec![0x22; 4096]);
+    }
+
+    /// A drained batch is mapped in the base's file before the top lets
+    /// go of it (a death of this process loses neither), and the base is
+    /// synced before the top's tables say so (a power loss never keeps
+    /// the unmapping without the copy); the copier itself syncs nothing.
+    #[test]
+    fn the_base_is_synced_before_the_top_writes_an_unmapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = image(dir.path(), "base.qcow2", None);
+        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        chain.write_at(&[0x11; 65536], 0).unwrap();
+        chain.flush().unwrap();
+        let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
+        let Mode::Drain(d) = &commit.mode else {
+            panic!("not drained")
+        };
+        let d = d.clone();
+        commit.start(&chain).unwrap();
+        let first = |path: &std::path::Path| {
+            let c = Chain::open(path, &options(false)).unwrap();
+            let e = c.resolve(GuestOffset(0), 4096, false).unwrap();
+            let mut got = vec![0u8; 4096];
+            c.read_at(&mut got, 0).unwrap();
+            (e.layer == c.top_index(), got[0])
+        };
+        commit.copy(&chain, &mut |_, _, _| true).unwrap();
+        assert!(!chain.top_decides(GuestOffset(0)).unwrap());
+        assert_eq!(d.base_syncs.load(Ordering::Relaxed), 0, "the copier synced");
+        assert_eq!(
+            first(&base),
+            (true, 0x11),
+            "the copy is not in the base's file"
+        );
+        assert!(first(&top).0, "the unmapping is in the top's file early");
+        chain.durability().publish().unwrap();
+        assert!(!first(&top).0, "the unmapping was not written");
+        assert_eq!(
+            d.base_syncs.load(Ordering::Relaxed),
+            1,
+            "the top's tables went out without a sync of the base first"
+        );
+        // Nothing unsynced since: the switch syncs nothing more.
+        commit.flush().unwrap();
+        let syncs = d.base_syncs.load(Ordering::Relaxed);
+        chain.durability().publish().unwrap();
+        assert_eq!(d.base_syncs.load(Ordering::Relaxed), syncs);
+        drop(d);
+        let served = commit.finish(&chain).unwrap();
+        let mut got = vec![0u8; 4096];
+        served.read_at(&mut got, 0).unwrap();
+        assert_eq!(got, vec![0x11; 4096]);
     }
 
     /// A live commit is refused for the top itself, a raw or smaller base,
