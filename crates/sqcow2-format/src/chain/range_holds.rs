@@ -17,6 +17,10 @@ pub(crate) struct RangeHolds {
 struct HoldQueue {
     next: u64,
     entries: Vec<HoldEntry>,
+    /// Callers waiting for a turn: a release wakes them only if any (a
+    /// condition variable's wake is a system call even with no waiter,
+    /// and every guest write of a drain releases a hold).
+    waiting: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -63,7 +67,9 @@ impl RangeHolds {
             .iter()
             .any(|e| e.turn < turn && e.conflicts(start, end, exclusive))
         {
+            q.waiting += 1;
             q = self.freed.wait(q).unwrap_or_else(PoisonError::into_inner);
+            q.waiting -= 1;
         }
         turn
     }
@@ -83,8 +89,11 @@ impl RangeHolds {
         if let Some(i) = q.entries.iter().position(|e| e.turn == turn) {
             q.entries.swap_remove(i);
         }
+        let wake = q.waiting > 0;
         drop(q);
-        self.freed.notify_all();
+        if wake {
+            self.freed.notify_all();
+        }
     }
 }
 
