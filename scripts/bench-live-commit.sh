@@ -61,13 +61,11 @@ run_sqcow2() { # WHO [commit options...]
   begin_phases v.sock "$who" "$phase_s" "$slice_ms"
   echo "==> $who: committing the top" >&2
   echo during >phase
-  "$bin" commit --live --no-wait "$@" c.sock >/dev/null
-  while :; do
-    local state
-    state=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; print(json.load(sys.stdin)["merge"]["state"])')
-    case $state in done|failed|cancelled) break ;; esac
-    sleep 0.1
-  done
+  # Followed by the CLI itself (a stats request every 100 ms on its
+  # socket): a loop spawning `sqcow2 stats` and python3 every 100 ms took,
+  # with no commit at all, the load's IOPS from 306k to 196k and its p99
+  # from 136 to 452 us on this 2-core VM.
+  "$bin" commit --live "$@" c.sock >/dev/null 2>&1 || true
   echo after >phase
   echo "==> $who: after" >&2
   local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
