@@ -44,6 +44,7 @@ use flush::Durability;
 pub(crate) use open::{end_journal, pending_journal, replay_journal, CacheLink};
 pub(crate) use plan::Zeroing;
 use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
+use spares::Spares;
 use state::{ActiveState, InPlace, Residency, TopFile};
 
 /// The guest view of the layers below the top, which does not change
@@ -842,10 +843,7 @@ impl Active {
     /// top, prepared before the guest's pause), so that the first writes
     /// after the switch find spares rather than wait for a table's sync.
     pub(crate) fn prefill_spares(&self) {
-        if let Ok(mut st) = self.write_state() {
-            st.spares.want_full_batch();
-        }
-        self.refill_spares();
+        self.refill_spares_asked(Spares::want_full_batch);
     }
 
     /// Tops the pool of spare clusters up once a quarter of it is used,
@@ -853,8 +851,13 @@ impl Active {
     /// live commit's drain into this top): refills, each a sync at the
     /// next write-back, come many clusters at a time.
     pub(crate) fn top_up_spares(&self) {
+        self.refill_spares_asked(Spares::want_topped_up);
+    }
+
+    /// Refills the spares after `ask` set how much the refill prepares.
+    fn refill_spares_asked(&self, ask: fn(&mut Spares)) {
         if let Ok(mut st) = self.write_state() {
-            st.spares.want_topped_up();
+            ask(&mut st.spares);
         }
         self.refill_spares();
     }

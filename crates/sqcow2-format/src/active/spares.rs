@@ -37,6 +37,20 @@ const MAX_POOL: usize = 1024;
 /// little does not get many spares, and one written fast gets more.
 const FIRST_POOL: usize = 8;
 
+/// How much a refill of the spares prepares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NextRefill {
+    /// At most [`MAX_REFILL_BYTES`], once at most half the pool is left
+    /// (an allocating write found it low).
+    OnDemand,
+    /// The whole pool once at most half of it is left (asked ahead of a
+    /// burst, off any request's path).
+    WholePool,
+    /// The whole pool now, however much of it is left (a bulk copier's,
+    /// off any request's path).
+    TopUp,
+}
+
 /// The spare clusters of the writable top (cluster indices).
 #[derive(Debug)]
 pub(crate) struct Spares {
@@ -47,12 +61,8 @@ pub(crate) struct Spares {
     max_pool: usize,
     /// Most clusters one refill on demand prepares.
     max_refill: usize,
-    /// The next refill prepares the whole pool at once (asked ahead of a
-    /// burst, off any request's path).
-    ahead: bool,
-    /// The next refill tops the pool up, however much of it is left (a
-    /// bulk copier's, off any request's path).
-    topping_up: bool,
+    /// How much the next refill prepares.
+    next: NextRefill,
     /// An allocation found no spare since the last refill.
     ran_dry: bool,
     /// The last refill filled the pool to its target.
@@ -82,8 +92,7 @@ impl Spares {
             target: FIRST_POOL.min(max_pool),
             max_pool,
             max_refill,
-            ahead: false,
-            topping_up: false,
+            next: NextRefill::OnDemand,
             ran_dry: false,
             filled: false,
             wanted: false,
@@ -103,10 +112,13 @@ impl Spares {
     /// for spares and at most half of the pool is left; at most
     /// [`MAX_REFILL_BYTES`] of them unless asked ahead.
     pub(crate) fn refill_wanted(&mut self) -> usize {
-        let topping_up = std::mem::take(&mut self.topping_up);
-        if !self.wanted || self.target == 0 || (!topping_up && self.ready.len() > self.target / 2) {
+        let next = std::mem::replace(&mut self.next, NextRefill::OnDemand);
+        let half_left = self.ready.len() <= self.target / 2;
+        if !self.wanted || self.target == 0 || (next != NextRefill::TopUp && !half_left) {
             // A pool asked for ahead but full enough: nothing owed.
-            self.ahead &= self.ready.len() <= self.target / 2;
+            if next == NextRefill::WholePool && half_left {
+                self.next = next;
+            }
             return 0;
         }
         self.wanted = false;
@@ -117,10 +129,9 @@ impl Spares {
             self.target = (self.target * 2).min(self.max_pool);
         }
         let missing = self.target.saturating_sub(self.ready.len());
-        let n = if std::mem::take(&mut self.ahead) || topping_up {
-            missing
-        } else {
-            missing.min(self.max_refill)
+        let n = match next {
+            NextRefill::OnDemand => missing.min(self.max_refill),
+            NextRefill::WholePool | NextRefill::TopUp => missing,
         };
         self.filled = n == missing;
         n
@@ -131,7 +142,7 @@ impl Spares {
     /// the pause).
     pub(crate) fn want_full_batch(&mut self) {
         self.wanted = true;
-        self.ahead = true;
+        self.next = NextRefill::WholePool;
         self.target = self.max_pool;
     }
 
@@ -144,14 +155,14 @@ impl Spares {
         self.target = self.max_pool;
         if self.ready.len() <= self.target * 3 / 4 {
             self.wanted = true;
-            self.topping_up = true;
+            self.next = NextRefill::TopUp;
         }
     }
 
     /// Preparing a batch failed (a full filesystem): start small again.
     pub(crate) fn failed(&mut self) {
         self.target = FIRST_POOL.min(self.max_pool);
-        self.ahead = false;
+        self.next = NextRefill::OnDemand;
         self.ran_dry = false;
         self.filled = false;
     }

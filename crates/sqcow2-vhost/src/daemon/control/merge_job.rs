@@ -371,25 +371,26 @@ impl LatencyGuard {
         // A frontend that has just connected (or reconnects) may not have
         // completed requests yet: a few more windows are tried.
         let mut p99s = Vec::new();
+        // A window's end is the next one's start.
         let mut last = None;
         for _ in 0..BASELINE_TRIES + BASELINE_WINDOWS as u32 {
-            let Some(before) = latencies(shared) else {
+            let Some(before) = last.take().or_else(|| latencies(shared)) else {
                 std::thread::sleep(BASELINE / 5);
                 continue;
             };
             std::thread::sleep(BASELINE);
-            let Some(now) = latencies(shared) else {
-                continue;
-            };
-            if let Some(p) = window_p99(&before, &now) {
+            last = latencies(shared);
+            if let Some(p) = last.as_ref().and_then(|now| window_p99(&before, now)) {
                 p99s.push(p);
-                last = Some(now);
                 if p99s.len() == BASELINE_WINDOWS {
                     break;
                 }
             }
         }
-        let now = last?;
+        if p99s.is_empty() {
+            return None;
+        }
+        let now = last.or_else(|| latencies(shared))?;
         p99s.sort_unstable();
         let base = p99s[p99s.len() / 2];
         let limit_us = base * u64::from(permille) / 1000;
