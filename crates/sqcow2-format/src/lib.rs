@@ -39,6 +39,8 @@ mod fault;
 mod features;
 mod fence;
 mod files;
+#[cfg(test)]
+mod folios;
 pub mod gen;
 mod header;
 mod header_area;

@@ -180,15 +180,30 @@ impl Drain {
         self.routed.load(Ordering::Relaxed)
     }
 
+    /// Whether writes into the base go a page at a time (see
+    /// [`crate::storage::Storage::set_page_sized_writes`]).
+    fn set_page_sized_writes(&self, on: bool) {
+        if let Ok(base) = self.target.active() {
+            base.storage().set_page_sized_writes(on);
+        }
+    }
+
     /// Flushes the base (everything written to it so far durable).
     pub(crate) fn sync_base(&self) -> Result<(), Error> {
+        self.sync_base_if(true)
+    }
+
+    /// Syncs the base if `force` or a copy may not be durable yet.
+    fn sync_base_if(&self, force: bool) -> Result<(), Error> {
         // Held across the flush on purpose: a caller that finds nothing
         // unsynced must not go on while another's sync is still running.
         let mut unsynced = self.unsynced.lock().unwrap_or_else(PoisonError::into_inner);
-        self.target.flush()?;
-        *unsynced = false;
-        #[cfg(test)]
-        self.base_syncs.fetch_add(1, Ordering::Relaxed);
+        if force || *unsynced {
+            self.target.flush()?;
+            *unsynced = false;
+            #[cfg(test)]
+            self.base_syncs.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 }
@@ -196,14 +211,7 @@ impl Drain {
 impl DurableFirst for Drain {
     /// The base synced if a copy the top relies on may not be durable yet.
     fn make_durable(&self) -> Result<(), Error> {
-        let mut unsynced = self.unsynced.lock().unwrap_or_else(PoisonError::into_inner);
-        if *unsynced {
-            self.target.flush()?;
-            *unsynced = false;
-            #[cfg(test)]
-            self.base_syncs.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(())
+        self.sync_base_if(false)
     }
 }
 
@@ -215,6 +223,12 @@ impl Chain {
         if let Some(active) = &self.active {
             active.set_durable_first(Some(drain.clone()));
         }
+        // The copies into the base stay in single-page folios, which the
+        // guest's small writes into them (routed now, served later) find
+        // cheap; whole clusters in one folio each took the guest's
+        // writes into the drained base from 304k to 220k IOPS (measured
+        // in docs/measured.md, "Live commit").
+        drain.set_page_sized_writes(true);
         self.drain.store(Some(drain));
     }
 
@@ -231,6 +245,7 @@ impl Chain {
         if let Some(active) = &self.active {
             active.set_durable_first(None);
         }
+        drain.set_page_sized_writes(false);
         synced
     }
 

@@ -546,6 +546,7 @@ mod tests {
     use super::*;
     use crate::create::{create, CreateOptions};
     use crate::types::GuestOffset;
+    use crate::ExtentKind;
 
     const SIZE: u64 = 8 << 20;
 
@@ -846,6 +847,61 @@ mod tests {
         let mut got = vec![0u8; 4096];
         served.read_at(&mut got, 0).unwrap();
         assert_eq!(got, vec![0x11; 4096]);
+    }
+
+    /// The drain's copies land in the base's page cache a page per folio
+    /// (the guest's 4 KiB writes into a cluster copied whole into one
+    /// folio paid for the folio: 220k against 304k IOPS), and writes go
+    /// whole again once the drain has ended.
+    #[test]
+    fn a_drained_copy_is_cached_in_single_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = image(dir.path(), "base.qcow2", None);
+        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        chain.write_at(&[0x22; 4 << 16], 0).unwrap();
+        chain.flush().unwrap();
+        let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
+        assert!(commit.drains());
+        commit.start(&chain).unwrap();
+        commit.copy(&chain, &mut |_, _, _| true).unwrap();
+        commit.flush().unwrap();
+        let served = commit.finish(&chain).unwrap();
+        drop(chain);
+        // A cluster written whole after the drain: the usual folios.
+        served.write_at(&[0x33; 1 << 16], 8 << 16).unwrap();
+        served.flush().unwrap();
+        let host = |guest: u64| match served
+            .resolve(GuestOffset(guest), 1 << 16, false)
+            .unwrap()
+            .kind
+        {
+            ExtentKind::Data { host } => host.0,
+            other => panic!("not data in the base: {other:?}"),
+        };
+        let (copied, later) = (host(0), host(8 << 16));
+        let file = std::fs::File::open(&base).unwrap();
+        let largest =
+            |at: u64, len: u64| crate::folios::largest_folio_pages(&file, at, len).unwrap();
+        let Some(after) = largest(later, 1 << 16) else {
+            eprintln!("the kernel hides frame numbers (not root): nothing to compare");
+            return;
+        };
+        if after == 1 {
+            eprintln!("this kernel keeps a cluster written whole in single pages anyway");
+        }
+        for c in 0..4u64 {
+            let at = host(c << 16);
+            assert_eq!(
+                largest(at, 1 << 16),
+                Some(1),
+                "the copy of cluster {c} is cached in folios of several pages (after the drain: {after})"
+            );
+        }
+        assert_ne!(copied, later);
+        let mut got = vec![0u8; 4 << 16];
+        served.read_at(&mut got, 0).unwrap();
+        assert!(got.iter().all(|&b| b == 0x22));
     }
 
     /// A live commit is refused for the top itself, a raw or smaller base,
