@@ -84,6 +84,10 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// bulk copy into a file a guest then writes at random (a live
     /// commit's base). Storage without a page cache ignores it.
     fn set_page_sized_writes(&self, _on: bool) {}
+    /// Drops the clean cached pages that hold any of `[offset, offset +
+    /// len)` and no byte outside it (a hint; storage without a page cache
+    /// ignores it).
+    fn drop_cached(&self, _offset: u64, _len: u64) {}
     /// Sets the length, truncating or extending with zeros.
     fn set_len(&self, _len: u64) -> io::Result<()> {
         Err(io::Error::new(
@@ -586,6 +590,12 @@ impl Storage for FileStorage {
     fn set_page_sized_writes(&self, on: bool) {
         self.page_sized_writes
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn drop_cached(&self, offset: u64, len: u64) {
+        if len > 0 {
+            crate::direct::drop_cached(&self.file.file, offset, len);
+        }
     }
 
     fn write_metadata_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {

@@ -188,6 +188,38 @@ impl Drain {
         }
     }
 
+    /// Drops the base's cached pages of the guest clusters at `clusters`
+    /// (each `cs` bytes) where the base has data, before the copy
+    /// overwrites them: pages cached in large folios (a base read ahead
+    /// or written in large pieces) would stay so under the page-sized
+    /// copy. The top decides these clusters, so no guest read wants
+    /// those pages, and nothing wrote them since the base was opened for
+    /// the drain (clean: dropped, nothing written back).
+    fn drop_cached_base(&self, clusters: &[u64], cs: u64) -> Result<(), Error> {
+        let Ok(base) = self.target.active() else {
+            return Ok(());
+        };
+        let layer = self.target.top_index();
+        // Host ranges, adjacent ones merged: a folio goes only if the range
+        // covers it whole.
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for &c in clusters {
+            let e = self.target.resolve(GuestOffset(c), cs, false)?;
+            let (super::ExtentKind::Data { host }, true) = (e.kind, e.layer == layer) else {
+                continue;
+            };
+            let len = e.len.min(cs);
+            match ranges.last_mut() {
+                Some((at, n)) if *at + *n == host.0 => *n += len,
+                _ => ranges.push((host.0, len)),
+            }
+        }
+        for (at, n) in ranges {
+            base.storage().drop_cached(at, n);
+        }
+        Ok(())
+    }
+
     /// Flushes the base (everything written to it so far durable).
     pub(crate) fn sync_base(&self) -> Result<(), Error> {
         self.sync_base_if(true)
@@ -307,10 +339,12 @@ impl Drain {
         let top = chain.top_index();
         let mut decided = Vec::new();
         for c in (start..end).step_by(cs as usize) {
-            if !chain.top_decides(GuestOffset(c))? {
-                continue;
+            if chain.top_decides(GuestOffset(c))? {
+                decided.push(c);
             }
-            decided.push(c);
+        }
+        self.drop_cached_base(&decided, cs)?;
+        for &c in &decided {
             let c_end = (c + cs).min(end);
             let mut pos = c;
             while pos < c_end {

@@ -28,6 +28,9 @@ use super::{find_layer, invalid, LayerRef};
 /// change of the same range waits for it (asynchronous mirror: only the
 /// copy of its clusters, later, does).
 const CHUNK: u64 = 256 << 10;
+/// Longest a switch waits for another thread to let go of the base (a
+/// publish in progress) before it gives up.
+const SWITCH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Changed bytes left below which the mirror goes synchronous (the
 /// guest's changes then wait for their copies until the rest is copied).
 const SYNCHRONOUS_BELOW: u64 = 4 << 20;
@@ -454,6 +457,14 @@ impl LiveCommit {
             ..
         } = self;
         drop(mode);
+        // Another thread may still hold the drain, and the base with it:
+        // the flusher's checkpoint publishing the base (the pause waits
+        // for the guest's requests, not for it). It lets go once that
+        // publish ends, which has little left after `flush`.
+        let deadline = std::time::Instant::now() + SWITCH_WAIT;
+        while Arc::strong_count(&target) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
         Arc::try_unwrap(target).map_err(|target| {
             // Still referenced (a bug): not served; the base stays open
             // with it, and the served chain's lock is put back.
@@ -851,12 +862,19 @@ mod tests {
 
     /// The drain's copies land in the base's page cache a page per folio
     /// (the guest's 4 KiB writes into a cluster copied whole into one
-    /// folio paid for the folio: 220k against 304k IOPS), and writes go
-    /// whole again once the drain has ended.
+    /// folio paid for the folio: 220k against 304k IOPS), also where the
+    /// base's own data was cached in large folios, and writes go whole
+    /// again once the drain has ended.
     #[test]
     fn a_drained_copy_is_cached_in_single_pages() {
         let dir = tempfile::tempdir().unwrap();
         let base = image(dir.path(), "base.qcow2", None);
+        // The base's own data, cached as one large write leaves it, under
+        // the first two clusters the top writes.
+        let b = Chain::open(&base, &options(true)).unwrap();
+        b.write_at(&[0x11; 2 << 16], 0).unwrap();
+        b.flush().unwrap();
+        drop(b);
         let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
         let chain = Chain::open(&top, &options(true)).unwrap();
         chain.write_at(&[0x22; 4 << 16], 0).unwrap();
@@ -902,6 +920,33 @@ mod tests {
         let mut got = vec![0u8; 4 << 16];
         served.read_at(&mut got, 0).unwrap();
         assert!(got.iter().all(|&b| b == 0x22));
+    }
+
+    /// A switch while another thread still holds the drain (the
+    /// flusher's checkpoint publishing the base, which the guest's pause
+    /// does not wait for) waits for it rather than fail the commit ("the
+    /// base is still in use").
+    #[test]
+    fn the_switch_waits_for_a_publish_that_holds_the_drain() {
+        let dir = tempfile::tempdir().unwrap();
+        image(dir.path(), "base.qcow2", None);
+        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        chain.write_at(&[0x44; 1 << 16], 0).unwrap();
+        let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
+        commit.start(&chain).unwrap();
+        commit.copy(&chain, &mut |_, _, _| true).unwrap();
+        commit.flush().unwrap();
+        let held = chain.drain().expect("draining");
+        let publisher = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            held.target.durability().publish().unwrap();
+        });
+        let served = commit.finish(&chain).unwrap();
+        publisher.join().unwrap();
+        let mut got = vec![0u8; 4096];
+        served.read_at(&mut got, 0).unwrap();
+        assert_eq!(got, vec![0x44; 4096]);
     }
 
     /// A live commit is refused for the top itself, a raw or smaller base,
