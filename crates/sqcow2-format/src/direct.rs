@@ -238,15 +238,17 @@ pub(crate) fn no_read_ahead(file: &File) {
     }
 }
 
+/// [`PAGE`] in bytes of a file offset: the page cache's smallest folio.
+pub(crate) const PAGE_BYTES: u64 = PAGE as u64;
+
 /// Drops the clean cached pages that hold any of `[offset, offset +
 /// len)` of `file` (`len` 0: to the end); dirty ones stay until written
 /// back.
 pub(crate) fn drop_cached(file: &File, offset: u64, len: u64) {
-    const PAGE: u64 = 4096;
-    let start = offset / PAGE * PAGE;
+    let start = offset / PAGE_BYTES * PAGE_BYTES;
     let len = match len {
         0 => 0,
-        n => (offset + n).div_ceil(PAGE) * PAGE - start,
+        n => (offset + n).div_ceil(PAGE_BYTES) * PAGE_BYTES - start,
     };
     let offset = start;
     let len = std::num::NonZeroU64::new(len);

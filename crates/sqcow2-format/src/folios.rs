@@ -7,7 +7,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
-const PAGE: u64 = 4096;
+use crate::direct::PAGE_BYTES as PAGE;
 /// `/proc/kpageflags`: a page of a compound page (a folio) after its
 /// first.
 const KPF_COMPOUND_TAIL: u64 = 1 << 16;

@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use crate::direct::{CacheMode, DirectFile};
+use crate::direct::{CacheMode, DirectFile, PAGE_BYTES as PAGE};
 use crate::error::ErrorKind;
 use crate::lock::{FileLock, LockRequest, Locking};
 use crate::read_once::{DescriptorSlots, OnceReader};
@@ -282,9 +282,6 @@ pub struct FileStorage {
 /// serialised allocating writes (measured: 2.8k IOPS at depth 32 where
 /// qemu-storage-daemon did 14.6k).
 const DIRECT_RESERVE_CHUNK: u64 = 8 << 20;
-
-/// Page size of the page cache's smallest folio.
-const PAGE: u64 = 4096;
 
 /// Writes `buf` at `offset` in pieces that end at page boundaries: the
 /// page cache makes no folio larger than the write that creates it.

@@ -31,6 +31,14 @@ const CHUNK: u64 = 256 << 10;
 /// Longest a switch waits for another thread to let go of the base (a
 /// publish in progress) before it gives up.
 const SWITCH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Sleeps `step` at a time while `busy`, at most `longest` in all.
+fn wait_bounded(longest: std::time::Duration, step: std::time::Duration, busy: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + longest;
+    while busy() && std::time::Instant::now() < deadline {
+        std::thread::sleep(step);
+    }
+}
 /// Changed bytes left below which the mirror goes synchronous (the
 /// guest's changes then wait for their copies until the rest is copied).
 const SYNCHRONOUS_BELOW: u64 = 4 << 20;
@@ -461,10 +469,9 @@ impl LiveCommit {
         // the flusher's checkpoint publishing the base (the pause waits
         // for the guest's requests, not for it). It lets go once that
         // publish ends, which has little left after `flush`.
-        let deadline = std::time::Instant::now() + SWITCH_WAIT;
-        while Arc::strong_count(&target) > 1 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
+        wait_bounded(SWITCH_WAIT, std::time::Duration::from_micros(100), || {
+            Arc::strong_count(&target) > 1
+        });
         Arc::try_unwrap(target).map_err(|target| {
             // Still referenced (a bug): not served; the base stays open
             // with it, and the served chain's lock is put back.
@@ -500,14 +507,15 @@ impl LiveCommit {
         // A change that took the mirror (or the drain) before it stopped
         // goes on into the base: waited for (bounded), then the base is
         // closed.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let busy = || match &mode {
             Mode::Drain(d) => Arc::strong_count(d) > 1,
             Mode::Mirror(m) => Arc::strong_count(m) > 1,
         };
-        while busy() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        wait_bounded(
+            std::time::Duration::from_secs(30),
+            std::time::Duration::from_millis(1),
+            busy,
+        );
         drop(mode);
         match Arc::try_unwrap(target) {
             Ok(t) => {
