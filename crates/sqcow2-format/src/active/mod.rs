@@ -854,6 +854,13 @@ impl Active {
         self.refill_spares_asked(Spares::want_topped_up);
     }
 
+    /// Ends [`Active::top_up_spares`]: the usual pool from now on.
+    pub(crate) fn end_top_up_spares(&self) {
+        if let Ok(mut st) = self.write_state() {
+            st.spares.end_topped_up();
+        }
+    }
+
     /// Refills the spares after `ask` set how much the refill prepares.
     fn refill_spares_asked(&self, ask: fn(&mut Spares)) {
         if let Ok(mut st) = self.write_state() {

@@ -278,6 +278,9 @@ impl Chain {
             active.set_durable_first(None);
         }
         drain.set_page_sized_writes(false);
+        if let Ok(base) = drain.target.active() {
+            base.end_top_up_spares();
+        }
         synced
     }
 
