@@ -19,8 +19,12 @@
 # another qemu-storage-daemon than the installed one; SKIP_QSD=1 leaves
 # it out; PHASE_S (40) is the length of the warm-up and of the phases
 # before and after (shorter, the load has not settled: with 4 s, its p99
-# rose 2-4x between two phases with nothing else running);
-# EXTRA="OPTIONS" adds a run of `commit --live OPTIONS`.
+# rose 2-4x between two phases with nothing else running), SETTLE_S (40)
+# that of the load's first phase, unrecorded (see begin_phases: without
+# it the "before" phase flattered the load by 1.3-1.6x);
+# EXTRA="OPTIONS" adds a run of `commit --live OPTIONS`. The first row
+# ("no commit") is the same run with nothing in its "during" phase
+# (PHASE_S long): its during/before is this machine's noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
@@ -32,6 +36,7 @@ size=${1:-1G}
 fill=${2:-0.5}
 root=${3:-/tmp/sqcow2-commit}
 phase_s=${PHASE_S:-40}
+settle_s=${SETTLE_S:-40}
 slice_ms=${SLICE_MS:-3000}
 timeout_s=${TIMEOUT_S:-300}
 
@@ -45,7 +50,7 @@ fresh_chain() { # DIR -> top
   sync
 }
 
-run_sqcow2() { # WHO [commit options...]
+run_sqcow2() { # WHO [commit options...] (WHO "no-commit": a sleep instead)
   local who=$1; shift
   local dir=$root/$who
   echo "==> $who: generating $layers layers of $size" >&2
@@ -58,17 +63,22 @@ run_sqcow2() { # WHO [commit options...]
   while "$bin" stats c.sock --output json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["index"]["building"] or d["index"]["pending-layers"] else 1)'; do sleep 0.5; done
   # One load throughout, its phases named in a file.
   local loader
-  begin_phases v.sock "$who" "$phase_s" "$slice_ms"
+  begin_phases v.sock "$who" "$phase_s" "$slice_ms" "$settle_s"
   echo "==> $who: committing the top" >&2
   echo during >phase
-  # Followed by the CLI itself (a stats request every 100 ms on its
-  # socket): a loop spawning `sqcow2 stats` and python3 every 100 ms took,
-  # with no commit at all, the load's IOPS from 306k to 196k and its p99
-  # from 136 to 452 us on this 2-core VM.
-  "$bin" commit --live "$@" c.sock >/dev/null 2>&1 || true
+  if [ "$who" = no-commit ]; then
+    sleep "$phase_s"
+  else
+    # Followed by the CLI itself (a stats request every 100 ms on its
+    # socket): a loop spawning `sqcow2 stats` and python3 every 100 ms
+    # took, with no commit at all, the load's IOPS from 306k to 196k and
+    # its p99 from 136 to 452 us on this 2-core VM.
+    "$bin" commit --live "$@" c.sock >/dev/null 2>&1 || true
+  fi
   echo after >phase
   echo "==> $who: after" >&2
-  local commit_json; commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
+  local commit_json='{"state": "none", "merge_ms": '"$phase_s"'000, "pause-ms": null}'
+  [ "$who" = no-commit ] || commit_json=$("$bin" stats c.sock --output json | python3 -c 'import json,sys; m=json.load(sys.stdin)["merge"]; print(json.dumps({"state": m["state"], "merge_ms": m["elapsed-ms"], "pause-ms": m["pause-ms"], "written-bytes": m["written-bytes"], "mirrored-bytes": m["mirrored-bytes"], "throttled-ms": m["throttled-ms"], "baseline-p99-us": m["baseline-p99-us"], "layers-after": m["layers-after"]}))')
   sleep "$phase_s"
   end_phases
   record_phase "$who" before load.json "{}"
@@ -99,7 +109,7 @@ run_qsd() {
   local pid; pid=$(cat qsd.pid)
   # One load throughout, its phases named in a file.
   local loader
-  begin_phases v.sock "$who" "$phase_s" "$slice_ms"
+  begin_phases v.sock "$who" "$phase_s" "$slice_ms" "$settle_s"
   echo "==> $who: block-commit of the active layer, then block-job-complete" >&2
   echo during >phase
   local t0; t0=$(date +%s.%N)
@@ -130,6 +140,7 @@ run_qsd() {
   rm -rf "$dir"
 }
 
+run_sqcow2 no-commit
 run_sqcow2 sqcow2
 run_sqcow2 sqcow2-p99-1.2 --max-p99-ratio 1.2
 # EXTRA="-r 10M": one more run with these commit options.
@@ -148,7 +159,7 @@ print("| server | commit | duration | pause | mirrored | IOPS before | during | 
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for who, ph in by.items():
     b, d, a = ph.get("before", {}), ph.get("during", {}), ph.get("after", {})
-    how = {"sqcow2": "commit --live", "sqcow2-p99-1.2": "commit --live --max-p99-ratio 1.2", "qsd-commit": "block-commit + block-job-complete"}.get(who, who)
+    how = {"sqcow2": "commit --live", "sqcow2-p99-1.2": "commit --live --max-p99-ratio 1.2", "qsd-commit": "block-commit + block-job-complete", "no-commit": "none (a sleep)"}.get(who, who)
     pause = f'{d["pause-ms"]:.2f} ms' if d.get("pause-ms") is not None else "–"
     mirrored = f'{d["mirrored-bytes"]/2**20:,.0f} MiB' if "mirrored-bytes" in d else "–"
     rss = f'{a["peak_rss_kib"]/1024:.1f} MiB' if "peak_rss_kib" in a else "–"

@@ -35,12 +35,27 @@ phased_load() { # SOCKET MAX-SECONDS PHASE-FILE SLICE-MS -> one JSON object
   echo
 }
 
-begin_phases() { # SOCKET WHO SECONDS SLICE-MS: warm, then one phased load
-  # (load.json, its pid in $loader) SECONDS into its "before" phase.
+begin_phases() { # SOCKET WHO SECONDS SLICE-MS [SETTLE-SECONDS]: warm, then
+  # one phased load (load.json, its pid in $loader) SECONDS into its
+  # "before" phase, which SETTLE-SECONDS (default 0) of a "settle" phase
+  # precede. The warm-up's disconnect makes the daemon write the image
+  # back and sync it; the kernel writes it back again only once the new
+  # load's first dirtied page is vm.dirty_expire_centisecs old (30 s),
+  # then every 6-30 s (measured, /proc/vmstat nr_written: bursts of
+  # ~260k pages, the whole 1 GiB top, ~2 s each, none in the first 30 s
+  # after the reconnect). A "before" phase right after the reconnect
+  # flattered the load: with nothing else running, its p99 113-119 us,
+  # that of each 40 s after it 130-187 us.
   load "$1" "$3" >/dev/null # page cache, metadata: unrecorded
-  echo before >phase
+  local settle=${5:-0}
+  if [ "$settle" -gt 0 ]; then echo settle >phase; else echo before >phase; fi
   phased_load "$1" 86400 phase "$4" >load.json &
   loader=$!
+  if [ "$settle" -gt 0 ]; then
+    echo "==> $2: settling" >&2
+    sleep "$settle"
+    echo before >phase
+  fi
   echo "==> $2: before" >&2
   sleep "$3"
 }
