@@ -601,6 +601,16 @@ mod tests {
         *state
     }
 
+    /// A writable chain of `top.qcow2` over `base.qcow2` in `dir`, its
+    /// first cluster written with `byte` in the top; the base's path.
+    fn top_over_base(dir: &Path, byte: u8) -> (PathBuf, Chain) {
+        let base = image(dir, "base.qcow2", None);
+        let top = image(dir, "top.qcow2", Some("base.qcow2"));
+        let chain = Chain::open(&top, &options(true)).unwrap();
+        chain.write_at(&[byte; 65536], 0).unwrap();
+        (base, chain)
+    }
+
     fn read_all(chain: &Chain) -> Vec<u8> {
         let mut all = vec![0u8; SIZE as usize];
         chain.read_at(&mut all, 0).unwrap();
@@ -771,10 +781,7 @@ mod tests {
     #[test]
     fn a_write_into_a_batch_being_drained_waits_then_lands_in_the_base() {
         let dir = tempfile::tempdir().unwrap();
-        image(dir.path(), "base.qcow2", None);
-        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
-        let chain = Chain::open(&top, &options(true)).unwrap();
-        chain.write_at(&[0x11; 65536], 0).unwrap();
+        let (_, chain) = top_over_base(dir.path(), 0x11);
         let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
         let Mode::Drain(d) = &commit.mode else {
             panic!("not drained")
@@ -822,10 +829,8 @@ mod tests {
     #[test]
     fn the_base_is_synced_before_the_top_writes_an_unmapping() {
         let dir = tempfile::tempdir().unwrap();
-        let base = image(dir.path(), "base.qcow2", None);
-        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
-        let chain = Chain::open(&top, &options(true)).unwrap();
-        chain.write_at(&[0x11; 65536], 0).unwrap();
+        let (base, chain) = top_over_base(dir.path(), 0x11);
+        let top = dir.path().join("top.qcow2");
         chain.flush().unwrap();
         let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
         let Mode::Drain(d) = &commit.mode else {
@@ -937,10 +942,7 @@ mod tests {
     #[test]
     fn the_switch_waits_for_a_publish_that_holds_the_drain() {
         let dir = tempfile::tempdir().unwrap();
-        image(dir.path(), "base.qcow2", None);
-        let top = image(dir.path(), "top.qcow2", Some("base.qcow2"));
-        let chain = Chain::open(&top, &options(true)).unwrap();
-        chain.write_at(&[0x44; 1 << 16], 0).unwrap();
+        let (_, chain) = top_over_base(dir.path(), 0x44);
         let commit = prepare_live_commit(&chain, None, &options(true)).unwrap();
         commit.start(&chain).unwrap();
         commit.copy(&chain, &mut |_, _, _| true).unwrap();
