@@ -6,8 +6,7 @@
 //!   in place, compressed clusters decompressed through a bounce buffer.
 //! * Writes: pieces landing in clusters the top owns become io_uring
 //!   writes from guest memory; the rest (allocation, copy-on-write) goes to
-//!   an engine thread from a bounce buffer, or runs here when the request
-//!   is all this thread has to do ([`QueueWorker::alone_with`]).
+//!   an engine thread from a bounce buffer.
 //! * Discards and write-zeroes run on an engine thread, flushes on the
 //!   flusher ([`crate::offload`]).
 //!
@@ -875,9 +874,8 @@ impl QueueWorker {
     /// request still uses the chain it started on, so a switch waits for
     /// it as for a transfer): an engine thread would spare this thread
     /// nothing, and would cost a wake-up there and another here when it
-    /// answers (measured, random 4 KiB writes at depth 1 on a fresh top
-    /// with cache=none: 9.3k -> 11.4k IOPS, qemu-storage-daemon, which
-    /// runs an allocating write on its iothread, 9.1k).
+    /// answers (measured: most of the gap to qemu-storage-daemon, which
+    /// runs an allocating write on its iothread, at depth 1).
     fn alone_with(&self, slot: usize) -> bool {
         !self.others_waiting
             && self.jobs_outstanding == 0
