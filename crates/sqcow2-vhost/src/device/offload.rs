@@ -233,61 +233,10 @@ struct Job {
 /// chain publishes and flushes the old top until it is closed).
 type PersistRequest = (Option<ReturnAddress>, Persist);
 
-/// Where an engine job's result goes once its work has run: to the
-/// flusher first if its changed mappings must be published before the
-/// guest is told, else back to the worker (and a checkpoint asked for if
-/// it journaled changes).
-#[derive(Clone)]
-struct Settle {
-    flushes: Sender<PersistRequest>,
-    asked: Arc<CheckpointAsked>,
-}
-
-impl Settle {
-    /// After a job's work ran on `chain`: hands a due write-back to the
-    /// flusher. Call while the work still counts as using `chain`.
-    fn hand_over_write_back(&self, chain: &Chain) {
-        if chain.durability().take_write_back_due() {
-            let _ = self.flushes.send((None, Persist::WriteBack));
-        }
-    }
-
-    /// Routes `result` of a job that published its changes if `publish`:
-    /// returns it with `reply` when it may be answered now, or hands both
-    /// to the flusher, which answers once the mappings are in the file.
-    fn route(
-        &self,
-        chain: &Chain,
-        publish: bool,
-        result: JobResult,
-        reply: ReturnAddress,
-    ) -> Option<(ReturnAddress, JobResult)> {
-        if !publish || result.is_err() {
-            return Some((reply, result));
-        }
-        if chain.durability().needs_publish() {
-            // Completed only once its mappings are in the file.
-            return match self.flushes.send((Some(reply), Persist::Publish)) {
-                Ok(()) => None,
-                Err(e) => e.0 .0.map(|reply| (reply, Err("flusher stopped".into()))),
-            };
-        }
-        // Journaled: complete now, write it to the image in the background.
-        if self.asked.ask() {
-            let _ = self.flushes.send((None, Persist::Checkpoint));
-        }
-        Some((reply, result))
-    }
-}
-
 /// The engine threads and the flusher of one device.
 pub(crate) struct Offload {
     jobs: Arc<JobQueue<Job>>,
     flushes: Option<Sender<PersistRequest>>,
-    /// For jobs a worker runs itself ([`Offload::run_here`]); `None` once
-    /// stopping (it holds a sender to the flusher).
-    settle: Option<Settle>,
-    panics: Arc<AtomicU64>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -338,14 +287,11 @@ impl Offload {
         let jobs = Arc::new(JobQueue::<Job>::new());
         let (flushes, flush_rx) = channel::<PersistRequest>();
         let asked = Arc::new(CheckpointAsked::default());
-        let settle = Settle {
-            flushes: flushes.clone(),
-            asked: asked.clone(),
-        };
         let mut threads = Vec::new();
         for i in 0..engine_threads.max(1) {
             let queue = jobs.clone();
-            let (handle, panics, settle) = (handle.clone(), panics.clone(), settle.clone());
+            let (handle, panics, flushes) = (handle.clone(), panics.clone(), flushes.clone());
+            let asked = asked.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("engine-{i}"))
@@ -359,54 +305,45 @@ impl Offload {
                         let begun = job.ticket.begin();
                         let chain = handle.get();
                         let result = run_guarded(job.work, &chain, &panics);
-                        settle.hand_over_write_back(&chain);
-                        // Its changes are made: a switch may come (a
-                        // publish covers them on either chain).
+                        if chain.durability().take_write_back_due() {
+                            let _ = flushes.send((None, Persist::WriteBack));
+                        }
+                        // Its changes are made: a switch may come (the
+                        // publish below covers them on either chain).
                         drop(begun);
-                        if let Some((reply, result)) =
-                            settle.route(&chain, job.publish, result, job.reply)
-                        {
-                            reply.send(result);
+                        if !job.publish || result.is_err() {
+                            job.reply.send(result);
+                        } else if chain.durability().needs_publish() {
+                            // Completed only once its mappings are in the file.
+                            let publish = (Some(job.reply), Persist::Publish);
+                            if let Err(e) = flushes.send(publish) {
+                                if let (Some(reply), _) = e.0 {
+                                    reply.send(Err("flusher stopped".into()));
+                                }
+                            }
+                        } else {
+                            // Journaled: complete now, write it to the image
+                            // in the background.
+                            job.reply.send(result);
+                            if asked.ask() {
+                                let _ = flushes.send((None, Persist::Checkpoint));
+                            }
                         }
                     })?,
             );
         }
         // Started last, so that it is joined after the engine threads,
         // which may still hand it publishes.
-        threads.push(std::thread::Builder::new().name("flusher".into()).spawn({
-            let panics = panics.clone();
-            move || flusher(flush_rx, handle, panics, &asked)
-        })?);
+        threads.push(
+            std::thread::Builder::new()
+                .name("flusher".into())
+                .spawn(move || flusher(flush_rx, handle, panics, &asked))?,
+        );
         Ok(Offload {
             jobs,
             flushes: Some(flushes),
-            settle: Some(settle),
-            panics,
             threads,
         })
-    }
-
-    /// Runs `work` on the calling thread, on `chain`, which the caller's
-    /// request still uses (a switch waits for it, as for its transfers):
-    /// for a worker with nothing else to do, which then spares the two
-    /// thread hand-offs of an engine job. Its result if it may be
-    /// answered now; `None` when it went to the flusher to be published,
-    /// which answers `reply`.
-    pub(crate) fn run_here(
-        &self,
-        chain: &Chain,
-        reply: ReturnAddress,
-        publish: bool,
-        work: impl EngineWork,
-    ) -> Option<JobResult> {
-        let Some(settle) = &self.settle else {
-            return Some(Err("engine threads stopped".into()));
-        };
-        let result = run_guarded(work, chain, &self.panics);
-        settle.hand_over_write_back(chain);
-        settle
-            .route(chain, publish, result, reply)
-            .map(|(_, result)| result)
     }
 
     /// Runs `work` on an engine thread once `ticket` may begin; its result
@@ -518,7 +455,6 @@ impl Drop for Offload {
         // senders to it, have ended).
         self.jobs.close();
         self.flushes.take();
-        self.settle.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }

@@ -130,10 +130,6 @@ pub struct QueueWorker {
     starting: Option<usize>,
     /// Requests were left on a queue while the device was paused.
     deferred: bool,
-    /// Another request waited on the queue when the one being started
-    /// was taken: its engine work goes to an engine thread, so that this
-    /// thread starts the next one at once.
-    others_waiting: bool,
     /// Most requests taken off a queue in one call ([`Taken::more`] says
     /// when requests were left).
     batch: usize,
@@ -197,7 +193,6 @@ impl QueueWorker {
             jobs_outstanding: 0,
             starting: None,
             deferred: false,
-            others_waiting: true,
             batch: usize::MAX,
             stats: WorkerStats::default(),
         })
@@ -323,7 +318,6 @@ impl QueueWorker {
                 break;
             }
             tracker.resubmit.pop_front();
-            self.others_waiting = true;
             let table = vm_memory::GuestAddress(queue.desc_table());
             let parsed = request::parse(mem, table, queue.size(), head, &limits);
             debug!(
@@ -421,11 +415,6 @@ impl QueueWorker {
                     break;
                 };
                 out.taken += 1;
-                self.others_waiting = queue
-                    .avail_idx(&**mem, std::sync::atomic::Ordering::Acquire)
-                    .map_err(io::Error::other)?
-                    .0
-                    != queue.next_avail();
                 if let Some(t) = tracker.as_deref_mut() {
                     // Recorded before it starts: a restart resubmits it.
                     t.taken(head);
@@ -825,36 +814,13 @@ impl QueueWorker {
     }
 
     /// Hands `work` of the request in `slot` to an engine thread (it
-    /// begins once no switch of the chain is held), or runs it here when
-    /// this thread has nothing else to do ([`QueueWorker::alone_with`]).
+    /// begins once no switch of the chain is held).
     fn run_job(
         &mut self,
         slot: usize,
         publish: bool,
         work: impl EngineWork,
     ) -> Result<(), TransferError> {
-        if self.alone_with(slot) {
-            let chain = self.device.chain();
-            let reply = self.mailbox.address(slot);
-            let done = {
-                let _named = self.slots.get(slot).map(|f| f.permit.work_here());
-                self.device.offload().run_here(&chain, reply, publish, work)
-            };
-            // The request's completion is timed after its work, not at
-            // the round's start.
-            self.stats.next_round();
-            match done {
-                None => self.handed_off(slot),
-                Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    if let Some(f) = self.slots.get_mut(slot) {
-                        crate::limited_warn!("{}: {e}", describe(&f.request.kind));
-                        f.failed = true;
-                    }
-                }
-            }
-            return Ok(());
-        }
         let ticket = self
             .slots
             .get(slot)
@@ -866,22 +832,6 @@ impl QueueWorker {
             .map_err(|_| TransferError::Offload)?;
         self.handed_off(slot);
         Ok(())
-    }
-
-    /// Whether the request in `slot`, still being set up, is all this
-    /// thread has to do: nothing else in flight, no transfer queued, no
-    /// request waiting behind it. Its engine work then runs here (the
-    /// request still uses the chain it started on, so a switch waits for
-    /// it as for a transfer): an engine thread would spare this thread
-    /// nothing, and would cost a wake-up there and another here when it
-    /// answers (measured: most of the gap to qemu-storage-daemon, which
-    /// runs an allocating write on its iothread, at depth 1).
-    fn alone_with(&self, slot: usize) -> bool {
-        !self.others_waiting
-            && self.jobs_outstanding == 0
-            && self.ring.is_empty()
-            && self.slots.len() == 1
-            && self.slots.get(slot).is_some_and(|f| f.submitting)
     }
 
     fn ring_queued(&mut self, slot: usize) {

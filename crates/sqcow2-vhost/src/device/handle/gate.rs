@@ -82,32 +82,6 @@ impl RequestPermit {
             gate: self.gate.clone(),
         }
     }
-
-    /// Names the calling thread as running engine work of this request,
-    /// on the chain it started on (which it still uses), until the guard
-    /// is dropped: a switch's drain, which waits for it, can raise it as
-    /// it raises engine threads.
-    pub(crate) fn work_here(&self) -> WorkHere<'_> {
-        WorkHere {
-            gate: &self.gate,
-            on: self.gate.job_threads.enter(),
-        }
-    }
-}
-
-/// Engine work of a request on the chain, run by the thread that started
-/// the request ([`RequestPermit::work_here`]).
-#[must_use = "the thread is named only while this is held"]
-#[derive(Debug)]
-pub(crate) struct WorkHere<'a> {
-    gate: &'a RequestGate,
-    on: OnJobThread,
-}
-
-impl Drop for WorkHere<'_> {
-    fn drop(&mut self) {
-        self.gate.job_threads.leave(&self.on);
-    }
 }
 
 impl Drop for RequestPermit {
