@@ -773,3 +773,52 @@ fn busy_poll_steps_time_each_completion_when_it_is_handled() {
     }
     panic!("the read and the flush were always handled in one poll step");
 }
+
+/// Not hostile, but the same harness: the worker never waits for an
+/// allocating write, even one that is all it has (no request in flight,
+/// none behind it): a stall of the engine in it (2 s, a test hook) holds
+/// an engine thread, not the worker, which returns with the write not yet
+/// answered and completes it later. A slow or remote disk under that
+/// write must not hold requests the guest sends meanwhile.
+#[test]
+fn the_worker_never_waits_for_a_lone_allocating_write() {
+    let mut g = Guest::new(false);
+    // Discard cluster 2, so that a write there allocates.
+    g.mem
+        .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_DISCARD, 0);
+    let (_, status) = g.submit(&[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)]);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.device
+        .chain()
+        .stall_at(sqcow2_format::FaultPoint::BeforeJournalRecord, 2000);
+    g.mem
+        .write_slice(&[0x42u8; 4096], GuestAddress(DATA))
+        .unwrap();
+    g.header(VIRTIO_BLK_T_OUT, 256);
+    let mock = MockSplitQueue::create(&g.mem, GuestAddress(0), QUEUE_SIZE);
+    let flags = VRING_DESC_F_NEXT as u16;
+    let raw = [
+        RawDescriptor::from(SplitDescriptor::new(HEADER, 16, flags, 1)),
+        RawDescriptor::from(SplitDescriptor::new(DATA, 4096, flags, 2)),
+        RawDescriptor::from(SplitDescriptor::new(
+            STATUS,
+            1,
+            VRING_DESC_F_WRITE as u16,
+            0,
+        )),
+    ];
+    mock.add_desc_chains(&raw, 0).unwrap();
+    let mut queue: Queue = mock.create_queue().unwrap();
+    g.worker.process_queue(0, &mut queue, &g.atomic).unwrap();
+    let used: u16 = g.mem.read_obj(mock.used_addr().unchecked_add(2)).unwrap();
+    let answered = usize::from(used) + g.worker.take_completions().len();
+    assert_eq!(answered, 0, "the worker waited for the allocating write");
+    g.worker.drain();
+    assert_eq!(g.worker.take_completions().len(), 1);
+    let status: u8 = g.mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.next_desc = 0;
+    g.assert_still_serving();
+}
