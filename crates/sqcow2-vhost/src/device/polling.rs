@@ -26,6 +26,27 @@ pub enum Polling {
     },
 }
 
+impl Polling {
+    /// The polling of a worker thread whose requests wait only for engine
+    /// jobs (an allocating write: a copy-on-write read and a cluster
+    /// write, ~100 µs with cache=none): an adaptive window may grow
+    /// [`ENGINE_WAIT_FACTOR`] times longer, or the thread sleeps through
+    /// every such job and a wake-up follows each (QEMU has no such wait:
+    /// its iothread runs those I/Os itself).
+    pub(crate) fn for_engine_waits(self) -> Polling {
+        match self {
+            Polling::Adaptive { max } => Polling::Adaptive {
+                max: max * ENGINE_WAIT_FACTOR,
+            },
+            other => other,
+        }
+    }
+}
+
+/// How much longer than `--poll-max-us` a worker polls while it waits only
+/// for engine jobs.
+pub(crate) const ENGINE_WAIT_FACTOR: u32 = 8;
+
 /// A worker thread's current poll time under a [`Polling`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PollWindow {
@@ -86,6 +107,30 @@ mod tests {
         // A sleep longer than the most: polling stops.
         w.observe(Duration::from_millis(5));
         assert_eq!(w.current(), Duration::ZERO);
+    }
+
+    #[test]
+    fn engine_waits_poll_longer_only_when_adaptive() {
+        let adaptive = Polling::Adaptive { max: MAX };
+        assert_eq!(
+            adaptive.for_engine_waits(),
+            Polling::Adaptive {
+                max: MAX * ENGINE_WAIT_FACTOR
+            }
+        );
+        assert_eq!(Polling::Off.for_engine_waits(), Polling::Off);
+        let fixed = Polling::Fixed(MAX);
+        assert_eq!(fixed.for_engine_waits(), fixed);
+        // An allocating write's ~100 µs: caught once the window has grown.
+        let mut w = PollWindow::new(adaptive.for_engine_waits());
+        for _ in 0..8 {
+            w.observe(Duration::from_micros(100));
+        }
+        assert!(
+            w.current() >= Duration::from_micros(100),
+            "{:?}",
+            w.current()
+        );
     }
 
     #[test]

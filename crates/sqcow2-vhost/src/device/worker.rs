@@ -244,6 +244,12 @@ impl QueueWorker {
         self.slots.len()
     }
 
+    /// Whether every request in flight waits only for handed-off jobs (no
+    /// transfer of this thread's ring runs).
+    pub(crate) fn waits_only_for_jobs(&self) -> bool {
+        self.jobs_outstanding > 0 && self.ring.is_empty()
+    }
+
     /// Statistics of this worker's queues, by worker-local queue index.
     pub fn stats(&self) -> &[QueueStats] {
         self.stats.queues()
