@@ -18,7 +18,8 @@
 # rw-4k-1 / rw-4k-32 random 4 KiB writes, seq-1m sequential 1 MiB reads
 # at depth 4.
 # Prints a table of medians: IOPS (MB/s for seq-1m) of each server,
-# sqcow2/qsd, and the pages of the images cached after the load.
+# sqcow2/qsd, each server's CPU time per request (user + system, all its
+# threads, over the load) and the pages of the images cached after it.
 # Raw results in $OUT (default /tmp/sqcow2-bench-cache-none).
 # POLL_US (default 32) is the longest adaptive poll of both servers
 # (sqcow2 `--poll-max-us`, the iothread's `poll-max-ns`).
@@ -59,6 +60,11 @@ for name in os.listdir(sys.argv[1]):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
 EOF
+}
+
+# User + system clock ticks of process PID, all its threads.
+cpu_ticks() {
+  awk '{print $14 + $15}' "/proc/$1/stat"
 }
 
 cached_pages() {
@@ -117,15 +123,20 @@ run() {
   # load's.
   local before after json iops mbs
   before=$(cached_pages "$dir")
+  local t0 t1
+  t0=$(cpu_ticks "$pid")
   json=$("$load" load --socket v.sock --pattern "$pattern" --bs "$bs" \
     --iodepth "$depth" --duration "$secs" --output json)
   after=$(cached_pages "$dir")
+  t1=$(cpu_ticks "$pid")
   kill "$pid"; wait "$pid" 2>/dev/null || true
   echo "$json" > "$server-$layers-$name-$round.json"
   iops=$(echo "$json" | python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])')
   mbs=$(echo "$json" | python3 -c 'import json,sys; print(json.load(sys.stdin)["mb_per_s"])')
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$server" "$layers" "$name" "$round" "$iops" "$mbs" "$((after - before))" >> results.tsv
-  echo "  $server $layers layers $name round $round: $iops IOPS, $mbs MB/s, pages cached by the load: $((after - before))" >&2
+  local cpu_us
+  cpu_us=$(python3 -c "print(($t1 - $t0) * 1e6 / $(getconf CLK_TCK) / ($iops * $secs))")
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$server" "$layers" "$name" "$round" "$iops" "$mbs" "$((after - before))" "$cpu_us" >> results.tsv
+  echo "  $server $layers layers $name round $round: $iops IOPS, $mbs MB/s, CPU $cpu_us us per request, pages cached by the load: $((after - before))" >&2
   rm -f "$top" "$top".sq*
 }
 
@@ -152,21 +163,22 @@ python3 - "$out/results.tsv" <<'EOF'
 import sys, statistics, collections
 rows = collections.defaultdict(list)
 for line in open(sys.argv[1]):
-    server, layers, name, _, iops, mbs, pages = line.split("\t")
-    rows[(server, int(layers), name)].append((float(iops), float(mbs), int(pages)))
+    server, layers, name, _, iops, mbs, pages, cpu = line.split("\t")
+    rows[(server, int(layers), name)].append((float(iops), float(mbs), int(pages), float(cpu)))
 def med(k, i):
     v = rows.get(k)
     return statistics.median(x[i] for x in v) if v else None
 order = ["rr-4k-1", "rr-4k-32", "rw-4k-1", "rw-4k-32", "seq-1m"]
 names = sorted({k[2] for k in rows}, key=order.index)
 layers = sorted({k[1] for k in rows})
-print("| load | layers | sqcow2 --cache none | qsd cache.direct=on | sqcow2/qsd | pages cached: sqcow2 | qsd |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+print("| load | layers | sqcow2 --cache none | qsd cache.direct=on | sqcow2/qsd | CPU µs per request: sqcow2 | qsd | pages cached: sqcow2 | qsd |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for n in names:
     i = 1 if n == "seq-1m" else 0
     unit = " MB/s" if i else ""
     for l in layers:
         s, q = med(("sqcow2", l, n), i), med(("qsd", l, n), i)
         ps, pq = med(("sqcow2", l, n), 2), med(("qsd", l, n), 2)
-        print(f"| {n} | {l} | {s:,.0f}{unit} | {q:,.0f}{unit} | {s/q:.2f}x | {ps:.0f} | {pq:.0f} |")
+        cs, cq = med(("sqcow2", l, n), 3), med(("qsd", l, n), 3)
+        print(f"| {n} | {l} | {s:,.0f}{unit} | {q:,.0f}{unit} | {s/q:.2f}x | {cs:.1f} | {cq:.1f} | {ps:.0f} | {pq:.0f} |")
 EOF
