@@ -156,6 +156,17 @@ impl Guest {
         (len, status)
     }
 
+    /// Discards cluster 2 (sectors 256..384), so that the next write
+    /// there allocates.
+    fn discard_cluster_2(&mut self) {
+        self.mem
+            .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
+            .unwrap();
+        self.header(VIRTIO_BLK_T_DISCARD, 0);
+        let (_, status) = self.submit(&[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)]);
+        assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    }
+
     /// A valid 4 KiB read at sector 8 still works and returns PATTERN.
     fn assert_still_serving(&mut self) {
         self.mem
@@ -642,13 +653,7 @@ fn a_used_ring_outside_memory_is_an_error_not_a_crash() {
 #[test]
 fn a_panic_mid_update_fails_writes_from_then_on_and_reads_go_on() {
     let mut g = Guest::new(false);
-    // Discard cluster 2, so that the next write there allocates.
-    g.mem
-        .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
-        .unwrap();
-    g.header(VIRTIO_BLK_T_DISCARD, 0);
-    let (_, status) = g.submit(&[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)]);
-    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.discard_cluster_2();
     g.device
         .chain()
         .arm_fault(sqcow2_format::FaultPoint::MidMetadataUpdate, 1);
@@ -783,13 +788,7 @@ fn busy_poll_steps_time_each_completion_when_it_is_handled() {
 #[test]
 fn the_worker_never_waits_for_a_lone_allocating_write() {
     let mut g = Guest::new(false);
-    // Discard cluster 2, so that a write there allocates.
-    g.mem
-        .write_slice(&zero_segment(256, 128, 0), GuestAddress(DATA))
-        .unwrap();
-    g.header(VIRTIO_BLK_T_DISCARD, 0);
-    let (_, status) = g.submit(&[r(HEADER, 16), r(DATA, 16), w(STATUS, 1)]);
-    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    g.discard_cluster_2();
     g.device
         .chain()
         .stall_at(sqcow2_format::FaultPoint::BeforeJournalRecord, 2000);
