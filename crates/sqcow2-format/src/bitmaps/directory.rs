@@ -1,6 +1,6 @@
-//! Persistent dirty bitmaps as `qemu-img info` lists them (name,
-//! granularity, flags), read from the bitmap directory. sqcow2 keeps no
-//! bitmap up to date: an image with any is not written (see `Active`).
+//! The bitmap directory: every entry parsed into a [`BitmapEntry`] with
+//! QEMU's checks (`bitmap_list_load`, `check_dir_entry`), and the view
+//! of it `qemu-img info` shows.
 
 use serde::Serialize;
 
@@ -36,12 +36,61 @@ pub struct BitmapInfo {
     pub granularity: u64,
 }
 
+/// One entry of the bitmap directory, as QEMU's checks accept it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BitmapEntry {
+    /// Where its table starts (cluster aligned, not 0).
+    pub(crate) table_offset: u64,
+    /// Entries of its table (not 0, at most QEMU's limit).
+    pub(crate) table_size: u32,
+    /// Not stored back by its last writer: its bits cannot be trusted.
+    pub(crate) in_use: bool,
+    /// Tracks writes (QEMU's "enabled").
+    pub(crate) auto: bool,
+    /// Bytes of guest data per bit, log2 (QEMU's 9..=31).
+    pub(crate) granularity_bits: u8,
+    /// Its name, as QEMU reads it (up to the first NUL).
+    pub(crate) name: String,
+}
+
+impl BitmapEntry {
+    /// Bytes of guest data per bit.
+    pub(crate) fn granularity(&self) -> u64 {
+        1u64 << self.granularity_bits
+    }
+
+    fn info(&self) -> BitmapInfo {
+        BitmapInfo {
+            flags: [(self.in_use, "in-use"), (self.auto, "auto")]
+                .into_iter()
+                .filter(|(set, _)| *set)
+                .map(|(_, name)| name)
+                .collect(),
+            name: self.name.clone(),
+            granularity: self.granularity(),
+        }
+    }
+}
+
 /// The image's persistent bitmaps, in directory order (none when the
 /// bitmaps extension is absent or not in force).
 pub fn describe_bitmaps(
     header: &Header,
     storage: &dyn Storage,
 ) -> Result<Vec<BitmapInfo>, ErrorKind> {
+    Ok(read_directory(header, storage)?
+        .iter()
+        .map(BitmapEntry::info)
+        .collect())
+}
+
+/// The entries of the image's bitmap directory, in order (none when the
+/// bitmaps extension is absent or not in force: without the autoclear
+/// bit QEMU takes them as inconsistent and drops them).
+pub(crate) fn read_directory(
+    header: &Header,
+    storage: &dyn Storage,
+) -> Result<Vec<BitmapEntry>, ErrorKind> {
     if !header.has_bitmaps() {
         return Ok(Vec::new());
     }
@@ -101,14 +150,13 @@ pub fn describe_bitmaps(
             .ok_or_else(|| invalid(pos, "name beyond the directory"))?;
         // As QEMU reads it: up to the first NUL.
         let name = name.split(|&b| b == 0).next().unwrap_or_default();
-        out.push(BitmapInfo {
-            flags: [(FLAG_IN_USE, "in-use"), (FLAG_AUTO, "auto")]
-                .into_iter()
-                .filter(|(bit, _)| flags & bit != 0)
-                .map(|(_, name)| name)
-                .collect(),
+        out.push(BitmapEntry {
+            table_offset,
+            table_size,
+            in_use: flags & FLAG_IN_USE != 0,
+            auto: flags & FLAG_AUTO != 0,
+            granularity_bits,
             name: String::from_utf8_lossy(name).into_owned(),
-            granularity: 1u64 << granularity_bits,
         });
         if out.len() > ext.nb_bitmaps as usize {
             return Err(invalid(pos, "more entries than bitmaps"));
