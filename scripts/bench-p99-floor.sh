@@ -10,7 +10,11 @@
 # ROUNDS times each. Prints p99 before / during / after and during/before.
 #
 #   scripts/bench-p99-floor.sh [ROUNDS=3] [DIR=/tmp/sqcow2-p99-floor]
-# RATES (default "10 40"), TOTAL_MB (default 400), PHASE_S (default 9).
+# RATES (default "10 40"), TOTAL_MB (default 400), PHASE_S (default 9),
+# SETTLE_S (default 40: an unrecorded phase before "before", so that the
+# kernel's write-back of the load, which starts only once its first
+# dirty pages are 30 s old, is in every recorded phase alike; see
+# begin_phases).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -18,6 +22,7 @@ root=${2:-/tmp/sqcow2-p99-floor}
 rates=${RATES:-10 40}
 total_mb=${TOTAL_MB:-400}
 phase_s=${PHASE_S:-9}
+settle_s=${SETTLE_S:-40}
 . scripts/lib/live-load.sh
 live_bench_init "$root"
 
@@ -50,7 +55,7 @@ run() { # CASE ROUND
   "$bin" serve --socket v.sock --pidfile serve.pid layer0001.qcow2 2>serve.log &
   while [ ! -f serve.pid ]; do sleep 0.1; done
   local loader
-  begin_phases v.sock "$1" "$phase_s" 3000
+  begin_phases v.sock "$1" "$phase_s" 3000 "$settle_s"
   echo during >phase
   case $1 in
     idle) sleep 15 ;;
