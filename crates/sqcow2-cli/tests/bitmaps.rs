@@ -13,11 +13,16 @@ use common::{qemu_create, qemu_img, qemu_io, s};
 use sqcow2_format::{describe_bitmaps, read_dirty_ranges, BitmapRead, Chain, ChainOptions};
 
 /// Reads bitmap `name` of `image` through sqcow2.
-fn read(image: &Path, name: &str) -> BitmapRead {
+fn try_read(image: &Path, name: &str) -> Result<BitmapRead, sqcow2_format::ErrorKind> {
     let chain = Chain::open(image, &ChainOptions::default()).unwrap();
     let top = chain.top();
     let header = top.header().expect("a qcow2 image");
-    read_dirty_ranges(header, &**top.storage(), name).unwrap()
+    read_dirty_ranges(header, &**top.storage(), name)
+}
+
+/// [`try_read`], which must succeed.
+fn read(image: &Path, name: &str) -> BitmapRead {
+    try_read(image, name).unwrap()
 }
 
 /// The granules of `granularity` bytes that `writes` touch, within a
@@ -131,9 +136,7 @@ fn a_bitmap_left_in_use_by_a_killed_writer_reads_as_unusable() {
     io.wait().unwrap();
     let got = read(&image, "b0");
     assert_eq!(got.dirty, None, "bits of an in-use bitmap were read");
-    let chain = Chain::open(&image, &ChainOptions::default()).unwrap();
-    let top = chain.top();
-    let err = read_dirty_ranges(top.header().unwrap(), &**top.storage(), "nope").unwrap_err();
+    let err = try_read(&image, "nope").unwrap_err();
     assert_eq!(err.to_string(), "Dirty bitmap 'nope' not found");
 }
 
@@ -201,11 +204,7 @@ fn malformed_bitmap_tables_are_clear_errors() {
             .unwrap();
         f.write_all_at(&bytes, at).unwrap();
         drop(f);
-        let chain = Chain::open(&image, &ChainOptions::default()).unwrap();
-        let top = chain.top();
-        let err = read_dirty_ranges(top.header().unwrap(), &**top.storage(), "b0")
-            .expect_err(what)
-            .to_string();
+        let err = try_read(&image, "b0").expect_err(what).to_string();
         assert!(err.contains("bitmap 'b0'"), "{what}: {err}");
     }
 }

@@ -117,28 +117,9 @@ impl Guest {
     /// Submits one chain and runs the worker until it is answered;
     /// returns the used length and the status byte.
     fn submit(&mut self, descs: &[Desc]) -> (u32, u8) {
-        let mock = MockSplitQueue::create(&self.mem, GuestAddress(0), QUEUE_SIZE);
         let first = self.next_desc;
-        let raw: Vec<RawDescriptor> = descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let last = i + 1 == descs.len();
-                let mut flags = if d.write {
-                    VRING_DESC_F_WRITE as u16
-                } else {
-                    0
-                };
-                if !last {
-                    flags |= VRING_DESC_F_NEXT as u16;
-                }
-                let next = (first + i as u16 + 1) % QUEUE_SIZE;
-                RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next))
-            })
-            .collect();
-        mock.add_desc_chains(&raw, first).unwrap();
+        let (mock, mut queue) = offer(&self.mem, first, descs);
         self.next_desc = (first + descs.len() as u16) % QUEUE_SIZE;
-        let mut queue: Queue = mock.create_queue().unwrap();
         self.worker
             .process_queue(0, &mut queue, &self.atomic)
             .unwrap();
@@ -185,6 +166,36 @@ impl Guest {
 }
 
 use vm_memory::Address;
+
+/// A fresh queue on `mem` holding one descriptor chain of `descs`, its
+/// head at descriptor `first`.
+fn offer<'m>(
+    mem: &'m GuestMem,
+    first: u16,
+    descs: &[Desc],
+) -> (MockSplitQueue<'m, GuestMem>, Queue) {
+    let mock = MockSplitQueue::create(mem, GuestAddress(0), QUEUE_SIZE);
+    let raw: Vec<RawDescriptor> = descs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let last = i + 1 == descs.len();
+            let mut flags = if d.write {
+                VRING_DESC_F_WRITE as u16
+            } else {
+                0
+            };
+            if !last {
+                flags |= VRING_DESC_F_NEXT as u16;
+            }
+            let next = (first + i as u16 + 1) % QUEUE_SIZE;
+            RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next))
+        })
+        .collect();
+    mock.add_desc_chains(&raw, first).unwrap();
+    let queue = mock.create_queue().unwrap();
+    (mock, queue)
+}
 
 fn fill(image: &Path) {
     let chain = Chain::open(
@@ -796,20 +807,7 @@ fn the_worker_never_waits_for_a_lone_allocating_write() {
         .write_slice(&[0x42u8; 4096], GuestAddress(DATA))
         .unwrap();
     g.header(VIRTIO_BLK_T_OUT, 256);
-    let mock = MockSplitQueue::create(&g.mem, GuestAddress(0), QUEUE_SIZE);
-    let flags = VRING_DESC_F_NEXT as u16;
-    let raw = [
-        RawDescriptor::from(SplitDescriptor::new(HEADER, 16, flags, 1)),
-        RawDescriptor::from(SplitDescriptor::new(DATA, 4096, flags, 2)),
-        RawDescriptor::from(SplitDescriptor::new(
-            STATUS,
-            1,
-            VRING_DESC_F_WRITE as u16,
-            0,
-        )),
-    ];
-    mock.add_desc_chains(&raw, 0).unwrap();
-    let mut queue: Queue = mock.create_queue().unwrap();
+    let (mock, mut queue) = offer(&g.mem, 0, &[r(HEADER, 16), r(DATA, 4096), w(STATUS, 1)]);
     g.worker.process_queue(0, &mut queue, &g.atomic).unwrap();
     let used: u16 = g.mem.read_obj(mock.used_addr().unchecked_add(2)).unwrap();
     let answered = usize::from(used) + g.worker.take_completions().len();

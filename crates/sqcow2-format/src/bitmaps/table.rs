@@ -130,7 +130,7 @@ fn read_bits(
             }
         }
     }
-    Ok(ranges.done())
+    Ok(ranges.out)
 }
 
 /// Dirty bits gathered into merged guest ranges.
@@ -160,9 +160,5 @@ impl Ranges {
             Some(last) if last.end == start => last.end = stop,
             _ => self.out.push(start..stop),
         }
-    }
-
-    fn done(self) -> Vec<Range<u64>> {
-        self.out
     }
 }
