@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blkio::{Blkioq, Completion, ReqFlags};
-use common::vhost::{connect_retry, control, Daemon};
+use common::vhost::{connect_retry, Daemon};
 use common::{assert_check_clean, env_count, gen_chain, qcow2_files, qemu_raw, s, tagged_block};
 use serde_json::json;
 
@@ -195,11 +195,11 @@ fn snapshots_flushes_discards_and_in_place_writes_racing() {
         i += 1;
         if i % 3 == 0 {
             let new = tmp.path().join(format!("snap{:04}.qcow2", snapshots.len()));
-            let reply = control(&ctl, json!({"command": "snapshot", "path": new}));
+            let reply = daemon.control(&ctl, json!({"command": "snapshot", "path": new}));
             assert_eq!(reply["ok"], true, "snapshot: {reply}");
             snapshots.push(new);
         } else {
-            let reply = control(&ctl, json!({"command": "flush"}));
+            let reply = daemon.control(&ctl, json!({"command": "flush"}));
             assert_eq!(reply["ok"], true, "control flush: {reply}");
             flushes += 1;
         }

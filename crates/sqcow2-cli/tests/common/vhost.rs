@@ -138,6 +138,13 @@ impl Daemon {
         d
     }
 
+    /// One request on `ctl`, this daemon's control socket; its reply
+    /// (within 60 s). A missing reply fails with the daemon's log.
+    pub fn control(&self, ctl: &Path, req: serde_json::Value) -> serde_json::Value {
+        control_within(ctl, req.clone(), Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("no control reply to {req}; daemon log:\n{}", self.log()))
+    }
+
     /// The daemon's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
