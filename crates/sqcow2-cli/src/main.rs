@@ -2,6 +2,7 @@
 //! in the spirit of `qemu-img`.
 
 mod amend;
+mod bitmap;
 mod check;
 mod compare;
 mod convert;
@@ -271,6 +272,9 @@ enum Command {
     },
     /// Commit an image's data into a layer below (as `qemu-img commit`).
     Commit(reshape::CommitArgs),
+    /// Add, remove, clear, enable, disable or merge a persistent dirty
+    /// bitmap, like `qemu-img bitmap` (operations run in the order given).
+    Bitmap(bitmap::BitmapArgs),
     /// Change a disk's virtual size, like `qemu-img resize` (grows in
     /// place where the L1 table addresses the new size; shrinks offline).
     Resize(resize::ResizeArgs),
@@ -442,6 +446,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Commit(args) => reshape::run_commit(&args, locking).map(|()| ExitCode::SUCCESS),
         Command::Resize(args) => resize::run(&args, &options).map(|()| ExitCode::SUCCESS),
+        Command::Bitmap(args) => bitmap::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Compare(args) => Ok(compare::run(&args, &options)),
         Command::Measure(args) => measure::run(&args, &options).map(|()| ExitCode::SUCCESS),
         Command::Amend(args) => amend::run(&args, &options).map(|()| ExitCode::SUCCESS),

@@ -208,3 +208,351 @@ fn malformed_bitmap_tables_are_clear_errors() {
         assert!(err.contains("bitmap 'b0'"), "{what}: {err}");
     }
 }
+
+/// The dirty ranges of bitmap `name` of `image` as QEMU reads them:
+/// qemu-nbd exports it with `-B`, and `qemu-img map` over NBD with
+/// `x-dirty-bitmap` reports each dirty extent as `"data": false`.
+/// `Err` with qemu-nbd's message when QEMU refuses the bitmap.
+fn qemu_dirty_map(image: &Path, name: &str) -> Result<Vec<Range<u64>>, String> {
+    let sock = image.with_extension(format!("{name}.nbd"));
+    // Without locking: a writer (the daemon) may hold the image.
+    let out = Command::new("qemu-nbd")
+        .args(["-r", "--fork", "-B", name, "-k"])
+        .arg(&sock)
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=qcow2,file.driver=file,file.locking=off,file.filename={}",
+            image.display()
+        ))
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:{name}",
+        sock.display()
+    );
+    let map = qemu_img(&["map", "--output=json", "--image-opts", &opts]);
+    let map: Vec<serde_json::Value> = serde_json::from_str(&map).unwrap();
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for e in map.iter().filter(|e| e["data"] == false) {
+        let start = e["start"].as_u64().unwrap();
+        let r = start..start + e["length"].as_u64().unwrap();
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    Ok(out)
+}
+
+/// The flags `qemu-img info` shows for each bitmap of `image`, by name
+/// (`-U`: a writer may hold it).
+fn qemu_flags(image: &Path) -> Vec<(String, Vec<String>)> {
+    let info: serde_json::Value =
+        serde_json::from_str(&qemu_img(&["info", "-U", "--output=json", s(image)])).unwrap();
+    info["format-specific"]["data"]["bitmaps"]
+        .as_array()
+        .map(|list| {
+            list.iter()
+                .map(|b| {
+                    let flags = b["flags"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|f| f.as_str().unwrap().to_owned())
+                        .collect();
+                    (b["name"].as_str().unwrap().to_owned(), flags)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The same writes, write-zeroes and discards through `sqcow2 io` and
+/// through qemu-io, on copies of one image with an enabled bitmap at
+/// 64 KiB, one at 512 B and a disabled one: QEMU reads each bitmap that
+/// sqcow2 kept (qemu-nbd `-B`) exactly as the one it kept itself, none
+/// is left in use, and `qemu-img check` finds nothing.
+#[test]
+fn bitmaps_sqcow2_kept_read_by_qemu_as_the_ones_qemu_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("ours.qcow2");
+    let theirs = tmp.path().join("theirs.qcow2");
+    qemu_create(&ours, "cluster_size=65536", "2G");
+    qemu_img(&["bitmap", "--add", s(&ours), "coarse"]);
+    qemu_img(&["bitmap", "--add", "-g", "512", s(&ours), "fine"]);
+    qemu_img(&["bitmap", "--add", "--disable", s(&ours), "off"]);
+    // Bits QEMU set before: kept.
+    qemu_io(&ours, &["write 1536M 4k".to_string()]);
+    std::fs::copy(&ours, &theirs).unwrap();
+    let cmds: Vec<String> = [
+        "write -P 1 0 4k",
+        "write -P 2 1M 200k",
+        "write -P 3 70000 100",
+        "write -z 10M 64k",
+        "write -z 12M 3k",
+        "discard 20M 1M",
+        "discard 30M 1k",
+        "write -P 4 2047M 1M",
+    ]
+    .iter()
+    .map(|c| c.to_string())
+    .collect();
+    let mut args = Vec::new();
+    for c in &cmds {
+        args.extend(["-c", c.as_str()]);
+    }
+    args.push(s(&ours));
+    let mut io = vec!["io"];
+    io.extend(args);
+    common::sqcow2(&io);
+    qemu_io(&theirs, &cmds);
+    for name in ["coarse", "fine", "off"] {
+        let want = qemu_dirty_map(&theirs, name).unwrap();
+        assert_eq!(qemu_dirty_map(&ours, name).unwrap(), want, "bitmap {name}");
+        if name == "off" {
+            assert!(want.is_empty(), "QEMU changed a disabled bitmap");
+        } else {
+            assert!(want.len() >= 7, "{name}: {want:?}");
+        }
+    }
+    assert_eq!(qemu_flags(&ours), qemu_flags(&theirs));
+    assert!(qemu_flags(&ours)
+        .iter()
+        .all(|(_, f)| !f.contains(&"in-use".to_string())));
+    common::assert_check_clean(&ours);
+    assert_eq!(
+        common::qemu_raw(&ours, tmp.path()),
+        common::qemu_raw(&theirs, tmp.path())
+    );
+}
+
+/// `sqcow2 bitmap` against `qemu-img bitmap`, the same steps on copies
+/// of one image (writes between them through each tool's own writer):
+/// the same exit codes and messages, and then the same bitmaps (names,
+/// flags, granularities in `qemu-img info`, bits read by QEMU).
+#[test]
+fn bitmap_command_does_what_qemu_img_bitmap_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("ours.qcow2");
+    let theirs = tmp.path().join("theirs.qcow2");
+    let other = tmp.path().join("other.qcow2");
+    qemu_create(&ours, "cluster_size=65536", "1G");
+    qemu_create(&other, "cluster_size=65536", "1G");
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&other), "src"]);
+    qemu_io(
+        &other,
+        &["write 300M 1M".to_string(), "write 5000 1".to_string()],
+    );
+    std::fs::copy(&ours, &theirs).unwrap();
+    // (argument list, writes after it)
+    let steps: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec!["--add"], vec!["write 0 4k"]),
+        (vec!["--add", "-g", "512", "--disable"], vec![]),
+        (vec!["--add"], vec![]), // exists
+        (vec!["--remove"], vec![]),
+        (vec!["--clear"], vec![]),
+        (vec!["--add", "-g", "100"], vec![]),
+        (vec!["--add", "-g", "4G"], vec![]),
+        (vec!["-g", "4096", "--remove"], vec![]),
+        (vec!["-b", "x", "--add"], vec![]),
+        (vec![], vec![]),
+        (
+            vec!["--add", "-g", "1k"],
+            vec!["write 1M 64k", "discard 8M 1M"],
+        ),
+        (vec!["--disable"], vec!["write 100M 4k"]),
+        (vec!["--merge", "b0"], vec![]),
+        (vec!["--enable", "--clear"], vec!["write -z 200M 4k"]),
+        (vec!["--merge", "nope"], vec![]),
+        (vec!["--merge", "src", "-b", "OTHER", "-F", "qcow2"], vec![]),
+        (vec!["--remove", "--add", "--disable"], vec!["write 50M 1k"]),
+    ];
+    // Bitmap names per step: the step's own, cycling.
+    let names = [
+        "b0", "b1", "b0", "nope", "nope", "b2", "b2", "b0", "b0", "b0", "b3", "b3", "b3", "b1",
+        "b1", "b3", "b0",
+    ];
+    for (k, ((args, writes), name)) in steps.iter().zip(names).enumerate() {
+        let mut outcomes = Vec::new();
+        for (image, program) in [(&ours, "sqcow2"), (&theirs, "qemu-img")] {
+            let mut cmd = match program {
+                "sqcow2" => Command::new(common::sqcow2_bin()),
+                _ => Command::new("qemu-img"),
+            };
+            cmd.arg("bitmap");
+            for a in args {
+                cmd.arg(if *a == "OTHER" { s(&other) } else { a });
+            }
+            let out = cmd.arg(image).arg(name).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr)
+                .trim()
+                .trim_start_matches("qemu-img: ")
+                .trim_start_matches("sqcow2: ")
+                .trim_start_matches("Error: ")
+                .to_string();
+            outcomes.push((out.status.code(), err));
+            if !writes.is_empty() {
+                let cmds: Vec<String> = writes.iter().map(|w| w.to_string()).collect();
+                if program == "qemu-img" {
+                    qemu_io(image, &cmds);
+                } else {
+                    let mut io = vec!["io".to_string()];
+                    for c in cmds {
+                        io.extend(["-c".to_string(), c]);
+                    }
+                    io.push(s(image).to_string());
+                    let io: Vec<&str> = io.iter().map(String::as_str).collect();
+                    common::sqcow2(&io);
+                }
+            }
+        }
+        assert_eq!(
+            outcomes[0].0, outcomes[1].0,
+            "step {k} {args:?}: exit codes {outcomes:?}"
+        );
+        let (ours_err, theirs_err) = (&outcomes[0].1, &outcomes[1].1);
+        assert!(
+            ours_err.lines().next().unwrap_or("") == theirs_err.lines().next().unwrap_or(""),
+            "step {k} {args:?}: messages differ:\n sqcow2: {ours_err}\n qemu-img: {theirs_err}"
+        );
+        assert_eq!(qemu_flags(&ours), qemu_flags(&theirs), "step {k} {args:?}");
+    }
+    let info = |p: &Path| -> serde_json::Value {
+        let v: serde_json::Value =
+            serde_json::from_str(&qemu_img(&["info", "--output=json", s(p)])).unwrap();
+        v["format-specific"]["data"]["bitmaps"].clone()
+    };
+    assert_eq!(info(&ours), info(&theirs));
+    for (name, _) in qemu_flags(&theirs) {
+        assert_eq!(
+            qemu_dirty_map(&ours, &name).unwrap(),
+            qemu_dirty_map(&theirs, &name).unwrap(),
+            "bitmap {name}"
+        );
+    }
+    common::assert_check_clean(&ours);
+}
+
+/// Waits (at most 20 s) until `qemu-img info -U` shows bitmap flags
+/// `in_use` for every bitmap of `image`.
+fn wait_in_use(image: &Path, in_use: bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let flags = qemu_flags(image);
+        if flags
+            .iter()
+            .all(|(_, f)| f.contains(&"in-use".to_string()) == in_use)
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bitmaps never {} in use: {flags:?}",
+            if in_use { "went" } else { "stopped being" }
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A served image's bitmaps, QEMU the oracle: in use while a frontend
+/// writes, stored (not in use) once it leaves, in use again before the
+/// next frontend's writes land, stored at SIGTERM with every granule
+/// the guest's writes, write-zeroes and discards touched; a `kill -9`
+/// leaves them in use, QEMU then refuses them as inconsistent, and a
+/// restarted daemon leaves such a bitmap in use and unchanged while it
+/// keeps the others.
+#[test]
+fn served_bitmaps_are_in_use_while_written_and_stored_at_stop() {
+    use common::vhost::{connect_retry, Daemon};
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("disk.qcow2");
+    let size = 256u64 << 20;
+    qemu_create(&image, "cluster_size=65536", "256M");
+    qemu_img(&["bitmap", "--add", s(&image), "b0"]);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&image), "fine"]);
+    let mut daemon = Daemon::start(tmp.path(), &image, &[]);
+    wait_in_use(&image, true);
+    let mut client = connect_retry(&daemon, 1, false);
+    let mut touched_writes: Vec<(u64, u64)> = Vec::new();
+    for (at, len) in [(0u64, 4096u64), (5 << 20, 65536), (100 << 20, 12288)] {
+        client.write(at, &vec![0x5a; len as usize]);
+        touched_writes.push((at, len));
+    }
+    client.write_zeroes(20 << 20, 1 << 20, true);
+    touched_writes.push((20 << 20, 1 << 20));
+    client.discard(40 << 20, 2 << 20);
+    touched_writes.push((40 << 20, 2 << 20));
+    client.flush();
+    assert!(qemu_flags(&image)
+        .iter()
+        .all(|(_, f)| f.contains(&"in-use".to_string())));
+    drop(client);
+    // The frontend left: stored.
+    wait_in_use(&image, false);
+    for (name, g) in [("b0", 65536u64), ("fine", 4096)] {
+        assert_eq!(
+            qemu_dirty_map(&image, name).unwrap(),
+            touched(&touched_writes, g, size),
+            "{name} after the frontend left"
+        );
+    }
+    // The next frontend's write marks them in use before it lands.
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(200 << 20, &[7u8; 512]);
+    touched_writes.push((200 << 20, 512));
+    assert!(
+        qemu_flags(&image)
+            .iter()
+            .all(|(_, f)| f.contains(&"in-use".to_string())),
+        "{:?}",
+        qemu_flags(&image)
+    );
+    drop(client);
+    daemon.stop();
+    for (name, g) in [("b0", 65536u64), ("fine", 4096)] {
+        assert_eq!(
+            qemu_dirty_map(&image, name).unwrap(),
+            touched(&touched_writes, g, size),
+            "{name} after SIGTERM"
+        );
+    }
+    common::assert_check_clean(&image);
+
+    // kill -9 while serving: left in use; QEMU refuses them.
+    let mut daemon = Daemon::start(tmp.path(), &image, &[]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(150 << 20, &[1u8; 4096]);
+    daemon.stop_with(libc::SIGKILL);
+    drop(client);
+    wait_in_use(&image, true);
+    let err = qemu_dirty_map(&image, "b0").unwrap_err();
+    assert!(err.contains("inconsistent"), "{err}");
+    // QEMU's answer to an inconsistent bitmap: remove it; a new one then
+    // tracks from scratch.
+    qemu_img(&["bitmap", "--remove", s(&image), "fine"]);
+    qemu_img(&["bitmap", "--add", s(&image), "fresh"]);
+    let mut daemon = Daemon::start(tmp.path(), &image, &[]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(3 << 20, &[2u8; 4096]);
+    drop(client);
+    daemon.stop();
+    let flags = qemu_flags(&image);
+    assert_eq!(
+        flags,
+        vec![
+            (
+                "b0".to_string(),
+                vec!["in-use".to_string(), "auto".to_string()]
+            ),
+            ("fresh".to_string(), vec!["auto".to_string()]),
+        ]
+    );
+    assert_eq!(
+        qemu_dirty_map(&image, "fresh").unwrap(),
+        touched(&[(3 << 20, 4096)], 65536, size)
+    );
+    common::assert_check_clean(&image);
+}

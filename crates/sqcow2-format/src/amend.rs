@@ -122,6 +122,7 @@ pub fn amend(path: &Path, opts: &AmendOptions, locking: Locking) -> Result<(), E
         backing: Edit::Keep,
         fixed: Edit::Set(&fixed),
         feature_table: upgrade.then_some(&names[..]),
+        bitmaps: crate::header_area::Edit::Keep,
     };
     crate::header_area::rewrite(&*storage, &header, &edit).map_err(io)?;
     if refcounts.is_some() {

@@ -48,6 +48,8 @@ pub(crate) struct AreaEdit<'a> {
     /// Write the feature name table (v3 headers), whether the image had
     /// one or not.
     pub feature_table: Option<&'a [crate::features::FeatureNameEntry]>,
+    /// Where the bitmap directory is.
+    pub bitmaps: Edit<&'a crate::extension::BitmapsExtension>,
 }
 
 fn push(out: &mut Vec<u8>, t: u32, data: &[u8]) {
@@ -147,9 +149,13 @@ pub(crate) fn compose(
                 push(&mut out, EXT_FEATURE_TABLE, &feature_table_bytes(t))
             }
             HeaderExtension::Unknown { ext_type, data } => push(&mut out, *ext_type, data),
-            // Where the bitmap directory is: kept (the header's other
-            // fields change nothing the bitmaps describe).
-            HeaderExtension::Bitmaps(b) => push(&mut out, EXT_BITMAPS, &b.to_bytes()),
+            // Where the bitmap directory is: kept unless edited (the
+            // header's other fields change nothing the bitmaps describe).
+            HeaderExtension::Bitmaps(b) => match edit.bitmaps {
+                Edit::Keep => push(&mut out, EXT_BITMAPS, &b.to_bytes()),
+                Edit::Set(new) => push(&mut out, EXT_BITMAPS, &new.to_bytes()),
+                Edit::Remove => {}
+            },
             other => {
                 return Err(std::io::Error::other(format!(
                     "cannot rewrite header extension {:#x}",
@@ -157,6 +163,13 @@ pub(crate) fn compose(
                 )))
             }
         }
+    }
+    let had_bitmaps = header
+        .extensions
+        .iter()
+        .any(|e| matches!(e, HeaderExtension::Bitmaps(_)));
+    if let (Edit::Set(new), false) = (edit.bitmaps, had_bitmaps) {
+        push(&mut out, EXT_BITMAPS, &new.to_bytes());
     }
     if let (Some(t), false) = (edit.feature_table, v2) {
         push(&mut out, EXT_FEATURE_TABLE, &feature_table_bytes(t));

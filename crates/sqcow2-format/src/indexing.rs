@@ -684,6 +684,7 @@ pub fn index_in_place(
         backing: crate::header_area::Edit::Keep,
         fixed: crate::header_area::Edit::Keep,
         feature_table: None,
+        bitmaps: crate::header_area::Edit::Keep,
     };
     // The top's header must be able to name the index: checked before
     // anything is written.

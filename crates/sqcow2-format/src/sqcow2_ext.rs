@@ -302,6 +302,7 @@ pub(crate) fn write_index_extension(
             backing: crate::header_area::Edit::Keep,
             fixed: crate::header_area::Edit::Keep,
             feature_table: None,
+            bitmaps: crate::header_area::Edit::Keep,
         },
     )
 }

@@ -16,6 +16,7 @@
 //! discards and flushes fail with [`ErrorKind::EngineFailed`] and nothing is
 //! written back, so the image stays as the last flush left it; reads go on.
 
+mod bitmaps;
 mod claim;
 mod flush;
 mod held_table;
@@ -101,6 +102,8 @@ pub(crate) struct Active {
     last_flush_ms: AtomicU64,
     /// Made durable before any of the top's tables is written.
     durable_first: Mutex<Option<Arc<dyn DurableFirst>>>,
+    /// The top's persistent dirty bitmaps.
+    bitmaps: crate::bitmaps::kept::KeptBitmaps,
 }
 
 /// What must be durable before the top's tables may reach its file: a
@@ -119,7 +122,12 @@ pub(crate) trait DurableFirst: Send + Sync + std::fmt::Debug {
 const FLUSHED_LATELY: Duration = Duration::from_secs(10);
 
 impl Active {
-    fn with(top: Arc<TopFile>, state: ActiveState, len: u64) -> Self {
+    fn with(
+        top: Arc<TopFile>,
+        state: ActiveState,
+        len: u64,
+        bitmaps: crate::bitmaps::kept::KeptBitmaps,
+    ) -> Self {
         Active {
             top,
             state: RwLock::new(state),
@@ -136,6 +144,7 @@ impl Active {
             opened: Instant::now(),
             last_flush_ms: AtomicU64::new(0),
             durable_first: Mutex::new(None),
+            bitmaps,
         }
     }
 
@@ -995,6 +1004,12 @@ impl Active {
         if let Some(j) = journal {
             self.discard_journal(&j);
         }
+        // The guest's data is durable: the bitmaps describing it are
+        // stored (QEMU's close). A failure leaves them in use, which the
+        // next writer reads as inconsistent, as after a crash.
+        if let Err(e) = self.store_bitmaps() {
+            tracing::warn!(path = %self.top.path.display(), error = %e, "could not store the persistent bitmaps: they stay in use");
+        }
         let (rc, left, dirty) = {
             let mut st = self.write_back_state()?;
             let left: usize = st.deferred_frees.iter().map(|(_, f)| f.len()).sum();
@@ -1099,6 +1114,9 @@ impl Active {
     /// under 70/30 random I/O). Holds the flush order across the start's
     /// sync, as every write-back does.
     pub(crate) fn resume_journal_now(&self) {
+        if let Err(e) = self.bitmaps_in_use() {
+            tracing::warn!(error = %e, "could not mark the persistent bitmaps in use (the next write tries again)");
+        }
         if self.journal_stopped_at.load(Ordering::Acquire) == u64::MAX {
             // Running (checked again under the flush order): no wait
             // behind a flush for nothing.

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::check::{check_storage, Repair};
-use crate::error::{Error, ErrorKind, Feature};
+use crate::error::{Error, ErrorKind};
 use crate::sidefile::{FileId, ImagePlace};
 use std::collections::HashMap;
 
@@ -63,9 +63,6 @@ impl Active {
         let e = |k: ErrorKind| Error::new(path, k);
         // QEMU opens an image marked corrupt read-only only.
         header.refuse_if_marked_corrupt().map_err(e)?;
-        if header.has_bitmaps() {
-            return Err(e(ErrorKind::Unsupported(Feature::WriteWithBitmaps)));
-        }
         let mut header = header.clone();
         if header.is_dirty() {
             // Refcounts of a dirty image may be stale: repair, as QEMU does.
@@ -92,6 +89,8 @@ impl Active {
             write_word(&*storage, field::AUTOCLEAR_FEATURES, kept).map_err(|io| e(io.into()))?;
             header.features.autoclear = kept;
         }
+        // Loaded and marked in use before anything changes the image.
+        let bitmaps = crate::bitmaps::kept::KeptBitmaps::open(&header, &*storage).map_err(e)?;
         let len = storage.len().map_err(|io| e(io.into()))?;
         let top = Arc::new(TopFile {
             path: path.to_path_buf(),
@@ -110,7 +109,7 @@ impl Active {
             faults: crate::fault::Faults::default(),
         });
         let state = ActiveState::open(top.clone(), header)?;
-        let active = Active::with(top, state, len);
+        let active = Active::with(top, state, len, bitmaps);
         active.start_journal();
         Ok(active)
     }

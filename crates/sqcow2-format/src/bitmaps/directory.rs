@@ -13,9 +13,9 @@ use crate::storage::Storage;
 /// Bytes of a directory entry before its extra data and name.
 const ENTRY_FIXED: usize = 24;
 /// QEMU's limit on a bitmap's name.
-const MAX_NAME: usize = 1023;
+pub(crate) const MAX_NAME: usize = 1023;
 /// QEMU's granularity limits (bits).
-const GRANULARITY_BITS: std::ops::RangeInclusive<u8> = 9..=31;
+pub(crate) const GRANULARITY_BITS: std::ops::RangeInclusive<u8> = 9..=31;
 /// QEMU's limit on a bitmap table's entries.
 const MAX_TABLE_SIZE: u32 = 0x800_0000;
 /// The one bitmap type there is.
@@ -59,6 +59,27 @@ impl BitmapEntry {
         1u64 << self.granularity_bits
     }
 
+    /// Appends the entry as the directory holds it (padded to 8 bytes).
+    fn encode(&self, out: &mut Vec<u8>) {
+        let mut flags = 0;
+        if self.in_use {
+            flags |= FLAG_IN_USE;
+        }
+        if self.auto {
+            flags |= FLAG_AUTO;
+        }
+        out.extend_from_slice(&self.table_offset.to_be_bytes());
+        out.extend_from_slice(&self.table_size.to_be_bytes());
+        out.extend_from_slice(&flags.to_be_bytes());
+        out.push(TYPE_DIRTY_TRACKING);
+        out.push(self.granularity_bits);
+        // Names are checked against MAX_NAME where they come in.
+        out.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
+        out.extend_from_slice(&0u32.to_be_bytes());
+        out.extend_from_slice(self.name.as_bytes());
+        out.resize(out.len().next_multiple_of(8), 0);
+    }
+
     fn info(&self) -> BitmapInfo {
         BitmapInfo {
             flags: [(self.in_use, "in-use"), (self.auto, "auto")]
@@ -84,6 +105,23 @@ pub fn describe_bitmaps(
         .collect())
 }
 
+/// The header's bitmaps extension, in force or not.
+pub(crate) fn bitmaps_extension(header: &Header) -> Option<&crate::extension::BitmapsExtension> {
+    header.extensions.iter().find_map(|e| match e {
+        HeaderExtension::Bitmaps(b) => Some(b),
+        _ => None,
+    })
+}
+
+/// The bitmap directory holding `entries`, in order, as QEMU writes it.
+pub(crate) fn encode_directory(entries: &[BitmapEntry]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for e in entries {
+        e.encode(&mut out);
+    }
+    out
+}
+
 /// The entries of the image's bitmap directory, in order (none when the
 /// bitmaps extension is absent or not in force: without the autoclear
 /// bit QEMU takes them as inconsistent and drops them).
@@ -94,10 +132,7 @@ pub(crate) fn read_directory(
     if !header.has_bitmaps() {
         return Ok(Vec::new());
     }
-    let Some(ext) = header.extensions.iter().find_map(|e| match e {
-        HeaderExtension::Bitmaps(b) => Some(b),
-        _ => None,
-    }) else {
+    let Some(ext) = bitmaps_extension(header) else {
         return Ok(Vec::new());
     };
     let invalid = |offset: usize, reason: &str| ErrorKind::InvalidExtension {

@@ -181,10 +181,21 @@ impl Chain {
 
     /// Writes `buf` at guest `offset` into the top.
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), Error> {
+        self.note_guest_change(offset, buf.len() as u64)?;
         let written = self.write_top(buf, offset);
         // Even after an error: part of the range may have changed.
         self.mirror_change(offset, buf.len() as u64);
         written
+    }
+
+    /// Sets the bits of the top's enabled persistent bitmaps for a change
+    /// of `[offset, offset + len)` (even if it then fails, as QEMU does),
+    /// marking them in use in the image first if a close stored them.
+    fn note_guest_change(&self, offset: u64, len: u64) -> Result<(), Error> {
+        match &self.active {
+            Some(active) => active.note_guest_change(offset, len),
+            None => Ok(()),
+        }
     }
 
     /// [`Chain::write_at`] without the mirror; while a drain runs, each
@@ -222,6 +233,7 @@ impl Chain {
     /// zero clusters (with `unmap`, their space is released); partial ones
     /// are written with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> Result<(), Error> {
+        self.note_guest_change(offset, len)?;
         let done = self.zero_range(offset, len, Zeroing::Zeroes { unmap }, true);
         self.mirror_change(offset, len);
         done
@@ -232,6 +244,7 @@ impl Chain {
     /// cluster of a v2 image over a backing file (no zero flag), are left
     /// as they are (discard is advisory, as in QEMU).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), Error> {
+        self.note_guest_change(offset, len)?;
         let done = self.zero_range(offset, len, Zeroing::Discard, false);
         self.mirror_change(offset, len);
         done
@@ -653,6 +666,11 @@ impl Transfers<'_> {
         let Some(host) = active.in_place_target(offset, len)? else {
             return Ok(None);
         };
+        // Bits first; a store that cleared the in-use flag means the
+        // engine marks them in use again first (it may write).
+        if !active.note_in_place_change(offset.0, len) {
+            return Ok(None);
+        }
         let file = self
             .chain
             .top()

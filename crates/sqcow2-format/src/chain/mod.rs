@@ -2,6 +2,7 @@
 //! layer by layer or through the chain index ([`walk`], [`resolved`]), read
 //! and written like QEMU reads and writes it ([`io`]).
 
+pub(crate) mod bitmaps;
 mod changed;
 mod covering;
 pub(crate) mod drain;
@@ -440,6 +441,11 @@ impl Chain {
     /// Handing the chain over to the next one.
     pub fn handover(&self) -> Handover<'_> {
         Handover { chain: self }
+    }
+
+    /// The top's persistent dirty bitmaps (a writable chain's).
+    pub fn bitmaps(&self) -> bitmaps::PersistentBitmaps<'_> {
+        bitmaps::PersistentBitmaps { chain: self }
     }
 
     /// Cache and read statistics.

@@ -558,6 +558,7 @@ impl MergedFile {
             backing: Edit::Set(crate::header_area::BackingName { name, format }),
             fixed: crate::header_area::Edit::Keep,
             feature_table: None,
+            bitmaps: crate::header_area::Edit::Keep,
         };
         if LayerIndex(at) == chain.top_index() && chain.is_writable() {
             chain.active()?.rewrite_header_area(&edit)

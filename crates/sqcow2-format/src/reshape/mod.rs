@@ -185,6 +185,7 @@ impl HeaderWriter {
             },
             fixed: crate::header_area::Edit::Keep,
             feature_table: None,
+            bitmaps: crate::header_area::Edit::Keep,
         };
         crate::header_area::rewrite(&self.storage, &header, &edit).map_err(io_err(path))
     }
