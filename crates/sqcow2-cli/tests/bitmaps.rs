@@ -556,3 +556,76 @@ fn served_bitmaps_are_in_use_while_written_and_stored_at_stop() {
     );
     common::assert_check_clean(&image);
 }
+
+/// A live snapshot carries tracking on as libvirt does for a snapshot's
+/// overlay: the new top gets an empty bitmap of each enabled one's name
+/// and granularity, written into it at once (in use); the old top's
+/// bitmaps are stored when it closes and hold the writes before the
+/// snapshot, the new top's those after it; a disabled bitmap stays
+/// behind. kill -9 then leaves the new top's bitmap in use (QEMU reads
+/// it as inconsistent), never missing.
+#[test]
+fn a_live_snapshot_carries_enabled_bitmaps_into_the_new_top() {
+    use common::vhost::{connect_retry, Daemon};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.qcow2");
+    let size = 64u64 << 20;
+    qemu_create(&base, "cluster_size=65536", "64M");
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&base), "b0"]);
+    qemu_img(&["bitmap", "--add", "--disable", s(&base), "off"]);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &base, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(1 << 20, &[1u8; 8192]);
+    let top = tmp.path().join("top.qcow2");
+    let reply = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "snapshot", "path": top}),
+    );
+    assert_eq!(reply["ok"], true, "{reply}");
+    // In the new top at once, in use.
+    assert_eq!(
+        qemu_flags(&top),
+        vec![(
+            "b0".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
+    client.write(2 << 20, &[2u8; 4096]);
+    client.write(1 << 20, &[3u8; 512]);
+    client.flush();
+    drop(client);
+    daemon.stop();
+    assert_eq!(
+        qemu_dirty_map(&base, "b0").unwrap(),
+        touched(&[(1 << 20, 8192)], 4096, size),
+        "the old top's bitmap: the writes before the snapshot"
+    );
+    assert_eq!(qemu_dirty_map(&base, "off").unwrap(), Vec::new());
+    assert_eq!(
+        qemu_dirty_map(&top, "b0").unwrap(),
+        touched(&[(2 << 20, 4096), (1 << 20, 512)], 4096, size),
+        "the new top's bitmap: the writes after it"
+    );
+    assert!(qemu_flags(&base)
+        .iter()
+        .all(|(_, f)| !f.contains(&"in-use".to_string())));
+    for image in [&base, &top] {
+        common::assert_check_clean(image);
+    }
+
+    // kill -9 after another snapshot: the newest top's bitmap in use.
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let newest = tmp.path().join("newest.qcow2");
+    let reply = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "snapshot", "path": newest}),
+    );
+    assert_eq!(reply["ok"], true, "{reply}");
+    let mut client = connect_retry(&daemon, 1, false);
+    client.write(0, &[4u8; 4096]);
+    daemon.stop_with(libc::SIGKILL);
+    drop(client);
+    let err = qemu_dirty_map(&newest, "b0").unwrap_err();
+    assert!(err.contains("inconsistent"), "{err}");
+}

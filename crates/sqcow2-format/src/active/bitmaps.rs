@@ -243,6 +243,39 @@ impl Active {
         &self.bitmaps
     }
 
+    /// Takes on, empty, every enabled and consistent bitmap of `below`
+    /// (the top this new top is a live snapshot of), as libvirt does
+    /// for a snapshot's overlay, so that tracking goes on in the new top;
+    /// written into the image at once, in use (a crash before the close
+    /// leaves them inconsistent, not missing). The old top keeps its own,
+    /// stored when it closes.
+    pub(crate) fn take_on_bitmaps(&self, below: &Active) -> Result<(), Error> {
+        let size = self.size();
+        let cluster = self.top.geometry.cluster_size();
+        let mut any = false;
+        for b in below.bitmaps.list() {
+            let Some(bits) = &b.bits else { continue };
+            if !b.is_enabled() {
+                continue;
+            }
+            let added = self
+                .bitmaps
+                .add(&b.name, bits.granularity(), true, size, cluster)
+                .map_err(|k| Error::new(&self.top.path, k));
+            added?;
+            any = true;
+        }
+        if !any {
+            return Ok(());
+        }
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.store_bitmaps()?;
+        self.bitmaps_in_use()
+    }
+
     /// Sets the bits of a guest change of `[offset, offset + len)` and
     /// makes sure the image says the bitmaps are in use before the change
     /// reaches it (on an engine thread: that may write and sync).

@@ -333,6 +333,7 @@ impl Handover<'_> {
             .collect();
         let active = Active::open(&layer, true, link, Some(place.clone()), below)?
             .with_background_write_back(options.background_write_back);
+        active.take_on_bitmaps(self.chain.active()?)?;
         active.prefill_spares();
         let old_top_reader =
             match LazyFile::reading_the_same_file(&**old.storage(), self.chain.files.clone()) {
