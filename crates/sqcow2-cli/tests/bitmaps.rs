@@ -629,3 +629,61 @@ fn a_live_snapshot_carries_enabled_bitmaps_into_the_new_top() {
     let err = qemu_dirty_map(&newest, "b0").unwrap_err();
     assert!(err.contains("inconsistent"), "{err}");
 }
+
+/// `sqcow2 commit` and `sqcow2 rebase` against `qemu-img commit` and
+/// `qemu-img rebase` on copies of one chain: the bitmaps of the image
+/// each writes into (the base, the top) mark the same granules.
+#[test]
+fn commit_and_rebase_mark_bitmaps_as_qemu_img_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let build = |tag: &str| {
+        let base = tmp.path().join(format!("{tag}-base.qcow2"));
+        let mid = tmp.path().join(format!("{tag}-mid.qcow2"));
+        let top = tmp.path().join(format!("{tag}-top.qcow2"));
+        qemu_create(&base, "cluster_size=65536", "64M");
+        qemu_img(&["bitmap", "--add", "-g", "4096", s(&base), "b0"]);
+        common::qemu_overlay(&mid, &format!("{tag}-base.qcow2"), "qcow2", &[], None);
+        qemu_io(&mid, &["write -P 7 3M 128k".to_string()]);
+        common::qemu_overlay(&top, &format!("{tag}-mid.qcow2"), "qcow2", &[], None);
+        qemu_img(&["bitmap", "--add", "-g", "512", s(&top), "t0"]);
+        qemu_io(
+            &top,
+            &[
+                "write 1M 64k".to_string(),
+                "write -z 5M 4k".to_string(),
+                "write 9M 512".to_string(),
+            ],
+        );
+        (base, mid, top)
+    };
+    let (ours_base, ours_mid, ours_top) = build("ours");
+    let (theirs_base, _, theirs_top) = build("theirs");
+    // The top rebased onto the base: the middle layer's data copied into
+    // the top.
+    common::sqcow2(&["rebase", "-b", s(&ours_base), "-F", "qcow2", s(&ours_top)]);
+    qemu_img(&[
+        "rebase",
+        "-b",
+        s(&theirs_base),
+        "-F",
+        "qcow2",
+        s(&theirs_top),
+    ]);
+    assert_eq!(
+        qemu_dirty_map(&ours_top, "t0").unwrap(),
+        qemu_dirty_map(&theirs_top, "t0").unwrap(),
+        "the top's bitmap after rebase"
+    );
+    common::sqcow2(&["commit", s(&ours_top)]);
+    qemu_img(&["commit", "-q", s(&theirs_top)]);
+    let got = qemu_dirty_map(&ours_base, "b0").unwrap();
+    assert_eq!(
+        got,
+        qemu_dirty_map(&theirs_base, "b0").unwrap(),
+        "the base's bitmap after commit"
+    );
+    assert!(!got.is_empty());
+    for image in [&ours_base, &ours_mid, &ours_top] {
+        common::assert_check_clean(image);
+    }
+}
