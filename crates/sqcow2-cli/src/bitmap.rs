@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail};
 use sqcow2_format::{read_dirty_ranges, Chain, ChainOptions};
 
-use crate::output::parse_size;
+use crate::output::{parse_size, OutputFormat};
 
 /// `sqcow2 bitmap` (qemu-img bitmap's arguments; the operations run in
 /// the order given).
@@ -46,7 +46,17 @@ pub(crate) struct BitmapArgs {
     /// Image format, as qemu-img's -f (only qcow2).
     #[arg(short = 'f', default_value = "qcow2", value_parser = ["qcow2"])]
     format: String,
-    /// The image (the top of its chain).
+    /// Edit the bitmaps of the disk a running `sqcow2 serve` serves
+    /// (IMAGE is then its control socket; -b names a layer of its chain);
+    /// each operation is in the image when it returns.
+    #[arg(long)]
+    live: bool,
+    /// Output format (with --live: json prints the bitmaps after the
+    /// last operation).
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
+    /// The image (the top of its chain); with --live, the daemon's
+    /// control socket.
     image: PathBuf,
     /// The bitmap.
     bitmap: String,
@@ -135,6 +145,9 @@ pub(crate) fn run(args: &BitmapArgs, options: &ChainOptions) -> anyhow::Result<(
     if args.source_format.is_some() && args.source_file.is_none() {
         bail!("Merge bitmap source format only supported with --merge");
     }
+    if args.live {
+        return run_live(args, &ops, granularity);
+    }
     let writable = ChainOptions {
         writable: true,
         ..options.clone()
@@ -157,6 +170,43 @@ pub(crate) fn run(args: &BitmapArgs, options: &ChainOptions) -> anyhow::Result<(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// The operations as control requests, in order; the first failure
+/// ends the run (those before it are done).
+fn run_live(args: &BitmapArgs, ops: &[Op], granularity: Option<u64>) -> anyhow::Result<()> {
+    use sqcow2_vhost::protocol::{BitmapList, BitmapOp, BitmapRequest, Command, LayerName};
+    let name = &args.bitmap;
+    let mut last = None;
+    for op in ops {
+        let (op_kind, source) = match op {
+            Op::Add => (BitmapOp::Add, None),
+            Op::Remove => (BitmapOp::Remove, None),
+            Op::Clear => (BitmapOp::Clear, None),
+            Op::Enable => (BitmapOp::Enable, None),
+            Op::Disable => (BitmapOp::Disable, None),
+            Op::Merge(source) => (BitmapOp::Merge, Some(source.clone())),
+        };
+        let request = BitmapRequest {
+            op: op_kind,
+            name: Some(name.clone()),
+            granularity: granularity.filter(|_| *op == Op::Add),
+            disabled: *op == Op::Add && args.disable > 0,
+            source_layer: source
+                .as_ref()
+                .and(args.source_file.as_ref())
+                .map(|f| std::path::absolute(f).map(LayerName::File))
+                .transpose()?,
+            source,
+        };
+        let list: BitmapList = crate::live::request(&args.image, Command::Bitmap(request))
+            .map_err(|e| anyhow!("Operation {} on bitmap {name} failed: {e}", op.name()))?;
+        last = Some(list);
+    }
+    if let (OutputFormat::Json, Some(list)) = (args.output, last) {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    }
+    Ok(())
 }
 
 /// One operation; its error as qemu-img words it (after "failed: ").

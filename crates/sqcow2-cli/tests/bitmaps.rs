@@ -687,3 +687,96 @@ fn commit_and_rebase_mark_bitmaps_as_qemu_img_does() {
         common::assert_check_clean(image);
     }
 }
+
+/// `sqcow2 bitmap --live` on a served chain: each operation is in the
+/// image when it returns (an added bitmap there in use, a removed one
+/// gone), bits follow the guest's writes from the add on, a disabled
+/// bitmap stops, a merge takes a bitmap of the top or of a layer below
+/// (`-b`), and a refused operation says why as qemu-img would; after
+/// SIGTERM QEMU reads each bitmap as the writes made it.
+#[test]
+fn bitmaps_edited_live_over_the_control_socket() {
+    use common::vhost::{connect_retry, Daemon};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.qcow2");
+    let top = tmp.path().join("top.qcow2");
+    let size = 64u64 << 20;
+    qemu_create(&base, "cluster_size=65536", "64M");
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&base), "old"]);
+    qemu_io(&base, &["write 7M 4k".to_string()]);
+    common::qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&top), "b0"]);
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    let live = |args: &[&str]| {
+        let mut cmd = Command::new(common::sqcow2_bin());
+        cmd.args(["bitmap", "--live"]).args(args);
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    client.write(1 << 20, &[1u8; 4096]);
+    assert_eq!(live(&["--add", "-g", "4096", s(&ctl), "b1"]).0, Some(0));
+    assert!(
+        qemu_flags(&top).contains(&(
+            "b1".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )),
+        "{:?}",
+        qemu_flags(&top)
+    );
+    client.write(2 << 20, &[2u8; 4096]);
+    assert_eq!(live(&["--disable", s(&ctl), "b0"]).0, Some(0));
+    client.write(3 << 20, &[3u8; 4096]);
+    let (code, err) = live(&["--add", s(&ctl), "b0"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("Operation add on bitmap b0 failed")
+            && err.contains("Bitmap already exists: b0"),
+        "{err}"
+    );
+    assert_eq!(live(&["--add", s(&ctl), "gone"]).0, Some(0));
+    assert_eq!(live(&["--remove", s(&ctl), "gone"]).0, Some(0));
+    assert!(!qemu_flags(&top).iter().any(|(n, _)| n == "gone"));
+    // b2 = b0 merged with the base's "old".
+    assert_eq!(live(&["--add", "--disable", s(&ctl), "b2"]).0, Some(0));
+    assert_eq!(live(&["--merge", "b0", s(&ctl), "b2"]).0, Some(0));
+    let (code, err) = live(&["--merge", "old", "-b", s(&base), s(&ctl), "b2"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, err) = live(&["--merge", "nope", s(&ctl), "b2"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("Dirty bitmap 'nope' not found"), "{err}");
+    drop(client);
+    daemon.stop();
+    let g = 4096;
+    assert_eq!(
+        qemu_dirty_map(&top, "b0").unwrap(),
+        touched(&[(1 << 20, 4096), (2 << 20, 4096)], g, size)
+    );
+    assert_eq!(
+        qemu_dirty_map(&top, "b1").unwrap(),
+        touched(&[(2 << 20, 4096), (3 << 20, 4096)], g, size)
+    );
+    assert_eq!(
+        qemu_dirty_map(&top, "b2").unwrap(),
+        // At its own (default) granularity, 64 KiB.
+        touched(
+            &[(1 << 20, 4096), (2 << 20, 4096), (7 << 20, 4096)],
+            65536,
+            size
+        )
+    );
+    let flags = qemu_flags(&top);
+    assert_eq!(
+        flags
+            .iter()
+            .map(|(n, f)| (n.as_str(), f.len()))
+            .collect::<Vec<_>>(),
+        vec![("b0", 0), ("b1", 1), ("b2", 0)],
+        "{flags:?}"
+    );
+    common::assert_check_clean(&top);
+}

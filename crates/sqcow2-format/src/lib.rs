@@ -70,7 +70,7 @@ pub mod writer;
 pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
 pub use bitmaps::{describe_bitmaps, read_dirty_ranges, BitmapInfo, BitmapRead};
-pub use chain::bitmaps::PersistentBitmaps;
+pub use chain::bitmaps::{BitmapStatus, PersistentBitmaps};
 pub use chain::{
     backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,
     InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, TransferHold, Transfers,

@@ -268,6 +268,13 @@ impl Active {
         if !any {
             return Ok(());
         }
+        self.persist_bitmaps()
+    }
+
+    /// Stores the bitmaps now and marks them in use again (a live edit
+    /// made durable). Holds the flush order across the I/O, as a close
+    /// does: no write-back may interleave with the store's steps.
+    pub(crate) fn persist_bitmaps(&self) -> Result<(), Error> {
         let _order = self
             .flush_order
             .lock()

@@ -4,9 +4,29 @@
 
 use std::ops::Range;
 
+use serde::Serialize;
+
 use crate::error::{Error, ErrorKind};
+use crate::types::LayerIndex;
 
 use super::Chain;
+
+/// One kept bitmap, as `query-block` describes a dirty bitmap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BitmapStatus {
+    /// Its name.
+    pub name: String,
+    /// Bytes of guest data per bit.
+    pub granularity: u64,
+    /// Enabled: writes set its bits.
+    pub recording: bool,
+    /// In use when the image was opened (its writer died): unusable,
+    /// never changed.
+    pub inconsistent: bool,
+    /// Guest bytes it marks dirty.
+    pub count: u64,
+}
 
 /// The top's persistent bitmaps ([`Chain::bitmaps`]).
 #[derive(Debug, Clone, Copy)]
@@ -21,6 +41,67 @@ impl PersistentBitmaps<'_> {
 
     fn input<T>(&self, r: Result<T, ErrorKind>) -> Result<T, Error> {
         r.map_err(|k| Error::new(self.chain.top().path(), k))
+    }
+
+    /// The kept bitmaps, in directory order.
+    pub fn list(&self) -> Result<Vec<BitmapStatus>, Error> {
+        let size = self.chain.virtual_size();
+        Ok(self
+            .kept()?
+            .list()
+            .iter()
+            .map(|b| {
+                let granularity = 1u64 << b.granularity_bits;
+                let count = b.bits.as_ref().map_or(0, |bits| {
+                    crate::bitmaps::dirty_ranges(&bits.words(), granularity, size)
+                        .iter()
+                        .map(|r| r.end - r.start)
+                        .sum()
+                });
+                BitmapStatus {
+                    name: b.name.clone(),
+                    granularity,
+                    recording: b.is_enabled() && b.bits.is_some(),
+                    inconsistent: b.bits.is_none(),
+                    count,
+                }
+            })
+            .collect())
+    }
+
+    /// Writes the bitmaps into the image now (added ones appear, removed
+    /// ones go), left in use: what a live edit does at once, so that a
+    /// crash keeps it. Holds the flush order meanwhile.
+    pub fn persist(&self) -> Result<(), Error> {
+        self.chain.active()?.persist_bitmaps()
+    }
+
+    /// The dirty ranges of the stored bitmap `name` of the layer at
+    /// `layer` below the top (as its file holds it); refused if it is in
+    /// use there.
+    pub fn dirty_in_layer(&self, layer: LayerIndex, name: &str) -> Result<Vec<Range<u64>>, Error> {
+        let l = self
+            .chain
+            .layers()
+            .get(layer.0)
+            .ok_or_else(|| self.invalid(format!("no layer {}", layer.0)))?;
+        let Some(header) = l.header() else {
+            return Err(self.invalid(format!("{}: not a qcow2 image", l.path().display())));
+        };
+        let read = crate::bitmaps::read_dirty_ranges(header, &**l.storage(), name)
+            .map_err(|k| Error::new(l.path(), k))?;
+        if header.size != self.chain.virtual_size() {
+            return Err(self.invalid("Bitmaps are incompatible and can't be merged".into()));
+        }
+        read.dirty.ok_or_else(|| {
+            self.invalid(format!(
+                "Bitmap '{name}' is inconsistent and cannot be used"
+            ))
+        })
+    }
+
+    fn invalid(&self, message: String) -> Error {
+        Error::new(self.chain.top().path(), ErrorKind::InvalidArgument(message))
     }
 
     /// Adds an empty bitmap `name` (QEMU's default granularity, the

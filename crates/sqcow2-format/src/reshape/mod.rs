@@ -62,7 +62,7 @@ fn invalid(path: &Path, msg: String) -> Error {
 }
 
 /// The position of `layer` in `chain`.
-fn find_layer(chain: &Chain, layer: &LayerRef) -> Result<LayerIndex, Error> {
+pub fn find_layer(chain: &Chain, layer: &LayerRef) -> Result<LayerIndex, Error> {
     let top = chain.top().path();
     match layer {
         LayerRef::Position(n) if *n < chain.layers().len() => Ok(LayerIndex(*n)),

@@ -1,6 +1,7 @@
 //! The control socket (`sqcow2 serve --control PATH`): one JSON object per
 //! line each way ([`protocol`]); see `docs/control-api.md`.
 
+mod bitmap;
 mod commit_job;
 mod cpu_wait;
 mod index_builder;
@@ -437,6 +438,9 @@ pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
         Command::Inactivate => inactivate(shared).map(|r| Reply::success(id.clone(), &r)),
         Command::Resize { size } => {
             resize::resize(shared, size).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::Bitmap(request) => {
+            bitmap::bitmap(shared, &request).map(|r| Reply::success(id.clone(), &r))
         }
         Command::Info => Ok(Reply::success(id.clone(), &info_of(shared))),
         Command::Stats {

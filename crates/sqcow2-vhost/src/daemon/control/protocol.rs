@@ -53,6 +53,78 @@ pub enum Command {
         /// The new virtual size (a multiple of 512, not smaller).
         size: u64,
     },
+    /// Edit or list the top's persistent dirty bitmaps.
+    Bitmap(BitmapRequest),
+}
+
+/// What a `bitmap` request asks (qemu-img bitmap's operations, one per
+/// request).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[serde(deny_unknown_fields)]
+pub struct BitmapRequest {
+    /// The operation.
+    pub op: BitmapOp,
+    /// The bitmap (every operation but `list`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `add`: bytes per bit (default: the cluster size, at least 4 KiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub granularity: Option<u64>,
+    /// `add`: added disabled.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disabled: bool,
+    /// `merge`: the source bitmap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// `merge`: the layer of the chain holding the source (default the
+    /// top).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_layer: Option<LayerName>,
+}
+
+/// A `bitmap` operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BitmapOp {
+    /// Add an empty bitmap.
+    Add,
+    /// Remove a bitmap.
+    Remove,
+    /// Clear every bit.
+    Clear,
+    /// Track writes.
+    Enable,
+    /// Stop tracking writes.
+    Disable,
+    /// Set every bit set in `source`.
+    Merge,
+    /// Change nothing.
+    List,
+}
+
+/// What `bitmap` answers: the top's bitmaps after the operation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BitmapList {
+    /// In directory order.
+    pub bitmaps: Vec<BitmapState>,
+}
+
+/// One bitmap of a [`BitmapList`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BitmapState {
+    /// Its name.
+    pub name: String,
+    /// Bytes of guest data per bit.
+    pub granularity: u64,
+    /// Writes set its bits.
+    pub recording: bool,
+    /// Left in use by a writer that died: unusable, never changed.
+    pub inconsistent: bool,
+    /// Guest bytes it marks dirty.
+    pub count: u64,
 }
 
 /// What a `merge` request asks.
@@ -381,6 +453,7 @@ impl Request {
                 .map(|a| Command::Snapshot { path: a.path }),
             "resize" => args::<ResizeArgs>("resize needs \"size\" (bytes)", object)
                 .map(|a| Command::Resize { size: a.size }),
+            "bitmap" => args::<BitmapRequest>("bitmap", object).map(Command::Bitmap),
             "merge" => args::<MergeRequest>("merge needs \"first\", \"last\" and \"path\"", object)
                 .map(Command::Merge),
             "stats" => {
@@ -418,6 +491,18 @@ impl Request {
             Command::Commit(c) => (
                 "commit",
                 match serde_json::to_value(c) {
+                    Ok(Value::Object(fields)) => {
+                        for (k, v) in fields {
+                            o.insert(k, v);
+                        }
+                        vec![]
+                    }
+                    _ => vec![],
+                },
+            ),
+            Command::Bitmap(b) => (
+                "bitmap",
+                match serde_json::to_value(b) {
                     Ok(Value::Object(fields)) => {
                         for (k, v) in fields {
                             o.insert(k, v);
@@ -835,6 +920,22 @@ mod tests {
             },
             Command::MergeCancel,
             Command::Resize { size: 3 << 30 },
+            Command::Bitmap(BitmapRequest {
+                op: BitmapOp::Merge,
+                name: Some("b1".into()),
+                granularity: None,
+                disabled: false,
+                source: Some("b0".into()),
+                source_layer: Some(LayerName::Position(2)),
+            }),
+            Command::Bitmap(BitmapRequest {
+                op: BitmapOp::Add,
+                name: Some("b2".into()),
+                granularity: Some(4096),
+                disabled: true,
+                source: None,
+                source_layer: None,
+            }),
             Command::Merge(MergeRequest {
                 first: LayerName::Position(0),
                 last: LayerName::File("/a/l3.qcow2".into()),
