@@ -780,3 +780,64 @@ fn bitmaps_edited_live_over_the_control_socket() {
     );
     common::assert_check_clean(&top);
 }
+
+/// A live commit of the top into a base that carries a bitmap: the
+/// base's bitmap is consistent after the daemon stops and marks every
+/// granule the guest wrote after the commit began (those writes reach
+/// the base through the drain and after the switch) and what the copy
+/// brought down from the top. A bitmap only the top had is carried into
+/// the base (libvirt's end of a block commit) with every write since
+/// it was added.
+#[test]
+fn a_live_commit_keeps_the_bases_bitmaps_consistent() {
+    use common::vhost::{connect_retry, wait_job_ended, Daemon};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.qcow2");
+    let top = tmp.path().join("top.qcow2");
+    let size = 64u64 << 20;
+    qemu_create(&base, "cluster_size=65536", "64M");
+    qemu_img(&["bitmap", "--add", s(&base), "b0"]);
+    common::qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&top), "t1"]);
+    qemu_io(
+        &top,
+        &["write 5M 64k".to_string(), "write 32M 8M".to_string()],
+    );
+    let ctl = tmp.path().join("control.sock");
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--control", s(&ctl)]);
+    let mut client = connect_retry(&daemon, 1, false);
+    // Slow enough (8 MiB at 4 MiB/s) that the writes below meet the copy.
+    let reply = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "commit", "rate-limit": 4u64 << 20}),
+    );
+    assert_eq!(reply["ok"], true, "{reply}");
+    let stats = daemon.control(&ctl, serde_json::json!({"command": "stats"}));
+    assert_eq!(stats["result"]["merge"]["state"], "copying", "{stats}");
+    let mut writes = vec![(5u64 << 20, 65536u64), (32 << 20, 8 << 20)];
+    for k in 0..40u64 {
+        let at = ((k * 1_300_000) % (size - 4096)) & !4095;
+        client.write(at, &[k as u8; 4096]);
+        writes.push((at, 4096));
+    }
+    let ended = wait_job_ended(&ctl, 60);
+    assert_eq!(ended["state"], "done", "{ended}");
+    client.write(60 << 20, &[9u8; 4096]);
+    writes.push((60 << 20, 4096));
+    drop(client);
+    daemon.stop();
+    let auto = vec!["auto".to_string()];
+    assert_eq!(
+        qemu_flags(&base),
+        vec![("b0".to_string(), auto.clone()), ("t1".to_string(), auto)]
+    );
+    assert_eq!(
+        qemu_dirty_map(&base, "b0").unwrap(),
+        touched(&writes, 65536, size)
+    );
+    assert_eq!(
+        qemu_dirty_map(&base, "t1").unwrap(),
+        touched(&writes, 4096, size)
+    );
+    common::assert_check_clean(&base);
+}

@@ -28,6 +28,15 @@ pub struct BitmapStatus {
     pub count: u64,
 }
 
+/// A bitmap taken in by [`PersistentBitmaps::take_in_from`]; `ranges`
+/// `None` when it cannot be used (inconsistent).
+struct SourceBitmap {
+    name: String,
+    granularity: u64,
+    enabled: bool,
+    ranges: Option<Vec<Range<u64>>>,
+}
+
 /// The top's persistent bitmaps ([`Chain::bitmaps`]).
 #[derive(Debug, Clone, Copy)]
 pub struct PersistentBitmaps<'a> {
@@ -98,6 +107,72 @@ impl PersistentBitmaps<'_> {
                 "Bitmap '{name}' is inconsistent and cannot be used"
             ))
         })
+    }
+
+    /// Takes in the bitmaps of the layers of `old` from `from` up to its
+    /// top (layers a commit folded into this chain's top), as libvirt
+    /// does at the end of a block commit: each consistent one merged into
+    /// the bitmap of its name here, which is added (same granularity, same
+    /// enabled flag) where missing. The top's come from its writer's
+    /// memory, the others from their files; inconsistent ones are skipped
+    /// (reported in the returned list). Then written into the image.
+    pub fn take_in_from(&self, old: &Chain, from: LayerIndex) -> Result<Vec<String>, Error> {
+        let mut skipped = Vec::new();
+        let top = old.top_index();
+        let mut sources: Vec<SourceBitmap> = Vec::new();
+        for i in from.0..top.0 {
+            let layer = &old.layers()[i];
+            let Some(header) = layer.header() else {
+                continue;
+            };
+            let infos = crate::bitmaps::describe_bitmaps(header, &**layer.storage())
+                .map_err(|k| Error::new(layer.path(), k))?;
+            for info in infos {
+                let ranges = old.bitmaps().dirty_in_layer(LayerIndex(i), &info.name).ok();
+                sources.push(SourceBitmap {
+                    enabled: info.flags.contains(&"auto"),
+                    name: info.name,
+                    granularity: info.granularity,
+                    ranges,
+                });
+            }
+        }
+        if old.is_writable() {
+            for b in old.bitmaps().list()? {
+                let ranges = (!b.inconsistent)
+                    .then(|| old.bitmaps().dirty(&b.name))
+                    .transpose()?;
+                sources.push(SourceBitmap {
+                    name: b.name,
+                    granularity: b.granularity,
+                    enabled: b.recording,
+                    ranges,
+                });
+            }
+        }
+        let size = self.chain.virtual_size();
+        for SourceBitmap {
+            name,
+            granularity,
+            enabled,
+            ranges,
+        } in sources
+        {
+            let Some(ranges) = ranges else {
+                skipped.push(name);
+                continue;
+            };
+            if !self.list()?.iter().any(|b| b.name == name) {
+                self.add(&name, Some(granularity), enabled)?;
+            }
+            match self.merge(&name, &ranges, size) {
+                Ok(()) => {}
+                Err(e) if matches!(e.kind, ErrorKind::InvalidArgument(_)) => skipped.push(name),
+                Err(e) => return Err(e),
+            }
+        }
+        self.persist()?;
+        Ok(skipped)
     }
 
     fn invalid(&self, message: String) -> Error {

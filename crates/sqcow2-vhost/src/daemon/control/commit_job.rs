@@ -168,6 +168,30 @@ fn run(
     switch(shared, term, chain, commit)
 }
 
+/// The bitmaps of the layers the commit folded into the base, merged
+/// into the base's (added where missing), as libvirt does when a block
+/// commit ends; the guest runs meanwhile (bits are set atomically). A
+/// failure is logged: the commit itself is done.
+fn carry_bitmaps(shared: &Shared, old: &Chain) {
+    let served = shared.handle.get();
+    let base = served.top().path().to_path_buf();
+    let from = match sqcow2_format::reshape::find_layer(
+        old,
+        &sqcow2_format::reshape::LayerRef::File(base),
+    ) {
+        Ok(at) => sqcow2_format::LayerIndex(at.0 + 1),
+        Err(e) => return warn!(error = %e, "bitmaps not carried into the base"),
+    };
+    match served.bitmaps().take_in_from(old, from) {
+        Ok(skipped) if skipped.is_empty() => {}
+        Ok(skipped) => warn!(
+            ?skipped,
+            "inconsistent or incompatible bitmaps not carried into the base"
+        ),
+        Err(e) => warn!(error = %e, "bitmaps not carried into the base"),
+    }
+}
+
 /// Pauses tried after the first before a drain that cannot be stopped
 /// makes the chain refuse requests.
 const DRAIN_STOP_TRIES: u32 = 3;
@@ -346,6 +370,7 @@ fn switch(
     // The old chain, dropped here by the caller's last reference: its top
     // is written back and left clean, outside the pause.
     let old = switched.map_err(MergeEnd::Failed)?;
+    carry_bitmaps(shared, &old);
     let layers = shared.handle.get().layers().len();
     {
         let mut c = shared.merge.counters();
