@@ -160,7 +160,7 @@ fn directory_offset(image: &Path) -> u64 {
 /// Malformed bitmaps (a table entry with a reserved bit, one pointing
 /// at an unaligned cluster, a table too short for the disk, a table
 /// past the end of the file): a clear error naming the bitmap, never a
-/// panic or wrong bits.
+/// panic or wrong bits; a writer refuses the image, untouched.
 #[test]
 fn malformed_bitmap_tables_are_clear_errors() {
     use std::os::unix::fs::FileExt;
@@ -206,6 +206,20 @@ fn malformed_bitmap_tables_are_clear_errors() {
         drop(f);
         let err = try_read(&image, "b0").expect_err(what).to_string();
         assert!(err.contains("bitmap 'b0'"), "{what}: {err}");
+        // A writer refuses the image (as QEMU's open fails) and leaves
+        // it as it was.
+        let before = std::fs::read(&image).unwrap();
+        let out = Command::new(common::sqcow2_bin())
+            .args(["io", "-c", "write 0 4k", s(&image)])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {stderr}");
+        assert!(stderr.contains("bitmap 'b0'"), "{what}: {stderr}");
+        assert!(
+            std::fs::read(&image).unwrap() == before,
+            "{what}: the image changed"
+        );
     }
 }
 
