@@ -4,7 +4,7 @@
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# Default: 15 s for each of the four targets (what .ci/run uses). A long
+# Default: 15 s for each of the five targets (what .ci/run uses). A long
 # run: scripts/fuzz.sh 3600. Each target starts from its committed seeds
 # (fuzz/seeds/<target>) and regression inputs (fuzz/regressions/<target>,
 # every crash found so far), and grows a working corpus in
@@ -19,7 +19,7 @@ ensure_commands cc:gcc c++:g++
 seconds=${1:-15}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(image_io chain_index virtio_request control_line)
+[ ${#targets[@]} -gt 0 ] || targets=(image_io chain_index virtio_request control_line nbd_session)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "== installing cargo-fuzz"

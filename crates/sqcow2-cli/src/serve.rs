@@ -77,6 +77,18 @@ pub struct ServeArgs {
     /// same numbers as `sqcow2 stats --output prometheus`.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    /// Export the disk over NBD too, on this Unix socket (`unix:PATH`),
+    /// as qemu-nbd would: read with `qemu-img ... nbd+unix:///?socket=PATH`,
+    /// `nbdcopy`, `nbdinfo --map`; block status for `base:allocation`,
+    /// `qemu:allocation-depth` and `qemu:dirty-bitmap:NAME`.
+    #[arg(long, value_name = "unix:PATH")]
+    nbd: Option<String>,
+    /// The NBD export's name (default empty, as qemu-nbd's).
+    #[arg(long, value_name = "NAME", default_value = "")]
+    nbd_name: String,
+    /// Let NBD clients write, trim and zero (default: read-only).
+    #[arg(long)]
+    nbd_writable: bool,
     /// Host page cache use, as QEMU's `cache` option: `none` opens the
     /// images `O_DIRECT` too (guest data and aligned metadata bypass the
     /// page cache; flushes still sync), `writeback` goes through it.
@@ -202,6 +214,19 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         },
         realtime_pause: !args.no_realtime_pause,
         metrics: args.metrics.clone(),
+        nbd: match &args.nbd {
+            Some(spec) => Some((
+                PathBuf::from(
+                    spec.strip_prefix("unix:")
+                        .ok_or_else(|| anyhow::anyhow!("--nbd takes unix:PATH (got {spec:?})"))?,
+                ),
+                sqcow2_vhost::nbd::Export {
+                    name: args.nbd_name.clone(),
+                    writable: args.nbd_writable,
+                },
+            )),
+            None => None,
+        },
     };
     sqcow2_vhost::serve(chain, chain_options, &serve)
         .with_context(|| format!("serving {}", args.image.display()))

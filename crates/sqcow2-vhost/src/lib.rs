@@ -17,6 +17,7 @@
 
 mod daemon;
 mod device;
+pub mod nbd;
 mod ratelimit;
 mod realtime;
 mod transport;

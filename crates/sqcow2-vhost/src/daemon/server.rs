@@ -73,6 +73,8 @@ pub struct ServeOptions {
     pub realtime_pause: bool,
     /// Serve the statistics over HTTP for Prometheus here (`HOST:PORT`).
     pub metrics: Option<String>,
+    /// Export the chain over NBD on this Unix socket too.
+    pub nbd: Option<(PathBuf, crate::nbd::Export)>,
 }
 
 /// Why serving failed.
@@ -255,6 +257,15 @@ pub fn serve(
         }
         None => None,
     };
+    let nbd = match &options.nbd {
+        Some((path, export)) => {
+            let listener = crate::daemon::control::bind(path, options.socket_mode)
+                .map_err(io_err(format!("nbd socket {}", path.display())))?;
+            made.push(path);
+            Some((listener, export.clone()))
+        }
+        None => None,
+    };
     let metrics = match &options.metrics {
         Some(addr) => {
             Some(crate::daemon::control::metrics_http::bind(addr).map_err(io_err("metrics"))?)
@@ -276,6 +287,9 @@ pub fn serve(
             .with_inactive_timeout(options.inactive_timeout)
             .with_realtime_pause(options.realtime_pause),
     );
+    if let Some((listener, export)) = nbd {
+        crate::nbd::spawn(listener, shared.clone(), export).map_err(io_err("nbd thread"))?;
+    }
     let result = start_and_run(shared.clone(), control, metrics, listener, signals, options);
     // However the server ended (an error too): no control job goes on,
     // and the chain is left clean; its files go after.

@@ -1,0 +1,249 @@
+//! The NBD export (`serve --nbd`, issue 46), QEMU the oracle: the same
+//! chain exported by `sqcow2 serve --nbd` and by `qemu-nbd` read the
+//! same through `qemu-img` (data, `base:allocation`,
+//! `qemu:allocation-depth`, `qemu:dirty-bitmap:NAME`), and hostile
+//! clients end alone.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::vhost::{connect_retry, Daemon};
+use common::{qemu_create, qemu_img, qemu_io, qemu_overlay, s};
+
+/// `qemu-img map --output=json` over NBD at `sock`, with `context` in
+/// `x-dirty-bitmap` (the trick QEMU's iotests use to read any context)
+/// or plain (`base:allocation`).
+fn map(sock: &Path, context: Option<&str>) -> String {
+    let mut opts = format!("driver=nbd,server.type=unix,server.path={}", sock.display());
+    if let Some(c) = context {
+        opts.push_str(&format!(",x-dirty-bitmap={c}"));
+    }
+    qemu_img(&["map", "--output=json", "--image-opts", &opts])
+}
+
+fn raw_over_nbd(sock: &Path, out: &Path) -> Vec<u8> {
+    qemu_img(&[
+        "convert",
+        "-O",
+        "raw",
+        &format!("nbd+unix:///?socket={}", sock.display()),
+        s(out),
+    ]);
+    std::fs::read(out).unwrap()
+}
+
+/// A three-layer chain with data, zero clusters and a bitmap in the top
+/// exported by `sqcow2 serve --nbd` and by `qemu-nbd -A -B b0`: byte for
+/// byte the same disk, and the same maps of every context.
+#[test]
+fn nbd_export_reads_as_qemu_nbd_with_every_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let base = d.join("base.qcow2");
+    let mid = d.join("mid.qcow2");
+    let top = d.join("top.qcow2");
+    qemu_create(&base, "cluster_size=65536", "64M");
+    qemu_io(
+        &base,
+        &[
+            "write -P 1 0 1M".into(),
+            "write -z 2M 64k".into(),
+            "write -P 4 30M 3M".into(),
+        ],
+    );
+    qemu_overlay(&mid, "base.qcow2", "qcow2", &[], None);
+    qemu_io(&mid, &["write -P 5 31M 64k".into(), "discard 0 64k".into()]);
+    qemu_overlay(&top, "mid.qcow2", "qcow2", &[], None);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&top), "b0"]);
+    qemu_io(
+        &top,
+        &[
+            "write -P 2 512k 64k".into(),
+            "write -P 3 10M 128k".into(),
+            "write -z 30M 4k".into(),
+        ],
+    );
+
+    let ours_sock = d.join("ours.nbd");
+    let mut daemon = Daemon::start(
+        d,
+        &top,
+        &["--nbd", &format!("unix:{}", ours_sock.display())],
+    );
+    let contexts = [
+        None,
+        Some("qemu:allocation-depth"),
+        Some("qemu:dirty-bitmap:b0"),
+    ];
+    let ours: Vec<String> = contexts.iter().map(|c| map(&ours_sock, *c)).collect();
+    let ours_data = raw_over_nbd(&ours_sock, &d.join("ours.raw"));
+    daemon.stop();
+
+    let theirs_sock = d.join("theirs.nbd");
+    let out = Command::new("qemu-nbd")
+        .args(["-r", "--fork", "-t", "-A", "-B", "b0", "-f", "qcow2", "-k"])
+        .arg(&theirs_sock)
+        .arg(&top)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<String> = contexts.iter().map(|c| map(&theirs_sock, *c)).collect();
+    let theirs_data = raw_over_nbd(&theirs_sock, &d.join("theirs.raw"));
+    Command::new("pkill")
+        .args(["-f", &theirs_sock.display().to_string()])
+        .status()
+        .unwrap();
+    assert!(ours_data == theirs_data, "the data differ");
+    for (k, c) in contexts.iter().enumerate() {
+        assert_eq!(ours[k], theirs[k], "context {c:?}");
+    }
+    assert!(
+        ours[2].contains("\"data\": false"),
+        "b0 marks nothing: {}",
+        ours[2]
+    );
+}
+
+/// A client that did the fixed newstyle handshake with `NBD_OPT_GO`
+/// (simple replies).
+fn go(sock: &Path) -> UnixStream {
+    let mut c = UnixStream::connect(sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = [0u8; 18];
+    c.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    assert_eq!(&hello[8..16], b"IHAVEOPT");
+    c.write_all(&3u32.to_be_bytes()).unwrap();
+    let mut opt = b"IHAVEOPT".to_vec();
+    opt.extend_from_slice(&7u32.to_be_bytes()); // NBD_OPT_GO
+    opt.extend_from_slice(&6u32.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes()); // name ""
+    opt.extend_from_slice(&0u16.to_be_bytes()); // no info requests
+    c.write_all(&opt).unwrap();
+    loop {
+        let mut head = [0u8; 20];
+        c.read_exact(&mut head).unwrap();
+        let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(head[16..20].try_into().unwrap());
+        let mut data = vec![0u8; len as usize];
+        c.read_exact(&mut data).unwrap();
+        assert!(kind < 1 << 31, "NBD_OPT_GO refused: {kind:#x}");
+        if kind == 1 {
+            return c;
+        }
+    }
+}
+
+/// Sends a request; returns the simple reply's error and `read` bytes.
+fn request(c: &mut UnixStream, cmd: u16, offset: u64, len: u32, read: usize) -> (u32, Vec<u8>) {
+    let mut r = 0x2560_9513u32.to_be_bytes().to_vec();
+    r.extend_from_slice(&0u16.to_be_bytes());
+    r.extend_from_slice(&cmd.to_be_bytes());
+    r.extend_from_slice(&42u64.to_be_bytes());
+    r.extend_from_slice(&offset.to_be_bytes());
+    r.extend_from_slice(&len.to_be_bytes());
+    c.write_all(&r).unwrap();
+    let mut head = [0u8; 16];
+    c.read_exact(&mut head).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(head[..4].try_into().unwrap()),
+        0x6744_6698
+    );
+    assert_eq!(u64::from_be_bytes(head[8..16].try_into().unwrap()), 42);
+    let error = u32::from_be_bytes(head[4..8].try_into().unwrap());
+    let mut data = vec![0u8; if error == 0 { read } else { 0 }];
+    c.read_exact(&mut data).unwrap();
+    (error, data)
+}
+
+/// Whether the server has closed `c` (a read sees the end).
+fn closed(c: &mut UnixStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(c.read(&mut b), Ok(0) | Err(_))
+}
+
+/// Hostile NBD clients, while a guest writes and reads back through
+/// the vhost-user socket: unknown handshake flags, a broken request
+/// header (bad magic), a client that disconnects before its 32 MiB
+/// read is answered each lose their connection alone; an oversized
+/// read, a read past the end and an unknown command get EINVAL and the
+/// connection goes on; a write to the read-only export gets EPERM. The
+/// guest sees its data, and a well-behaved client after them all reads
+/// the disk.
+#[test]
+fn hostile_nbd_clients_end_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    qemu_create(&top, "cluster_size=65536", "64M");
+    qemu_io(&top, &["write -P 7 0 64M".into()]);
+    let sock = d.join("n.sock");
+    let daemon = Daemon::start(d, &top, &["--nbd", &format!("unix:{}", sock.display())]);
+    let mut guest = connect_retry(&daemon, 1, false);
+
+    // Unknown client flags: closed before any option.
+    let mut c = UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = [0u8; 18];
+    c.read_exact(&mut hello).unwrap();
+    c.write_all(&0xffu32.to_be_bytes()).unwrap();
+    assert!(closed(&mut c), "unknown client flags accepted");
+
+    let mut c = go(&sock);
+    let (e, _) = request(&mut c, 0, 0, 64 << 20, 0);
+    assert_eq!(e, 22, "a 64 MiB read");
+    let (e, _) = request(&mut c, 0, (64 << 20) - 512, 1024, 0);
+    assert_eq!(e, 22, "a read past the end");
+    let (e, _) = request(&mut c, 99, 0, 512, 0);
+    assert_eq!(e, 22, "an unknown command");
+    let (e, data) = request(&mut c, 0, 4096, 512, 512);
+    assert_eq!((e, data), (0, vec![7u8; 512]), "the connection goes on");
+    // A write to a read-only export: its data is read, EPERM answered.
+    let mut w = 0x2560_9513u32.to_be_bytes().to_vec();
+    w.extend_from_slice(&0u16.to_be_bytes());
+    w.extend_from_slice(&1u16.to_be_bytes());
+    w.extend_from_slice(&42u64.to_be_bytes());
+    w.extend_from_slice(&0u64.to_be_bytes());
+    w.extend_from_slice(&512u32.to_be_bytes());
+    w.extend_from_slice(&[9u8; 512]);
+    c.write_all(&w).unwrap();
+    let mut head = [0u8; 16];
+    c.read_exact(&mut head).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(head[4..8].try_into().unwrap()),
+        1,
+        "EPERM"
+    );
+    // A broken header: closed.
+    c.write_all(&[0u8; 28]).unwrap();
+    assert!(closed(&mut c), "a request with a bad magic was answered");
+
+    // Gone before its 32 MiB read is answered.
+    let mut c = go(&sock);
+    let mut r = 0x2560_9513u32.to_be_bytes().to_vec();
+    r.extend_from_slice(&[0, 0, 0, 0]);
+    r.extend_from_slice(&1u64.to_be_bytes());
+    r.extend_from_slice(&0u64.to_be_bytes());
+    r.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    c.write_all(&r).unwrap();
+    drop(c);
+
+    // The guest, all along.
+    guest.write(1 << 20, &[3u8; 8192]);
+    assert_eq!(guest.read(1 << 20, 8192), vec![3u8; 8192]);
+    drop(guest);
+    let data = raw_over_nbd(&sock, &d.join("after.raw"));
+    assert_eq!(&data[1 << 20..(1 << 20) + 8192], &[3u8; 8192][..]);
+    assert!(data[..1 << 20].iter().all(|&b| b == 7));
+    let mut daemon = daemon;
+    daemon.stop();
+}

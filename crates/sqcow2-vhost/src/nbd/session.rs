@@ -1,0 +1,361 @@
+//! One NBD client: the fixed newstyle handshake, then its requests
+//! served on the chain the daemon serves (through the request gate, so
+//! that a live snapshot's or a merge's pause waits for them as for the
+//! guest's).
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqcow2_format::Chain;
+
+use super::contexts::Context;
+use super::wire::{self, Cmd, Fields, Request};
+use super::Export;
+use crate::daemon::control::Shared;
+use crate::device::handle::gate::Admission;
+
+/// Most options before the transmission phase.
+const MAX_OPTIONS: usize = 1024;
+
+/// What the handshake settled.
+struct Negotiated {
+    structured: bool,
+    contexts: Vec<(u32, Context)>,
+}
+
+/// Serves one client on `stream` until it disconnects or breaks the
+/// protocol (an error it cannot be told of ends the connection; every
+/// other client and the guest go on).
+pub(crate) fn serve(
+    reader: impl Read,
+    writer: impl Write,
+    shared: &Arc<Shared>,
+    export: &Export,
+) -> std::io::Result<()> {
+    let mut w = BufWriter::new(writer);
+    let mut r = BufReader::new(reader);
+    let Some(negotiated) = handshake(&mut r, &mut w, shared, export)? else {
+        return Ok(());
+    };
+    transmission(&mut r, &mut w, shared, export, &negotiated)
+}
+
+fn handshake(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    shared: &Shared,
+    export: &Export,
+) -> std::io::Result<Option<Negotiated>> {
+    w.write_all(&wire::NBDMAGIC.to_be_bytes())?;
+    w.write_all(&wire::IHAVEOPT.to_be_bytes())?;
+    w.write_all(&(wire::FLAG_FIXED_NEWSTYLE | wire::FLAG_NO_ZEROES).to_be_bytes())?;
+    w.flush()?;
+    let mut flags = [0u8; 4];
+    r.read_exact(&mut flags)?;
+    let client = u32::from_be_bytes(flags);
+    if client & !(wire::FLAG_C_FIXED_NEWSTYLE | wire::FLAG_C_NO_ZEROES) != 0 {
+        return Ok(None);
+    }
+    let no_zeroes = client & wire::FLAG_C_NO_ZEROES != 0;
+    let mut n = Negotiated {
+        structured: false,
+        contexts: Vec::new(),
+    };
+    for _ in 0..MAX_OPTIONS {
+        let opt = wire::read_option(r)?;
+        let chain = shared.handle.get();
+        let o = opt.option;
+        match o {
+            wire::OPT_EXPORT_NAME => {
+                if opt.data != export.name.as_bytes() {
+                    return Ok(None);
+                }
+                w.write_all(&chain.virtual_size().to_be_bytes())?;
+                w.write_all(&transmission_flags(export, &chain).to_be_bytes())?;
+                if !no_zeroes {
+                    w.write_all(&[0u8; 124])?;
+                }
+                w.flush()?;
+                return Ok(Some(n));
+            }
+            wire::OPT_ABORT => {
+                wire::option_reply(w, o, wire::REP_ACK, &[])?;
+                w.flush()?;
+                return Ok(None);
+            }
+            wire::OPT_LIST if opt.data.is_empty() => {
+                let mut d = (export.name.len() as u32).to_be_bytes().to_vec();
+                d.extend_from_slice(export.name.as_bytes());
+                wire::option_reply(w, o, wire::REP_SERVER, &d)?;
+                wire::option_reply(w, o, wire::REP_ACK, &[])?;
+            }
+            wire::OPT_STRUCTURED_REPLY if opt.data.is_empty() => {
+                n.structured = true;
+                wire::option_reply(w, o, wire::REP_ACK, &[])?;
+            }
+            wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => {
+                meta_context(w, &opt, &chain, export, &mut n)?;
+            }
+            wire::OPT_INFO | wire::OPT_GO => {
+                let mut f = Fields::new(&opt.data);
+                let parsed = f.string().and_then(|name| {
+                    let count = f.u16()?;
+                    let asked: Option<Vec<u16>> = (0..count).map(|_| f.u16()).collect();
+                    f.is_empty().then_some((name, asked?))
+                });
+                let Some((name, asked)) = parsed else {
+                    reply_error(w, o, wire::REP_ERR_INVALID, "malformed request")?;
+                    continue;
+                };
+                if name != export.name {
+                    reply_error(w, o, wire::REP_ERR_UNKNOWN, "no such export")?;
+                    continue;
+                }
+                let mut info = wire::INFO_EXPORT.to_be_bytes().to_vec();
+                info.extend_from_slice(&chain.virtual_size().to_be_bytes());
+                info.extend_from_slice(&transmission_flags(export, &chain).to_be_bytes());
+                wire::option_reply(w, o, wire::REP_INFO, &info)?;
+                if asked.contains(&wire::INFO_BLOCK_SIZE) {
+                    let mut b = wire::INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                    for v in [1u32, 4096, wire::MAX_PAYLOAD] {
+                        b.extend_from_slice(&v.to_be_bytes());
+                    }
+                    wire::option_reply(w, o, wire::REP_INFO, &b)?;
+                }
+                wire::option_reply(w, o, wire::REP_ACK, &[])?;
+                if o == wire::OPT_GO {
+                    w.flush()?;
+                    return Ok(Some(n));
+                }
+            }
+            wire::OPT_LIST | wire::OPT_STRUCTURED_REPLY => {
+                reply_error(w, o, wire::REP_ERR_INVALID, "this option takes no data")?;
+            }
+            _ => reply_error(w, o, wire::REP_ERR_UNSUP, "option not supported")?,
+        }
+        w.flush()?;
+    }
+    Ok(None)
+}
+
+fn reply_error(w: &mut impl Write, option: u32, kind: u32, message: &str) -> std::io::Result<()> {
+    wire::option_reply(w, option, kind, message.as_bytes())
+}
+
+/// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`.
+fn meta_context(
+    w: &mut impl Write,
+    opt: &wire::ClientOption,
+    chain: &Chain,
+    export: &Export,
+    n: &mut Negotiated,
+) -> std::io::Result<()> {
+    let o = opt.option;
+    let set = o == wire::OPT_SET_META_CONTEXT;
+    if set && !n.structured {
+        return reply_error(w, o, wire::REP_ERR_INVALID, "structured replies first");
+    }
+    let mut f = Fields::new(&opt.data);
+    let parsed = f.string().and_then(|name| {
+        let count = f.u32()?;
+        let queries: Option<Vec<String>> = (0..count.min(1024)).map(|_| f.string()).collect();
+        (f.is_empty()).then_some((name, queries?))
+    });
+    let Some((name, queries)) = parsed else {
+        return reply_error(w, o, wire::REP_ERR_INVALID, "malformed request");
+    };
+    if name != export.name {
+        return reply_error(w, o, wire::REP_ERR_UNKNOWN, "no such export");
+    }
+    let mut chosen: Vec<Context> = Vec::new();
+    if queries.is_empty() && !set {
+        chosen = Context::all(chain);
+    }
+    for q in &queries {
+        for c in Context::matching(chain, q, !set) {
+            if !chosen.contains(&c) {
+                chosen.push(c);
+            }
+        }
+    }
+    if set {
+        n.contexts.clear();
+    }
+    for (k, c) in chosen.into_iter().enumerate() {
+        let id = k as u32 + 1;
+        let mut d = id.to_be_bytes().to_vec();
+        d.extend_from_slice(c.name().as_bytes());
+        wire::option_reply(w, o, wire::REP_META_CONTEXT, &d)?;
+        if set {
+            n.contexts.push((id, c));
+        }
+    }
+    wire::option_reply(w, o, wire::REP_ACK, &[])
+}
+
+fn transmission_flags(export: &Export, _chain: &Chain) -> u16 {
+    let mut f =
+        wire::TF_HAS_FLAGS | wire::TF_SEND_FLUSH | wire::TF_SEND_FUA | wire::TF_CAN_MULTI_CONN;
+    if export.writable {
+        f |= wire::TF_SEND_TRIM | wire::TF_SEND_WRITE_ZEROES;
+    } else {
+        f |= wire::TF_READ_ONLY;
+    }
+    f
+}
+
+/// Runs `work` on the served chain while holding a request permit (a
+/// pause waits for it; it waits for a pause).
+fn on_chain<T>(shared: &Shared, work: impl FnOnce(&Chain) -> T) -> Result<T, u32> {
+    loop {
+        match shared.gate().try_start() {
+            Admission::Start(permit) => {
+                let chain = shared.handle.get();
+                let out = work(&chain);
+                drop(chain);
+                drop(permit);
+                return Ok(out);
+            }
+            Admission::Wait => std::thread::sleep(Duration::from_micros(200)),
+            Admission::Refuse => return Err(wire::EIO),
+        }
+    }
+}
+
+fn errno_of(e: &sqcow2_format::Error) -> u32 {
+    match &e.kind {
+        sqcow2_format::ErrorKind::ReadOnly => wire::EPERM,
+        sqcow2_format::ErrorKind::Io(io) if io.raw_os_error() == Some(28) => wire::ENOSPC,
+        sqcow2_format::ErrorKind::OutOfRange { .. } => wire::EINVAL,
+        _ => wire::EIO,
+    }
+}
+
+fn transmission(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    shared: &Shared,
+    export: &Export,
+    n: &Negotiated,
+) -> std::io::Result<()> {
+    loop {
+        let req = wire::read_request(r)?;
+        let size = shared.handle.get().virtual_size();
+        let in_range = req
+            .offset
+            .checked_add(u64::from(req.len))
+            .is_some_and(|end| end <= size);
+        let mut payload = Vec::new();
+        if req.cmd == Cmd::Write {
+            if req.len > wire::MAX_PAYLOAD {
+                // Its data cannot be skipped safely: the connection ends.
+                return Ok(());
+            }
+            payload.resize(req.len as usize, 0);
+            r.read_exact(&mut payload)?;
+        }
+        let outcome: Result<Reply, (u32, String)> = match req.cmd {
+            Cmd::Disconnect => return Ok(()),
+            _ if !in_range && req.cmd != Cmd::Flush => {
+                Err((wire::EINVAL, "beyond the end of the export".into()))
+            }
+            Cmd::Read if req.len > wire::MAX_PAYLOAD => Err((wire::EINVAL, "read too long".into())),
+            Cmd::Read => read(shared, &req),
+            Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !export.writable => {
+                Err((wire::EPERM, "the export is read-only".into()))
+            }
+            Cmd::Write => change(shared, &req, |c| c.write_at(&payload, req.offset)),
+            Cmd::Trim => change(shared, &req, |c| c.discard(req.offset, u64::from(req.len))),
+            Cmd::WriteZeroes if req.flags & wire::CMD_FLAG_FAST_ZERO != 0 => {
+                Err((wire::ENOTSUP, "no fast zeroing".into()))
+            }
+            Cmd::WriteZeroes => change(shared, &req, |c| {
+                c.write_zeroes(
+                    req.offset,
+                    u64::from(req.len),
+                    req.flags & wire::CMD_FLAG_NO_HOLE == 0,
+                )
+            }),
+            Cmd::Flush => on_chain(shared, |c| c.flush())
+                .map_err(|e| (e, "refused".into()))
+                .and_then(|r| {
+                    r.map(|()| Reply::Done)
+                        .map_err(|e| (errno_of(&e), e.to_string()))
+                }),
+            Cmd::Cache => Ok(Reply::Done),
+            Cmd::BlockStatus if !n.structured || n.contexts.is_empty() => {
+                Err((wire::EINVAL, "no metadata context selected".into()))
+            }
+            Cmd::BlockStatus => block_status(shared, &req, n),
+            Cmd::Unknown(_) => Err((wire::EINVAL, "unknown command".into())),
+        };
+        match outcome {
+            Ok(Reply::Done) if n.structured => wire::done(w, req.cookie)?,
+            Ok(Reply::Done) => wire::simple_reply(w, req.cookie, 0, &[])?,
+            Ok(Reply::Data(data)) if n.structured => {
+                if data.is_empty() {
+                    wire::done(w, req.cookie)?
+                } else if req.flags & wire::CMD_FLAG_DF == 0 && data.iter().all(|&b| b == 0) {
+                    wire::hole_chunk(w, req.cookie, true, req.offset, req.len)?
+                } else {
+                    wire::data_chunk(w, req.cookie, true, req.offset, &data)?
+                }
+            }
+            Ok(Reply::Data(data)) => wire::simple_reply(w, req.cookie, 0, &data)?,
+            Ok(Reply::Status(chunks)) => {
+                let last = chunks.len().saturating_sub(1);
+                for (k, (id, extents)) in chunks.iter().enumerate() {
+                    wire::status_chunk(w, req.cookie, k == last, *id, extents)?;
+                }
+            }
+            Err((errno, message)) if n.structured => {
+                wire::error_chunk(w, req.cookie, errno, &message)?
+            }
+            Err((errno, _)) => wire::simple_reply(w, req.cookie, errno, &[])?,
+        }
+        w.flush()?;
+    }
+}
+
+enum Reply {
+    Done,
+    Data(Vec<u8>),
+    Status(Vec<(u32, Vec<(u32, u32)>)>),
+}
+
+fn read(shared: &Shared, req: &Request) -> Result<Reply, (u32, String)> {
+    let mut buf = vec![0u8; req.len as usize];
+    on_chain(shared, |c| c.read_at(&mut buf, req.offset))
+        .map_err(|e| (e, "refused".into()))?
+        .map_err(|e| (errno_of(&e), e.to_string()))?;
+    Ok(Reply::Data(buf))
+}
+
+fn change(
+    shared: &Shared,
+    req: &Request,
+    work: impl FnOnce(&Chain) -> Result<(), sqcow2_format::Error>,
+) -> Result<Reply, (u32, String)> {
+    let fua = req.flags & wire::CMD_FLAG_FUA != 0;
+    on_chain(shared, |c| {
+        work(c).and_then(|()| if fua { c.flush() } else { Ok(()) })
+    })
+    .map_err(|e| (e, "refused".into()))?
+    .map_err(|e| (errno_of(&e), e.to_string()))?;
+    Ok(Reply::Done)
+}
+
+fn block_status(shared: &Shared, req: &Request, n: &Negotiated) -> Result<Reply, (u32, String)> {
+    let one = req.flags & wire::CMD_FLAG_REQ_ONE != 0;
+    let len = u64::from(req.len.max(1));
+    let chunks = on_chain(shared, |c| {
+        n.contexts
+            .iter()
+            .map(|(id, ctx)| ctx.status(c, req.offset, len, one).map(|d| (*id, d)))
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .map_err(|e| (e, "refused".into()))?
+    .map_err(|m| (wire::EINVAL, m))?;
+    Ok(Reply::Status(chunks))
+}
