@@ -171,6 +171,14 @@ impl Active {
             },
         };
         self.edit_header_area(&edit, false)?;
+        {
+            let mut st = self.write_back_state()?;
+            let exts = &mut st.header.extensions;
+            exts.retain(|e| !matches!(e, crate::extension::HeaderExtension::Bitmaps(_)));
+            if let Some(e) = &ext {
+                exts.push(crate::extension::HeaderExtension::Bitmaps(e.clone()));
+            }
+        }
         let autoclear = {
             let st = self.read_state();
             match ext {
@@ -280,7 +288,7 @@ impl Active {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.store_bitmaps()?;
-        self.bitmaps_in_use()
+        self.bitmaps_in_use_locked()
     }
 
     /// Sets the bits of a guest change of `[offset, offset + len)` and
@@ -304,7 +312,21 @@ impl Active {
     /// cleared the flag, before a change reaches the image (on an engine
     /// thread: it writes and syncs).
     pub(crate) fn bitmaps_in_use(&self) -> Result<(), Error> {
-        if self.bitmaps.in_use() {
+        if self.bitmaps.in_use() || self.failure().is_some() {
+            return Ok(());
+        }
+        // The feature word is written: no write-back (a journal's start)
+        // may write it meanwhile.
+        let _order = self
+            .flush_order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.bitmaps_in_use_locked()
+    }
+
+    /// [`Active::bitmaps_in_use`] with the flush order held.
+    fn bitmaps_in_use_locked(&self) -> Result<(), Error> {
+        if self.bitmaps.in_use() || self.failure().is_some() {
             return Ok(());
         }
         let _edit = self.bitmaps.edit();

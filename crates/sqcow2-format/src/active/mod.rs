@@ -432,6 +432,12 @@ impl Active {
     /// written and synced, then the table in memory extended.
     pub(crate) fn grow(&self, size: u64) -> Result<(), Error> {
         self.check_failed()?;
+        // Bitmaps added since the open are not in the header read then.
+        if !self.bitmaps.is_empty() {
+            return Err(self.top.err(ErrorKind::Unsupported(
+                crate::error::Feature::WriteWithBitmaps,
+            )));
+        }
         // Both held across the header's writes and syncs on purpose: no
         // write-back rewrites the header meanwhile, and no request sees
         // the new size before it is durable. (A resize runs offline or

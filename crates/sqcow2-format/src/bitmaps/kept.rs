@@ -51,12 +51,14 @@ impl KeptBitmap {
 
     /// Takes the "changed since stored" mark.
     pub(crate) fn take_changed(&self) -> bool {
-        self.changed.swap(false, Ordering::AcqRel)
+        // Sequentially consistent, as the bits and the in-use state: a
+        // store that finds it clear saw no mark in flight.
+        self.changed.swap(false, Ordering::SeqCst)
     }
 
     /// Marks it changed (again, after a failed store).
     pub(crate) fn set_changed(&self) {
-        self.changed.store(true, Ordering::Release);
+        self.changed.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn stored(&self) -> MutexGuard<'_, Option<StoredTable>> {
@@ -159,7 +161,7 @@ impl KeptBitmaps {
                 .into_iter()
                 .map(|e| BitmapEntry { in_use: true, ..e })
                 .collect();
-            kept.write_directory_in_place(storage, header.features.autoclear, &in_use)?;
+            kept.write_directory_in_place(storage, header, header.features.autoclear, &in_use)?;
         }
         Ok(kept)
     }
@@ -251,7 +253,7 @@ impl KeptBitmaps {
             .map(|e| BitmapEntry { in_use: true, ..e })
             .collect();
         if !entries.is_empty() {
-            self.write_directory_in_place(storage, autoclear, &entries)?;
+            self.write_directory_in_place(storage, header, autoclear, &entries)?;
         }
         self.on_disk.store(IN_USE, Ordering::SeqCst);
         Ok(())
@@ -263,13 +265,16 @@ impl KeptBitmaps {
     fn write_directory_in_place(
         &self,
         storage: &dyn Storage,
+        header: &Header,
         autoclear: u64,
         entries: &[BitmapEntry],
     ) -> BitmapResult<()> {
         use crate::features::AUTOCLEAR_BITMAPS;
         use crate::header::field::AUTOCLEAR_FEATURES;
         use crate::header_area::write_word;
-        let Some(ext) = self.directory() else {
+        // Where the header read last says it is (not a cached location
+        // a failed store may have left stale).
+        let Some(ext) = bitmaps_extension(header) else {
             return Ok(());
         };
         let bytes = crate::bitmaps::directory::encode_directory(entries);
@@ -359,6 +364,9 @@ impl KeptBitmaps {
     /// Removes `name` from the kept set; its table is freed at the next
     /// store. Returns it.
     pub(crate) fn remove(&self, name: &str) -> BitmapResult<Arc<KeptBitmap>> {
+        // Not while a store runs: it could write a directory naming the
+        // table this frees.
+        let _edit = self.edit();
         let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
         let at = list.iter().position(|b| b.name == name).ok_or_else(|| {
             ErrorKind::InvalidArgument(format!("Dirty bitmap '{name}' not found"))

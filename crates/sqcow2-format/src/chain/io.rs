@@ -652,8 +652,12 @@ impl Transfers<'_> {
                     return Ok(None);
                 };
                 if !active.decides(offset)? {
-                    // The base's: in place there, under its own ticket.
+                    // The base's: in place there, under its own ticket;
+                    // the top's bitmaps mark it all the same.
                     drop(held);
+                    if !active.note_in_place_change(offset.0, len) {
+                        return Ok(None);
+                    }
                     return in_place_in_base(&drain, offset, len);
                 }
                 Some(super::TransferHold::range(held))

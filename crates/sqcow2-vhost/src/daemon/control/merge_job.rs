@@ -677,9 +677,18 @@ fn switch_paused(
     // Each layer as it must be: the old chain's, the merge file made by
     // this process in place of the merged ones (a file put at a name
     // meanwhile is refused).
-    let chain = match Chain::open_reusing(&top, &reopen, &old)
-        .and_then(|c| merged.check_switched(&old, &c).map(|()| c))
-    {
+    let reopened = Chain::open_reusing(&top, &reopen, &old).and_then(|c| {
+        match merged.check_switched(&old, &c) {
+            Ok(()) => Ok(c),
+            Err(e) => {
+                // Dropped unused: nothing of it written back (the old
+                // chain serves on; its writer stores what it holds).
+                c.handover().release_top();
+                Err(e)
+            }
+        }
+    });
+    let chain = match reopened {
         Ok(c) => c,
         Err(e) => {
             warn!(error = %e, "reopening the chain after the merge failed: switching back");

@@ -106,10 +106,12 @@ pub(super) fn resize(shared: &Shared, size: u64) -> Result<ResizeResult, Failure
         })?;
         // What the backing file would show through the new range: zeroed
         // before any request sees it, as QEMU does.
-        chain
-            .handover()
-            .zero_grown(old_size)
-            .map_err(|e| fail(FailureKind::IoError, format!("zeroing the new range: {e}")))?;
+        chain.handover().zero_grown(old_size).map_err(|e| {
+            // The old chain serves on: the new one writes nothing back
+            // (its bitmaps and tables are the old writer's to store).
+            chain.handover().release_top();
+            fail(FailureKind::IoError, format!("zeroing the new range: {e}"))
+        })?;
         old.handover().release_top();
         drop(old);
         let old = quiet.replace(chain);
