@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 # release, installing it replaces qemu-utils, which the next line restores.
 ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
 ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra strace:strace
+# The NBD export's clients (crates/sqcow2-cli/tests/nbd.rs).
+ensure_commands nbdinfo:libnbd-bin nbdcopy:libnbd-bin
 ensure_commands man:man-db groff:groff systemd-analyze:systemd losetup:mount
 ensure_rust_components fmt clippy
 # Kernel and initramfs of the QEMU guest test (crates/sqcow2-cli/tests/qemu_guest.rs).
