@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# nbdcopy of a whole disk from `sqcow2 serve --nbd` and from qemu-nbd
+# on the same chains of 1 and 1000 layers (`sqcow2 gen-chain`, SIZE
+# default 1G, half the clusters written), ROUNDS rounds with the two in
+# turn; what a backup tool's full backup costs.
+#
+#   scripts/bench-nbd.sh [ROUNDS]   (default 3)
+#
+# qemu-nbd at its best for this: read-only, `--aio=io_uring`, its
+# default writeback cache, `--shared` as nbdcopy's connections
+# (4); sqcow2 serves read-only exports with every connection on one
+# chain. The page cache of the images is dropped before each copy.
+# Prints MB/s medians and sqcow2/qemu-nbd; raw results in $OUT (default
+# /tmp/sqcow2-bench-nbd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/deps.sh
+ensure_commands qemu-img:qemu-utils qemu-nbd:qemu-utils nbdcopy:libnbd-bin
+
+rounds=${1:-3}
+out=${OUT:-/tmp/sqcow2-bench-nbd}
+size=${SIZE:-1G}
+root=$PWD
+
+echo "==> building (release)" >&2
+cargo build --release --locked -p sqcow2-cli >&2
+sq=$root/target/release/sqcow2
+
+rm -rf "$out" && mkdir -p "$out"
+cd "$out"
+
+wait_socket() {
+  for _ in $(seq 1200); do [ -S "$1" ] && return 0; sleep 0.05; done
+  echo "no socket $1" >&2; return 1
+}
+
+drop_cache() {
+  python3 - "$1" <<'EOF'
+import os, sys
+for name in os.listdir(sys.argv[1]):
+    if name.endswith(".qcow2"):
+        fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+EOF
+}
+
+# copy SERVER LAYERS ROUND
+copy() {
+  local server=$1 layers=$2 round=$3 dir top t0 t1 mbs
+  dir=$PWD/chain$layers
+  top=$(cat "$dir/top")
+  rm -f n.sock v.sock
+  drop_cache "$dir"
+  if [ "$server" = sqcow2 ]; then
+    "$sq" serve --socket v.sock --nbd "unix:$PWD/n.sock" "$top" 2>>sqcow2.log &
+  else
+    qemu-nbd -r -t --aio=io_uring --shared=8 -f qcow2 -k "$PWD/n.sock" "$top" 2>>qemu-nbd.log &
+  fi
+  local pid=$!
+  wait_socket n.sock
+  t0=$(date +%s.%N)
+  nbdcopy "nbd+unix:///?socket=$PWD/n.sock" null:
+  t1=$(date +%s.%N)
+  kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
+  mbs=$(python3 -c "print(round($(numfmt --from=iec "$size") / 1e6 / ($t1 - $t0), 1))")
+  printf '%s\t%s\t%s\t%s\n' "$server" "$layers" "$round" "$mbs" >> results.tsv
+  echo "  $server $layers layers round $round: $mbs MB/s" >&2
+}
+
+for layers in 1 1000; do
+  echo "==> chain of $layers layers ($size)" >&2
+  mkdir -p "chain$layers"
+  "$sq" gen-chain --layers "$layers" --size "$size" "chain$layers" |
+    xargs readlink -f > "chain$layers/top"
+  # The index written (a first serve), so that no build runs during a copy.
+  rm -f v.sock
+  "$sq" upgrade "$(cat "chain$layers/top")" >/dev/null
+done
+
+for round in $(seq "$rounds"); do
+  for layers in 1 1000; do
+    if [ $((round % 2)) = 1 ]; then order="sqcow2 qemu-nbd"; else order="qemu-nbd sqcow2"; fi
+    for s in $order; do copy "$s" "$layers" "$round"; done
+  done
+done
+
+python3 - results.tsv <<'EOF'
+import statistics, sys
+rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
+med = {}
+for server, layers, _, mbs in rows:
+    med.setdefault((server, layers), []).append(float(mbs))
+print("| layers | sqcow2 MB/s | qemu-nbd MB/s | sqcow2 / qemu-nbd |")
+print("| ---: | ---: | ---: | ---: |")
+for layers in ("1", "1000"):
+    a = statistics.median(med[("sqcow2", layers)])
+    b = statistics.median(med[("qemu-nbd", layers)])
+    print(f"| {layers} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+EOF
