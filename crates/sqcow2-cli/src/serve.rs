@@ -77,11 +77,12 @@ pub struct ServeArgs {
     /// same numbers as `sqcow2 stats --output prometheus`.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
-    /// Export the disk over NBD too, on this Unix socket (`unix:PATH`),
-    /// as qemu-nbd would: read with `qemu-img ... nbd+unix:///?socket=PATH`,
+    /// Export the disk over NBD too, on a Unix socket (`unix:PATH`) or a
+    /// TCP address (`tcp:HOST:PORT`, port 0 picks one, logged), as
+    /// qemu-nbd would: read with `qemu-img ... nbd+unix:///?socket=PATH`,
     /// `nbdcopy`, `nbdinfo --map`; block status for `base:allocation`,
     /// `qemu:allocation-depth` and `qemu:dirty-bitmap:NAME`.
-    #[arg(long, value_name = "unix:PATH")]
+    #[arg(long, value_name = "unix:PATH|tcp:HOST:PORT")]
     nbd: Option<String>,
     /// The NBD export's name (default empty, as qemu-nbd's).
     #[arg(long, value_name = "NAME", default_value = "")]
@@ -216,10 +217,9 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         metrics: args.metrics.clone(),
         nbd: match &args.nbd {
             Some(spec) => Some((
-                PathBuf::from(
-                    spec.strip_prefix("unix:")
-                        .ok_or_else(|| anyhow::anyhow!("--nbd takes unix:PATH (got {spec:?})"))?,
-                ),
+                sqcow2_vhost::nbd::NbdAddress::parse(spec).ok_or_else(|| {
+                    anyhow::anyhow!("--nbd takes unix:PATH or tcp:HOST:PORT (got {spec:?})")
+                })?,
                 sqcow2_vhost::nbd::Export {
                     name: args.nbd_name.clone(),
                     writable: args.nbd_writable,

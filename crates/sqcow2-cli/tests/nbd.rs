@@ -351,3 +351,32 @@ fn full_and_incremental_backups_restore_the_disk() {
         "the restore differs from qemu-img's read"
     );
 }
+
+/// The export on TCP (loopback, a port the daemon picks and logs): the
+/// disk read by `qemu-img convert` from `nbd://` equals qemu-img's
+/// read of the chain, and `nbdinfo` sees the dirty bitmap's context.
+#[test]
+fn nbd_export_over_tcp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    qemu_create(&top, "cluster_size=65536", "32M");
+    qemu_img(&["bitmap", "--add", s(&top), "b0"]);
+    qemu_io(&top, &["write -P 9 1M 3M".into()]);
+    let mut daemon = Daemon::start(d, &top, &["--nbd", "tcp:127.0.0.1:0"]);
+    common::vhost::wait_for_log(&daemon, "nbd export listening");
+    let log = daemon.log();
+    let address = log
+        .split("address=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address logged:\n{log}"))
+        .to_string();
+    let uri = format!("nbd://{address}");
+    let out = d.join("tcp.raw");
+    qemu_img(&["convert", "-O", "raw", &uri, s(&out)]);
+    let info = run(Command::new("nbdinfo").arg("--list").arg(&uri));
+    assert!(info.contains("qemu:dirty-bitmap:b0"), "{info}");
+    daemon.stop();
+    assert!(std::fs::read(&out).unwrap() == common::qemu_raw(&top, d));
+}

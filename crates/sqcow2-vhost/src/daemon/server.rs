@@ -73,8 +73,8 @@ pub struct ServeOptions {
     pub realtime_pause: bool,
     /// Serve the statistics over HTTP for Prometheus here (`HOST:PORT`).
     pub metrics: Option<String>,
-    /// Export the chain over NBD on this Unix socket too.
-    pub nbd: Option<(PathBuf, crate::nbd::Export)>,
+    /// Export the chain over NBD there too.
+    pub nbd: Option<(crate::nbd::NbdAddress, crate::nbd::Export)>,
 }
 
 /// Why serving failed.
@@ -258,11 +258,16 @@ pub fn serve(
         None => None,
     };
     let nbd = match &options.nbd {
-        Some((path, export)) => {
+        Some((crate::nbd::NbdAddress::Unix(path), export)) => {
             let listener = crate::daemon::control::bind(path, options.socket_mode)
                 .map_err(io_err(format!("nbd socket {}", path.display())))?;
             made.push(path);
-            Some((listener, export.clone()))
+            Some((crate::nbd::NbdListener::Unix(listener), export.clone()))
+        }
+        Some((crate::nbd::NbdAddress::Tcp(addr), export)) => {
+            let listener =
+                std::net::TcpListener::bind(addr).map_err(io_err(format!("nbd address {addr}")))?;
+            Some((crate::nbd::NbdListener::Tcp(listener), export.clone()))
         }
         None => None,
     };

@@ -9,11 +9,14 @@ mod contexts;
 mod session;
 mod wire;
 
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::daemon::control::Shared;
 
@@ -29,6 +32,34 @@ pub struct Export {
     pub writable: bool,
 }
 
+/// Where the export listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NbdAddress {
+    /// A Unix socket.
+    Unix(PathBuf),
+    /// A TCP address (`HOST:PORT`; port 0 picks one, logged).
+    Tcp(String),
+}
+
+impl NbdAddress {
+    /// `unix:PATH` or `tcp:HOST:PORT`.
+    pub fn parse(spec: &str) -> Option<NbdAddress> {
+        if let Some(path) = spec.strip_prefix("unix:") {
+            return (!path.is_empty()).then(|| NbdAddress::Unix(path.into()));
+        }
+        spec.strip_prefix("tcp:")
+            .filter(|a| !a.is_empty())
+            .map(|a| NbdAddress::Tcp(a.to_string()))
+    }
+}
+
+/// A bound NBD listener.
+#[derive(Debug)]
+pub(crate) enum NbdListener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
 /// Serves one client whose bytes are `input` (the fuzz target's entry);
 /// what the server answered.
 #[cfg(feature = "internals")]
@@ -40,43 +71,86 @@ pub fn serve_bytes(input: &[u8], shared: &Arc<Shared>, export: &Export) -> Vec<u
 
 /// Serves `listener` on a thread of its own.
 pub(crate) fn spawn(
-    listener: UnixListener,
+    listener: NbdListener,
+    shared: Arc<Shared>,
+    export: Export,
+) -> std::io::Result<()> {
+    match listener {
+        NbdListener::Unix(l) => {
+            info!(socket = ?l.local_addr().ok(), "nbd export listening");
+            spawn_on(move || l.accept().map(|(s, _)| s), shared, export)
+        }
+        NbdListener::Tcp(l) => {
+            info!(address = %l.local_addr()?, "nbd export listening");
+            spawn_on(
+                move || {
+                    let (s, _) = l.accept()?;
+                    // Replies are written whole: no delay for the next.
+                    s.set_nodelay(true)?;
+                    Ok(s)
+                },
+                shared,
+                export,
+            )
+        }
+    }
+}
+
+/// A connected client's two directions.
+trait Duplex: Send + 'static {
+    fn split(self) -> std::io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)>;
+}
+
+impl Duplex for std::os::unix::net::UnixStream {
+    fn split(self) -> std::io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+        Ok((Box::new(self.try_clone()?), Box::new(self)))
+    }
+}
+
+impl Duplex for std::net::TcpStream {
+    fn split(self) -> std::io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+        Ok((Box::new(self.try_clone()?), Box::new(self)))
+    }
+}
+
+/// Accepts clients with `accept` on a thread; one thread per client, at
+/// most [`MAX_CLIENTS`].
+fn spawn_on<S: Duplex>(
+    mut accept: impl FnMut() -> std::io::Result<S> + Send + 'static,
     shared: Arc<Shared>,
     export: Export,
 ) -> std::io::Result<()> {
     let clients = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("nbd".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let stream = match stream {
-                    Ok(s) => s,
-                    Err(e) => {
-                        warn!("nbd socket: {e}");
-                        continue;
-                    }
-                };
-                if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-                    clients.fetch_sub(1, Ordering::AcqRel);
-                    warn!("nbd: more than {MAX_CLIENTS} clients: one refused");
+        .spawn(move || loop {
+            let stream = match accept() {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!("nbd socket: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
                 }
-                let (shared, export, clients) = (shared.clone(), export.clone(), clients.clone());
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("nbd-client".into())
-                        .spawn(move || {
-                            let ended = stream.try_clone().and_then(|reader| {
-                                session::serve(stream, reader, &shared, &export)
-                            });
-                            if let Err(e) = ended {
-                                debug!("nbd client ended: {e}");
-                            }
-                            clients.fetch_sub(1, Ordering::AcqRel);
-                        });
-                if let Err(e) = spawned {
-                    warn!("nbd: cannot start a client thread: {e}");
-                }
+            };
+            if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                clients.fetch_sub(1, Ordering::AcqRel);
+                warn!("nbd: more than {MAX_CLIENTS} clients: one refused");
+                continue;
+            }
+            let (shared, export, clients) = (shared.clone(), export.clone(), clients.clone());
+            let spawned = std::thread::Builder::new()
+                .name("nbd-client".into())
+                .spawn(move || {
+                    let ended = stream.split().and_then(|(reader, writer)| {
+                        session::serve(reader, writer, &shared, &export)
+                    });
+                    if let Err(e) = ended {
+                        debug!("nbd client ended: {e}");
+                    }
+                    clients.fetch_sub(1, Ordering::AcqRel);
+                });
+            if let Err(e) = spawned {
+                warn!("nbd: cannot start a client thread: {e}");
             }
         })
         .map(drop)
