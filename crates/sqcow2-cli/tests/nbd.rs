@@ -380,3 +380,101 @@ fn nbd_export_over_tcp() {
     daemon.stop();
     assert!(std::fs::read(&out).unwrap() == common::qemu_raw(&top, d));
 }
+
+/// The backup pattern with a point-in-time export: a live snapshot
+/// freezes the old top, the control socket exports it by name
+/// (`nbd-export`), the guest writes on into the new top; the frozen
+/// export reads the disk as it was at the snapshot (nbdcopy), its
+/// bitmap (stored when the old top closed) marks only what the guest
+/// wrote before the snapshot (nbdinfo), the live export shows the
+/// writes after it; removed, the export is gone.
+#[test]
+fn a_point_in_time_export_reads_the_disk_as_at_the_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let size: u64 = 32 << 20;
+    let top0 = d.join("top0.qcow2");
+    let top1 = d.join("top1.qcow2");
+    qemu_create(&top0, "cluster_size=65536", "32M");
+    qemu_io(&top0, &["write -P 1 0 8M".into()]);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&top0), "b0"]);
+    let sock = d.join("n.sock");
+    let ctl = d.join("control.sock");
+    let mut daemon = Daemon::start(
+        d,
+        &top0,
+        &[
+            "--control",
+            s(&ctl),
+            "--nbd",
+            &format!("unix:{}", sock.display()),
+        ],
+    );
+    let mut guest = connect_retry(&daemon, 1, false);
+    guest.write(1 << 20, &[0x11; 65536]);
+    let r = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "snapshot", "path": top1}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let r = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "nbd-export", "name": "backup", "layer": top0}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    // The top cannot be frozen; the live export's name is taken.
+    let r = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "nbd-export", "name": "x", "layer": top1}),
+    );
+    assert_eq!(r["ok"], false, "{r}");
+    let r = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "nbd-export", "name": "", "layer": top0}),
+    );
+    assert_eq!(r["ok"], false, "{r}");
+    guest.write(1 << 20, &[0x22; 65536]);
+    guest.write(20 << 20, &[0x33; 4096]);
+    guest.flush();
+    let backup_uri = format!("nbd+unix:///backup?socket={}", sock.display());
+    let live_uri = format!("nbd+unix:///?socket={}", sock.display());
+    let frozen = d.join("frozen.raw");
+    std::fs::File::create(&frozen)
+        .unwrap()
+        .set_len(size)
+        .unwrap();
+    run(Command::new("nbdcopy").arg(&backup_uri).arg(&frozen));
+    let map = run(Command::new("nbdinfo")
+        .arg("--map=qemu:dirty-bitmap:b0")
+        .arg(&backup_uri));
+    let dirty: Vec<&str> = map.lines().filter(|l| l.contains("dirty")).collect();
+    assert_eq!(dirty.len(), 1, "{map}");
+    assert!(
+        dirty[0].split_whitespace().take(2).eq(["1048576", "65536"]),
+        "{map}"
+    );
+    let live = d.join("live.raw");
+    std::fs::File::create(&live).unwrap().set_len(size).unwrap();
+    run(Command::new("nbdcopy").arg(&live_uri).arg(&live));
+    let r = daemon.control(
+        &ctl,
+        serde_json::json!({"command": "nbd-export-remove", "name": "backup"}),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let gone = Command::new("nbdinfo").arg(&backup_uri).output().unwrap();
+    assert!(!gone.status.success(), "the removed export still answers");
+    drop(guest);
+    daemon.stop();
+    let frozen = std::fs::read(&frozen).unwrap();
+    assert!(
+        frozen == common::qemu_raw(&top0, d),
+        "the frozen export is not the old top's chain"
+    );
+    assert_eq!(&frozen[1 << 20..(1 << 20) + 4], &[0x11; 4]);
+    let live = std::fs::read(&live).unwrap();
+    assert!(
+        live == common::qemu_raw(&top1, d),
+        "the live export is not the served chain"
+    );
+    assert_eq!(&live[1 << 20..(1 << 20) + 4], &[0x22; 4]);
+}

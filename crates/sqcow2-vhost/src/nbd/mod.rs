@@ -2,7 +2,7 @@
 //! the vhost-user socket: backup tools (qemu-img, nbdcopy, nbdinfo)
 //! read the disk and its block status (allocation, allocation depth,
 //! the persistent dirty bitmaps) as from qemu-nbd. One thread per
-//! client, at most [`MAX_CLIENTS`]; a client that breaks the protocol is
+//! client, at most `MAX_CLIENTS`; a client that breaks the protocol is
 //! disconnected, alone.
 
 mod contexts;
@@ -75,6 +75,7 @@ pub(crate) fn spawn(
     shared: Arc<Shared>,
     export: Export,
 ) -> std::io::Result<()> {
+    let _ = shared.frozen.live_name.set(export.name.clone());
     match listener {
         NbdListener::Unix(l) => {
             info!(socket = ?l.local_addr().ok(), "nbd export listening");

@@ -22,6 +22,37 @@ const MAX_OPTIONS: usize = 1024;
 struct Negotiated {
     structured: bool,
     contexts: Vec<(u32, Context)>,
+    /// The export chosen.
+    target: Target,
+}
+
+/// An export: the live disk, or a point-in-time one.
+#[derive(Clone)]
+enum Target {
+    Live,
+    Frozen(Arc<Chain>),
+}
+
+impl Target {
+    /// The export named `name`, if there is one.
+    fn named(shared: &Shared, export: &Export, name: &str) -> Option<Target> {
+        if name == export.name {
+            return Some(Target::Live);
+        }
+        shared.frozen.get(name).map(Target::Frozen)
+    }
+
+    /// The chain it reads now.
+    fn chain(&self, shared: &Shared) -> Arc<Chain> {
+        match self {
+            Target::Live => shared.handle.get(),
+            Target::Frozen(c) => c.clone(),
+        }
+    }
+
+    fn writable(&self, export: &Export) -> bool {
+        matches!(self, Target::Live) && export.writable
+    }
 }
 
 /// Serves one client on `stream` until it disconnects or breaks the
@@ -61,18 +92,24 @@ fn handshake(
     let mut n = Negotiated {
         structured: false,
         contexts: Vec::new(),
+        target: Target::Live,
     };
     for _ in 0..MAX_OPTIONS {
+        // Every reply out before the next option is awaited (an error
+        // reply left buffered hung nbdinfo on an unknown export).
+        w.flush()?;
         let opt = wire::read_option(r)?;
-        let chain = shared.handle.get();
         let o = opt.option;
         match o {
             wire::OPT_EXPORT_NAME => {
-                if opt.data != export.name.as_bytes() {
+                let name = String::from_utf8_lossy(&opt.data);
+                let Some(target) = Target::named(shared, export, &name) else {
                     return Ok(None);
-                }
+                };
+                let chain = target.chain(shared);
                 w.write_all(&chain.virtual_size().to_be_bytes())?;
-                w.write_all(&transmission_flags(export, &chain).to_be_bytes())?;
+                w.write_all(&transmission_flags(target.writable(export)).to_be_bytes())?;
+                n.target = target;
                 if !no_zeroes {
                     w.write_all(&[0u8; 124])?;
                 }
@@ -95,7 +132,7 @@ fn handshake(
                 wire::option_reply(w, o, wire::REP_ACK, &[])?;
             }
             wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => {
-                meta_context(w, &opt, &chain, export, &mut n)?;
+                meta_context(w, &opt, shared, export, &mut n)?;
             }
             wire::OPT_INFO | wire::OPT_GO => {
                 let mut f = Fields::new(&opt.data);
@@ -108,13 +145,14 @@ fn handshake(
                     reply_error(w, o, wire::REP_ERR_INVALID, "malformed request")?;
                     continue;
                 };
-                if name != export.name {
+                let Some(target) = Target::named(shared, export, &name) else {
                     reply_error(w, o, wire::REP_ERR_UNKNOWN, "no such export")?;
                     continue;
-                }
+                };
+                let chain = target.chain(shared);
                 let mut info = wire::INFO_EXPORT.to_be_bytes().to_vec();
                 info.extend_from_slice(&chain.virtual_size().to_be_bytes());
-                info.extend_from_slice(&transmission_flags(export, &chain).to_be_bytes());
+                info.extend_from_slice(&transmission_flags(target.writable(export)).to_be_bytes());
                 wire::option_reply(w, o, wire::REP_INFO, &info)?;
                 if asked.contains(&wire::INFO_BLOCK_SIZE) {
                     let mut b = wire::INFO_BLOCK_SIZE.to_be_bytes().to_vec();
@@ -126,6 +164,7 @@ fn handshake(
                 wire::option_reply(w, o, wire::REP_ACK, &[])?;
                 if o == wire::OPT_GO {
                     w.flush()?;
+                    n.target = target;
                     return Ok(Some(n));
                 }
             }
@@ -147,7 +186,7 @@ fn reply_error(w: &mut impl Write, option: u32, kind: u32, message: &str) -> std
 fn meta_context(
     w: &mut impl Write,
     opt: &wire::ClientOption,
-    chain: &Chain,
+    shared: &Shared,
     export: &Export,
     n: &mut Negotiated,
 ) -> std::io::Result<()> {
@@ -165,9 +204,10 @@ fn meta_context(
     let Some((name, queries)) = parsed else {
         return reply_error(w, o, wire::REP_ERR_INVALID, "malformed request");
     };
-    if name != export.name {
+    let Some(target) = Target::named(shared, export, &name) else {
         return reply_error(w, o, wire::REP_ERR_UNKNOWN, "no such export");
-    }
+    };
+    let chain = &*target.chain(shared);
     let mut chosen: Vec<Context> = Vec::new();
     if queries.is_empty() && !set {
         chosen = Context::all(chain);
@@ -194,10 +234,10 @@ fn meta_context(
     wire::option_reply(w, o, wire::REP_ACK, &[])
 }
 
-fn transmission_flags(export: &Export, _chain: &Chain) -> u16 {
+fn transmission_flags(writable: bool) -> u16 {
     let mut f =
         wire::TF_HAS_FLAGS | wire::TF_SEND_FLUSH | wire::TF_SEND_FUA | wire::TF_CAN_MULTI_CONN;
-    if export.writable {
+    if writable {
         f |= wire::TF_SEND_TRIM | wire::TF_SEND_WRITE_ZEROES;
     } else {
         f |= wire::TF_READ_ONLY;
@@ -205,9 +245,13 @@ fn transmission_flags(export: &Export, _chain: &Chain) -> u16 {
     f
 }
 
-/// Runs `work` on the served chain while holding a request permit (a
-/// pause waits for it; it waits for a pause).
-fn on_chain<T>(shared: &Shared, work: impl FnOnce(&Chain) -> T) -> Result<T, u32> {
+/// Runs `work` on the target's chain: the served one while holding a
+/// request permit (a pause waits for it; it waits for a pause), a
+/// point-in-time one (immutable files) as it is.
+fn on_chain<T>(shared: &Shared, target: &Target, work: impl FnOnce(&Chain) -> T) -> Result<T, u32> {
+    if let Target::Frozen(chain) = target {
+        return Ok(work(chain));
+    }
     loop {
         match shared.gate().try_start() {
             Admission::Start(permit) => {
@@ -241,7 +285,8 @@ fn transmission(
 ) -> std::io::Result<()> {
     loop {
         let req = wire::read_request(r)?;
-        let size = shared.handle.get().virtual_size();
+        let size = n.target.chain(shared).virtual_size();
+        let writable = n.target.writable(export);
         let in_range = req
             .offset
             .checked_add(u64::from(req.len))
@@ -261,12 +306,13 @@ fn transmission(
                 Err((wire::EINVAL, "beyond the end of the export".into()))
             }
             Cmd::Read if req.len > wire::MAX_PAYLOAD => Err((wire::EINVAL, "read too long".into())),
-            Cmd::Read => read(shared, &req),
-            Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !export.writable => {
+            Cmd::Read => read(shared, &n.target, &req),
+            Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !writable => {
                 Err((wire::EPERM, "the export is read-only".into()))
             }
             Cmd::Write => change(shared, &req, |c| c.write_at(&payload, req.offset)),
             Cmd::Trim => change(shared, &req, |c| c.discard(req.offset, u64::from(req.len))),
+            Cmd::Flush if !writable => Ok(Reply::Done),
             Cmd::WriteZeroes if req.flags & wire::CMD_FLAG_FAST_ZERO != 0 => {
                 Err((wire::ENOTSUP, "no fast zeroing".into()))
             }
@@ -277,7 +323,7 @@ fn transmission(
                     req.flags & wire::CMD_FLAG_NO_HOLE == 0,
                 )
             }),
-            Cmd::Flush => on_chain(shared, |c| c.flush())
+            Cmd::Flush => on_chain(shared, &n.target, |c| c.flush())
                 .map_err(|e| (e, "refused".into()))
                 .and_then(|r| {
                     r.map(|()| Reply::Done)
@@ -324,9 +370,9 @@ enum Reply {
     Status(Vec<(u32, Vec<(u32, u32)>)>),
 }
 
-fn read(shared: &Shared, req: &Request) -> Result<Reply, (u32, String)> {
+fn read(shared: &Shared, target: &Target, req: &Request) -> Result<Reply, (u32, String)> {
     let mut buf = vec![0u8; req.len as usize];
-    on_chain(shared, |c| c.read_at(&mut buf, req.offset))
+    on_chain(shared, target, |c| c.read_at(&mut buf, req.offset))
         .map_err(|e| (e, "refused".into()))?
         .map_err(|e| (errno_of(&e), e.to_string()))?;
     Ok(Reply::Data(buf))
@@ -338,7 +384,7 @@ fn change(
     work: impl FnOnce(&Chain) -> Result<(), sqcow2_format::Error>,
 ) -> Result<Reply, (u32, String)> {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
-    on_chain(shared, |c| {
+    on_chain(shared, &Target::Live, |c| {
         work(c).and_then(|()| if fua { c.flush() } else { Ok(()) })
     })
     .map_err(|e| (e, "refused".into()))?
@@ -349,7 +395,7 @@ fn change(
 fn block_status(shared: &Shared, req: &Request, n: &Negotiated) -> Result<Reply, (u32, String)> {
     let one = req.flags & wire::CMD_FLAG_REQ_ONE != 0;
     let len = u64::from(req.len.max(1));
-    let chunks = on_chain(shared, |c| {
+    let chunks = on_chain(shared, &n.target, |c| {
         n.contexts
             .iter()
             .map(|(id, ctx)| ctx.status(c, req.offset, len, one).map(|d| (*id, d)))

@@ -8,6 +8,7 @@ mod index_builder;
 mod live_snapshot;
 mod merge_job;
 pub(crate) mod metrics_http;
+pub(crate) mod nbd_export;
 pub mod prometheus;
 pub mod protocol;
 mod resize;
@@ -102,6 +103,8 @@ pub struct Shared {
     /// The daemon stops: no snapshot or (in)activation starts (checked by
     /// each under the exclusive right, set before it is taken).
     stopping: std::sync::atomic::AtomicBool,
+    /// Point-in-time NBD exports of layers below the top, by name.
+    pub(crate) frozen: nbd_export::FrozenExports,
 }
 
 impl Shared {
@@ -119,6 +122,7 @@ impl Shared {
             realtime_pause: true,
             started: Instant::now(),
             stopping: Default::default(),
+            frozen: Default::default(),
         }
     }
 
@@ -438,6 +442,12 @@ pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
         Command::Inactivate => inactivate(shared).map(|r| Reply::success(id.clone(), &r)),
         Command::Resize { size } => {
             resize::resize(shared, size).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::NbdExport { name, layer } => {
+            nbd_export::add(shared, &name, &layer).map(|r| Reply::success(id.clone(), &r))
+        }
+        Command::NbdExportRemove { name } => {
+            nbd_export::remove(shared, &name).map(|r| Reply::success(id.clone(), &r))
         }
         Command::Bitmap(request) => {
             bitmap::bitmap(shared, &request).map(|r| Reply::success(id.clone(), &r))

@@ -55,6 +55,45 @@ pub enum Command {
     },
     /// Edit or list the top's persistent dirty bitmaps.
     Bitmap(BitmapRequest),
+    /// Export `layer` (below the top: immutable), with the layers below
+    /// it, read-only over NBD as the export `name` (a point in time: the
+    /// old top of a live snapshot).
+    NbdExport {
+        /// The export's name.
+        name: String,
+        /// The layer: a position or a file of the chain.
+        layer: LayerName,
+    },
+    /// End the point-in-time export `name`.
+    NbdExportRemove {
+        /// The export's name.
+        name: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NbdExportArgs {
+    name: String,
+    layer: LayerName,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NbdExportRemoveArgs {
+    name: String,
+}
+
+/// What `nbd-export` and `nbd-export-remove` answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct NbdExportResult {
+    /// The export's name.
+    pub name: String,
+    /// The top of the exported chain.
+    pub layer: PathBuf,
+    /// Its virtual size.
+    pub size: u64,
 }
 
 /// What a `bitmap` request asks (qemu-img bitmap's operations, one per
@@ -454,6 +493,18 @@ impl Request {
             "resize" => args::<ResizeArgs>("resize needs \"size\" (bytes)", object)
                 .map(|a| Command::Resize { size: a.size }),
             "bitmap" => args::<BitmapRequest>("bitmap", object).map(Command::Bitmap),
+            "nbd-export" => {
+                args::<NbdExportArgs>("nbd-export needs \"name\" and \"layer\"", object).map(|a| {
+                    Command::NbdExport {
+                        name: a.name,
+                        layer: a.layer,
+                    }
+                })
+            }
+            "nbd-export-remove" => {
+                args::<NbdExportRemoveArgs>("nbd-export-remove needs \"name\"", object)
+                    .map(|a| Command::NbdExportRemove { name: a.name })
+            }
             "merge" => args::<MergeRequest>("merge needs \"first\", \"last\" and \"path\"", object)
                 .map(Command::Merge),
             "stats" => {
@@ -499,6 +550,17 @@ impl Request {
                     }
                     _ => vec![],
                 },
+            ),
+            Command::NbdExport { name, layer } => (
+                "nbd-export",
+                vec![
+                    ("name", Value::String(name.clone())),
+                    ("layer", serde_json::to_value(layer).unwrap_or(Value::Null)),
+                ],
+            ),
+            Command::NbdExportRemove { name } => (
+                "nbd-export-remove",
+                vec![("name", Value::String(name.clone()))],
             ),
             Command::Bitmap(b) => (
                 "bitmap",
@@ -920,6 +982,13 @@ mod tests {
             },
             Command::MergeCancel,
             Command::Resize { size: 3 << 30 },
+            Command::NbdExport {
+                name: "backup".into(),
+                layer: LayerName::File("/a/l3.qcow2".into()),
+            },
+            Command::NbdExportRemove {
+                name: "backup".into(),
+            },
             Command::Bitmap(BitmapRequest {
                 op: BitmapOp::Merge,
                 name: Some("b1".into()),
