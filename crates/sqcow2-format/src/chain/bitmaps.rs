@@ -78,6 +78,18 @@ impl PersistentBitmaps<'_> {
             .collect())
     }
 
+    /// The names of the kept bitmaps that can be used (consistent), in
+    /// directory order; cheap (no bits looked at).
+    pub fn usable_names(&self) -> Result<Vec<String>, Error> {
+        Ok(self
+            .kept()?
+            .list()
+            .iter()
+            .filter(|b| b.bits.is_some())
+            .map(|b| b.name.clone())
+            .collect())
+    }
+
     /// Writes the bitmaps into the image now (added ones appear, removed
     /// ones go), left in use: what a live edit does at once, so that a
     /// crash keeps it. Holds the flush order meanwhile.
@@ -162,7 +174,7 @@ impl PersistentBitmaps<'_> {
                 skipped.push(name);
                 continue;
             };
-            if !self.list()?.iter().any(|b| b.name == name) {
+            if self.kept()?.get(&name).is_err() {
                 self.add(&name, Some(granularity), enabled)?;
             }
             match self.merge(&name, &ranges, size) {

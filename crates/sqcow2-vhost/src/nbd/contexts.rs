@@ -131,16 +131,7 @@ const MAX_DESCRIPTOR: u64 = (1 << 32) - (1 << 16);
 /// file holds when it is served read-only.
 fn bitmap_names(chain: &Chain) -> Vec<String> {
     if chain.is_writable() {
-        return chain
-            .bitmaps()
-            .list()
-            .map(|l| {
-                l.into_iter()
-                    .filter(|b| !b.inconsistent)
-                    .map(|b| b.name)
-                    .collect()
-            })
-            .unwrap_or_default();
+        return chain.bitmaps().usable_names().unwrap_or_default();
     }
     let top = chain.top();
     top.header()

@@ -229,6 +229,15 @@ pub(crate) fn simple_reply(
     w.write_all(data)
 }
 
+/// The flags of a chunk: `DONE` on the reply's last.
+fn last_flag(last: bool) -> u16 {
+    if last {
+        REPLY_FLAG_DONE
+    } else {
+        0
+    }
+}
+
 fn chunk_head(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; 20] {
     let mut h = [0u8; 20];
     h[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
@@ -252,7 +261,7 @@ pub(crate) fn data_chunk(
     offset: u64,
     data: &[u8],
 ) -> io::Result<()> {
-    let flags = if last { REPLY_FLAG_DONE } else { 0 };
+    let flags = last_flag(last);
     w.write_all(&chunk_head(
         flags,
         REPLY_TYPE_OFFSET_DATA,
@@ -271,7 +280,7 @@ pub(crate) fn hole_chunk(
     offset: u64,
     len: u32,
 ) -> io::Result<()> {
-    let flags = if last { REPLY_FLAG_DONE } else { 0 };
+    let flags = last_flag(last);
     let mut out = chunk_head(flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12).to_vec();
     out.extend_from_slice(&offset.to_be_bytes());
     out.extend_from_slice(&len.to_be_bytes());
@@ -286,7 +295,7 @@ pub(crate) fn status_chunk(
     id: u32,
     extents: &[(u32, u32)],
 ) -> io::Result<()> {
-    let flags = if last { REPLY_FLAG_DONE } else { 0 };
+    let flags = last_flag(last);
     let len = 4 + 8 * extents.len() as u32;
     let mut out = chunk_head(flags, REPLY_TYPE_BLOCK_STATUS, cookie, len).to_vec();
     out.extend_from_slice(&id.to_be_bytes());
