@@ -325,7 +325,7 @@ impl Active {
     }
 
     /// [`Active::bitmaps_in_use`] with the flush order held.
-    fn bitmaps_in_use_locked(&self) -> Result<(), Error> {
+    pub(super) fn bitmaps_in_use_locked(&self) -> Result<(), Error> {
         if self.bitmaps.in_use() || self.failure().is_some() {
             return Ok(());
         }

@@ -429,15 +429,13 @@ impl Active {
 
     /// Grows the disk to `size` bytes (more than now) where the L1 table
     /// addresses them without moving ([`crate::resize`]): the header
-    /// written and synced, then the table in memory extended.
+    /// written and synced, then the table in memory extended. Bitmaps are
+    /// grown with it (QEMU's way): marked in use in the image before the
+    /// size changes (a crash leaves them inconsistent, never a consistent
+    /// one too small for the disk), then resized in memory: the caller
+    /// stores them (a close) before anything else reads the image.
     pub(crate) fn grow(&self, size: u64) -> Result<(), Error> {
         self.check_failed()?;
-        // Bitmaps added since the open are not in the header read then.
-        if !self.bitmaps.is_empty() {
-            return Err(self.top.err(ErrorKind::Unsupported(
-                crate::error::Feature::WriteWithBitmaps,
-            )));
-        }
         // Both held across the header's writes and syncs on purpose: no
         // write-back rewrites the header meanwhile, and no request sees
         // the new size before it is durable. (A resize runs offline or
@@ -446,12 +444,24 @@ impl Active {
             .flush_order
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut st = self.write_state()?;
-        let l1_size = crate::resize::grow_in_place(&*self.top.storage, &st.header, size)
-            .map_err(|k| self.top.err(k))?;
-        st.header.size = size;
-        st.header.l1_size = l1_size;
-        st.l1.resize(l1_size as usize, 0);
+        let bitmaps = !self.bitmaps.is_empty();
+        if bitmaps {
+            self.bitmaps
+                .check_resizable()
+                .map_err(|k| self.top.err(k))?;
+            self.bitmaps_in_use_locked()?;
+        }
+        {
+            let mut st = self.write_state()?;
+            let l1_size = crate::resize::grow_in_place(&*self.top.storage, &st.header, size)
+                .map_err(|k| self.top.err(k))?;
+            st.header.size = size;
+            st.header.l1_size = l1_size;
+            st.l1.resize(l1_size as usize, 0);
+        }
+        if bitmaps {
+            self.bitmaps.resize(size).map_err(|k| self.top.err(k))?;
+        }
         Ok(())
     }
 

@@ -88,6 +88,21 @@ impl DirtyBits {
         }
     }
 
+    /// A copy over a disk of `size` bytes (a resize): the bits of the
+    /// granules both sizes share, none past the new end.
+    pub(crate) fn resized(&self, size: u64) -> DirtyBits {
+        let out = DirtyBits::empty(self.granularity_bits, size);
+        out.merge(&self.words());
+        let bits = size.div_ceil(self.granularity());
+        if let Some(last) = out.words.last() {
+            let used = bits % 64;
+            if used != 0 {
+                last.fetch_and((1u64 << used) - 1, Ordering::SeqCst);
+            }
+        }
+        out
+    }
+
     /// The words now.
     pub(crate) fn words(&self) -> Vec<u64> {
         self.words
@@ -132,6 +147,26 @@ mod tests {
         assert!(set_bits(&b).is_empty());
         b.mark(0, 20 << 20);
         assert_eq!(set_bits(&b), (0..320).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn resized_keeps_the_shared_granules_only() {
+        // 64 KiB granules: 100 bits over 6.25 MiB.
+        let b = DirtyBits::empty(16, 100 << 16);
+        b.mark(0, 1);
+        b.mark(70 << 16, 30 << 16);
+        let grown = b.resized(200 << 16);
+        let mut want = vec![0];
+        want.extend(70..100);
+        assert_eq!(set_bits(&grown), want);
+        assert_eq!(grown.words().len(), 4);
+        // Shrunk into the middle of a word: nothing past the end stays.
+        let shrunk = b.resized(80 << 16);
+        let mut want = vec![0];
+        want.extend(70..80);
+        assert_eq!(set_bits(&shrunk), want);
+        assert_eq!(shrunk.words().len(), 2);
+        assert_eq!(set_bits(&b.resized(64 << 16)), vec![0]);
     }
 
     #[test]

@@ -340,6 +340,42 @@ impl KeptBitmaps {
         Ok(())
     }
 
+    /// Why the bitmaps cannot be resized with the disk: one is
+    /// inconsistent (QEMU's words).
+    pub(crate) fn check_resizable(&self) -> BitmapResult<()> {
+        match self.read_list().iter().find(|b| b.bits.is_none()) {
+            Some(b) => Err(ErrorKind::InvalidArgument(format!(
+                "Bitmap '{}' is inconsistent and cannot be used\n\
+                 Try block-dirty-bitmap-remove to delete this bitmap from disk",
+                b.name
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Resizes every bitmap with the disk, to `size` bytes (QEMU's
+    /// `bdrv_dirty_bitmap_truncate`): the bits of granules past the new end
+    /// dropped, new ones clear; each stored anew at the next store.
+    /// Refused, nothing changed, if one is inconsistent (QEMU's check
+    /// before a resize). Only with no guest change in flight.
+    pub(crate) fn resize(&self, size: u64) -> BitmapResult<()> {
+        let _edit = self.edit();
+        self.check_resizable()?;
+        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        for b in list.iter_mut() {
+            let resized = Arc::new(KeptBitmap {
+                name: b.name.clone(),
+                granularity_bits: b.granularity_bits,
+                enabled: AtomicBool::new(b.is_enabled()),
+                bits: b.bits.as_ref().map(|bits| bits.resized(size)),
+                stored: Mutex::new(b.stored().clone()),
+                changed: AtomicBool::new(true),
+            });
+            *b = resized;
+        }
+        Ok(())
+    }
+
     /// The bitmap `name`.
     pub(crate) fn get(&self, name: &str) -> BitmapResult<Arc<KeptBitmap>> {
         self.read_list()

@@ -216,7 +216,7 @@ impl Handover<'_> {
     /// (`Chain::open`, `Chain::open_reusing`), which must then
     /// [`Handover::zero_grown`]: this one reports the new size but keeps
     /// its lookups to the old one, and is closed or handed over without
-    /// further I/O.
+    /// further I/O. Its bitmaps grow with it (stored at once).
     pub fn grow_top(&self, size: u64) -> Result<(), Error> {
         let active = self.chain.active()?;
         let now = self.chain.virtual_size();
@@ -231,7 +231,14 @@ impl Handover<'_> {
         if size == now {
             return Ok(());
         }
-        active.grow(size)
+        active.grow(size)?;
+        // The bitmaps grown with the disk are stored at its new size (and
+        // the clusters of their old tables freed) before the next chain
+        // reads them.
+        if !active.bitmaps().is_empty() {
+            self.chain.flush_clean()?;
+        }
+        Ok(())
     }
 
     /// On a chain opened after its top grew from `old_size`: zeroes what

@@ -130,7 +130,9 @@ fn grow(path: &Path, size: u64, locking: Locking, expect: Option<FileId>) -> Res
         .lock(LockRequest::WRITER, locking)
         .map_err(|k| Error::new(path, k))?;
     let header = crate::header::Header::read(&storage).map_err(|k| Error::new(path, k))?;
-    if header.nb_snapshots > 0 {
+    // Bitmaps would have to grow with it (the commit writes the base
+    // closed, not through a writer that keeps them).
+    if header.nb_snapshots > 0 || header.has_bitmaps() {
         return Err(unsupported());
     }
     match crate::resize::grow_in_place(&storage, &header, size) {

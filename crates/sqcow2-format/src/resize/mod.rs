@@ -46,18 +46,14 @@ pub(crate) fn in_place_limit(header: &Header) -> u64 {
 
 /// Grows the image whose header is `header` to `size` bytes (more than
 /// its size now) in place; its new L1 size. The caller holds the write
-/// and resize permissions and nothing else writes the header meanwhile.
+/// and resize permissions and nothing else writes the header meanwhile,
+/// and resizes the image's bitmaps (if any) with it.
 pub(crate) fn grow_in_place(
     storage: &dyn Storage,
     header: &Header,
     size: u64,
 ) -> Result<u32, ErrorKind> {
     check_new_size(size)?;
-    if header.has_bitmaps() {
-        // QEMU resizes the bitmaps with the disk; sqcow2 does not write
-        // them yet.
-        return Err(ErrorKind::Unsupported(Feature::WriteWithBitmaps));
-    }
     if header.version == Version::V2 && header.nb_snapshots > 0 {
         return Err(ErrorKind::Unsupported(Feature::ResizeV2WithSnapshots));
     }

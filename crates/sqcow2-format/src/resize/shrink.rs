@@ -77,7 +77,7 @@ fn refuse(header: &Header, size: u64) -> Result<(), ErrorKind> {
         return Err(ErrorKind::Unsupported(Feature::ResizeV2WithSnapshots));
     }
     if header.has_bitmaps() {
-        return Err(ErrorKind::Unsupported(Feature::WriteWithBitmaps));
+        return Err(ErrorKind::Unsupported(Feature::ShrinkWithBitmaps));
     }
     Ok(())
 }
