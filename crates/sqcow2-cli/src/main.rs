@@ -275,8 +275,9 @@ enum Command {
     /// Add, remove, clear, enable, disable or merge a persistent dirty
     /// bitmap, like `qemu-img bitmap` (operations run in the order given).
     Bitmap(bitmap::BitmapArgs),
-    /// Change a disk's virtual size, like `qemu-img resize` (grows in
-    /// place where the L1 table addresses the new size; shrinks offline).
+    /// Change a disk's virtual size, like `qemu-img resize` (grows
+    /// offline and live, moving the L1 table offline where it must;
+    /// shrinks offline).
     Resize(resize::ResizeArgs),
     /// Whether two images read the same, like `qemu-img compare` (exit
     /// 0 identical, 1 different, 2 cannot open, 3/4 cannot read).

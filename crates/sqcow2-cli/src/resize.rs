@@ -122,6 +122,26 @@ fn resize_image(
     if preallocate {
         bail!("--preallocation modes other than off are not supported when growing");
     }
+    let in_place = chain
+        .top()
+        .header()
+        .is_none_or(|h| sqcow2_format::resize::grows_in_place(h, size));
+    let chain = if in_place {
+        chain
+    } else {
+        // Past what the L1 table addresses where it is: moved first, on
+        // the closed image (as qemu-img grows it).
+        chain.close()?;
+        sqcow2_format::resize::move_l1_for(image, size, options.locking)?;
+        Chain::open(
+            image,
+            &ChainOptions {
+                writable: true,
+                stale_index_expected: true,
+                ..options.clone()
+            },
+        )?
+    };
     chain.handover().grow_top(size)?;
     chain.close()?;
     // Reopened at the new size: what the backing file would show through

@@ -465,7 +465,7 @@ impl fmt::Display for Feature {
             }
             Feature::GrowMovesL1 { most } => write!(
                 f,
-                "growing past {most} bytes (the L1 table would have to move; qemu-img resize does that)"
+                "growing past {most} bytes (the L1 table would have to move: resize offline)"
             ),
             Feature::ResizeV2WithSnapshots => {
                 f.write_str("Can't resize a v2 image which has snapshots")

@@ -4,14 +4,23 @@
 //! clusters; with 64 KiB clusters one cluster addresses 4 TiB). Those
 //! entries are zeroed and made durable first, then the header's L1 size,
 //! then its virtual size, each write synced: an image cut short between
-//! two of them is valid and has its old size.
+//! two of them is valid and has its old size. Past that, the table is
+//! moved first, offline (`l1.rs`).
 
 use crate::error::{ErrorKind, Feature};
 use crate::header::{field, Header, Version};
 use crate::storage::Storage;
 
+mod l1;
 mod shrink;
+pub use l1::move_l1_for;
 pub use shrink::shrink;
+
+/// Whether the image whose header is `header` grows to `size` bytes
+/// with its L1 table where it is (else [`move_l1_for`] moves it first).
+pub fn grows_in_place(header: &Header, size: u64) -> bool {
+    size <= in_place_limit(header)
+}
 
 /// Why a size is not one an image can be resized to (qemu-img's words).
 pub(crate) fn check_new_size(size: u64) -> Result<(), ErrorKind> {
