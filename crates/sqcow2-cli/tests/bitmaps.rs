@@ -1016,3 +1016,118 @@ fn resize_grows_bitmaps_as_qemu_img_does() {
     }
     common::assert_check_clean(&ours);
 }
+
+/// The union of two lists of merged ranges.
+fn union(a: &[Range<u64>], b: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut all: Vec<Range<u64>> = a.iter().chain(b).cloned().collect();
+    all.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for r in all {
+        match out.last_mut() {
+            Some(last) if last.end >= r.start => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// A four-layer chain whose middle layers hold bitmaps QEMU kept (`b0`
+/// in both, `b1` disabled in the upper one); the bits each reads as by
+/// QEMU, taken before any merge.
+struct MergeChain {
+    top: std::path::PathBuf,
+    b0: Vec<Range<u64>>,
+    b1: Vec<Range<u64>>,
+}
+
+fn merge_chain(dir: &Path) -> MergeChain {
+    let layer = |name: &str, below: Option<&str>| {
+        let path = dir.join(name);
+        let mut args = vec!["create", "-q", "-f", "qcow2"];
+        if let Some(b) = below {
+            args.extend(["-F", "qcow2", "-b", b]);
+        }
+        args.extend([s(&path), "64M"]);
+        qemu_img(&args);
+        path
+    };
+    let base = layer("base.qcow2", None);
+    let l1 = layer("l1.qcow2", Some("base.qcow2"));
+    let l2 = layer("l2.qcow2", Some("l1.qcow2"));
+    let top = layer("top.qcow2", Some("l2.qcow2"));
+    qemu_io(&base, &["write -P 1 0 8M".into()]);
+    qemu_img(&["bitmap", "--add", s(&l1), "b0"]);
+    qemu_io(
+        &l1,
+        &["write -P 2 0 64k".into(), "write -P 2 10M 4k".into()],
+    );
+    qemu_img(&["bitmap", "--add", s(&l2), "b0"]);
+    qemu_img(&["bitmap", "--add", "-g", "4096", s(&l2), "b1"]);
+    qemu_io(
+        &l2,
+        &[
+            "write -P 3 20M 64k".into(),
+            "write -P 3 4k 4k".into(),
+            "write -z 30M 1M".into(),
+        ],
+    );
+    qemu_img(&["bitmap", "--disable", s(&l2), "b1"]);
+    qemu_io(&top, &["write -P 4 40M 64k".into()]);
+    let b0 = union(
+        &qemu_dirty_map(&l1, "b0").unwrap(),
+        &qemu_dirty_map(&l2, "b0").unwrap(),
+    );
+    assert_eq!(b0.len(), 4, "{b0:?}");
+    let b1 = qemu_dirty_map(&l2, "b1").unwrap();
+    assert_eq!(b1.len(), 3, "{b1:?}");
+    MergeChain { top, b0, b1 }
+}
+
+/// A merge (offline and live) of the two middle layers, whose files
+/// hold bitmaps: the new file holds each bitmap once, its bits the union
+/// of the merged layers' (libvirt's rule at a block commit's end), the
+/// flag of the lowest layer holding it; QEMU reads them so, and the new
+/// file is `check` clean and reads as the layers it replaced.
+#[test]
+fn a_merge_carries_the_merged_layers_bitmaps() {
+    for live in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let chain = merge_chain(tmp.path());
+        let merged = tmp.path().join("merged.qcow2");
+        let before = common::qemu_raw(&chain.top, tmp.path());
+        if live {
+            use common::vhost::{control, wait_job_ended, Daemon};
+            let ctl = tmp.path().join("control.sock");
+            let mut daemon = Daemon::start(tmp.path(), &chain.top, &["--control", s(&ctl)]);
+            let r = control(
+                &ctl,
+                serde_json::json!({"command": "merge", "first": 1, "last": 2, "path": merged}),
+            );
+            assert_eq!(r["ok"], true, "{r}");
+            let m = wait_job_ended(&ctl, 60);
+            assert_eq!(m["state"], "done", "{m}");
+            daemon.stop();
+        } else {
+            common::sqcow2(&["merge", s(&chain.top), "1", "2", s(&merged)]);
+        }
+        assert_eq!(
+            qemu_dirty_map(&merged, "b0").unwrap(),
+            chain.b0,
+            "live: {live}"
+        );
+        assert_eq!(
+            qemu_dirty_map(&merged, "b1").unwrap(),
+            chain.b1,
+            "live: {live}"
+        );
+        assert_eq!(
+            qemu_flags(&merged),
+            vec![
+                ("b0".to_string(), vec!["auto".to_string()]),
+                ("b1".to_string(), Vec::new())
+            ]
+        );
+        common::assert_check_clean(&merged);
+        assert_eq!(common::qemu_raw(&chain.top, tmp.path()), before);
+    }
+}

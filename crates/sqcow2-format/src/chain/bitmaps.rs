@@ -122,17 +122,19 @@ impl PersistentBitmaps<'_> {
     }
 
     /// Takes in the bitmaps of the layers of `old` from `from` up to its
-    /// top (layers a commit folded into this chain's top), as libvirt
-    /// does at the end of a block commit: each consistent one merged into
-    /// the bitmap of its name here, which is added (same granularity, same
-    /// enabled flag) where missing. The top's come from its writer's
-    /// memory, the others from their files; inconsistent ones are skipped
-    /// (reported in the returned list). Then written into the image.
+    /// top (layers a commit or a merge folded into this chain's top), as
+    /// libvirt does at the end of a block commit: each consistent one
+    /// merged into the bitmap of its name here, which is added (same
+    /// granularity, the enabled flag of the lowest layer holding it) where
+    /// missing. A writable top's come from its writer's memory, the
+    /// others from their files; inconsistent ones are skipped (reported
+    /// in the returned list). Then written into the image.
     pub fn take_in_from(&self, old: &Chain, from: LayerIndex) -> Result<Vec<String>, Error> {
         let mut skipped = Vec::new();
         let top = old.top_index();
         let mut sources: Vec<SourceBitmap> = Vec::new();
-        for i in from.0..top.0 {
+        let from_files = if old.is_writable() { top.0 } else { top.0 + 1 };
+        for i in from.0..from_files {
             let layer = &old.layers()[i];
             let Some(header) = layer.header() else {
                 continue;

@@ -1,5 +1,6 @@
 //! `merge`: the view of layers i..j written into one new qcow2 file whose
-//! backing is layer i-1, then layer j+1 switched onto it. No existing
+//! backing is layer i-1, then layer j+1 switched onto it; their
+//! persistent bitmaps merged by name into the new file's. No existing
 //! layer's data is written; the layers it replaces are left in place.
 
 use std::os::unix::ffi::OsStrExt;
@@ -259,6 +260,15 @@ pub(crate) fn fill_merge_file(
         masks_ends,
     }
     .run(pace)?;
+    // The merged layers' bitmaps, merged by name (as libvirt merges a
+    // committed layer's into its base's).
+    let skipped = target.bitmaps().take_in_from(&source, range.first)?;
+    if !skipped.is_empty() {
+        tracing::warn!(
+            ?skipped,
+            "inconsistent or incompatible bitmaps not carried into the merged layer"
+        );
+    }
     target.close()?;
     Ok((copied.data_bytes, copied.zero_bytes))
 }
