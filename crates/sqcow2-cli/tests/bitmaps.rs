@@ -819,7 +819,7 @@ fn bitmaps_edited_live_over_the_control_socket() {
 /// it was added.
 #[test]
 fn a_live_commit_keeps_the_bases_bitmaps_consistent() {
-    use common::vhost::{connect_retry, wait_job_ended, Daemon};
+    use common::vhost::{connect_retry, Daemon};
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base.qcow2");
     let top = tmp.path().join("top.qcow2");
@@ -855,8 +855,30 @@ fn a_live_commit_keeps_the_bases_bitmaps_consistent() {
         client.write(into_base, &[k as u8; 4096]);
         writes.push((into_base, 4096));
     }
-    let ended = wait_job_ended(&ctl, 60);
+    // Writes on, each a granule of its own, through the switch to the
+    // base and the bitmaps' carry after it: the top's t1 records in the
+    // base from the first request the base serves.
+    let mut k = 0u64;
+    let ended = loop {
+        for _ in 0..16 {
+            let at = (48 << 20) + (k % 2048) * 4096;
+            client.write(at, &[k as u8; 4096]);
+            writes.push((at, 4096));
+            k += 1;
+        }
+        let stats = daemon.control(&ctl, serde_json::json!({"command": "stats"}));
+        let m = &stats["result"]["merge"];
+        if !["copying", "switching", "measuring"].contains(&m["state"].as_str().unwrap_or("")) {
+            break m.clone();
+        }
+    };
     assert_eq!(ended["state"], "done", "{ended}");
+    for _ in 0..64 {
+        let at = (48 << 20) + (k % 2048) * 4096;
+        client.write(at, &[k as u8; 4096]);
+        writes.push((at, 4096));
+        k += 1;
+    }
     client.write(60 << 20, &[9u8; 4096]);
     writes.push((60 << 20, 4096));
     drop(client);

@@ -258,25 +258,29 @@ impl Active {
     /// leaves them inconsistent, not missing). The old top keeps its own,
     /// stored when it closes.
     pub(crate) fn take_on_bitmaps(&self, below: &Active) -> Result<(), Error> {
+        if self.add_recording_of(below)? {
+            self.persist_bitmaps()?;
+        }
+        Ok(())
+    }
+
+    /// Adds, empty and enabled, each enabled and consistent bitmap of
+    /// `other` this lacks (in memory only: no I/O); whether it added any.
+    pub(crate) fn add_recording_of(&self, other: &Active) -> Result<bool, Error> {
         let size = self.size();
         let cluster = self.top.geometry.cluster_size();
         let mut any = false;
-        for b in below.bitmaps.list() {
+        for b in other.bitmaps.list() {
             let Some(bits) = &b.bits else { continue };
-            if !b.is_enabled() {
+            if !b.is_enabled() || self.bitmaps.get(&b.name).is_ok() {
                 continue;
             }
-            let added = self
-                .bitmaps
+            self.bitmaps
                 .add(&b.name, bits.granularity(), true, size, cluster)
-                .map_err(|k| Error::new(&self.top.path, k));
-            added?;
+                .map_err(|k| Error::new(&self.top.path, k))?;
             any = true;
         }
-        if !any {
-            return Ok(());
-        }
-        self.persist_bitmaps()
+        Ok(any)
     }
 
     /// Stores the bitmaps now and marks them in use again (a live edit

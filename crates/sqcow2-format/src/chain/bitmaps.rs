@@ -189,6 +189,18 @@ impl PersistentBitmaps<'_> {
         Ok(skipped)
     }
 
+    /// Adds here, empty and enabled, each bitmap that `old`'s writable
+    /// top records into and this chain's top lacks, in memory only (no
+    /// I/O: for a switch's pause, so that tracking goes on from the first
+    /// request served; [`PersistentBitmaps::take_in_from`] merges the bits
+    /// after).
+    pub fn add_recording_of(&self, old: &Chain) -> Result<(), Error> {
+        if old.is_writable() {
+            self.chain.active()?.add_recording_of(old.active()?)?;
+        }
+        Ok(())
+    }
+
     fn invalid(&self, message: String) -> Error {
         Error::new(self.chain.top().path(), ErrorKind::InvalidArgument(message))
     }

@@ -425,8 +425,9 @@ impl LiveCommit {
 
     /// The switch, with no request in flight, after [`LiveCommit::flush`]:
     /// mirroring stops, the base's latest mappings are published, and the
-    /// chain to serve from now on (the base its top) is returned. On an error the commit is abandoned (the served
-    /// chain is as before).
+    /// chain to serve from now on (the base its top, recording into the
+    /// bitmaps the top records into) is returned. On an error the commit
+    /// is abandoned (the served chain is as before).
     pub fn finish(self, chain: &Chain) -> Result<Chain, Error> {
         let left = match &self.mode {
             Mode::Drain(_) => {
@@ -472,13 +473,20 @@ impl LiveCommit {
         wait_bounded(SWITCH_WAIT, std::time::Duration::from_micros(100), || {
             Arc::strong_count(&target) > 1
         });
-        Arc::try_unwrap(target).map_err(|target| {
+        let base = Arc::try_unwrap(target).map_err(|target| {
             // Still referenced (a bug): not served; the base stays open
             // with it, and the served chain's lock is put back.
             drop(target);
             put_lock_back(&served_base, served_lock, locking, &base_path);
             invalid(&base_path, "the base is still in use (a bug)".into())
-        })
+        })?;
+        // The bitmaps the top records into record in the base from its
+        // first request on (memory only; their bits are merged after
+        // the pause: `PersistentBitmaps::take_in_from`).
+        if let Err(e) = base.bitmaps().add_recording_of(chain) {
+            tracing::warn!(error = %e, "live commit: the top's bitmaps do not record in the base");
+        }
+        Ok(base)
     }
 
     /// Stops the commit: no more mirroring or draining of `chain`, the
@@ -615,6 +623,38 @@ mod tests {
         let mut all = vec![0u8; SIZE as usize];
         chain.read_at(&mut all, 0).unwrap();
         all
+    }
+
+    /// The chain a commit's switch returns records, from its first
+    /// request, into the bitmaps the old top recorded into: a write the
+    /// base serves before the bits are taken in is in them after.
+    #[test]
+    fn the_served_base_records_into_the_tops_bitmaps_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (base, chain) = top_over_base(dir.path(), 1);
+        chain.bitmaps().add("t1", Some(4096), true).unwrap();
+        chain.bitmaps().add("off", Some(4096), false).unwrap();
+        chain.write_at(&[2; 4096], 1 << 20).unwrap();
+        let commit =
+            prepare_live_commit(&chain, Some(&LayerRef::Position(0)), &options(true)).unwrap();
+        commit.start(&chain).unwrap();
+        commit.copy(&chain, &mut |_, _, _| true).unwrap();
+        commit.flush().unwrap();
+        let served = commit.finish(&chain).unwrap();
+        assert_eq!(served.top().path(), base.as_path());
+        // The guest's first write after the switch, then the take-in.
+        served.write_at(&[3; 4096], 3 << 20).unwrap();
+        let skipped = served
+            .bitmaps()
+            .take_in_from(&chain, LayerIndex(1))
+            .unwrap();
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert_eq!(
+            served.bitmaps().dirty("t1").unwrap(),
+            vec![(1 << 20)..(1 << 20) + 4096, (3 << 20)..(3 << 20) + 4096]
+        );
+        assert!(served.bitmaps().dirty("off").unwrap().is_empty());
+        served.close().unwrap();
     }
 
     /// Guest writes, zeroes and discards racing the background copy (on
