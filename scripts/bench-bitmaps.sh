@@ -22,6 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils qemu-io:qemu-utils
 
 rounds=${1:-3}
@@ -37,11 +38,6 @@ load=$root/target/release/sqcow2-bench
 
 rm -rf "$out" && mkdir -p "$out"
 cd "$out"
-
-wait_socket() {
-  for _ in $(seq 1200); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
 
 # add_bitmaps IMAGE CASE
 add_bitmaps() {

@@ -26,6 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils qemu-storage-daemon:qemu-system-x86 fincore:util-linux-extra
 
 rounds=${1:-2}
@@ -44,24 +45,7 @@ load=$root/target/release/sqcow2-bench
 rm -rf "$out" && mkdir -p "$out"
 cd "$out"
 
-wait_socket() {
-  for _ in $(seq 1200); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
-
 # Writes back and drops the page cache of every image in DIR.
-drop_cache() {
-  python3 - "$1" <<'EOF'
-import os, sys
-for name in os.listdir(sys.argv[1]):
-    if name.endswith(".qcow2"):
-        fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-EOF
-}
-
 # User + system clock ticks of process PID, all its threads.
 cpu_ticks() {
   awk '{print $14 + $15}' "/proc/$1/stat"

@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils qemu-storage-daemon:qemu-system-x86
 
 rounds=${1:-2}
@@ -42,11 +43,6 @@ rm -rf "$out" && mkdir -p "$out"
 cd "$out"
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-
-wait_socket() {
-  for _ in $(seq 600); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
 
 # serve_sqcow2 TOP: starts sqcow2 serve on a fresh top, waits for its index
 serve_sqcow2() {

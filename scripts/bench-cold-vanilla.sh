@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils
 
 secs=${1:-30}
@@ -33,11 +34,6 @@ cp -a vanilla indexed
 itop=$PWD/indexed/$(basename "$top")
 "$sq" upgrade "$itop" >/dev/null
 cat vanilla/* indexed/* > /dev/null
-
-wait_socket() {
-  for _ in $(seq 600); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
 
 # one_second: IOPS of a 1 s random-read load on v.sock
 one_second() {

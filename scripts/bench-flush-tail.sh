@@ -27,6 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils qemu-storage-daemon:qemu-system-x86
 
 rounds=${1:-3}
@@ -50,11 +51,6 @@ load=$root/target/release/sqcow2-bench
 rm -rf "$out" "$dir" && mkdir -p "$out" "$dir"
 trap 'rm -rf "$dir"' EXIT
 cd "$dir"
-
-wait_socket() {
-  for _ in $(seq 600); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
 
 serve_sqcow2() { # TOP [BINARY]
   rm -f v.sock c.sock

@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
+. scripts/lib/bench.sh
 ensure_commands qemu-img:qemu-utils qemu-nbd:qemu-utils nbdcopy:libnbd-bin
 
 rounds=${1:-3}
@@ -28,22 +29,6 @@ sq=$root/target/release/sqcow2
 
 rm -rf "$out" && mkdir -p "$out"
 cd "$out"
-
-wait_socket() {
-  for _ in $(seq 1200); do [ -S "$1" ] && return 0; sleep 0.05; done
-  echo "no socket $1" >&2; return 1
-}
-
-drop_cache() {
-  python3 - "$1" <<'EOF'
-import os, sys
-for name in os.listdir(sys.argv[1]):
-    if name.endswith(".qcow2"):
-        fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-EOF
-}
 
 # copy SERVER LAYERS ROUND
 copy() {
