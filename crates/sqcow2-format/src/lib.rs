@@ -69,7 +69,9 @@ pub mod writer;
 /// Records the mapping journal holds (`<top>.sqjournal`, a ring).
 pub const JOURNAL_RECORDS: u64 = active::journal::CAPACITY;
 pub use backing::resolve_backing_path;
-pub use bitmaps::{describe_bitmaps, read_dirty_ranges, BitmapInfo, BitmapRead};
+pub use bitmaps::{
+    describe_bitmaps, read_dirty_ranges, read_dirty_ranges_in, BitmapInfo, BitmapRead,
+};
 pub use chain::bitmaps::{BitmapStatus, PersistentBitmaps};
 pub use chain::{
     backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,

@@ -103,6 +103,20 @@ impl DirtyBits {
         out
     }
 
+    /// The dirty guest ranges within `window` now, merged, clipped to it
+    /// (only the words covering it read).
+    pub(crate) fn ranges_in(&self, window: std::ops::Range<u64>) -> Vec<std::ops::Range<u64>> {
+        let g = self.granularity();
+        let words = crate::bitmaps::word_window(g, self.size, &window);
+        let first = words.start;
+        let words: Vec<u64> = self.words
+            [words.start.min(self.words.len())..words.end.min(self.words.len())]
+            .iter()
+            .map(|w| w.load(Ordering::SeqCst))
+            .collect();
+        crate::bitmaps::ranges_in_window(&words, first, g, self.size, &window)
+    }
+
     /// The words now.
     pub(crate) fn words(&self) -> Vec<u64> {
         self.words
@@ -167,6 +181,40 @@ mod tests {
         assert_eq!(set_bits(&shrunk), want);
         assert_eq!(shrunk.words().len(), 2);
         assert_eq!(set_bits(&b.resized(64 << 16)), vec![0]);
+    }
+
+    #[test]
+    fn ranges_in_a_window_are_the_whole_ranges_clipped() {
+        // 4 KiB granules over 10 MiB less a sector: 2560 bits, 40 words.
+        let size = (10 << 20) - 512;
+        let b = DirtyBits::empty(12, size);
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for _ in 0..300 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            b.mark(state % size, (state >> 40) % 70_000);
+        }
+        b.mark(size - 1, 1);
+        let whole = crate::bitmaps::dirty_ranges(&b.words(), 4096, size);
+        assert!(whole.len() > 50, "{}", whole.len());
+        for (start, end) in [
+            (0, size),
+            (0, 1),
+            (4095, 4097),
+            (1 << 20, 3 << 20),
+            (262_143, 262_145 + 4096 * 64),
+            (size - 1, size + 10_000),
+            (size, size + 1),
+            (5 << 20, 5 << 20),
+        ] {
+            let want: Vec<_> = whole
+                .iter()
+                .map(|r| r.start.max(start)..r.end.min(end))
+                .filter(|r| r.start < r.end)
+                .collect();
+            assert_eq!(b.ranges_in(start..end), want, "{start}..{end}");
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub(crate) mod kept;
 mod table;
 
 pub(crate) use directory::{encode_directory, BitmapEntry};
-pub(crate) use table::{data_for_image, dirty_ranges, encode_table};
+pub(crate) use table::{data_for_image, dirty_ranges, encode_table, ranges_in_window, word_window};
 
 pub use directory::{describe_bitmaps, BitmapInfo};
-pub use table::{read_dirty_ranges, BitmapRead};
+pub use table::{read_dirty_ranges, read_dirty_ranges_in, BitmapRead};

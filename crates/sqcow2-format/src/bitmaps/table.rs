@@ -43,21 +43,65 @@ pub fn read_dirty_ranges(
     storage: &dyn Storage,
     name: &str,
 ) -> Result<BitmapRead, ErrorKind> {
+    read_dirty_ranges_in(header, storage, name, 0..header.size)
+}
+
+/// [`read_dirty_ranges`] within the guest range `window` only: the
+/// dirty ranges clipped to it, only the data clusters covering it read.
+pub fn read_dirty_ranges_in(
+    header: &Header,
+    storage: &dyn Storage,
+    name: &str,
+    window: Range<u64>,
+) -> Result<BitmapRead, ErrorKind> {
     let entry = read_directory(header, storage)?
         .into_iter()
         .find(|e| e.name == name)
         .ok_or_else(|| ErrorKind::InvalidArgument(format!("Dirty bitmap '{name}' not found")))?;
+    let g = entry.granularity();
     let dirty = if entry.in_use {
         None
     } else {
-        let words = read_words(header, storage, &entry)?;
-        Some(dirty_ranges(&words, entry.granularity(), header.size))
+        let words = word_window(g, header.size, &window);
+        let first = words.start;
+        let words = read_words_in(header, storage, &entry, words)?;
+        Some(ranges_in_window(&words, first, g, header.size, &window))
     };
     Ok(BitmapRead {
-        granularity: entry.granularity(),
+        granularity: g,
         enabled: entry.auto,
         dirty,
     })
+}
+
+/// The words (64 bits each) of a bitmap of granularity `g` over a disk
+/// of `size` bytes that cover the guest range `window`.
+pub(crate) fn word_window(g: u64, size: u64, window: &Range<u64>) -> Range<usize> {
+    let end = window.end.min(size);
+    if window.start >= end {
+        return 0..0;
+    }
+    let first = window.start / g / 64;
+    let last = (end - 1) / g / 64;
+    usize::try_from(first).unwrap_or(usize::MAX)..usize::try_from(last + 1).unwrap_or(usize::MAX)
+}
+
+/// The dirty ranges within `window` of `words`, the bitmap's words from
+/// word `first` on (granularity `g`, a disk of `size` bytes).
+pub(crate) fn ranges_in_window(
+    words: &[u64],
+    first: usize,
+    g: u64,
+    size: u64,
+    window: &Range<u64>,
+) -> Vec<Range<u64>> {
+    let base = first as u64 * 64 * g;
+    let end = window.end.min(size);
+    dirty_ranges(words, g, size.saturating_sub(base))
+        .into_iter()
+        .map(|r| (r.start + base).max(window.start)..(r.end + base).min(end))
+        .filter(|r| r.start < r.end)
+        .collect()
 }
 
 /// The entries of bitmap `entry`'s table, checked as QEMU's
@@ -145,18 +189,32 @@ pub(crate) fn read_words(
     storage: &dyn Storage,
     entry: &BitmapEntry,
 ) -> Result<Vec<u64>, ErrorKind> {
+    read_words_in(header, storage, entry, 0..usize::MAX)
+}
+
+/// The words `window` (clipped to the bitmap's) of a consistent bitmap
+/// `entry`: only the data clusters holding them read.
+fn read_words_in(
+    header: &Header,
+    storage: &dyn Storage,
+    entry: &BitmapEntry,
+    window: Range<usize>,
+) -> Result<Vec<u64>, ErrorKind> {
     let table = read_entries(header, storage, entry)?;
     let cluster = header.geometry.cluster_size();
     let bits = header.size.div_ceil(entry.granularity());
     let cluster_bytes = usize::try_from(cluster).map_err(|_| invalid(entry, "cluster".into()))?;
-    let words_per_cluster = cluster_bytes / 8;
+    let per = cluster_bytes / 8;
     let n_words = usize::try_from(bits.div_ceil(64)).map_err(|_| invalid(entry, "size".into()))?;
-    let mut words = vec![0u64; n_words];
+    let (from, to) = (window.start.min(n_words), window.end.min(n_words));
+    let mut words = vec![0u64; to - from];
     let mut data = vec![0u8; cluster_bytes];
-    for (k, e) in table.into_iter().enumerate() {
+    for k in from / per..to.div_ceil(per) {
+        let Some(&e) = table.get(k) else { break };
+        // This cluster's words that the window takes.
+        let (a, b) = ((k * per).max(from), ((k + 1) * per).min(to));
+        let these = &mut words[a - from..b - from];
         let offset = e & ENTRY_OFFSET;
-        let first = k * words_per_cluster;
-        let these = &mut words[first.min(n_words)..(first + words_per_cluster).min(n_words)];
         if offset == 0 {
             if e & ENTRY_ALL_ONES != 0 {
                 these.fill(u64::MAX);
@@ -164,13 +222,14 @@ pub(crate) fn read_words(
             continue;
         }
         storage.read_at(&mut data, offset)?;
-        for (w, raw) in these.iter_mut().zip(data.chunks_exact(8)) {
+        let raw = data.chunks_exact(8).skip(a - k * per);
+        for (w, raw) in these.iter_mut().zip(raw) {
             *w = u64::from_le_bytes(raw.try_into().unwrap_or_default());
         }
     }
     // Bits past the disk's end are not bits of the bitmap.
-    if let Some(last) = words.last_mut() {
-        if bits % 64 != 0 {
+    if to == n_words && bits % 64 != 0 {
+        if let Some(last) = words.last_mut() {
             *last &= (1u64 << (bits % 64)) - 1;
         }
     }
@@ -255,6 +314,84 @@ impl Ranges {
         match self.out.last_mut() {
             Some(last) if last.end == start => last.end = stop,
             _ => self.out.push(start..stop),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::{Chain, ChainOptions};
+    use crate::create::{create, CreateOptions};
+    use crate::lock::Locking;
+
+    /// A stored bitmap read within windows (across its data clusters:
+    /// 512 B granules over 4 KiB clusters, 16 MiB of guest per cluster)
+    /// reads as the whole bitmap's ranges clipped to each window.
+    #[test]
+    fn a_window_reads_the_whole_bitmaps_ranges_clipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.qcow2");
+        let size = 64u64 << 20;
+        create(
+            &path,
+            &CreateOptions {
+                size,
+                cluster_size: 4096,
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        let options = ChainOptions {
+            writable: true,
+            locking: Locking::Off,
+            ..ChainOptions::default()
+        };
+        let chain = Chain::open(&path, &options).unwrap();
+        chain.bitmaps().add("b", Some(512), true).unwrap();
+        for (at, len) in [
+            (0u64, 512u64),
+            ((16 << 20) - 1024, 4096),
+            (20 << 20, 1 << 20),
+            ((48 << 20) + 7, 100),
+            (size - 512, 512),
+        ] {
+            chain.write_at(&vec![1u8; len as usize], at).unwrap();
+        }
+        chain.close().unwrap();
+        let chain = Chain::open(
+            &path,
+            &ChainOptions {
+                writable: false,
+                ..options
+            },
+        )
+        .unwrap();
+        let top = chain.top();
+        let (header, storage) = (top.header().unwrap(), &**top.storage());
+        let whole = read_dirty_ranges(header, storage, "b")
+            .unwrap()
+            .dirty
+            .unwrap();
+        assert_eq!(whole.len(), 5, "{whole:?}");
+        for (start, end) in [
+            (0, size),
+            (1, (16 << 20) - 512),
+            ((16 << 20) - 600, (16 << 20) + 600),
+            (17 << 20, 47 << 20),
+            ((48 << 20) + 100, size + 4096),
+            (size, size + 1),
+        ] {
+            let want: Vec<_> = whole
+                .iter()
+                .map(|r| r.start.max(start)..r.end.min(end))
+                .filter(|r| r.start < r.end)
+                .collect();
+            let got = read_dirty_ranges_in(header, storage, "b", start..end)
+                .unwrap()
+                .dirty
+                .unwrap();
+            assert_eq!(got, want, "{start}..{end}");
         }
     }
 }

@@ -230,6 +230,17 @@ impl PersistentBitmaps<'_> {
         self.input(self.kept()?.set_enabled(name, enabled))
     }
 
+    /// [`PersistentBitmaps::dirty`] within the guest range `window` only
+    /// (clipped to it; only its part of the bits read).
+    pub fn dirty_in(&self, name: &str, window: Range<u64>) -> Result<Vec<Range<u64>>, Error> {
+        let kept = self.kept()?;
+        let b = self.input(kept.get_consistent(name))?;
+        Ok(b.bits
+            .as_ref()
+            .map(|bits| bits.ranges_in(window))
+            .unwrap_or_default())
+    }
+
     /// The guest ranges bitmap `name` marks dirty now, merged, in order;
     /// refused for an inconsistent bitmap.
     pub fn dirty(&self, name: &str) -> Result<Vec<Range<u64>>, Error> {

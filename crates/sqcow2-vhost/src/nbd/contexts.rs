@@ -102,9 +102,9 @@ impl Context {
                 }
             }
             Context::DirtyBitmap(name) => {
-                let dirty = dirty_ranges(chain, name)?;
+                let dirty = dirty_ranges(chain, name, offset..end)?;
                 let mut pos = offset;
-                for r in dirty.iter().filter(|r| r.end > offset && r.start < end) {
+                for r in &dirty {
                     let start = r.start.max(offset);
                     if start > pos {
                         push(start - pos, 0, &mut out);
@@ -145,13 +145,18 @@ fn bitmap_names(chain: &Chain) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn dirty_ranges(chain: &Chain, name: &str) -> Result<Vec<Range<u64>>, String> {
+/// The ranges bitmap `name` of the chain's top marks dirty within
+/// `window` (only that part of its bits read).
+fn dirty_ranges(chain: &Chain, name: &str, window: Range<u64>) -> Result<Vec<Range<u64>>, String> {
     if chain.is_writable() {
-        return chain.bitmaps().dirty(name).map_err(|e| e.kind.to_string());
+        return chain
+            .bitmaps()
+            .dirty_in(name, window)
+            .map_err(|e| e.kind.to_string());
     }
     let top = chain.top();
     let header = top.header().ok_or("the top is not a qcow2 image")?;
-    let read = sqcow2_format::read_dirty_ranges(header, &**top.storage(), name)
+    let read = sqcow2_format::read_dirty_ranges_in(header, &**top.storage(), name, window)
         .map_err(|e| e.to_string())?;
     read.dirty
         .ok_or_else(|| format!("Bitmap '{name}' is inconsistent and cannot be used"))
