@@ -142,20 +142,111 @@ fn a_bitmap_left_in_use_by_a_killed_writer_reads_as_unusable() {
     assert_eq!(err.to_string(), "Dirty bitmap 'nope' not found");
 }
 
-/// Where the bitmap directory of `image` is (offset in the file), read
-/// from the header's bitmaps extension by hand.
-fn directory_offset(image: &Path) -> u64 {
+/// Where the header's bitmaps extension of `image` is (its type word),
+/// found by hand.
+fn bitmaps_extension_at(image: &Path) -> usize {
     let bytes = std::fs::read(image).unwrap();
     let be32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
-    let be64 = |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().unwrap());
     let mut at = be32(100) as usize;
     loop {
         let (kind, len) = (be32(at), be32(at + 4) as usize);
         assert_ne!(kind, 0, "no bitmaps extension");
         if kind == 0x2385_2875 {
-            return be64(at + 8 + 16);
+            return at;
         }
         at += 8 + len.next_multiple_of(8);
+    }
+}
+
+/// Where the bitmap directory of `image` is (offset in the file), read
+/// from the header's bitmaps extension by hand.
+fn directory_offset(image: &Path) -> u64 {
+    let at = bitmaps_extension_at(image) + 8 + 16;
+    let bytes = std::fs::read(image).unwrap();
+    u64::from_be_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+/// Bitmap directories QEMU refuses (an entry with an unknown flag, a
+/// granularity over or under QEMU's range, a directory past the end of
+/// the file): QEMU refuses the image; sqcow2 refuses writing it (`io`,
+/// `serve`) with an error that names the bitmap and what is wrong, the
+/// file unchanged, and reads it (the data as QEMU wrote it).
+#[test]
+fn bad_bitmap_directories_refuse_writes_and_reads_go_on() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("disk.qcow2");
+    let cases: [(&str, u64, &[u8], &str); 4] = [
+        (
+            "flags",
+            12,
+            &[0, 0, 0, 0x0a],
+            "bitmap 'b0': unknown flags 0x8",
+        ),
+        (
+            "granularity 2^32",
+            17,
+            &[32],
+            "bitmap 'b0': granularity 2^32 bytes",
+        ),
+        (
+            "granularity 2^8",
+            17,
+            &[8],
+            "bitmap 'b0': granularity 2^8 bytes",
+        ),
+        (
+            "directory",
+            u64::MAX,
+            &[0, 0, 1, 0, 0, 0, 0, 0],
+            "extends beyond the end of the file",
+        ),
+    ];
+    for (what, at, bytes, words) in cases {
+        let _ = std::fs::remove_file(&image);
+        qemu_create(&image, "", "64M");
+        qemu_io(&image, &["write -P 5 0 64k".into()]);
+        qemu_img(&["bitmap", "--add", s(&image), "b0"]);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&image)
+            .unwrap();
+        let at = match at {
+            u64::MAX => bitmaps_extension_at(&image) as u64 + 8 + 16,
+            entry => directory_offset(&image) + entry,
+        };
+        f.write_all_at(bytes, at).unwrap();
+        drop(f);
+        let before = std::fs::read(&image).unwrap();
+        let qemu = Command::new("qemu-io")
+            .args(["-c", "write 0 4k", s(&image)])
+            .output()
+            .unwrap();
+        let qemu_err = String::from_utf8_lossy(&qemu.stderr);
+        assert!(
+            qemu_err.contains("doesn't satisfy the constraints"),
+            "{what}: QEMU: {qemu_err}"
+        );
+        let write = Command::new(common::sqcow2_bin())
+            .args(["io", "-c", "write 0 4k", s(&image)])
+            .output()
+            .unwrap();
+        assert!(!write.status.success(), "{what}: a write went through");
+        let err = String::from_utf8_lossy(&write.stderr);
+        assert!(err.contains(words), "{what}: {err}");
+        let sock = tmp.path().join("v.sock");
+        let serve = Command::new(common::sqcow2_bin())
+            .args(["serve", "--socket", s(&sock), s(&image)])
+            .output()
+            .unwrap();
+        assert!(!serve.status.success(), "{what}: served");
+        let err = String::from_utf8_lossy(&serve.stderr);
+        assert!(err.contains(words), "{what}: {err}");
+        assert!(
+            std::fs::read(&image).unwrap() == before,
+            "{what}: the file changed"
+        );
+        common::sqcow2(&["io", "-c", "read -P 5 0 64k", s(&image)]);
     }
 }
 

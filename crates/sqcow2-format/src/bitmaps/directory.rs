@@ -137,7 +137,7 @@ pub(crate) fn read_directory(
     };
     let invalid = |offset: usize, reason: &str| ErrorKind::InvalidExtension {
         ext_type: EXT_BITMAPS,
-        offset: offset as u64,
+        offset: ext.directory_offset.saturating_add(offset as u64),
         reason: format!("bitmap directory: {reason}"),
     };
     // Bounded by the extension's validation (QEMU's limit: 64 MiB).
@@ -164,34 +164,50 @@ pub(crate) fn read_directory(
         let granularity_bits = fixed[17];
         let name_size = usize::from(u16::from_be_bytes([fixed[18], fixed[19]]));
         let extra = be_u32(fixed, 20);
-        if table_size == 0
-            || table_size > MAX_TABLE_SIZE
-            || table_offset == 0
-            || table_offset % cluster != 0
-            || !GRANULARITY_BITS.contains(&granularity_bits)
-            || flags & !(FLAG_IN_USE | FLAG_AUTO) != 0
-            || name_size > MAX_NAME
-            || kind != TYPE_DIRTY_TRACKING
-        {
-            return Err(invalid(pos, "invalid entry"));
-        }
-        if extra != 0 {
-            return Err(invalid(pos, "extra data is not supported"));
+        if name_size > MAX_NAME {
+            return Err(invalid(pos, &format!("a name of {name_size} bytes")));
         }
         let name_start = pos.saturating_add(ENTRY_FIXED);
         let name_end = name_start.saturating_add(name_size);
         let name = dir
             .get(name_start..name_end)
             .ok_or_else(|| invalid(pos, "name beyond the directory"))?;
-        // As QEMU reads it: up to the first NUL.
-        let name = name.split(|&b| b == 0).next().unwrap_or_default();
+        let shown = String::from_utf8_lossy(name.split(|&b| b == 0).next().unwrap_or_default())
+            .into_owned();
+        // What breaks QEMU's constraints on an entry, named.
+        let broken = if kind != TYPE_DIRTY_TRACKING {
+            Some(format!("type {kind} (QEMU knows only 1, dirty tracking)"))
+        } else if flags & !(FLAG_IN_USE | FLAG_AUTO) != 0 {
+            Some(format!(
+                "unknown flags {:#x}",
+                flags & !(FLAG_IN_USE | FLAG_AUTO)
+            ))
+        } else if !GRANULARITY_BITS.contains(&granularity_bits) {
+            Some(format!(
+                "granularity 2^{granularity_bits} bytes (QEMU allows 2^{} to 2^{})",
+                GRANULARITY_BITS.start(),
+                GRANULARITY_BITS.end()
+            ))
+        } else if table_size == 0 || table_size > MAX_TABLE_SIZE {
+            Some(format!("a table of {table_size} entries"))
+        } else if table_offset == 0 || table_offset % cluster != 0 {
+            Some(format!("a table at {table_offset:#x}, not a cluster"))
+        } else if extra != 0 {
+            Some("extra data, which is not supported".into())
+        } else {
+            None
+        };
+        if let Some(why) = broken {
+            return Err(invalid(pos, &format!("bitmap '{shown}': {why}")));
+        }
         out.push(BitmapEntry {
             table_offset,
             table_size,
             in_use: flags & FLAG_IN_USE != 0,
             auto: flags & FLAG_AUTO != 0,
             granularity_bits,
-            name: String::from_utf8_lossy(name).into_owned(),
+            // As QEMU reads it: up to the first NUL.
+            name: shown,
         });
         if out.len() > ext.nb_bitmaps as usize {
             return Err(invalid(pos, "more entries than bitmaps"));
