@@ -166,6 +166,29 @@ fn directory_offset(image: &Path) -> u64 {
     u64::from_be_bytes(bytes[at..at + 8].try_into().unwrap())
 }
 
+/// The data clusters of bitmap `name` of `image` as the file holds
+/// them (from its table, by hand; `None` for an all-zero one).
+fn bitmap_data(image: &Path, name: &str) -> Vec<Option<Vec<u8>>> {
+    let bytes = std::fs::read(image).unwrap();
+    let be32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    let be64 = |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().unwrap());
+    let cluster = 1usize << be32(20);
+    let mut at = directory_offset(image) as usize;
+    loop {
+        let name_len = u16::from_be_bytes([bytes[at + 18], bytes[at + 19]]) as usize;
+        if &bytes[at + 24..at + 24 + name_len] == name.as_bytes() {
+            let (table, n) = (be64(at) as usize, be32(at + 8) as usize);
+            return (0..n)
+                .map(|k| {
+                    let e = be64(table + k * 8) & 0x00ff_ffff_ffff_fe00;
+                    (e != 0).then(|| bytes[e as usize..e as usize + cluster].to_vec())
+                })
+                .collect();
+        }
+        at += (24 + name_len).next_multiple_of(8);
+    }
+}
+
 /// Bitmap directories QEMU refuses (an entry with an unknown flag, a
 /// granularity over or under QEMU's range, a directory past the end of
 /// the file): QEMU refuses the image; sqcow2 refuses writing it (`io`,
@@ -1046,11 +1069,11 @@ fn a_live_resize_grows_the_bitmaps_with_the_disk() {
 /// a copy (growing past where a 512 B bitmap's table needs more
 /// clusters), then the same writes into the new space: QEMU reads every
 /// bitmap alike (bits kept, the new range marked only where written, the
-/// disabled one untouched), neither left in use, both `check` clean. A
-/// shrink is refused (not done yet); an inconsistent bitmap refuses the
-/// resize with qemu-img's words, the size unchanged.
+/// disabled one untouched), neither left in use, both `check` clean;
+/// then shrunk and grown again beside qemu-img, alike. An inconsistent
+/// bitmap refuses the resize with qemu-img's words, the size unchanged.
 #[test]
-fn resize_grows_bitmaps_as_qemu_img_does() {
+fn resize_grows_and_shrinks_bitmaps_as_qemu_img_does() {
     let tmp = tempfile::tempdir().unwrap();
     let ours = tmp.path().join("ours.qcow2");
     let theirs = tmp.path().join("theirs.qcow2");
@@ -1090,17 +1113,54 @@ fn resize_grows_bitmaps_as_qemu_img_does() {
         common::qemu_raw(&ours, tmp.path()),
         common::qemu_raw(&theirs, tmp.path())
     );
-    // A shrink is refused (qemu-img shrinks bitmaps; sqcow2 does not yet).
-    let out = Command::new(common::sqcow2_bin())
-        .args(["resize", "--shrink", s(&ours), "64M"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("shrinking an image with persistent dirty bitmaps"),
-        "{err}"
+    // Shrunk past bits set at both sizes (the 512 B bitmap's table
+    // from 8 clusters to 3, its last cluster cut in the middle): the
+    // bits past the new end dropped, as qemu-img resize --shrink.
+    let cmds: Vec<String> = ["write -P 5 40900k 200k", "write -P 6 10M 4k"]
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let mut io = vec!["io"];
+    for c in &cmds {
+        io.extend(["-c", c.as_str()]);
+    }
+    io.push(s(&ours));
+    common::sqcow2(&io);
+    qemu_io(&theirs, &cmds);
+    common::sqcow2(&["resize", "--shrink", s(&ours), "40M"]);
+    qemu_img(&["resize", "-q", "--shrink", s(&theirs), "40M"]);
+    for name in ["coarse", "fine", "off"] {
+        let want = qemu_dirty_map(&theirs, name).unwrap();
+        assert_eq!(qemu_dirty_map(&ours, name).unwrap(), want, "shrunk {name}");
+        if name != "off" {
+            assert_eq!(
+                want.last().map(|r| r.end),
+                Some(40 << 20),
+                "{name}: {want:?}"
+            );
+        }
+    }
+    assert_eq!(qemu_flags(&ours), qemu_flags(&theirs));
+    // The stored bits alike, byte for byte (none past the new end).
+    for name in ["coarse", "fine"] {
+        assert!(
+            bitmap_data(&ours, name) == bitmap_data(&theirs, name),
+            "{name}: the stored data differs from QEMU's"
+        );
+    }
+    assert_eq!(bitmap_data(&ours, "fine").len(), 3);
+    common::assert_check_clean(&ours);
+    assert_eq!(
+        common::qemu_raw(&ours, tmp.path()),
+        common::qemu_raw(&theirs, tmp.path())
     );
+    // Grown again: the granules past 40M come back clean.
+    common::sqcow2(&["resize", s(&ours), "128M"]);
+    qemu_img(&["resize", "-q", s(&theirs), "128M"]);
+    for name in ["coarse", "fine", "off"] {
+        let want = qemu_dirty_map(&theirs, name).unwrap();
+        assert_eq!(qemu_dirty_map(&ours, name).unwrap(), want, "regrown {name}");
+    }
     // An inconsistent bitmap (in use, as a killed writer leaves it).
     for image in [&ours, &theirs] {
         use std::os::unix::fs::FileExt;
@@ -1116,6 +1176,11 @@ fn resize_grows_bitmaps_as_qemu_img_does() {
     let qemu = refused(Command::new("qemu-img").args(["resize", s(&theirs), "256M"]));
     let sq = refused(Command::new(common::sqcow2_bin()).args(["resize", s(&ours), "256M"]));
     let words = "Bitmap 'coarse' is inconsistent and cannot be used";
+    assert!(qemu.contains(words), "{qemu}");
+    assert!(sq.contains(words), "{sq}");
+    let qemu = refused(Command::new("qemu-img").args(["resize", "--shrink", s(&theirs), "64M"]));
+    let sq =
+        refused(Command::new(common::sqcow2_bin()).args(["resize", "--shrink", s(&ours), "64M"]));
     assert!(qemu.contains(words), "{qemu}");
     assert!(sq.contains(words), "{sq}");
     for image in [&ours, &theirs] {

@@ -434,9 +434,6 @@ pub enum Feature {
     },
     /// A compression type other than deflate (0) and zstd (1).
     UnknownCompressionType(u8),
-    /// Shrinking an image that has persistent dirty bitmaps (QEMU shrinks
-    /// them with it; sqcow2 only grows them).
-    ShrinkWithBitmaps,
     /// Committing into a base smaller than the image whose L1 table would
     /// have to move to grow (or that has internal snapshots).
     CommitGrowsBase,
@@ -481,10 +478,6 @@ impl fmt::Display for Feature {
                 write!(f, "unknown incompatible feature bit {bit}")
             }
             Feature::UnknownCompressionType(t) => write!(f, "compression type {t}"),
-            Feature::ShrinkWithBitmaps => f.write_str(
-                "shrinking an image with persistent dirty bitmaps \
-                 (remove them first: sqcow2 bitmap --remove)",
-            ),
         }
     }
 }

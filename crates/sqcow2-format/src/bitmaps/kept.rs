@@ -161,7 +161,7 @@ impl KeptBitmaps {
                 .into_iter()
                 .map(|e| BitmapEntry { in_use: true, ..e })
                 .collect();
-            kept.write_directory_in_place(storage, header, header.features.autoclear, &in_use)?;
+            write_directory_in_place(storage, header, header.features.autoclear, &in_use)?;
         }
         Ok(kept)
     }
@@ -253,40 +253,9 @@ impl KeptBitmaps {
             .map(|e| BitmapEntry { in_use: true, ..e })
             .collect();
         if !entries.is_empty() {
-            self.write_directory_in_place(storage, header, autoclear, &entries)?;
+            write_directory_in_place(storage, header, autoclear, &entries)?;
         }
         self.on_disk.store(IN_USE, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// QEMU's in-place directory update (`update_ext_header_and_dir_in_place`):
-    /// with the autoclear bit cleared, a torn directory is never read as
-    /// bitmaps.
-    fn write_directory_in_place(
-        &self,
-        storage: &dyn Storage,
-        header: &Header,
-        autoclear: u64,
-        entries: &[BitmapEntry],
-    ) -> BitmapResult<()> {
-        use crate::features::AUTOCLEAR_BITMAPS;
-        use crate::header::field::AUTOCLEAR_FEATURES;
-        use crate::header_area::write_word;
-        // Where the header read last says it is (not a cached location
-        // a failed store may have left stale).
-        let Some(ext) = bitmaps_extension(header) else {
-            return Ok(());
-        };
-        let bytes = crate::bitmaps::directory::encode_directory(entries);
-        if bytes.len() as u64 != ext.directory_size {
-            return Err(ErrorKind::InvalidArgument(
-                "the bitmap directory changed size".into(),
-            ));
-        }
-        write_word(storage, AUTOCLEAR_FEATURES, autoclear & !AUTOCLEAR_BITMAPS)?;
-        storage.write_at(&bytes, ext.directory_offset)?;
-        storage.sync()?;
-        write_word(storage, AUTOCLEAR_FEATURES, autoclear | AUTOCLEAR_BITMAPS)?;
         Ok(())
     }
 
@@ -456,6 +425,38 @@ impl KeptBitmaps {
         b.set_changed();
         Ok(())
     }
+}
+
+/// QEMU's in-place directory update (`update_ext_header_and_dir_in_place`):
+/// `entries` (the same names, so the same size) written over the
+/// directory the header names, with the autoclear bit cleared meanwhile
+/// so that a torn directory is never read as bitmaps; `autoclear` is the
+/// header's word as in the file.
+pub(crate) fn write_directory_in_place(
+    storage: &dyn Storage,
+    header: &Header,
+    autoclear: u64,
+    entries: &[BitmapEntry],
+) -> BitmapResult<()> {
+    use crate::features::AUTOCLEAR_BITMAPS;
+    use crate::header::field::AUTOCLEAR_FEATURES;
+    use crate::header_area::write_word;
+    // Where the header read last says it is (not a cached location
+    // a failed store may have left stale).
+    let Some(ext) = bitmaps_extension(header) else {
+        return Ok(());
+    };
+    let bytes = crate::bitmaps::directory::encode_directory(entries);
+    if bytes.len() as u64 != ext.directory_size {
+        return Err(ErrorKind::InvalidArgument(
+            "the bitmap directory changed size".into(),
+        ));
+    }
+    write_word(storage, AUTOCLEAR_FEATURES, autoclear & !AUTOCLEAR_BITMAPS)?;
+    storage.write_at(&bytes, ext.directory_offset)?;
+    storage.sync()?;
+    write_word(storage, AUTOCLEAR_FEATURES, autoclear | AUTOCLEAR_BITMAPS)?;
+    Ok(())
 }
 
 /// QEMU's rules for a bitmap name.

@@ -9,8 +9,11 @@ mod dirty_bits;
 pub(crate) mod kept;
 mod table;
 
-pub(crate) use directory::{encode_directory, BitmapEntry};
-pub(crate) use table::{data_for_image, dirty_ranges, encode_table, ranges_in_window, word_window};
+pub(crate) use directory::{encode_directory, read_directory, BitmapEntry};
+pub(crate) use table::{
+    data_clusters, data_for_image, dirty_ranges, encode_table, ranges_in_window, read_entries,
+    word_window, ENTRY_OFFSET,
+};
 
 pub use directory::{describe_bitmaps, BitmapInfo};
 pub use table::{read_dirty_ranges, read_dirty_ranges_in, BitmapRead};

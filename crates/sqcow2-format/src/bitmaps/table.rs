@@ -15,7 +15,7 @@ use crate::storage::Storage;
 /// Reserved bits of a table entry (QEMU's `BME_TABLE_ENTRY_RESERVED_MASK`).
 const ENTRY_RESERVED: u64 = 0xff00_0000_0000_01fe;
 /// The data cluster's offset in a table entry.
-const ENTRY_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
+pub(crate) const ENTRY_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
 /// With no offset: the cluster reads as all ones.
 const ENTRY_ALL_ONES: u64 = 1;
 /// QEMU's limit on a bitmap's data, all its clusters together
@@ -106,7 +106,7 @@ pub(crate) fn ranges_in_window(
 
 /// The entries of bitmap `entry`'s table, checked as QEMU's
 /// `bitmap_table_load` and `load_bitmap_data` check them.
-fn read_entries(
+pub(crate) fn read_entries(
     header: &Header,
     storage: &dyn Storage,
     entry: &BitmapEntry,

@@ -3,7 +3,7 @@
 //! wholly past it released (the header's L1 size stays, as QEMU leaves
 //! it), the refcounts lowered and the file cut after its last used
 //! cluster. The partial cluster at the new end keeps its bytes, as in
-//! QEMU.
+//! QEMU. Persistent bitmaps shrink with the disk.
 //!
 //! Crash order: the new size is durable first, so every later step only
 //! changes what lies past the end; mappings are dropped before refcounts
@@ -12,6 +12,8 @@
 
 use std::path::Path;
 
+use crate::bitmaps::kept::write_directory_in_place;
+use crate::bitmaps::{data_clusters, read_directory, read_entries, BitmapEntry, ENTRY_OFFSET};
 use crate::check::{check_storage, CheckReport, Repair};
 use crate::closed::ClosedImage;
 use crate::entry::{COPIED, OFFSET_MASK};
@@ -38,11 +40,15 @@ pub fn shrink(path: &Path, size: u64, locking: Locking) -> Result<Shrunk, Error>
     let (ClosedImage { storage, header }, ()) =
         ClosedImage::open(path, locking, |h| refuse(h, size))?;
     let file_len = storage.len().map_err(io)?;
+    // In use before the size changes (a crash leaves them inconsistent,
+    // as QEMU's), consistent again at the new size after.
+    let bitmaps = ShrinkingBitmaps::mark_in_use(&*storage, &header).map_err(e)?;
     storage
         .write_at(&size.to_be_bytes(), field::SIZE as u64)
         .and_then(|()| storage.sync())
         .map_err(io)?;
     drop_mappings_past(&*storage, &header, size).map_err(e)?;
+    bitmaps.store_at(&*storage, &header, size).map_err(e)?;
     let after = check_storage(path, storage.clone(), Repair::Leaks)?;
     if after.corruptions > 0 || after.check_errors > 0 || after.leaks > 0 {
         return Err(e(ErrorKind::InvalidArgument(format!(
@@ -76,10 +82,78 @@ fn refuse(header: &Header, size: u64) -> Result<(), ErrorKind> {
     if header.version == Version::V2 && header.nb_snapshots > 0 {
         return Err(ErrorKind::Unsupported(Feature::ResizeV2WithSnapshots));
     }
-    if header.has_bitmaps() {
-        return Err(ErrorKind::Unsupported(Feature::ShrinkWithBitmaps));
-    }
     Ok(())
+}
+
+/// An image's bitmaps through a shrink, as QEMU shrinks them with the
+/// disk (`bdrv_dirty_bitmap_truncate`): marked in use first, then each
+/// table cut to the new size in place (the bits past the new end
+/// cleared in the last data cluster kept) and the directory naming the
+/// shorter tables with the bitmaps consistent again. The clusters past
+/// the cut are left to the leak repair that ends the shrink.
+struct ShrinkingBitmaps {
+    entries: Vec<BitmapEntry>,
+}
+
+impl ShrinkingBitmaps {
+    /// Refused, nothing written, if one is inconsistent (QEMU's words).
+    fn mark_in_use(storage: &dyn Storage, header: &Header) -> Result<Self, ErrorKind> {
+        let entries = read_directory(header, storage)?;
+        if let Some(b) = entries.iter().find(|b| b.in_use) {
+            return Err(ErrorKind::InvalidArgument(format!(
+                "Bitmap '{}' is inconsistent and cannot be used\n\
+                 Try block-dirty-bitmap-remove to delete this bitmap from disk",
+                b.name
+            )));
+        }
+        if !entries.is_empty() {
+            let in_use: Vec<BitmapEntry> = entries
+                .iter()
+                .map(|b| BitmapEntry {
+                    in_use: true,
+                    ..b.clone()
+                })
+                .collect();
+            write_directory_in_place(storage, header, header.features.autoclear, &in_use)?;
+        }
+        Ok(ShrinkingBitmaps { entries })
+    }
+
+    /// Cuts each table to a disk of `size` bytes; `header` as before the
+    /// shrink.
+    fn store_at(self, storage: &dyn Storage, header: &Header, size: u64) -> Result<(), ErrorKind> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        let cs = header.geometry.cluster_size();
+        let mut cut = Vec::with_capacity(self.entries.len());
+        for e in self.entries {
+            let bits = size.div_ceil(e.granularity());
+            let kept = data_clusters(bits, cs);
+            let table = read_entries(header, storage, &e)?;
+            // The last data cluster kept: its bits past the end cleared.
+            let bits_per_cluster = cs * 8;
+            let last = kept.checked_sub(1).and_then(|k| table.get(k as usize));
+            let offset = last.map_or(0, |t| t & ENTRY_OFFSET);
+            if offset != 0 && bits % bits_per_cluster != 0 {
+                let mut data = vec![0u8; cs as usize];
+                storage.read_at(&mut data, offset)?;
+                let from = (bits % bits_per_cluster) as usize;
+                if from % 8 != 0 {
+                    data[from / 8] &= (1u8 << (from % 8)) - 1;
+                }
+                data[from.div_ceil(8)..].fill(0);
+                storage.write_at(&data, offset)?;
+            }
+            cut.push(BitmapEntry {
+                table_size: kept as u32,
+                ..e
+            });
+        }
+        storage.sync()?;
+        write_directory_in_place(storage, header, header.features.autoclear, &cut)?;
+        Ok(())
+    }
 }
 
 /// Makes every whole cluster at or past `size` unallocated in the active
