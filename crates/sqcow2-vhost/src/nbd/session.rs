@@ -4,7 +4,7 @@
 //! guest's).
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sqcow2_format::Chain;
@@ -60,7 +60,7 @@ impl Target {
 /// other client and the guest go on).
 pub(crate) fn serve(
     reader: impl Read,
-    writer: impl Write,
+    writer: impl Write + Send,
     shared: &Arc<Shared>,
     export: &Export,
 ) -> std::io::Result<()> {
@@ -276,21 +276,60 @@ fn errno_of(e: &sqcow2_format::Error) -> u32 {
     }
 }
 
+/// Requests of one client served at a time at most (as many as a
+/// backup tool keeps in flight on one connection to reach the disk's
+/// parallelism; replies go out in the order they finish).
+const WORKERS: usize = 8;
+
+/// The transmission phase: requests read here in order (a write's data
+/// with it), served by [`WORKERS`] threads, each reply written whole.
+/// Ends at a disconnect (requests read before it are answered first), a
+/// broken request, or a client gone.
 fn transmission(
     r: &mut impl Read,
-    w: &mut impl Write,
+    w: &mut (impl Write + Send),
     shared: &Shared,
     export: &Export,
     n: &Negotiated,
 ) -> std::io::Result<()> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Vec<u8>)>(WORKERS);
+    let rx = Mutex::new(rx);
+    let out = Mutex::new(Replies { w, failed: None });
+    let read = std::thread::scope(|s| {
+        for _ in 0..WORKERS {
+            s.spawn(|| loop {
+                let next = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                let Ok((req, payload)) = next else { break };
+                let outcome = answer(shared, export, n, &req, &payload);
+                out.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .send(n, &req, outcome);
+            });
+        }
+        let read = read_requests(r, &tx, &out);
+        drop(tx);
+        read
+    });
+    let failed = out
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+        .failed;
+    match failed {
+        // The client left before its replies: the connection is done.
+        Some(_) => Ok(()),
+        None => read,
+    }
+}
+
+/// Reads requests and hands them to the workers until a disconnect, an
+/// error, or the client is gone.
+fn read_requests(
+    r: &mut impl Read,
+    tx: &std::sync::mpsc::SyncSender<(Request, Vec<u8>)>,
+    out: &Mutex<Replies<'_, impl Write>>,
+) -> std::io::Result<()> {
     loop {
         let req = wire::read_request(r)?;
-        let size = n.target.chain(shared).virtual_size();
-        let writable = n.target.writable(export);
-        let in_range = req
-            .offset
-            .checked_add(u64::from(req.len))
-            .is_some_and(|end| end <= size);
         let mut payload = Vec::new();
         if req.cmd == Cmd::Write {
             if req.len > wire::MAX_PAYLOAD {
@@ -300,67 +339,115 @@ fn transmission(
             payload.resize(req.len as usize, 0);
             r.read_exact(&mut payload)?;
         }
-        let outcome: Result<Reply, (u32, String)> = match req.cmd {
-            Cmd::Disconnect => return Ok(()),
-            _ if !in_range && req.cmd != Cmd::Flush => {
-                Err((wire::EINVAL, "beyond the end of the export".into()))
-            }
-            Cmd::Read if req.len > wire::MAX_PAYLOAD => Err((wire::EINVAL, "read too long".into())),
-            Cmd::Read => read(shared, &n.target, &req),
-            Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !writable => {
-                Err((wire::EPERM, "the export is read-only".into()))
-            }
-            Cmd::Write => change(shared, &req, |c| c.write_at(&payload, req.offset)),
-            Cmd::Trim => change(shared, &req, |c| c.discard(req.offset, u64::from(req.len))),
-            Cmd::Flush if !writable => Ok(Reply::Done),
-            Cmd::WriteZeroes if req.flags & wire::CMD_FLAG_FAST_ZERO != 0 => {
-                Err((wire::ENOTSUP, "no fast zeroing".into()))
-            }
-            Cmd::WriteZeroes => change(shared, &req, |c| {
-                c.write_zeroes(
-                    req.offset,
-                    u64::from(req.len),
-                    req.flags & wire::CMD_FLAG_NO_HOLE == 0,
-                )
-            }),
-            Cmd::Flush => on_chain(shared, &n.target, |c| c.flush())
-                .map_err(|e| (e, "refused".into()))
-                .and_then(|r| {
-                    r.map(|()| Reply::Done)
-                        .map_err(|e| (errno_of(&e), e.to_string()))
-                }),
-            Cmd::Cache => Ok(Reply::Done),
-            Cmd::BlockStatus if !n.structured || n.contexts.is_empty() => {
-                Err((wire::EINVAL, "no metadata context selected".into()))
-            }
-            Cmd::BlockStatus => block_status(shared, &req, n),
-            Cmd::Unknown(_) => Err((wire::EINVAL, "unknown command".into())),
-        };
-        match outcome {
-            Ok(Reply::Done) if n.structured => wire::done(w, req.cookie)?,
-            Ok(Reply::Done) => wire::simple_reply(w, req.cookie, 0, &[])?,
-            Ok(Reply::Data(data)) if n.structured => {
-                if data.is_empty() {
-                    wire::done(w, req.cookie)?
-                } else if req.flags & wire::CMD_FLAG_DF == 0 && data.iter().all(|&b| b == 0) {
-                    wire::hole_chunk(w, req.cookie, true, req.offset, req.len)?
-                } else {
-                    wire::data_chunk(w, req.cookie, true, req.offset, &data)?
-                }
-            }
-            Ok(Reply::Data(data)) => wire::simple_reply(w, req.cookie, 0, &data)?,
-            Ok(Reply::Status(chunks)) => {
-                let last = chunks.len().saturating_sub(1);
-                for (k, (id, extents)) in chunks.iter().enumerate() {
-                    wire::status_chunk(w, req.cookie, k == last, *id, extents)?;
-                }
-            }
-            Err((errno, message)) if n.structured => {
-                wire::error_chunk(w, req.cookie, errno, &message)?
-            }
-            Err((errno, _)) => wire::simple_reply(w, req.cookie, errno, &[])?,
+        if req.cmd == Cmd::Disconnect {
+            return Ok(());
         }
-        w.flush()?;
+        let gone = out
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .failed
+            .is_some();
+        if gone || tx.send((req, payload)).is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// The client's replies: written one whole reply at a time; the first
+/// failure (the client gone) ends the writing.
+struct Replies<'w, W: Write> {
+    w: &'w mut W,
+    failed: Option<std::io::Error>,
+}
+
+impl<W: Write> Replies<'_, W> {
+    fn send(&mut self, n: &Negotiated, req: &Request, outcome: Result<Reply, (u32, String)>) {
+        if self.failed.is_some() {
+            return;
+        }
+        let sent = write_reply(self.w, n, req, outcome).and_then(|()| self.w.flush());
+        if let Err(e) = sent {
+            self.failed = Some(e);
+        }
+    }
+}
+
+/// What request `req` (a write's data in `payload`) comes to.
+fn answer(
+    shared: &Shared,
+    export: &Export,
+    n: &Negotiated,
+    req: &Request,
+    payload: &[u8],
+) -> Result<Reply, (u32, String)> {
+    let size = n.target.chain(shared).virtual_size();
+    let writable = n.target.writable(export);
+    let in_range = req
+        .offset
+        .checked_add(u64::from(req.len))
+        .is_some_and(|end| end <= size);
+    match req.cmd {
+        Cmd::Disconnect => Ok(Reply::Done),
+        _ if !in_range && req.cmd != Cmd::Flush => {
+            Err((wire::EINVAL, "beyond the end of the export".into()))
+        }
+        Cmd::Read if req.len > wire::MAX_PAYLOAD => Err((wire::EINVAL, "read too long".into())),
+        Cmd::Read => read(shared, &n.target, req),
+        Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !writable => {
+            Err((wire::EPERM, "the export is read-only".into()))
+        }
+        Cmd::Write => change(shared, req, |c| c.write_at(payload, req.offset)),
+        Cmd::Trim => change(shared, req, |c| c.discard(req.offset, u64::from(req.len))),
+        Cmd::Flush if !writable => Ok(Reply::Done),
+        Cmd::WriteZeroes if req.flags & wire::CMD_FLAG_FAST_ZERO != 0 => {
+            Err((wire::ENOTSUP, "no fast zeroing".into()))
+        }
+        Cmd::WriteZeroes => change(shared, req, |c| {
+            c.write_zeroes(
+                req.offset,
+                u64::from(req.len),
+                req.flags & wire::CMD_FLAG_NO_HOLE == 0,
+            )
+        }),
+        Cmd::Flush => on_engine(shared, &n.target, |c| c.flush()).map(|()| Reply::Done),
+        Cmd::Cache => Ok(Reply::Done),
+        Cmd::BlockStatus if !n.structured || n.contexts.is_empty() => {
+            Err((wire::EINVAL, "no metadata context selected".into()))
+        }
+        Cmd::BlockStatus => block_status(shared, req, n),
+        Cmd::Unknown(_) => Err((wire::EINVAL, "unknown command".into())),
+    }
+}
+
+/// Writes the reply to `req` (not flushed).
+fn write_reply(
+    w: &mut impl Write,
+    n: &Negotiated,
+    req: &Request,
+    outcome: Result<Reply, (u32, String)>,
+) -> std::io::Result<()> {
+    match outcome {
+        Ok(Reply::Done) if n.structured => wire::done(w, req.cookie),
+        Ok(Reply::Done) => wire::simple_reply(w, req.cookie, 0, &[]),
+        Ok(Reply::Data(data)) if n.structured => {
+            if data.is_empty() {
+                wire::done(w, req.cookie)
+            } else if req.flags & wire::CMD_FLAG_DF == 0 && data.iter().all(|&b| b == 0) {
+                wire::hole_chunk(w, req.cookie, true, req.offset, req.len)
+            } else {
+                wire::data_chunk(w, req.cookie, true, req.offset, &data)
+            }
+        }
+        Ok(Reply::Data(data)) => wire::simple_reply(w, req.cookie, 0, &data),
+        Ok(Reply::Status(chunks)) => {
+            let last = chunks.len().saturating_sub(1);
+            for (k, (id, extents)) in chunks.iter().enumerate() {
+                wire::status_chunk(w, req.cookie, k == last, *id, extents)?;
+            }
+            Ok(())
+        }
+        Err((errno, message)) if n.structured => wire::error_chunk(w, req.cookie, errno, &message),
+        Err((errno, _)) => wire::simple_reply(w, req.cookie, errno, &[]),
     }
 }
 
@@ -370,11 +457,21 @@ enum Reply {
     Status(Vec<(u32, Vec<(u32, u32)>)>),
 }
 
+/// [`on_chain`] of engine work: the gate's refusal and the engine's
+/// errors as NBD errors.
+fn on_engine<T>(
+    shared: &Shared,
+    target: &Target,
+    work: impl FnOnce(&Chain) -> Result<T, sqcow2_format::Error>,
+) -> Result<T, (u32, String)> {
+    on_chain(shared, target, work)
+        .map_err(|e| (e, "refused".into()))?
+        .map_err(|e| (errno_of(&e), e.to_string()))
+}
+
 fn read(shared: &Shared, target: &Target, req: &Request) -> Result<Reply, (u32, String)> {
     let mut buf = vec![0u8; req.len as usize];
-    on_chain(shared, target, |c| c.read_at(&mut buf, req.offset))
-        .map_err(|e| (e, "refused".into()))?
-        .map_err(|e| (errno_of(&e), e.to_string()))?;
+    on_engine(shared, target, |c| c.read_at(&mut buf, req.offset))?;
     Ok(Reply::Data(buf))
 }
 
@@ -384,11 +481,9 @@ fn change(
     work: impl FnOnce(&Chain) -> Result<(), sqcow2_format::Error>,
 ) -> Result<Reply, (u32, String)> {
     let fua = req.flags & wire::CMD_FLAG_FUA != 0;
-    on_chain(shared, &Target::Live, |c| {
+    on_engine(shared, &Target::Live, |c| {
         work(c).and_then(|()| if fua { c.flush() } else { Ok(()) })
-    })
-    .map_err(|e| (e, "refused".into()))?
-    .map_err(|e| (errno_of(&e), e.to_string()))?;
+    })?;
     Ok(Reply::Done)
 }
 
