@@ -176,9 +176,10 @@ fn closed(c: &mut UnixStream) -> bool {
 /// header (bad magic), a client that disconnects before its 32 MiB
 /// read is answered each lose their connection alone; an oversized
 /// read, a read past the end and an unknown command get EINVAL and the
-/// connection goes on; a write to the read-only export gets EPERM. The
-/// guest sees its data, and a well-behaved client after them all reads
-/// the disk.
+/// connection goes on; a write to the read-only export gets EPERM; a
+/// client that sends 40 reads of 32 MiB and reads no reply pins at most
+/// the server's in-flight budget. The guest sees its data, and a
+/// well-behaved client after them all reads the disk.
 #[test]
 fn hostile_nbd_clients_end_alone() {
     let tmp = tempfile::tempdir().unwrap();
@@ -235,6 +236,46 @@ fn hostile_nbd_clients_end_alone() {
     r.extend_from_slice(&0u64.to_be_bytes());
     r.extend_from_slice(&(32u32 << 20).to_be_bytes());
     c.write_all(&r).unwrap();
+    drop(c);
+
+    // 40 reads of 32 MiB sent, no reply read: the server holds at most
+    // its in-flight budget for them (64 MiB), not a buffer per request.
+    let rss = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.pid())).unwrap();
+        let kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap();
+        kb << 10
+    };
+    let before = rss();
+    let mut c = go(&sock);
+    let mut reads = Vec::new();
+    for k in 0..40u64 {
+        reads.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        reads.extend_from_slice(&[0, 0, 0, 0]);
+        reads.extend_from_slice(&k.to_be_bytes());
+        reads.extend_from_slice(&0u64.to_be_bytes());
+        reads.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    }
+    c.write_all(&reads).unwrap();
+    // Until the daemon's memory settles (the replies stuck in the socket).
+    let mut last = 0;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = rss();
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let grown = rss().saturating_sub(before);
+    assert!(
+        grown < 100 << 20,
+        "a client reading no reply pinned {} MiB",
+        grown >> 20
+    );
     drop(c);
 
     // The guest, all along.

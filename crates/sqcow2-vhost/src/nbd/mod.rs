@@ -2,8 +2,9 @@
 //! the vhost-user socket: backup tools (qemu-img, nbdcopy, nbdinfo)
 //! read the disk and its block status (allocation, allocation depth,
 //! the persistent dirty bitmaps) as from qemu-nbd. One thread per
-//! client, at most `MAX_CLIENTS`; a client that breaks the protocol is
-//! disconnected, alone.
+//! client reading its requests and a few serving them, at most
+//! `MAX_CLIENTS`; a client that breaks the protocol is disconnected,
+//! alone.
 
 mod contexts;
 mod session;
@@ -65,7 +66,8 @@ pub(crate) enum NbdListener {
 #[cfg(feature = "internals")]
 pub fn serve_bytes(input: &[u8], shared: &Arc<Shared>, export: &Export) -> Vec<u8> {
     let mut out = Vec::new();
-    let _ = session::serve(input, &mut out, shared, export);
+    // One worker: replies in request order, as the input's.
+    let _ = session::serve(input, &mut out, shared, export, 1);
     out
 }
 
@@ -143,7 +145,7 @@ fn spawn_on<S: Duplex>(
                 .name("nbd-client".into())
                 .spawn(move || {
                     let ended = stream.split().and_then(|(reader, writer)| {
-                        session::serve(reader, writer, &shared, &export)
+                        session::serve(reader, writer, &shared, &export, session::WORKERS)
                     });
                     if let Err(e) = ended {
                         debug!("nbd client ended: {e}");

@@ -4,10 +4,11 @@
 //! guest's).
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
-use sqcow2_format::Chain;
+use sqcow2_format::{Chain, ExtentKind, GuestOffset};
 
 use super::contexts::Context;
 use super::wire::{self, Cmd, Fields, Request};
@@ -63,13 +64,14 @@ pub(crate) fn serve(
     writer: impl Write + Send,
     shared: &Arc<Shared>,
     export: &Export,
+    workers: usize,
 ) -> std::io::Result<()> {
     let mut w = BufWriter::new(writer);
     let mut r = BufReader::new(reader);
     let Some(negotiated) = handshake(&mut r, &mut w, shared, export)? else {
         return Ok(());
     };
-    transmission(&mut r, &mut w, shared, export, &negotiated)
+    transmission(&mut r, &mut w, shared, export, &negotiated, workers)
 }
 
 fn handshake(
@@ -276,48 +278,119 @@ fn errno_of(e: &sqcow2_format::Error) -> u32 {
     }
 }
 
-/// Requests of one client served at a time at most (as many as a
-/// backup tool keeps in flight on one connection to reach the disk's
-/// parallelism; replies go out in the order they finish).
-const WORKERS: usize = 8;
+/// Requests of one client served at a time at most (a backup tool keeps
+/// many in flight on one connection to reach the disk's parallelism;
+/// replies go out in the order they finish).
+pub(crate) const WORKERS: usize = 8;
+
+/// Bytes of data (a write's, a read's reply) one client may have in
+/// flight at a time: the reader waits for them before it reads more.
+const IN_FLIGHT_BYTES: u64 = 2 * wire::MAX_PAYLOAD as u64;
 
 /// The transmission phase: requests read here in order (a write's data
-/// with it), served by [`WORKERS`] threads, each reply written whole.
+/// with it), served by `workers` threads, each reply written whole.
 /// Ends at a disconnect (requests read before it are answered first), a
-/// broken request, or a client gone.
+/// broken request, or a client gone (its first failed reply returned).
 fn transmission(
     r: &mut impl Read,
     w: &mut (impl Write + Send),
     shared: &Shared,
     export: &Export,
     n: &Negotiated,
+    workers: usize,
 ) -> std::io::Result<()> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Vec<u8>)>(WORKERS);
-    let rx = Mutex::new(rx);
     let out = Mutex::new(Replies { w, failed: None });
+    let flow = Flow::default();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Request, Vec<u8>)>(workers);
+    let rx = Mutex::new(rx);
     let read = std::thread::scope(|s| {
-        for _ in 0..WORKERS {
-            s.spawn(|| loop {
+        // Owned here: dropped whichever way this ends, so that the
+        // workers end too and the scope's join returns.
+        let tx = tx;
+        let mut started = 0;
+        for _ in 0..workers {
+            let work = || loop {
                 let next = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
                 let Ok((req, payload)) = next else { break };
-                let outcome = answer(shared, export, n, &req, &payload);
-                out.lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .send(n, &req, outcome);
-            });
+                if !flow.gone.load(Ordering::Acquire) {
+                    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        answer(shared, export, n, &req, &payload)
+                    }))
+                    .unwrap_or_else(|_| {
+                        tracing::error!(cookie = req.cookie, "nbd: a request panicked: EIO");
+                        Err((wire::EIO, "internal error".into()))
+                    });
+                    drop(payload);
+                    let mut out = out.lock().unwrap_or_else(PoisonError::into_inner);
+                    if !out.send(n, &req, outcome) {
+                        flow.gone.store(true, Ordering::Release);
+                    }
+                }
+                flow.release(cost(&req));
+            };
+            match std::thread::Builder::new()
+                .name("nbd-worker".into())
+                .spawn_scoped(s, work)
+            {
+                Ok(_) => started += 1,
+                Err(e) => tracing::warn!("nbd: cannot start a worker: {e}"),
+            }
         }
-        let read = read_requests(r, &tx, &out);
-        drop(tx);
-        read
+        if started == 0 {
+            return Err(std::io::Error::other("no nbd worker thread could start"));
+        }
+        read_requests(r, &tx, &flow)
+        // `tx` dropped here: the workers answer what is queued and end.
     });
-    let failed = out
+    match out
         .into_inner()
         .unwrap_or_else(PoisonError::into_inner)
-        .failed;
-    match failed {
-        // The client left before its replies: the connection is done.
-        Some(_) => Ok(()),
+        .failed
+    {
+        Some(e) => Err(e),
         None => read,
+    }
+}
+
+/// Bytes request `req` holds in flight: a write's data, a read's reply.
+fn cost(req: &Request) -> u64 {
+    match req.cmd {
+        Cmd::Write | Cmd::Read if req.len <= wire::MAX_PAYLOAD => u64::from(req.len),
+        _ => 0,
+    }
+}
+
+/// What the reader and the workers of one client share.
+#[derive(Default)]
+struct Flow {
+    /// Bytes in flight (at most [`IN_FLIGHT_BYTES`]).
+    bytes: Mutex<u64>,
+    freed: Condvar,
+    /// A reply could not be written: nothing more is served.
+    gone: AtomicBool,
+}
+
+impl Flow {
+    /// Waits until `n` more bytes fit in flight, and takes them.
+    fn take(&self, n: u64) {
+        let mut bytes = self.bytes.lock().unwrap_or_else(PoisonError::into_inner);
+        while *bytes > 0 && *bytes + n > IN_FLIGHT_BYTES {
+            bytes = self
+                .freed
+                .wait(bytes)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        *bytes += n;
+    }
+
+    fn release(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let mut bytes = self.bytes.lock().unwrap_or_else(PoisonError::into_inner);
+        *bytes = bytes.saturating_sub(n);
+        drop(bytes);
+        self.freed.notify_one();
     }
 }
 
@@ -326,28 +399,28 @@ fn transmission(
 fn read_requests(
     r: &mut impl Read,
     tx: &std::sync::mpsc::SyncSender<(Request, Vec<u8>)>,
-    out: &Mutex<Replies<'_, impl Write>>,
+    flow: &Flow,
 ) -> std::io::Result<()> {
     loop {
         let req = wire::read_request(r)?;
-        let mut payload = Vec::new();
-        if req.cmd == Cmd::Write {
-            if req.len > wire::MAX_PAYLOAD {
-                // Its data cannot be skipped safely: the connection ends.
-                return Ok(());
-            }
-            payload.resize(req.len as usize, 0);
-            r.read_exact(&mut payload)?;
-        }
-        if req.cmd == Cmd::Disconnect {
+        if req.cmd == Cmd::Write && req.len > wire::MAX_PAYLOAD {
+            // Its data cannot be skipped safely: the connection ends.
             return Ok(());
         }
-        let gone = out
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .failed
-            .is_some();
-        if gone || tx.send((req, payload)).is_err() {
+        if req.cmd == Cmd::Disconnect || flow.gone.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        flow.take(cost(&req));
+        let mut payload = Vec::new();
+        if req.cmd == Cmd::Write {
+            payload.resize(req.len as usize, 0);
+            if let Err(e) = r.read_exact(&mut payload) {
+                flow.release(cost(&req));
+                return Err(e);
+            }
+        }
+        if let Err(back) = tx.send((req, payload)) {
+            flow.release(cost(&back.0 .0));
             return Ok(());
         }
     }
@@ -361,14 +434,23 @@ struct Replies<'w, W: Write> {
 }
 
 impl<W: Write> Replies<'_, W> {
-    fn send(&mut self, n: &Negotiated, req: &Request, outcome: Result<Reply, (u32, String)>) {
+    /// Writes and flushes one reply; whether the client can still be
+    /// written to.
+    fn send(
+        &mut self,
+        n: &Negotiated,
+        req: &Request,
+        outcome: Result<Reply, (u32, String)>,
+    ) -> bool {
         if self.failed.is_some() {
-            return;
+            return false;
         }
         let sent = write_reply(self.w, n, req, outcome).and_then(|()| self.w.flush());
         if let Err(e) = sent {
             self.failed = Some(e);
+            return false;
         }
+        true
     }
 }
 
@@ -387,11 +469,15 @@ fn answer(
         .checked_add(u64::from(req.len))
         .is_some_and(|end| end <= size);
     match req.cmd {
+        // (The reader ends at a disconnect: none reaches here.)
         Cmd::Disconnect => Ok(Reply::Done),
         _ if !in_range && req.cmd != Cmd::Flush => {
             Err((wire::EINVAL, "beyond the end of the export".into()))
         }
         Cmd::Read if req.len > wire::MAX_PAYLOAD => Err((wire::EINVAL, "read too long".into())),
+        Cmd::Read if n.structured && req.flags & wire::CMD_FLAG_DF == 0 => {
+            read_sparse(shared, &n.target, req)
+        }
         Cmd::Read => read(shared, &n.target, req),
         Cmd::Write | Cmd::Trim | Cmd::WriteZeroes if !writable => {
             Err((wire::EPERM, "the export is read-only".into()))
@@ -439,6 +525,21 @@ fn write_reply(
             }
         }
         Ok(Reply::Data(data)) => wire::simple_reply(w, req.cookie, 0, &data),
+        Ok(Reply::Pieces(pieces)) => {
+            let last = pieces.len().saturating_sub(1);
+            for (k, piece) in pieces.iter().enumerate() {
+                match piece {
+                    Piece::Hole(at, len) => {
+                        wire::hole_chunk(w, req.cookie, k == last, *at, *len as u32)?
+                    }
+                    Piece::Data(at, data) => wire::data_chunk(w, req.cookie, k == last, *at, data)?,
+                }
+            }
+            if pieces.is_empty() {
+                wire::done(w, req.cookie)?;
+            }
+            Ok(())
+        }
         Ok(Reply::Status(chunks)) => {
             let last = chunks.len().saturating_sub(1);
             for (k, (id, extents)) in chunks.iter().enumerate() {
@@ -454,6 +555,8 @@ fn write_reply(
 enum Reply {
     Done,
     Data(Vec<u8>),
+    /// A read's chunks, in order (structured replies only).
+    Pieces(Vec<Piece>),
     Status(Vec<(u32, Vec<(u32, u32)>)>),
 }
 
@@ -473,6 +576,54 @@ fn read(shared: &Shared, target: &Target, req: &Request) -> Result<Reply, (u32, 
     let mut buf = vec![0u8; req.len as usize];
     on_engine(shared, target, |c| c.read_at(&mut buf, req.offset))?;
     Ok(Reply::Data(buf))
+}
+
+/// A read answered in pieces (structured replies, the client allowing
+/// fragments): the ranges the chain maps as zeros or holes sent as
+/// holes without reading them, the rest read, a run of data at a time
+/// (as qemu-nbd's sparse reads).
+fn read_sparse(shared: &Shared, target: &Target, req: &Request) -> Result<Reply, (u32, String)> {
+    let end = req.offset + u64::from(req.len);
+    let pieces = on_engine(shared, target, |c| {
+        let mut pieces: Vec<Piece> = Vec::new();
+        let mut data_from: Option<u64> = None;
+        let mut pos = req.offset;
+        let flush_data = |from: u64, to: u64, pieces: &mut Vec<Piece>| {
+            let mut buf = vec![0u8; (to - from) as usize];
+            c.read_at(&mut buf, from)?;
+            pieces.push(Piece::Data(from, buf));
+            Ok::<(), sqcow2_format::Error>(())
+        };
+        while pos < end {
+            let e = c.resolve(GuestOffset(pos), end - pos, false)?;
+            let n = e.len.clamp(1, end - pos);
+            if let ExtentKind::Zero { .. } = e.kind {
+                if let Some(from) = data_from.take() {
+                    flush_data(from, pos, &mut pieces)?;
+                }
+                match pieces.last_mut() {
+                    Some(Piece::Hole(_, len)) => *len += n,
+                    _ => pieces.push(Piece::Hole(pos, n)),
+                }
+            } else if data_from.is_none() {
+                data_from = Some(pos);
+            }
+            pos += n;
+        }
+        if let Some(from) = data_from {
+            flush_data(from, end, &mut pieces)?;
+        }
+        Ok(pieces)
+    })?;
+    Ok(Reply::Pieces(pieces))
+}
+
+/// One chunk of a read's structured reply.
+enum Piece {
+    /// Zeros at a guest offset, that long.
+    Hole(u64, u64),
+    /// Data at a guest offset.
+    Data(u64, Vec<u8>),
 }
 
 fn change(
