@@ -254,6 +254,11 @@ fn on_chain<T>(shared: &Shared, target: &Target, work: impl FnOnce(&Chain) -> T)
     if let Target::Frozen(chain) = target {
         return Ok(work(chain));
     }
+    // Waits for a pause to end polling, from 200 µs up to 10 ms apart:
+    // a switch's pause costs a request little, and the workers of every
+    // client polling through a long one (an inactive daemon) cost the
+    // pause holder and the CPU little.
+    let mut wait = Duration::from_micros(200);
     loop {
         match shared.gate().try_start() {
             Admission::Start(permit) => {
@@ -263,7 +268,10 @@ fn on_chain<T>(shared: &Shared, target: &Target, work: impl FnOnce(&Chain) -> T)
                 drop(permit);
                 return Ok(out);
             }
-            Admission::Wait => std::thread::sleep(Duration::from_micros(200)),
+            Admission::Wait => {
+                std::thread::sleep(wait);
+                wait = (wait * 2).min(Duration::from_millis(10));
+            }
             Admission::Refuse => return Err(wire::EIO),
         }
     }
