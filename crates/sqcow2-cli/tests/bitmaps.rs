@@ -45,6 +45,17 @@ fn touched(writes: &[(u64, u64)], granularity: u64, size: u64) -> Vec<Range<u64>
     out
 }
 
+/// `sqcow2 io -c CMD...` on `image`, which must succeed (the commands
+/// as qemu-io takes them).
+fn sqcow2_io(image: &Path, cmds: &[String]) {
+    let mut io = vec!["io"];
+    for c in cmds {
+        io.extend(["-c", c.as_str()]);
+    }
+    io.push(s(image));
+    common::sqcow2(&io);
+}
+
 /// Bitmaps QEMU kept (enabled at 64 KiB and 512 B granularity, the
 /// latter's data spanning many clusters; a disabled one) read back as
 /// the granules QEMU's writes, write-zeroes and discards touched; the
@@ -442,14 +453,7 @@ fn bitmaps_sqcow2_kept_read_by_qemu_as_the_ones_qemu_kept() {
     .iter()
     .map(|c| c.to_string())
     .collect();
-    let mut args = Vec::new();
-    for c in &cmds {
-        args.extend(["-c", c.as_str()]);
-    }
-    args.push(s(&ours));
-    let mut io = vec!["io"];
-    io.extend(args);
-    common::sqcow2(&io);
+    sqcow2_io(&ours, &cmds);
     qemu_io(&theirs, &cmds);
     for name in ["coarse", "fine", "off"] {
         let want = qemu_dirty_map(&theirs, name).unwrap();
@@ -1093,12 +1097,7 @@ fn resize_grows_and_shrinks_bitmaps_as_qemu_img_does() {
     .iter()
     .map(|c| c.to_string())
     .collect();
-    let mut io = vec!["io"];
-    for c in &cmds {
-        io.extend(["-c", c.as_str()]);
-    }
-    io.push(s(&ours));
-    common::sqcow2(&io);
+    sqcow2_io(&ours, &cmds);
     qemu_io(&theirs, &cmds);
     for name in ["coarse", "fine", "off"] {
         let want = qemu_dirty_map(&theirs, name).unwrap();
@@ -1120,12 +1119,7 @@ fn resize_grows_and_shrinks_bitmaps_as_qemu_img_does() {
         .iter()
         .map(|c| c.to_string())
         .collect();
-    let mut io = vec!["io"];
-    for c in &cmds {
-        io.extend(["-c", c.as_str()]);
-    }
-    io.push(s(&ours));
-    common::sqcow2(&io);
+    sqcow2_io(&ours, &cmds);
     qemu_io(&theirs, &cmds);
     common::sqcow2(&["resize", "--shrink", s(&ours), "40M"]);
     qemu_img(&["resize", "-q", "--shrink", s(&theirs), "40M"]);

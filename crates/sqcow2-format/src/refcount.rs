@@ -74,6 +74,30 @@ pub(crate) fn reserve_clusters(
     Ok(storage.reserve(offset, count << cluster_bits)?)
 }
 
+/// `n` contiguous clusters (at least one) taken one at a time from
+/// `alloc` on `state`; the first's index. Clusters skipped on the way
+/// (not following the run) are given back through `give_back`.
+pub(crate) fn contiguous_run<S, E>(
+    state: &mut S,
+    n: u64,
+    mut alloc: impl FnMut(&mut S) -> Result<u64, E>,
+    mut give_back: impl FnMut(&mut S, u64),
+) -> Result<u64, E> {
+    let mut run: Vec<u64> = Vec::new();
+    let mut skipped = Vec::new();
+    while (run.len() as u64) < n.max(1) {
+        let c = alloc(state)?;
+        if run.last().is_some_and(|&last| last + 1 != c) {
+            skipped.append(&mut run);
+        }
+        run.push(c);
+    }
+    for c in skipped {
+        give_back(state, c);
+    }
+    Ok(run[0])
+}
+
 /// How many refcount blocks and table clusters count clusters `0 ..
 /// start` and themselves, placed from cluster `start` on (blocks, then
 /// the table), with refcounts of `1 << order` bits.

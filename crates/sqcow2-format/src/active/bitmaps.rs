@@ -231,19 +231,7 @@ impl Active {
     /// `n` contiguous clusters (a table or directory of more than one);
     /// the first's index. Clusters skipped on the way are given back.
     fn alloc_run(&self, st: &mut super::state::ActiveState, n: u64) -> Result<u64, Error> {
-        let mut run: Vec<u64> = Vec::new();
-        let mut skipped = Vec::new();
-        while (run.len() as u64) < n.max(1) {
-            let c = st.alloc(true)?;
-            if run.last().is_some_and(|&last| last + 1 != c) {
-                skipped.append(&mut run);
-            }
-            run.push(c);
-        }
-        for c in skipped {
-            st.unalloc(c);
-        }
-        Ok(run[0])
+        crate::refcount::contiguous_run(st, n, |st| st.alloc(true), |st, c| st.unalloc(c))
     }
 
     /// The kept bitmaps.

@@ -57,7 +57,13 @@ fn move_table(storage: &dyn Storage, header: &Header, entries: u64) -> Result<()
         header.refcount_table_offset,
         header.refcount_table_clusters,
     )?;
-    let first = alloc_run(&mut rc, storage, clusters)?;
+    // Clusters skipped on the way given back (a failure there leaks one).
+    let first = crate::refcount::contiguous_run(
+        &mut rc,
+        clusters,
+        |rc| rc.alloc(storage),
+        |rc, c| drop(rc.unalloc(storage, c)),
+    )?;
     write_counts(storage, &mut rc)?;
     let mut table = vec![0u8; (clusters * cs) as usize];
     let old_len = u64::from(header.l1_size) * 8;
@@ -80,24 +86,6 @@ fn move_table(storage: &dyn Storage, header: &Header, entries: u64) -> Result<()
         write_counts(storage, &mut rc)?;
     }
     Ok(())
-}
-
-/// `n` contiguous clusters, counted in `rc` (not yet written); the
-/// first's index. Clusters skipped on the way are given back.
-fn alloc_run(rc: &mut Refcounts, storage: &dyn Storage, n: u64) -> Result<u64, ErrorKind> {
-    let mut run: Vec<u64> = Vec::new();
-    let mut skipped = Vec::new();
-    while (run.len() as u64) < n.max(1) {
-        let c = rc.alloc(storage)?;
-        if run.last().is_some_and(|&last| last + 1 != c) {
-            skipped.append(&mut run);
-        }
-        run.push(c);
-    }
-    for c in skipped {
-        rc.unalloc(storage, c)?;
-    }
-    Ok(run[0])
 }
 
 /// Writes what changed in `rc` durably: blocks, then the table (and the
