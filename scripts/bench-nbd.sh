@@ -2,7 +2,10 @@
 # nbdcopy of a whole disk from `sqcow2 serve --nbd` and from qemu-nbd
 # on the same chains of 1 and 1000 layers (`sqcow2 gen-chain`, SIZE
 # default 1G, half the clusters written), ROUNDS rounds with the two in
-# turn; what a backup tool's full backup costs.
+# turn; what a backup tool's full backup costs. Then, on the same
+# server, `nbdinfo --map=qemu:allocation-depth` of the whole disk (page
+# cache dropped again; qemu-nbd with -A), timed, and whether both
+# servers' maps are equal.
 #
 #   scripts/bench-nbd.sh [ROUNDS]   (default 3)
 #
@@ -16,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 . scripts/lib/bench.sh
-ensure_commands qemu-img:qemu-utils qemu-nbd:qemu-utils nbdcopy:libnbd-bin
+ensure_commands qemu-img:qemu-utils qemu-nbd:qemu-utils nbdcopy:libnbd-bin nbdinfo:libnbd-bin
 
 rounds=${1:-3}
 out=${OUT:-/tmp/sqcow2-bench-nbd}
@@ -40,17 +43,25 @@ copy() {
   if [ "$server" = sqcow2 ]; then
     "$sq" serve --socket v.sock --nbd "unix:$PWD/n.sock" "$top" 2>>sqcow2.log &
   else
-    qemu-nbd -r -t --aio=io_uring --shared=8 -f qcow2 -k "$PWD/n.sock" "$top" 2>>qemu-nbd.log &
+    qemu-nbd -r -t -A --aio=io_uring --shared=8 -f qcow2 -k "$PWD/n.sock" "$top" 2>>qemu-nbd.log &
   fi
   local pid=$!
   wait_socket n.sock
   t0=$(date +%s.%N)
   nbdcopy "nbd+unix:///?socket=$PWD/n.sock" null:
   t1=$(date +%s.%N)
+  # The allocation-depth map, the images' page cache dropped again.
+  drop_cache "$dir"
+  local m0 m1 msecs
+  m0=$(date +%s.%N)
+  nbdinfo --map=qemu:allocation-depth "nbd+unix:///?socket=$PWD/n.sock" >"map-$server-$layers.txt"
+  m1=$(date +%s.%N)
   kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
   mbs=$(python3 -c "print(round($(numfmt --from=iec "$size") / 1e6 / ($t1 - $t0), 1))")
+  msecs=$(python3 -c "print(round($m1 - $m0, 3))")
   printf '%s\t%s\t%s\t%s\n' "$server" "$layers" "$round" "$mbs" >> results.tsv
-  echo "  $server $layers layers round $round: $mbs MB/s" >&2
+  printf '%s\t%s\t%s\t%s\n' "$server" "$layers" "$round" "$msecs" >> maps.tsv
+  echo "  $server $layers layers round $round: $mbs MB/s, depth map $msecs s" >&2
 }
 
 for layers in 1 1000; do
@@ -83,3 +94,22 @@ for layers in ("1", "1000"):
     b = statistics.median(med[("qemu-nbd", layers)])
     print(f"| {layers} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
 EOF
+
+python3 - maps.tsv <<'EOF'
+import statistics, sys
+rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
+med = {}
+for server, layers, _, secs in rows:
+    med.setdefault((server, layers), []).append(float(secs))
+print()
+print("| layers | depth map, sqcow2 s | qemu-nbd s | qemu-nbd / sqcow2 |")
+print("| ---: | ---: | ---: | ---: |")
+for layers in ("1", "1000"):
+    a = statistics.median(med[("sqcow2", layers)])
+    b = statistics.median(med[("qemu-nbd", layers)])
+    print(f"| {layers} | {a:.3f} | {b:.3f} | {b / a:.1f} |")
+EOF
+for layers in 1 1000; do
+  if cmp -s "map-sqcow2-$layers.txt" "map-qemu-nbd-$layers.txt"; then same=yes; else same=NO; fi
+  echo "allocation-depth maps equal at $layers layers: $same"
+done
