@@ -13,7 +13,7 @@ use crate::closed::ClosedImage;
 use crate::error::{Error, ErrorKind, Feature};
 use crate::header::{field, Header, Version, MAX_L1_BYTES};
 use crate::lock::Locking;
-use crate::refcount::{RefcountSnapshot, Refcounts};
+use crate::refcount::Refcounts;
 use crate::storage::Storage;
 
 /// Moves the L1 table of the closed image at `path` to new clusters that
@@ -64,7 +64,7 @@ fn move_table(storage: &dyn Storage, header: &Header, entries: u64) -> Result<()
         |rc| rc.alloc(storage),
         |rc, c| drop(rc.unalloc(storage, c)),
     )?;
-    write_counts(storage, &mut rc)?;
+    super::write_counts(storage, &mut rc)?;
     let mut table = vec![0u8; (clusters * cs) as usize];
     let old_len = u64::from(header.l1_size) * 8;
     if header.l1_table_offset != 0 {
@@ -83,37 +83,7 @@ fn move_table(storage: &dyn Storage, header: &Header, entries: u64) -> Result<()
         for c in old..old + old_len.div_ceil(cs) {
             rc.unalloc(storage, c)?;
         }
-        write_counts(storage, &mut rc)?;
-    }
-    Ok(())
-}
-
-/// Writes what changed in `rc` durably: blocks, then the table (and the
-/// header's pointer to it, if it moved), each synced; a moved table's
-/// old clusters freed after.
-fn write_counts(storage: &dyn Storage, rc: &mut Refcounts) -> Result<(), ErrorKind> {
-    let snap: RefcountSnapshot = rc.dirty_snapshot();
-    snap.write_blocks(storage)?;
-    storage.sync()?;
-    snap.write_table(storage)?;
-    storage.sync()?;
-    if let Some((offset, clusters)) = snap.moved_to() {
-        let mut fields = [0u8; 12];
-        fields[..8].copy_from_slice(&offset.to_be_bytes());
-        fields[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
-        storage.write_at(&fields, field::REFCOUNT_TABLE_OFFSET as u64)?;
-        storage.sync()?;
-    }
-    rc.mark_written(&snap);
-    let freed = rc.take_pending_frees();
-    if !freed.is_empty() {
-        for c in freed {
-            rc.unalloc(storage, c)?;
-        }
-        let snap = rc.dirty_snapshot();
-        snap.write_blocks(storage)?;
-        storage.sync()?;
-        rc.mark_written(&snap);
+        super::write_counts(storage, &mut rc)?;
     }
     Ok(())
 }

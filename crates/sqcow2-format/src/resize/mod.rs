@@ -9,6 +9,7 @@
 
 use crate::error::{ErrorKind, Feature};
 use crate::header::{field, Header, Version};
+use crate::refcount::{RefcountSnapshot, Refcounts};
 use crate::storage::Storage;
 
 mod l1;
@@ -87,4 +88,34 @@ pub(crate) fn grow_in_place(
     storage.write_at(&size.to_be_bytes(), field::SIZE as u64)?;
     storage.sync()?;
     Ok(need32)
+}
+
+/// Writes what changed in `rc`, a closed image's refcounts, durably:
+/// blocks, then the table (and the header's pointer to it, if it
+/// moved), each synced; a moved table's old clusters freed after.
+fn write_counts(storage: &dyn Storage, rc: &mut Refcounts) -> Result<(), ErrorKind> {
+    let snap: RefcountSnapshot = rc.dirty_snapshot();
+    snap.write_blocks(storage)?;
+    storage.sync()?;
+    snap.write_table(storage)?;
+    storage.sync()?;
+    if let Some((offset, clusters)) = snap.moved_to() {
+        let mut fields = [0u8; 12];
+        fields[..8].copy_from_slice(&offset.to_be_bytes());
+        fields[8..].copy_from_slice(&(clusters as u32).to_be_bytes());
+        storage.write_at(&fields, field::REFCOUNT_TABLE_OFFSET as u64)?;
+        storage.sync()?;
+    }
+    rc.mark_written(&snap);
+    let freed = rc.take_pending_frees();
+    if !freed.is_empty() {
+        for c in freed {
+            rc.unalloc(storage, c)?;
+        }
+        let snap = rc.dirty_snapshot();
+        snap.write_blocks(storage)?;
+        storage.sync()?;
+        rc.mark_written(&snap);
+    }
+    Ok(())
 }

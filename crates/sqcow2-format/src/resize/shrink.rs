@@ -200,7 +200,9 @@ fn drop_mappings_past(storage: &dyn Storage, header: &Header, size: u64) -> Resu
             )?),
         };
         let copy = rc.alloc(storage)? << g.cluster_bits;
-        rc.write_blocks(storage)?;
+        // Counted durably, with any refcount block (and the table naming
+        // it) the allocation placed, before anything names the copy.
+        super::write_counts(storage, rc)?;
         storage.write_at(&l2, copy)?;
         storage.sync()?;
         storage.write_at(&(copy | COPIED).to_be_bytes(), l1_at)?;
