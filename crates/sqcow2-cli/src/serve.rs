@@ -9,9 +9,10 @@ use sqcow2_vhost::{Polling, ServeOptions};
 /// Arguments of `sqcow2 serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// The vhost-user socket to create.
-    #[arg(long)]
-    socket: PathBuf,
+    /// The vhost-user socket to create (optional with --nbd: the disk is
+    /// then served over NBD only).
+    #[arg(long, required_unless_present = "nbd")]
+    socket: Option<PathBuf>,
     /// Export read-only (the device reports VIRTIO_BLK_F_RO).
     #[arg(long)]
     read_only: bool,

@@ -519,3 +519,62 @@ fn a_point_in_time_export_reads_the_disk_as_at_the_snapshot() {
     );
     assert_eq!(&live[1 << 20..(1 << 20) + 4], &[0x22; 4]);
 }
+
+/// `serve --nbd` alone, with no vhost-user socket: the export reads as
+/// qemu-img reads the chain, a SIGTERM ends the daemon cleanly (exit 0,
+/// the image checks clean); without `--nbd`, `--socket` is required.
+#[test]
+fn an_nbd_export_alone_without_a_vhost_user_socket() {
+    /// Killed if the test fails while it runs.
+    struct Served(std::process::Child);
+    impl Drop for Served {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let top = d.join("top.qcow2");
+    qemu_create(&top, "cluster_size=65536", "32M");
+    qemu_io(&top, &["write -P 4 1M 3M".into()]);
+    let expected = common::qemu_raw(&top, d);
+    let sock = d.join("n.sock");
+    let log = d.join("serve.log");
+    let nbd = format!("unix:{}", sock.display());
+    let mut served = Served(
+        Command::new(common::sqcow2_bin())
+            .args(["serve", "--nbd", &nbd, s(&top)])
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !sock.exists() {
+        let exited = served.0.try_wait().unwrap();
+        assert!(
+            exited.is_none(),
+            "{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        assert!(std::time::Instant::now() < deadline, "no NBD socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let data = raw_over_nbd(&sock, &d.join("out.raw"));
+    assert!(data == expected, "the export differs from qemu-img's read");
+    run(Command::new("kill").args(["-TERM", &served.0.id().to_string()]));
+    let status = served.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "{status}: {}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    common::assert_check_clean(&top);
+    let o = Command::new(common::sqcow2_bin())
+        .args(["serve", s(&top)])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--socket"));
+}

@@ -43,8 +43,9 @@ const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How to serve a chain.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// The vhost-user socket to listen on.
-    pub socket: PathBuf,
+    /// The vhost-user socket to listen on (`None`: the disk is served
+    /// over NBD only).
+    pub socket: Option<PathBuf>,
     /// Request queues offered.
     pub num_queues: u16,
     /// Largest queue the frontend may set up.
@@ -244,8 +245,14 @@ pub fn serve(
     // cleanly from now on.
     let signals = Signals::new(STOP_SIGNALS).map_err(io_err("signal handlers"))?;
     let mut made = MadeFiles(Vec::new());
-    let listener = bind(&options.socket, options.socket_mode)?;
-    made.push(&options.socket);
+    let listener = match &options.socket {
+        Some(path) => {
+            let listener = bind(path, options.socket_mode)?;
+            made.push(path);
+            Some(listener)
+        }
+        None => None,
+    };
     let control = match &options.control {
         Some(path) => {
             let control = crate::daemon::control::bind(path, options.socket_mode)
@@ -316,8 +323,8 @@ fn start_and_run(
     shared: Arc<Shared>,
     control: Option<std::os::unix::net::UnixListener>,
     metrics: Option<crate::daemon::control::metrics_http::MetricsEndpoint>,
-    listener: Listener,
-    signals: Signals,
+    listener: Option<Listener>,
+    mut signals: Signals,
     options: &ServeOptions,
 ) -> Result<(), ServeError> {
     if !options.inactive {
@@ -331,6 +338,24 @@ fn start_and_run(
         crate::daemon::control::metrics_http::spawn(endpoint, shared.clone())
             .map_err(io_err("metrics thread"))?;
     }
+    let Some(listener) = listener else {
+        // No vhost-user frontend: the NBD export (and the control socket)
+        // serve until a stop signal.
+        if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+            warn!("sd_notify: {e}");
+        }
+        info!(
+            image = %shared.handle.get().top().path().display(),
+            "serving over NBD only (no vhost-user socket)"
+        );
+        loop {
+            if let Some(signal) = signals.pending().next() {
+                info!(signal, "stopping");
+                return Ok(());
+            }
+            thread::sleep(Duration::from_millis(POLL_INTERVAL_MS as u64));
+        }
+    };
     let epoll = Epoll::new().map_err(io_err("epoll"))?;
     epoll
         .ctl(
@@ -350,7 +375,7 @@ fn start_and_run(
         warn!("sd_notify: {e}");
     }
     info!(
-        socket = %options.socket.display(),
+        socket = %listener_path(options),
         image = %server.shared.handle.get().top().path().display(),
         "ready for a vhost-user frontend"
     );
@@ -538,6 +563,15 @@ impl Server {
 enum SessionEnd {
     Disconnected,
     Stop,
+}
+
+/// The vhost-user socket's path, for the log.
+fn listener_path(options: &ServeOptions) -> String {
+    options
+        .socket
+        .as_deref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
 }
 
 /// Whether `handle`'s thread ends within `timeout`.
