@@ -81,32 +81,30 @@ for round in $(seq "$rounds"); do
   done
 done
 
-python3 - results.tsv <<'EOF'
-import statistics, sys
-rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
-med = {}
-for server, layers, _, mbs in rows:
-    med.setdefault((server, layers), []).append(float(mbs))
+python3 - <<'EOF'
+import statistics
+
+
+def medians(path):
+    med = {}
+    for line in open(path).read().split("\n"):
+        if line:
+            server, layers, _, value = line.split("\t")
+            med.setdefault((server, layers), []).append(float(value))
+    return {k: statistics.median(v) for k, v in med.items()}
+
+
+copy, maps = medians("results.tsv"), medians("maps.tsv")
 print("| layers | sqcow2 MB/s | qemu-nbd MB/s | sqcow2 / qemu-nbd |")
 print("| ---: | ---: | ---: | ---: |")
 for layers in ("1", "1000"):
-    a = statistics.median(med[("sqcow2", layers)])
-    b = statistics.median(med[("qemu-nbd", layers)])
+    a, b = copy[("sqcow2", layers)], copy[("qemu-nbd", layers)]
     print(f"| {layers} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
-EOF
-
-python3 - maps.tsv <<'EOF'
-import statistics, sys
-rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
-med = {}
-for server, layers, _, secs in rows:
-    med.setdefault((server, layers), []).append(float(secs))
 print()
 print("| layers | depth map, sqcow2 s | qemu-nbd s | qemu-nbd / sqcow2 |")
 print("| ---: | ---: | ---: | ---: |")
 for layers in ("1", "1000"):
-    a = statistics.median(med[("sqcow2", layers)])
-    b = statistics.median(med[("qemu-nbd", layers)])
+    a, b = maps[("sqcow2", layers)], maps[("qemu-nbd", layers)]
     print(f"| {layers} | {a:.3f} | {b:.3f} | {b / a:.1f} |")
 EOF
 for layers in 1 1000; do
