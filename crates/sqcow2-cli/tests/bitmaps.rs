@@ -200,6 +200,39 @@ fn bitmap_data(image: &Path, name: &str) -> Vec<Option<Vec<u8>>> {
     }
 }
 
+/// A shrink of an image whose bitmap table does not fit the disk (two
+/// entries where the disk's bits take one cluster: QEMU refuses to
+/// load it) is refused before anything is written: the file is
+/// unchanged (every table is read and checked before the size is cut).
+#[test]
+fn a_shrink_with_a_malformed_bitmap_table_writes_nothing() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("disk.qcow2");
+    qemu_create(&image, "", "64M");
+    qemu_img(&["bitmap", "--add", s(&image), "b0"]);
+    qemu_io(&image, &["write -P 5 0 64k".into()]);
+    let size_at = directory_offset(&image) + 8;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    f.write_all_at(&2u32.to_be_bytes(), size_at).unwrap();
+    drop(f);
+    let before = std::fs::read(&image).unwrap();
+    let out = Command::new(common::sqcow2_bin())
+        .args(["resize", "--shrink", s(&image), "32M"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a shrink over a malformed table went through"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("table of 2 entries"), "{err}");
+    assert!(std::fs::read(&image).unwrap() == before, "the file changed");
+}
+
 /// Bitmap directories QEMU refuses (an entry with an unknown flag, a
 /// granularity over or under QEMU's range, a directory past the end of
 /// the file): QEMU refuses the image; sqcow2 refuses writing it (`io`,

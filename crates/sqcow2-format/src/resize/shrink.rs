@@ -92,7 +92,9 @@ fn refuse(header: &Header, size: u64) -> Result<(), ErrorKind> {
 /// shorter tables with the bitmaps consistent again. The clusters past
 /// the cut are left to the leak repair that ends the shrink.
 struct ShrinkingBitmaps {
-    entries: Vec<BitmapEntry>,
+    /// Each bitmap with its table's entries (read and checked before
+    /// anything is written).
+    entries: Vec<(BitmapEntry, Vec<u64>)>,
 }
 
 impl ShrinkingBitmaps {
@@ -106,6 +108,12 @@ impl ShrinkingBitmaps {
                 b.name
             )));
         }
+        // Every table read and checked first: a bad one refuses the
+        // shrink with nothing written.
+        let tables = entries
+            .iter()
+            .map(|e| read_entries(header, storage, e))
+            .collect::<Result<Vec<_>, _>>()?;
         if !entries.is_empty() {
             let in_use: Vec<BitmapEntry> = entries
                 .iter()
@@ -116,7 +124,9 @@ impl ShrinkingBitmaps {
                 .collect();
             write_directory_in_place(storage, header, header.features.autoclear, &in_use)?;
         }
-        Ok(ShrinkingBitmaps { entries })
+        Ok(ShrinkingBitmaps {
+            entries: entries.into_iter().zip(tables).collect(),
+        })
     }
 
     /// Cuts each table to a disk of `size` bytes; `header` as before the
@@ -127,10 +137,9 @@ impl ShrinkingBitmaps {
         }
         let cs = header.geometry.cluster_size();
         let mut cut = Vec::with_capacity(self.entries.len());
-        for e in self.entries {
+        for (e, table) in self.entries {
             let bits = size.div_ceil(e.granularity());
             let kept = data_clusters(bits, cs);
-            let table = read_entries(header, storage, &e)?;
             // The last data cluster kept: its bits past the end cleared.
             let bits_per_cluster = cs * 8;
             let last = kept.checked_sub(1).and_then(|k| table.get(k as usize));
