@@ -56,6 +56,14 @@ fn sqcow2_io(image: &Path, cmds: &[String]) {
     common::sqcow2(&io);
 }
 
+/// The same qemu-io commands through `sqcow2 io` on `ours` and through
+/// qemu-io on `theirs`.
+fn io_both(ours: &Path, theirs: &Path, cmds: &[&str]) {
+    let cmds: Vec<String> = cmds.iter().map(|c| c.to_string()).collect();
+    sqcow2_io(ours, &cmds);
+    qemu_io(theirs, &cmds);
+}
+
 /// Bitmaps QEMU kept (enabled at 64 KiB and 512 B granularity, the
 /// latter's data spanning many clusters; a disabled one) read back as
 /// the granules QEMU's writes, write-zeroes and discards touched; the
@@ -473,21 +481,20 @@ fn bitmaps_sqcow2_kept_read_by_qemu_as_the_ones_qemu_kept() {
     // Bits QEMU set before: kept.
     qemu_io(&ours, &["write 1536M 4k".to_string()]);
     std::fs::copy(&ours, &theirs).unwrap();
-    let cmds: Vec<String> = [
-        "write -P 1 0 4k",
-        "write -P 2 1M 200k",
-        "write -P 3 70000 100",
-        "write -z 10M 64k",
-        "write -z 12M 3k",
-        "discard 20M 1M",
-        "discard 30M 1k",
-        "write -P 4 2047M 1M",
-    ]
-    .iter()
-    .map(|c| c.to_string())
-    .collect();
-    sqcow2_io(&ours, &cmds);
-    qemu_io(&theirs, &cmds);
+    io_both(
+        &ours,
+        &theirs,
+        &[
+            "write -P 1 0 4k",
+            "write -P 2 1M 200k",
+            "write -P 3 70000 100",
+            "write -z 10M 64k",
+            "write -z 12M 3k",
+            "discard 20M 1M",
+            "discard 30M 1k",
+            "write -P 4 2047M 1M",
+        ],
+    );
     for name in ["coarse", "fine", "off"] {
         let want = qemu_dirty_map(&theirs, name).unwrap();
         assert_eq!(qemu_dirty_map(&ours, name).unwrap(), want, "bitmap {name}");
@@ -1122,16 +1129,15 @@ fn resize_grows_and_shrinks_bitmaps_as_qemu_img_does() {
     std::fs::copy(&ours, &theirs).unwrap();
     common::sqcow2(&["resize", s(&ours), "+64M"]);
     qemu_img(&["resize", s(&theirs), "+64M"]);
-    let cmds: Vec<String> = [
-        "write -P 1 100M 64k",
-        "write -P 2 127M 1M",
-        "write -z 90M 4k",
-    ]
-    .iter()
-    .map(|c| c.to_string())
-    .collect();
-    sqcow2_io(&ours, &cmds);
-    qemu_io(&theirs, &cmds);
+    io_both(
+        &ours,
+        &theirs,
+        &[
+            "write -P 1 100M 64k",
+            "write -P 2 127M 1M",
+            "write -z 90M 4k",
+        ],
+    );
     for name in ["coarse", "fine", "off"] {
         let want = qemu_dirty_map(&theirs, name).unwrap();
         assert_eq!(qemu_dirty_map(&ours, name).unwrap(), want, "bitmap {name}");
@@ -1148,12 +1154,11 @@ fn resize_grows_and_shrinks_bitmaps_as_qemu_img_does() {
     // Shrunk past bits set at both sizes (the 512 B bitmap's table
     // from 8 clusters to 3, its last cluster cut in the middle): the
     // bits past the new end dropped, as qemu-img resize --shrink.
-    let cmds: Vec<String> = ["write -P 5 40900k 200k", "write -P 6 10M 4k"]
-        .iter()
-        .map(|c| c.to_string())
-        .collect();
-    sqcow2_io(&ours, &cmds);
-    qemu_io(&theirs, &cmds);
+    io_both(
+        &ours,
+        &theirs,
+        &["write -P 5 40900k 200k", "write -P 6 10M 4k"],
+    );
     common::sqcow2(&["resize", "--shrink", s(&ours), "40M"]);
     qemu_img(&["resize", "-q", "--shrink", s(&theirs), "40M"]);
     for name in ["coarse", "fine", "off"] {
