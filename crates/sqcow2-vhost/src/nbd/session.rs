@@ -329,6 +329,10 @@ fn transmission(
                         Err((wire::EIO, "internal error".into()))
                     });
                     drop(payload);
+                    // Held across the reply's socket write on purpose: the
+                    // chunks of one reply must not interleave with
+                    // another's (NBD's rule); nothing else waits on it
+                    // but the other workers' replies.
                     let mut out = out.lock().unwrap_or_else(PoisonError::into_inner);
                     if !out.send(n, &req, outcome) {
                         flow.gone.store(true, Ordering::Release);
