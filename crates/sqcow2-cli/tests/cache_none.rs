@@ -186,3 +186,41 @@ fn cache_none_allocating_tables_leave_the_page_cache_alone() {
     );
     assert_check_clean(&img);
 }
+
+/// 4 KiB writes at depth 1, each into a cluster the top does not map, at
+/// every offset in it, over data below (a copy-on-write) and over holes:
+/// once spares are ready the queue worker moves them itself (with cache
+/// none, the read from below, then the cluster's write, through its
+/// io_uring; with writeback, those over holes). Each completes (a cluster
+/// write queued as a read completed was once never submitted: the guest
+/// waited for ever), and QEMU reads the chain as a model of the writes
+/// says.
+#[test]
+fn allocating_writes_at_depth_one_complete_and_read_as_written() {
+    for cache in ["none", "writeback"] {
+        let dir = tempfile::tempdir().unwrap();
+        let top = gen_chain(dir.path(), 2, "64M", "0.5");
+        let mut model = qemu_raw(&top, dir.path());
+        // No polling: the worker sleeps as soon as it has nothing to do,
+        // so only its own submit hands a queued write to the kernel.
+        let args = ["--cache", cache, "--poll-us", "0"];
+        let mut daemon = Daemon::start(dir.path(), &top, &args);
+        let mut c = connect_retry(&daemon, 1, false);
+        for i in 0..300u64 {
+            let off = i * 3 * 65536 + (i % 16) * 4096;
+            let data = vec![(i % 250) as u8 + 1; 4096];
+            c.write(off, &data);
+            model[off as usize..off as usize + 4096].copy_from_slice(&data);
+        }
+        c.flush();
+        drop(c);
+        daemon.stop();
+        assert_check_clean(&top);
+        let after = qemu_raw(&top, dir.path());
+        assert!(
+            after == model,
+            "--cache {cache}: QEMU reads other bytes at {:?}",
+            after.iter().zip(&model).position(|(a, b)| a != b)
+        );
+    }
+}

@@ -846,7 +846,9 @@ fn sigterm_with_requests_in_flight_drains_and_flushes() {
     let mut in_flight = model.clone();
     queue_writes(&mut client, 1, &mut in_flight);
     for k in 0..N {
-        let ptr = (base + (N + k % 8) * LEN / 8) as *mut u8;
+        // Past the writes' buffers: a write in flight may still read its
+        // buffer (from guest memory, as a virtio device does).
+        let ptr = (base + N * LEN + (k % 8) * LEN / 8) as *mut u8;
         client.queues[0].read(
             (k * LEN) as u64,
             ptr,

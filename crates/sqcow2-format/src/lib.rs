@@ -74,9 +74,9 @@ pub use bitmaps::{
 };
 pub use chain::bitmaps::{BitmapStatus, PersistentBitmaps};
 pub use chain::{
-    backing_path_of, Chain, ChainOptions, Diagnostics, Durability, Extent, ExtentKind, Handover,
-    InPlaceTarget, IndexView, Installed, PreparedTop, ReadExtent, TransferHold, Transfers,
-    DEFAULT_MAX_LAYERS,
+    backing_path_of, AllocatingWrite, Chain, ChainOptions, ClusterCopy, CopyRead, Diagnostics,
+    Durability, Extent, ExtentKind, Handover, InPlaceTarget, IndexView, Installed, Linked,
+    MovedClaim, PreparedTop, ReadExtent, TransferHold, Transfers, DEFAULT_MAX_LAYERS,
 };
 pub use direct::CacheMode;
 pub use entry::CompressedDescriptor;

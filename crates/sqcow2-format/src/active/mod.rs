@@ -21,6 +21,7 @@ mod claim;
 mod flush;
 mod held_table;
 pub(crate) mod journal;
+mod moved;
 mod open;
 mod overlap;
 mod plan;
@@ -43,8 +44,8 @@ use crate::types::{GuestOffset, HostOffset};
 
 use flush::Durability;
 pub(crate) use open::{end_journal, pending_journal, replay_journal, CacheLink};
-pub(crate) use plan::Zeroing;
-use plan::{Allocation, AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
+pub(crate) use plan::{Allocation, Zeroing};
+use plan::{AllocationKind, NewClusterOrigin, WritePlan, ZeroOutcome, ALL_ALLOC};
 use spares::Spares;
 use state::{ActiveState, InPlace, Residency, TopFile};
 
@@ -95,6 +96,9 @@ pub(crate) struct Active {
     background_write_back: bool,
     /// An early write-back is due and left to the caller.
     write_back_due: AtomicBool,
+    /// A refill of the spares was asked of a caller that may write
+    /// ([`Active::link_moved`]) and has not run yet.
+    refill_asked: AtomicBool,
     /// When this top was opened, the origin of `last_flush_ms`.
     opened: Instant,
     /// When the last flush began, in ms since `opened` plus one (0: none
@@ -141,6 +145,7 @@ impl Active {
             journal_broken: AtomicBool::new(false),
             background_write_back: false,
             write_back_due: AtomicBool::new(false),
+            refill_asked: AtomicBool::new(false),
             opened: Instant::now(),
             last_flush_ms: AtomicU64::new(0),
             durable_first: Mutex::new(None),
@@ -305,6 +310,17 @@ impl Active {
     fn write_state(&self) -> Result<RwLockWriteGuard<'_, ActiveState>, Error> {
         self.check_failed()?;
         self.lock_unpoisoned()
+    }
+
+    /// [`Active::write_state`] if no one holds the lock now (`None`).
+    fn try_write_state(&self) -> Result<Option<RwLockWriteGuard<'_, ActiveState>>, Error> {
+        self.check_failed()?;
+        match self.state.try_write() {
+            Ok(st) => Ok(Some(st)),
+            Err(std::sync::TryLockError::WouldBlock) => Ok(None),
+            // Poisoned: refused as `write_state` refuses it.
+            Err(std::sync::TryLockError::Poisoned(_)) => self.lock_unpoisoned().map(Some),
+        }
     }
 
     /// The exclusive lock, unless a panic poisoned it (the engine fails).
@@ -841,10 +857,11 @@ impl Active {
     /// space and zeroed outside it (by one caller at a time; the others go
     /// on without). Those that cannot be prepared (a full filesystem) are
     /// given back.
-    fn refill_spares(&self) {
+    pub(crate) fn refill_spares(&self) {
         let Ok(_maker) = self.spare_maker.try_lock() else {
             return;
         };
+        self.refill_asked.store(false, Ordering::Release);
         let wanted = match self.write_state() {
             Ok(mut st) => st.take_refill(),
             Err(_) => Vec::new(),
@@ -1255,7 +1272,16 @@ struct Filled {
 
 impl Claim<'_> {
     /// Links the written cluster into the mapping.
-    fn commit(mut self, filled: Filled, changed: &MappingChanged) -> Result<(), Error> {
+    fn commit(self, filled: Filled, changed: &MappingChanged) -> Result<(), Error> {
+        let active = self.active;
+        let over = self.link(filled, changed)?;
+        active.after_settle(over);
+        Ok(())
+    }
+
+    /// [`Claim::commit`] but for what the tables under change need then
+    /// ([`Active::after_settle`]), which it returns.
+    fn link(mut self, filled: Filled, changed: &MappingChanged) -> Result<Residency, Error> {
         let active = self.active;
         let mut st = active.write_state()?;
         st.commit(&self.alloc, filled.bitmap)
@@ -1281,8 +1307,7 @@ impl Claim<'_> {
         active.write_state_anyway().end_settled_claim(&self.alloc);
         self.stage = ClaimStage::Settled;
         self.alloc.cell.end();
-        active.after_settle(over);
-        Ok(())
+        Ok(over)
     }
 }
 

@@ -119,6 +119,20 @@ impl Spares {
         spare
     }
 
+    /// Whether a spare is ready to be taken.
+    pub(crate) fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Whether [`Spares::refill_wanted`] would prepare clusters now (it
+    /// decides; this only tells a caller that cannot refill to ask one
+    /// that can).
+    pub(crate) fn refill_due(&self) -> bool {
+        self.wanted
+            && self.target > 0
+            && (self.next == NextRefill::TopUp || self.ready.len() <= self.target / 2)
+    }
+
     /// How many clusters to prepare now (0: none): when allocations asked
     /// for spares and at most half of the pool is left; at most
     /// [`MAX_REFILL_BYTES`] of them unless asked ahead.

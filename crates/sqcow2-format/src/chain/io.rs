@@ -56,7 +56,7 @@ impl Chain {
         Ok(())
     }
 
-    fn check_ticket(&self, ticket: &TransferTicket) -> Result<(), Error> {
+    pub(super) fn check_ticket(&self, ticket: &TransferTicket) -> Result<(), Error> {
         if ticket.is_from(&self.fence) {
             Ok(())
         } else {

@@ -262,11 +262,6 @@ impl Chain {
         self.mirror.store(None);
     }
 
-    #[cfg(test)]
-    pub(crate) fn mirroring(&self) -> bool {
-        self.mirror.load().is_some()
-    }
-
     /// The mark an in-place write of `[offset, offset + len)` must hold:
     /// `Ok(None)` without a mirror, `Err(())` when the mirror wants the
     /// write through [`Chain::write_at`].
@@ -286,6 +281,11 @@ impl Chain {
                 m.fail(format!("flushing the base: {e}"));
             }
         }
+    }
+
+    /// Whether a live commit's mirror runs.
+    pub(crate) fn mirroring(&self) -> bool {
+        self.mirror.load().is_some()
     }
 
     /// Mirrors a change the guest made (no-op without a mirror).

@@ -8,6 +8,7 @@ mod covering;
 pub(crate) mod drain;
 mod io;
 pub(crate) mod mirror;
+mod moved;
 mod open;
 mod range_holds;
 mod resolved;
@@ -33,6 +34,7 @@ pub(crate) use covering::backing_name as backing_name_of;
 pub use covering::Installed;
 pub use drain::TransferHold;
 pub use io::{InPlaceTarget, ReadExtent};
+pub use moved::{AllocatingWrite, ClusterCopy, CopyRead, Linked, MovedClaim};
 pub use successor::PreparedTop;
 pub use walk::backing_path_of;
 

@@ -558,6 +558,14 @@ impl BlkBackend {
             .get(thread)
             .is_some_and(|w| lock(w).pending.iter().any(|p| *p))
     }
+
+    /// Submits transfers of `thread`'s ring that a failed submit left
+    /// queued; whether some still wait.
+    fn submit_left(&self, thread: usize) -> bool {
+        self.workers
+            .get(thread)
+            .is_some_and(|w| lock(w).worker.submit_left())
+    }
 }
 
 /// What a worker thread waits for, each with its own poll window.
@@ -818,6 +826,10 @@ fn run(
                 }
                 break;
             }
+        }
+        if backend.submit_left(thread) {
+            // No completion may come to wake it: try again soon.
+            timeout = BRIEF_SLEEP_MS;
         }
         retry_stop = timeout == BRIEF_SLEEP_MS;
         if backend.has_pending(thread) {

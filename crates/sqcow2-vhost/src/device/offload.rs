@@ -237,6 +237,7 @@ type PersistRequest = (Option<ReturnAddress>, Persist);
 pub(crate) struct Offload {
     jobs: Arc<JobQueue<Job>>,
     flushes: Option<Sender<PersistRequest>>,
+    asked: Arc<CheckpointAsked>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -334,14 +335,14 @@ impl Offload {
         }
         // Started last, so that it is joined after the engine threads,
         // which may still hand it publishes.
-        threads.push(
-            std::thread::Builder::new()
-                .name("flusher".into())
-                .spawn(move || flusher(flush_rx, handle, panics, &asked))?,
-        );
+        threads.push(std::thread::Builder::new().name("flusher".into()).spawn({
+            let asked = asked.clone();
+            move || flusher(flush_rx, handle, panics, &asked)
+        })?);
         Ok(Offload {
             jobs,
             flushes: Some(flushes),
+            asked,
             threads,
         })
     }
@@ -364,6 +365,27 @@ impl Offload {
                 publish,
             })
             .map_err(|job| job.reply)
+    }
+
+    /// What follows a mapping change a worker made itself, as after an
+    /// engine thread's job: a write-back found due is asked of the
+    /// flusher; a journaled change asks for a checkpoint. Returns whether
+    /// the change must be published before its request completes
+    /// ([`Persist::Publish`], the worker's to ask).
+    pub(crate) fn after_worker_change(&self, chain: &Chain) -> bool {
+        let Some(flushes) = &self.flushes else {
+            return chain.durability().needs_publish();
+        };
+        if chain.durability().take_write_back_due() {
+            let _ = flushes.send((None, Persist::WriteBack));
+        }
+        if chain.durability().needs_publish() {
+            return true;
+        }
+        if self.asked.ask() {
+            let _ = flushes.send((None, Persist::Checkpoint));
+        }
+        false
     }
 
     /// Flushes or publishes the chain; the result goes to `reply` (those

@@ -62,6 +62,53 @@ struct RingOp {
     /// The aligned buffer a direct transfer of unaligned guest memory
     /// goes through.
     bounce: Option<Bounce>,
+    /// The worker's own buffer the entry's lies in.
+    _own: Option<Arc<OwnBuffer>>,
+    /// A read that ends short leaves zeros (its buffer was zeroed): done.
+    short_reads_zeros: bool,
+}
+
+/// A buffer of the worker's own that several transfers of one request
+/// use (a copy-on-write's cluster: reads into disjoint parts of it, then
+/// one write of it all). Nothing reads or changes it through Rust while
+/// transfers use it: they see it through `base`.
+pub(crate) struct OwnBuffer {
+    _buf: AlignedBuf,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `base` points into `buf`, which this owns (kept only so that
+// it is freed with this); the kernel writes through it only while the
+// `Arc` held by the operation keeps it alive.
+unsafe impl Send for OwnBuffer {}
+// SAFETY: shared references never touch the bytes (see the type's doc).
+unsafe impl Sync for OwnBuffer {}
+
+impl OwnBuffer {
+    /// Shares `buf` (filled as needed before) with the transfers to come.
+    pub(crate) fn share(mut buf: AlignedBuf) -> Arc<Self> {
+        let len = buf.as_slice().len();
+        let base = buf.as_mut_ptr();
+        Arc::new(OwnBuffer {
+            _buf: buf,
+            base,
+            len,
+        })
+    }
+
+    /// Its length (the bytes are not looked at).
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl std::fmt::Debug for OwnBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnBuffer")
+            .field("len", &self.len())
+            .finish()
+    }
 }
 
 /// A direct transfer's aligned stand-in for guest memory (`cache=none`):
@@ -78,6 +125,32 @@ struct Bounce {
 // operation holds an `Arc` of, so it stays valid wherever the operation
 // goes; only the thread that reaps the operation writes through it.
 unsafe impl Send for Bounce {}
+
+/// The submission entry of a transfer of `len` bytes at `ptr` from or to
+/// `fd` at `host`; straight to io_uring's workers unless the file's
+/// filesystem can try it without blocking (`nowait`).
+fn entry(
+    direction: Direction,
+    fd: i32,
+    ptr: *mut u8,
+    len: u32,
+    host: u64,
+    nowait: bool,
+) -> squeue::Entry {
+    let entry = match direction {
+        Direction::Read => opcode::Read::new(types::Fd(fd), ptr, len)
+            .offset(host)
+            .build(),
+        Direction::Write => opcode::Write::new(types::Fd(fd), ptr, len)
+            .offset(host)
+            .build(),
+    };
+    if nowait {
+        entry
+    } else {
+        entry.flags(squeue::Flags::ASYNC)
+    }
+}
 
 /// A worker's ring and the eventfd its completions signal.
 pub(crate) struct Ring {
@@ -174,19 +247,7 @@ impl Ring {
                 });
             }
         }
-        let entry = match direction {
-            Direction::Read => opcode::Read::new(types::Fd(fd), ptr, len)
-                .offset(host)
-                .build(),
-            Direction::Write => opcode::Write::new(types::Fd(fd), ptr, len)
-                .offset(host)
-                .build(),
-        };
-        let entry = if file.nowait {
-            entry
-        } else {
-            entry.flags(squeue::Flags::ASYNC)
-        };
+        let entry = entry(direction, fd, ptr, len, host, file.nowait);
         let op = RingOp {
             slot,
             len,
@@ -195,6 +256,55 @@ impl Ring {
             _file: file,
             _mem: mem.clone(),
             bounce,
+            _own: None,
+            short_reads_zeros: false,
+        };
+        self.push(op, done)
+    }
+
+    /// Queues one transfer of `len` bytes at `at` in `own` from or to
+    /// `file` at `host`, for the request in `slot` (whose guest memory
+    /// `mem` the operation keeps, as every operation does). Direct where
+    /// the file has an `O_DIRECT` description that fits, else through the
+    /// page cache; a read that ends short is done (the rest stays zeros).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn queue_own(
+        &mut self,
+        slot: usize,
+        direction: Direction,
+        file: PinnedFile,
+        host: u64,
+        own: &Arc<OwnBuffer>,
+        at: usize,
+        len: usize,
+        mem: &Arc<GuestMem>,
+        done: &mut Vec<RingCompletion>,
+    ) -> io::Result<()> {
+        let end = at.checked_add(len).filter(|&e| e <= own.len());
+        let (Some(_), Ok(n)) = (end, u32::try_from(len)) else {
+            return Err(io::Error::other("transfer outside its buffer"));
+        };
+        // SAFETY: `at + len` lies within the buffer (checked above).
+        let ptr = unsafe { own.base.add(at) };
+        let fd = match file
+            .direct
+            .as_deref()
+            .filter(|d| d.fits(host, len as u64) && d.mem_fits(ptr as usize))
+        {
+            Some(direct) => direct.file.as_raw_fd(),
+            None => file.file.as_raw_fd(),
+        };
+        let entry = entry(direction, fd, ptr, n, host, file.nowait);
+        let op = RingOp {
+            slot,
+            len: n,
+            entry,
+            retries: 0,
+            _file: file,
+            _mem: mem.clone(),
+            bounce: None,
+            _own: Some(own.clone()),
+            short_reads_zeros: matches!(direction, Direction::Read),
         };
         self.push(op, done)
     }
@@ -207,12 +317,15 @@ impl Ring {
         let entry = entry.user_data(key as u64);
         // SAFETY: the entry reads or writes `len` bytes at `ptr` of the
         // file `fd`. The operation kept in `self.ops[key]` owns an `Arc` of
-        // the guest memory mapping that holds `ptr..ptr + len` (checked
-        // when the slice was taken from it) and an `Arc` of the file that
-        // owns `fd`; it is removed only when its completion is reaped, so
-        // both stay valid for as long as the kernel may use them. The guest
-        // does not touch a buffer it handed over before the request
-        // completes (if it does, only its own data is garbled).
+        // what holds `ptr..ptr + len`: the guest memory mapping (checked
+        // when the slice was taken from it), its bounce buffer, or the
+        // worker's own buffer (checked in `queue_own`; the worker's other
+        // transfers use disjoint parts of it, or follow these), and an
+        // `Arc` of the file that owns `fd`; it is removed only when its
+        // completion is reaped, so both stay valid for as long as the
+        // kernel may use them. The guest does not touch a buffer it handed
+        // over before the request completes (if it does, only its own data
+        // is garbled).
         while unsafe { self.ring.submission().push(&entry) }.is_err() {
             if let Err(e) = self.ring.submit() {
                 self.ops.remove(key);
@@ -226,6 +339,16 @@ impl Ring {
     /// Hands the queued entries to the kernel.
     pub(crate) fn submit(&mut self) -> io::Result<usize> {
         self.ring.submit()
+    }
+
+    /// Submits what waits in the submission queue (a submit that failed
+    /// earlier); whether some still waits.
+    pub(crate) fn submit_left(&mut self) -> bool {
+        if self.ring.submission().is_empty() {
+            return false;
+        }
+        self.submit_logged("submitting transfers left queued");
+        !self.ring.submission().is_empty()
     }
 
     /// Submits and waits for at least one completion.
@@ -256,7 +379,7 @@ impl Ring {
             let Some(mut op) = self.ops.try_remove(user_data as usize) else {
                 continue;
             };
-            let (slot, len) = (op.slot, op.len);
+            let (slot, len, short_ok) = (op.slot, op.len, op.short_reads_zeros);
             if let Some(Bounce {
                 buf,
                 guest: Some(guest),
@@ -282,7 +405,7 @@ impl Ring {
             }
             let end = if res < 0 {
                 TransferEnd::Failed
-            } else if (res as u32) < len {
+            } else if (res as u32) < len && !short_ok {
                 TransferEnd::Short
             } else {
                 TransferEnd::Done
@@ -353,6 +476,8 @@ mod tests {
             },
             _mem: mem.clone(),
             bounce: None,
+            _own: None,
+            short_reads_zeros: false,
         };
         ring.push(op, &mut done).unwrap();
         ring.submit().unwrap();
