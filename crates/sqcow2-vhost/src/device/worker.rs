@@ -45,6 +45,15 @@ use crate::transport::vring::{add_used_tracked, Tracker};
 
 /// Largest bounce buffer handed to one engine job.
 const WRITE_CHUNK: usize = 1 << 20;
+/// Most requests in flight on a worker (the one being started included)
+/// for it to move an allocating write itself: that saves a thread
+/// hand-off, which is what a write at depth 1 waits for; with more in
+/// flight, engine threads allocating side by side do better (4 KiB
+/// writes, cache=none, fresh top, moved against engine only, interleaved:
+/// depth 1 9.8-11.0k against 8.5-10.2k IOPS; moved at up to 4 in flight,
+/// depth 4 25.3-27.6k against 28.6-33.7k; always, depth 32 80-102k
+/// against 105-112k).
+const MOVED_AT_MOST_IN_FLIGHT: usize = 1;
 /// Alignment of a copy-on-write's cluster buffer (a page: what direct
 /// transfers need, see [`sqcow2_format::direct::DirectFile`]).
 const CLUSTER_BUF_ALIGN: usize = 4096;
@@ -799,6 +808,9 @@ impl QueueWorker {
         src: &VolatileSlice<'_, ()>,
         mem: &Arc<GuestMem>,
     ) -> Result<bool, TransferError> {
+        if self.slots.len() > MOVED_AT_MOST_IN_FLIGHT {
+            return Ok(false);
+        }
         let Some(ticket) = self.slots.get(slot).and_then(|f| f.transfer.as_ref()) else {
             return Ok(false);
         };
