@@ -320,9 +320,11 @@ fn an_image_in_use_is_refused() {
 }
 
 /// A live resize: `sqcow2 resize --live` grows the disk a daemon serves
-/// (the guest's data kept), a frontend that connects next sees the new
-/// capacity and writes the new space; shrinking a served disk is refused;
-/// QEMU reads the grown chain after the daemon stops.
+/// (the guest's data kept), past what the L1 table's clusters address too
+/// (the table moves, as QEMU grows it live), a frontend that connects
+/// next sees the new capacity and writes the new space; shrinking a
+/// served disk or growing past the format's limits is refused; QEMU reads
+/// the grown chain after the daemon stops.
 #[test]
 fn a_live_resize_grows_the_served_disk() {
     use common::vhost::{connect_retry, Daemon};
@@ -341,15 +343,10 @@ fn a_live_resize_grows_the_served_disk() {
     let r: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["old-size"], 64 << 20, "{out}");
     assert_eq!(r["size"], 96 << 20, "{out}");
-    // Past what the L1 table addresses in place: refused inside the
+    // Past the format's limits (a 32 MiB L1 table): refused inside the
     // pause, the daemon answers and goes on.
-    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "5T"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("the L1 table would have to move"),
-        "{}",
-        stderr(&o)
-    );
+    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "4P"]);
+    assert!(!o.status.success(), "{}", stderr(&o));
     // Shrinking what is served: refused, the size unchanged.
     let o = sqcow2_raw(&["resize", "--live", s(&ctl), "32M"]);
     assert!(!o.status.success());
@@ -361,21 +358,30 @@ fn a_live_resize_grows_the_served_disk() {
     // The connected frontend's requests are checked against the new size.
     assert_eq!(first.try_write(80 << 20, &[0x62; 4096]), 0);
     first.flush();
+    // Past what the L1 table's cluster addresses (4 TiB at 64 KiB
+    // clusters): the table moves inside the pause.
+    let out = sqcow2(&["resize", "--live", "--output", "json", s(&ctl), "5T"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["size"], 5u64 << 40, "{out}");
+    assert_eq!(first.try_write(4u64 << 40, &[0x64; 4096]), 0);
+    first.flush();
     drop(first);
 
     let mut next = connect_retry(&daemon, 1, false);
     assert_eq!(
         next.capacity(),
-        96 << 20,
+        5u64 << 40,
         "a frontend connecting now sees the new size"
     );
     next.write(95 << 20, &vec![0x63; 1 << 20]);
+    next.write((5u64 << 40) - (1 << 20), &vec![0x65; 1 << 20]);
     next.flush();
     assert_eq!(next.read(63 << 20, 1 << 20), vec![0x61; 1 << 20]);
+    assert_eq!(next.read(4u64 << 40, 4096), vec![0x64; 4096]);
     drop(next);
     daemon.stop();
 
-    assert_eq!(virtual_size(&top), 96 << 20);
+    assert_eq!(virtual_size(&top), 5u64 << 40);
     assert_check_clean(&top);
     qemu_io(
         &top,
@@ -383,6 +389,9 @@ fn a_live_resize_grows_the_served_disk() {
             "read -P 0x61 63M 1M".to_string(),
             "read -P 0x62 80M 4k".to_string(),
             "read -P 0x63 95M 1M".to_string(),
+            "read -P 0x64 4T 4k".to_string(),
+            "read -P 0x65 5242879M 1M".to_string(),
+            "read -P 0 3T 4k".to_string(),
         ],
     );
 }
@@ -572,9 +581,9 @@ fn a_live_resize_leaves_the_journal_running() {
     let data = vec![0x22u8; 64 << 10];
     c.write(80 << 20, &data);
     assert_eq!(c.read(80 << 20, data.len()), data);
-    // A resize refused inside the pause (the L1 table would have to
-    // move) leaves the chain served as it was, its journal running too.
-    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "5T"]);
+    // A resize refused inside the pause (past the format's limits)
+    // leaves the chain served as it was, its journal running too.
+    let o = sqcow2_raw(&["resize", "--live", s(&ctl), "4P"]);
     assert!(!o.status.success());
     assert!(
         journal_running(&top),

@@ -354,7 +354,7 @@ impl TopFile {
         (done, failed)
     }
 
-    fn sync(&self) -> Result<(), Error> {
+    pub(crate) fn sync(&self) -> Result<(), Error> {
         self.storage.sync().map_err(|e| self.io(e))
     }
 

@@ -443,9 +443,10 @@ impl Active {
         self.read_state().size()
     }
 
-    /// Grows the disk to `size` bytes (more than now) where the L1 table
-    /// addresses them without moving ([`crate::resize`]): the header
-    /// written and synced, then the table in memory extended. Bitmaps are
+    /// Grows the disk to `size` bytes (more than now), the L1 table moved
+    /// first where it does not address them in its clusters
+    /// ([`Active::move_l1_locked`]): the header written and synced, then
+    /// the table in memory extended ([`crate::resize`]). Bitmaps are
     /// grown with it (QEMU's way): marked in use in the image before the
     /// size changes (a crash leaves them inconsistent, never a consistent
     /// one too small for the disk), then resized in memory: the caller
@@ -467,6 +468,11 @@ impl Active {
                 .map_err(|k| self.top.err(k))?;
             self.bitmaps_in_use_locked()?;
         }
+        let l1_move = crate::resize::plan_l1_move(&self.read_state().header, size)
+            .map_err(|k| self.top.err(k))?;
+        if let Some(entries) = l1_move {
+            self.move_l1_locked(entries)?;
+        }
         {
             let mut st = self.write_state()?;
             let l1_size = crate::resize::grow_in_place(&*self.top.storage, &st.header, size)
@@ -477,6 +483,85 @@ impl Active {
         }
         if bitmaps {
             self.bitmaps.resize(size).map_err(|k| self.top.err(k))?;
+        }
+        Ok(())
+    }
+
+    /// Moves the L1 table to new clusters that hold `entries` entries
+    /// (a grow past what it addresses where it is; QEMU's
+    /// `qcow2_grow_l1_table`). Call with the flush order held and nothing
+    /// else changing the top (offline, or the device paused). Crash order
+    /// as offline (`resize/l1.rs`): every change written back and synced
+    /// first (the table in the file is the one in memory), the new
+    /// clusters counted durably, the table written and synced, the
+    /// header's adjacent L1 size and offset switched in one synced write;
+    /// the old clusters freed and their counts written: a crash leaves
+    /// the old table or the new one named, at worst leaked clusters.
+    fn move_l1_locked(&self, entries: u64) -> Result<(), Error> {
+        self.write_back(Durability::Durable)?;
+        let top = &self.top;
+        let g = top.geometry;
+        let cs = g.cluster_size();
+        let clusters = (entries * 8).div_ceil(cs);
+        let storage = &*top.storage;
+        let io = |e: std::io::Error| top.io(e);
+        // Held across the writes and syncs on purpose: as `grow` holds
+        // it, with nothing waiting for it.
+        let mut st = self.write_state()?;
+        let first = crate::refcount::contiguous_run(
+            &mut *st,
+            clusters,
+            |st| st.alloc(true),
+            |st, c| st.unalloc(c),
+        )?;
+        for c in first..first + clusters {
+            st.metadata.insert(c);
+        }
+        let rc = st.refcounts.dirty_snapshot();
+        if let Err(e) = top.write_refcounts(&rc) {
+            st.refcounts.restore(&rc);
+            return Err(e);
+        }
+        st.refcounts_written(&rc);
+        top.sync()?;
+        let mut table = vec![0u8; (clusters * cs) as usize];
+        for (slot, entry) in table.chunks_exact_mut(8).zip(&st.l1) {
+            slot.copy_from_slice(&entry.to_be_bytes());
+        }
+        let at = first << g.cluster_bits;
+        storage.write_at(&table, at).map_err(io)?;
+        top.sync()?;
+        let entries32 = u32::try_from(entries).map_err(|_| {
+            top.err(ErrorKind::SizeTooLarge(
+                entries.saturating_mul(g.l2_coverage()),
+            ))
+        })?;
+        let mut fields = [0u8; 12];
+        fields[..4].copy_from_slice(&entries32.to_be_bytes());
+        fields[4..].copy_from_slice(&at.to_be_bytes());
+        storage
+            .write_at(&fields, crate::header::field::L1_SIZE as u64)
+            .map_err(io)?;
+        top.sync()?;
+        let (old, old_len) = (st.header.l1_table_offset, u64::from(st.header.l1_size) * 8);
+        st.header.l1_table_offset = at;
+        st.header.l1_size = entries32;
+        st.l1.resize(entries as usize, 0);
+        if old != 0 {
+            // Nothing reads the old table any more (the L1 lives in
+            // memory, and the header names the new one).
+            let first_old = old >> g.cluster_bits;
+            for c in first_old..first_old + old_len.div_ceil(cs) {
+                st.metadata.remove(c);
+                st.unalloc(c);
+            }
+            // Counted now: a write-back with no table to write would not.
+            let rc = st.refcounts.dirty_snapshot();
+            if let Err(e) = top.write_refcounts(&rc) {
+                st.refcounts.restore(&rc);
+                return Err(e);
+            }
+            st.refcounts_written(&rc);
         }
         Ok(())
     }

@@ -158,7 +158,7 @@ pub(crate) struct ActiveState {
     /// may still use their clusters (in cut order).
     pub(crate) deferred_frees: VecDeque<(FenceCut, Vec<u64>)>,
     /// Clusters holding the top's own metadata.
-    metadata: MetadataClusters,
+    pub(crate) metadata: MetadataClusters,
     pub(crate) dirty_bit_on_disk: bool,
     /// Clusters ready for allocations that need no sync before their
     /// mapping is written.

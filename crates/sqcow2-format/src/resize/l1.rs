@@ -31,7 +31,7 @@ pub fn move_l1_for(path: &Path, size: u64, locking: Locking) -> Result<(), Error
 
 /// The new table's entries, `None` when it need not move; refused as
 /// qemu-img refuses the size.
-fn plan(header: &Header, size: u64) -> Result<Option<u64>, ErrorKind> {
+pub(crate) fn plan(header: &Header, size: u64) -> Result<Option<u64>, ErrorKind> {
     super::check_new_size(size)?;
     if header.version == Version::V2 && header.nb_snapshots > 0 {
         return Err(ErrorKind::Unsupported(Feature::ResizeV2WithSnapshots));

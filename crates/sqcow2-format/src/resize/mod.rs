@@ -15,6 +15,7 @@ use crate::storage::Storage;
 mod l1;
 mod shrink;
 pub use l1::move_l1_for;
+pub(crate) use l1::plan as plan_l1_move;
 pub use shrink::shrink;
 
 /// Whether the image whose header is `header` grows to `size` bytes
