@@ -154,6 +154,83 @@ mod tests {
         all
     }
 
+    /// The live move (a served top grown past what its L1 table's clusters
+    /// address, `Active::grow`) cut short after each of its writes in
+    /// turn, the process then dead: the image checks without corruption
+    /// and reads as before; uncut, it has the new size and leaks nothing.
+    #[test]
+    fn a_live_move_cut_short_anywhere_leaves_the_image_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let pristine = dir.path().join("pristine.qcow2");
+        let size = 1u64 << 30;
+        create(
+            &pristine,
+            &CreateOptions {
+                size,
+                cluster_size: 4096,
+                ..CreateOptions::default()
+            },
+        )
+        .unwrap();
+        let options = |storage: Option<Arc<dyn Storage>>| ChainOptions {
+            writable: true,
+            locking: Locking::Off,
+            top_storage: storage,
+            ..ChainOptions::default()
+        };
+        {
+            let chain = Chain::open(&pristine, &options(None)).unwrap();
+            for (k, at) in [0u64, 300 << 20, size - 4096].into_iter().enumerate() {
+                chain.write_at(&[k as u8 + 1; 4096], at).unwrap();
+            }
+            chain.close().unwrap();
+        }
+        let want = read_all(&pristine, size);
+        let work = dir.path().join("work.qcow2");
+        for cut in 0.. {
+            std::fs::copy(&pristine, &work).unwrap();
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&work)
+                .unwrap();
+            let storage = Arc::new(DiesAfter {
+                file: FileStorage::from_writable_file(file).unwrap(),
+                left: AtomicUsize::new(usize::MAX),
+            });
+            let chain = Chain::open(&work, &options(Some(storage.clone()))).unwrap();
+            storage.left.store(cut, Ordering::SeqCst);
+            let done = chain.handover().grow_top(3 << 30).is_ok();
+            // The process dies: nothing more reaches the file.
+            storage.left.store(0, Ordering::SeqCst);
+            drop(chain);
+            drop(storage);
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&work)
+                .unwrap();
+            let check: Arc<dyn Storage> = Arc::new(FileStorage::from_writable_file(file).unwrap());
+            let report = check_storage(&work, check, Repair::None).unwrap();
+            assert_eq!(
+                (report.corruptions, report.check_errors),
+                (0, 0),
+                "cut after {cut} writes: {:?}",
+                report.messages
+            );
+            assert!(read_all(&work, size) == want, "cut after {cut} writes");
+            if done {
+                let header = Header::read(
+                    &FileStorage::from_writable_file(std::fs::File::open(&work).unwrap()).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(header.size, 3 << 30, "an uncut grow");
+                assert!(cut > 3, "the move wrote too little");
+                break;
+            }
+        }
+    }
+
     /// The L1 move cut short after each of its writes in turn: the image
     /// checks without corruption (leaks at most) and reads as before,
     /// through the old table or the new one; uncut, the new table
