@@ -154,76 +154,94 @@ mod tests {
         all
     }
 
-    /// The live move (a served top grown past what its L1 table's clusters
-    /// address, `Active::grow`) cut short after each of its writes in
-    /// turn, the process then dead: the image checks without corruption
-    /// and reads as before; uncut, it has the new size and leaks nothing.
-    #[test]
-    fn a_live_move_cut_short_anywhere_leaves_the_image_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let pristine = dir.path().join("pristine.qcow2");
-        let size = 1u64 << 30;
+    /// Size of the images the cut-short tests move the table of.
+    const SIZE: u64 = 1 << 30;
+
+    /// A 1 GiB image with 4 KiB clusters (its L1 table addresses 1 GiB
+    /// in one cluster) and three writes, in `dir`; its path and bytes.
+    fn pristine(dir: &Path) -> (std::path::PathBuf, Vec<u8>) {
+        let pristine = dir.join("pristine.qcow2");
         create(
             &pristine,
             &CreateOptions {
-                size,
+                size: SIZE,
                 cluster_size: 4096,
                 ..CreateOptions::default()
             },
         )
         .unwrap();
-        let options = |storage: Option<Arc<dyn Storage>>| ChainOptions {
-            writable: true,
-            locking: Locking::Off,
-            top_storage: storage,
-            ..ChainOptions::default()
-        };
-        {
-            let chain = Chain::open(&pristine, &options(None)).unwrap();
-            for (k, at) in [0u64, 300 << 20, size - 4096].into_iter().enumerate() {
-                chain.write_at(&[k as u8 + 1; 4096], at).unwrap();
-            }
-            chain.close().unwrap();
+        let chain = Chain::open(
+            &pristine,
+            &ChainOptions {
+                writable: true,
+                locking: Locking::Off,
+                ..ChainOptions::default()
+            },
+        )
+        .unwrap();
+        for (k, at) in [0u64, 300 << 20, SIZE - 4096].into_iter().enumerate() {
+            chain.write_at(&[k as u8 + 1; 4096], at).unwrap();
         }
-        let want = read_all(&pristine, size);
+        chain.close().unwrap();
+        let want = read_all(&pristine, SIZE);
+        (pristine, want)
+    }
+
+    fn open_rw(path: &Path) -> FileStorage {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        FileStorage::from_writable_file(file).unwrap()
+    }
+
+    /// After a move cut after `cut` writes: `work` checks without
+    /// corruption and reads as `want`; the check's report.
+    fn assert_whole(work: &Path, want: &[u8], cut: usize) -> crate::check::CheckReport {
+        let check: Arc<dyn Storage> = Arc::new(open_rw(work));
+        let report = check_storage(work, check, Repair::None).unwrap();
+        assert_eq!(
+            (report.corruptions, report.check_errors),
+            (0, 0),
+            "cut after {cut} writes: {:?}",
+            report.messages
+        );
+        assert!(read_all(work, SIZE) == want, "cut after {cut} writes");
+        report
+    }
+
+    /// The live move (a served top grown past what its L1 table's clusters
+    /// address, `Active::grow`) cut short after each of its writes in
+    /// turn, the process then dead: the image checks without corruption
+    /// and reads as before; uncut, it has the new size.
+    #[test]
+    fn a_live_move_cut_short_anywhere_leaves_the_image_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (pristine, want) = pristine(dir.path());
         let work = dir.path().join("work.qcow2");
         for cut in 0.. {
             std::fs::copy(&pristine, &work).unwrap();
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&work)
-                .unwrap();
             let storage = Arc::new(DiesAfter {
-                file: FileStorage::from_writable_file(file).unwrap(),
+                file: open_rw(&work),
                 left: AtomicUsize::new(usize::MAX),
             });
-            let chain = Chain::open(&work, &options(Some(storage.clone()))).unwrap();
+            let options = ChainOptions {
+                writable: true,
+                locking: Locking::Off,
+                top_storage: Some(storage.clone() as Arc<dyn Storage>),
+                ..ChainOptions::default()
+            };
+            let chain = Chain::open(&work, &options).unwrap();
             storage.left.store(cut, Ordering::SeqCst);
             let done = chain.handover().grow_top(3 << 30).is_ok();
             // The process dies: nothing more reaches the file.
             storage.left.store(0, Ordering::SeqCst);
             drop(chain);
             drop(storage);
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&work)
-                .unwrap();
-            let check: Arc<dyn Storage> = Arc::new(FileStorage::from_writable_file(file).unwrap());
-            let report = check_storage(&work, check, Repair::None).unwrap();
-            assert_eq!(
-                (report.corruptions, report.check_errors),
-                (0, 0),
-                "cut after {cut} writes: {:?}",
-                report.messages
-            );
-            assert!(read_all(&work, size) == want, "cut after {cut} writes");
+            assert_whole(&work, &want, cut);
             if done {
-                let header = Header::read(
-                    &FileStorage::from_writable_file(std::fs::File::open(&work).unwrap()).unwrap(),
-                )
-                .unwrap();
+                let header = Header::read(&open_rw(&work)).unwrap();
                 assert_eq!(header.size, 3 << 30, "an uncut grow");
                 assert!(cut > 3, "the move wrote too little");
                 break;
@@ -238,43 +256,12 @@ mod tests {
     #[test]
     fn a_move_cut_short_anywhere_leaves_the_image_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let pristine = dir.path().join("pristine.qcow2");
-        let size = 1u64 << 30;
-        create(
-            &pristine,
-            &CreateOptions {
-                size,
-                cluster_size: 4096,
-                ..CreateOptions::default()
-            },
-        )
-        .unwrap();
-        {
-            let chain = Chain::open(
-                &pristine,
-                &ChainOptions {
-                    writable: true,
-                    locking: Locking::Off,
-                    ..ChainOptions::default()
-                },
-            )
-            .unwrap();
-            for (k, at) in [0u64, 300 << 20, size - 4096].into_iter().enumerate() {
-                chain.write_at(&[k as u8 + 1; 4096], at).unwrap();
-            }
-            chain.close().unwrap();
-        }
-        let want = read_all(&pristine, size);
+        let (pristine, want) = pristine(dir.path());
         let work = dir.path().join("work.qcow2");
         for cut in 0.. {
             std::fs::copy(&pristine, &work).unwrap();
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&work)
-                .unwrap();
             let storage = DiesAfter {
-                file: FileStorage::from_writable_file(file).unwrap(),
+                file: open_rw(&work),
                 left: AtomicUsize::new(cut),
             };
             let header = Header::read(&storage.file).unwrap();
@@ -283,24 +270,9 @@ mod tests {
                 .expect("the table must move");
             let done = move_table(&storage, &header, entries).is_ok();
             drop(storage);
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&work)
-                .unwrap();
-            let check: Arc<dyn Storage> = Arc::new(FileStorage::from_writable_file(file).unwrap());
-            let report = check_storage(&work, check, Repair::None).unwrap();
-            assert_eq!(
-                (report.corruptions, report.check_errors),
-                (0, 0),
-                "cut after {cut} writes"
-            );
-            assert!(read_all(&work, size) == want, "cut after {cut} writes");
+            let report = assert_whole(&work, &want, cut);
             if done {
-                let header = Header::read(
-                    &FileStorage::from_writable_file(std::fs::File::open(&work).unwrap()).unwrap(),
-                )
-                .unwrap();
+                let header = Header::read(&open_rw(&work)).unwrap();
                 assert!(super::super::grows_in_place(&header, 3 << 30));
                 assert_eq!(report.leaks, 0, "an uncut move leaks nothing");
                 assert!(cut > 2, "the move wrote too little");
