@@ -64,6 +64,16 @@ impl Chain {
         }
     }
 
+    /// An I/O error of layer `index`'s file (`WouldBlock` kept as such:
+    /// a lookup that may not wait).
+    pub(super) fn layer_io(&self, index: LayerIndex, e: std::io::Error) -> Error {
+        let kind = match e.kind() {
+            std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
+            _ => e.into(),
+        };
+        Error::new(self.layers[index.0].path(), kind)
+    }
+
     /// Reads guest bytes at `offset` into `buf`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), Error> {
         self.check_range(offset, buf.len() as u64)?;
@@ -573,18 +583,11 @@ impl Transfers<'_> {
         self.chain.check_readable()?;
         let extent = self.chain.resolve(start, max, false)?;
         let file = match extent.kind {
-            ExtentKind::Data { .. } => {
-                self.chain
-                    .storage_of(extent.layer)
-                    .pinned_file()
-                    .map_err(|e| {
-                        let kind = match e.kind() {
-                            std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
-                            _ => e.into(),
-                        };
-                        Error::new(self.chain.layers[extent.layer.0].path(), kind)
-                    })?
-            }
+            ExtentKind::Data { .. } => self
+                .chain
+                .storage_of(extent.layer)
+                .pinned_file()
+                .map_err(|e| self.chain.layer_io(extent.layer, e))?,
             _ => None,
         };
         if extent.layer != self.chain.top_index() {

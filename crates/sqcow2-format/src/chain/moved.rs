@@ -256,15 +256,6 @@ impl Chain {
         Ok(Some((reads, data)))
     }
 
-    /// An I/O error of layer `index`'s file (`WouldBlock` kept as such).
-    fn layer_io(&self, index: crate::types::LayerIndex, e: std::io::Error) -> Error {
-        let kind = match e.kind() {
-            std::io::ErrorKind::WouldBlock => ErrorKind::WouldBlock,
-            _ => e.into(),
-        };
-        Error::new(self.layers[index.0].path(), kind)
-    }
-
     /// Prepares spare clusters of the top where they ran low (after
     /// [`Linked::refill_spares`]); on a thread that may wait for I/O.
     pub fn refill_spares(&self) {
