@@ -11,18 +11,34 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use sqcow2_vhost::protocol::{
-    Activity, Command, Info, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
+    Activity, Command, ExportAddRequest, ExportInfo, ExportListResult, ExportRemoved, Info,
+    PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
 };
 
 use crate::output::OutputFormat;
 use crate::readout;
 
-/// Sends one command; returns the result of a successful reply.
+/// The export requests are for (`--export-id`), set once at start.
+static EXPORT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Sets the export requests name (`--export-id`); once, at start.
+pub fn set_export(export: Option<String>) {
+    let _ = EXPORT.set(export);
+}
+
+/// Sends one command (for the export `--export-id` names, if it does);
+/// returns the result of a successful reply.
 pub fn request<T: DeserializeOwned>(control: &Path, command: Command) -> anyhow::Result<T> {
     let mut stream = UnixStream::connect(control)
         .with_context(|| format!("connecting to the control socket {}", control.display()))?;
+    let export = if command.is_daemon_command() {
+        None
+    } else {
+        EXPORT.get().cloned().flatten()
+    };
     let mut line = Request {
         id: Value::from(1),
+        export,
         command,
     }
     .to_line();
@@ -113,6 +129,101 @@ pub fn stats(args: &StatsArgs) -> anyhow::Result<()> {
         match args.watch {
             Some(s) if s > 0.0 => std::thread::sleep(Duration::from_secs_f64(s)),
             _ => return Ok(()),
+        }
+    }
+}
+
+/// `sqcow2 export ...`.
+#[derive(Debug, clap::Subcommand)]
+pub enum ExportCommand {
+    /// Serve one more chain (the daemon opens it as at its start).
+    Add {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// The export's name.
+        #[arg(long)]
+        id: String,
+        /// The vhost-user socket to create.
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        /// Export read-only.
+        #[arg(long)]
+        read_only: bool,
+        /// Request queues offered (default 1).
+        #[arg(long)]
+        num_queues: Option<u16>,
+        /// Largest virtqueue the frontend may set up (default 256).
+        #[arg(long)]
+        queue_size: Option<u16>,
+        /// Backing files must lie inside this directory.
+        #[arg(long)]
+        backing_root: Option<std::path::PathBuf>,
+        /// The daemon's control socket.
+        control: std::path::PathBuf,
+        /// The top image of the chain.
+        image: std::path::PathBuf,
+    },
+    /// Stop serving an export: its guest's requests finish, its chain is
+    /// flushed and closed clean, its socket removed.
+    Remove {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// The daemon's control socket.
+        control: std::path::PathBuf,
+        /// The export.
+        id: String,
+    },
+    /// The exports served.
+    List {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+        output: OutputFormat,
+        /// The daemon's control socket.
+        control: std::path::PathBuf,
+    },
+}
+
+pub fn export(command: &ExportCommand) -> anyhow::Result<()> {
+    match command {
+        ExportCommand::Add {
+            output,
+            id,
+            socket,
+            read_only,
+            num_queues,
+            queue_size,
+            backing_root,
+            control,
+            image,
+        } => {
+            let absolute = |p: &Path| std::path::absolute(p);
+            let r: ExportInfo = request(
+                control,
+                Command::ExportAdd(ExportAddRequest {
+                    id: id.clone(),
+                    socket: absolute(socket)?,
+                    image: absolute(image)?,
+                    read_only: *read_only,
+                    num_queues: *num_queues,
+                    queue_size: *queue_size,
+                    backing_root: backing_root.as_deref().map(absolute).transpose()?,
+                }),
+            )?;
+            print(&r, *output, |e| readout::exports(std::slice::from_ref(e)))
+        }
+        ExportCommand::Remove {
+            output,
+            control,
+            id,
+        } => {
+            let r: ExportRemoved = request(control, Command::ExportRemove { id: id.clone() })?;
+            print(&r, *output, |r| format!("removed {}\n", r.id))
+        }
+        ExportCommand::List { output, control } => {
+            let r: ExportListResult = request(control, Command::ExportList)?;
+            print(&r, *output, |r| readout::exports(&r.exports))
         }
     }
 }

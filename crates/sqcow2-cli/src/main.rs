@@ -63,6 +63,10 @@ struct Cli {
     /// log collectors).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// The export a command sent to a daemon's control socket is for,
+    /// when the daemon serves several (`serve --export ...,id=ID`).
+    #[arg(long, global = true, value_name = "ID")]
+    export_id: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -104,6 +108,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Statistics of a running `sqcow2 serve` (through its control socket).
     Stats(live::StatsArgs),
+    /// Add, remove or list the exports of a running `sqcow2 serve`
+    /// (through its control socket).
+    #[command(subcommand)]
+    Export(live::ExportCommand),
     /// Make a `sqcow2 serve` active: take the image locks, reload the
     /// chain, serve (the destination of a handover; fails while another
     /// process holds the chain).
@@ -428,6 +436,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => index_cmds::run_snapshot(&top, &new, index, progress, output, locking)
             .map(|()| ExitCode::SUCCESS),
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
+        Command::Export(command) => live::export(&command).map(|()| ExitCode::SUCCESS),
         Command::Activate { output, control } => {
             live::set_active(&control, true, output).map(|()| ExitCode::SUCCESS)
         }
@@ -539,6 +548,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    live::set_export(cli.export_id.clone());
     // A daemon reports what it does; one-shot commands only what went wrong.
     let default_level = match cli.command {
         Command::Serve(_) => "info",

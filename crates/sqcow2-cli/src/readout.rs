@@ -5,7 +5,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use sqcow2_vhost::protocol::{
-    Activity, IndexMode, Info, MergeCounters, MergeState, SnapshotResult, Stats,
+    Activity, ExportInfo, IndexMode, Info, MergeCounters, MergeState, SnapshotResult, Stats,
 };
 
 use crate::output::human_size;
@@ -65,6 +65,34 @@ pub fn activity(r: &Activity) -> String {
     } else {
         "inactive: the image locks are released; requests wait\n".into()
     }
+}
+
+/// `export list` / `export add`: one line per export.
+pub fn exports(exports: &[ExportInfo]) -> String {
+    let mut out = String::new();
+    for e in exports {
+        let _ = writeln!(
+            out,
+            "{}: {} ({} layers{}) on {}, {}",
+            e.id,
+            name(&e.image),
+            e.layers,
+            if e.read_only { ", read-only" } else { "" },
+            e.socket
+                .as_deref()
+                .map(name)
+                .unwrap_or_else(|| "no socket".into()),
+            if e.frontend_connected {
+                "a frontend connected"
+            } else {
+                "no frontend"
+            }
+        );
+    }
+    if exports.is_empty() {
+        out.push_str("no exports\n");
+    }
+    out
 }
 
 /// `info --live`.

@@ -3,16 +3,27 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use sqcow2_format::{Chain, ChainOptions};
-use sqcow2_vhost::{Polling, ServeOptions};
+use sqcow2_format::ChainOptions;
+use sqcow2_vhost::{ExportSpec, Polling, ServeOptions};
 
 /// Arguments of `sqcow2 serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// The vhost-user socket to create (optional with --nbd: the disk is
     /// then served over NBD only).
-    #[arg(long, required_unless_present = "nbd")]
+    #[arg(long, required_unless_present_any = ["nbd", "export"], conflicts_with = "export")]
     socket: Option<PathBuf>,
+    /// One export of several served by this daemon, as
+    /// `socket=PATH,image=PATH[,id=NAME][,read-only=on][,num-queues=N]
+    /// [,queue-size=N][,backing-root=DIR]` (a comma in a value doubled,
+    /// as QEMU's); repeated for each disk. The other options apply to
+    /// every export. Instead of --socket and IMAGE.
+    #[arg(long, value_name = "KEY=VALUE,...")]
+    export: Vec<String>,
+    /// Most exports served at a time (those added over the control
+    /// socket past it are refused).
+    #[arg(long, default_value_t = sqcow2_vhost::MAX_EXPORTS)]
+    max_exports: usize,
     /// Export read-only (the device reports VIRTIO_BLK_F_RO).
     #[arg(long)]
     read_only: bool,
@@ -96,8 +107,9 @@ pub struct ServeArgs {
     /// page cache; flushes still sync), `writeback` goes through it.
     #[arg(long, value_enum, default_value_t = Cache::Writeback)]
     cache: Cache,
-    /// The top image of the chain.
-    image: PathBuf,
+    /// The top image of the chain (the single-export form).
+    #[arg(required_unless_present = "export", conflicts_with = "export")]
+    image: Option<PathBuf>,
 }
 
 /// `--cache`.
@@ -107,21 +119,7 @@ enum Cache {
     None,
 }
 
-/// Smallest cluster of a top served with `--cache none`: a cluster
-/// never shares a page with another, so the page cache (sub-sector
-/// metadata words) and direct writes (data) never meet in one page.
-const MIN_DIRECT_CLUSTER: u64 = 4096;
-
 pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
-    if !(1..=64).contains(&args.num_queues) {
-        bail!("--num-queues must be between 1 and 64");
-    }
-    if !args.queue_size.is_power_of_two() || args.queue_size < 2 {
-        bail!("--queue-size must be a power of two, at least 2");
-    }
-    if args.queues_per_thread == 0 {
-        bail!("--queues-per-thread must be at least 1");
-    }
     let engine_threads = args.engine_threads.unwrap_or(match args.cache {
         Cache::Writeback => sqcow2_vhost::DEFAULT_ENGINE_THREADS,
         Cache::None => sqcow2_vhost::DEFAULT_DIRECT_ENGINE_THREADS,
@@ -133,74 +131,26 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         .ok()
         .filter(|m| *m <= 0o777)
         .with_context(|| format!("--socket-mode {}: not an octal mode", args.socket_mode))?;
-    let backing_root = match &args.backing_root {
-        Some(dir) => dir.clone(),
-        None => match args.image.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        },
-    };
-    // The top itself lies inside the root too (its side files are made
-    // beside its file): a top whose name points elsewhere is refused.
-    let real_top = std::fs::canonicalize(&args.image)
-        .with_context(|| format!("{}: cannot resolve", args.image.display()))?;
-    let real_root = std::fs::canonicalize(&backing_root)
-        .with_context(|| format!("{}: cannot resolve", backing_root.display()))?;
-    if !real_top.starts_with(&real_root) {
+    anyhow::ensure!(
+        args.inactive_timeout.is_finite() && args.inactive_timeout >= 0.0,
+        "--inactive-timeout must be a number of seconds"
+    );
+    let exports = exports(args)?;
+    if exports.len() > args.max_exports {
         bail!(
-            "{}: lies outside the backing root {} (its file is {}): pass --backing-root",
-            args.image.display(),
-            real_root.display(),
-            real_top.display()
+            "{} exports given, more than --max-exports {}",
+            exports.len(),
+            args.max_exports
         );
     }
     let chain_options = ChainOptions {
-        writable: !args.read_only,
-        backing_root: Some(backing_root),
-        // The flusher thread writes tables back when they are due; no
-        // guest write waits for it.
-        background_write_back: true,
         cache: match args.cache {
             Cache::Writeback => sqcow2_format::CacheMode::WriteBack,
             Cache::None => sqcow2_format::CacheMode::None,
         },
         ..options.clone()
     };
-    let opened = if args.inactive {
-        ChainOptions {
-            writable: false,
-            inactive: true,
-            ..chain_options.clone()
-        }
-    } else {
-        chain_options.clone()
-    };
-    let chain = Chain::open(&args.image, &opened)?;
-    if args.cache == Cache::None && chain.cluster_size() < MIN_DIRECT_CLUSTER {
-        bail!(
-            "{}: --cache none needs clusters of at least {MIN_DIRECT_CLUSTER} bytes (this image has {})",
-            args.image.display(),
-            chain.cluster_size()
-        );
-    }
-    if opened.writable {
-        // What killed snapshots and merges left beside the top (their
-        // temporary files, recognised by their headers, no longer made by
-        // anyone): removed, in the top's directory as the chain opened it
-        // (inside the backing root); nothing else is touched.
-        if let Err(e) = chain.remove_leftovers_beside_top() {
-            tracing::warn!(error = %e, "could not look for what killed operations left");
-        }
-    }
-    anyhow::ensure!(
-        args.inactive_timeout.is_finite() && args.inactive_timeout >= 0.0,
-        "--inactive-timeout must be a number of seconds"
-    );
     let serve = ServeOptions {
-        socket: args.socket.clone(),
-        num_queues: args.num_queues,
-        queue_size: args.queue_size,
-        queues_per_thread: args.queues_per_thread,
         socket_mode,
         pidfile: args.pidfile.clone(),
         control: args.control.clone(),
@@ -216,19 +166,177 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         },
         realtime_pause: !args.no_realtime_pause,
         metrics: args.metrics.clone(),
-        nbd: match &args.nbd {
-            Some(spec) => Some((
-                sqcow2_vhost::nbd::NbdAddress::parse(spec).ok_or_else(|| {
-                    anyhow::anyhow!("--nbd takes unix:PATH or tcp:HOST:PORT (got {spec:?})")
-                })?,
-                sqcow2_vhost::nbd::Export {
-                    name: args.nbd_name.clone(),
-                    writable: args.nbd_writable,
-                },
-            )),
-            None => None,
-        },
+        backing_root: args.backing_root.clone(),
+        max_exports: args.max_exports,
     };
-    sqcow2_vhost::serve(chain, chain_options, &serve)
-        .with_context(|| format!("serving {}", args.image.display()))
+    let what = match (&args.image, exports.as_slice()) {
+        (Some(image), _) => image.display().to_string(),
+        (None, [one]) => one.image.display().to_string(),
+        (None, all) => format!("{} exports", all.len()),
+    };
+    sqcow2_vhost::serve(exports, chain_options, &serve).with_context(|| format!("serving {what}"))
+}
+
+/// The exports asked for: the single-export form's, or each `--export`.
+fn exports(args: &ServeArgs) -> anyhow::Result<Vec<ExportSpec>> {
+    if !(1..=64).contains(&args.num_queues) {
+        bail!("--num-queues must be between 1 and 64");
+    }
+    if !args.queue_size.is_power_of_two() || args.queue_size < 2 {
+        bail!("--queue-size must be a power of two, at least 2");
+    }
+    if args.queues_per_thread == 0 {
+        bail!("--queues-per-thread must be at least 1");
+    }
+    let defaults = |id: String, image: PathBuf| ExportSpec {
+        socket: None,
+        read_only: args.read_only,
+        num_queues: args.num_queues,
+        queue_size: args.queue_size,
+        queues_per_thread: args.queues_per_thread,
+        backing_root: args.backing_root.clone(),
+        ..ExportSpec::new(id, image)
+    };
+    let nbd = match &args.nbd {
+        Some(spec) => Some((
+            sqcow2_vhost::nbd::NbdAddress::parse(spec).ok_or_else(|| {
+                anyhow::anyhow!("--nbd takes unix:PATH or tcp:HOST:PORT (got {spec:?})")
+            })?,
+            sqcow2_vhost::nbd::Export {
+                name: args.nbd_name.clone(),
+                writable: args.nbd_writable,
+            },
+        )),
+        None => None,
+    };
+    if let Some(image) = &args.image {
+        return Ok(vec![ExportSpec {
+            socket: args.socket.clone(),
+            nbd,
+            ..defaults("disk0".into(), image.clone())
+        }]);
+    }
+    let mut specs = Vec::new();
+    for (n, text) in args.export.iter().enumerate() {
+        let spec = parse_export(text, |image| defaults(format!("disk{n}"), image))
+            .with_context(|| format!("--export {text}"))?;
+        if let Some(other) = specs.iter().find(|o: &&ExportSpec| o.id == spec.id) {
+            bail!(
+                "--export {text}: the id {} is taken by {}",
+                spec.id,
+                other.image.display()
+            );
+        }
+        if let Some(other) = specs.iter().find(|o: &&ExportSpec| o.socket == spec.socket) {
+            bail!(
+                "--export {text}: the socket is taken by export {}",
+                other.id
+            );
+        }
+        specs.push(spec);
+    }
+    match (nbd, specs.as_mut_slice()) {
+        (None, _) => {}
+        (Some(nbd), [one]) => one.nbd = Some(nbd),
+        (Some(_), _) => bail!("--nbd serves one disk: give it with a single export"),
+    }
+    Ok(specs)
+}
+
+/// `KEY=VALUE,...` of one `--export` (a comma in a value doubled); `with`
+/// makes the spec from the image, with the daemon-wide defaults.
+fn parse_export(
+    text: &str,
+    with: impl FnOnce(PathBuf) -> ExportSpec,
+) -> anyhow::Result<ExportSpec> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for item in split_keyval(text) {
+        let Some((key, value)) = item.split_once('=') else {
+            bail!("{item:?} is not KEY=VALUE");
+        };
+        if keys.iter().any(|(k, _)| k == key) {
+            bail!("{key} given twice");
+        }
+        keys.push((key.to_owned(), value.to_owned()));
+    }
+    let take = |name: &str| keys.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let image = take("image").context("image=PATH is missing")?;
+    let mut spec = with(PathBuf::from(image));
+    spec.socket = Some(PathBuf::from(
+        take("socket").context("socket=PATH is missing")?,
+    ));
+    for (key, value) in &keys {
+        let number = |what: &str| {
+            value
+                .parse::<u16>()
+                .with_context(|| format!("{what}={value}: not a number"))
+        };
+        match key.as_str() {
+            "image" | "socket" => {}
+            "id" => spec.id = value.clone(),
+            "read-only" => {
+                spec.read_only = match value.as_str() {
+                    "on" | "true" | "yes" => true,
+                    "off" | "false" | "no" => false,
+                    _ => bail!("read-only={value}: on or off"),
+                }
+            }
+            "num-queues" => spec.num_queues = number("num-queues")?,
+            "queue-size" => spec.queue_size = number("queue-size")?,
+            "backing-root" => spec.backing_root = Some(PathBuf::from(value)),
+            other => bail!(
+                "unknown key {other:?} (socket, image, id, read-only, num-queues, queue-size, backing-root)"
+            ),
+        }
+    }
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// Splits `a=1,b=x,,y` at single commas (`,,` is a comma in a value).
+fn split_keyval(text: &str) -> Vec<String> {
+    let mut items = vec![String::new()];
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' if chars.peek() == Some(&',') => {
+                chars.next();
+                items.last_mut().expect("one item").push(',');
+            }
+            ',' => items.push(String::new()),
+            c => items.last_mut().expect("one item").push(c),
+        }
+    }
+    items
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(text: &str) -> anyhow::Result<ExportSpec> {
+        parse_export(text, |image| ExportSpec::new("d", image))
+    }
+
+    #[test]
+    fn export_keys_parse_as_qemu_keyvals() {
+        let s =
+            spec("socket=/r/a.sock,image=/i/a,,b.qcow2,id=vm1,read-only=on,num-queues=4").unwrap();
+        assert_eq!(s.image, PathBuf::from("/i/a,b.qcow2"));
+        assert_eq!(s.socket, Some(PathBuf::from("/r/a.sock")));
+        assert_eq!((s.id.as_str(), s.read_only, s.num_queues), ("vm1", true, 4));
+        for bad in [
+            "socket=/a,image=/b,colour=red",
+            "socket=/a,image=/b,id=x,id=y",
+            "image=/b",
+            "socket=/a",
+            "socket=/a,image=/b,num-queues=0",
+            "socket=/a,image=/b,num-queues=many",
+            "socket=/a,image=/b,id=a/b",
+            "socket=/a,image=/b,read-only=maybe",
+            "socket=/a,image=/b,flag",
+        ] {
+            assert!(spec(bad).is_err(), "{bad} accepted");
+        }
+    }
 }

@@ -24,7 +24,10 @@ mod transport;
 
 /// The control socket's messages (`docs/control-api.md`).
 pub use daemon::control::protocol;
-pub use daemon::server::{serve, ServeError, ServeOptions};
+pub use daemon::error::{AddError, ExportSpecError, ServeError};
+pub use daemon::export::ExportSpec;
+pub use daemon::exports::MAX_EXPORTS;
+pub use daemon::server::{serve, ServeOptions};
 pub use device::blk::{DEFAULT_DIRECT_ENGINE_THREADS, DEFAULT_ENGINE_THREADS};
 pub use device::polling::Polling;
 

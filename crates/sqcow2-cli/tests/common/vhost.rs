@@ -92,9 +92,6 @@ impl Daemon {
         env: &[(&str, &str)],
     ) -> Daemon {
         let socket = dir.join("vhost.sock");
-        let pidfile = dir.join("serve.pid");
-        let log = dir.join("serve.log");
-        let _ = std::fs::remove_file(&pidfile);
         // The suite runs the crash and restart tests once more with
         // SQCOW2_TEST_CACHE=none (`scripts/test.sh`): every daemon they
         // start serves with that --cache unless a test chose one.
@@ -102,15 +99,30 @@ impl Daemon {
             Ok(mode) if !extra.contains(&"--cache") => vec!["--cache".into(), mode],
             _ => Vec::new(),
         };
+        let mut args: Vec<std::ffi::OsString> = vec!["--socket".into(), socket.clone().into()];
+        args.extend(cache.iter().map(Into::into));
+        args.extend(extra.iter().map(Into::into));
+        args.push(image.into());
+        Daemon::spawn(bin, dir, &args, env)
+    }
+
+    /// `sqcow2 serve --pidfile PID ARGS...` (exports given in `args`):
+    /// returns once it accepts connections.
+    pub fn start_args(dir: &Path, args: &[String]) -> Daemon {
+        let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+        Daemon::spawn(&sqcow2_bin(), dir, &args, &[])
+    }
+
+    fn spawn(bin: &Path, dir: &Path, args: &[std::ffi::OsString], env: &[(&str, &str)]) -> Daemon {
+        let socket = dir.join("vhost.sock");
+        let pidfile = dir.join("serve.pid");
+        let log = dir.join("serve.log");
+        let _ = std::fs::remove_file(&pidfile);
         let child = Command::new(bin)
             .arg("serve")
-            .arg("--socket")
-            .arg(&socket)
             .arg("--pidfile")
             .arg(&pidfile)
-            .args(&cache)
-            .args(extra)
-            .arg(image)
+            .args(args)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
@@ -289,6 +301,45 @@ impl Client {
         self.wait(q, 1)[0].1
     }
 
+    /// The result of the one request on queue 0, if it completes within
+    /// `timeout` (a daemon that hung up never completes it).
+    fn one_within(&mut self, timeout: Duration) -> Option<i32> {
+        let mut completion = [MaybeUninit::<blkio::Completion>::uninit()];
+        let mut left = timeout;
+        match self.queues[0].do_io(&mut completion, 1, Some(&mut left), None) {
+            // SAFETY: do_io initialised the first entry.
+            Ok(1) => Some(unsafe { completion[0].assume_init_ref() }.ret),
+            _ => None,
+        }
+    }
+
+    /// [`Client::try_write`] waiting at most `timeout`: `None` if no
+    /// completion came.
+    pub fn try_write_within(&mut self, offset: u64, data: &[u8], timeout: Duration) -> Option<i32> {
+        assert!(data.len() <= BUF_SIZE);
+        self.buf()[..data.len()].copy_from_slice(data);
+        let ptr = self.region.addr as *const u8;
+        self.queues[0].write(offset, ptr, data.len(), 0, ReqFlags::empty());
+        self.one_within(timeout)
+    }
+
+    /// [`Client::try_read`] waiting at most `timeout`: `None` if no
+    /// completion came.
+    pub fn try_read_within(
+        &mut self,
+        offset: u64,
+        len: usize,
+        timeout: Duration,
+    ) -> Option<Result<Vec<u8>, i32>> {
+        assert!(len <= BUF_SIZE);
+        let ptr = self.region.addr as *mut u8;
+        self.queues[0].read(offset, ptr, len, 0, ReqFlags::empty());
+        match self.one_within(timeout)? {
+            0 => Some(Ok(self.buf()[..len].to_vec())),
+            e => Some(Err(e)),
+        }
+    }
+
     /// Reads `len` bytes at `offset` (through the buffer region).
     pub fn try_read(&mut self, offset: u64, len: usize) -> Result<Vec<u8>, i32> {
         assert!(len <= BUF_SIZE);
@@ -346,7 +397,16 @@ impl Client {
 /// Connects, retrying while the daemon still finishes with a previous
 /// frontend (it refuses a second one meanwhile).
 pub fn connect_retry(daemon: &Daemon, num_queues: i32, read_only: bool) -> Client {
-    let socket = &daemon.socket;
+    connect_retry_to(daemon, &daemon.socket, num_queues, read_only)
+}
+
+/// [`connect_retry`] to one of the daemon's sockets.
+pub fn connect_retry_to(
+    daemon: &Daemon,
+    socket: &Path,
+    num_queues: i32,
+    read_only: bool,
+) -> Client {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match Client::connect(socket, num_queues, read_only) {

@@ -1,11 +1,18 @@
 //! Unix sockets bound with the permissions asked for from the start: the
-//! vhost-user socket and the control socket; the listener of the first
-//! placed to die before its connections.
+//! vhost-user sockets, the control socket, NBD sockets; the listener of a
+//! vhost-user socket placed to die before its connections; the files the
+//! daemon made, removed when it ends.
 
+use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixListener;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
+
+use vhost::vhost_user::Listener;
+
+use crate::daemon::error::{io_err, ServeError};
 
 /// Runs `f` with the file-creation mask that gives new files `mode`, so a
 /// socket is never more open than asked, not even briefly.
@@ -74,4 +81,92 @@ pub(crate) fn above_connections(listener: UnixListener) -> UnixListener {
             listener
         }
     }
+}
+
+/// Removes a stale socket at `path`; refuses anything else there.
+fn claim_socket_path(path: &Path) -> Result<(), ServeError> {
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let taken = |reason: &str| ServeError::Socket {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(taken("exists and is not a socket"));
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(taken("another server is listening on it"));
+    }
+    fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))
+}
+
+/// Binds the socket with `mode` from the start.
+pub(crate) fn bind_vhost(path: &Path, mode: u32) -> Result<Listener, ServeError> {
+    claim_socket_path(path)?;
+    let listener =
+        with_umask(mode, || std::os::unix::net::UnixListener::bind(path)).map_err(|e| {
+            ServeError::Socket {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            }
+        })?;
+    let listener = Listener::from(above_connections(listener));
+    chmod_socket(path, mode).map_err(io_err(format!("chmod {}", path.display())))?;
+    // Accepted only when epoll says a connection waits; never blocks.
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ServeError::Daemon(e.to_string()))?;
+    Ok(listener)
+}
+
+/// Files a server made (its sockets, its pidfile), by path and identity:
+/// removed when it ends, however it ends (a start that fails half-way
+/// too), each only if its path still holds the file made.
+#[derive(Debug, Default)]
+pub(crate) struct MadeFiles(Vec<(std::path::PathBuf, Option<(u64, u64)>)>);
+
+/// Device and inode of what `path` names (a symlink not followed).
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+impl MadeFiles {
+    pub(crate) fn push(&mut self, path: &Path) {
+        self.0.push((path.to_path_buf(), identity(path)));
+    }
+}
+
+impl Drop for MadeFiles {
+    fn drop(&mut self) {
+        for (path, id) in &self.0 {
+            if id.is_some() && identity(path) == *id {
+                let _ = fs::remove_file(path);
+            }
+        }
+    }
+}
+
+/// Binds a Unix socket (the control socket, an NBD socket) with `mode`,
+/// like the vhost-user socket: a stale socket there is replaced, anything
+/// else refused.
+pub(crate) fn bind_unix(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is there (never removed)",
+            ));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "another server listens on it",
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    with_umask(mode, || UnixListener::bind(path))
 }

@@ -10,7 +10,7 @@ use sqcow2_format::Chain;
 use crate::device::config::{DeviceConfig, CONFIG_SPACE_SIZE, SECTOR_SIZE};
 use crate::device::gate::RequestGate;
 use crate::device::handle::ChainHandle;
-use crate::device::offload::Offload;
+use crate::device::offload::{EnginePool, Offload};
 use crate::device::request::{RequestLimits, ID_SIZE};
 
 /// Default number of engine threads (allocating writes, discards,
@@ -30,8 +30,6 @@ pub struct DeviceOptions {
     pub num_queues: u16,
     /// Largest queue the frontend may set up.
     pub queue_size: u16,
-    /// Engine threads.
-    pub engine_threads: usize,
     /// Export read-only; `None`: as the chain is opened (an inactive chain
     /// is opened read-only, yet its export takes writes once active).
     pub read_only: Option<bool>,
@@ -39,13 +37,11 @@ pub struct DeviceOptions {
 
 impl DeviceOptions {
     #[cfg(any(test, feature = "internals"))]
-    /// `num_queues` queues of at most `queue_size` entries, default engine
-    /// threads.
+    /// `num_queues` queues of at most `queue_size` entries.
     pub fn new(num_queues: u16, queue_size: u16) -> Self {
         DeviceOptions {
             num_queues,
             queue_size,
-            engine_threads: DEFAULT_ENGINE_THREADS,
             read_only: None,
         }
     }
@@ -66,8 +62,21 @@ pub struct BlkDevice {
 
 impl BlkDevice {
     /// Exports the chain of `handle`; read-only if the chain was opened
-    /// read-only. Starts the engine threads.
+    /// read-only. Starts [`DEFAULT_ENGINE_THREADS`] engine threads of its
+    /// own.
+    #[cfg(any(test, feature = "internals"))]
     pub fn new(handle: Arc<ChainHandle>, options: DeviceOptions) -> io::Result<Self> {
+        let pool = EnginePool::start(DEFAULT_ENGINE_THREADS)?;
+        BlkDevice::new_on(handle, options, pool)
+    }
+
+    /// Exports the chain of `handle`, its engine jobs run by `pool`
+    /// (shared with the daemon's other devices).
+    pub(crate) fn new_on(
+        handle: Arc<ChainHandle>,
+        options: DeviceOptions,
+        pool: Arc<EnginePool>,
+    ) -> io::Result<Self> {
         let chain = handle.get();
         let config = DeviceConfig {
             num_queues: options.num_queues,
@@ -77,7 +86,7 @@ impl BlkDevice {
         };
         let id = device_id(chain.top().path());
         let panics = Arc::new(AtomicU64::new(0));
-        let offload = Offload::start(handle.clone(), options.engine_threads, panics.clone())?;
+        let offload = Offload::start_on(pool, handle.clone(), panics.clone())?;
         Ok(BlkDevice {
             capacity_sectors: AtomicU64::new(chain.virtual_size() / SECTOR_SIZE),
             chain: handle,

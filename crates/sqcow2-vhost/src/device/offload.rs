@@ -225,6 +225,103 @@ struct Job {
     reply: ReturnAddress,
     /// The work changes mappings: published before the worker is told.
     publish: bool,
+    /// The device it is for.
+    device: Arc<JobDevice>,
+}
+
+/// What an engine thread needs of the device a job is for: its chain,
+/// its flusher, its panic count. Every job holds it (and so a sender to
+/// the flusher): the flusher ends once the device's last job has run.
+struct JobDevice {
+    handle: Arc<ChainHandle>,
+    panics: Arc<AtomicU64>,
+    flushes: Sender<PersistRequest>,
+    asked: Arc<CheckpointAsked>,
+}
+
+/// Engine threads: one set for every device of the daemon (each job
+/// carries its device), so that a daemon serving many disks does not run
+/// a thread set per disk.
+pub(crate) struct EnginePool {
+    jobs: Arc<JobQueue<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for EnginePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnginePool")
+            .field("threads", &self.threads.len())
+            .finish()
+    }
+}
+
+impl EnginePool {
+    /// Starts `engine_threads` engine threads (at least one).
+    pub(crate) fn start(engine_threads: usize) -> io::Result<Arc<Self>> {
+        let jobs = Arc::new(JobQueue::<Job>::new());
+        let mut pool = EnginePool {
+            jobs: jobs.clone(),
+            threads: Vec::new(),
+        };
+        for i in 0..engine_threads.max(1) {
+            let queue = jobs.clone();
+            // On failure, `pool`'s drop ends the threads started.
+            pool.threads.push(
+                std::thread::Builder::new()
+                    .name(format!("engine-{i}"))
+                    .spawn(move || {
+                        while let Some(job) = queue.take() {
+                            run_job(job);
+                        }
+                    })?,
+            );
+        }
+        Ok(Arc::new(pool))
+    }
+}
+
+impl Drop for EnginePool {
+    fn drop(&mut self) {
+        // The threads take what is queued, then end.
+        self.jobs.close();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs one job on an engine thread.
+fn run_job(job: Job) {
+    let device = &job.device;
+    // Counted as using the chain (a switch waits for it) from here until
+    // its work has run, and given the chain current now.
+    let begun = job.ticket.begin();
+    let chain = device.handle.get();
+    let result = run_guarded(job.work, &chain, &device.panics);
+    if chain.durability().take_write_back_due() {
+        let _ = device.flushes.send((None, Persist::WriteBack));
+    }
+    // Its changes are made: a switch may come (the publish below covers
+    // them on either chain).
+    drop(begun);
+    if !job.publish || result.is_err() {
+        job.reply.send(result);
+    } else if chain.durability().needs_publish() {
+        // Completed only once its mappings are in the file.
+        let publish = (Some(job.reply), Persist::Publish);
+        if let Err(e) = device.flushes.send(publish) {
+            if let (Some(reply), _) = e.0 {
+                reply.send(Err("flusher stopped".into()));
+            }
+        }
+    } else {
+        // Journaled: complete now, write it to the image in the
+        // background.
+        job.reply.send(result);
+        if device.asked.ask() {
+            let _ = device.flushes.send((None, Persist::Checkpoint));
+        }
+    }
 }
 
 /// A request to the flusher and where its result goes (none for a
@@ -233,18 +330,18 @@ struct Job {
 /// chain publishes and flushes the old top until it is closed).
 type PersistRequest = (Option<ReturnAddress>, Persist);
 
-/// The engine threads and the flusher of one device.
+/// The engine threads (shared) and the flusher (its own) of one device.
 pub(crate) struct Offload {
-    jobs: Arc<JobQueue<Job>>,
-    flushes: Option<Sender<PersistRequest>>,
-    asked: Arc<CheckpointAsked>,
-    threads: Vec<JoinHandle<()>>,
+    pool: Arc<EnginePool>,
+    /// `None` once dropping: the flusher ends when the last job goes.
+    device: Option<Arc<JobDevice>>,
+    flusher: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Offload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Offload")
-            .field("threads", &self.threads.len())
+            .field("engine_threads", &self.pool.threads.len())
             .finish()
     }
 }
@@ -278,73 +375,44 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl Offload {
-    /// Starts `engine_threads` engine threads and the flusher for the
-    /// chain of `handle`; panics are counted in `panics`.
+    /// Starts `engine_threads` engine threads of its own and the flusher
+    /// for the chain of `handle`; panics are counted in `panics`.
+    #[cfg(test)]
     pub(crate) fn start(
         handle: Arc<ChainHandle>,
         engine_threads: usize,
         panics: Arc<AtomicU64>,
     ) -> io::Result<Self> {
-        let jobs = Arc::new(JobQueue::<Job>::new());
+        Offload::start_on(EnginePool::start(engine_threads)?, handle, panics)
+    }
+
+    /// Starts the flusher for the chain of `handle`, its engine jobs run
+    /// by `pool`; panics are counted in `panics`.
+    pub(crate) fn start_on(
+        pool: Arc<EnginePool>,
+        handle: Arc<ChainHandle>,
+        panics: Arc<AtomicU64>,
+    ) -> io::Result<Self> {
         let (flushes, flush_rx) = channel::<PersistRequest>();
         let asked = Arc::new(CheckpointAsked::default());
-        let mut threads = Vec::new();
-        for i in 0..engine_threads.max(1) {
-            let queue = jobs.clone();
-            let (handle, panics, flushes) = (handle.clone(), panics.clone(), flushes.clone());
-            let asked = asked.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("engine-{i}"))
-                    .spawn(move || loop {
-                        let Some(job) = queue.take() else {
-                            return;
-                        };
-                        // Counted as using the chain (a switch waits for
-                        // it) from here until its work has run, and given
-                        // the chain current now.
-                        let begun = job.ticket.begin();
-                        let chain = handle.get();
-                        let result = run_guarded(job.work, &chain, &panics);
-                        if chain.durability().take_write_back_due() {
-                            let _ = flushes.send((None, Persist::WriteBack));
-                        }
-                        // Its changes are made: a switch may come (the
-                        // publish below covers them on either chain).
-                        drop(begun);
-                        if !job.publish || result.is_err() {
-                            job.reply.send(result);
-                        } else if chain.durability().needs_publish() {
-                            // Completed only once its mappings are in the file.
-                            let publish = (Some(job.reply), Persist::Publish);
-                            if let Err(e) = flushes.send(publish) {
-                                if let (Some(reply), _) = e.0 {
-                                    reply.send(Err("flusher stopped".into()));
-                                }
-                            }
-                        } else {
-                            // Journaled: complete now, write it to the image
-                            // in the background.
-                            job.reply.send(result);
-                            if asked.ask() {
-                                let _ = flushes.send((None, Persist::Checkpoint));
-                            }
-                        }
-                    })?,
-            );
-        }
-        // Started last, so that it is joined after the engine threads,
-        // which may still hand it publishes.
-        threads.push(std::thread::Builder::new().name("flusher".into()).spawn({
-            let asked = asked.clone();
+        let flusher = std::thread::Builder::new().name("flusher".into()).spawn({
+            let (asked, handle, panics) = (asked.clone(), handle.clone(), panics.clone());
             move || flusher(flush_rx, handle, panics, &asked)
-        })?);
+        })?;
         Ok(Offload {
-            jobs,
-            flushes: Some(flushes),
-            asked,
-            threads,
+            pool,
+            device: Some(Arc::new(JobDevice {
+                handle,
+                panics,
+                flushes,
+                asked,
+            })),
+            flusher: Some(flusher),
         })
+    }
+
+    fn device(&self) -> Option<&Arc<JobDevice>> {
+        self.device.as_ref()
     }
 
     /// Runs `work` on an engine thread once `ticket` may begin; its result
@@ -357,12 +425,17 @@ impl Offload {
         publish: bool,
         work: impl EngineWork,
     ) -> Result<(), ReturnAddress> {
-        self.jobs
+        let Some(device) = self.device() else {
+            return Err(reply);
+        };
+        self.pool
+            .jobs
             .push(Job {
                 work: Box::new(work),
                 ticket,
                 reply,
                 publish,
+                device: device.clone(),
             })
             .map_err(|job| job.reply)
     }
@@ -373,17 +446,17 @@ impl Offload {
     /// the change must be published before its request completes
     /// ([`Persist::Publish`], the worker's to ask).
     pub(crate) fn after_worker_change(&self, chain: &Chain) -> bool {
-        let Some(flushes) = &self.flushes else {
+        let Some(device) = self.device() else {
             return chain.durability().needs_publish();
         };
         if chain.durability().take_write_back_due() {
-            let _ = flushes.send((None, Persist::WriteBack));
+            let _ = device.flushes.send((None, Persist::WriteBack));
         }
         if chain.durability().needs_publish() {
             return true;
         }
-        if self.asked.ask() {
-            let _ = flushes.send((None, Persist::Checkpoint));
+        if device.asked.ask() {
+            let _ = device.flushes.send((None, Persist::Checkpoint));
         }
         false
     }
@@ -391,8 +464,11 @@ impl Offload {
     /// Flushes or publishes the chain; the result goes to `reply` (those
     /// queued while one runs are served by the next, together).
     pub(crate) fn persist(&self, reply: ReturnAddress, what: Persist) -> Result<(), ReturnAddress> {
-        match &self.flushes {
-            Some(f) => f.send((Some(reply.clone()), what)).map_err(|_| reply),
+        match self.device() {
+            Some(d) => d
+                .flushes
+                .send((Some(reply.clone()), what))
+                .map_err(|_| reply),
             None => Err(reply),
         }
     }
@@ -472,12 +548,11 @@ fn flusher(
 
 impl Drop for Offload {
     fn drop(&mut self) {
-        // Closing the queue and the channel ends the threads once their
-        // jobs are done (the flusher's once the engine threads, which hold
-        // senders to it, have ended).
-        self.jobs.close();
-        self.flushes.take();
-        for t in self.threads.drain(..) {
+        // The flusher ends once the device's queued jobs, which hold
+        // senders to it, have run (and its last checkpoint is made): when
+        // it is joined, no job of this device is left.
+        self.device.take();
+        if let Some(t) = self.flusher.take() {
             let _ = t.join();
         }
     }

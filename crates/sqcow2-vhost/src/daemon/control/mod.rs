@@ -7,21 +7,17 @@ mod cpu_wait;
 mod index_builder;
 mod live_snapshot;
 mod merge_job;
-pub(crate) mod metrics_http;
 pub(crate) mod nbd_export;
 pub mod prometheus;
 pub mod protocol;
 mod resize;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use sqcow2_format::{Chain, ChainOptions, IndexState};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::device::backend::BlkBackend;
 use crate::device::gate::RequestGate;
@@ -34,8 +30,6 @@ use protocol::{
     PrometheusText, QueueCounters, Reply, Request, SnapshotCounters, Stats, StatsFormat,
 };
 
-/// Longest request line accepted.
-const MAX_LINE: usize = 64 * 1024;
 /// How long a stop or an inactivation waits for a merge to stop copying
 /// or switching.
 const STOP_MERGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -284,144 +278,24 @@ fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
     Failure::new(kind, message)
 }
 
-/// Serves the control socket at `listener` until the process ends.
-pub(crate) fn spawn(listener: UnixListener, shared: Arc<Shared>) -> std::io::Result<()> {
-    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    std::thread::Builder::new()
-        .name("control".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(stream) => {
-                        // One thread per connection, so a bounded number.
-                        let Some(slot) = ConnectionSlot::take(&open) else {
-                            refuse(stream);
-                            continue;
-                        };
-                        let shared = shared.clone();
-                        let _ = std::thread::Builder::new()
-                            .name("control-conn".into())
-                            .spawn(move || {
-                                let _slot = slot;
-                                connection(stream, &shared)
-                            });
-                    }
-                    Err(e) => warn!("control socket: {e}"),
-                }
-            }
-        })
-        .map(|_| ())
-}
-
-/// Control connections open at most at a time (each has a thread).
-const MAX_CONNECTIONS: usize = 64;
-
-/// One of the [`MAX_CONNECTIONS`], given back when dropped.
-struct ConnectionSlot(Arc<std::sync::atomic::AtomicUsize>);
-
-impl ConnectionSlot {
-    fn take(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<ConnectionSlot> {
-        use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        open.fetch_update(AcqRel, Acquire, |n| (n < MAX_CONNECTIONS).then_some(n + 1))
-            .ok()
-            .map(|_| ConnectionSlot(open.clone()))
-    }
-}
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
-}
-
-/// Tells a connection beyond [`MAX_CONNECTIONS`] why it is closed.
-fn refuse(mut stream: UnixStream) {
-    let reply = Reply::failure(
-        Value::Null,
-        fail(
-            FailureKind::Busy,
-            format!("too many control connections (at most {MAX_CONNECTIONS})"),
-        ),
-    );
-    if let Ok(mut text) = serde_json::to_string(&reply) {
-        text.push('\n');
-        let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-        let _ = stream.write_all(text.as_bytes());
-    }
-}
-
-fn connection(stream: UnixStream, shared: &Arc<Shared>) {
-    let Ok(mut out) = stream.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(stream);
-    let mut bytes = Vec::new();
-    loop {
-        bytes.clear();
-        match (&mut reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut bytes)
-        {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        let too_long = bytes.len() > MAX_LINE;
-        let reply = if too_long {
-            // The rest of the line is read and dropped first (a bounded
-            // amount): closing with it unread would reset the connection
-            // and lose the reply on the client's side.
-            skip_line(&mut reader);
-            Reply::failure(Value::Null, fail(FailureKind::BadRequest, "line too long"))
-        } else {
-            match std::str::from_utf8(&bytes) {
-                Ok(line) => handle_line(line.trim(), shared),
-                // Every line gets a reply, this one too.
-                Err(_) => Reply::failure(
-                    Value::Null,
-                    fail(FailureKind::BadRequest, "the line is not UTF-8"),
-                ),
-            }
-        };
-        let mut text = serde_json::to_string(&reply).unwrap_or_else(|e| {
-            format!("{{\"id\":null,\"ok\":false,\"error\":{{\"kind\":\"io-error\",\"message\":\"{e}\"}}}}")
-        });
-        text.push('\n');
-        if out.write_all(text.as_bytes()).is_err() || too_long {
-            return;
-        }
-    }
-}
-
-/// Reads and drops what is left of an overlong line: up to its newline,
-/// at most [`MAX_SKIPPED`] bytes.
-fn skip_line(reader: &mut BufReader<UnixStream>) {
-    let mut skipped = 0;
-    while skipped < MAX_SKIPPED {
-        let Ok(buf) = reader.fill_buf() else { return };
-        if buf.is_empty() {
-            return;
-        }
-        if let Some(end) = buf.iter().position(|&b| b == b'\n') {
-            reader.consume(end + 1);
-            return;
-        }
-        let n = buf.len();
-        reader.consume(n);
-        skipped += n;
-    }
-}
-
-/// How much of an overlong line is read and dropped before the reply.
-const MAX_SKIPPED: usize = 16 << 20;
-
-/// Answers one request line.
+/// Answers one request line about the export of `shared` (daemon
+/// commands are refused).
+#[cfg(any(test, feature = "internals"))]
 pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
-    let request = match Request::parse(line) {
-        Ok(r) => r,
-        Err((id, failure)) => return Reply::failure(id, failure),
-    };
+    match Request::parse(line) {
+        Ok(r) => handle_request(r, shared),
+        Err((id, failure)) => Reply::failure(id, failure),
+    }
+}
+
+/// Answers one request about the export of `shared`.
+pub(crate) fn handle_request(request: Request, shared: &Arc<Shared>) -> Reply {
     let id = request.id;
     let result = match request.command {
+        Command::ExportAdd(_) | Command::ExportRemove { .. } | Command::ExportList => Err(fail(
+            FailureKind::BadRequest,
+            "a daemon command, answered by the daemon's control socket",
+        )),
         Command::Snapshot { path } => {
             live_snapshot::live_snapshot(shared, &path).map(|r| Reply::success(id.clone(), &r))
         }
@@ -713,7 +587,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
-fn stats(shared: &Shared) -> Stats {
+pub(crate) fn stats(shared: &Shared) -> Stats {
     let chain = shared.handle.get();
     let c = chain.diagnostics().cache();
     let mut pauses = shared
@@ -784,25 +658,4 @@ fn stats(shared: &Shared) -> Stats {
         worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
         write_failure: chain.failure().map(str::to_owned),
     }
-}
-
-/// Binds the control socket with `mode`, like the vhost-user socket.
-pub(crate) fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        use std::os::unix::fs::FileTypeExt;
-        if !meta.file_type().is_socket() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "a file that is not a socket is there (never removed)",
-            ));
-        }
-        if UnixStream::connect(path).is_ok() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "another server listens on it",
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    crate::daemon::socket_file::with_umask(mode, || UnixListener::bind(path))
 }

@@ -3,7 +3,7 @@
 //! times carry their unit (`_bytes`, `_seconds`), latencies are
 //! histograms.
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
@@ -30,12 +30,6 @@ impl EncodeMetric for Value {
             Value::Gauge(_) => MetricType::Gauge,
         }
     }
-}
-
-/// The label of a per-queue sample.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct QueueLabel {
-    queue: String,
 }
 
 /// A histogram's sum (seconds), count and cumulative bucket counts (for
@@ -76,14 +70,18 @@ impl EncodeMetric for Histogram {
     }
 }
 
-/// One metric per queue.
-#[derive(Debug)]
-struct PerQueue<M>(Vec<(QueueLabel, M)>);
+/// The labels of a sample: the export's (when the daemon serves
+/// several), the queue's (per-queue metrics).
+type Labels = Vec<(String, String)>;
 
-impl<M: EncodeMetric> EncodeMetric for PerQueue<M> {
+/// One metric family: a sample per label set.
+#[derive(Debug)]
+struct Family<M>(Vec<(Labels, M)>);
+
+impl<M: EncodeMetric> EncodeMetric for Family<M> {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        for (label, metric) in &self.0 {
-            metric.encode(encoder.encode_family(label)?)?;
+        for (labels, metric) in &self.0 {
+            metric.encode(encoder.encode_family(labels)?)?;
         }
         Ok(())
     }
@@ -99,153 +97,176 @@ impl<M: EncodeMetric> EncodeMetric for PerQueue<M> {
     }
 }
 
-fn per_queue<M>(s: &Stats, f: impl Fn(&super::protocol::QueueCounters) -> M) -> PerQueue<M> {
-    PerQueue(
-        s.queues
-            .iter()
-            .map(|q| {
-                (
-                    QueueLabel {
-                        queue: q.queue.to_string(),
-                    },
-                    f(q),
-                )
-            })
-            .collect(),
-    )
+/// The stats of each export, with its labels.
+struct Exports<'a>(Vec<(Labels, &'a Stats)>);
+
+impl Exports<'_> {
+    /// One sample per export.
+    fn each<M>(&self, f: impl Fn(&Stats) -> M) -> Family<M> {
+        Family(self.0.iter().map(|(l, s)| (l.clone(), f(s))).collect())
+    }
+
+    /// One sample per queue of each export.
+    fn per_queue<M>(&self, f: impl Fn(&super::protocol::QueueCounters) -> M) -> Family<M> {
+        Family(
+            self.0
+                .iter()
+                .flat_map(|(l, s)| {
+                    s.queues.iter().map(|q| {
+                        let mut labels = l.clone();
+                        labels.push(("queue".into(), q.queue.to_string()));
+                        (labels, f(q))
+                    })
+                })
+                .collect(),
+        )
+    }
 }
 
 /// The stats in the OpenMetrics text format.
 pub fn render(s: &Stats) -> String {
+    render_families(&Exports(vec![(Vec::new(), s)]))
+}
+
+/// The stats of several exports in the OpenMetrics text format, each
+/// sample labelled `export="ID"`.
+pub fn render_exports(stats: &[(String, Stats)]) -> String {
+    render_families(&Exports(
+        stats
+            .iter()
+            .map(|(id, s)| (vec![("export".to_owned(), id.clone())], s))
+            .collect(),
+    ))
+}
+
+fn render_families(e: &Exports<'_>) -> String {
     let mut r = Registry::with_prefix("sqcow2");
-    let gauge = |v: f64| Value::Gauge(v);
-    let flag = |b: bool| Value::Gauge(f64::from(u8::from(b)));
+    let gauge = |f: fn(&Stats) -> f64| e.each(move |s| Value::Gauge(f(s)));
+    let flag = |f: fn(&Stats) -> bool| e.each(move |s| Value::Gauge(f64::from(u8::from(f(s)))));
+    let counter = |f: fn(&Stats) -> u64| e.each(move |s| Value::Counter(f(s)));
     r.register_with_unit(
         "uptime",
         "Time since the daemon started",
         Unit::Seconds,
-        gauge(s.uptime_s),
+        gauge(|s| s.uptime_s),
     );
     r.register(
         "layers",
         "Layers of the served chain",
-        gauge(s.layers as f64),
+        gauge(|s| s.layers as f64),
     );
     r.register(
         "indexed",
         "1 when lookups use the chain index",
-        flag(s.index_mode == IndexMode::Indexed),
+        flag(|s| s.index_mode == IndexMode::Indexed),
     );
-    let ix = &s.index;
     r.register(
         "index_pending_layers",
         "Layers walked above the chain index until the top's own index is built",
-        gauge(ix.pending_layers as f64),
+        gauge(|s| s.index.pending_layers as f64),
     );
     r.register(
         "index_building",
         "1 while a background index build runs",
-        flag(ix.building),
+        flag(|s| s.index.building),
     );
     r.register(
         "index_builds",
         "Background index builds completed",
-        Value::Counter(ix.builds),
+        counter(|s| s.index.builds),
     );
     r.register(
         "index_build_failures",
         "Background index builds that failed",
-        Value::Counter(ix.failures),
+        counter(|s| s.index.failures),
     );
-    let c = &s.cache;
-    for (name, help, value) in [
+    type Counter = fn(&Stats) -> u64;
+    let cache_counters: [(&str, &str, Counter); 5] = [
         (
             "cache_hits",
             "Metadata lookups served from the unified cache",
-            c.hits,
+            |s| s.cache.hits,
         ),
         (
             "cache_misses",
             "Metadata lookups not in the unified cache",
-            c.misses,
+            |s| s.cache.misses,
         ),
-        (
-            "cache_loads",
-            "Metadata slices read from the files",
-            c.loads,
-        ),
+        ("cache_loads", "Metadata slices read from the files", |s| {
+            s.cache.loads
+        }),
         (
             "cache_hit_unallocated",
             "Cached entries that sent a walk further down",
-            c.hit_unallocated,
+            |s| s.cache.hit_unallocated,
         ),
         (
             "cache_evictions",
             "Slices evicted from the unified cache",
-            c.evictions,
+            |s| s.cache.evictions,
         ),
-    ] {
-        r.register(name, help, Value::Counter(value));
+    ];
+    for (name, help, value) in cache_counters {
+        r.register(name, help, counter(value));
     }
     r.register_with_unit(
         "cache",
         "Bytes the unified metadata cache holds",
         Unit::Bytes,
-        gauge(c.bytes as f64),
+        gauge(|s| s.cache.bytes as f64),
     );
     r.register(
         "requests_in_flight",
         "Requests started and not yet completed",
-        gauge(s.requests_in_flight as f64),
+        gauge(|s| s.requests_in_flight as f64),
     );
     r.register(
         "worker_panics",
         "Panics caught in queue workers and engine threads (bugs; their requests failed)",
-        Value::Counter(s.worker_panics),
+        counter(|s| s.worker_panics),
     );
     r.register(
         "writes_refused",
         "1 when the chain refuses writes until it is reopened (after an internal error)",
-        flag(s.write_failure.is_some()),
+        flag(|s| s.write_failure.is_some()),
     );
-    let sn = &s.snapshots;
     r.register_with_unit(
         "snapshot_pause",
         "Guest-visible pause of each live snapshot",
         Unit::Seconds,
-        Histogram {
-            sum_s: sn.pause_ms_sum / 1000.0,
-            count: sn.count,
-            cumulative: sn.pause_buckets.clone(),
-        },
+        e.each(|s| Histogram {
+            sum_s: s.snapshots.pause_ms_sum / 1000.0,
+            count: s.snapshots.count,
+            cumulative: s.snapshots.pause_buckets.clone(),
+        }),
     );
     r.register(
         "queue_requests",
         "Requests completed",
-        per_queue(s, |q| Value::Counter(q.requests)),
+        e.per_queue(|q| Value::Counter(q.requests)),
     );
     r.register_with_unit(
         "queue_read",
         "Bytes read by the guest",
         Unit::Bytes,
-        per_queue(s, |q| Value::Counter(q.read_bytes)),
+        e.per_queue(|q| Value::Counter(q.read_bytes)),
     );
     r.register_with_unit(
         "queue_written",
         "Bytes written by the guest",
         Unit::Bytes,
-        per_queue(s, |q| Value::Counter(q.write_bytes)),
+        e.per_queue(|q| Value::Counter(q.write_bytes)),
     );
     r.register(
         "queue_errors",
         "Requests completed with an error status",
-        per_queue(s, |q| Value::Counter(q.errors)),
+        e.per_queue(|q| Value::Counter(q.errors)),
     );
     r.register_with_unit(
         "queue_request_duration",
         "Time from a request's start to its completion",
         Unit::Seconds,
-        per_queue(s, |q| Histogram {
+        e.per_queue(|q| Histogram {
             sum_s: q.latency_us_sum as f64 / 1e6,
             count: q.latency_us_count,
             cumulative: q.latency_us_buckets.clone(),

@@ -9,11 +9,15 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// A request line: its `id` (echoed) and its command.
+/// A request line: its `id` (echoed), the export it is for and its
+/// command.
 #[derive(Debug)]
 pub struct Request {
     /// Any JSON value; `null` when absent.
     pub id: Value,
+    /// The export a command about one disk is for (`export`); may be
+    /// left out while the daemon serves one.
+    pub export: Option<String>,
     /// What to do.
     pub command: Command,
 }
@@ -69,6 +73,90 @@ pub enum Command {
         /// The export's name.
         name: String,
     },
+    /// Serve one more chain (a daemon command: no `export`).
+    ExportAdd(ExportAddRequest),
+    /// Stop serving an export: its guest's requests finish, its chain is
+    /// flushed and closed clean, its socket removed.
+    ExportRemove {
+        /// The export.
+        id: String,
+    },
+    /// The exports served.
+    ExportList,
+}
+
+impl Command {
+    /// Whether the command is about the daemon, not one of its exports.
+    pub fn is_daemon_command(&self) -> bool {
+        matches!(
+            self,
+            Command::ExportAdd(_) | Command::ExportRemove { .. } | Command::ExportList
+        )
+    }
+}
+
+/// What an `export-add` request asks (the keys of `serve --export`; the
+/// export's name is the request's `export`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[serde(deny_unknown_fields)]
+pub struct ExportAddRequest {
+    /// The export's name (the request's `export`).
+    #[serde(skip)]
+    pub id: String,
+    /// The vhost-user socket to create.
+    pub socket: PathBuf,
+    /// The top image of the chain.
+    pub image: PathBuf,
+    /// Export read-only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+    /// Request queues offered (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_queues: Option<u16>,
+    /// Largest queue the frontend may set up (default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_size: Option<u16>,
+    /// Backing files must lie inside this directory (default: the
+    /// daemon's `--backing-root`, else the top's directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing_root: Option<PathBuf>,
+}
+
+/// One export, as `export-add` and `export-list` answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ExportInfo {
+    /// Its name.
+    pub id: String,
+    /// Its vhost-user socket, if it has one.
+    pub socket: Option<PathBuf>,
+    /// The top of its chain now.
+    pub image: PathBuf,
+    /// Layers of its chain.
+    pub layers: usize,
+    /// Exported read-only.
+    pub read_only: bool,
+    /// Request queues offered.
+    pub num_queues: u16,
+    /// Whether a frontend is connected.
+    pub frontend_connected: bool,
+}
+
+/// What `export-list` answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ExportListResult {
+    /// In the order of their ids.
+    pub exports: Vec<ExportInfo>,
+}
+
+/// What `export-remove` answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ExportRemoved {
+    /// The export removed.
+    pub id: String,
 }
 
 #[derive(Deserialize)]
@@ -465,6 +553,11 @@ impl Request {
             Err(e) => return Err((Value::Null, bad(format!("invalid JSON: {e}")))),
         };
         let id = object.remove("id").unwrap_or(Value::Null);
+        let export = match object.remove("export") {
+            None => None,
+            Some(Value::String(e)) => Some(e),
+            Some(_) => return Err((id, bad("\"export\" must be a string".into()))),
+        };
         let name = match object.remove("command") {
             Some(Value::String(s)) => s,
             Some(_) => return Err((id, bad("\"command\" must be a string".into()))),
@@ -510,6 +603,19 @@ impl Request {
             "stats" => {
                 args::<StatsArgs>("stats", object).map(|a| Command::Stats { format: a.format })
             }
+            "export-add" | "export-remove" if export.is_none() => {
+                Err(format!("{name} needs \"export\" (the export's name)"))
+            }
+            "export-add" => args::<ExportAddRequest>("export-add", object).map(|a| {
+                Command::ExportAdd(ExportAddRequest {
+                    id: export.clone().unwrap_or_default(),
+                    ..a
+                })
+            }),
+            "export-remove" => no_args(Command::ExportRemove {
+                id: export.clone().unwrap_or_default(),
+            }),
+            "export-list" => no_args(Command::ExportList),
             other => {
                 return Err((
                     id,
@@ -521,13 +627,28 @@ impl Request {
             }
         };
         let command = command.map_err(|m| (id.clone(), bad(m)))?;
-        Ok(Request { id, command })
+        if export.is_some() && command == Command::ExportList {
+            return Err((id, bad(format!("{name} takes no \"export\""))));
+        }
+        Ok(Request {
+            id,
+            export,
+            command,
+        })
     }
 
     /// The line sending this request (with its `id`).
     pub fn to_line(&self) -> String {
         let mut o = Map::new();
         o.insert("id".into(), self.id.clone());
+        let export = match &self.command {
+            Command::ExportAdd(a) => Some(&a.id),
+            Command::ExportRemove { id } => Some(id),
+            _ => self.export.as_ref(),
+        };
+        if let Some(export) = export {
+            o.insert("export".into(), Value::String(export.clone()));
+        }
         let (name, args): (&str, Vec<(&str, Value)>) = match &self.command {
             Command::Snapshot { path } => (
                 "snapshot",
@@ -586,6 +707,20 @@ impl Request {
                     _ => vec![],
                 },
             ),
+            Command::ExportAdd(a) => (
+                "export-add",
+                match serde_json::to_value(a) {
+                    Ok(Value::Object(fields)) => {
+                        for (k, v) in fields {
+                            o.insert(k, v);
+                        }
+                        vec![]
+                    }
+                    _ => vec![],
+                },
+            ),
+            Command::ExportRemove { .. } => ("export-remove", vec![]),
+            Command::ExportList => ("export-list", vec![]),
             Command::Stats { format } => (
                 "stats",
                 vec![(
@@ -1015,6 +1150,7 @@ mod tests {
         ] {
             let line = Request {
                 id: Value::from(3),
+                export: None,
                 command: command.clone(),
             }
             .to_line();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::Shared;
+use crate::daemon::exports::Exports;
 
 /// The bound endpoint, not serving yet.
 pub(crate) struct MetricsEndpoint(tiny_http::Server);
@@ -30,7 +30,7 @@ pub(crate) fn bind(addr: &str) -> std::io::Result<MetricsEndpoint> {
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Answers scrapes on a thread of its own for the life of the process.
-pub(crate) fn spawn(endpoint: MetricsEndpoint, shared: Arc<Shared>) -> std::io::Result<()> {
+pub(crate) fn spawn(endpoint: MetricsEndpoint, exports: Arc<Exports>) -> std::io::Result<()> {
     let server = endpoint.0;
     if let Some(addr) = server.server_addr().to_ip() {
         info!(url = %format!("http://{addr}/metrics"), "metrics endpoint ready");
@@ -41,7 +41,7 @@ pub(crate) fn spawn(endpoint: MetricsEndpoint, shared: Arc<Shared>) -> std::io::
             for request in server.incoming_requests() {
                 let response = match (request.method(), request.url()) {
                     (tiny_http::Method::Get, "/metrics") => {
-                        let text = super::prometheus::render(&super::stats(&shared));
+                        let text = render(&exports);
                         let header = tiny_http::Header::from_bytes("Content-Type", CONTENT_TYPE)
                             .expect("a valid header");
                         tiny_http::Response::from_string(text).with_header(header)
@@ -59,4 +59,20 @@ pub(crate) fn spawn(endpoint: MetricsEndpoint, shared: Arc<Shared>) -> std::io::
             }
         })
         .map(|_| ())
+}
+
+/// The metrics of every export: unlabelled while the daemon serves one
+/// (as before it could serve several), labelled `export` otherwise.
+fn render(exports: &Exports) -> String {
+    let all = exports.all();
+    match all.as_slice() {
+        [(_, shared)] => {
+            crate::daemon::control::prometheus::render(&crate::daemon::control::stats(shared))
+        }
+        _ => crate::daemon::control::prometheus::render_exports(
+            &all.iter()
+                .map(|(id, shared)| (id.clone(), crate::daemon::control::stats(shared)))
+                .collect::<Vec<_>>(),
+        ),
+    }
 }

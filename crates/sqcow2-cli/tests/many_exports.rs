@@ -1,0 +1,500 @@
+//! One daemon serving several disks (`serve --export ...` repeated, and
+//! `export-add` / `export-remove` over the control socket): each export
+//! reads and writes its own chain over a shared base while the others
+//! come and go; a removed export's completed writes are all in its file;
+//! bad exports are refused with the others serving on; a kill -9 of the
+//! daemon loses no completed write of any export. Checked with libblkio
+//! clients, `qemu-img check` and `qemu-io` reads.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::vhost::{connect_retry_to, Client, Daemon};
+use common::{assert_check_clean, qemu_img, s};
+use serde_json::json;
+
+const BLOCK: usize = 64 << 10;
+/// Blocks each writer cycles through (the first 4 MiB of the disk).
+const BLOCKS: u64 = 64;
+/// What the base holds everywhere.
+const BASE_FILL: u8 = 0x21;
+
+/// `base.qcow2` (32 MiB of [`BASE_FILL`]) and an overlay on it per name.
+fn chains(dir: &Path, names: &[&str]) -> Vec<PathBuf> {
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    common::qemu_io(&base, &[format!("write -P {BASE_FILL} 0 32M")]);
+    names
+        .iter()
+        .map(|n| {
+            let top = dir.join(format!("{n}.qcow2"));
+            common::qemu_overlay(&top, "base.qcow2", "qcow2", &[], None);
+            top
+        })
+        .collect()
+}
+
+fn export_arg(dir: &Path, id: &str) -> [String; 2] {
+    [
+        "--export".into(),
+        format!(
+            "socket={},image={},id={id}",
+            s(&dir.join(format!("{id}.sock"))),
+            s(&dir.join(format!("{id}.qcow2")))
+        ),
+    ]
+}
+
+/// The fill of write `round` of `block` by the writer `who`: never the
+/// base's, never another writer's.
+fn fill(who: u8, block: u64, round: u64) -> u8 {
+    let f = who.wrapping_mul(61) ^ (block as u8).wrapping_mul(7) ^ (round as u8).wrapping_mul(13);
+    if f == BASE_FILL {
+        f ^ 0x80
+    } else {
+        f
+    }
+}
+
+/// What a writer saw: every write completed, as `(block, fill)` in
+/// order, and the one sent last if its completion never came (the
+/// export went away: it may be in the file or not).
+struct Written {
+    done: Vec<(u64, u8)>,
+    unanswered: Option<(u64, u8)>,
+}
+
+impl Written {
+    /// Whether `got` (block `b`) holds what the writes leave there.
+    fn holds(&self, b: u64, got: &[u8]) -> bool {
+        let want = last_fills(&self.done).get(&b).copied().unwrap_or(BASE_FILL);
+        let uniform = |f: u8| got.iter().all(|x| *x == f);
+        uniform(want) || self.unanswered.is_some_and(|(ub, f)| ub == b && uniform(f))
+    }
+}
+
+/// How long a request of a writer may take before it takes the export
+/// for gone.
+const ANSWER_WITHIN: Duration = Duration::from_secs(5);
+
+/// Writes and reads back blocks of `client` until `stop`, or until a
+/// request fails or gets no answer (the export went away).
+fn writer(mut client: Client, who: u8, stop: Arc<AtomicBool>) -> Written {
+    let mut done = Vec::new();
+    let mut round = 0;
+    while !stop.load(Ordering::Relaxed) {
+        for block in 0..BLOCKS {
+            let f = fill(who, block, round);
+            match client.try_write_within(block * BLOCK as u64, &vec![f; BLOCK], ANSWER_WITHIN) {
+                Some(0) => done.push((block, f)),
+                // Failed, or never answered: either way perhaps written.
+                _ => {
+                    return Written {
+                        done,
+                        unanswered: Some((block, f)),
+                    }
+                }
+            }
+            match client.try_read_within(block * BLOCK as u64, BLOCK, ANSWER_WITHIN) {
+                Some(Ok(back)) => {
+                    assert!(
+                        back.iter().all(|b| *b == f),
+                        "writer {who}: block {block} torn"
+                    )
+                }
+                _ => {
+                    return Written {
+                        done,
+                        unanswered: None,
+                    }
+                }
+            }
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+        round += 1;
+    }
+    Written {
+        done,
+        unanswered: None,
+    }
+}
+
+/// The last fill written to each block.
+fn last_fills(done: &[(u64, u8)]) -> std::collections::BTreeMap<u64, u8> {
+    done.iter().copied().collect()
+}
+
+/// `qemu-io` reads every block as `expected` says (the base's fill where
+/// nothing was written).
+fn assert_reads(top: &Path, expected: &std::collections::BTreeMap<u64, u8>) {
+    let cmds: Vec<String> = (0..BLOCKS)
+        .map(|b| {
+            let f = expected.get(&b).copied().unwrap_or(BASE_FILL);
+            format!("read -P {f} {} {BLOCK}", b * BLOCK as u64)
+        })
+        .collect();
+    common::qemu_io(top, &cmds);
+}
+
+/// Every block of `top`, as `qemu-img convert` reads it, holds what
+/// `written` leaves there.
+fn assert_written(top: &Path, dir: &Path, written: &Written) {
+    let raw = common::qemu_raw(top, dir);
+    for b in 0..BLOCKS {
+        let at = (b as usize) * BLOCK;
+        assert!(
+            written.holds(b, &raw[at..at + BLOCK]),
+            "{}: block {b} reads {:#x}",
+            top.display(),
+            raw[at]
+        );
+    }
+}
+
+fn request(daemon: &Daemon, ctl: &Path, req: serde_json::Value) -> serde_json::Value {
+    daemon.control(ctl, req)
+}
+
+fn error_kind(reply: &serde_json::Value) -> &str {
+    assert_eq!(reply["ok"], false, "expected a refusal: {reply}");
+    reply["error"]["kind"].as_str().unwrap_or_default()
+}
+
+/// Two exports from the start, a third added and the second removed while
+/// the first is written to: each reads its own writes over the shared
+/// base, the removed one's completed writes are all in its file, every
+/// chain checks clean.
+#[test]
+fn exports_serve_side_by_side_and_come_and_go_under_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tops = chains(d, &["a", "b", "c"]);
+    let ctl = d.join("ctl.sock");
+    let mut args = vec!["--control".to_string(), s(&ctl).to_string()];
+    args.extend(export_arg(d, "a"));
+    args.extend(export_arg(d, "b"));
+    let mut daemon = Daemon::start_args(d, &args);
+
+    let list = request(&daemon, &ctl, json!({"command": "export-list"}));
+    let ids: Vec<&str> = list["result"]["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["a", "b"], "{list}");
+
+    // Requests about one disk name it once several are served.
+    let info = request(&daemon, &ctl, json!({"command": "info"}));
+    assert_eq!(error_kind(&info), "bad-request");
+    assert!(
+        info["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("name one"),
+        "{info}"
+    );
+    let info = request(&daemon, &ctl, json!({"command": "info", "export": "b"}));
+    assert_eq!(info["result"]["top"], json!(s(&tops[1])), "{info}");
+    let info = request(&daemon, &ctl, json!({"command": "info", "export": "zz"}));
+    assert_eq!(error_kind(&info), "bad-request");
+
+    let stop_a = Arc::new(AtomicBool::new(false));
+    let a = connect_retry_to(&daemon, &d.join("a.sock"), 1, false);
+    let a_writer = std::thread::spawn({
+        let stop = stop_a.clone();
+        move || writer(a, 1, stop)
+    });
+    let b = connect_retry_to(&daemon, &d.join("b.sock"), 1, false);
+    let b_writer = std::thread::spawn({
+        let stop = Arc::new(AtomicBool::new(false));
+        move || writer(b, 2, stop)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+
+    // A third export joins while both are written to.
+    let added = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-add", "export": "c", "socket": s(&d.join("c.sock")),
+               "image": s(&tops[2])}),
+    );
+    assert_eq!(added["ok"], true, "{added}\n{}", daemon.log());
+    assert_eq!(added["result"]["layers"], 2, "{added}");
+    let mut c = connect_retry_to(&daemon, &d.join("c.sock"), 1, false);
+    c.write(0, &vec![0x5c; BLOCK]);
+    assert!(c.read(0, BLOCK).iter().all(|b| *b == 0x5c));
+    assert!(
+        c.read(BLOCK as u64, BLOCK).iter().all(|b| *b == BASE_FILL),
+        "export c reads the shared base below its top"
+    );
+
+    // The second goes while its guest writes: its requests finish or fail,
+    // and every write completed is in its file.
+    let removed = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-remove", "export": "b"}),
+    );
+    assert_eq!(removed["ok"], true, "{removed}\n{}", daemon.log());
+    let b_done = b_writer.join().unwrap();
+    assert!(
+        b_done.done.len() > 10,
+        "the writer of b wrote {} blocks",
+        b_done.done.len()
+    );
+    assert!(
+        !d.join("b.sock").exists(),
+        "the removed export's socket is left"
+    );
+    // Closed clean: no other process holds it, it checks clean and reads
+    // as its guest wrote.
+    assert_check_clean(&tops[1]);
+    assert_written(&tops[1], d, &b_done);
+    let list = request(&daemon, &ctl, json!({"command": "export-list"}));
+    assert_eq!(
+        list["result"]["exports"].as_array().unwrap().len(),
+        2,
+        "{list}"
+    );
+    let gone = request(&daemon, &ctl, json!({"command": "stats", "export": "b"}));
+    assert_eq!(error_kind(&gone), "bad-request");
+
+    // The first wrote on through all of it.
+    std::thread::sleep(Duration::from_millis(200));
+    stop_a.store(true, Ordering::Relaxed);
+    let a_done = a_writer.join().unwrap();
+    assert!(a_done.unanswered.is_none(), "a's writer failed");
+    assert!(
+        a_done.done.len() > b_done.done.len() / 2,
+        "a: {} writes",
+        a_done.done.len()
+    );
+    let stats = request(&daemon, &ctl, json!({"command": "stats", "export": "a"}));
+    assert_eq!(stats["result"]["queues"][0]["errors"], 0, "{stats}");
+    drop(c);
+    daemon.stop();
+    for top in &tops {
+        assert_check_clean(top);
+    }
+    assert_reads(&tops[0], &last_fills(&a_done.done));
+    let mut c_expected = std::collections::BTreeMap::new();
+    c_expected.insert(0, 0x5c);
+    assert_reads(&tops[2], &c_expected);
+}
+
+/// What the daemon refuses, at its start and over the control socket,
+/// each with an error saying why, the served export reading on.
+#[test]
+fn bad_exports_are_refused_and_the_others_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tops = chains(d, &["a", "b"]);
+    let refused = |args: &[String], why: &str| {
+        let out = common::run_raw(
+            std::process::Command::new(common::sqcow2_bin())
+                .arg("serve")
+                .args(args),
+        );
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(err.contains(why), "{args:?}: {err}");
+    };
+    let a = export_arg(d, "a");
+    let twice_socket = format!("socket={},image={},id=b", s(&d.join("a.sock")), s(&tops[1]));
+    refused(
+        &[a[0].clone(), a[1].clone(), "--export".into(), twice_socket],
+        "socket is taken by export a",
+    );
+    let twice_image = format!("socket={},image={},id=b", s(&d.join("b.sock")), s(&tops[0]));
+    refused(
+        &[a[0].clone(), a[1].clone(), "--export".into(), twice_image],
+        "serves this image already for writing",
+    );
+    refused(
+        &["--export".into(), format!("{},colour=red", a[1])],
+        "unknown key \"colour\"",
+    );
+    refused(
+        &["--export".into(), format!("{},id=a,id=b", a[1])],
+        "given twice",
+    );
+    assert!(
+        !d.join("a.sock").exists(),
+        "a refused start left its socket"
+    );
+
+    let ctl = d.join("ctl.sock");
+    let mut args = vec![
+        "--control".to_string(),
+        s(&ctl).to_string(),
+        "--max-exports".into(),
+        "3".into(),
+    ];
+    args.extend(export_arg(d, "a"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let mut client = connect_retry_to(&daemon, &d.join("a.sock"), 1, false);
+    client.write(0, &vec![0x77; BLOCK]);
+
+    let add = |extra: serde_json::Value| {
+        let mut req = json!({"command": "export-add"});
+        for (k, v) in extra.as_object().unwrap() {
+            req[k] = v.clone();
+        }
+        request(&daemon, &ctl, req)
+    };
+    let sock = |n: &str| s(&d.join(n)).to_string();
+    let garbage = d.join("garbage.qcow2");
+    std::fs::write(&garbage, vec![0xa5u8; 1 << 20]).unwrap();
+    for (req, kind) in [
+        (
+            json!({"export": "x", "socket": sock("x.sock"), "image": s(&tops[1]), "colour": 1}),
+            "bad-request",
+        ),
+        (
+            json!({"export": "x", "socket": sock("x.sock")}),
+            "bad-request",
+        ),
+        (
+            json!({"export": "a", "socket": sock("x.sock"), "image": s(&tops[1])}),
+            "exists",
+        ),
+        (
+            json!({"export": "x", "socket": sock("a.sock"), "image": s(&tops[1])}),
+            "exists",
+        ),
+        (
+            json!({"export": "x", "socket": sock("x.sock"), "image": s(&tops[0])}),
+            "exists",
+        ),
+        (
+            json!({"export": "x/y", "socket": sock("x.sock"), "image": s(&tops[1])}),
+            "bad-request",
+        ),
+        (
+            json!({"export": "x", "socket": sock("x.sock"), "image": s(&garbage)}),
+            "io-error",
+        ),
+        (
+            json!({"export": "x", "socket": sock("x.sock"), "image": s(&d.join("none.qcow2"))}),
+            "bad-request",
+        ),
+        (
+            json!({"export": "x", "socket": sock("x.sock"), "image": s(&tops[1]), "num-queues": 0}),
+            "bad-request",
+        ),
+    ] {
+        let reply = add(req.clone());
+        assert_eq!(error_kind(&reply), kind, "{req}: {reply}");
+        assert!(!d.join("x.sock").exists(), "{req}: left its socket");
+    }
+    // The export being written names it in its refusal.
+    let reply = add(json!({"export": "x", "socket": sock("x.sock"), "image": s(&tops[0])}));
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("export a"),
+        "{reply}"
+    );
+    // Read-only twice is fine; the most exports is not passed.
+    for id in ["r1", "r2"] {
+        let reply = add(json!({"export": id, "socket": sock(&format!("{id}.sock")),
+                                "image": s(&tops[1]), "read-only": true}));
+        assert_eq!(reply["ok"], true, "{reply}\n{}", daemon.log());
+    }
+    let reply = add(
+        json!({"export": "r3", "socket": sock("r3.sock"), "image": s(&tops[1]),
+                            "read-only": true}),
+    );
+    assert_eq!(error_kind(&reply), "exists", "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("most exports"),
+        "{reply}"
+    );
+    let reply = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-remove", "export": "nope"}),
+    );
+    assert_eq!(error_kind(&reply), "bad-request");
+    let reply = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-list", "export": "a"}),
+    );
+    assert_eq!(error_kind(&reply), "bad-request");
+    let mut r1 = connect_retry_to(&daemon, &d.join("r1.sock"), 1, true);
+    assert!(r1.read(0, BLOCK).iter().all(|b| *b == BASE_FILL));
+    assert_ne!(
+        r1.try_write(0, &vec![1; BLOCK]),
+        0,
+        "a read-only export took a write"
+    );
+
+    // The first export served through all of it.
+    assert!(client.read(0, BLOCK).iter().all(|b| *b == 0x77));
+    drop((client, r1));
+    daemon.stop();
+    assert_check_clean(&tops[0]);
+    assert_check_clean(&tops[1]);
+}
+
+/// kill -9 of a daemon serving four exports, each written to: after a
+/// restart each export reads every write its guest saw completed.
+#[test]
+fn a_killed_daemon_keeps_every_completed_write_of_every_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let names = ["a", "b", "c", "e"];
+    let tops = chains(d, &names);
+    let args: Vec<String> = names.iter().flat_map(|n| export_arg(d, n)).collect();
+    let mut daemon = Daemon::start_args(d, &args);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let client = connect_retry_to(&daemon, &d.join(format!("{n}.sock")), 1, false);
+            let stop = stop.clone();
+            std::thread::spawn(move || writer(client, i as u8 + 1, stop))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(700));
+    // The writers stop (libblkio would wait for ever on a daemon gone),
+    // with nothing flushed; then the kill.
+    stop.store(true, Ordering::Relaxed);
+    let written: Vec<Written> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    let _ = daemon.stop_with(libc::SIGKILL);
+
+    let mut daemon = Daemon::start_args(d, &args);
+    for (i, n) in names.iter().enumerate() {
+        assert!(
+            written[i].done.len() > 5,
+            "export {n}: {} writes",
+            written[i].done.len()
+        );
+        let mut client = connect_retry_to(&daemon, &d.join(format!("{n}.sock")), 1, false);
+        for b in 0..BLOCKS {
+            let got = client.read(b * BLOCK as u64, BLOCK);
+            assert!(
+                written[i].holds(b, &got),
+                "export {n}: block {b} reads {:#x}",
+                got[0]
+            );
+        }
+    }
+    daemon.stop();
+    for top in &tops {
+        assert_check_clean(top);
+    }
+}
