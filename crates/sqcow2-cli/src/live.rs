@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sqcow2_vhost::protocol::{
     Activity, Command, ExportAddRequest, ExportInfo, ExportListResult, ExportRemoved, Info,
-    PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
+    IoThrottleRequest, PrometheusText, Reply, Request, SnapshotResult, Stats, StatsFormat,
 };
 
 use crate::output::OutputFormat;
@@ -159,6 +159,13 @@ pub enum ExportCommand {
         /// Backing files must lie inside this directory.
         #[arg(long)]
         backing_root: Option<std::path::PathBuf>,
+        /// I/O limits, `KEY=VALUE,...` with QEMU's throttle names
+        /// (iops-total, bps-write-max, ...).
+        #[arg(long, value_name = "KEY=VALUE,...")]
+        limits: Option<String>,
+        /// The throttle group it joins (its limits shared).
+        #[arg(long)]
+        group: Option<String>,
         /// The daemon's control socket.
         control: std::path::PathBuf,
         /// The top image of the chain.
@@ -195,10 +202,13 @@ pub fn export(command: &ExportCommand) -> anyhow::Result<()> {
             num_queues,
             queue_size,
             backing_root,
+            limits,
+            group,
             control,
             image,
         } => {
             let absolute = |p: &Path| std::path::absolute(p);
+            let limits = limits_arg(limits.as_deref())?;
             let r: ExportInfo = request(
                 control,
                 Command::ExportAdd(ExportAddRequest {
@@ -209,6 +219,8 @@ pub fn export(command: &ExportCommand) -> anyhow::Result<()> {
                     num_queues: *num_queues,
                     queue_size: *queue_size,
                     backing_root: backing_root.as_deref().map(absolute).transpose()?,
+                    group: group.clone(),
+                    limits,
                 }),
             )?;
             print(&r, *output, |e| readout::exports(std::slice::from_ref(e)))
@@ -226,4 +238,51 @@ pub fn export(command: &ExportCommand) -> anyhow::Result<()> {
             print(&r, *output, |r| readout::exports(&r.exports))
         }
     }
+}
+
+/// `KEY=VALUE,...` of limit keys as [`sqcow2_vhost::IoLimits`] (none:
+/// no limit).
+fn limits_arg(text: Option<&str>) -> anyhow::Result<sqcow2_vhost::IoLimits> {
+    match text.filter(|t| !t.is_empty()) {
+        Some(text) => crate::serve::limits_only(text),
+        None => Ok(Default::default()),
+    }
+}
+
+/// Arguments of `sqcow2 set-io-throttle`.
+#[derive(Debug, clap::Args)]
+pub struct SetIoThrottleArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    output: OutputFormat,
+    /// The throttle group the export joins (or stays in): its other
+    /// exports take the limits too.
+    #[arg(long)]
+    group: Option<String>,
+    /// The daemon's control socket.
+    control: std::path::PathBuf,
+    /// `KEY=VALUE,...` with QEMU's throttle names (iops-total,
+    /// bps-read-max, ...); none lifts the export's limits.
+    limits: Option<String>,
+}
+
+/// `sqcow2 set-io-throttle CONTROL [LIMITS]`: QEMU's
+/// `block_set_io_throttle` for a served export (`--export-id`).
+pub fn set_io_throttle(args: &SetIoThrottleArgs) -> anyhow::Result<()> {
+    let limits = limits_arg(args.limits.as_deref())?;
+    let r: Option<sqcow2_vhost::ThrottleCounters> = request(
+        &args.control,
+        Command::SetIoThrottle(IoThrottleRequest {
+            group: args.group.clone(),
+            limits,
+        }),
+    )?;
+    print(&r, args.output, |r| match r {
+        Some(t) => format!(
+            "group {}: {}\n",
+            t.group,
+            serde_json::to_string(&t.limits).unwrap_or_default()
+        ),
+        None => "no limits\n".into(),
+    })
 }

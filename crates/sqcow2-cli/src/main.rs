@@ -112,6 +112,9 @@ enum Command {
     /// (through its control socket).
     #[command(subcommand)]
     Export(live::ExportCommand),
+    /// Set the I/O limits of a served export live (QEMU's
+    /// `block_set_io_throttle`; `--export-id` names the export).
+    SetIoThrottle(live::SetIoThrottleArgs),
     /// Make a `sqcow2 serve` active: take the image locks, reload the
     /// chain, serve (the destination of a handover; fails while another
     /// process holds the chain).
@@ -437,6 +440,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .map(|()| ExitCode::SUCCESS),
         Command::Stats(args) => live::stats(&args).map(|()| ExitCode::SUCCESS),
         Command::Export(command) => live::export(&command).map(|()| ExitCode::SUCCESS),
+        Command::SetIoThrottle(args) => live::set_io_throttle(&args).map(|()| ExitCode::SUCCESS),
         Command::Activate { output, control } => {
             live::set_active(&control, true, output).map(|()| ExitCode::SUCCESS)
         }

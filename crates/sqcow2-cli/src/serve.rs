@@ -15,11 +15,19 @@ pub struct ServeArgs {
     socket: Option<PathBuf>,
     /// One export of several served by this daemon, as
     /// `socket=PATH,image=PATH[,id=NAME][,read-only=on][,num-queues=N]
-    /// [,queue-size=N][,backing-root=DIR]` (a comma in a value doubled,
-    /// as QEMU's); repeated for each disk. The other options apply to
-    /// every export. Instead of --socket and IMAGE.
+    /// [,queue-size=N][,backing-root=DIR][,group=NAME][,iops-total=N]...`
+    /// (a comma in a value doubled, as QEMU's); repeated for each disk.
+    /// I/O limits take QEMU's throttle names: iops-total, iops-read,
+    /// iops-write, bps-total, bps-read, bps-write, each with -max and
+    /// -max-length, iops-size; exports naming one group share its limits.
+    /// The other options apply to every export. Instead of --socket and
+    /// IMAGE.
     #[arg(long, value_name = "KEY=VALUE,...")]
     export: Vec<String>,
+    /// I/O limits of the single export, `KEY=VALUE,...` with QEMU's
+    /// throttle names (iops-total, bps-write-max, ...; see --export).
+    #[arg(long, value_name = "KEY=VALUE,...", conflicts_with = "export")]
+    limits: Option<String>,
     /// Most exports served at a time (those added over the control
     /// socket past it are refused).
     #[arg(long, default_value_t = sqcow2_vhost::MAX_EXPORTS)]
@@ -210,11 +218,18 @@ fn exports(args: &ServeArgs) -> anyhow::Result<Vec<ExportSpec>> {
         None => None,
     };
     if let Some(image) = &args.image {
-        return Ok(vec![ExportSpec {
+        let limits = match &args.limits {
+            Some(text) => limits_only(text).context("--limits")?,
+            None => Default::default(),
+        };
+        let spec = ExportSpec {
             socket: args.socket.clone(),
             nbd,
+            limits,
             ..defaults("disk0".into(), image.clone())
-        }]);
+        };
+        spec.validate()?;
+        return Ok(vec![spec]);
     }
     let mut specs = Vec::new();
     for (n, text) in args.export.iter().enumerate() {
@@ -249,16 +264,7 @@ fn parse_export(
     text: &str,
     with: impl FnOnce(PathBuf) -> ExportSpec,
 ) -> anyhow::Result<ExportSpec> {
-    let mut keys: Vec<(String, String)> = Vec::new();
-    for item in split_keyval(text) {
-        let Some((key, value)) = item.split_once('=') else {
-            bail!("{item:?} is not KEY=VALUE");
-        };
-        if keys.iter().any(|(k, _)| k == key) {
-            bail!("{key} given twice");
-        }
-        keys.push((key.to_owned(), value.to_owned()));
-    }
+    let keys = keyvals(text)?;
     let take = |name: &str| keys.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
     let image = take("image").context("image=PATH is missing")?;
     let mut spec = with(PathBuf::from(image));
@@ -284,13 +290,64 @@ fn parse_export(
             "num-queues" => spec.num_queues = number("num-queues")?,
             "queue-size" => spec.queue_size = number("queue-size")?,
             "backing-root" => spec.backing_root = Some(PathBuf::from(value)),
+            "group" => spec.group = Some(value.clone()),
+            key if sqcow2_vhost::LIMIT_KEYS.contains(&key) => {}
             other => bail!(
-                "unknown key {other:?} (socket, image, id, read-only, num-queues, queue-size, backing-root)"
+                "unknown key {other:?} (socket, image, id, read-only, num-queues, queue-size, backing-root, group, {})",
+                sqcow2_vhost::LIMIT_KEYS.join(", ")
             ),
         }
     }
+    spec.limits = parse_limits(&keys)?;
     spec.validate()?;
     Ok(spec)
+}
+
+/// The I/O limits among `keys` (QEMU's throttle option names, each a
+/// whole number).
+pub(crate) fn parse_limits(keys: &[(String, String)]) -> anyhow::Result<sqcow2_vhost::IoLimits> {
+    let mut limits = serde_json::Map::new();
+    for (key, value) in keys {
+        if sqcow2_vhost::LIMIT_KEYS.contains(&key.as_str()) {
+            let n: u64 = value
+                .parse()
+                .with_context(|| format!("{key}={value}: not a whole number"))?;
+            limits.insert(key.clone(), n.into());
+        }
+    }
+    Ok(serde_json::from_value(serde_json::Value::Object(limits))?)
+}
+
+/// `KEY=VALUE,...` of limit keys only, checked as QEMU checks them.
+pub(crate) fn limits_only(text: &str) -> anyhow::Result<sqcow2_vhost::IoLimits> {
+    let keys = keyvals(text)?;
+    if let Some((k, _)) = keys
+        .iter()
+        .find(|(k, _)| !sqcow2_vhost::LIMIT_KEYS.contains(&k.as_str()))
+    {
+        bail!(
+            "{k} is not a limit ({})",
+            sqcow2_vhost::LIMIT_KEYS.join(", ")
+        );
+    }
+    let limits = parse_limits(&keys)?;
+    limits.validate().map_err(anyhow::Error::msg)?;
+    Ok(limits)
+}
+
+/// `KEY=VALUE,...` as pairs (a comma in a value doubled), each key once.
+pub(crate) fn keyvals(text: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for item in split_keyval(text) {
+        let Some((key, value)) = item.split_once('=') else {
+            bail!("{item:?} is not KEY=VALUE");
+        };
+        if keys.iter().any(|(k, _)| k == key) {
+            bail!("{key} given twice");
+        }
+        keys.push((key.to_owned(), value.to_owned()));
+    }
+    Ok(keys)
 }
 
 /// Splits `a=1,b=x,,y` at single commas (`,,` is a comma in a value).
@@ -325,6 +382,17 @@ mod tests {
         assert_eq!(s.image, PathBuf::from("/i/a,b.qcow2"));
         assert_eq!(s.socket, Some(PathBuf::from("/r/a.sock")));
         assert_eq!((s.id.as_str(), s.read_only, s.num_queues), ("vm1", true, 4));
+        let s = spec("socket=/a,image=/b,iops-total=1000,iops-total-max=2000,bps-read=5,group=g")
+            .unwrap();
+        assert_eq!(
+            (
+                s.limits.iops_total,
+                s.limits.iops_total_max,
+                s.limits.bps_read
+            ),
+            (1000, 2000, 5)
+        );
+        assert_eq!(s.group.as_deref(), Some("g"));
         for bad in [
             "socket=/a,image=/b,colour=red",
             "socket=/a,image=/b,id=x,id=y",
@@ -335,6 +403,10 @@ mod tests {
             "socket=/a,image=/b,id=a/b",
             "socket=/a,image=/b,read-only=maybe",
             "socket=/a,image=/b,flag",
+            "socket=/a,image=/b,iops-total=fast",
+            "socket=/a,image=/b,iops-total=10,iops-read=5",
+            "socket=/a,image=/b,bps-write-max=10",
+            "socket=/a,image=/b,group=a/b",
         ] {
             assert!(spec(bad).is_err(), "{bad} accepted");
         }

@@ -24,6 +24,7 @@ use crate::device::backend::{BlkBackend, SessionDevice, WorkerThreads};
 use crate::device::blk::{BlkDevice, DeviceOptions};
 use crate::device::handle::ChainHandle;
 use crate::device::offload::EnginePool;
+use crate::device::throttle::{IoLimits, ThrottleGroups};
 use crate::transport::backend_channel::{take_channel, BackendChannel};
 use crate::transport::frontend::FrontendHandler;
 
@@ -57,6 +58,10 @@ pub struct ExportSpec {
     pub backing_root: Option<PathBuf>,
     /// Export the chain over NBD there too.
     pub nbd: Option<(crate::nbd::NbdAddress, crate::nbd::Export)>,
+    /// I/O limits (of its group, if it names one).
+    pub limits: IoLimits,
+    /// The throttle group it is in (QEMU's `throttle-group`), if any.
+    pub group: Option<String>,
 }
 
 impl ExportSpec {
@@ -72,6 +77,8 @@ impl ExportSpec {
             queues_per_thread: 1,
             backing_root: None,
             nbd: None,
+            limits: IoLimits::default(),
+            group: None,
         }
     }
 
@@ -97,6 +104,12 @@ impl ExportSpec {
         }
         if self.socket.is_none() && self.nbd.is_none() {
             return invalid("needs a socket");
+        }
+        if let Err(e) = self.limits.validate() {
+            return invalid(&e);
+        }
+        if self.group.as_deref().is_some_and(|g| !valid_id(g)) {
+            return invalid("a group is 1-64 letters, digits, '-', '_' or '.'");
         }
         Ok(())
     }
@@ -193,7 +206,7 @@ impl ExportSpec {
 
 /// Whether `id` is a usable export name (kept to characters that need no
 /// quoting in logs, metrics labels and shells).
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     (1..=64).contains(&id.len())
         && id
             .bytes()
@@ -215,6 +228,8 @@ pub(crate) struct DaemonContext {
     pub(crate) inactive_timeout: Duration,
     /// Set when the daemon stops (a signal): every export ends.
     pub(crate) stopping: Arc<AtomicBool>,
+    /// The named throttle groups.
+    pub(crate) throttle_groups: ThrottleGroups,
 }
 
 /// An export being served: its state and its thread.
@@ -277,6 +292,14 @@ impl Export {
             shared
                 .with_inactive_timeout(context.inactive_timeout)
                 .with_realtime_pause(context.realtime_pause),
+        );
+        let limits =
+            (spec.group.is_none() || !spec.limits.is_unlimited()).then(|| spec.limits.clone());
+        shared.throttle.set(
+            &spec.id,
+            spec.group.as_deref(),
+            limits,
+            &context.throttle_groups,
         );
         if let Some((listener, export)) = nbd {
             crate::nbd::spawn(listener, shared.clone(), export).map_err(io_err("nbd thread"))?;
@@ -441,6 +464,7 @@ impl Server {
                     num_queues: o.num_queues,
                     queue_size: o.queue_size,
                     read_only: Some(!self.shared.options.writable),
+                    throttle: self.shared.throttle.clone(),
                 },
                 self.context.engine.clone(),
             )
@@ -506,8 +530,12 @@ impl Server {
             if self.stop_requested() {
                 end = SessionEnd::Stop;
                 let _exclusive = self.shared.end_jobs_for_stop();
-                // Finish what the guest asked for (no new request starts),
-                // make it durable, then hang up.
+                // Finish what the guest asked for (requests waiting for
+                // the limits too; no new request starts), make it
+                // durable, then hang up.
+                if !backend.release_parked(STOP_DRAIN_TIMEOUT) {
+                    warn!("requests still waiting for the limits after {STOP_DRAIN_TIMEOUT:?}");
+                }
                 let _paused = backend.pause();
                 if !backend.wait_idle(STOP_DRAIN_TIMEOUT) {
                     warn!("requests still in flight after {STOP_DRAIN_TIMEOUT:?}; stopping anyway");

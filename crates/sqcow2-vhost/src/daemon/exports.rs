@@ -13,7 +13,7 @@ use tracing::info;
 
 use crate::daemon::control::protocol::{
     Command, ExportAddRequest, ExportInfo, ExportListResult, ExportRemoved, Failure, FailureKind,
-    Reply, Request,
+    IoThrottleRequest, Reply, Request, ThrottleCounters,
 };
 use crate::daemon::control::Shared;
 use crate::daemon::error::{AddError, ExportSpecError, ServeError};
@@ -284,6 +284,12 @@ impl Exports {
                 Err(f) => Reply::failure(id, f),
             },
             Command::ExportList => Reply::success(id, &self.list()),
+            Command::SetIoThrottle(t) => {
+                match self.set_io_throttle(request.export.as_deref(), &t) {
+                    Ok(counters) => Reply::success(id, &counters),
+                    Err(f) => Reply::failure(id, f),
+                }
+            }
             command => match self.get(request.export.as_deref()) {
                 Ok(shared) => super::control::handle_request(
                     Request {
@@ -298,6 +304,44 @@ impl Exports {
         }
     }
 
+    /// `set-io-throttle`: the export's limits now (`null` when none).
+    fn set_io_throttle(
+        &self,
+        export: Option<&str>,
+        t: &IoThrottleRequest,
+    ) -> Result<Option<ThrottleCounters>, Failure> {
+        t.limits
+            .validate()
+            .map_err(|e| fail(FailureKind::BadRequest, e))?;
+        if let Some(g) = &t.group {
+            if !crate::daemon::export::valid_id(g) {
+                return Err(fail(
+                    FailureKind::BadRequest,
+                    "a group is 1-64 letters, digits, '-', '_' or '.'",
+                ));
+            }
+        }
+        let (id, shared) = {
+            let shared = self.get(export)?;
+            let st = self.lock();
+            let id = st
+                .serving
+                .iter()
+                .find(|(_, e)| Arc::ptr_eq(&e.shared, &shared))
+                .map(|(id, _)| id.clone())
+                .unwrap_or_default();
+            (id, shared)
+        };
+        shared.throttle.set(
+            &id,
+            t.group.as_deref(),
+            Some(t.limits.clone()),
+            &self.context.throttle_groups,
+        );
+        info!(export = %id, group = ?t.group, limits = ?t.limits, "I/O limits set");
+        Ok(shared.throttle.counters())
+    }
+
     fn add_requested(&self, add: &ExportAddRequest) -> Result<ExportInfo, Failure> {
         let mut spec = ExportSpec::new(add.id.clone(), add.image.clone());
         spec.socket = Some(add.socket.clone());
@@ -305,6 +349,8 @@ impl Exports {
         spec.num_queues = add.num_queues.unwrap_or(spec.num_queues);
         spec.queue_size = add.queue_size.unwrap_or(spec.queue_size);
         spec.backing_root = add.backing_root.clone();
+        spec.limits = add.limits.clone();
+        spec.group = add.group.clone();
         self.add(spec, false).map_err(|e| {
             let kind = match &e {
                 AddError::Spec(ExportSpecError::Open { source, .. })

@@ -151,6 +151,7 @@ pub fn serve(
         realtime_pause: options.realtime_pause,
         inactive_timeout: options.inactive_timeout,
         stopping: Arc::new(AtomicBool::new(false)),
+        throttle_groups: Default::default(),
     });
     let served = Arc::new(Exports::new(
         context.clone(),

@@ -442,6 +442,11 @@ impl BlkBackend {
         let mut moved = false;
         let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             moved |= slot.worker.poll_finished();
+            if let Some(local) = slot.worker.parked_due() {
+                if let Some(&queue) = queues.get(local) {
+                    moved |= self.process(&mut slot, thread, local, queue, Notifications::KeepOff);
+                }
+            }
             if slot.worker.is_deferred() {
                 if slot.worker.resume_after_pause() {
                     // Every queue, resubmissions included: the mailbox's
@@ -533,6 +538,61 @@ impl BlkBackend {
             if let Err(e) = lock(w).worker.mailbox_fd().write(1) {
                 crate::limited_warn!("waking a worker: {e}");
             }
+        }
+    }
+
+    /// When worker thread `thread` must look at its parked request (one
+    /// that waits for the export's limits), if it has one.
+    fn parked_until(&self, thread: usize) -> Option<Instant> {
+        self.workers
+            .get(thread)
+            .and_then(|w| lock(w).worker.parked_until())
+    }
+
+    /// Starts worker thread `thread`'s parked request if its time has
+    /// come (and takes what its queue holds behind it); whether it did.
+    fn start_parked(&self, thread: usize) -> bool {
+        let Some(w) = self.workers.get(thread) else {
+            return false;
+        };
+        let mut slot = lock(w);
+        let Some(local) = slot.worker.parked_due() else {
+            return false;
+        };
+        let Some(&queue) = self.queues_of(thread).get(local) else {
+            return false;
+        };
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.process(&mut slot, thread, local, queue, Notifications::Restore)
+        }));
+        match handled {
+            Ok(_) => {}
+            Err(panic) => self.worker_panicked(&mut slot, thread, &*panic),
+        }
+        self.complete(&mut slot, thread);
+        true
+    }
+
+    /// Lets requests parked for the export's limits start whatever the
+    /// limits (a stop finishes what the guest asked for, as QEMU's drain
+    /// does); waits at most `timeout` until none is parked.
+    pub(crate) fn release_parked(&self, timeout: Duration) -> bool {
+        self.device.throttle().set_bypass(true);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let parked: Vec<usize> = (0..self.workers.len())
+                .filter(|&t| self.parked_until(t).is_some())
+                .collect();
+            if parked.is_empty() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            for t in parked {
+                self.wake(t);
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -836,6 +896,17 @@ fn run(
             // Requests left at the batch size: events first, then them.
             timeout = 0;
         }
+        if let Some(until) = backend.parked_until(thread) {
+            // A request waits for the limits: look again when they may
+            // let it start (epoll's milliseconds, rounded up; the buckets
+            // count the time, not the wake-ups).
+            let ms = until
+                .saturating_duration_since(Instant::now())
+                .as_micros()
+                .div_ceil(1000)
+                .min(i32::MAX as u128) as i32;
+            timeout = if timeout < 0 { ms } else { timeout.min(ms) };
+        }
         let n = match epoll.wait(timeout, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -855,6 +926,7 @@ fn run(
             }
             backend.handle(thread, wake);
         }
+        backend.start_parked(thread);
         backend.continue_pending(thread);
     }
 }

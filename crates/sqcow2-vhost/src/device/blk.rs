@@ -12,6 +12,7 @@ use crate::device::gate::RequestGate;
 use crate::device::handle::ChainHandle;
 use crate::device::offload::{EnginePool, Offload};
 use crate::device::request::{RequestLimits, ID_SIZE};
+use crate::device::throttle::ExportThrottle;
 
 /// Default number of engine threads (allocating writes, discards,
 /// write-zeroes run there, off the queue workers).
@@ -33,6 +34,8 @@ pub struct DeviceOptions {
     /// Export read-only; `None`: as the chain is opened (an inactive chain
     /// is opened read-only, yet its export takes writes once active).
     pub read_only: Option<bool>,
+    /// The export's I/O limits (kept across sessions, changed live).
+    pub(crate) throttle: Arc<ExportThrottle>,
 }
 
 impl DeviceOptions {
@@ -43,6 +46,7 @@ impl DeviceOptions {
             num_queues,
             queue_size,
             read_only: None,
+            throttle: Arc::default(),
         }
     }
 }
@@ -58,6 +62,7 @@ pub struct BlkDevice {
     writeback: AtomicBool,
     id: [u8; ID_SIZE],
     panics: Arc<AtomicU64>,
+    throttle: Arc<ExportThrottle>,
 }
 
 impl BlkDevice {
@@ -95,6 +100,7 @@ impl BlkDevice {
             writeback: AtomicBool::new(true),
             id,
             panics,
+            throttle: options.throttle,
         })
     }
 
@@ -168,6 +174,11 @@ impl BlkDevice {
     /// Panics caught since start (queue workers and engine threads).
     pub fn panics(&self) -> u64 {
         self.panics.load(Ordering::Relaxed)
+    }
+
+    /// The export's I/O limits.
+    pub(crate) fn throttle(&self) -> &ExportThrottle {
+        &self.throttle
     }
 
     /// The GET_ID answer.

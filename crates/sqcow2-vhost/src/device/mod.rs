@@ -2,7 +2,8 @@
 //! parsed from descriptor chains ([`request`]), executed by queue workers
 //! ([`worker`], [`backend`]) with io_uring ([`ring`]) and engine threads
 //! ([`offload`]) against the served chain ([`handle`]), admitted by the
-//! [`gate`] that pauses them for a switch of the chain.
+//! [`gate`] that pauses them for a switch of the chain, limited by the
+//! export's [`throttle`].
 
 pub(crate) mod backend;
 pub(crate) mod blk;
@@ -18,4 +19,5 @@ pub(crate) mod ring;
 pub(crate) mod stats;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub(crate) mod throttle;
 pub(crate) mod worker;

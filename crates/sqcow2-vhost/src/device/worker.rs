@@ -40,6 +40,7 @@ use crate::device::offload::{EngineWork, Finished, Mailbox, Persist};
 use crate::device::request::{self, Request, RequestKind, ZeroRange};
 use crate::device::ring::{Direction, OwnBuffer, Ring, RingCompletion, TransferEnd};
 use crate::device::stats::{QueueStats, WorkerStats};
+use crate::device::throttle::IoKind;
 use crate::transport::guest_mem::{GuestBuffer, GuestMem, GuestMemAtomic};
 use crate::transport::vring::{add_used_tracked, Tracker};
 
@@ -169,6 +170,9 @@ pub struct QueueWorker {
     starting: Option<usize>,
     /// Requests were left on a queue while the device was paused.
     deferred: bool,
+    /// A request taken that waits for the export's limits: no queue of
+    /// this worker is taken from until it starts.
+    parked: Option<Parked>,
     /// Most requests taken off a queue in one call ([`Taken::more`] says
     /// when requests were left).
     batch: usize,
@@ -232,6 +236,7 @@ impl QueueWorker {
             jobs_outstanding: 0,
             starting: None,
             deferred: false,
+            parked: None,
             batch: usize::MAX,
             stats: WorkerStats::default(),
         })
@@ -416,6 +421,60 @@ impl QueueWorker {
         }
     }
 
+    /// When the parked request may be looked at again, if one waits.
+    pub(crate) fn parked_until(&self) -> Option<Instant> {
+        self.parked.as_ref().map(|p| p.until)
+    }
+
+    /// The worker-local queue of the parked request, if its time has
+    /// come (or the limits are lifted for a stop).
+    pub(crate) fn parked_due(&self) -> Option<usize> {
+        let p = self.parked.as_ref()?;
+        (Instant::now() >= p.until || self.device.throttle().bypassing()).then_some(p.queue)
+    }
+
+    /// Starts the request parked from `queue_index` if the limits let it
+    /// now (and the gate does); whether none waits any more.
+    fn start_parked(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        tracker: Option<&Tracker>,
+        mem: &Arc<GuestMem>,
+        out: &mut Taken,
+    ) -> io::Result<bool> {
+        let Some(p) = &mut self.parked else {
+            return Ok(true);
+        };
+        if p.queue != queue_index {
+            return Ok(false);
+        }
+        let now = Instant::now();
+        let throttle = self.device.throttle();
+        if now < p.until && !throttle.bypassing() {
+            return Ok(false);
+        }
+        if let Some(wait) = throttle.wait(p.direction) {
+            p.until = now + wait;
+            return Ok(false);
+        }
+        let admission = self.device.gate().try_start();
+        if let Admission::Wait = admission {
+            self.deferred = true;
+            return Ok(false);
+        }
+        let Some(p) = self.parked.take() else {
+            return Ok(true);
+        };
+        throttle.account(p.direction, p.bytes);
+        throttle.waited(p.since.elapsed());
+        if let Some(c) = self.admit(queue_index, Ok(p.request), admission, mem) {
+            add_used_tracked(queue, tracker, mem, c.head, c.len).map_err(io::Error::other)?;
+            out.used = true;
+        }
+        Ok(true)
+    }
+
     fn pop_all(
         &mut self,
         queue_index: usize,
@@ -426,6 +485,10 @@ impl QueueWorker {
         out: &mut Taken,
     ) -> io::Result<()> {
         let limits = self.device.limits();
+        if !self.start_parked(queue_index, queue, tracker.as_deref(), mem, out)? {
+            // Waits for the limits (or the gate): the queue keeps the rest.
+            return Ok(());
+        }
         loop {
             queue
                 .disable_notification(&**mem)
@@ -466,6 +529,19 @@ impl QueueWorker {
                 }
                 let table = vm_memory::GuestAddress(queue.desc_table());
                 let parsed = request::parse(mem, table, queue.size(), head, &limits);
+                let parsed = match parsed {
+                    Ok(req) => match self.throttled(queue_index, req) {
+                        Some(req) => Ok(req),
+                        None => {
+                            // Parked without its permit (a pause does not
+                            // wait for it); the rest stays on the queue,
+                            // the guest's notifications off until then.
+                            drop(admission);
+                            return Ok(());
+                        }
+                    },
+                    Err(rejected) => Err(rejected),
+                };
                 if let Some(c) = self.admit(queue_index, parsed, admission, mem) {
                     add_used_tracked(queue, tracker.as_deref(), mem, c.head, c.len)
                         .map_err(io::Error::other)?;
@@ -485,6 +561,33 @@ impl QueueWorker {
             if !more || self.deferred || out.taken == self.batch {
                 out.more = more && !self.deferred;
                 return Ok(());
+            }
+        }
+    }
+
+    /// `req` if the export's limits let it start now (counted), else
+    /// `None`: parked until they do.
+    fn throttled(&mut self, queue_index: usize, req: Request) -> Option<Request> {
+        let Some((direction, bytes)) = limited_as(&req.kind) else {
+            return Some(req);
+        };
+        let throttle = self.device.throttle();
+        match throttle.wait(direction) {
+            None => {
+                throttle.account(direction, bytes);
+                Some(req)
+            }
+            Some(wait) => {
+                let now = Instant::now();
+                self.parked = Some(Parked {
+                    queue: queue_index,
+                    request: req,
+                    direction,
+                    bytes,
+                    since: now,
+                    until: now + wait,
+                });
+                None
             }
         }
     }
@@ -1325,6 +1428,34 @@ impl QueueWorker {
 }
 
 /// The engine work of a discard or write-zeroes request.
+/// A request that waits for the export's limits.
+#[derive(Debug)]
+struct Parked {
+    /// The worker-local queue it came from.
+    queue: usize,
+    request: Request,
+    direction: IoKind,
+    bytes: u64,
+    /// Since when it waits.
+    since: Instant,
+    /// When the limits may let it start.
+    until: Instant,
+}
+
+/// What the export's limits count a request as: reads and writes by
+/// their bytes, write-zeroes as writes (QEMU's BlockBackend throttles
+/// those; flushes, discards and id requests pass).
+fn limited_as(kind: &RequestKind) -> Option<(IoKind, u64)> {
+    match kind {
+        RequestKind::In { len, .. } => Some((IoKind::Read, *len)),
+        RequestKind::Out { len, .. } => Some((IoKind::Write, *len)),
+        RequestKind::WriteZeroes(ranges) => {
+            Some((IoKind::Write, ranges.iter().map(|r| r.len).sum()))
+        }
+        RequestKind::Flush | RequestKind::Discard(_) | RequestKind::GetId { .. } => None,
+    }
+}
+
 fn zero_job(ranges: Vec<ZeroRange>, write_zeroes: bool) -> impl EngineWork {
     move |chain: &Chain| {
         for r in ranges {

@@ -22,6 +22,7 @@ use tracing::info;
 use crate::device::backend::BlkBackend;
 use crate::device::gate::RequestGate;
 use crate::device::handle::{ChainHandle, Exclusive};
+use crate::device::throttle::ExportThrottle;
 use crate::transport::backend_channel::BackendChannel;
 pub(crate) use index_builder::IndexBuilder;
 pub(crate) use merge_job::MergeJob;
@@ -99,6 +100,8 @@ pub struct Shared {
     stopping: std::sync::atomic::AtomicBool,
     /// Point-in-time NBD exports of layers below the top, by name.
     pub(crate) frozen: nbd_export::FrozenExports,
+    /// The export's I/O limits.
+    pub(crate) throttle: Arc<ExportThrottle>,
 }
 
 impl Shared {
@@ -117,6 +120,7 @@ impl Shared {
             started: Instant::now(),
             stopping: Default::default(),
             frozen: Default::default(),
+            throttle: Arc::default(),
         }
     }
 
@@ -292,7 +296,10 @@ pub fn handle_line(line: &str, shared: &Arc<Shared>) -> Reply {
 pub(crate) fn handle_request(request: Request, shared: &Arc<Shared>) -> Reply {
     let id = request.id;
     let result = match request.command {
-        Command::ExportAdd(_) | Command::ExportRemove { .. } | Command::ExportList => Err(fail(
+        Command::ExportAdd(_)
+        | Command::ExportRemove { .. }
+        | Command::ExportList
+        | Command::SetIoThrottle(_) => Err(fail(
             FailureKind::BadRequest,
             "a daemon command, answered by the daemon's control socket",
         )),
@@ -657,5 +664,6 @@ pub(crate) fn stats(shared: &Shared) -> Stats {
         active: shared.is_active(),
         worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
         write_failure: chain.failure().map(str::to_owned),
+        throttle: shared.throttle.counters(),
     }
 }

@@ -13,6 +13,8 @@ use super::protocol::{IndexMode, Stats, LATENCY_BUCKETS_US};
 #[derive(Debug)]
 enum Value {
     Counter(u64),
+    /// A counter of seconds.
+    Seconds(f64),
     Gauge(f64),
 }
 
@@ -20,13 +22,14 @@ impl EncodeMetric for Value {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
         match self {
             Value::Counter(v) => encoder.encode_counter::<NoLabelSet, _, u64>(v, None),
+            Value::Seconds(v) => encoder.encode_counter::<NoLabelSet, _, f64>(v, None),
             Value::Gauge(v) => encoder.encode_gauge(v),
         }
     }
 
     fn metric_type(&self) -> MetricType {
         match self {
-            Value::Counter(_) => MetricType::Counter,
+            Value::Counter(_) | Value::Seconds(_) => MetricType::Counter,
             Value::Gauge(_) => MetricType::Gauge,
         }
     }
@@ -271,6 +274,17 @@ fn render_families(e: &Exports<'_>) -> String {
             count: q.latency_us_count,
             cumulative: q.latency_us_buckets.clone(),
         }),
+    );
+    r.register(
+        "throttled_requests",
+        "Requests that waited for the export's I/O limits",
+        counter(|s| s.throttle.as_ref().map_or(0, |t| t.throttled)),
+    );
+    r.register_with_unit(
+        "throttled",
+        "Time requests waited for the export's I/O limits",
+        Unit::Seconds,
+        e.each(|s| Value::Seconds(s.throttle.as_ref().map_or(0.0, |t| t.throttled_seconds))),
     );
     let mut out = String::new();
     // Writing into a String cannot fail.

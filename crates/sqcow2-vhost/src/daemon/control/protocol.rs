@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::device::throttle::LIMIT_KEYS;
+pub use crate::device::throttle::{IoLimits, ThrottleCounters};
+
 /// A request line: its `id` (echoed), the export it is for and its
 /// command.
 #[derive(Debug)]
@@ -83,6 +86,8 @@ pub enum Command {
     },
     /// The exports served.
     ExportList,
+    /// Set the export's I/O limits, live.
+    SetIoThrottle(IoThrottleRequest),
 }
 
 impl Command {
@@ -121,6 +126,42 @@ pub struct ExportAddRequest {
     /// daemon's `--backing-root`, else the top's directory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing_root: Option<PathBuf>,
+    /// The throttle group it joins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Its I/O limits (the limit keys, beside the others in the request).
+    #[serde(skip)]
+    pub limits: IoLimits,
+}
+
+/// What a `set-io-throttle` request asks: the export's limits (QEMU's
+/// `block_set_io_throttle`: absent keys are no limit, none at all lifts
+/// them), in `group` if named (its other exports take them too).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IoThrottleRequest {
+    /// The throttle group the export joins (or stays in).
+    pub group: Option<String>,
+    /// The limits.
+    pub limits: IoLimits,
+}
+
+/// Moves the limit keys of `object` into an [`IoLimits`] (unknown keys
+/// stay in `object`).
+fn take_limits(object: &mut Map<String, Value>) -> Result<IoLimits, String> {
+    let mut limits = Map::new();
+    for key in LIMIT_KEYS {
+        if let Some(v) = object.remove(key) {
+            limits.insert(key.to_owned(), v);
+        }
+    }
+    serde_json::from_value(Value::Object(limits)).map_err(|e| format!("limits: {e}"))
+}
+
+/// The limit keys of `limits`, as request keys.
+fn put_limits(o: &mut Map<String, Value>, limits: &IoLimits) {
+    if let Ok(Value::Object(fields)) = serde_json::to_value(limits) {
+        o.extend(fields);
+    }
 }
 
 /// One export, as `export-add` and `export-list` answer.
@@ -606,11 +647,25 @@ impl Request {
             "export-add" | "export-remove" if export.is_none() => {
                 Err(format!("{name} needs \"export\" (the export's name)"))
             }
-            "export-add" => args::<ExportAddRequest>("export-add", object).map(|a| {
-                Command::ExportAdd(ExportAddRequest {
-                    id: export.clone().unwrap_or_default(),
-                    ..a
+            "export-add" => take_limits(&mut object).and_then(|limits| {
+                args::<ExportAddRequest>("export-add", object).map(|a| {
+                    Command::ExportAdd(ExportAddRequest {
+                        id: export.clone().unwrap_or_default(),
+                        limits,
+                        ..a
+                    })
                 })
+            }),
+            "set-io-throttle" => take_limits(&mut object).and_then(|limits| {
+                let group = match object.remove("group") {
+                    None => Ok(None),
+                    Some(Value::String(g)) => Ok(Some(g)),
+                    Some(_) => Err("set-io-throttle: \"group\" must be a string".to_owned()),
+                }?;
+                match object.keys().next() {
+                    Some(key) => Err(format!("set-io-throttle: unknown key {key:?}")),
+                    None => Ok(Command::SetIoThrottle(IoThrottleRequest { group, limits })),
+                }
             }),
             "export-remove" => no_args(Command::ExportRemove {
                 id: export.clone().unwrap_or_default(),
@@ -707,18 +762,20 @@ impl Request {
                     _ => vec![],
                 },
             ),
-            Command::ExportAdd(a) => (
-                "export-add",
-                match serde_json::to_value(a) {
-                    Ok(Value::Object(fields)) => {
-                        for (k, v) in fields {
-                            o.insert(k, v);
-                        }
-                        vec![]
-                    }
-                    _ => vec![],
-                },
-            ),
+            Command::ExportAdd(a) => {
+                if let Ok(Value::Object(fields)) = serde_json::to_value(a) {
+                    o.extend(fields);
+                }
+                put_limits(&mut o, &a.limits);
+                ("export-add", vec![])
+            }
+            Command::SetIoThrottle(t) => {
+                put_limits(&mut o, &t.limits);
+                if let Some(g) = &t.group {
+                    o.insert("group".into(), Value::String(g.clone()));
+                }
+                ("set-io-throttle", vec![])
+            }
             Command::ExportRemove { .. } => ("export-remove", vec![]),
             Command::ExportList => ("export-list", vec![]),
             Command::Stats { format } => (
@@ -1000,6 +1057,9 @@ pub struct Stats {
     pub worker_panics: u64,
     /// Why writes are refused although the chain was opened writable.
     pub write_failure: Option<String>,
+    /// The export's I/O limits and how often they held requests back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle: Option<ThrottleCounters>,
 }
 
 /// The result of `stats` in Prometheus format.
