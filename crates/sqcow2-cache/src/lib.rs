@@ -38,6 +38,9 @@ pub enum Source {
     /// number, for the chain with this number (the chain that follows a
     /// live snapshot shares the cache under a new number).
     Resolved(u32),
+    /// An L2 table of a layer file several chains share, by the number
+    /// the process gave the file when it first opened it.
+    File(u32),
 }
 
 /// What identifies a slice: its source and its place there (a byte

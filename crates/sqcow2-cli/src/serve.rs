@@ -28,6 +28,12 @@ pub struct ServeArgs {
     /// throttle names (iops-total, bps-write-max, ...; see --export).
     #[arg(long, value_name = "KEY=VALUE,...", conflicts_with = "export")]
     limits: Option<String>,
+    /// With --export: bytes of the one cache of the layers the exports'
+    /// chains share (each such file opened once, its tables cached once);
+    /// each export's own layers, top and index keep a cache of
+    /// --cache-size of their own, which the others cannot evict.
+    #[arg(long, default_value = "64M", value_name = "BYTES")]
+    shared_cache_size: String,
     /// Most exports served at a time (those added over the control
     /// socket past it are refused).
     #[arg(long, default_value_t = sqcow2_vhost::MAX_EXPORTS)]
@@ -176,6 +182,10 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
         metrics: args.metrics.clone(),
         backing_root: args.backing_root.clone(),
         max_exports: args.max_exports,
+        // The single-export form keeps its chain's layers to itself.
+        shared_cache_size: (!args.export.is_empty())
+            .then(|| crate::output::parse_size(&args.shared_cache_size))
+            .transpose()?,
     };
     let what = match (&args.image, exports.as_slice()) {
         (Some(image), _) => image.display().to_string(),

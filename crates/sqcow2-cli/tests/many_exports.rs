@@ -278,6 +278,13 @@ fn exports_serve_side_by_side_and_come_and_go_under_load() {
     );
     let stats = request(&daemon, &ctl, json!({"command": "stats", "export": "a"}));
     assert_eq!(stats["result"]["queues"][0]["errors"], 0, "{stats}");
+    // The base is opened once for the chains that share it.
+    assert_eq!(stats["result"]["shared-layers"]["files"], 1, "{stats}");
+    assert!(
+        !daemon.log().contains("cannot be indexed"),
+        "a chain could not mark the shared base:\n{}",
+        daemon.log()
+    );
     drop(c);
     daemon.stop();
     for top in &tops {

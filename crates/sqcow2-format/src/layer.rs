@@ -9,6 +9,7 @@ use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
 use crate::error::{ErrorKind, Table};
 use crate::header::Header;
 use crate::held::{Busy, HolderSlot, TableHolder};
+use crate::shared_layers::SharedFile;
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
@@ -41,6 +42,9 @@ pub struct Qcow2Layer {
     /// A writer of this process that may hold tables newer than the file
     /// (a live snapshot's old top until it is closed): asked first.
     holder: Option<HolderSlot>,
+    /// The file other chains of the process share ([`crate::SharedLayers`]):
+    /// its L2 slices are cached in the shared cache, not the chain's.
+    shared: Option<Arc<SharedFile>>,
 }
 
 /// What identifies an image's file besides its L1 table: its size and the
@@ -123,6 +127,7 @@ impl Qcow2Layer {
             l1_hash: xxh3_64(&raw),
             identity: Arc::new(Mutex::new(identity)),
             holder: None,
+            shared: None,
         })
     }
 
@@ -155,6 +160,7 @@ impl Qcow2Layer {
             l1_hash: xxh3_64(&raw),
             identity: Arc::new(Mutex::new(identity)),
             holder: Some(HolderSlot::new(holder)),
+            shared: None,
         })
     }
 
@@ -279,8 +285,12 @@ impl Qcow2Layer {
             return Ok(None);
         }
         let slice = L2Slice::locate(g, l2_offset, guest, slice_size);
+        let (cache, source) = match &self.shared {
+            Some(file) => file.cache(),
+            None => (cache, Source::Layer(index.0 as u32)),
+        };
         let key = SliceKey {
-            source: Source::Layer(index.0 as u32),
+            source,
             offset: slice.offset,
         };
         cache
@@ -297,6 +307,24 @@ impl Qcow2Layer {
                 |words| f(&slice, words),
             )
             .map(Some)
+    }
+
+    /// This layer as a chain that reaches its file at `path` keeps it,
+    /// `file` shared with other chains.
+    pub(crate) fn sharing(self, file: Arc<SharedFile>, path: &Path) -> Self {
+        Qcow2Layer {
+            path: path.to_path_buf(),
+            shared: Some(file),
+            ..self
+        }
+    }
+
+    /// Whether another chain of the process (or another copy of this
+    /// layer) uses this layer's file now: it must not be written.
+    pub(crate) fn shared_elsewhere(&self) -> bool {
+        self.shared
+            .as_ref()
+            .is_some_and(|f| Arc::strong_count(f) > 1)
     }
 
     /// The slice as the writer that holds the image's tables has it

@@ -105,6 +105,10 @@ pub struct ChainOptions {
     /// Host page cache use of the image files (QEMU's `cache` option):
     /// [`crate::CacheMode::None`] opens each one `O_DIRECT` too.
     pub cache: crate::direct::CacheMode,
+    /// Layer files below the top shared with the process's other chains
+    /// that reach them (opened once, their tables cached once); `None`:
+    /// this chain's own.
+    pub shared_layers: Option<Arc<crate::SharedLayers>>,
 }
 
 impl Default for ChainOptions {
@@ -127,6 +131,7 @@ impl Default for ChainOptions {
             background_write_back: false,
             stale_index_expected: false,
             cache: crate::direct::CacheMode::WriteBack,
+            shared_layers: None,
         }
     }
 }
@@ -272,6 +277,16 @@ pub(crate) struct UnclosedTop {
 }
 
 impl ChainOptions {
+    /// How a layer below the top is opened: chains share a file only
+    /// when they open it alike.
+    pub(crate) fn shared_mode(&self) -> crate::shared_layers::OpenMode {
+        crate::shared_layers::OpenMode {
+            cache: self.cache,
+            lock: self.lock_request(false),
+            locking: self.locking,
+        }
+    }
+
     /// The image locks a layer takes: the top (`top`) written or read,
     /// backing layers read.
     pub(crate) fn lock_request(&self, top: bool) -> LockRequest {

@@ -42,10 +42,12 @@ enum Expect {
     Probe,
 }
 
-/// An opened file, or storage this process has open already.
+/// An opened file, or storage this process has open already, or a layer
+/// another chain of the process shares.
 enum Opened {
     File(File),
     Reused(Arc<dyn Storage>),
+    Shared(crate::layer::Qcow2Layer),
 }
 
 fn open_layer(
@@ -68,6 +70,7 @@ fn open_layer(
             Arc::new(crate::storage::writable_same_file(&*s, path)?.with_cache(options.cache)?)
         }
         (_, _, Some(Opened::Reused(s))) => s,
+        (_, _, Some(Opened::Shared(q))) => q.storage().clone(),
         // Opened for writing in the first place (`open_layers`).
         (Expect::Top, None, Some(Opened::File(file))) if options.writable => {
             Arc::new(FileStorage::from_writable_file(file)?.with_cache(options.cache)?)
@@ -332,12 +335,25 @@ fn open_layers(
             if !seen.insert((meta.dev(), meta.ino())) {
                 return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
             }
+            // Shared as qcow2 only (a chain that records the file as raw
+            // reads it as raw, its own).
+            let as_qcow2 = matches!(
+                expect,
+                Expect::Recorded(BackingFormat::Qcow2) | Expect::Probe
+            );
+            let shared = match (&referrer, &options.shared_layers) {
+                (Some(_), Some(shared)) if as_qcow2 => {
+                    shared.get((meta.dev(), meta.ino()), options.shared_mode(), &current)
+                }
+                _ => None,
+            };
             let open = reuse
                 .iter()
                 .find(|s| s.file_id() == Some((meta.dev(), meta.ino())));
-            match open {
-                Some(s) => Some(Opened::Reused(s.clone())),
-                None => Some(Opened::File(file)),
+            match (shared, open) {
+                (Some(layer), _) => Some(Opened::Shared(layer)),
+                (None, Some(s)) => Some(Opened::Reused(s.clone())),
+                (None, None) => Some(Opened::File(file)),
             }
         };
         if let (Some(_), Some(Opened::File(f))) = (&referrer, &file) {
@@ -346,16 +362,33 @@ fn open_layers(
                 repair_left_open(&current, f, left, options.locking, root.as_ref())?;
             }
         }
+        // A lower layer opened fresh is shared with the process's other
+        // chains, where they share layers.
+        let share = match (&referrer, &options.shared_layers, &file) {
+            (Some(_), Some(shared), Some(Opened::File(f))) => {
+                f.metadata().ok().map(|m| (shared, (m.dev(), m.ino())))
+            }
+            _ => None,
+        };
         let layer =
-            open_layer(&current, file, expect, options, &files, top_place).map_err(|kind| {
-                match kind {
-                    // The referring image records the wrong format: blame it.
-                    ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
-                        Error::new(&blame, kind)
-                    }
-                    kind => Error::new(&current, kind),
-                }
-            })?;
+            match file {
+                Some(Opened::Shared(q)) => Layer::Qcow2(q),
+                file => open_layer(&current, file, expect, options, &files, top_place).map_err(
+                    |kind| match kind {
+                        // The referring image records the wrong format: blame it.
+                        ErrorKind::UnknownBackingFormat(_) | ErrorKind::BackingNotQcow2(_) => {
+                            Error::new(&blame, kind)
+                        }
+                        kind => Error::new(&current, kind),
+                    },
+                )?,
+            };
+        let layer = match (share, layer) {
+            (Some((shared, id)), Layer::Qcow2(q)) => {
+                Layer::Qcow2(shared.insert(id, options.shared_mode(), q, &current))
+            }
+            (_, layer) => layer,
+        };
         if let Some(header) = layer.header() {
             if let Some(name) = &header.backing_file {
                 let backing = resolve_backing_path(&current, name).with_path(&current)?;

@@ -138,6 +138,14 @@ pub fn prepare_live_commit(
     q.header()
         .refuse_if_marked_corrupt()
         .map_err(|k| Error::new(&base_path, k))?;
+    if q.shared_elsewhere() {
+        // Its descriptor (and locks) are other chains' too: no lock
+        // would keep their reads from the commit's writes.
+        return Err(invalid(
+            &base_path,
+            "another disk this process serves reads the base: it cannot be written".into(),
+        ));
+    }
     if layer.virtual_size() != chain.virtual_size() {
         return Err(invalid(
             &base_path,

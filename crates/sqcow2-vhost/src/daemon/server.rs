@@ -61,6 +61,10 @@ pub struct ServeOptions {
     pub backing_root: Option<PathBuf>,
     /// Most exports served at a time ([`crate::MAX_EXPORTS`] by default).
     pub max_exports: usize,
+    /// Share the layer files the exports' chains have in common (opened
+    /// once, their tables cached once in a cache of this many bytes);
+    /// `None`: each chain its own.
+    pub shared_cache_size: Option<u64>,
 }
 
 /// Writes this process's id to `path`: created (exclusively, never
@@ -153,6 +157,12 @@ pub fn serve(
         stopping: Arc::new(AtomicBool::new(false)),
         throttle_groups: Default::default(),
     });
+    let chain_options = ChainOptions {
+        shared_layers: options
+            .shared_cache_size
+            .map(|bytes| Arc::new(sqcow2_format::SharedLayers::new(bytes))),
+        ..chain_options
+    };
     let served = Arc::new(Exports::new(
         context.clone(),
         chain_options,

@@ -665,5 +665,19 @@ pub(crate) fn stats(shared: &Shared) -> Stats {
         worker_panics: session.as_ref().map_or(0, |b| b.device().panics()),
         write_failure: chain.failure().map(str::to_owned),
         throttle: shared.throttle.counters(),
+        shared_layers: shared.options.shared_layers.as_ref().map(|l| {
+            let c = l.cache_stats().snapshot();
+            protocol::SharedLayerCounters {
+                files: l.files(),
+                cache: CacheCounters {
+                    hits: c.hits,
+                    misses: c.misses,
+                    loads: c.loads,
+                    hit_unallocated: c.hit_unallocated,
+                    evictions: c.evictions,
+                    bytes: c.bytes,
+                },
+            }
+        }),
     }
 }

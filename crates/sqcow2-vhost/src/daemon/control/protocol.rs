@@ -1060,6 +1060,20 @@ pub struct Stats {
     /// The export's I/O limits and how often they held requests back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttle: Option<ThrottleCounters>,
+    /// The layer files the daemon's chains share, and their one cache
+    /// (the daemon's, the same for every export).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_layers: Option<SharedLayerCounters>,
+}
+
+/// What `stats` shows of the layers the daemon's chains share.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SharedLayerCounters {
+    /// Files shared now (each opened once).
+    pub files: usize,
+    /// Their one cache of tables.
+    pub cache: CacheCounters,
 }
 
 /// The result of `stats` in Prometheus format.
