@@ -9,7 +9,6 @@ use crate::entry::{decode_l2, ClusterMapping, EntryError, OFFSET_MASK};
 use crate::error::{ErrorKind, Table};
 use crate::header::Header;
 use crate::held::{Busy, HolderSlot, TableHolder};
-use crate::shared_layers::SharedFile;
 use crate::storage::Storage;
 use crate::types::{Geometry, GuestOffset, HostOffset, LayerIndex};
 use sqcow2_cache::{Slice, SliceCache, SliceKey, Source};
@@ -44,7 +43,24 @@ pub struct Qcow2Layer {
     holder: Option<HolderSlot>,
     /// The file other chains of the process share ([`crate::SharedLayers`]):
     /// its L2 slices are cached in the shared cache, not the chain's.
-    shared: Option<Arc<SharedFile>>,
+    shared: Option<SharedTables>,
+}
+
+/// Where the L2 slices of a file several chains share are cached, and
+/// the registry's entry for it (one reference per chain's layer).
+#[derive(Clone)]
+pub(crate) struct SharedTables {
+    pub(crate) cache: Arc<SliceCache>,
+    pub(crate) source: Source,
+    pub(crate) users: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for SharedTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedTables")
+            .field("source", &self.source)
+            .finish()
+    }
 }
 
 /// What identifies an image's file besides its L1 table: its size and the
@@ -286,7 +302,7 @@ impl Qcow2Layer {
         }
         let slice = L2Slice::locate(g, l2_offset, guest, slice_size);
         let (cache, source) = match &self.shared {
-            Some(file) => file.cache(),
+            Some(shared) => (&*shared.cache, shared.source),
             None => (cache, Source::Layer(index.0 as u32)),
         };
         let key = SliceKey {
@@ -311,10 +327,10 @@ impl Qcow2Layer {
 
     /// This layer as a chain that reaches its file at `path` keeps it,
     /// `file` shared with other chains.
-    pub(crate) fn sharing(self, file: Arc<SharedFile>, path: &Path) -> Self {
+    pub(crate) fn sharing(self, tables: SharedTables, path: &Path) -> Self {
         Qcow2Layer {
             path: path.to_path_buf(),
-            shared: Some(file),
+            shared: Some(tables),
             ..self
         }
     }
@@ -324,7 +340,7 @@ impl Qcow2Layer {
     pub(crate) fn shared_elsewhere(&self) -> bool {
         self.shared
             .as_ref()
-            .is_some_and(|f| Arc::strong_count(f) > 1)
+            .is_some_and(|t| Arc::strong_count(&t.users) > 1)
     }
 
     /// The slice as the writer that holds the image's tables has it

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use sqcow2_cache::{CacheConfig, CacheStats, SliceCache, Source};
 
 use crate::direct::CacheMode;
-use crate::layer::Qcow2Layer;
+use crate::layer::{Qcow2Layer, SharedTables};
 use crate::lock::{LockRequest, Locking};
 
 /// How a file was opened: only opens alike share it.
@@ -52,9 +52,14 @@ pub(crate) struct SharedFile {
 }
 
 impl SharedFile {
-    /// The cache its L2 slices are kept in, and their source there.
-    pub(crate) fn cache(&self) -> (&SliceCache, Source) {
-        (&self.cache, Source::File(self.id))
+    /// A chain's layer for the file, reached at `path`.
+    fn layer(self: &Arc<Self>, path: &std::path::Path) -> Qcow2Layer {
+        let tables = SharedTables {
+            cache: self.cache.clone(),
+            source: Source::File(self.id),
+            users: self.clone(),
+        };
+        self.template.clone().sharing(tables, path)
     }
 }
 
@@ -109,7 +114,7 @@ impl SharedLayers {
             .iter()
             .find(|(m, _)| *m == mode)
             .and_then(|(_, f)| f.upgrade())?;
-        Some(file.template.clone().sharing(file.clone(), path))
+        Some(file.layer(path))
     }
 
     /// Shares `layer` (just opened fresh as `mode`): the layer the chain
@@ -129,7 +134,7 @@ impl SharedLayers {
             .find(|(m, _)| *m == mode)
             .and_then(|(_, f)| f.upgrade())
         {
-            return file.template.clone().sharing(file.clone(), path);
+            return file.layer(path);
         }
         let file = Arc::new(SharedFile {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -137,7 +142,7 @@ impl SharedLayers {
             template: layer,
         });
         entries.push((mode, Arc::downgrade(&file)));
-        file.template.clone().sharing(file.clone(), path)
+        file.layer(path)
     }
 
     /// Chains using the shared file `id` now (0: not shared).
