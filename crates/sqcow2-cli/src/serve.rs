@@ -13,15 +13,15 @@ pub struct ServeArgs {
     /// then served over NBD only).
     #[arg(long, required_unless_present_any = ["nbd", "export"], conflicts_with = "export")]
     socket: Option<PathBuf>,
-    /// One export of several served by this daemon, as
-    /// `socket=PATH,image=PATH[,id=NAME][,read-only=on][,num-queues=N]
-    /// [,queue-size=N][,backing-root=DIR][,group=NAME][,iops-total=N]...`
-    /// (a comma in a value doubled, as QEMU's); repeated for each disk.
-    /// I/O limits take QEMU's throttle names: iops-total, iops-read,
-    /// iops-write, bps-total, bps-read, bps-write, each with -max and
-    /// -max-length, iops-size; exports naming one group share its limits.
-    /// The other options apply to every export. Instead of --socket and
-    /// IMAGE.
+    /// One export of several served by this daemon, as KEY=VALUE pairs
+    /// joined by commas (a comma in a value doubled, as QEMU's):
+    /// socket=PATH and image=PATH, then any of id=NAME, read-only=on,
+    /// num-queues=N, queue-size=N, backing-root=DIR, group=NAME and the
+    /// I/O limits by QEMU's throttle names (iops-total, iops-read,
+    /// iops-write, bps-total, bps-read, bps-write, each also with -max
+    /// and -max-length, and iops-size); exports naming one group share
+    /// its limits. Repeated for each disk; the other options apply to
+    /// every export. Instead of --socket and IMAGE.
     #[arg(long, value_name = "KEY=VALUE,...")]
     export: Vec<String>,
     /// I/O limits of the single export, `KEY=VALUE,...` with QEMU's

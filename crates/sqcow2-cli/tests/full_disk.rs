@@ -230,3 +230,76 @@ fn an_index_build_on_a_full_filesystem_walks_and_tries_again_at_the_next_start()
     daemon.stop();
     reference.verify_files(&top, &small.dir);
 }
+
+/// One daemon, two exports over one base: the top of one fills its
+/// 2 MiB filesystem, the other's is on the big one. The full export's
+/// allocating writes fail; the other export's writes and reads go on,
+/// none failing; both images check clean.
+#[test]
+fn a_full_disk_under_one_export_fails_only_that_export() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x11 0 8M".to_string()]);
+    let fs = SmallFs::mount(&dir.join("small"), "2M");
+    let full = fs.dir.join("full.qcow2");
+    qemu_overlay(&full, s(&base), "qcow2", &[], None);
+    let roomy = dir.join("roomy.qcow2");
+    qemu_overlay(&roomy, s(&base), "qcow2", &[], None);
+    let export = |id: &str, top: &Path| {
+        format!(
+            "socket={},image={},id={id},backing-root={}",
+            s(&dir.join(format!("{id}.sock"))),
+            s(top),
+            s(dir)
+        )
+    };
+    let args = [
+        "--export".to_string(),
+        export("full", &full),
+        "--export".to_string(),
+        export("roomy", &roomy),
+    ];
+    let mut daemon = Daemon::start_args(dir, &args);
+    let mut full_client =
+        common::vhost::connect_retry_to(&daemon, &dir.join("full.sock"), 1, false);
+    let mut roomy_client =
+        common::vhost::connect_retry_to(&daemon, &dir.join("roomy.sock"), 1, false);
+    let mut failed = 0;
+    for c in 0..200usize {
+        let at = (c * CLUSTER) as u64;
+        if full_client.try_write(at, &pattern(c, 1)) != 0 {
+            failed += 1;
+        }
+        // The other export, written and read between each of them.
+        roomy_client.write(at, &pattern(c, 2));
+        assert!(
+            roomy_client.read(at, CLUSTER) == pattern(c, 2),
+            "the roomy export's cluster {c}"
+        );
+    }
+    assert!(
+        failed > 100,
+        "the full export failed {failed} writes of 200"
+    );
+    assert_eq!(roomy_client.try_flush(), 0);
+    drop((full_client, roomy_client));
+    daemon.stop();
+    for top in [&full, &roomy] {
+        let check = run_raw(Command::new("qemu-img").args(["check", s(top)]));
+        assert!(
+            check.status.success(),
+            "{}: {}",
+            top.display(),
+            String::from_utf8_lossy(&check.stdout)
+        );
+    }
+    let raw = qemu_raw(&roomy, dir);
+    for c in 0..200usize {
+        assert!(
+            raw[c * CLUSTER..(c + 1) * CLUSTER] == pattern(c, 2),
+            "roomy cluster {c} in the file"
+        );
+    }
+}

@@ -222,3 +222,89 @@ fn a_stop_finishes_requests_waiting_for_the_limits() {
         &["read -P 0x31 0 64k".into(), "read -P 0x32 64k 64k".into()],
     );
 }
+
+/// A write waiting under a limit starts as soon as the limit is lifted
+/// live (as QEMU restarts throttled requests when the limits change),
+/// not when the old limit would have let it.
+#[test]
+fn lifting_a_limit_starts_the_request_waiting_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    chains(d, &["w"]);
+    let ctl = d.join("ctl.sock");
+    let mut args: Vec<String> = vec!["--control".into(), s(&ctl).into()];
+    args.extend(export(d, "w", ",bps-write=4096"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let mut client = connect_retry_to(&daemon, &d.join("w.sock"), 1, false);
+    assert_eq!(
+        client.try_write_within(0, &vec![0x41; 65536], Duration::from_secs(10)),
+        Some(0)
+    );
+    let writer = std::thread::spawn(move || {
+        // 16 s under the limit; the 10 s wait fails unless it is lifted.
+        client.try_write_within(65536, &vec![0x42; 65536], Duration::from_secs(10))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let lifted = daemon.control(&ctl, json!({"command": "set-io-throttle", "export": "w"}));
+    assert_eq!(lifted["ok"], true, "{lifted}");
+    assert_eq!(
+        writer.join().unwrap(),
+        Some(0),
+        "the waiting write did not start"
+    );
+    daemon.stop();
+    common::qemu_io(
+        &d.join("w.qcow2"),
+        &["read -P 0x41 0 64k".into(), "read -P 0x42 64k 64k".into()],
+    );
+}
+
+/// Two queues on one worker thread, notifications only (no polling):
+/// while a request of the first waits for the limit, one put on the
+/// second is taken once the first's has started, not left on its ring.
+#[test]
+fn a_queue_beside_a_waiting_one_is_not_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    chains(d, &["q"]);
+    let mut args: Vec<String> = vec![
+        "--poll-us".into(),
+        "0".into(),
+        "--queues-per-thread".into(),
+        "2".into(),
+    ];
+    args.extend(export(d, "q", ",num-queues=2,iops-write=2"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let mut client = connect_retry_to(&daemon, &d.join("q.sock"), 2, false);
+    let ptr = client.region.addr as *const u8;
+    // The bucket (a tenth of a second's worth) takes one; the second
+    // waits about 0.4 s, and the third, on the other queue, after it.
+    for (q, n) in [(0usize, 2usize), (1, 1)] {
+        for i in 0..n {
+            client.queues[q].write(
+                (q * 8 + i) as u64 * 4096,
+                ptr,
+                4096,
+                0,
+                blkio::ReqFlags::empty(),
+            );
+        }
+        // Submitted now (libblkio submits at its next do_io), waiting
+        // for nothing.
+        let mut none: [std::mem::MaybeUninit<blkio::Completion>; 0] = [];
+        let mut zero = Duration::ZERO;
+        client.queues[q]
+            .do_io(&mut none, 0, Some(&mut zero), None)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let first = client.wait(0, 2);
+    let second = client.wait(1, 1);
+    assert!(
+        first.iter().chain(&second).all(|(_, r)| *r == 0),
+        "{first:?} {second:?}"
+    );
+    drop(client);
+    daemon.stop();
+    assert_check_clean(&d.join("q.qcow2"));
+}

@@ -505,3 +505,80 @@ fn a_killed_daemon_keeps_every_completed_write_of_every_export() {
         assert_check_clean(top);
     }
 }
+
+/// A hostile frontend on one export (garbage for messages, a header
+/// announcing more than any message holds, a connection dropped in the
+/// middle of a message) ends its own connections only: the other
+/// export's guest writes on without an error, and the hostile one's
+/// socket takes a proper frontend afterwards.
+#[test]
+fn a_hostile_frontend_on_one_export_leaves_the_others_serving() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tops = chains(d, &["a", "b"]);
+    let mut args = Vec::new();
+    args.extend(export_arg(d, "a"));
+    args.extend(export_arg(d, "b"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let stop = Arc::new(AtomicBool::new(false));
+    let a = connect_retry_to(&daemon, &d.join("a.sock"), 1, false);
+    let a_writer = std::thread::spawn({
+        let stop = stop.clone();
+        move || writer(a, 1, stop)
+    });
+    let hostile = |bytes: &[u8], close_early: bool| {
+        let mut s = UnixStream::connect(d.join("b.sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(bytes);
+        if close_early {
+            return;
+        }
+        // The daemon hangs up on it (EOF or a reset), within the timeout.
+        let mut rest = Vec::new();
+        let r = s.read_to_end(&mut rest);
+        assert!(
+            !matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "the daemon kept a garbage connection open"
+        );
+    };
+    let mut garbage = vec![0u8; 4096];
+    for (i, b) in garbage.iter_mut().enumerate() {
+        *b = (i * 131 % 251) as u8;
+    }
+    hostile(&garbage, false);
+    // GET_FEATURES (1), flags 0x1, a payload of 4 GiB - 1 announced.
+    let mut huge = Vec::new();
+    huge.extend(1u32.to_le_bytes());
+    huge.extend(1u32.to_le_bytes());
+    huge.extend(u32::MAX.to_le_bytes());
+    hostile(&huge, false);
+    // SET_MEM_TABLE (5) announcing a payload, then gone.
+    let mut cut = Vec::new();
+    cut.extend(5u32.to_le_bytes());
+    cut.extend(1u32.to_le_bytes());
+    cut.extend(40u32.to_le_bytes());
+    cut.extend([0u8; 8]);
+    hostile(&cut, true);
+
+    let mut b = connect_retry_to(&daemon, &d.join("b.sock"), 1, false);
+    b.write(0, &vec![0x6b; BLOCK]);
+    assert!(b.read(0, BLOCK).iter().all(|x| *x == 0x6b));
+    assert!(b.read(BLOCK as u64, BLOCK).iter().all(|x| *x == BASE_FILL));
+    drop(b);
+    stop.store(true, Ordering::Relaxed);
+    let a_done = a_writer.join().unwrap();
+    assert!(a_done.unanswered.is_none(), "a's guest saw an error");
+    assert!(
+        a_done.done.len() > 10,
+        "a wrote {} blocks",
+        a_done.done.len()
+    );
+    daemon.stop();
+    for top in &tops {
+        assert_check_clean(top);
+    }
+    assert_reads(&tops[0], &last_fills(&a_done.done));
+}

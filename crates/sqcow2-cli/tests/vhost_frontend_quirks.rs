@@ -559,3 +559,44 @@ fn a_frontend_dialling_the_moment_a_killed_daemon_hangs_up_is_refused() {
         assert_eq!(status.signal(), Some(libc::SIGKILL), "round {round}");
     }
 }
+
+/// A request waiting for the export's I/O limits was taken off the ring:
+/// when the frontend stops the ring (GET_VRING_BASE: a VM paused or
+/// migrated), it starts whatever the limits and completes before the
+/// ring's index is given back, as QEMU's drain restarts throttled
+/// requests: none is lost, none runs twice after a restart.
+#[test]
+fn a_ring_stop_finishes_a_request_waiting_for_the_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let top = gen_chain(tmp.path(), 3, "16M", "0.5");
+    // 4 KiB a second: after a first 64 KiB write the next waits 16 s.
+    let mut daemon = Daemon::start(tmp.path(), &top, &["--limits", "bps-write=4096"]);
+    let guest = SharedGuestMemory::new(MEM);
+    let mem = guest.mem.clone();
+    let mock = MockSplitQueue::create(&mem, GuestAddress(0), QSIZE);
+    let mut fe = frontend_with_ring(&daemon, &guest, &mock, |offered| offered);
+    header(&mem, VIRTIO_BLK_T_OUT, 0);
+    mem.write_slice(&[0x5a; 65536], GuestAddress(DATA)).unwrap();
+    add_request(&mock, 0, false, 65536);
+    add_request(&mock, 3, false, 65536);
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+    wait_used(&mem, &mock, 1);
+    std::thread::sleep(Duration::from_millis(300));
+    let used = |mem: &Mem| -> u16 { mem.read_obj(mock.used_addr().unchecked_add(2)).unwrap() };
+    assert_eq!(used(&mem), 1, "the second write did not wait for the limit");
+    let base = fe.get_vring_base(0).unwrap();
+    assert_eq!(base, 2, "both requests were taken");
+    assert_eq!(
+        used(&mem),
+        2,
+        "the ring stopped with a taken request never completed"
+    );
+    let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    drop(fe);
+    daemon.stop();
+    let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
+    assert!(check.status.success());
+}

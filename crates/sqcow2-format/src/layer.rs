@@ -335,6 +335,12 @@ impl Qcow2Layer {
         }
     }
 
+    /// Whether `storage` is this layer's and shared with other chains
+    /// (its locks are theirs too: never changed for one chain).
+    pub(crate) fn shares_storage(&self, storage: &Arc<dyn Storage>) -> bool {
+        self.shared.is_some() && Arc::ptr_eq(&self.storage, storage)
+    }
+
     /// Whether another chain of the process (or another copy of this
     /// layer) uses this layer's file now: it must not be written.
     pub(crate) fn shared_elsewhere(&self) -> bool {

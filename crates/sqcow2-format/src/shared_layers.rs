@@ -145,6 +145,12 @@ impl SharedLayers {
         file.layer(path)
     }
 
+    /// Shares file `id` no more: chains that have it keep it, those
+    /// opened from now on open it afresh (it is about to be written).
+    pub(crate) fn forget(&self, id: (u64, u64)) {
+        self.lock().remove(&id);
+    }
+
     /// Chains using the shared file `id` now (0: not shared).
     pub fn users(&self, id: (u64, u64)) -> usize {
         self.lock().get(&id).map_or(0, |entries| {

@@ -159,3 +159,71 @@ fn chains_share_their_common_layers_and_their_tables() {
         "their tables dropped"
     );
 }
+
+/// One chain reopened inactive (a handover: no image lock) and again
+/// active leaves the other chains' locks on the shared base as they
+/// were: a writer (`qemu-io`) is refused throughout. A merge that would
+/// rename the shared base's backing file is refused.
+#[test]
+fn one_chain_handing_over_leaves_the_shared_locks_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let tops = chains(dir.path(), &["a", "b"]);
+    let shared = Arc::new(SharedLayers::new(8 * MIB as u64));
+    let a = Chain::open(&tops[0], &options(&shared, true)).unwrap();
+    let b = Chain::open(&tops[1], &options(&shared, true)).unwrap();
+    let base = dir.path().join("base.qcow2");
+    let writer_refused = || {
+        let out = Command::new("qemu-io")
+            .args([
+                "-f",
+                "qcow2",
+                "-c",
+                "write -P 9 0 4k",
+                base.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        text.contains("lock")
+    };
+    assert!(writer_refused(), "the shared base is not locked");
+    // As the daemon inactivates: flushed clean, reopened inactive over
+    // the chain it replaces.
+    a.flush_clean().unwrap();
+    let inactive = ChainOptions {
+        writable: false,
+        inactive: true,
+        ..options(&shared, true)
+    };
+    let a_inactive = Chain::open_reusing(&tops[0], &inactive, &a).unwrap();
+    drop(a);
+    let a = a_inactive;
+    assert!(
+        writer_refused(),
+        "an inactive chain unlocked the base b still reads"
+    );
+    let a_again = Chain::open_reusing(&tops[0], &options(&shared, true), &a).unwrap();
+    drop(a);
+    assert!(writer_refused(), "a reactivated chain unlocked the base");
+    assert!(all(&read(&a_again, 5 * MIB, 4096), 0x22));
+
+    let merged = dir.path().join("merged.qcow2");
+    let Err(refused) = sqcow2_format::reshape::prepare_merge(
+        &b,
+        &sqcow2_format::reshape::LayerRef::Position(0),
+        &sqcow2_format::reshape::LayerRef::Position(0),
+        &merged,
+        None,
+    ) else {
+        panic!("a merge renamed the shared base's backing file");
+    };
+    assert!(
+        refused
+            .to_string()
+            .contains("its backing file cannot change"),
+        "{refused}"
+    );
+    assert!(!merged.exists());
+    drop((a_again, b));
+}

@@ -259,7 +259,21 @@ fn open_layers(
     // A chain reopened in place of another has the same top: its open
     // file, not whatever is at its name now.
     let old_top = reuse.map(|old| old.top().storage().clone());
-    let reuse = reuse.map_or(&[][..], |old| &old.storages[..]);
+    // A shared file's storage is not taken over (its locks are other
+    // chains' too, and this chain may open it otherwise: inactive, no
+    // locks): a shared one comes from the registry, another is opened.
+    let reuse: Vec<Arc<dyn Storage>> = reuse.map_or_else(Vec::new, |old| {
+        old.storages
+            .iter()
+            .filter(|s| {
+                !old.layers.iter().any(|l| match l {
+                    Layer::Qcow2(q) => q.shares_storage(s),
+                    Layer::Raw(_) => false,
+                })
+            })
+            .cloned()
+            .collect()
+    });
     // Backing files are checked against the root before they are opened.
     let root = match &options.backing_root {
         Some(root) => Some(BackingRoot::open(root).map_err(|e| Error::new(root, e.into()))?),

@@ -146,6 +146,12 @@ pub fn prepare_live_commit(
             "another disk this process serves reads the base: it cannot be written".into(),
         ));
     }
+    // No chain opened from now on shares it (it would take the tables as
+    // they were, and no lock of its own): they open it afresh, under the
+    // image locks.
+    if let (Some(shared), Some(id)) = (&options.shared_layers, q.storage().file_id()) {
+        shared.forget(id);
+    }
     if layer.virtual_size() != chain.virtual_size() {
         return Err(invalid(
             &base_path,

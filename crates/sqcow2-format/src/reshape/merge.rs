@@ -319,6 +319,18 @@ pub fn prepare_merge(
 ) -> Result<PreparedMerge, Error> {
     let range = merge_range(chain, first, last)?;
     let above_at = LayerIndex(range.last.0 + 1);
+    let above = &chain.layers()[above_at.0];
+    if let Layer::Qcow2(q) = above {
+        if q.shared_elsewhere() {
+            // Its header names the merged file at the switch: the other
+            // chains reading it would find their backing file changed.
+            return Err(super::invalid(
+                above.path(),
+                "another disk this process serves reads this layer: its backing file cannot change"
+                    .into(),
+            ));
+        }
+    }
     let file = create_merge_file(chain, &range, output, root)?;
     let reopen = Reopen {
         root: root.map(Path::to_path_buf),

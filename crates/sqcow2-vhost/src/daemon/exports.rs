@@ -49,6 +49,8 @@ pub(crate) struct Exports {
 
 #[derive(Debug, Default)]
 struct State {
+    /// The daemon stops: no export is added any more.
+    closed: bool,
     serving: BTreeMap<String, Export>,
     /// Exports being added or removed (their claims held meanwhile: the
     /// chain's opening and closing run outside the lock).
@@ -162,6 +164,15 @@ impl Exports {
         let mut st = self.lock();
         st.changing.retain(|c| *c != claims);
         let export = started?;
+        if st.closed {
+            // The daemon stopped meanwhile: ended as the others were.
+            drop(st);
+            let id = export.spec.id.clone();
+            export.end().map_err(AddError::Serve)?;
+            return Err(AddError::Refused(format!(
+                "the daemon is stopping: export {id} ended"
+            )));
+        }
         st.serving.insert(export.spec.id.clone(), export);
         Ok(())
     }
@@ -171,6 +182,14 @@ impl Exports {
     pub(crate) fn remove(&self, id: &str) -> Result<(), Failure> {
         let export = {
             let mut st = self.lock();
+            if st.serving.get(id).is_some_and(|e| e.spec.nbd.is_some()) {
+                // Its NBD clients would go on with a chain closed under
+                // them: it ends with the daemon.
+                return Err(fail(
+                    FailureKind::BadRequest,
+                    format!("export {id} has an NBD socket: it is removed with the daemon"),
+                ));
+            }
             let Some(export) = st.serving.remove(id) else {
                 return Err(fail(
                     FailureKind::BadRequest,
@@ -250,9 +269,14 @@ impl Exports {
         }
     }
 
-    /// Asks every export to end and waits for each; the first failure.
+    /// Asks every export to end and waits for each, and for adds and
+    /// removals under way; the first failure.
     pub(crate) fn end_all(&self) -> Result<(), ServeError> {
-        let exports = std::mem::take(&mut self.lock().serving);
+        let exports = {
+            let mut st = self.lock();
+            st.closed = true;
+            std::mem::take(&mut st.serving)
+        };
         for e in exports.values() {
             e.ask_to_end();
         }
@@ -262,6 +286,11 @@ impl Exports {
             if first.is_ok() {
                 first = ended;
             }
+        }
+        // An add finishing now ends its export itself; a removal ends its
+        // own: both are waited for (each bounded by its drain's timeout).
+        while !self.lock().changing.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         first
     }
@@ -338,6 +367,11 @@ impl Exports {
             Some(t.limits.clone()),
             &self.context.throttle_groups,
         );
+        // A request parked under the old limits looks again now (the
+        // group's other exports' at their next wake-up).
+        if let Some(backend) = shared.session() {
+            backend.wake_all();
+        }
         info!(export = %id, group = ?t.group, limits = ?t.limits, "I/O limits set");
         Ok(shared.throttle.counters())
     }

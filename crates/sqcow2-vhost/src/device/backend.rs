@@ -175,9 +175,18 @@ impl BlkBackend {
     /// Waits until the worker thread of `queue` has no request in flight,
     /// at most `timeout`; whether that happened.
     pub(crate) fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool {
-        let Some(w) = self.thread_of(queue).and_then(|t| self.workers.get(t)) else {
+        let Some(thread) = self.thread_of(queue) else {
             return true;
         };
+        let Some(w) = self.workers.get(thread) else {
+            return true;
+        };
+        // A request parked for the limits was taken from the ring: it
+        // starts now whatever them (QEMU's drain restarts throttled
+        // requests), and completes before the ring's index is given.
+        if lock(w).worker.force_parked() {
+            self.wake(thread);
+        }
         let deadline = Instant::now() + timeout;
         loop {
             if lock(w).worker.in_flight() == 0 {
@@ -294,7 +303,8 @@ impl BlkBackend {
         // which never wait, and hand-offs to engine threads): the ring must
         // not be stopped or moved by the protocol side in the middle.
         let mut st = vring.lock();
-        if !st.may_take() {
+        let taking = st.may_take();
+        if !taking && slot.worker.parked_due() != Some(local) {
             // Nothing to take until the ring (re)starts, which marks it
             // pending again (`kick_now`): left pending, the thread would
             // spin on it.
@@ -303,13 +313,24 @@ impl BlkBackend {
         }
         let used_before = st.queue.next_used();
         let state = &mut *st;
-        let taken = slot.worker.process_tracked(
-            local,
-            &mut state.queue,
-            state.tracker.as_mut(),
-            &self.mem,
-            notifications,
-        );
+        let taken = if taking {
+            slot.worker.process_tracked(
+                local,
+                &mut state.queue,
+                state.tracker.as_mut(),
+                &self.mem,
+                notifications,
+            )
+        } else {
+            // The ring stops: only the request parked from it, which it
+            // waits for.
+            slot.worker.start_parked_only(
+                local,
+                &mut state.queue,
+                state.tracker.as_mut(),
+                &self.mem,
+            )
+        };
         // Requests completed on the spot (even if taking failed later) are
         // signalled with the rest, in `complete` below.
         if st.queue.next_used() != used_before {
@@ -569,8 +590,23 @@ impl BlkBackend {
             Ok(_) => {}
             Err(panic) => self.worker_panicked(&mut slot, thread, &*panic),
         }
+        if slot.worker.parked_until().is_none() {
+            // The thread's other queues were not taken from meanwhile (a
+            // kick on one found the worker parked): each looked at now.
+            for l in 0..self.queues_of(thread).len() {
+                slot.set_pending(l, true);
+            }
+        }
         self.complete(&mut slot, thread);
         true
+    }
+
+    /// Wakes every worker thread (the export's limits changed: a parked
+    /// request looks again).
+    pub(crate) fn wake_all(&self) {
+        for t in 0..self.workers.len() {
+            self.wake(t);
+        }
     }
 
     /// Lets requests parked for the export's limits start whatever the

@@ -364,6 +364,8 @@ pub(crate) struct ThrottleGroup {
     /// Requests that had to wait, and for how long in all (µs).
     waited: AtomicU64,
     waited_us: AtomicU64,
+    /// Changes of its limits so far.
+    generation: AtomicU64,
 }
 
 impl ThrottleGroup {
@@ -373,6 +375,7 @@ impl ThrottleGroup {
             buckets: Mutex::new(Buckets::new(limits)),
             waited: AtomicU64::new(0),
             waited_us: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -383,6 +386,7 @@ impl ThrottleGroup {
     /// Replaces the limits (levels start empty, as QEMU's do).
     fn set(&self, limits: IoLimits) {
         *self.lock() = Buckets::new(limits);
+        self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
     fn limits(&self) -> IoLimits {
@@ -460,6 +464,9 @@ pub(crate) struct ExportThrottle {
     /// Set while the export stops: requests start whatever the limits
     /// (as QEMU's drain restarts throttled requests).
     bypass: AtomicBool,
+    /// Changes of the limits so far: a parked request looks again at
+    /// each (a lifted limit lets it start at once).
+    generation: AtomicU64,
 }
 
 /// What `stats` shows of an export's limits.
@@ -485,6 +492,26 @@ impl ExportThrottle {
     /// takes `limits`, the other exports in it too; `None`: the group's
     /// as they are), else its own group (no limits at all: none).
     pub(crate) fn set(
+        &self,
+        id: &str,
+        group: Option<&str>,
+        limits: Option<IoLimits>,
+        groups: &ThrottleGroups,
+    ) {
+        self.set_limits(id, group, limits, groups);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The limits' generation: changed by every [`ExportThrottle::set`]
+    /// and every change of its group's limits (through another export).
+    pub(crate) fn generation(&self) -> u64 {
+        let group = self
+            .group()
+            .map_or(0, |g| g.generation.load(Ordering::SeqCst));
+        self.generation.load(Ordering::SeqCst).wrapping_add(group)
+    }
+
+    fn set_limits(
         &self,
         id: &str,
         group: Option<&str>,

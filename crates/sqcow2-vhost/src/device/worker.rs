@@ -283,9 +283,10 @@ impl QueueWorker {
         self.deferred
     }
 
-    /// Requests whose I/O is still running.
+    /// Requests taken whose I/O is still running or has not begun (one
+    /// parked for the limits counts: a ring stop waits for it).
     pub fn in_flight(&self) -> usize {
-        self.slots.len()
+        self.slots.len() + usize::from(self.parked.is_some())
     }
 
     /// Whether every request in flight waits only for handed-off jobs (no
@@ -422,15 +423,42 @@ impl QueueWorker {
     }
 
     /// When the parked request may be looked at again, if one waits.
+    /// `None` while it waits for the gate instead (a pause: the mailbox
+    /// wakes the worker when it ends).
     pub(crate) fn parked_until(&self) -> Option<Instant> {
-        self.parked.as_ref().map(|p| p.until)
+        self.parked
+            .as_ref()
+            .filter(|_| !self.deferred)
+            .map(|p| p.until)
     }
 
-    /// The worker-local queue of the parked request, if its time has
-    /// come (or the limits are lifted for a stop).
+    /// The worker-local queue of the parked request, if it may be looked
+    /// at again: its time has come, the limits changed since it was
+    /// parked, or it must start whatever the limits (a stop, a ring
+    /// stopping).
     pub(crate) fn parked_due(&self) -> Option<usize> {
         let p = self.parked.as_ref()?;
-        (Instant::now() >= p.until || self.device.throttle().bypassing()).then_some(p.queue)
+        (Instant::now() >= p.until || self.parked_released(p)).then_some(p.queue)
+    }
+
+    /// Whether `p` may start whatever its wait (the limits lifted for a
+    /// stop or a ring stopping, or changed since it was parked).
+    fn parked_released(&self, p: &Parked) -> bool {
+        let throttle = self.device.throttle();
+        p.force || throttle.bypassing() || throttle.generation() != p.generation
+    }
+
+    /// The parked request starts at its next look whatever the limits,
+    /// as QEMU's drain restarts throttled requests (its ring stops);
+    /// whether one is parked.
+    pub(crate) fn force_parked(&mut self) -> bool {
+        match &mut self.parked {
+            Some(p) => {
+                p.force = true;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Starts the request parked from `queue_index` if the limits let it
@@ -451,12 +479,16 @@ impl QueueWorker {
         }
         let now = Instant::now();
         let throttle = self.device.throttle();
-        if now < p.until && !throttle.bypassing() {
+        let (force, released) = (p.force, throttle.bypassing() || p.force);
+        if now < p.until && !released && throttle.generation() == p.generation {
             return Ok(false);
         }
-        if let Some(wait) = throttle.wait(p.direction) {
-            p.until = now + wait;
-            return Ok(false);
+        p.generation = throttle.generation();
+        if !force {
+            if let Some(wait) = throttle.wait(p.direction) {
+                p.until = now + wait;
+                return Ok(false);
+            }
         }
         let admission = self.device.gate().try_start();
         if let Admission::Wait = admission {
@@ -473,6 +505,25 @@ impl QueueWorker {
             out.used = true;
         }
         Ok(true)
+    }
+
+    /// Starts only the request parked from `queue_index` (its ring
+    /// stops: no other is taken), with the ring's inflight tracking.
+    pub(crate) fn start_parked_only(
+        &mut self,
+        queue_index: usize,
+        queue: &mut Queue,
+        tracker: Option<&mut Tracker>,
+        mem: &GuestMemAtomic,
+    ) -> io::Result<Taken> {
+        let mem = mem.memory().into_inner();
+        let mut taken = Taken::default();
+        let started = self.start_parked(queue_index, queue, tracker.as_deref(), &mem, &mut taken);
+        let submitted = self.ring.submit();
+        self.apply_ring_completions();
+        started?;
+        submitted?;
+        Ok(taken)
     }
 
     fn pop_all(
@@ -586,6 +637,8 @@ impl QueueWorker {
                     bytes,
                     since: now,
                     until: now + wait,
+                    generation: throttle.generation(),
+                    force: false,
                 });
                 None
             }
@@ -1440,6 +1493,10 @@ struct Parked {
     since: Instant,
     /// When the limits may let it start.
     until: Instant,
+    /// The limits' generation it waits under (a change looks again).
+    generation: u64,
+    /// Starts at its next look whatever the limits (its ring stops).
+    force: bool,
 }
 
 /// What the export's limits count a request as: reads and writes by
