@@ -22,6 +22,9 @@ cd "$(dirname "$0")/.."
 ensure_commands qemu-img:qemu-utils qemu-storage-daemon:qemu-system-x86
 
 secs=${1:-5}
+# PARTS: which measurements (default all three).
+parts=${PARTS:-scale cold limits}
+want() { [[ " $parts " == *" $1 "* ]]; }
 out=${OUT:-/tmp/sqcow2-bench-many-exports}
 size=${SIZE:-1G}
 counts=${EXPORTS:-16 64}
@@ -159,7 +162,7 @@ total_kib() {
 }
 
 : > scale.tsv
-for n in $counts; do
+want scale && for n in $counts; do
   for server in one each qsd; do
     echo "==> $n exports, $server" >&2
     drop_all img
@@ -194,17 +197,18 @@ done
 # first I/O ever) reads at random: the same load, over a warmed base.
 cold() {
   drop_all img
-  "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --output json > "cold-$1-first.json"
+  "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > "cold-$1-first.json"
   "$load" load --socket e0.sock --pattern seq-read --bs 1M --iodepth 4 --duration 30 --output json > /dev/null
-  "$load" load --socket e1.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --output json > "cold-$1-second.json"
+  "$load" load --socket e1.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > "cold-$1-second.json"
 }
+if want cold; then
 echo "==> cold reads" >&2
 # The same loads on the raw file (io_uring, no server): the storage's own
 # cold/warm ratio.
 drop_all .
-"$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --output json > cold-raw-first.json
+"$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > cold-raw-first.json
 "$load" load --file raw.img --pattern seq-read --bs 1M --iodepth 4 --duration 30 --output json > /dev/null
-"$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --output json > cold-raw-second.json
+"$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > cold-raw-second.json
 serve_one 2; cold one; stop_all
 serve_each 2; cold each; stop_all
 serve_qsd 2; cold qsd; stop_all
@@ -213,9 +217,11 @@ walk=(--walk)
 serve_one 2; cold one-walk; stop_all
 serve_each 2; cold each-walk; stop_all
 walk=()
+fi
 
 # Limits: e0 limited live to each rate at depth 32; then e1's p99 at
 # depth 1 alone, and beside e0 hammered at depth 32 (limited to 5k IOPS).
+if want limits; then
 echo "==> limits" >&2
 serve_one 2
 "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 32 --duration "$secs" --output json > limit-none.json
@@ -233,47 +239,57 @@ for round in 1 2 3; do
   wait "$hp"
 done
 stop_all
+fi
 
 python3 - <<'EOF'
 import json, statistics
 def j(p): return json.load(open(p))
-print("### Many exports: total IOPS and memory (random 4 KiB reads, depth 4, every export at once)\n")
-print("| exports | server | total IOPS | per export min / max | median p99 µs | RSS MiB (sum) | peak RSS MiB | errors |")
-print("|---:|---|---:|---:|---:|---:|---:|---:|")
-rows = [l.split("\t") for l in open("scale.tsv")]
+import os
 names = {"one": "sqcow2, one daemon", "each": "sqcow2, a process each", "qsd": "qemu-storage-daemon"}
-by = {(r[0], r[1]): r for r in rows}
-for r in rows:
-    s, n, tot, lo, hi, p99, rss, hwm, err = r
-    print(f"| {n} | {names[s]} | {float(tot):,.0f} | {float(lo):,.0f} / {float(hi):,.0f} | {float(p99):.0f} | {int(rss)/1024:.1f} | {int(hwm)/1024:.1f} | {err.strip()} |")
-print()
-for n in sorted({r[1] for r in rows}, key=int):
-    one, each, q = (float(by[(s, n)][2]) for s in ("one", "each", "qsd"))
-    print(f"{n} exports: one daemon / a process each {one/each:.2f}x, / qemu-storage-daemon {one/q:.2f}x; "
-          f"RSS one daemon {int(by[('one', n)][6])/1024:.1f} MiB vs {int(by[('each', n)][6])/1024:.1f} and {int(by[('qsd', n)][6])/1024:.1f} MiB")
-print("\n### A second export's cold random reads (depth 1) once another has read the disk\n")
-print("| server | first export, cold | second export, base warmed | ratio |")
-print("|---|---:|---:|---:|")
-names["raw"] = "the raw file itself (no server: the storage's limit)"
-names["one-walk"] = "sqcow2, one daemon, chains walked (--walk)"
-names["each-walk"] = "sqcow2, a process each, chains walked (--walk)"
-for s in ("one", "each", "qsd", "raw", "one-walk", "each-walk"):
-    a, b = j(f"cold-{s}-first.json")["iops"], j(f"cold-{s}-second.json")["iops"]
-    print(f"| {names[s]} | {a:,.0f} IOPS | {b:,.0f} IOPS | {b/a:.1f}x |")
-print("\n### Limits (one export, depth 32)\n")
-print(f"Unlimited: {j('limit-none.json')['iops']:,.0f} IOPS.\n")
-print("| iops-total | achieved | achieved / limit |")
-print("|---:|---:|---:|")
-for rate in (1000, 10000, 100000):
-    got = j(f"limit-{rate}.json")["iops"]
-    print(f"| {rate:,} | {got:,.0f} | {got/rate:.3f} |")
-print("\n### An unthrottled neighbour's p99 (depth 1) beside an export hammered at depth 32, limited to 5k IOPS\n")
-print("| round | alone p99 µs | beside p99 µs | ratio | hammered export IOPS |")
-print("|---:|---:|---:|---:|---:|")
-ratios = []
-for r in (1, 2, 3):
-    a, b = j(f"neighbour-alone-{r}.json")["lat_p99_us"], j(f"neighbour-beside-{r}.json")["lat_p99_us"]
-    ratios.append(b / a)
-    print(f"| {r} | {a:.0f} | {b:.0f} | {b/a:.2f}x | {j(f'hammer-{r}.json')['iops']:,.0f} |")
-print(f"\nMedian ratio {statistics.median(ratios):.2f}x.")
+if os.path.getsize("scale.tsv"):
+  print("### Many exports: total IOPS and memory (random 4 KiB reads, depth 4, every export at once)\n")
+  print("| exports | server | total IOPS | per export min / max | median p99 µs | RSS MiB (sum) | peak RSS MiB | errors |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|")
+  rows = [l.split("\t") for l in open("scale.tsv")]
+  by = {(r[0], r[1]): r for r in rows}
+  for r in rows:
+      s, n, tot, lo, hi, p99, rss, hwm, err = r
+      print(f"| {n} | {names[s]} | {float(tot):,.0f} | {float(lo):,.0f} / {float(hi):,.0f} | {float(p99):.0f} | {int(rss)/1024:.1f} | {int(hwm)/1024:.1f} | {err.strip()} |")
+  print()
+  for n in sorted({r[1] for r in rows}, key=int):
+      one, each, q = (float(by[(s, n)][2]) for s in ("one", "each", "qsd"))
+      print(f"{n} exports: one daemon / a process each {one/each:.2f}x, / qemu-storage-daemon {one/q:.2f}x; "
+            f"RSS one daemon {int(by[('one', n)][6])/1024:.1f} MiB vs {int(by[('each', n)][6])/1024:.1f} and {int(by[('qsd', n)][6])/1024:.1f} MiB")
+if os.path.exists("cold-one-first.json"):
+  print("\n### A second export's cold random reads (depth 1) once another has read the disk\n")
+  print("Reads a second over the first 50 ms (the first reads: what is cold is loaded then) and over the whole window.\n")
+  print("| server | first export, first 50 ms | second export, first 50 ms | ratio | first export, window | second export, window | ratio |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
+  names["raw"] = "the raw file itself (no server: the storage's limit)"
+  names["one-walk"] = "sqcow2, one daemon, chains walked (--walk)"
+  names["each-walk"] = "sqcow2, a process each, chains walked (--walk)"
+  def early(d):
+      t = d.get("timeline_iops") or [d["iops"]]
+      return statistics.mean(t[:5])
+  for s in ("one", "each", "qsd", "raw", "one-walk", "each-walk"):
+      a, b = j(f"cold-{s}-first.json"), j(f"cold-{s}-second.json")
+      ea, eb = early(a), early(b)
+      print(f"| {names[s]} | {ea:,.0f} | {eb:,.0f} | {eb/ea:.1f}x | {a['iops']:,.0f} | {b['iops']:,.0f} | {b['iops']/a['iops']:.1f}x |")
+if os.path.exists("limit-none.json"):
+  print("\n### Limits (one export, depth 32)\n")
+  print(f"Unlimited: {j('limit-none.json')['iops']:,.0f} IOPS.\n")
+  print("| iops-total | achieved | achieved / limit |")
+  print("|---:|---:|---:|")
+  for rate in (1000, 10000, 100000):
+      got = j(f"limit-{rate}.json")["iops"]
+      print(f"| {rate:,} | {got:,.0f} | {got/rate:.3f} |")
+  print("\n### An unthrottled neighbour's p99 (depth 1) beside an export hammered at depth 32, limited to 5k IOPS\n")
+  print("| round | alone p99 µs | beside p99 µs | ratio | hammered export IOPS |")
+  print("|---:|---:|---:|---:|---:|")
+  ratios = []
+  for r in (1, 2, 3):
+      a, b = j(f"neighbour-alone-{r}.json")["lat_p99_us"], j(f"neighbour-beside-{r}.json")["lat_p99_us"]
+      ratios.append(b / a)
+      print(f"| {r} | {a:.0f} | {b:.0f} | {b/a:.2f}x | {j(f'hammer-{r}.json')['iops']:,.0f} |")
+  print(f"\nMedian ratio {statistics.median(ratios):.2f}x.")
 EOF
