@@ -11,7 +11,11 @@ use sqcow2_vhost::{ExportSpec, Polling, ServeOptions};
 pub struct ServeArgs {
     /// The vhost-user socket to create (optional with --nbd: the disk is
     /// then served over NBD only).
-    #[arg(long, required_unless_present_any = ["nbd", "export"], conflicts_with = "export")]
+    #[arg(
+        long,
+        required_unless_present_any = ["nbd", "export", "config"],
+        conflicts_with_all = ["export", "config"]
+    )]
     socket: Option<PathBuf>,
     /// One export of several served by this daemon, as KEY=VALUE pairs
     /// joined by commas (a comma in a value doubled, as QEMU's):
@@ -24,6 +28,12 @@ pub struct ServeArgs {
     /// every export. Instead of --socket and IMAGE.
     #[arg(long, value_name = "KEY=VALUE,...")]
     export: Vec<String>,
+    /// A JSON file of exports, with or instead of --export:
+    /// {"exports": [{"socket": PATH, "image": PATH, "id": NAME, ...}]},
+    /// each object taking --export's keys (numbers as numbers, read-only
+    /// as true or false); relative paths from the file's directory.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// I/O limits of the single export, `KEY=VALUE,...` with QEMU's
     /// throttle names (iops-total, bps-write-max, ...; see --export).
     #[arg(long, value_name = "KEY=VALUE,...", conflicts_with = "export")]
@@ -122,7 +132,10 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Cache::Writeback)]
     cache: Cache,
     /// The top image of the chain (the single-export form).
-    #[arg(required_unless_present = "export", conflicts_with = "export")]
+    #[arg(
+        required_unless_present_any = ["export", "config"],
+        conflicts_with_all = ["export", "config"]
+    )]
     image: Option<PathBuf>,
 }
 
@@ -241,22 +254,30 @@ fn exports(args: &ServeArgs) -> anyhow::Result<Vec<ExportSpec>> {
         spec.validate()?;
         return Ok(vec![spec]);
     }
+    // Each export's keys, and what names it in an error.
+    let mut given: Vec<(String, Keys)> = Vec::new();
+    for text in &args.export {
+        given.push((
+            format!("--export {text}"),
+            keyvals(text).with_context(|| format!("--export {text}"))?,
+        ));
+    }
+    if let Some(file) = &args.config {
+        given.extend(config_exports(file)?);
+    }
     let mut specs = Vec::new();
-    for (n, text) in args.export.iter().enumerate() {
-        let spec = parse_export(text, |image| defaults(format!("disk{n}"), image))
-            .with_context(|| format!("--export {text}"))?;
+    for (n, (what, keys)) in given.into_iter().enumerate() {
+        let spec = parse_export_keys(keys, |image| defaults(format!("disk{n}"), image))
+            .with_context(|| what.clone())?;
         if let Some(other) = specs.iter().find(|o: &&ExportSpec| o.id == spec.id) {
             bail!(
-                "--export {text}: the id {} is taken by {}",
+                "{what}: the id {} is taken by {}",
                 spec.id,
                 other.image.display()
             );
         }
         if let Some(other) = specs.iter().find(|o: &&ExportSpec| o.socket == spec.socket) {
-            bail!(
-                "--export {text}: the socket is taken by export {}",
-                other.id
-            );
+            bail!("{what}: the socket is taken by export {}", other.id);
         }
         specs.push(spec);
     }
@@ -270,11 +291,58 @@ fn exports(args: &ServeArgs) -> anyhow::Result<Vec<ExportSpec>> {
 
 /// `KEY=VALUE,...` of one `--export` (a comma in a value doubled); `with`
 /// makes the spec from the image, with the daemon-wide defaults.
+#[cfg(test)]
 fn parse_export(
     text: &str,
     with: impl FnOnce(PathBuf) -> ExportSpec,
 ) -> anyhow::Result<ExportSpec> {
-    let keys = keyvals(text)?;
+    parse_export_keys(keyvals(text)?, with)
+}
+
+/// The exports of a `--config` file, each with its keys (paths made
+/// absolute from the file's directory) and a name for its errors.
+fn config_exports(file: &std::path::Path) -> anyhow::Result<Vec<(String, Keys)>> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Config {
+        exports: Vec<serde_json::Map<String, serde_json::Value>>,
+    }
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("--config {}", file.display()))?;
+    let config: Config = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--config {}: not a JSON object of \"exports\"",
+            file.display()
+        )
+    })?;
+    let dir = file.parent().unwrap_or(std::path::Path::new("."));
+    let mut out = Vec::new();
+    for (n, export) in config.exports.into_iter().enumerate() {
+        let what = format!("{}: export {n}", file.display());
+        let mut keys = Vec::new();
+        for (key, value) in export {
+            let value = match value {
+                serde_json::Value::String(s)
+                    if matches!(key.as_str(), "socket" | "image" | "backing-root") =>
+                {
+                    dir.join(s).to_string_lossy().into_owned()
+                }
+                serde_json::Value::String(s) => s,
+                serde_json::Value::Number(n) => n.to_string(),
+                serde_json::Value::Bool(b) => if b { "on" } else { "off" }.to_owned(),
+                other => bail!("{what}: {key} is {other}, not a string, number or boolean"),
+            };
+            keys.push((key, value));
+        }
+        out.push((what, keys));
+    }
+    Ok(out)
+}
+
+fn parse_export_keys(
+    keys: Vec<(String, String)>,
+    with: impl FnOnce(PathBuf) -> ExportSpec,
+) -> anyhow::Result<ExportSpec> {
     let take = |name: &str| keys.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
     let image = take("image").context("image=PATH is missing")?;
     let mut spec = with(PathBuf::from(image));
@@ -344,6 +412,9 @@ pub(crate) fn limits_only(text: &str) -> anyhow::Result<sqcow2_vhost::IoLimits> 
     limits.validate().map_err(anyhow::Error::msg)?;
     Ok(limits)
 }
+
+/// An export's keys and values, in the order given.
+type Keys = Vec<(String, String)>;
 
 /// `KEY=VALUE,...` as pairs (a comma in a value doubled), each key once.
 pub(crate) fn keyvals(text: &str) -> anyhow::Result<Vec<(String, String)>> {

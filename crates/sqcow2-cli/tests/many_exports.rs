@@ -582,3 +582,66 @@ fn a_hostile_frontend_on_one_export_leaves_the_others_serving() {
     }
     assert_reads(&tops[0], &last_fills(&a_done.done));
 }
+
+/// Exports from a `--config` file (paths relative to it) beside one
+/// given with `--export`; a file with an unknown key is refused.
+#[test]
+fn exports_come_from_a_config_file_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tops = chains(d, &["a", "b", "c"]);
+    let config = d.join("exports.json");
+    std::fs::write(
+        &config,
+        json!({"exports": [
+            {"socket": "a.sock", "image": "a.qcow2", "id": "a", "num-queues": 2},
+            {"socket": "b.sock", "image": "b.qcow2", "id": "b", "read-only": true,
+             "iops-total": 1000},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let ctl = d.join("ctl.sock");
+    let mut args = vec![
+        "--control".to_string(),
+        s(&ctl).to_string(),
+        "--config".into(),
+        s(&config).to_string(),
+    ];
+    args.extend(export_arg(d, "c"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let list = request(&daemon, &ctl, json!({"command": "export-list"}));
+    let exports = list["result"]["exports"].as_array().unwrap();
+    assert_eq!(exports.len(), 3, "{list}");
+    assert_eq!(exports[0]["num-queues"], 2, "{list}");
+    assert_eq!(exports[1]["read-only"], true, "{list}");
+    let stats = request(&daemon, &ctl, json!({"command": "stats", "export": "b"}));
+    assert_eq!(
+        stats["result"]["throttle"]["limits"]["iops-total"], 1000,
+        "{stats}"
+    );
+    let mut a = connect_retry_to(&daemon, &d.join("a.sock"), 2, false);
+    a.write(0, &vec![0x3a; BLOCK]);
+    let mut b = connect_retry_to(&daemon, &d.join("b.sock"), 1, true);
+    assert!(b.read(0, BLOCK).iter().all(|x| *x == BASE_FILL));
+    drop((a, b));
+    daemon.stop();
+    assert_check_clean(&tops[0]);
+
+    std::fs::write(
+        &config,
+        json!({"exports": [{"socket": "a.sock", "image": "a.qcow2", "colour": "red"}]}).to_string(),
+    )
+    .unwrap();
+    let out = common::run_raw(
+        std::process::Command::new(common::sqcow2_bin())
+            .args(["serve", "--config"])
+            .arg(&config),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown key \"colour\"") && err.contains("export 0"),
+        "{err}"
+    );
+}
