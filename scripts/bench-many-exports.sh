@@ -24,6 +24,8 @@ ensure_commands qemu-img:qemu-utils qemu-storage-daemon:qemu-system-x86
 secs=${1:-5}
 # PARTS: which measurements (default all three).
 parts=${PARTS:-scale cold limits}
+# ROUNDS: rounds of the neighbour's p99 (default 3).
+rounds=${ROUNDS:-3}
 want() { [[ " $parts " == *" $1 "* ]]; }
 out=${OUT:-/tmp/sqcow2-bench-many-exports}
 size=${SIZE:-1G}
@@ -230,7 +232,7 @@ for rate in 1000 10000 100000; do
   "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 32 --duration "$secs" --output json > "limit-$rate.json"
 done
 "$sq" set-io-throttle --export-id e0 ctl.sock "iops-total=5000" > /dev/null
-for round in 1 2 3; do
+for round in $(seq "$rounds"); do
   "$load" load --socket e1.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --output json > "neighbour-alone-$round.json"
   "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 32 --duration "$((secs + 2))" --output json > "hammer-$round.json" &
   hp=$!
@@ -287,9 +289,11 @@ if os.path.exists("limit-none.json"):
   print("| round | alone p99 µs | beside p99 µs | ratio | hammered export IOPS |")
   print("|---:|---:|---:|---:|---:|")
   ratios = []
-  for r in (1, 2, 3):
+  r = 1
+  while os.path.exists(f"neighbour-alone-{r}.json"):
       a, b = j(f"neighbour-alone-{r}.json")["lat_p99_us"], j(f"neighbour-beside-{r}.json")["lat_p99_us"]
       ratios.append(b / a)
       print(f"| {r} | {a:.0f} | {b:.0f} | {b/a:.2f}x | {j(f'hammer-{r}.json')['iops']:,.0f} |")
+      r += 1
   print(f"\nMedian ratio {statistics.median(ratios):.2f}x.")
 EOF
