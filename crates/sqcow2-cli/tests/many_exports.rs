@@ -645,3 +645,66 @@ fn exports_come_from_a_config_file_too() {
         "{err}"
     );
 }
+
+/// The CLI's side of it: `sqcow2 export add|list|remove`,
+/// `set-io-throttle` and `stats` with `--export-id`, as an operator types
+/// them.
+#[test]
+fn the_cli_adds_lists_limits_and_removes_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    chains(d, &["a", "b"]);
+    let ctl = d.join("ctl.sock");
+    let mut args = vec!["--control".to_string(), s(&ctl).to_string()];
+    args.extend(export_arg(d, "a"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let json_of = |args: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&common::sqcow2(args)).expect("JSON output")
+    };
+    let added = json_of(&[
+        "export",
+        "add",
+        "--output",
+        "json",
+        "--id",
+        "b",
+        "--socket",
+        s(&d.join("b.sock")),
+        "--limits",
+        "iops-total=300",
+        s(&ctl),
+        s(&d.join("b.qcow2")),
+    ]);
+    assert_eq!(added["id"], "b", "{added}");
+    let list = json_of(&["export", "list", "--output", "json", s(&ctl)]);
+    assert_eq!(list["exports"].as_array().unwrap().len(), 2, "{list}");
+    let set = json_of(&[
+        "set-io-throttle",
+        "--export-id",
+        "b",
+        "--output",
+        "json",
+        s(&ctl),
+        "bps-read=4096000",
+    ]);
+    assert_eq!(set["limits"]["bps-read"], 4096000, "{set}");
+    let stats = json_of(&["stats", "--export-id", "b", "--output", "json", s(&ctl)]);
+    assert_eq!(stats["throttle"]["limits"]["bps-read"], 4096000, "{stats}");
+    // Without --export-id, a per-disk command is refused naming the way.
+    let out =
+        common::run_raw(std::process::Command::new(common::sqcow2_bin()).args(["stats", s(&ctl)]));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("name one"));
+    let bad = common::run_raw(std::process::Command::new(common::sqcow2_bin()).args([
+        "set-io-throttle",
+        "--export-id",
+        "b",
+        s(&ctl),
+        "iops-total=5,iops-read=5",
+    ]));
+    assert!(!bad.status.success(), "QEMU's refusal not made");
+    let removed = json_of(&["export", "remove", "--output", "json", s(&ctl), "b"]);
+    assert_eq!(removed["id"], "b", "{removed}");
+    assert!(!d.join("b.sock").exists());
+    daemon.stop();
+}
