@@ -79,20 +79,6 @@ EOF
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 
-# drop_all DIR: the page cache of every file in DIR dropped (index side
-# files too).
-drop_all() {
-  python3 - "$1" <<'PY'
-import os, sys
-for name in os.listdir(sys.argv[1]):
-    if not os.path.isfile(os.path.join(sys.argv[1], name)):
-        continue
-    fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-PY
-}
 
 pids=()
 stop_all() {
@@ -167,7 +153,7 @@ total_kib() {
 want scale && for n in $counts; do
   for server in one each qsd; do
     echo "==> $n exports, $server" >&2
-    drop_all img
+    drop_cache img all
     case $server in
       one) serve_one "$n" ;;
       each) serve_each "$n" ;;
@@ -198,7 +184,7 @@ done
 # first export, nothing warm); then reads the whole disk; then e1 (its
 # first I/O ever) reads at random: the same load, over a warmed base.
 cold() {
-  drop_all img
+  drop_cache img all
   "$load" load --socket e0.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > "cold-$1-first.json"
   "$load" load --socket e0.sock --pattern seq-read --bs 1M --iodepth 4 --duration 30 --output json > /dev/null
   "$load" load --socket e1.sock --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > "cold-$1-second.json"
@@ -207,7 +193,7 @@ if want cold; then
 echo "==> cold reads" >&2
 # The same loads on the raw file (io_uring, no server): the storage's own
 # cold/warm ratio.
-drop_all .
+drop_cache . all
 "$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > cold-raw-first.json
 "$load" load --file raw.img --pattern seq-read --bs 1M --iodepth 4 --duration 30 --output json > /dev/null
 "$load" load --file raw.img --pattern rand-read --bs 4k --iodepth 1 --duration "$secs" --timeline-ms 10 --output json > cold-raw-second.json

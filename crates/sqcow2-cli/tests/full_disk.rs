@@ -46,6 +46,15 @@ impl Drop for SmallFs {
     }
 }
 
+/// `dir/base.qcow2` (32 MiB, 0x11 over its first 8 MiB) and a 2 MiB
+/// tmpfs at `dir/small` for the tops that fill it.
+fn base_beside_a_small_fs(dir: &Path) -> (PathBuf, SmallFs) {
+    let base = dir.join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
+    qemu_io(&base, &["write -P 0x11 0 8M".to_string()]);
+    (base, SmallFs::mount(&dir.join("small"), "2M"))
+}
+
 fn pattern(cluster: usize, round: u8) -> Vec<u8> {
     (0..CLUSTER)
         .map(|i| (i as u8) ^ (cluster as u8).wrapping_mul(31) ^ round.wrapping_mul(97))
@@ -56,11 +65,7 @@ fn pattern(cluster: usize, round: u8) -> Vec<u8> {
 fn enospc_fails_only_the_write_that_needs_space_and_leaks_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
-    qemu_io(&base, &["write -P 0x11 0 8M".to_string()]);
-
-    let fs = SmallFs::mount(&dir.join("small"), "2M");
+    let (base, fs) = base_beside_a_small_fs(dir);
     let top = fs.dir.join("top.qcow2");
     qemu_overlay(&top, s(&base), "qcow2", &[], None);
     // Space to give back later.
@@ -239,10 +244,7 @@ fn an_index_build_on_a_full_filesystem_walks_and_tries_again_at_the_next_start()
 fn a_full_disk_under_one_export_fails_only_that_export() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let base = dir.join("base.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), "32M"]);
-    qemu_io(&base, &["write -P 0x11 0 8M".to_string()]);
-    let fs = SmallFs::mount(&dir.join("small"), "2M");
+    let (base, fs) = base_beside_a_small_fs(dir);
     let full = fs.dir.join("full.qcow2");
     qemu_overlay(&full, s(&base), "qcow2", &[], None);
     let roomy = dir.join("roomy.qcow2");

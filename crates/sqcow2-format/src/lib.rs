@@ -95,6 +95,8 @@ pub use shared_layers::SharedLayers;
 pub use sidefile::CreatedFile;
 pub use size::{parse_size, SizeError};
 pub use snapshot::{describe_snapshots, SnapshotInfo};
+/// The unified cache's counters at one moment.
+pub use sqcow2_cache::StatsSnapshot as CacheSnapshot;
 pub use sqcow2_ext::IndexState;
 pub use types::{Geometry, GuestCluster, GuestOffset, HostOffset, LayerIndex};
 

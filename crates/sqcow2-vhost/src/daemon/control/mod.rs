@@ -27,8 +27,8 @@ use crate::transport::backend_channel::BackendChannel;
 pub(crate) use index_builder::IndexBuilder;
 pub(crate) use merge_job::MergeJob;
 use protocol::{
-    Activity, CacheCounters, Command, Failure, FailureKind, IndexCounters, IndexMode, Info,
-    PrometheusText, QueueCounters, Reply, Request, SnapshotCounters, Stats, StatsFormat,
+    Activity, Command, Failure, FailureKind, IndexCounters, IndexMode, Info, PrometheusText,
+    QueueCounters, Reply, Request, SnapshotCounters, Stats, StatsFormat,
 };
 
 /// How long a stop or an inactivation waits for a merge to stop copying
@@ -634,14 +634,7 @@ pub(crate) fn stats(shared: &Shared) -> Stats {
             IndexMode::Walk
         },
         layers: chain.layers().len(),
-        cache: CacheCounters {
-            hits: c.hits,
-            misses: c.misses,
-            loads: c.loads,
-            hit_unallocated: c.hit_unallocated,
-            evictions: c.evictions,
-            bytes: c.bytes,
-        },
+        cache: c.into(),
         data_reads_per_layer: chain.diagnostics().data_reads_per_layer(),
         snapshots: SnapshotCounters {
             count: pauses.len() as u64,
@@ -666,17 +659,9 @@ pub(crate) fn stats(shared: &Shared) -> Stats {
         write_failure: chain.failure().map(str::to_owned),
         throttle: shared.throttle.counters(),
         shared_layers: shared.options.shared_layers.as_ref().map(|l| {
-            let c = l.cache_stats().snapshot();
             protocol::SharedLayerCounters {
                 files: l.files(),
-                cache: CacheCounters {
-                    hits: c.hits,
-                    misses: c.misses,
-                    loads: c.loads,
-                    hit_unallocated: c.hit_unallocated,
-                    evictions: c.evictions,
-                    bytes: c.bytes,
-                },
+                cache: l.cache_stats().snapshot().into(),
             }
         }),
     }

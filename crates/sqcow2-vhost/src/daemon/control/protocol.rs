@@ -970,6 +970,19 @@ pub struct CacheCounters {
     pub bytes: u64,
 }
 
+impl From<sqcow2_format::CacheSnapshot> for CacheCounters {
+    fn from(c: sqcow2_format::CacheSnapshot) -> Self {
+        CacheCounters {
+            hits: c.hits,
+            misses: c.misses,
+            loads: c.loads,
+            hit_unallocated: c.hit_unallocated,
+            evictions: c.evictions,
+            bytes: c.bytes,
+        }
+    }
+}
+
 /// Live snapshots taken.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
