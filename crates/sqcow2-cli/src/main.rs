@@ -105,7 +105,7 @@ enum LogFormat {
 enum Command {
     /// Serve a chain to a VM as a vhost-user-blk device (QEMU
     /// `vhost-user-blk-pci`, Cloud Hypervisor `--disk vhost_user=true`).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Statistics of a running `sqcow2 serve` (through its control socket).
     Stats(live::StatsArgs),
     /// Add, remove or list the exports of a running `sqcow2 serve`

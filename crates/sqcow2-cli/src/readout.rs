@@ -83,9 +83,14 @@ pub fn exports(exports: &[ExportInfo]) -> String {
                 .map(name)
                 .unwrap_or_else(|| "no socket".into()),
             if e.frontend_connected {
-                "a frontend connected"
+                let threads: Vec<String> =
+                    e.worker_threads.iter().map(ToString::to_string).collect();
+                format!(
+                    "a frontend connected (worker threads {})",
+                    threads.join(", ")
+                )
             } else {
-                "no frontend"
+                "no frontend".into()
             }
         );
     }

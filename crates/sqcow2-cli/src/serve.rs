@@ -57,9 +57,15 @@ pub struct ServeArgs {
     /// Largest virtqueue the frontend may set up (a power of two).
     #[arg(long, default_value_t = 256)]
     queue_size: u16,
-    /// Queues handled by each worker thread.
+    /// Queues of one export handled together, as one group: a worker
+    /// thread takes each group whole.
     #[arg(long, default_value_t = 1)]
     queues_per_thread: u16,
+    /// Queue-worker threads, one set for every export: each frontend's
+    /// queue groups go to the least loaded, and threads start as groups
+    /// come (one disk of one queue runs one). Default: the CPUs.
+    #[arg(long, value_name = "N")]
+    worker_threads: Option<usize>,
     /// Permission bits of the socket, in octal.
     #[arg(long, default_value = "600")]
     socket_mode: String,
@@ -154,6 +160,17 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
     if !(1..=256).contains(&engine_threads) {
         bail!("--engine-threads must be between 1 and 256");
     }
+    let worker_threads = args.worker_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(sqcow2_vhost::MAX_WORKER_THREADS)
+    });
+    if !(1..=sqcow2_vhost::MAX_WORKER_THREADS).contains(&worker_threads) {
+        bail!(
+            "--worker-threads must be between 1 and {}",
+            sqcow2_vhost::MAX_WORKER_THREADS
+        );
+    }
     let socket_mode = u32::from_str_radix(&args.socket_mode, 8)
         .ok()
         .filter(|m| *m <= 0o777)
@@ -191,6 +208,7 @@ pub fn run(args: &ServeArgs, options: &ChainOptions) -> anyhow::Result<()> {
                 max: std::time::Duration::from_micros(max),
             },
         },
+        worker_threads,
         realtime_pause: !args.no_realtime_pause,
         metrics: args.metrics.clone(),
         backing_root: args.backing_root.clone(),

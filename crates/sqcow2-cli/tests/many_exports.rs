@@ -519,7 +519,9 @@ fn a_hostile_frontend_on_one_export_leaves_the_others_serving() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let tops = chains(d, &["a", "b"]);
-    let mut args = Vec::new();
+    // One worker thread for both: the hostile frontend's sessions and the
+    // guest's requests go through the same thread.
+    let mut args = vec!["--worker-threads".to_string(), "1".into()];
     args.extend(export_arg(d, "a"));
     args.extend(export_arg(d, "b"));
     let mut daemon = Daemon::start_args(d, &args);
@@ -581,6 +583,138 @@ fn a_hostile_frontend_on_one_export_leaves_the_others_serving() {
         assert_check_clean(top);
     }
     assert_reads(&tops[0], &last_fills(&a_done.done));
+}
+
+/// The `queue-worker-N` threads of daemon `pid`.
+fn queue_worker_threads(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter(|t| {
+            let comm = t.as_ref().unwrap().path().join("comm");
+            std::fs::read_to_string(comm).is_ok_and(|c| c.starts_with("queue-worker-"))
+        })
+        .count()
+}
+
+/// The worker threads export `id` is served by, as `export-list` says.
+fn worker_threads_of(list: &serde_json::Value, id: &str) -> Vec<u64> {
+    let e = list["result"]["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .unwrap_or_else(|| panic!("{id} not listed: {list}"));
+    let mut t: Vec<u64> = e["worker-threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    t.sort_unstable();
+    t
+}
+
+/// Four exports written at once by their guests on a daemon of two
+/// worker threads: two threads serve them all (not one per export), and
+/// an export removed and another of two queues added on those threads
+/// while the others write leave every completed write where its guest
+/// put it, the others' guests seeing no error.
+#[test]
+fn exports_share_the_daemons_worker_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ids = ["a", "b", "c", "d", "e"];
+    let tops = chains(d, &ids);
+    let ctl = d.join("ctl.sock");
+    let mut args = vec![
+        "--control".to_string(),
+        s(&ctl).to_string(),
+        "--worker-threads".into(),
+        "2".into(),
+    ];
+    for id in &ids[..4] {
+        args.extend(export_arg(d, id));
+    }
+    let mut daemon = Daemon::start_args(d, &args);
+    let mut writers = Vec::new();
+    let mut stops = Vec::new();
+    for (who, id) in ids[..4].iter().enumerate() {
+        let client = connect_retry_to(&daemon, &d.join(format!("{id}.sock")), 1, false);
+        let stop = Arc::new(AtomicBool::new(false));
+        stops.push(stop.clone());
+        writers.push(std::thread::spawn(move || {
+            writer(client, who as u8 + 1, stop)
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let list = request(&daemon, &ctl, json!({"command": "export-list"}));
+    let mut used = std::collections::BTreeSet::new();
+    for id in &ids[..4] {
+        let t = worker_threads_of(&list, id);
+        assert_eq!(t.len(), 1, "{id}: {list}");
+        assert!(t[0] < 2, "{id} on a thread past --worker-threads: {list}");
+        used.extend(t);
+    }
+    assert_eq!(used.len(), 2, "the exports are not spread: {list}");
+    assert_eq!(
+        queue_worker_threads(daemon.pid()),
+        2,
+        "queue-worker threads of four exports"
+    );
+
+    // One goes and another comes, the threads busy with the rest.
+    let removed = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-remove", "export": "b"}),
+    );
+    assert_eq!(removed["ok"], true, "{removed}\n{}", daemon.log());
+    stops[1].store(true, Ordering::Relaxed);
+    let b_done = writers.remove(1).join().unwrap();
+    stops.remove(1);
+    assert_written(&tops[1], d, &b_done);
+    let added = request(
+        &daemon,
+        &ctl,
+        json!({"command": "export-add", "export": "e", "socket": s(&d.join("e.sock")),
+               "image": s(&tops[4]), "num-queues": 2}),
+    );
+    assert_eq!(added["ok"], true, "{added}\n{}", daemon.log());
+    let mut e = connect_retry_to(&daemon, &d.join("e.sock"), 2, false);
+    e.write(0, &vec![0x5e; BLOCK]);
+    assert!(e.read(0, BLOCK).iter().all(|x| *x == 0x5e));
+    assert!(e.read(BLOCK as u64, BLOCK).iter().all(|x| *x == BASE_FILL));
+    let list = request(&daemon, &ctl, json!({"command": "export-list"}));
+    assert_eq!(
+        worker_threads_of(&list, "e"),
+        [0, 1],
+        "the two queues of e on one thread: {list}"
+    );
+    assert_eq!(queue_worker_threads(daemon.pid()), 2);
+
+    std::thread::sleep(Duration::from_millis(200));
+    for stop in &stops {
+        stop.store(true, Ordering::Relaxed);
+    }
+    let done: Vec<Written> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    drop(e);
+    daemon.stop();
+    for (written, top) in done.iter().zip([&tops[0], &tops[2], &tops[3]]) {
+        assert!(
+            written.unanswered.is_none(),
+            "{}: its guest saw an error",
+            top.display()
+        );
+        assert!(
+            written.done.len() > 10,
+            "{}: {} writes",
+            top.display(),
+            written.done.len()
+        );
+        assert_check_clean(top);
+        assert_reads(top, &last_fills(&written.done));
+    }
+    assert_check_clean(&tops[4]);
 }
 
 /// Exports from a `--config` file (paths relative to it) beside one

@@ -31,6 +31,7 @@ pub use daemon::server::{serve, ServeOptions};
 pub use device::blk::{DEFAULT_DIRECT_ENGINE_THREADS, DEFAULT_ENGINE_THREADS};
 pub use device::polling::Polling;
 pub use device::throttle::{IoLimits, ThrottleCounters, LIMIT_KEYS};
+pub use device::worker_pool::MAX_WORKER_THREADS;
 
 /// The device without the daemon, for the crate's integration tests and
 /// the fuzz targets (feature `internals`): not a stable interface.

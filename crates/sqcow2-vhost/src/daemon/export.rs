@@ -20,11 +20,13 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use crate::daemon::control::{Session, Shared};
 use crate::daemon::error::{io_err, ExportSpecError, ServeError};
 use crate::daemon::socket_file::MadeFiles;
-use crate::device::backend::{BlkBackend, SessionDevice, WorkerThreads};
+use crate::device::backend::BlkBackend;
 use crate::device::blk::{BlkDevice, DeviceOptions};
 use crate::device::handle::ChainHandle;
 use crate::device::offload::EnginePool;
+use crate::device::session::SessionDevice;
 use crate::device::throttle::{IoLimits, ThrottleGroups};
+use crate::device::worker_pool::WorkerPool;
 use crate::transport::backend_channel::{take_channel, BackendChannel};
 use crate::transport::frontend::FrontendHandler;
 
@@ -218,8 +220,8 @@ pub(crate) fn valid_id(id: &str) -> bool {
 pub(crate) struct DaemonContext {
     /// The engine threads of every device.
     pub(crate) engine: Arc<EnginePool>,
-    /// How worker threads busy-poll.
-    pub(crate) polling: crate::Polling,
+    /// The queue-worker threads of every session.
+    pub(crate) workers: Arc<WorkerPool>,
     /// Permission bits of the sockets made.
     pub(crate) socket_mode: u32,
     /// Whether live snapshots' pauses run at real-time priority.
@@ -484,7 +486,9 @@ impl Server {
             .map_err(io_err("frontend socket"))?;
         let hangup = stream.try_clone().map_err(io_err("frontend socket"))?;
         let threads = Arc::new(
-            WorkerThreads::start(&backend, self.context.polling)
+            self.context
+                .workers
+                .attach(&backend)
                 .map_err(io_err("worker threads"))?,
         );
         let channel = BackendChannel::default();
@@ -502,6 +506,7 @@ impl Server {
         *self.session_slot() = Some(Session {
             backend: backend.clone(),
             channel: channel.clone(),
+            worker_threads: threads.threads(),
         });
         // A live resize that ended between the device's making and now
         // found no session to update.

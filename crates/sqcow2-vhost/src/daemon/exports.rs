@@ -430,5 +430,6 @@ fn info_of(e: &Export) -> ExportInfo {
         read_only: e.spec.read_only,
         num_queues: e.spec.num_queues,
         frontend_connected: e.shared.session().is_some(),
+        worker_threads: e.shared.session_threads(),
     }
 }

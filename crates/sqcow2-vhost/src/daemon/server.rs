@@ -20,6 +20,7 @@ use crate::daemon::export::{DaemonContext, ExportSpec};
 use crate::daemon::exports::Exports;
 use crate::daemon::socket_file::MadeFiles;
 use crate::device::offload::EnginePool;
+use crate::device::worker_pool::WorkerPool;
 
 /// The signals that stop the server cleanly: those that stop
 /// qemu-storage-daemon with exit status 0 (measured with QEMU 7.2:
@@ -51,6 +52,10 @@ pub struct ServeOptions {
     /// How a worker thread busy-polls its rings after its last piece of
     /// work before it sleeps.
     pub polling: crate::Polling,
+    /// Queue-worker threads, one set for every export (at most
+    /// [`crate::MAX_WORKER_THREADS`]): each frontend's queue groups are
+    /// served by the least loaded, threads starting as groups come.
+    pub worker_threads: usize,
     /// Whether a live snapshot's pause runs at real-time priority (where
     /// the daemon is allowed to raise it).
     pub realtime_pause: bool,
@@ -150,7 +155,7 @@ pub fn serve(
     };
     let context = Arc::new(DaemonContext {
         engine: EnginePool::start(options.engine_threads).map_err(io_err("engine threads"))?,
-        polling: options.polling,
+        workers: WorkerPool::new(options.worker_threads, options.polling),
         socket_mode: options.socket_mode,
         realtime_pause: options.realtime_pause,
         inactive_timeout: options.inactive_timeout,

@@ -1,29 +1,23 @@
 //! The device side of a frontend connection: [`BlkBackend`] owns the
-//! virtqueues and one queue worker per worker thread; the worker threads
-//! (`WorkerThreads`) wait on the queues' kick eventfds, io_uring
-//! completions and engine results, and call it.
+//! virtqueues and one queue worker per queue group; the daemon's worker
+//! threads (`worker_pool`), each serving groups of many sessions, wait on
+//! the queues' kick eventfds, io_uring completions and engine results,
+//! and call it.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, error};
+use tracing::error;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::blk::BlkDevice;
-use crate::device::config::{read_config, CONFIG_WRITEBACK_OFFSET};
 use crate::device::gate::PauseGuard;
 use crate::device::offload::panic_message;
-use crate::device::polling::{PollWindow, Polling};
 use crate::device::stats::QueueStats;
 use crate::device::worker::{Notifications, QueueWorker, Taken};
-use crate::transport::frontend::QueueDevice;
 use crate::transport::guest_mem::GuestMem;
 use crate::transport::vring::{SharedMem, Vring};
 
@@ -34,7 +28,7 @@ use crate::transport::vring::{SharedMem, Vring};
 /// gave ~340k, 400k, 450k, 455k.
 const REQUEST_BATCH: usize = 8;
 
-/// One worker thread's state.
+/// One queue group's state: its worker and what it has left to do.
 struct WorkerSlot {
     worker: QueueWorker,
     /// Worker-local queues that stopped at the batch size with requests
@@ -60,8 +54,8 @@ impl WorkerSlot {
 pub(crate) struct BlkBackend {
     device: Arc<BlkDevice>,
     workers: Vec<Mutex<WorkerSlot>>,
-    /// The queues of each worker thread, in worker-local order.
-    thread_queues: Vec<Vec<usize>>,
+    /// The queues of each queue group, in worker-local order.
+    group_queues: Vec<Vec<usize>>,
     vrings: Vec<Vring>,
     mem: SharedMem,
 }
@@ -70,46 +64,33 @@ impl std::fmt::Debug for BlkBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlkBackend")
             .field("threads", &self.workers.len())
-            .field("thread_queues", &self.thread_queues)
+            .field("group_queues", &self.group_queues)
             .finish()
     }
 }
 
-/// What woke a worker thread.
+/// What woke the thread of a queue group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wake {
+pub(super) enum Wake {
+    /// The kick eventfd of this queue.
     Kick(usize),
+    /// The group's io_uring completions.
     Completion,
+    /// The group's engine results, or the device's resume.
     Mailbox,
-    Exit,
-}
-
-const EV_COMPLETION: u64 = u64::MAX - 2;
-const EV_MAILBOX: u64 = u64::MAX - 1;
-const EV_EXIT: u64 = u64::MAX;
-
-impl Wake {
-    fn of(data: u64) -> Self {
-        match data {
-            EV_COMPLETION => Wake::Completion,
-            EV_MAILBOX => Wake::Mailbox,
-            EV_EXIT => Wake::Exit,
-            q => Wake::Kick(q as usize),
-        }
-    }
 }
 
 impl BlkBackend {
-    /// A backend for `device`, `queues_per_thread` queues on each worker
-    /// thread.
+    /// A backend for `device`, `queues_per_thread` queues in each queue
+    /// group (one worker each).
     pub(crate) fn new(device: Arc<BlkDevice>, queues_per_thread: u16) -> io::Result<Self> {
         let num_queues = usize::from(device.config().num_queues).clamp(1, 64);
         let per = usize::from(queues_per_thread).clamp(1, num_queues);
-        let thread_queues: Vec<Vec<usize>> = (0..num_queues)
+        let group_queues: Vec<Vec<usize>> = (0..num_queues)
             .step_by(per)
             .map(|first| (first..(first + per).min(num_queues)).collect())
             .collect();
-        let workers = thread_queues
+        let workers = group_queues
             .iter()
             .map(|_| {
                 let mut worker = QueueWorker::new(device.clone())?;
@@ -126,7 +107,7 @@ impl BlkBackend {
         Ok(BlkBackend {
             device,
             workers,
-            thread_queues,
+            group_queues,
             vrings,
             mem: GuestMemoryAtomic::new(GuestMem::new()),
         })
@@ -150,14 +131,43 @@ impl BlkBackend {
         &self.mem
     }
 
-    /// The worker thread serving `queue`.
-    pub(crate) fn thread_of(&self, queue: usize) -> Option<usize> {
-        self.thread_queues.iter().position(|qs| qs.contains(&queue))
+    /// Queue groups, each with its worker (each attached to a thread of the
+    /// daemon's `worker_pool`).
+    pub(crate) fn groups(&self) -> usize {
+        self.workers.len()
     }
 
-    /// The queues of worker thread `thread`, in worker-local order.
-    fn queues_of(&self, thread: usize) -> &[usize] {
-        self.thread_queues.get(thread).map_or(&[], Vec::as_slice)
+    /// The completion and mailbox eventfds of `group`'s worker.
+    pub(super) fn group_fds(&self, group: usize) -> (RawFd, RawFd) {
+        match self.workers.get(group) {
+            Some(w) => {
+                let slot = lock(w);
+                (
+                    slot.worker.completion_fd().as_raw_fd(),
+                    slot.worker.mailbox_fd().as_raw_fd(),
+                )
+            }
+            None => (-1, -1),
+        }
+    }
+
+    /// The kick eventfds `group`'s rings hold now.
+    pub(super) fn group_kicks(&self, group: usize) -> Vec<RawFd> {
+        self.queues_of(group)
+            .iter()
+            .filter_map(|&q| self.vrings.get(q))
+            .filter_map(|v| v.lock().kick.as_ref().map(|k| k.as_raw_fd()))
+            .collect()
+    }
+
+    /// The queue group serving `queue`.
+    pub(crate) fn group_of(&self, queue: usize) -> Option<usize> {
+        self.group_queues.iter().position(|qs| qs.contains(&queue))
+    }
+
+    /// The queues of queue group `group`, in worker-local order.
+    fn queues_of(&self, group: usize) -> &[usize] {
+        self.group_queues.get(group).map_or(&[], Vec::as_slice)
     }
 
     /// Stops new requests from starting until the guard is dropped; the
@@ -172,20 +182,20 @@ impl BlkBackend {
         self.device.gate().wait_idle(timeout)
     }
 
-    /// Waits until the worker thread of `queue` has no request in flight,
+    /// Waits until the queue group of `queue` has no request in flight,
     /// at most `timeout`; whether that happened.
     pub(crate) fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool {
-        let Some(thread) = self.thread_of(queue) else {
+        let Some(group) = self.group_of(queue) else {
             return true;
         };
-        let Some(w) = self.workers.get(thread) else {
+        let Some(w) = self.workers.get(group) else {
             return true;
         };
         // A request parked for the limits was taken from the ring: it
         // starts now whatever them (QEMU's drain restarts throttled
         // requests), and completes before the ring's index is given.
         if lock(w).worker.force_parked() {
-            self.wake(thread);
+            self.wake(group);
         }
         let deadline = Instant::now() + timeout;
         loop {
@@ -202,8 +212,8 @@ impl BlkBackend {
     /// Per-queue statistics: (queue number, its statistics).
     pub(crate) fn queue_stats(&self) -> Vec<(usize, QueueStats)> {
         let mut out = Vec::new();
-        for (thread, w) in self.workers.iter().enumerate() {
-            let queues = self.queues_of(thread);
+        for (group, w) in self.workers.iter().enumerate() {
+            let queues = self.queues_of(group);
             let slot = lock(w);
             for (local, st) in slot.worker.stats().iter().enumerate() {
                 out.push((queues.get(local).copied().unwrap_or(local), st.clone()));
@@ -227,7 +237,7 @@ impl BlkBackend {
 
     /// Waits for every request in flight to finish and completes it to the
     /// guest (if its ring is still live), running each worker's completions
-    /// in the calling thread: for when the worker threads have stopped.
+    /// in the calling thread: for when the groups are detached.
     pub(crate) fn drain(&self) {
         // All workers in turns, none waiting for its own jobs alone: a
         // live snapshot's switch may wait for one worker's requests (ring
@@ -235,10 +245,10 @@ impl BlkBackend {
         // for wait for the switch.
         loop {
             let mut all_done = true;
-            for (thread, w) in self.workers.iter().enumerate() {
+            for (group, w) in self.workers.iter().enumerate() {
                 let mut slot = lock(w);
                 all_done &= slot.worker.drain_some();
-                self.complete(&mut slot, thread);
+                self.complete(&mut slot, group);
             }
             if all_done {
                 return;
@@ -252,12 +262,12 @@ impl BlkBackend {
     /// completed since the last notification (requests completed on the
     /// spot included), since a notification that wakes the driver costs
     /// more than the rest of a small request.
-    fn complete(&self, slot: &mut WorkerSlot, thread: usize) {
+    fn complete(&self, slot: &mut WorkerSlot, group: usize) {
         let completions = slot.worker.take_completions();
         if completions.is_empty() && !slot.unsignalled.iter().any(|u| *u) {
             return;
         }
-        let queues = self.queues_of(thread);
+        let queues = self.queues_of(group);
         let mut touched = std::mem::take(&mut slot.unsignalled);
         touched.resize(queues.len(), false);
         for c in &completions {
@@ -284,14 +294,14 @@ impl BlkBackend {
     }
 
     /// Takes one batch of requests of queue `queue` (worker-local `local`
-    /// of worker thread `thread`), completes what finished; whether any
+    /// of queue group `group`), completes what finished; whether any
     /// request was taken. A queue left with requests is marked pending
     /// (the thread takes its next batch before it sleeps: queues and
     /// events take turns).
     fn process(
         &self,
         slot: &mut WorkerSlot,
-        thread: usize,
+        group: usize,
         local: usize,
         queue: usize,
         notifications: Notifications,
@@ -343,7 +353,7 @@ impl BlkBackend {
         drop(st);
         // An error here means the guest's rings are unusable (e.g. the
         // used ring lies outside guest memory). Returning it would end this
-        // worker thread and every queue on it, so log it instead; it is no
+        // group and every queue on it, so log it instead; it is no
         // progress (a polling thread must not spin on it).
         let taken = match taken {
             Ok(t) => t,
@@ -356,49 +366,49 @@ impl BlkBackend {
         // Reads of cached data often complete during the submission:
         // finish them now rather than after another epoll round.
         slot.worker.reap_ready();
-        self.complete(slot, thread);
+        self.complete(slot, group);
         taken.taken > 0 || taken.used
     }
 
-    /// Takes the next batch of every pending queue of worker thread
+    /// Takes the next batch of every pending queue of queue group
     /// `thread`; whether one is still pending after that.
-    fn continue_pending(&self, thread: usize) -> bool {
-        let Some(w) = self.workers.get(thread) else {
+    pub(super) fn continue_pending(&self, group: usize) -> bool {
+        let Some(w) = self.workers.get(group) else {
             return false;
         };
         let mut slot = lock(w);
-        let queues = self.queues_of(thread);
+        let queues = self.queues_of(group);
         let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             for (local, &queue) in queues.iter().enumerate() {
                 if slot.pending.get(local).copied().unwrap_or(false) {
-                    self.process(&mut slot, thread, local, queue, Notifications::Restore);
+                    self.process(&mut slot, group, local, queue, Notifications::Restore);
                 }
             }
         }));
         if let Err(panic) = handled {
-            self.worker_panicked(&mut slot, thread, &*panic);
+            self.worker_panicked(&mut slot, group, &*panic);
         }
-        self.complete(&mut slot, thread);
+        self.complete(&mut slot, group);
         slot.pending.iter().any(|p| *p)
     }
 
-    /// After a pause ended: one batch of every queue of worker thread
+    /// After a pause ended: one batch of every queue of queue group
     /// `thread` (requests the guest queued meanwhile, resubmissions
     /// included); whether any request was taken.
-    fn resume(&self, slot: &mut WorkerSlot, thread: usize, notifications: Notifications) -> bool {
+    fn resume(&self, slot: &mut WorkerSlot, group: usize, notifications: Notifications) -> bool {
         let mut taken = false;
-        for (local, &queue) in self.queues_of(thread).iter().enumerate() {
-            taken |= self.process(slot, thread, local, queue, notifications);
+        for (local, &queue) in self.queues_of(group).iter().enumerate() {
+            taken |= self.process(slot, group, local, queue, notifications);
         }
         taken
     }
 
-    /// One wake-up of worker thread `thread`.
-    fn handle(&self, thread: usize, wake: Wake) {
-        let Some(w) = self.workers.get(thread) else {
+    /// One wake-up of queue group `group`.
+    pub(super) fn handle(&self, group: usize, wake: Wake) {
+        let Some(w) = self.workers.get(group) else {
             return;
         };
-        let queues = self.queues_of(thread);
+        let queues = self.queues_of(group);
         // Nothing here waits for another thread: requests start only with a
         // permit of the device's gate (none while paused), and everything
         // that may block runs on engine threads.
@@ -413,35 +423,34 @@ impl BlkBackend {
                             let _ = kick.read();
                         }
                     }
-                    self.process(&mut slot, thread, local, queue, Notifications::Restore);
+                    self.process(&mut slot, group, local, queue, Notifications::Restore);
                 }
             }
             Wake::Completion => slot.worker.handle_completion_event(),
             Wake::Mailbox => {
                 if slot.worker.handle_mailbox_event() {
                     // A pause ended: start what the guest queued meanwhile.
-                    self.resume(&mut slot, thread, Notifications::Restore);
+                    self.resume(&mut slot, group, Notifications::Restore);
                 }
             }
-            Wake::Exit => {}
         }));
         if let Err(panic) = handled {
-            self.worker_panicked(&mut slot, thread, &*panic);
+            self.worker_panicked(&mut slot, group, &*panic);
         }
-        self.complete(&mut slot, thread);
+        self.complete(&mut slot, group);
     }
 
-    /// After a panic in worker thread `thread` (a bug): logged, counted,
+    /// After a panic in queue group `group` (a bug): logged, counted,
     /// the stuck requests failed, writes refused from then on.
     fn worker_panicked(
         &self,
         slot: &mut WorkerSlot,
-        thread: usize,
+        group: usize,
         panic: &(dyn std::any::Any + Send),
     ) {
         let what = panic_message(panic);
         error!(
-            thread,
+            group,
             "worker panicked (a bug), failing its stuck requests and refusing writes: {what}"
         );
         self.device
@@ -449,30 +458,30 @@ impl BlkBackend {
         slot.worker.recover_after_panic();
     }
 
-    /// One busy-poll step of worker thread `thread`: finished transfers
+    /// One busy-poll step of queue group `group`: finished transfers
     /// and engine results are applied and a batch of requests taken from
     /// each of its queues that has some, with no syscall when there is
     /// nothing to do; whether anything moved (requests taken, transfers or
     /// jobs finished). A ring that cannot be read is no progress.
-    fn poll(&self, thread: usize) -> bool {
-        let Some(w) = self.workers.get(thread) else {
+    pub(super) fn poll(&self, group: usize) -> bool {
+        let Some(w) = self.workers.get(group) else {
             return false;
         };
-        let queues = self.queues_of(thread);
+        let queues = self.queues_of(group);
         let mut slot = lock(w);
         let mut moved = false;
         let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             moved |= slot.worker.poll_finished();
             if let Some(local) = slot.worker.parked_due() {
                 if let Some(&queue) = queues.get(local) {
-                    moved |= self.process(&mut slot, thread, local, queue, Notifications::KeepOff);
+                    moved |= self.process(&mut slot, group, local, queue, Notifications::KeepOff);
                 }
             }
             if slot.worker.is_deferred() {
                 if slot.worker.resume_after_pause() {
                     // Every queue, resubmissions included: the mailbox's
                     // wake-up will find nothing left to resume.
-                    moved |= self.resume(&mut slot, thread, Notifications::KeepOff);
+                    moved |= self.resume(&mut slot, group, Notifications::KeepOff);
                 }
                 // Paused: requests stay on the queues until it ends.
                 return;
@@ -484,21 +493,21 @@ impl BlkBackend {
                     .get(queue)
                     .is_some_and(|v| v.lock().has_work(&mem));
                 if waiting {
-                    moved |= self.process(&mut slot, thread, local, queue, Notifications::KeepOff);
+                    moved |= self.process(&mut slot, group, local, queue, Notifications::KeepOff);
                 }
             }
         }));
         if let Err(panic) = polled {
-            self.worker_panicked(&mut slot, thread, &*panic);
+            self.worker_panicked(&mut slot, group, &*panic);
         }
-        self.complete(&mut slot, thread);
+        self.complete(&mut slot, group);
         moved
     }
 
-    /// Ends a busy-poll of worker thread `thread`: the guest's
+    /// Ends a busy-poll of queue group `group`: the guest's
     /// notifications back on, and what the thread does next.
-    fn stop_polling(&self, thread: usize) -> AfterPoll {
-        let Some(w) = self.workers.get(thread) else {
+    pub(super) fn stop_polling(&self, group: usize) -> AfterPoll {
+        let Some(w) = self.workers.get(group) else {
             return AfterPoll::Sleep;
         };
         let slot = lock(w);
@@ -506,7 +515,7 @@ impl BlkBackend {
         let deferred = slot.worker.is_deferred();
         let mem = self.mem.memory();
         let mut next = AfterPoll::Sleep;
-        for &queue in self.queues_of(thread) {
+        for &queue in self.queues_of(group) {
             if let Some(v) = self.vrings.get(queue) {
                 let mut st = v.lock();
                 if !st.may_take() {
@@ -533,75 +542,75 @@ impl BlkBackend {
     /// thread instead, 0ad7078, made a kill-and-restart test fail about
     /// one run in four with an I/O error; reverted until understood.)
     pub(crate) fn kick_now(&self, queue: usize) {
-        let Some(thread) = self.thread_of(queue) else {
+        let Some(group) = self.group_of(queue) else {
             return;
         };
-        let queues = self.queues_of(thread);
+        let queues = self.queues_of(group);
         if let (Some(w), Some(local)) = (
-            self.workers.get(thread),
+            self.workers.get(group),
             queues.iter().position(|q| *q == queue),
         ) {
             let mut slot = lock(w);
-            self.process(&mut slot, thread, local, queue, Notifications::Restore);
+            self.process(&mut slot, group, local, queue, Notifications::Restore);
             let pending = slot.pending.iter().any(|p| *p);
             drop(slot);
             if pending {
                 // The worker thread takes the rest: wake it.
-                self.wake(thread);
+                self.wake(group);
             }
         }
     }
 
-    /// Wakes worker thread `thread` out of epoll (through its mailbox's
+    /// Wakes queue group `group` out of epoll (through its mailbox's
     /// eventfd), so that it looks at its pending queues.
-    fn wake(&self, thread: usize) {
-        if let Some(w) = self.workers.get(thread) {
+    fn wake(&self, group: usize) {
+        if let Some(w) = self.workers.get(group) {
             if let Err(e) = lock(w).worker.mailbox_fd().write(1) {
                 crate::limited_warn!("waking a worker: {e}");
             }
         }
     }
 
-    /// When worker thread `thread` must look at its parked request (one
+    /// When queue group `group` must look at its parked request (one
     /// that waits for the export's limits), if it has one.
-    fn parked_until(&self, thread: usize) -> Option<Instant> {
+    pub(super) fn parked_until(&self, group: usize) -> Option<Instant> {
         self.workers
-            .get(thread)
+            .get(group)
             .and_then(|w| lock(w).worker.parked_until())
     }
 
-    /// Starts worker thread `thread`'s parked request if its time has
+    /// Starts queue group `group`'s parked request if its time has
     /// come (and takes what its queue holds behind it); whether it did.
-    fn start_parked(&self, thread: usize) -> bool {
-        let Some(w) = self.workers.get(thread) else {
+    pub(super) fn start_parked(&self, group: usize) -> bool {
+        let Some(w) = self.workers.get(group) else {
             return false;
         };
         let mut slot = lock(w);
         let Some(local) = slot.worker.parked_due() else {
             return false;
         };
-        let Some(&queue) = self.queues_of(thread).get(local) else {
+        let Some(&queue) = self.queues_of(group).get(local) else {
             return false;
         };
         let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.process(&mut slot, thread, local, queue, Notifications::Restore)
+            self.process(&mut slot, group, local, queue, Notifications::Restore)
         }));
         match handled {
             Ok(_) => {}
-            Err(panic) => self.worker_panicked(&mut slot, thread, &*panic),
+            Err(panic) => self.worker_panicked(&mut slot, group, &*panic),
         }
         if slot.worker.parked_until().is_none() {
-            // The thread's other queues were not taken from meanwhile (a
+            // The group's other queues were not taken from meanwhile (a
             // kick on one found the worker parked): each looked at now.
-            for l in 0..self.queues_of(thread).len() {
+            for l in 0..self.queues_of(group).len() {
                 slot.set_pending(l, true);
             }
         }
-        self.complete(&mut slot, thread);
+        self.complete(&mut slot, group);
         true
     }
 
-    /// Wakes every worker thread (the export's limits changed: a parked
+    /// Wakes every queue group (the export's limits changed: a parked
     /// request looks again).
     pub(crate) fn wake_all(&self) {
         for t in 0..self.workers.len() {
@@ -632,9 +641,9 @@ impl BlkBackend {
         }
     }
 
-    /// What worker thread `thread` waits for.
-    fn waiting_for(&self, thread: usize) -> WaitingFor {
-        let Some(w) = self.workers.get(thread) else {
+    /// What queue group `group` waits for.
+    pub(super) fn waiting_for(&self, group: usize) -> WaitingFor {
+        let Some(w) = self.workers.get(group) else {
             return WaitingFor::Guest;
         };
         let slot = lock(w);
@@ -647,26 +656,26 @@ impl BlkBackend {
         }
     }
 
-    /// Whether worker thread `thread` has queues with requests left at
+    /// Whether queue group `group` has queues with requests left at
     /// the batch size.
-    fn has_pending(&self, thread: usize) -> bool {
+    pub(super) fn has_pending(&self, group: usize) -> bool {
         self.workers
-            .get(thread)
+            .get(group)
             .is_some_and(|w| lock(w).pending.iter().any(|p| *p))
     }
 
     /// Submits transfers of `thread`'s ring that a failed submit left
     /// queued; whether some still wait.
-    fn submit_left(&self, thread: usize) -> bool {
+    pub(super) fn submit_left(&self, group: usize) -> bool {
         self.workers
-            .get(thread)
+            .get(group)
             .is_some_and(|w| lock(w).worker.submit_left())
     }
 }
 
-/// What a worker thread waits for, each with its own poll window.
+/// What a queue group waits for, each with its own poll window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WaitingFor {
+pub(super) enum WaitingFor {
     /// Requests: none is in flight.
     Guest,
     /// Transfers of its ring (and maybe jobs too).
@@ -677,7 +686,7 @@ enum WaitingFor {
 
 /// What a worker thread does when a busy-poll ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AfterPoll {
+pub(super) enum AfterPoll {
     /// Sleep until an event.
     Sleep,
     /// Requests arrived as notifications came back on: poll again.
@@ -686,285 +695,21 @@ enum AfterPoll {
     SleepBriefly,
 }
 
-/// How long a thread sleeps when a ring could not be told to notify.
-const BRIEF_SLEEP_MS: i32 = 10;
+impl AfterPoll {
+    /// What a thread does for two groups' answers: poll again if either
+    /// needs it, else sleep briefly if either does.
+    pub(super) fn or(self, other: AfterPoll) -> AfterPoll {
+        use AfterPoll::*;
+        match (self, other) {
+            (PollAgain, _) | (_, PollAgain) => PollAgain,
+            (SleepBriefly, _) | (_, SleepBriefly) => SleepBriefly,
+            _ => Sleep,
+        }
+    }
+}
 
 fn lock(w: &Mutex<WorkerSlot>) -> MutexGuard<'_, WorkerSlot> {
     w.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The worker threads of a backend: each waits on its queues' kick
-/// eventfds (registered by the protocol side as rings start and stop), its
-/// io_uring completions, its engine results and an exit event.
-#[derive(Debug)]
-pub(crate) struct WorkerThreads {
-    epolls: Vec<Arc<Epoll>>,
-    exits: Vec<EventFd>,
-    /// Set to end the threads: a polling thread sees it without waiting
-    /// for its poll window to end (its exit eventfd is looked at only in
-    /// epoll).
-    stopping: Arc<AtomicBool>,
-    handles: Vec<JoinHandle<()>>,
-}
-
-impl WorkerThreads {
-    /// Starts one thread per queue group of `backend`; each busy-polls its
-    /// rings after its last piece of work, as `polling` says, before it
-    /// sleeps.
-    pub(crate) fn start(backend: &Arc<BlkBackend>, polling: Polling) -> io::Result<Self> {
-        let mut threads = WorkerThreads {
-            epolls: Vec::new(),
-            exits: Vec::new(),
-            stopping: Arc::new(AtomicBool::new(false)),
-            handles: Vec::new(),
-        };
-        for (thread, w) in backend.workers.iter().enumerate() {
-            let epoll = Arc::new(Epoll::new()?);
-            let exit = EventFd::new(EFD_NONBLOCK)?;
-            let (completion, mailbox) = {
-                let slot = lock(w);
-                (
-                    slot.worker.completion_fd().as_raw_fd(),
-                    slot.worker.mailbox_fd().as_raw_fd(),
-                )
-            };
-            for (fd, id) in [
-                (completion, EV_COMPLETION),
-                (mailbox, EV_MAILBOX),
-                (exit.as_raw_fd(), EV_EXIT),
-            ] {
-                epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))?;
-            }
-            let (b, e, stopping) = (backend.clone(), epoll.clone(), threads.stopping.clone());
-            let handle = std::thread::Builder::new()
-                .name(format!("queue-worker-{thread}"))
-                .spawn(move || run(&b, &e, thread, polling, &stopping))?;
-            threads.epolls.push(epoll);
-            threads.exits.push(exit);
-            threads.handles.push(handle);
-        }
-        Ok(threads)
-    }
-
-    /// Wakes `thread` on `fd` (the kick eventfd of `queue`).
-    pub(crate) fn watch_kick(&self, thread: usize, fd: RawFd, queue: usize) -> io::Result<()> {
-        let Some(epoll) = self.epolls.get(thread) else {
-            return Ok(());
-        };
-        let ev = EpollEvent::new(EventSet::IN, queue as u64);
-        match epoll.ctl(ControlOperation::Add, fd, ev) {
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
-            other => other,
-        }
-    }
-
-    /// Stops waking `thread` on `fd`.
-    pub(crate) fn unwatch_kick(&self, thread: usize, fd: RawFd) {
-        if let Some(epoll) = self.epolls.get(thread) {
-            let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
-        }
-    }
-
-    /// Ends the threads and waits for them.
-    pub(crate) fn stop(&mut self) {
-        self.stopping.store(true, Ordering::Relaxed);
-        for exit in &self.exits {
-            let _ = exit.write(1);
-        }
-        for h in self.handles.drain(..) {
-            let _ = h.join();
-        }
-    }
-}
-
-/// A frontend session's view of the device: the backend's rings and the
-/// worker threads that serve them, as the transport asks for them.
-#[derive(Debug, Clone)]
-pub(crate) struct SessionDevice {
-    pub(crate) backend: Arc<BlkBackend>,
-    pub(crate) threads: Arc<WorkerThreads>,
-}
-
-impl QueueDevice for SessionDevice {
-    fn features(&self) -> u64 {
-        self.backend.device.config().features()
-    }
-
-    fn num_queues(&self) -> usize {
-        self.backend.num_queues()
-    }
-
-    fn max_queue_size(&self) -> u16 {
-        self.backend.device.config().queue_size
-    }
-
-    fn vring(&self, queue: usize) -> Option<&Vring> {
-        self.backend.vring(queue)
-    }
-
-    fn mem(&self) -> &SharedMem {
-        self.backend.mem()
-    }
-
-    fn watch_kick(&self, queue: usize, kick: RawFd) -> io::Result<()> {
-        match self.backend.thread_of(queue) {
-            Some(thread) => self.threads.watch_kick(thread, kick, queue),
-            None => Ok(()),
-        }
-    }
-
-    fn unwatch_kick(&self, queue: usize, kick: RawFd) {
-        if let Some(thread) = self.backend.thread_of(queue) {
-            self.threads.unwatch_kick(thread, kick);
-        }
-    }
-
-    fn kick_now(&self, queue: usize) {
-        self.backend.kick_now(queue);
-    }
-
-    fn wait_queue_idle(&self, queue: usize, timeout: Duration) -> bool {
-        self.backend.wait_queue_idle(queue, timeout)
-    }
-
-    fn read_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        read_config(&self.backend.device.config_space(), offset, size)
-    }
-
-    fn write_config(&self, offset: u32, data: &[u8]) -> bool {
-        match (offset, data) {
-            (CONFIG_WRITEBACK_OFFSET, [mode]) => {
-                debug!(writeback = *mode != 0, "cache mode set by driver");
-                self.backend.device.set_writeback(*mode != 0);
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-impl Drop for WorkerThreads {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// A worker thread's loop: while its poll window ([`PollWindow`]) is open,
-/// it busy-polls its rings (guest notifications off) until nothing has
-/// happened for that long, then sleeps in epoll.
-fn run(
-    backend: &BlkBackend,
-    epoll: &Epoll,
-    thread: usize,
-    polling: Polling,
-    stopping: &AtomicBool,
-) {
-    let mut events = vec![EpollEvent::default(); 64];
-    // One window per kind of wait, as QEMU adapts one per event source
-    // since 9.2: waiting for the device (requests in flight) and waiting
-    // for the guest (none). One window for both is reset by every device
-    // wait longer than the most (a read of an uncached file, cache=none)
-    // and then misses the guest's next request, which comes sooner: the
-    // thread sleeps and a kick must wake it (measured, 4 KiB reads of an
-    // uncached file with --cache none at depth 1, A/B on one file: client
-    // on the other CPU 9.2k / 8.7k -> 13.8k / 11.9k IOPS, unpinned 11.7k
-    // -> 18.4k / 17.9k; depth 32 unchanged).
-    // And a third for waits for engine jobs alone (an allocating write at
-    // low depth, ~100 µs with cache=none), up to 8x longer: with QEMU's
-    // 32 µs the thread slept through each and the engine's answer had to
-    // wake it (measured, random 4 KiB writes at depth 1 on a fresh top,
-    // --cache none, 6 interleaved rounds: 8.4-9.9k -> 11.9-13.1k IOPS,
-    // at ~1.5x the daemon's CPU per write).
-    let mut device_wait = PollWindow::new(polling);
-    let mut guest_wait = PollWindow::new(polling);
-    let mut engine_wait = PollWindow::new(polling.for_engine_waits());
-    // A poll that ended in a brief sleep must end in `stop_polling` again
-    // (a queue's notifications may still be off), whatever the window
-    // has become meanwhile.
-    let mut retry_stop = false;
-    loop {
-        let mut timeout = -1;
-        let window = match backend.waiting_for(thread) {
-            WaitingFor::Jobs => &mut engine_wait,
-            WaitingFor::Device => &mut device_wait,
-            WaitingFor::Guest => &mut guest_wait,
-        };
-        // When the thread last had work: the poll time is spent from here.
-        let mut idle_since = Instant::now();
-        let poll = if retry_stop {
-            window.current().max(Duration::from_micros(1))
-        } else {
-            window.current()
-        };
-        if !poll.is_zero() {
-            loop {
-                idle_since = Instant::now();
-                while idle_since.elapsed() < poll && !stopping.load(Ordering::Relaxed) {
-                    if backend.poll(thread) {
-                        idle_since = Instant::now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-                match backend.stop_polling(thread) {
-                    AfterPoll::PollAgain if !stopping.load(Ordering::Relaxed) => {
-                        // Requests arrived as notifications came back on:
-                        // take them and poll on. If none can be taken (an
-                        // available index the ring cannot hold), look again
-                        // soon rather than spin on it.
-                        if backend.poll(thread) {
-                            continue;
-                        }
-                        timeout = BRIEF_SLEEP_MS;
-                    }
-                    AfterPoll::SleepBriefly => timeout = BRIEF_SLEEP_MS,
-                    _ => {}
-                }
-                break;
-            }
-        }
-        if backend.submit_left(thread) {
-            // No completion may come to wake it: try again soon.
-            timeout = BRIEF_SLEEP_MS;
-        }
-        retry_stop = timeout == BRIEF_SLEEP_MS;
-        if backend.has_pending(thread) {
-            // Requests left at the batch size: events first, then them.
-            timeout = 0;
-        }
-        if let Some(until) = backend.parked_until(thread) {
-            // A request waits for the limits: look again when they may
-            // let it start (epoll's milliseconds, rounded up; the buckets
-            // count the time, not the wake-ups).
-            let ms = until
-                .saturating_duration_since(Instant::now())
-                .as_micros()
-                .div_ceil(1000)
-                .min(i32::MAX as u128) as i32;
-            timeout = if timeout < 0 { ms } else { timeout.min(ms) };
-        }
-        let n = match epoll.wait(timeout, &mut events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                error!(thread, "epoll: {e}");
-                return;
-            }
-        };
-        if timeout != 0 && n > 0 {
-            // It slept (or polled) until work came: adapt the window.
-            window.observe(idle_since.elapsed());
-        }
-        for ev in &events[..n] {
-            let wake = Wake::of(ev.data());
-            if wake == Wake::Exit {
-                return;
-            }
-            backend.handle(thread, wake);
-        }
-        backend.start_parked(thread);
-        backend.continue_pending(thread);
-    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,9 @@
 //! The virtio-blk device over the transport's virtqueues: requests
 //! parsed from descriptor chains ([`request`]), executed by queue workers
-//! ([`worker`], [`backend`]) with io_uring ([`ring`]) and engine threads
-//! ([`offload`]) against the served chain ([`handle`]), admitted by the
-//! [`gate`] that pauses them for a switch of the chain, limited by the
-//! export's [`throttle`].
+//! ([`worker`], [`backend`], on the daemon's [`worker_pool`]) with
+//! io_uring ([`ring`]) and engine threads ([`offload`]) against the served
+//! chain ([`handle`]), admitted by the [`gate`] that pauses them for a
+//! switch of the chain, limited by the export's [`throttle`].
 
 pub(crate) mod backend;
 pub(crate) mod blk;
@@ -16,8 +16,10 @@ pub(crate) mod offload;
 pub(crate) mod polling;
 pub(crate) mod request;
 pub(crate) mod ring;
+pub(crate) mod session;
 pub(crate) mod stats;
 #[cfg(test)]
 pub(crate) mod test_support;
 pub(crate) mod throttle;
 pub(crate) mod worker;
+pub(crate) mod worker_pool;

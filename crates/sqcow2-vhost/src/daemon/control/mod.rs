@@ -69,6 +69,8 @@ pub(crate) struct Session {
     pub(crate) backend: Arc<BlkBackend>,
     /// Its channel for messages the backend starts (empty until given).
     pub(crate) channel: BackendChannel,
+    /// The daemon's worker thread of each of its queue groups.
+    pub(crate) worker_threads: Vec<usize>,
 }
 
 /// What the control socket and the vhost-user side share.
@@ -258,6 +260,17 @@ impl Shared {
                 self.gate().refuse_while_inactive();
             }
         }
+    }
+
+    /// The worker threads serving the frontend's queues (none without
+    /// one).
+    pub(crate) fn session_threads(&self) -> Vec<usize> {
+        self.session
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|s| s.worker_threads.clone())
+            .unwrap_or_default()
     }
 
     pub(crate) fn session(&self) -> Option<Arc<BlkBackend>> {

@@ -182,6 +182,11 @@ pub struct ExportInfo {
     pub num_queues: u16,
     /// Whether a frontend is connected.
     pub frontend_connected: bool,
+    /// The daemon's worker thread (`queue-worker-N`) of each group of
+    /// the frontend's queues (`--queues-per-thread` queues each): empty
+    /// without a frontend.
+    #[serde(default)]
+    pub worker_threads: Vec<usize>,
 }
 
 /// What `export-list` answers.
