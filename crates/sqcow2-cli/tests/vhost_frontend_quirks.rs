@@ -600,3 +600,120 @@ fn a_ring_stop_finishes_a_request_waiting_for_the_limits() {
     let check = run_raw(std::process::Command::new("qemu-img").args(["check", s(&top)]));
     assert!(check.status.success());
 }
+
+/// A frontend that gives one blocking eventfd as the kick of its two
+/// queues, on the one worker thread another export's queue shares, and
+/// kicks once: epoll reports both, the first read empties the eventfd,
+/// and a blocking second read would hold the thread (and every export on
+/// it) for ever. The other export's guest must write on. A kick that is
+/// not an eventfd (a pipe: readable for ever once its writer is gone) is
+/// refused.
+#[test]
+fn a_hostile_kick_holds_up_no_other_export_on_its_thread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    for name in ["h", "g"] {
+        common::qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            s(&d.join(format!("{name}.qcow2"))),
+            "16M",
+        ]);
+    }
+    let export = |id: &str, extra: &str| {
+        format!(
+            "socket={},image={},id={id}{extra}",
+            s(&d.join(format!("{id}.sock"))),
+            s(&d.join(format!("{id}.qcow2")))
+        )
+    };
+    let args: Vec<String> = [
+        "--worker-threads".to_string(),
+        "1".into(),
+        "--export".into(),
+        export("h", ",num-queues=2"),
+        "--export".into(),
+        export("g", ""),
+    ]
+    .into();
+    let mut daemon = Daemon::start_args(d, &args);
+
+    let guest = SharedGuestMemory::new(MEM);
+    let mem = guest.mem.clone();
+    let mocks = [
+        MockSplitQueue::create(&mem, GuestAddress(0), QSIZE),
+        MockSplitQueue::create(&mem, GuestAddress(0x8_0000), QSIZE),
+    ];
+    let mut fe = Frontend::connect(d.join("h.sock"), 2).unwrap();
+    fe.set_owner().unwrap();
+    let offered = fe.get_features().unwrap();
+    fe.set_features(offered).unwrap();
+    let offered = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
+        .unwrap();
+    fe.set_mem_table(&[guest.region()]).unwrap();
+    for (q, mock) in mocks.iter().enumerate() {
+        fe.set_vring_num(q, QSIZE).unwrap();
+        fe.set_vring_addr(
+            q,
+            &VringConfigData {
+                queue_max_size: QSIZE,
+                queue_size: QSIZE,
+                flags: 0,
+                desc_table_addr: guest.host + mock.desc_table_addr().0,
+                used_ring_addr: guest.host + mock.used_addr().0,
+                avail_ring_addr: guest.host + mock.avail_addr().0,
+                log_addr: None,
+            },
+        )
+        .unwrap();
+        fe.set_vring_base(q, 0).unwrap();
+    }
+    // Blocking (no EFD_NONBLOCK), the same for both queues.
+    let kick = EventFd::new(0).unwrap();
+    for q in 0..2 {
+        fe.set_vring_kick(q, &kick).unwrap();
+        fe.set_vring_enable(q, true).unwrap();
+    }
+    // Kicked a few times: each time epoll may report both queues.
+    for _ in 0..10 {
+        kick.write(1).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut g = common::vhost::connect_retry_to(&daemon, &d.join("g.sock"), 1, false);
+    let written = g.try_write_within(0, &[0x47; 4096], Duration::from_secs(10));
+    assert_eq!(
+        written,
+        Some(0),
+        "the other export's write on the shared thread: {:?}\n{}",
+        written,
+        daemon.log()
+    );
+    assert!(g.read(0, 4096).iter().all(|b| *b == 0x47));
+
+    // A pipe for a kick: the session is refused (the connection ends),
+    // the other export serves on.
+    let (pipe_read, pipe_write) = std::io::pipe().unwrap();
+    drop(pipe_write);
+    let pipe_kick = unsafe {
+        // SAFETY: the descriptor is the pipe's, owned by `pipe_read`,
+        // which outlives `pipe_kick`'s use (only its number is sent).
+        use std::os::fd::{AsRawFd, FromRawFd};
+        std::mem::ManuallyDrop::new(EventFd::from_raw_fd(pipe_read.as_raw_fd()))
+    };
+    let _ = fe.set_vring_kick(0, &pipe_kick);
+    let refused = fe.get_features();
+    assert!(refused.is_err(), "a pipe taken as a kick");
+    assert_eq!(
+        g.try_write_within(4096, &[0x48; 4096], Duration::from_secs(10)),
+        Some(0),
+        "{}",
+        daemon.log()
+    );
+    drop(pipe_read);
+    drop(g);
+    drop(fe);
+    daemon.stop();
+}

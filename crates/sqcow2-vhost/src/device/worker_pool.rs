@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, error, warn};
+use tracing::{debug, warn};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -54,23 +54,52 @@ struct Unit {
     group: usize,
 }
 
+/// A slot of a thread's table (its number is in the epoll events of the
+/// group there).
+#[derive(Debug, Clone, Default)]
+enum Slot {
+    #[default]
+    Free,
+    /// A group the thread serves.
+    Serving(Unit),
+    /// A group being detached: free once the thread has let it go (a
+    /// group attached there sooner could have its events taken for the
+    /// old one's by a thread still holding the old table).
+    Leaving,
+}
+
 /// A thread's groups: what attach and detach change, and the thread
 /// copies when `generation` moves.
 #[derive(Debug, Default)]
 struct Table {
-    slots: Vec<Option<Unit>>,
+    slots: Vec<Slot>,
 }
 
 impl Table {
+    fn serving(&self) -> impl Iterator<Item = &Unit> {
+        self.slots.iter().filter_map(|s| match s {
+            Slot::Serving(u) => Some(u),
+            _ => None,
+        })
+    }
+
     fn load(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_some()).count()
+        self.serving().count()
     }
 
     fn holds(&self, backend: &Arc<BlkBackend>) -> bool {
+        self.serving().any(|u| Arc::ptr_eq(&u.backend, backend))
+    }
+
+    /// What the thread works with: the group of each slot it serves.
+    fn units(&self) -> Vec<Option<Unit>> {
         self.slots
             .iter()
-            .flatten()
-            .any(|u| Arc::ptr_eq(&u.backend, backend))
+            .map(|s| match s {
+                Slot::Serving(u) => Some(u.clone()),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -290,13 +319,14 @@ impl Place {
         };
         let mut slot = 0;
         thread.change(|table| {
-            slot = match table.slots.iter().position(Option::is_none) {
+            let free = table.slots.iter().position(|s| matches!(s, Slot::Free));
+            slot = match free {
                 Some(free) => {
-                    table.slots[free] = Some(unit);
+                    table.slots[free] = Slot::Serving(unit);
                     free
                 }
                 None => {
-                    table.slots.push(Some(unit));
+                    table.slots.push(Slot::Serving(unit));
                     table.slots.len() - 1
                 }
             };
@@ -351,11 +381,16 @@ impl Drop for Place {
         let slot = self.slot as usize;
         let g = self.thread.change(|table| {
             if let Some(s) = table.slots.get_mut(slot) {
-                *s = None;
+                *s = Slot::Leaving;
             }
         });
         self.thread.poke();
         self.thread.wait_acked(g);
+        // The thread's table no longer has it: the slot may be reused (no
+        // new generation: the thread's copy has it empty already).
+        if let Some(s) = self.thread.table().slots.get_mut(slot) {
+            *s = Slot::Free;
+        }
     }
 }
 
@@ -446,7 +481,7 @@ fn run(thread: &PoolThread, polling: Polling) {
             // copied (changes bump it under the lock); the old table's
             // groups are let go before the ack, outside the lock.
             let table = thread.table();
-            let copied = table.slots.clone();
+            let copied = table.units();
             seen = thread.generation.load(Ordering::Acquire);
             drop(table);
             drop(std::mem::replace(&mut units, copied));
@@ -497,7 +532,9 @@ fn run(thread: &PoolThread, polling: Polling) {
                     after = after.or(u.backend.stop_polling(u.group));
                 });
                 match after {
-                    AfterPoll::PollAgain if !changed() => {
+                    // Not `changed()`: requests taken now would otherwise
+                    // wait for a kick the guest does not send again.
+                    AfterPoll::PollAgain if !thread.stopping.load(Ordering::Relaxed) => {
                         // Requests arrived as notifications came back on:
                         // take them and poll on. If none can be taken (an
                         // available index the ring cannot hold), look again
@@ -547,12 +584,17 @@ fn run(thread: &PoolThread, polling: Polling) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
-                error!(thread = thread.index, "epoll: {e}");
-                return;
+                // Never seen; the thread's groups have no other thread to
+                // go to, so it looks again rather than end.
+                crate::limited_warn!(thread = thread.index, "epoll: {e}");
+                std::thread::sleep(Duration::from_millis(BRIEF_SLEEP_MS as u64));
+                continue;
             }
         };
-        if timeout != 0 && n > 0 {
-            // It slept (or polled) until work came: adapt the window.
+        let work = events[..n].iter().any(|ev| ev.data() != event::CONTROL);
+        if timeout != 0 && work {
+            // It slept (or polled) until work came: adapt the window (not
+            // to another session's attach or detach).
             window.observe(idle_since.elapsed());
         }
         for ev in &events[..n] {

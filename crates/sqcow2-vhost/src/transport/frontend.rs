@@ -93,12 +93,35 @@ pub(crate) struct FrontendHandler<D> {
     inflight: Option<Arc<InflightRegion>>,
 }
 
-/// An eventfd the frontend sent.
-fn eventfd(file: File) -> EventFd {
+/// An eventfd the frontend sent (a queue's kick or call), checked to be
+/// one and made non-blocking: the queue-worker thread that reads and
+/// writes it serves other exports' queues too, and must never wait on
+/// it. A blocking eventfd given as two queues' kick would block the
+/// second read after one kick; a pipe would be readable for ever once
+/// its writer closed, or block the writes once full. (QEMU's and Cloud
+/// Hypervisor's eventfds are non-blocking already; the flag is on the
+/// file they share, and changes nothing for them.)
+fn eventfd(file: File) -> VhostResult<EventFd> {
+    use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
     use std::os::fd::{FromRawFd, IntoRawFd};
+    if !is_eventfd(&file) {
+        return Err(invalid("a queue's kick or call is not an eventfd"));
+    }
+    let flags = fcntl_getfl(&file).map_err(internal)?;
+    fcntl_setfl(&file, flags | OFlags::NONBLOCK).map_err(internal)?;
     // SAFETY: `file` owns the descriptor and gives it up here; the EventFd
     // becomes its only owner.
-    unsafe { EventFd::from_raw_fd(file.into_raw_fd()) }
+    Ok(unsafe { EventFd::from_raw_fd(file.into_raw_fd()) })
+}
+
+/// Whether `file` is an eventfd: `/proc` names its anonymous inode; where
+/// `/proc` cannot say, an anonymous inode (no file type) is taken.
+fn is_eventfd(file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+        Ok(target) => target.as_os_str() == "anon_inode:[eventfd]",
+        Err(_) => file.metadata().is_ok_and(|m| m.mode() & libc::S_IFMT == 0),
+    }
 }
 
 fn invalid(what: &'static str) -> VhostError {
@@ -419,18 +442,19 @@ impl<D: QueueDevice> VhostUserBackendReqHandlerMut for FrontendHandler<D> {
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
         let i = usize::from(index);
         let vring = self.vring(u32::from(index))?;
+        let kick = fd.map(eventfd).transpose()?;
         let old = vring.lock().kick.as_ref().map(|k| k.as_raw_fd());
         if let Some(old) = old {
             self.device.unwatch_kick(i, old);
         }
-        vring.lock().kick = fd.map(eventfd);
+        vring.lock().kick = kick;
         self.start_ring(i);
         self.update_watch(i);
         Ok(())
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VhostResult<()> {
-        let call = fd.map(eventfd);
+        let call = fd.map(eventfd).transpose()?;
         // QEMU gives this eventfd after it started the ring (it unmasks the
         // guest notifiers last): a request completed in between (one left
         // by a previous backend) had no eventfd to signal, and the guest
