@@ -717,6 +717,73 @@ fn exports_share_the_daemons_worker_threads() {
     assert_check_clean(&tops[4]);
 }
 
+/// The daemon out of file descriptors (its soft limit lowered to the
+/// lowest free one) when a frontend dials one export: that frontend is
+/// not served, and once descriptors are free again the export serves the
+/// next, the other export serving throughout. (An export used to end for
+/// good on any error setting up a session.)
+#[test]
+fn an_export_out_of_file_descriptors_serves_the_next_frontend() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tops = chains(d, &["a", "b"]);
+    let mut args = Vec::new();
+    args.extend(export_arg(d, "a"));
+    args.extend(export_arg(d, "b"));
+    let mut daemon = Daemon::start_args(d, &args);
+    let mut b = connect_retry_to(&daemon, &d.join("b.sock"), 1, false);
+    let pid = daemon.pid();
+    let prlimit = |soft: &str| {
+        let out = common::run_raw(
+            std::process::Command::new("prlimit")
+                .arg("--pid")
+                .arg(pid.to_string())
+                .arg(format!("--nofile={soft}:")),
+        );
+        assert!(out.status.success(), "prlimit: {out:?}");
+    };
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let soft: String = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .unwrap()
+        .to_string();
+    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_str().unwrap().parse().unwrap())
+        .collect();
+    let lowest_free = (0..).find(|n| !open.contains(n)).unwrap();
+    prlimit(&lowest_free.to_string());
+    {
+        // Dialled while the daemon can open nothing: not served.
+        let mut refused = std::os::unix::net::UnixStream::connect(d.join("a.sock")).unwrap();
+        use std::io::Write;
+        let _ = refused.write_all(&[0u8; 12]);
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    prlimit(&soft);
+    // The export serves the next frontend.
+    let mut a = connect_retry_to(&daemon, &d.join("a.sock"), 1, false);
+    a.write(0, &vec![0x4a; BLOCK]);
+    assert!(a.read(0, BLOCK).iter().all(|x| *x == 0x4a));
+    b.write(0, &vec![0x4b; BLOCK]);
+    assert!(b.read(0, BLOCK).iter().all(|x| *x == 0x4b));
+    assert!(
+        daemon.log().contains("could not be served"),
+        "no frontend refused:\n{}",
+        daemon.log()
+    );
+    drop((a, b));
+    daemon.stop();
+    for (top, fill) in tops.iter().zip([0x4a, 0x4b]) {
+        assert_check_clean(top);
+        let mut expected = std::collections::BTreeMap::new();
+        expected.insert(0, fill);
+        assert_reads(top, &expected);
+    }
+}
+
 /// Exports from a `--config` file (paths relative to it) beside one
 /// given with `--export`; a file with an unknown key is refused.
 #[test]

@@ -32,6 +32,11 @@ use crate::transport::frontend::FrontendHandler;
 
 /// How often an export's accept loop looks at its stop flags.
 const POLL_INTERVAL_MS: i32 = 100;
+
+/// How long an export waits after a frontend it could not serve (a
+/// resource ran out) before it takes the next.
+const SESSION_RETRY_PAUSE_MS: i32 = 1000;
+
 /// Longest wait for requests in flight when stopping.
 const STOP_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// Smallest cluster of a top served with `--cache none`: a cluster
@@ -447,8 +452,26 @@ impl Server {
             if !self.connection_waiting()? {
                 continue;
             }
-            if self.session()? == SessionEnd::Stop {
-                return Ok(());
+            match self.session() {
+                Ok(SessionEnd::Stop) => return Ok(()),
+                Ok(SessionEnd::Disconnected) => {}
+                Err(e) => {
+                    // A frontend could not be set up (out of file
+                    // descriptors, memory or threads: the daemon serves
+                    // many exports): that one is refused, and the export
+                    // waits for the next, after a pause, rather than end.
+                    *self.session_slot() = None;
+                    crate::limited_warn!(
+                        export = %self.spec.id,
+                        "a frontend could not be served: {e}; waiting for the next"
+                    );
+                    for _ in 0..SESSION_RETRY_PAUSE_MS / POLL_INTERVAL_MS {
+                        if self.stop_requested() {
+                            break;
+                        }
+                        thread::sleep(Duration::from_millis(POLL_INTERVAL_MS as u64));
+                    }
+                }
             }
         }
     }
@@ -560,9 +583,12 @@ impl Server {
                 self.refuse_extra_frontends();
             }
         }
-        let ended = waiter
-            .join()
-            .map_err(|_| ServeError::Daemon("vhost-user thread panicked".into()))?;
+        // A panic (a bug) ends the session as a broken connection: the
+        // requests in flight are drained and the chain flushed all the
+        // same.
+        let ended = waiter.join().unwrap_or_else(|_| {
+            vhost::vhost_user::Error::SocketBroken(io::Error::other("vhost-user thread panicked"))
+        });
         let _ = hangup.shutdown(std::net::Shutdown::Both);
         *self.session_slot() = None;
         match Arc::try_unwrap(threads) {
