@@ -10,6 +10,7 @@ pub(crate) mod blk;
 pub(crate) mod config;
 pub(crate) mod handle;
 pub(crate) use handle::gate;
+pub(crate) mod job_pool;
 pub(crate) mod job_queue;
 pub(crate) mod job_threads;
 pub(crate) mod offload;

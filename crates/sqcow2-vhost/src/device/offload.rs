@@ -30,7 +30,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::gate::DeferredWork;
 use crate::device::handle::ChainHandle;
-use crate::device::job_queue::JobQueue;
+use crate::device::job_pool::JobPool;
+use crate::device::job_queue::{JobQueue, Owned};
 use sqcow2_format::Chain;
 
 /// What an offloaded operation says when it is done: `Ok`, or why it
@@ -241,17 +242,25 @@ struct JobDevice {
 
 /// Engine threads: one set for every device of the daemon (each job
 /// carries its device), so that a daemon serving many disks does not run
-/// a thread set per disk.
+/// a thread set per disk. The next job is one of the device with the
+/// fewest running, and while every thread is stuck (a disk's storage
+/// hangs) more start ([`JobPool`]).
 pub(crate) struct EnginePool {
     jobs: Arc<JobQueue<Job>>,
-    threads: Vec<JoinHandle<()>>,
+    threads: JobPool<Job>,
 }
 
 impl std::fmt::Debug for EnginePool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EnginePool")
-            .field("threads", &self.threads.len())
+            .field("threads", &self.threads)
             .finish()
+    }
+}
+
+impl Owned for Job {
+    fn owner(&self) -> usize {
+        Arc::as_ptr(&self.device) as usize
     }
 }
 
@@ -259,34 +268,8 @@ impl EnginePool {
     /// Starts `engine_threads` engine threads (at least one).
     pub(crate) fn start(engine_threads: usize) -> io::Result<Arc<Self>> {
         let jobs = Arc::new(JobQueue::<Job>::new());
-        let mut pool = EnginePool {
-            jobs: jobs.clone(),
-            threads: Vec::new(),
-        };
-        for i in 0..engine_threads.max(1) {
-            let queue = jobs.clone();
-            // On failure, `pool`'s drop ends the threads started.
-            pool.threads.push(
-                std::thread::Builder::new()
-                    .name(format!("engine-{i}"))
-                    .spawn(move || {
-                        while let Some(job) = queue.take() {
-                            run_job(job);
-                        }
-                    })?,
-            );
-        }
-        Ok(Arc::new(pool))
-    }
-}
-
-impl Drop for EnginePool {
-    fn drop(&mut self) {
-        // The threads take what is queued, then end.
-        self.jobs.close();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        let threads = JobPool::start("engine", engine_threads, jobs.clone(), run_job)?;
+        Ok(Arc::new(EnginePool { jobs, threads }))
     }
 }
 
@@ -341,7 +324,7 @@ pub(crate) struct Offload {
 impl std::fmt::Debug for Offload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Offload")
-            .field("engine_threads", &self.pool.threads.len())
+            .field("engine_threads", &self.pool.threads)
             .finish()
     }
 }
