@@ -1,0 +1,17 @@
+//! An S3-compatible object store, where sqcow2 keeps the immutable layers
+//! of a chain (issue 48): objects read by byte range, checked against the
+//! version (ETag) they had when first seen, and written whole.
+//!
+//! Requests are signed with AWS Signature Version 4 (`rusty-s3`, sans-IO)
+//! and sent with a blocking HTTP client (`ureq`): callers run them off any
+//! thread that must not wait. Credentials come from the usual places (the
+//! environment, then the shared credentials file), never from a command
+//! line, and are never printed ([`Credentials`]'s `Debug` hides them).
+
+mod config;
+mod error;
+mod store;
+
+pub use config::{Credentials, StoreConfig};
+pub use error::StoreError;
+pub use store::{ObjectInfo, ObjectStore};
