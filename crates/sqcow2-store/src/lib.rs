@@ -1,6 +1,7 @@
 //! An S3-compatible object store, where sqcow2 keeps the immutable layers
 //! of a chain (issue 48): objects read by byte range, checked against the
-//! version (ETag) they had when first seen, and written whole.
+//! version (ETag) they had when first seen, and written whole; and the
+//! local cache of an object's blocks ([`RangeCache`]).
 //!
 //! Requests are signed with AWS Signature Version 4 (`rusty-s3`, sans-IO)
 //! and sent with a blocking HTTP client (`ureq`): callers run them off any
@@ -10,8 +11,10 @@
 
 mod config;
 mod error;
+mod range_cache;
 mod store;
 
 pub use config::{Credentials, StoreConfig};
 pub use error::StoreError;
+pub use range_cache::{CacheStart, RangeCache};
 pub use store::{ObjectInfo, ObjectStore};
