@@ -12,9 +12,11 @@
 mod config;
 mod error;
 mod range_cache;
+mod remote_object;
 mod store;
 
 pub use config::{Credentials, StoreConfig};
 pub use error::StoreError;
 pub use range_cache::{CacheStart, RangeCache};
+pub use remote_object::RemoteObject;
 pub use store::{ObjectInfo, ObjectStore};

@@ -2,6 +2,7 @@
 
 use std::io::Read;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rusty_s3::actions::{DeleteObject, GetObject, HeadObject, PutObject, S3Action};
@@ -34,6 +35,8 @@ pub struct ObjectStore {
     credentials: rusty_s3::Credentials,
     agent: ureq::Agent,
     endpoint: String,
+    /// Requests sent (for the GETs-per-read figures and tests).
+    requests: AtomicU64,
 }
 
 impl std::fmt::Debug for ObjectStore {
@@ -73,6 +76,7 @@ impl ObjectStore {
             credentials,
             agent,
             endpoint: config.endpoint.to_string(),
+            requests: AtomicU64::new(0),
         })
     }
 
@@ -166,6 +170,7 @@ impl ObjectStore {
             .agent
             .request_url("PUT", &url)
             .set("Content-Length", &len.to_string());
+        self.requests.fetch_add(1, Ordering::Relaxed);
         match req.send(file) {
             Ok(_) => {}
             Err(e) => return Err(self.error(key, e, None)),
@@ -187,12 +192,18 @@ impl ObjectStore {
             .map(|_| ())
     }
 
+    /// Requests sent so far.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
     fn send(
         &self,
         key: &str,
         req: ureq::Request,
         etag: Option<&str>,
     ) -> Result<ureq::Response, StoreError> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
         req.call().map_err(|e| self.error(key, e, etag))
     }
 

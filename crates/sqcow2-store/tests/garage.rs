@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use sqcow2_store::{ObjectStore, StoreConfig, StoreError};
+use std::sync::Arc;
+
+use sqcow2_store::{CacheStart, ObjectStore, RemoteObject, StoreConfig, StoreError};
 
 /// A running store; stopped when dropped.
 struct Garage {
@@ -182,4 +184,91 @@ fn a_stopped_store_is_unreachable() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A remote object read through its local cache: each run of missing
+/// blocks costs one GET, a block held costs none, a restart keeps what
+/// was fetched; a new version of the object is never mixed with the old
+/// one's blocks.
+#[test]
+fn a_remote_object_fetches_each_missing_run_once() {
+    const BLOCK: u64 = 65_536;
+    let garage = Garage::start();
+    let store = Arc::new(garage.store());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("layer");
+    let len = 20 * BLOCK as usize + 777;
+    let data = pattern(len, 3);
+    std::fs::write(&file, &data).unwrap();
+    store.put_file("l", &file).unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+
+    let open =
+        || RemoteObject::open(store.clone(), "l", &cache, "l", BLOCK as u32, 64 << 20).unwrap();
+    let (remote, start) = open();
+    assert_eq!(start, CacheStart::New);
+    let read = |remote: &RemoteObject, offset: u64, n: usize| {
+        let before = store.requests();
+        let mut buf = vec![0u8; n];
+        remote.read_at(offset, &mut buf).unwrap();
+        assert!(
+            buf[..] == data[offset as usize..offset as usize + n],
+            "{n} bytes at {offset}"
+        );
+        store.requests() - before
+    };
+    assert_eq!(read(&remote, BLOCK + 100, 4096), 1, "a cold block");
+    assert_eq!(read(&remote, BLOCK + 5000, 100), 0, "a block held");
+    // Blocks 0..=3: 1 held, so two runs, two GETs.
+    assert_eq!(read(&remote, 10, 4 * BLOCK as usize - 20), 2);
+    // Blocks 5..=8 missing, one run, one GET; the short last block.
+    assert_eq!(read(&remote, 5 * BLOCK, 4 * BLOCK as usize), 1);
+    assert_eq!(read(&remote, 20 * BLOCK, 777), 1);
+    assert_eq!(read(&remote, 0, len), 2, "blocks 4 and 9..=19");
+    assert_eq!(read(&remote, 0, len), 0, "everything held");
+    remote.persist().unwrap();
+    drop(remote);
+
+    let (remote, start) = open();
+    assert_eq!(start, CacheStart::Reused { blocks: 21 });
+    assert_eq!(read(&remote, 0, len), 0, "fetched again after a restart");
+
+    // A new version under the key: a reopened cache starts afresh.
+    let new = pattern(len, 9);
+    std::fs::write(&file, &new).unwrap();
+    store.put_file("l", &file).unwrap();
+    drop(remote);
+    let (remote, start) = open();
+    assert!(matches!(start, CacheStart::Dropped(_)), "{start:?}");
+    let mut buf = vec![0u8; 4096];
+    remote.read_at(3 * BLOCK, &mut buf).unwrap();
+    assert!(buf[..] == new[3 * BLOCK as usize..3 * BLOCK as usize + 4096]);
+}
+
+/// An object replaced while a reader holds it open: the reader's next
+/// fetch is refused (`Changed`), never served from the new version.
+#[test]
+fn a_remote_object_replaced_under_a_reader_is_refused() {
+    let garage = Garage::start();
+    let store = Arc::new(garage.store());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("layer");
+    std::fs::write(&file, pattern(300_000, 1)).unwrap();
+    store.put_file("l", &file).unwrap();
+    let (remote, _) =
+        RemoteObject::open(store.clone(), "l", dir.path(), "l", 65_536, 1 << 20).unwrap();
+    let mut buf = vec![0u8; 100];
+    remote.read_at(0, &mut buf).unwrap();
+    std::fs::write(&file, pattern(300_000, 2)).unwrap();
+    store.put_file("l", &file).unwrap();
+    // Block 0 is held: served from the version it came from.
+    remote.read_at(0, &mut buf).unwrap();
+    let changed = remote.read_at(200_000, &mut buf);
+    assert!(
+        matches!(changed, Err(StoreError::Changed { .. })),
+        "{changed:?}"
+    );
+    let past = remote.read_at(299_950, &mut buf);
+    assert!(past.is_err(), "a read past the end: {past:?}");
 }
