@@ -53,7 +53,10 @@ impl RemoteObject {
     }
 
     /// Fills `buf` from `offset` (within the object).
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    pub fn read_range(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
         let end = offset
             .checked_add(buf.len() as u64)
             .filter(|e| *e <= self.info.len)
@@ -61,9 +64,6 @@ impl RemoteObject {
                 key: self.key.clone(),
                 message: format!("a read of {} bytes at {offset} past the end", buf.len()),
             })?;
-        if buf.is_empty() {
-            return Ok(());
-        }
         // Held across the fetches: concurrent misses of one block make one
         // GET, not several (the daemon's fetch threads, to come, will
         // track ranges in flight instead).
@@ -127,5 +127,29 @@ impl RemoteObject {
             path: format!("cache of {}", self.key),
             source,
         }
+    }
+}
+
+/// A remote object as a layer's storage (read-only): a qcow2 layer kept in
+/// a bucket opens and reads through it as through a file, zeros past its
+/// end as files give them.
+impl sqcow2_format::storage::Storage for RemoteObject {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let held = self.info.len.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let (inside, past) = buf.split_at_mut(held);
+        self.read_range(offset, inside).map_err(|e| {
+            let kind = match e {
+                StoreError::NotFound { .. } => std::io::ErrorKind::NotFound,
+                StoreError::AccessDenied { .. } => std::io::ErrorKind::PermissionDenied,
+                _ => std::io::ErrorKind::Other,
+            };
+            std::io::Error::new(kind, e)
+        })?;
+        past.fill(0);
+        Ok(())
+    }
+
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.info.len)
     }
 }
