@@ -3,6 +3,7 @@
 //! libblkio; `suite` compares sqcow2 with qemu-storage-daemon on generated
 //! chains and rewrites the benchmark section of `docs/measured.md`.
 
+mod delay_proxy;
 mod fixtures;
 mod load;
 mod page_cache;
@@ -53,6 +54,9 @@ enum Command {
     /// alone: the chain's clusters in one raw file per layer, read 1 MiB
     /// at a time, against one raw file.
     SpreadSeq(spread_seq::SpreadSeqArgs),
+    /// A TCP proxy adding a round trip to every exchange (the network
+    /// between a host and its object store); prints `listening=ADDR`.
+    DelayProxy(delay_proxy::DelayProxyArgs),
     /// The machine's own latency beside a load: how late a real-time
     /// thread sleeping 1 ms at a time wakes up (a floor under any
     /// request's latency there).
@@ -91,6 +95,7 @@ fn main() -> ExitCode {
         Command::Spread(a) => spread::run_cli(a),
         Command::SpreadSeq(a) => spread_seq::run_cli(a),
         Command::WakeupLatency(a) => wakeup::run_cli(a),
+        Command::DelayProxy(a) => delay_proxy::run_cli(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
