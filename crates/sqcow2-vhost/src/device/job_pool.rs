@@ -93,6 +93,11 @@ impl<T: Owned + Send + 'static> JobPool<T> {
         Ok(pool)
     }
 
+    /// Queues `job` for the threads; `Err(job)` once the pool ends.
+    pub(crate) fn push(&self, job: T) -> Result<(), T> {
+        self.queue.push(job)
+    }
+
     /// Extra threads running now.
     #[cfg(test)]
     pub(crate) fn extra_threads(&self) -> usize {

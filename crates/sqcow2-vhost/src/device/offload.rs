@@ -246,7 +246,6 @@ struct JobDevice {
 /// fewest running, and while every thread is stuck (a disk's storage
 /// hangs) more start ([`JobPool`]).
 pub(crate) struct EnginePool {
-    jobs: Arc<JobQueue<Job>>,
     threads: JobPool<Job>,
 }
 
@@ -268,8 +267,8 @@ impl EnginePool {
     /// Starts `engine_threads` engine threads (at least one).
     pub(crate) fn start(engine_threads: usize) -> io::Result<Arc<Self>> {
         let jobs = Arc::new(JobQueue::<Job>::new());
-        let threads = JobPool::start("engine", engine_threads, jobs.clone(), run_job)?;
-        Ok(Arc::new(EnginePool { jobs, threads }))
+        let threads = JobPool::start("engine", engine_threads, jobs, run_job)?;
+        Ok(Arc::new(EnginePool { threads }))
     }
 }
 
@@ -412,7 +411,7 @@ impl Offload {
             return Err(reply);
         };
         self.pool
-            .jobs
+            .threads
             .push(Job {
                 work: Box::new(work),
                 ticket,

@@ -262,32 +262,29 @@ impl Shared {
         }
     }
 
-    /// The worker threads serving the frontend's queues (none without
-    /// one).
-    pub(crate) fn session_threads(&self) -> Vec<usize> {
+    /// `f` of the connected frontend's session, if one is connected.
+    fn with_session<R>(&self, f: impl FnOnce(&Session) -> R) -> Option<R> {
         self.session
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
-            .map(|s| s.worker_threads.clone())
+            .map(f)
+    }
+
+    /// The worker threads serving the frontend's queues (none without
+    /// one).
+    pub(crate) fn session_threads(&self) -> Vec<usize> {
+        self.with_session(|s| s.worker_threads.clone())
             .unwrap_or_default()
     }
 
     pub(crate) fn session(&self) -> Option<Arc<BlkBackend>> {
-        self.session
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map(|s| s.backend.clone())
+        self.with_session(|s| s.backend.clone())
     }
 
     /// The connected frontend's channel for messages the backend starts.
     pub(crate) fn frontend_channel(&self) -> Option<BackendChannel> {
-        self.session
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map(|s| s.channel.clone())
+        self.with_session(|s| s.channel.clone())
     }
 }
 
