@@ -35,9 +35,15 @@ fn has_protocol(name: &[u8]) -> bool {
 }
 
 /// The path of `backing` as named by the image at `image`: absolute names
-/// stay, relative ones are taken relative to the image's directory.
+/// (and `http(s)://` URLs) stay, relative ones are taken relative to the
+/// image's directory.
 pub fn resolve_backing_path(image: &Path, backing: &Path) -> Result<PathBuf, ErrorKind> {
     let bytes = backing.as_os_str().as_bytes();
+    // A layer in an object store, named by URL: opened (or refused) by the
+    // chain's opener of remote layers.
+    if crate::remote::is_remote_name(bytes) {
+        return Ok(backing.to_path_buf());
+    }
     if has_protocol(bytes) {
         return Err(ErrorKind::BackingProtocol(
             String::from_utf8_lossy(bytes).into_owned(),

@@ -269,6 +269,10 @@ pub enum ErrorKind {
     /// A backing file that uses a protocol prefix (`nbd:`, `json:`, ...).
     #[error("backing file {0:?} uses a protocol prefix, which is not supported")]
     BackingProtocol(String),
+    /// A backing file named by URL (a layer in an object store) in a
+    /// process not set up to fetch it.
+    #[error("backing file {0} is in an object store: give `--remote-cache DIR` (or SQCOW2_REMOTE_CACHE) and the store's credentials to read it")]
+    RemoteNotEnabled(String),
     /// A backing format that is not `qcow2` or `raw`.
     #[error("backing format {0:?} is not supported (qcow2 and raw are)")]
     UnsupportedBackingFormat(String),
@@ -399,6 +403,7 @@ impl Error {
                 self.kind,
                 ErrorKind::MissingBacking { .. }
                     | ErrorKind::BackingProtocol(_)
+                    | ErrorKind::RemoteNotEnabled(_)
                     | ErrorKind::UnsupportedBackingFormat(_)
                     | ErrorKind::UnknownBackingFormat(_)
                     | ErrorKind::BackingNotQcow2(_)

@@ -811,3 +811,95 @@ pub fn verify_index(
         examples,
     })
 }
+
+/// What [`rename_top_backing`] did.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct RenameReport {
+    /// The backing name the top recorded before.
+    pub old_name: String,
+    /// The name it records now.
+    pub new_name: String,
+    /// The index rewritten for the new name (`None`: the top names none,
+    /// or its index did not cover the chain and is left to a rebuild).
+    pub index: Option<PathBuf>,
+}
+
+/// Names the top's backing layer `name` instead: the same layer, byte for
+/// byte, elsewhere (pushed to an object store, pulled back). The chain is
+/// open read-only with the layer reached through its old name; `name` must
+/// reach the same bytes (the caller checked). The top's index, when it
+/// covers every layer below, is written again with the new name in its
+/// fingerprints (its entries copied, no layer walked) and installed
+/// first; then the header names the layer anew (in one synced write). A
+/// crash between leaves an index that no longer matches: the chain is
+/// walked until the next build, and reads stay right.
+pub fn rename_top_backing(
+    chain: &Chain,
+    name: &[u8],
+    locking: Locking,
+) -> Result<RenameReport, Error> {
+    let top = chain.top();
+    let path = top.path();
+    let Some(header) = top.header() else {
+        return Err(Error::new(path, ErrorKind::BadMagic(0)));
+    };
+    let Some(old) = header.backing_file.as_ref() else {
+        return Err(Error::new(
+            path,
+            ErrorKind::InvalidBackingName("the image has no backing file".into()),
+        ));
+    };
+    header
+        .refuse_if_marked_corrupt()
+        .map_err(|k| Error::new(path, k))?;
+    top.storage()
+        .lock(LockRequest::WRITER, locking)
+        .map_err(|k| Error::new(path, k))?;
+    let upto = chain.top_index().0.checked_sub(1).map(LayerIndex);
+    let index_name = crate::sqcow2_ext::index_name(header);
+    let covers_all = upto.is_some() && chain.index().covers() == upto;
+    let index = match (index_name, upto) {
+        (Some(index_name), Some(upto)) if covers_all => {
+            let place = chain.top_place()?;
+            let index = NewIndex::create(
+                place.dir().clone(),
+                index_name.as_os_str(),
+                place.name(),
+                &layer_ids(chain),
+            )?;
+            write_index(
+                chain,
+                upto,
+                top.virtual_size(),
+                name,
+                &index,
+                &mut |_, _| {},
+                &|| false,
+            )?;
+            Some(index.install()?.path())
+        }
+        (Some(_), _) => {
+            tracing::warn!(top = %path.display(), "the chain index does not cover the chain: renamed without it (rebuild it with `sqcow2 upgrade`)");
+            None
+        }
+        _ => None,
+    };
+    let storage = reopen_writable(top)?;
+    let edit = crate::header_area::AreaEdit {
+        index: crate::header_area::Edit::Keep,
+        backing: crate::header_area::Edit::Set(crate::header_area::BackingName {
+            name,
+            format: header.backing_format(),
+        }),
+        fixed: crate::header_area::Edit::Keep,
+        feature_table: None,
+        bitmaps: crate::header_area::Edit::Keep,
+    };
+    crate::header_area::rewrite(&storage, header, &edit).map_err(io_err(path))?;
+    Ok(RenameReport {
+        old_name: String::from_utf8_lossy(old.as_os_str().as_bytes()).into_owned(),
+        new_name: String::from_utf8_lossy(name).into_owned(),
+        index,
+    })
+}

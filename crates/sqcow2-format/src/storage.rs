@@ -84,6 +84,15 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// bulk copy into a file a guest then writes at random (a live
     /// commit's base). Storage without a page cache ignores it.
     fn set_page_sized_writes(&self, _on: bool) {}
+    /// Starts fetching `[offset, offset + len)` ahead of a read, and
+    /// returns at once (storage that fetches from afar: an object store;
+    /// others ignore it).
+    fn prefetch(&self, _offset: u64, _len: u64) {}
+    /// Whether reads may wait on a network ([`Storage::prefetch`] worth
+    /// calling).
+    fn fetches_remotely(&self) -> bool {
+        false
+    }
     /// Drops the clean cached pages that hold any of `[offset, offset +
     /// len)` and no byte outside it (a hint; storage without a page cache
     /// ignores it).

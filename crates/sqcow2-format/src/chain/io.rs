@@ -79,6 +79,9 @@ impl Chain {
         self.check_range(offset, buf.len() as u64)?;
         self.check_readable()?;
         let _ticket = self.fence.begin();
+        if let Some(readahead) = &self.readahead {
+            self.fetch_ahead(readahead, offset, buf.len() as u64);
+        }
         self.read_from(self.top_index(), buf, offset, ReadPattern::Stream)
     }
 

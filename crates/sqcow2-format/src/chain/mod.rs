@@ -11,6 +11,7 @@ pub(crate) mod mirror;
 mod moved;
 mod open;
 mod range_holds;
+mod readahead;
 mod resolved;
 mod successor;
 mod walk;
@@ -109,6 +110,10 @@ pub struct ChainOptions {
     /// that reach them (opened once, their tables cached once); `None`:
     /// this chain's own.
     pub shared_layers: Option<Arc<crate::SharedLayers>>,
+    /// Opens the layers a backing name gives as an `http(s)://` URL
+    /// (layers in an object store); `None`: such names are refused.
+    /// Defaults to the process's ([`crate::set_process_remote_layers`]).
+    pub remote_layers: Option<Arc<dyn crate::RemoteLayers>>,
 }
 
 impl Default for ChainOptions {
@@ -132,6 +137,7 @@ impl Default for ChainOptions {
             stale_index_expected: false,
             cache: crate::direct::CacheMode::WriteBack,
             shared_layers: None,
+            remote_layers: crate::remote::process_remote_layers(),
         }
     }
 }
@@ -222,6 +228,9 @@ pub struct Chain {
     /// Why the chain must not be read any more (its view of the base of
     /// an abandoned drain is stale, and it could not be reopened).
     unreadable: std::sync::OnceLock<String>,
+    /// Where some layer fetches from afar (an object store): reads start
+    /// their fetches together and fetch ahead of readers in order.
+    readahead: Option<Box<readahead::Readahead>>,
 }
 
 /// Guest I/O that the caller moves itself (io_uring straight between the

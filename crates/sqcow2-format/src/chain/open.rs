@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
@@ -280,6 +281,7 @@ fn open_layers(
         None => None,
     };
     let mut seen = HashSet::new();
+    let mut remote_seen: HashSet<String> = HashSet::new();
     let mut l1_bytes = 0u64;
     let mut next = Some((path.to_path_buf(), Expect::Top));
     while let Some((current, expect)) = next.take() {
@@ -294,8 +296,29 @@ fn open_layers(
             ));
         }
         let injected = referrer.is_none() && options.top_storage.is_some();
+        let remote_url = referrer.as_ref().and(crate::remote::url_of(&current));
         let file = if injected {
             None
+        } else if let Some(url) = remote_url {
+            // A layer in an object store: no file, no lock (immutable),
+            // no backing root (not a path); opened by the opener the
+            // operator gave, else refused.
+            if !remote_seen.insert(url.to_owned()) {
+                return Err(Error::new(blame, ErrorKind::BackingLoop(current)));
+            }
+            let Some(remote) = &options.remote_layers else {
+                return Err(Error::new(blame, ErrorKind::RemoteNotEnabled(url.into())));
+            };
+            let storage = remote.open(url).map_err(|source| {
+                Error::new(
+                    &blame,
+                    ErrorKind::MissingBacking {
+                        backing: current.clone(),
+                        source,
+                    },
+                )
+            })?;
+            Some(Opened::Reused(storage))
         } else if let (None, Some(old)) = (&referrer, &old_top) {
             let id = old.file_id();
             if id.is_none() || expect_top.is_some_and(|e| Some(e) != id) {
@@ -405,7 +428,11 @@ fn open_layers(
         };
         if let Some(header) = layer.header() {
             if let Some(name) = &header.backing_file {
-                let backing = resolve_backing_path(&current, name).with_path(&current)?;
+                let backing = match crate::remote::url_of(&current) {
+                    Some(url) => crate::remote::resolve_under_url(url, name.as_os_str().as_bytes()),
+                    None => resolve_backing_path(&current, name),
+                }
+                .with_path(&current)?;
                 let format =
                     BackingFormat::from_recorded(header.backing_format()).with_path(&current)?;
                 let expect = match format {
@@ -593,6 +620,7 @@ impl Chain {
         } else {
             None
         };
+        let remote = layers.iter().any(|l| l.storage().fetches_remotely());
         Ok(Chain {
             data_reads: layers.iter().map(|_| AtomicU64::new(0)).collect(),
             size_floors: Default::default(),
@@ -615,6 +643,7 @@ impl Chain {
             mirror: Default::default(),
             drain: Default::default(),
             unreadable: Default::default(),
+            readahead: remote.then(Box::default),
         })
     }
 }

@@ -179,6 +179,7 @@ impl Chain {
                 AtomicU64::new(before)
             })
             .collect();
+        let remote = layers.iter().any(|l| l.storage().fetches_remotely());
         Ok(Chain {
             data_reads,
             size_floors: Default::default(),
@@ -198,6 +199,7 @@ impl Chain {
             mirror: Default::default(),
             drain: Default::default(),
             unreadable: Default::default(),
+            readahead: remote.then(Box::default),
         })
     }
 }
