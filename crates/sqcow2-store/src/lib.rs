@@ -11,12 +11,19 @@
 
 mod config;
 mod error;
+mod layers;
+mod manifest;
+mod prefetch;
 mod range_cache;
 mod remote_object;
+mod retry;
 mod store;
 
 pub use config::{Credentials, StoreConfig};
 pub use error::StoreError;
+pub use layers::{ObjectPlace, StoreLayers, DEFAULT_BLOCK, DEFAULT_CACHE_BYTES};
+pub use manifest::{Manifest, ManifestLayer, MANIFEST_SUFFIX};
 pub use range_cache::{CacheStart, RangeCache};
 pub use remote_object::RemoteObject;
+pub use retry::Retry;
 pub use store::{ObjectInfo, ObjectStore};

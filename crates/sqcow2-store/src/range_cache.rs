@@ -57,6 +57,9 @@ pub struct RangeCache {
 struct Held {
     crc: u32,
     used: u64,
+    /// Its checksum was found right since this process opened the cache
+    /// (or it wrote it): later reads of parts of it are not checked again.
+    verified: bool,
 }
 
 impl RangeCache {
@@ -161,6 +164,7 @@ impl RangeCache {
             *slot = Some(Held {
                 crc,
                 used: self.clock,
+                verified: false,
             });
             self.by_use.insert(self.clock, index);
         }
@@ -173,6 +177,14 @@ impl RangeCache {
     /// The object's block size.
     pub fn block_size(&self) -> u32 {
         self.block
+    }
+
+    /// Whether block `index` is held (its checksum not checked).
+    pub fn holds(&self, index: u64) -> bool {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.held.get(i))
+            .is_some_and(Option::is_some)
     }
 
     /// Blocks held now.
@@ -201,9 +213,46 @@ impl RangeCache {
         self.held[i] = Some(Held {
             crc: held.crc,
             used: self.clock,
+            verified: true,
         });
         self.by_use.insert(self.clock, index);
         Ok(Some(buf))
+    }
+
+    /// Fills `out` from byte `at` of block `index` if the cache holds
+    /// the block intact (checked whole the first time, as [`RangeCache::get`]
+    /// does; after that only the bytes asked for are read); `false` on a
+    /// miss.
+    pub fn read_held(&mut self, index: u64, at: usize, out: &mut [u8]) -> io::Result<bool> {
+        let Some(held) = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.held.get(i).copied().flatten())
+        else {
+            return Ok(false);
+        };
+        if at + out.len() > self.block_len(index) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a read past the block",
+            ));
+        }
+        if !held.verified {
+            let Some(block) = self.get(index)? else {
+                return Ok(false);
+            };
+            out.copy_from_slice(&block[at..at + out.len()]);
+            return Ok(true);
+        }
+        self.data
+            .read_exact_at(out, index * u64::from(self.block) + at as u64)?;
+        self.by_use.remove(&held.used);
+        self.clock += 1;
+        self.held[index as usize] = Some(Held {
+            used: self.clock,
+            ..held
+        });
+        self.by_use.insert(self.clock, index);
+        Ok(true)
     }
 
     /// Keeps block `index` (its whole length: the last block may be
@@ -231,6 +280,7 @@ impl RangeCache {
         self.held[i] = Some(Held {
             crc: crc32c::crc32c(bytes),
             used: self.clock,
+            verified: true,
         });
         self.by_use.insert(self.clock, index);
         self.changed = true;

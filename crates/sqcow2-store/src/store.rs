@@ -13,9 +13,11 @@ use crate::{StoreConfig, StoreError};
 /// How long a signed request stays valid (it is sent at once).
 const SIGNED_FOR: Duration = Duration::from_secs(300);
 
-/// Longest wait for a connection, and for a whole request.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest wait for a connection, and for any read or write of a
+/// request to make progress (a store that stops answering fails the
+/// request; a long transfer that goes on does not).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const STALL_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Largest object one PUT may write (S3's limit).
 const MAX_SINGLE_PUT: u64 = 5 << 30;
@@ -69,7 +71,8 @@ impl ObjectStore {
         };
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(CONNECT_TIMEOUT)
-            .timeout(REQUEST_TIMEOUT)
+            .timeout_read(STALL_TIMEOUT)
+            .timeout_write(STALL_TIMEOUT)
             .build();
         Ok(ObjectStore {
             bucket,
@@ -183,6 +186,78 @@ impl ObjectStore {
             ));
         }
         Ok(info)
+    }
+
+    /// Writes `bytes` as the object `key`; what the store then says of it.
+    pub fn put_bytes(&self, key: &str, bytes: &[u8]) -> Result<ObjectInfo, StoreError> {
+        let url = PutObject::new(&self.bucket, Some(&self.credentials), key).sign(SIGNED_FOR);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.agent
+            .request_url("PUT", &url)
+            .send_bytes(bytes)
+            .map_err(|e| self.error(key, e, None))?;
+        let info = self.head(key)?;
+        if info.len != bytes.len() as u64 {
+            return Err(bad(key, "a length other than the one written"));
+        }
+        Ok(info)
+    }
+
+    /// The whole object (at most `limit` bytes, else
+    /// [`StoreError::BadResponse`]) and its version, in one request.
+    pub fn get(&self, key: &str, limit: u64) -> Result<(Vec<u8>, ObjectInfo), StoreError> {
+        let url = GetObject::new(&self.bucket, Some(&self.credentials), key).sign(SIGNED_FOR);
+        let resp = self.send(key, self.agent.request_url("GET", &url), None)?;
+        if resp.status() != 200 {
+            return Err(bad(key, &format!("{} to a GET", resp.status())));
+        }
+        let etag = etag_of(key, &resp)?;
+        let mut data = Vec::new();
+        resp.into_reader()
+            .take(limit + 1)
+            .read_to_end(&mut data)
+            .map_err(|e| self.unreachable(&e.to_string()))?;
+        if data.len() as u64 > limit {
+            return Err(bad(key, &format!("more than {limit} bytes")));
+        }
+        let len = data.len() as u64;
+        Ok((data, ObjectInfo { len, etag }))
+    }
+
+    /// Copies the object, which must be at version `etag` and `len` bytes
+    /// long, into `out` (from its start) in one request.
+    pub fn get_to_file(
+        &self,
+        key: &str,
+        etag: &str,
+        len: u64,
+        out: &mut std::fs::File,
+    ) -> Result<(), StoreError> {
+        let url = GetObject::new(&self.bucket, Some(&self.credentials), key).sign(SIGNED_FOR);
+        let req = self.agent.request_url("GET", &url).set("If-Match", etag);
+        let resp = self.send(key, req, Some(etag))?;
+        if resp.header("ETag") != Some(etag) {
+            return Err(StoreError::Changed {
+                key: key.into(),
+                expected: etag.into(),
+            });
+        }
+        let copied =
+            std::io::copy(&mut resp.into_reader().take(len + 1), out).map_err(|e| {
+                match e.kind() {
+                    std::io::ErrorKind::Other | std::io::ErrorKind::UnexpectedEof => {
+                        self.unreachable(&e.to_string())
+                    }
+                    _ => StoreError::Io {
+                        path: format!("the copy of {key}"),
+                        source: e,
+                    },
+                }
+            })?;
+        if copied != len {
+            return Err(bad(key, &format!("{copied} bytes of {len}")));
+        }
+        Ok(())
     }
 
     /// Deletes the object (none there is no error, as S3 answers).
