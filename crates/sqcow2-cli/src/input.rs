@@ -32,7 +32,7 @@ impl Status {
 
 /// One opened image.
 pub(crate) enum Image {
-    Qcow2(Chain),
+    Qcow2(Box<Chain>),
     Raw(FileStorage, u64),
 }
 
@@ -47,7 +47,7 @@ impl Image {
             None => probe(path)?,
         };
         Ok(match format {
-            Format::Qcow2 => Image::Qcow2(Chain::open(path, options)?),
+            Format::Qcow2 => Image::Qcow2(Box::new(Chain::open(path, options)?)),
             Format::Raw => {
                 let s = FileStorage::open_read_only(path)
                     .map_err(|e| anyhow::anyhow!("Could not open '{}': {e}", path.display()))?;

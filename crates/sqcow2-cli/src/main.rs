@@ -17,6 +17,7 @@ mod map;
 mod measure;
 mod output;
 mod readout;
+mod remote;
 mod reshape;
 mod resize;
 mod serve;
@@ -67,6 +68,22 @@ struct Cli {
     /// when the daemon serves several (`serve --export ...,id=ID`).
     #[arg(long, global = true, value_name = "ID")]
     export_id: Option<String>,
+    /// Read layers that backing names give as `http(s)://` URLs (layers
+    /// in an object store, `sqcow2 push`) from the store that
+    /// AWS_ENDPOINT_URL names, with the credentials of the environment or
+    /// the shared credentials file, caching their blocks in this
+    /// directory (also SQCOW2_REMOTE_CACHE). Without it such names are
+    /// refused.
+    #[arg(long, global = true, value_name = "DIR")]
+    remote_cache: Option<PathBuf>,
+    /// Bytes each remote layer's local cache may hold.
+    #[arg(long, global = true, default_value = "1G")]
+    remote_cache_size: String,
+    /// Tries of a remote layer's read before its reader gets an I/O
+    /// error (the store unreachable or failing; pauses of 100 ms,
+    /// doubling); 0: try until the store answers (readers wait).
+    #[arg(long, global = true, default_value_t = 3)]
+    remote_tries: u32,
     #[command(subcommand)]
     command: Command,
 }
@@ -175,6 +192,12 @@ enum Command {
         /// Top image of the chain.
         image: PathBuf,
     },
+    /// Upload the local layers below IMAGE to an object store and name
+    /// them there: IMAGE's backing file becomes the highest one's URL.
+    Push(remote::PushArgs),
+    /// Download the layers below IMAGE from an object store and name them
+    /// locally again.
+    Pull(remote::PullArgs),
     /// Create a qcow2 image, like `qemu-img create -f qcow2`.
     Create {
         /// Image format (only qcow2).
@@ -378,6 +401,24 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         max_open_files: cli.max_open_files,
         ..ChainOptions::default()
     };
+    let remote = match remote::cache_dir(cli.remote_cache.clone()) {
+        Some(dir) => {
+            let layers = remote::store_layers(
+                &dir,
+                output::parse_size(&cli.remote_cache_size)?,
+                cli.remote_tries,
+            )?;
+            sqcow2_format::set_process_remote_layers(layers.clone());
+            Some(layers)
+        }
+        None => None,
+    };
+    let options = ChainOptions {
+        remote_layers: remote
+            .clone()
+            .map(|l| l as std::sync::Arc<dyn sqcow2_format::RemoteLayers>),
+        ..options
+    };
     let locking = options.locking;
     let sharing = |force_share: bool| ChainOptions {
         force_share,
@@ -417,6 +458,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             image,
             ..
         } => io::run(&image, &commands, read_only, &sharing(force_share)),
+        Command::Push(args) => {
+            remote::run_push(&args, &options, remote).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Pull(args) => {
+            remote::run_pull(&args, &options, remote).map(|()| ExitCode::SUCCESS)
+        }
         Command::Upgrade {
             progress,
             output,

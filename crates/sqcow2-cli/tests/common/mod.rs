@@ -434,6 +434,7 @@ pub fn qcow2_files(dir: &Path) -> Vec<PathBuf> {
 
 pub mod faulty_fs;
 pub mod guest;
+pub mod object_store;
 pub mod reference;
 pub mod ring;
 pub mod vhost;
