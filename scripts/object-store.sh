@@ -63,8 +63,9 @@ start() {
   umask 077
   # A store started before in DIR keeps its configuration (ports, secret).
   if [ ! -f "$dir/garage.toml" ]; then
-    local s3_port rpc_port admin_port
+    local s3_port rpc_port admin_port web_port
     s3_port=$(free_port)
+    web_port=$(free_port)
     rpc_port=$(free_port)
     admin_port=$(free_port)
     cat > "$dir/garage.toml" <<EOF
@@ -80,6 +81,13 @@ rpc_secret = "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 s3_region = "garage"
 api_bind_addr = "127.0.0.1:$s3_port"
 root_domain = ".s3.garage.localhost"
+
+# Anonymous reads of buckets made websites, as http://BUCKET.web.garage.localhost:PORT/KEY
+# (the form QEMU's curl driver can follow: it sends no signature).
+[s3_web]
+bind_addr = "127.0.0.1:$web_port"
+root_domain = ".web.garage.localhost"
+index = "index.html"
 
 [admin]
 api_bind_addr = "127.0.0.1:$admin_port"
@@ -121,6 +129,14 @@ EOF
   "${g[@]}" bucket allow --read --write --owner "$BUCKET" --key sqcow2 >/dev/null
   local endpoint
   endpoint=http://$(awk '/^\[s3_api\]/ {s = 1} s && /^api_bind_addr/ {gsub(/"/, "", $3); print $3; exit}' "$dir/garage.toml")
+  # The bucket readable without credentials (the website endpoint), where
+  # the configuration has one.
+  local web="" web_addr
+  web_addr=$(awk '/^\[s3_web\]/ {s = 1} s && /^bind_addr/ {gsub(/"/, "", $3); print $3; exit}' "$dir/garage.toml")
+  if [ -n "$web_addr" ]; then
+    "${g[@]}" bucket website --allow "$BUCKET" >/dev/null
+    web=http://$BUCKET.web.garage.localhost:${web_addr##*:}/
+  fi
   cat > "$dir/env" <<EOF
 export AWS_ACCESS_KEY_ID=$key_id
 export AWS_SECRET_ACCESS_KEY=$secret
@@ -129,6 +145,9 @@ export AWS_DEFAULT_REGION=garage
 export AWS_ENDPOINT_URL=$endpoint
 export SQCOW2_S3_BUCKET=$BUCKET
 EOF
+  if [ -n "$web" ]; then
+    echo "export SQCOW2_S3_PUBLIC_URL=$web" >> "$dir/env"
+  fi
   # A signed PUT and GET through the S3 API, as a client makes them.
   local probe=$dir/probe.$$
   echo "sqcow2 object store probe" > "$probe"
@@ -137,6 +156,10 @@ EOF
   curl "${sig[@]}" -T "$probe" "$endpoint/$BUCKET/probe" >/dev/null
   if ! curl "${sig[@]}" "$endpoint/$BUCKET/probe" | cmp -s - "$probe"; then
     echo "the store does not give back what was put" >&2
+    exit 1
+  fi
+  if [ -n "$web" ] && ! curl -fsS "${web}probe" | cmp -s - "$probe"; then
+    echo "the bucket is not readable at $web" >&2
     exit 1
   fi
   curl "${sig[@]}" -X DELETE "$endpoint/$BUCKET/probe" >/dev/null

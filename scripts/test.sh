@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 # qemu-system-x86 first: on a machine whose qemu-utils comes from another
 # release, installing it replaces qemu-utils, which the next line restores.
 ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
+# QEMU's curl driver: it reads chains pushed to an object store
+# (crates/sqcow2-cli/tests/remote_layers.rs).
+ensure_packages qemu-block-extra
 ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra strace:strace
 # The NBD export's clients (crates/sqcow2-cli/tests/nbd.rs).
 ensure_commands nbdinfo:libnbd-bin nbdcopy:libnbd-bin

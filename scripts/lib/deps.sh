@@ -35,6 +35,22 @@ ensure_commands() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 }
 
+# Usage: ensure_packages debian-package ... (for packages that bring no
+# command: libraries, QEMU's block modules).
+ensure_packages() {
+  local missing=() pkg
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "==> installing ${missing[*]}" >&2
+  if [ "$APT_UPDATED" != 1 ]; then
+    as_root apt-get update -qq
+    APT_UPDATED=1
+  fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+}
+
 ensure_rust_components() {
   local comp
   for comp in "$@"; do

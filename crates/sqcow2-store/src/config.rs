@@ -44,6 +44,14 @@ pub struct StoreConfig {
     /// own endpoints) rather than `BUCKET.ENDPOINT/KEY`.
     pub path_style: bool,
     pub credentials: Credentials,
+    /// Connect there instead of the endpoint's host (curl's
+    /// `--connect-to`; SQCOW2_S3_CONNECT_TO=HOST:PORT): requests still
+    /// name the endpoint (a proxy in between, the same store).
+    pub connect_to: Option<String>,
+    /// Where the bucket is readable without credentials
+    /// (SQCOW2_S3_PUBLIC_URL, e.g. a website endpoint): `BASE/KEY` names
+    /// the object `KEY` of the bucket, a URL QEMU's curl driver can read.
+    pub public_url: Option<url::Url>,
 }
 
 impl StoreConfig {
@@ -98,8 +106,31 @@ impl StoreConfig {
             bucket: bucket.into(),
             path_style,
             credentials,
+            connect_to: var("SQCOW2_S3_CONNECT_TO"),
+            public_url: match var("SQCOW2_S3_PUBLIC_URL") {
+                Some(u) => Some(public_base(&u)?),
+                None => None,
+            },
         })
     }
+}
+
+/// A public base URL, checked, ending with `/`.
+fn public_base(text: &str) -> Result<url::Url, StoreError> {
+    let with_slash = if text.ends_with('/') {
+        text.to_string()
+    } else {
+        format!("{text}/")
+    };
+    let url: url::Url = with_slash
+        .parse()
+        .map_err(|e| StoreError::Config(format!("SQCOW2_S3_PUBLIC_URL {text:?}: {e}")))?;
+    if !matches!(url.scheme(), "http" | "https") || url.query().is_some() {
+        return Err(StoreError::Config(format!(
+            "SQCOW2_S3_PUBLIC_URL {text:?}: not an http(s) URL without a query"
+        )));
+    }
+    Ok(url)
 }
 
 /// The credentials of the profile the variables name, from the shared

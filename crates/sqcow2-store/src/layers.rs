@@ -84,10 +84,17 @@ impl StoreLayers {
         self
     }
 
-    /// The URL of `key` in `bucket` of the configured store.
+    /// The URL of `key` in `bucket` of the configured store: under the
+    /// bucket's public URL where it has one (readable by QEMU), else its
+    /// path-style S3 URL.
     pub fn url_of(&self, bucket: &str, key: &str) -> String {
-        let base = self.config.endpoint.as_str().trim_end_matches('/');
-        format!("{base}/{bucket}/{key}")
+        match &self.config.public_url {
+            Some(public) if bucket == self.config.bucket => format!("{public}{key}"),
+            _ => {
+                let base = self.config.endpoint.as_str().trim_end_matches('/');
+                format!("{base}/{bucket}/{key}")
+            }
+        }
     }
 
     /// The bucket and key of `url`, which must lie under the configured
@@ -96,6 +103,16 @@ impl StoreLayers {
         let parsed: url::Url = url
             .parse()
             .map_err(|e| StoreError::Config(format!("{url}: {e}")))?;
+        if let Some(public) = &self.config.public_url {
+            let key = parsed.as_str().strip_prefix(public.as_str()).unwrap_or("");
+            if !key.is_empty() && parsed.query().is_none() && parsed.fragment().is_none() {
+                return Ok(ObjectPlace {
+                    bucket: self.config.bucket.clone(),
+                    key: percent_decode(key)
+                        .ok_or_else(|| StoreError::Config(format!("{url}: bad escape")))?,
+                });
+            }
+        }
         let ep = &self.config.endpoint;
         let same = parsed.scheme() == ep.scheme()
             && parsed.host_str() == ep.host_str()
@@ -297,6 +314,8 @@ mod tests {
             bucket: "unused".into(),
             path_style: true,
             credentials: Credentials::new("k", "s"),
+            connect_to: None,
+            public_url: Some("http://b.web.localhost:3902/".parse().unwrap()),
         };
         let l = StoreLayers::new(config, dir.path()).unwrap();
         (dir, l)
@@ -329,5 +348,18 @@ mod tests {
             assert!(l.place_of(other).is_err(), "{other}");
         }
         assert_ne!(cache_name("http://a/b/x"), cache_name("http://a/c/x"));
+        // The public form of the configured bucket, both ways.
+        assert_eq!(
+            l.url_of("unused", "c/l2"),
+            "http://b.web.localhost:3902/c/l2"
+        );
+        assert_eq!(
+            l.place_of("http://b.web.localhost:3902/c/l2").unwrap(),
+            ObjectPlace {
+                bucket: "unused".into(),
+                key: "c/l2".into()
+            }
+        );
+        assert!(l.place_of("http://b.web.localhost:3902/").is_err());
     }
 }

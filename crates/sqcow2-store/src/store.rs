@@ -69,11 +69,17 @@ impl ObjectStore {
             Some(token) => rusty_s3::Credentials::new_with_token(&c.key, &c.secret, token),
             None => rusty_s3::Credentials::new(&c.key, &c.secret),
         };
-        let agent = ureq::AgentBuilder::new()
+        let mut agent = ureq::AgentBuilder::new()
             .timeout_connect(CONNECT_TIMEOUT)
             .timeout_read(STALL_TIMEOUT)
-            .timeout_write(STALL_TIMEOUT)
-            .build();
+            .timeout_write(STALL_TIMEOUT);
+        if let Some(to) = &config.connect_to {
+            let addrs: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(to)
+                .map_err(|e| StoreError::Config(format!("connect to {to}: {e}")))?
+                .collect();
+            agent = agent.resolver(move |_: &str| Ok(addrs.clone()));
+        }
+        let agent = agent.build();
         Ok(ObjectStore {
             bucket,
             credentials,
