@@ -6,7 +6,9 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -40,33 +42,87 @@ pub fn run_cli(args: &DelayProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What passed through a proxy: HTTP requests by their first bytes
+/// (clients that wait for each answer before the next request, as the
+/// store client does: one request per burst), and bytes answered.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    pub gets: AtomicU64,
+    pub heads: AtomicU64,
+    pub bytes_down: AtomicU64,
+}
+
+impl Traffic {
+    /// GETs, HEADs and bytes answered so far.
+    pub fn snapshot(&self) -> (u64, u64, u64) {
+        (
+            self.gets.load(Ordering::Relaxed),
+            self.heads.load(Ordering::Relaxed),
+            self.bytes_down.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// A proxy in this process adding `rtt` to every round trip to `to`; its
+/// address and what passes through it.
+pub fn spawn(rtt: Duration, to: &str) -> anyhow::Result<(std::net::SocketAddr, Arc<Traffic>)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let traffic = Arc::new(Traffic::default());
+    let (to, t) = (to.to_string(), traffic.clone());
+    std::thread::Builder::new()
+        .name("delay-proxy".into())
+        .spawn(move || serve_counting(&listener, &to, rtt / 2, &t))?;
+    Ok((addr, traffic))
+}
+
 /// Passes every connection `listener` accepts on to `to`.
 fn serve(listener: &TcpListener, to: &str, one_way: Duration) {
+    serve_counting(listener, to, one_way, &Arc::new(Traffic::default()));
+}
+
+fn serve_counting(listener: &TcpListener, to: &str, one_way: Duration, traffic: &Arc<Traffic>) {
     for client in listener.incoming() {
         let Ok(client) = client else { continue };
         let to = to.to_string();
+        let traffic = traffic.clone();
         std::thread::spawn(move || {
             if let Ok(upstream) = TcpStream::connect(&to) {
                 let _ = client.set_nodelay(true);
                 let _ = upstream.set_nodelay(true);
-                relay(client, upstream, one_way);
+                relay(client, upstream, one_way, &traffic);
             }
         });
     }
 }
 
 /// Both directions of one connection, each delayed by `one_way`.
-fn relay(client: TcpStream, upstream: TcpStream, one_way: Duration) {
+fn relay(client: TcpStream, upstream: TcpStream, one_way: Duration, traffic: &Arc<Traffic>) {
     let pairs = [
-        (client.try_clone(), upstream.try_clone()),
-        (upstream.try_clone(), client.try_clone()),
+        (client.try_clone(), upstream.try_clone(), true),
+        (upstream.try_clone(), client.try_clone(), false),
     ];
     let mut threads = Vec::new();
-    for (from, to) in pairs {
+    for (from, to, up) in pairs {
         let (Ok(from), Ok(to)) = (from, to) else {
             return;
         };
-        threads.push(std::thread::spawn(move || pump(from, to, one_way)));
+        let traffic = traffic.clone();
+        threads.push(std::thread::spawn(move || {
+            pump(from, to, one_way, &|chunk: &[u8]| {
+                if up {
+                    if chunk.starts_with(b"GET ") {
+                        traffic.gets.fetch_add(1, Ordering::Relaxed);
+                    } else if chunk.starts_with(b"HEAD ") {
+                        traffic.heads.fetch_add(1, Ordering::Relaxed);
+                    }
+                } else {
+                    traffic
+                        .bytes_down
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                }
+            })
+        }));
     }
     for t in threads {
         let _ = t.join();
@@ -75,7 +131,7 @@ fn relay(client: TcpStream, upstream: TcpStream, one_way: Duration) {
 
 /// Reads chunks from `from` and has a writer pass each on to `to` once
 /// it is `delay` old; the end of `from` is passed on last.
-fn pump(mut from: TcpStream, to: TcpStream, delay: Duration) {
+fn pump(mut from: TcpStream, to: TcpStream, delay: Duration, seen: &dyn Fn(&[u8])) {
     let (tx, rx) = channel::<(Instant, Vec<u8>)>();
     let writer = std::thread::spawn(move || deliver(rx, to));
     let mut buf = vec![0u8; 256 << 10];
@@ -83,6 +139,7 @@ fn pump(mut from: TcpStream, to: TcpStream, delay: Duration) {
         match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => {
+                seen(&buf[..n]);
                 if tx
                     .send((Instant::now() + delay, buf[..n].to_vec()))
                     .is_err()

@@ -6,6 +6,7 @@
 mod delay_proxy;
 mod fixtures;
 mod load;
+mod objstore;
 mod page_cache;
 mod phases;
 mod plot;
@@ -57,6 +58,11 @@ enum Command {
     /// A TCP proxy adding a round trip to every exchange (the network
     /// between a host and its object store); prints `listening=ADDR`.
     DelayProxy(delay_proxy::DelayProxyArgs),
+    /// A long chain whose layers below the top are in an S3 store (the
+    /// environment names it: `scripts/object-store.sh`), served through a
+    /// proxy adding 0, 5 and 20 ms round trips: cold and warm reads,
+    /// requests per guest read, against local disk and the store itself.
+    ObjectStore(objstore::ObjStoreArgs),
     /// The machine's own latency beside a load: how late a real-time
     /// thread sleeping 1 ms at a time wakes up (a floor under any
     /// request's latency there).
@@ -96,6 +102,7 @@ fn main() -> ExitCode {
         Command::SpreadSeq(a) => spread_seq::run_cli(a),
         Command::WakeupLatency(a) => wakeup::run_cli(a),
         Command::DelayProxy(a) => delay_proxy::run_cli(a),
+        Command::ObjectStore(a) => objstore::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -744,15 +744,22 @@ fn goals(s: &Summary) -> Vec<String> {
 /// Replaces the text between the bench-suite markers of `path` (appends
 /// a section if there are none).
 pub fn replace_section(path: &Path, section: &str) -> anyhow::Result<()> {
+    replace_between(path, START, END, section)
+}
+
+/// Replaces the text from `start` to `end` (markers included, `section`
+/// holding its own) of `path`; appends `section` if the markers are not
+/// there.
+pub fn replace_between(path: &Path, start: &str, end: &str, section: &str) -> anyhow::Result<()> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let new = match (text.find(START), text.find(END)) {
+    let new = match (text.find(start), text.find(end)) {
         (Some(a), Some(b)) if b > a => {
             format!(
                 "{}{}{}",
                 &text[..a],
                 section.trim_end(),
-                &text[b + END.len()..]
+                &text[b + end.len()..]
             )
         }
         _ => format!("{}\n{}", text.trim_end(), section),
