@@ -232,6 +232,7 @@ pub fn run_push(
         None => store_layers(scratch.path(), sqcow2_store::DEFAULT_CACHE_BYTES, 3)?,
     };
     let store = layers.store(&bucket)?;
+    store.check_bucket()?;
     let chain = open_chain(&args.image, options, &layers)?;
     let n = chain.layers().len();
     // The local layers right below the image, highest first.

@@ -9,6 +9,9 @@ pub enum StoreError {
     /// No such object (or bucket).
     #[error("{key}: no such object in the bucket")]
     NotFound { key: String },
+    /// The bucket does not exist.
+    #[error("bucket {bucket}: no such bucket in the object store")]
+    NoSuchBucket { bucket: String },
     /// The credentials are wrong or lack the permission.
     #[error("{key}: access denied (credentials wrong or without permission)")]
     AccessDenied { key: String },

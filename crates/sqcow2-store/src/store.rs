@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rusty_s3::actions::{DeleteObject, GetObject, HeadObject, PutObject, S3Action};
+use rusty_s3::actions::{DeleteObject, GetObject, HeadBucket, HeadObject, PutObject, S3Action};
 use rusty_s3::{Bucket, UrlStyle};
 
 use crate::{StoreConfig, StoreError};
@@ -87,6 +87,26 @@ impl ObjectStore {
             endpoint: config.endpoint.to_string(),
             requests: AtomicU64::new(0),
         })
+    }
+
+    /// Checks that the bucket exists and that the credentials may use it
+    /// (one HEAD): a write then fails for what it writes, not for where.
+    /// A store that refuses a request cuts the upload it reads short, so
+    /// a PUT with a wrong key or bucket would otherwise end in a broken
+    /// connection rather than the store's answer.
+    pub fn check_bucket(&self) -> Result<(), StoreError> {
+        let url = HeadBucket::new(&self.bucket, Some(&self.credentials)).sign(SIGNED_FOR);
+        let bucket = self.bucket.name();
+        match self.send(bucket, self.agent.request_url("HEAD", &url), None) {
+            Ok(_) => Ok(()),
+            Err(StoreError::NotFound { .. }) => Err(StoreError::NoSuchBucket {
+                bucket: bucket.into(),
+            }),
+            Err(StoreError::AccessDenied { .. }) => Err(StoreError::AccessDenied {
+                key: format!("bucket {bucket}"),
+            }),
+            Err(e) => Err(e),
+        }
     }
 
     /// The object's length and version.
@@ -180,9 +200,8 @@ impl ObjectStore {
             .request_url("PUT", &url)
             .set("Content-Length", &len.to_string());
         self.requests.fetch_add(1, Ordering::Relaxed);
-        match req.send(file) {
-            Ok(_) => {}
-            Err(e) => return Err(self.error(key, e, None)),
+        if let Err(e) = req.send(file) {
+            return Err(self.put_error(key, e));
         }
         let info = self.head(key)?;
         if info.len != len {
@@ -201,7 +220,7 @@ impl ObjectStore {
         self.agent
             .request_url("PUT", &url)
             .send_bytes(bytes)
-            .map_err(|e| self.error(key, e, None))?;
+            .map_err(|e| self.put_error(key, e))?;
         let info = self.head(key)?;
         if info.len != bytes.len() as u64 {
             return Err(bad(key, "a length other than the one written"));
@@ -288,6 +307,16 @@ impl ObjectStore {
         req.call().map_err(|e| self.error(key, e, etag))
     }
 
+    /// A failed PUT: a connection the store broke off is asked about
+    /// with [`Self::check_bucket`], whose answer (no such bucket, access
+    /// denied) is the reason.
+    fn put_error(&self, key: &str, e: ureq::Error) -> StoreError {
+        match self.error(key, e, None) {
+            e @ StoreError::Unreachable { .. } => self.check_bucket().err().unwrap_or(e),
+            e => e,
+        }
+    }
+
     fn error(&self, key: &str, e: ureq::Error, etag: Option<&str>) -> StoreError {
         match e {
             ureq::Error::Status(404, _) => StoreError::NotFound { key: key.into() },
@@ -312,7 +341,7 @@ impl ObjectStore {
     fn unreachable(&self, message: &str) -> StoreError {
         StoreError::Unreachable {
             endpoint: self.endpoint.clone(),
-            message: message.into(),
+            message: without_signatures(message),
         }
     }
 }
@@ -332,6 +361,23 @@ fn etag_of(key: &str, resp: &ureq::Response) -> Result<String, StoreError> {
 }
 
 /// The `<Message>` of an S3 error document, else its first line.
+/// `message` with the query of every presigned URL in it cut out: the
+/// signature and the access key id stay out of errors and logs.
+fn without_signatures(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("?X-Amz-") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let end = rest
+            .find(|c: char| c.is_whitespace() || c == ':')
+            .unwrap_or(rest.len());
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn s3_message(body: &str) -> String {
     let inner = body
         .split_once("<Message>")
@@ -339,4 +385,21 @@ fn s3_message(body: &str) -> String {
         .map(|(m, _)| m);
     let text = inner.unwrap_or_else(|| body.lines().next().unwrap_or(""));
     text.chars().filter(|c| !c.is_control()).take(200).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_signatures;
+
+    #[test]
+    fn presigned_queries_are_cut_from_messages() {
+        let m = "http://h:1/b/k?X-Amz-Algorithm=AWS4&X-Amz-Credential=GKabc%2F1&X-Amz-Signature=f00: Network Error: Broken pipe";
+        assert_eq!(
+            without_signatures(m),
+            "http://h:1/b/k: Network Error: Broken pipe"
+        );
+        assert_eq!(without_signatures("no url"), "no url");
+        let two = "a?X-Amz-Credential=GK1 then b?X-Amz-Credential=GK2";
+        assert!(!without_signatures(two).contains("GK"));
+    }
 }
