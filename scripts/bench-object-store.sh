@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 . scripts/lib/deps.sh
 
 ensure_commands qemu-storage-daemon:qemu-system-x86
-ensure_packages qemu-block-extra
+ensure_qemu_block_modules
 ensure_commands cc:gcc qemu-img:qemu-utils curl:curl
 
 echo "==> building sqcow2 and sqcow2-bench (release)"

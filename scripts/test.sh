@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ensure_commands qemu-system-x86_64:qemu-system-x86 busybox:busybox-static
 # QEMU's curl driver: it reads chains pushed to an object store
 # (crates/sqcow2-cli/tests/remote_layers.rs).
-ensure_packages qemu-block-extra
+ensure_qemu_block_modules
 ensure_commands cc:gcc c++:g++ qemu-img:qemu-utils qemu-io:qemu-utils fincore:util-linux-extra strace:strace
 # The NBD export's clients (crates/sqcow2-cli/tests/nbd.rs).
 ensure_commands nbdinfo:libnbd-bin nbdcopy:libnbd-bin

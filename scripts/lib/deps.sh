@@ -51,6 +51,25 @@ ensure_packages() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 }
 
+# QEMU's block modules (curl, ...) at the version of the qemu-utils
+# installed (a backport's qemu-img loads only its own modules; the
+# default candidate would pull qemu-utils back to the release's version).
+ensure_qemu_block_modules() {
+  dpkg-query -W -f='${Status}' qemu-block-extra 2>/dev/null | grep -q "install ok installed" && return 0
+  local version
+  version=$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)
+  if [ -n "$version" ]; then
+    if [ "$APT_UPDATED" != 1 ]; then
+      as_root apt-get update -qq
+      APT_UPDATED=1
+    fi
+    echo "==> installing qemu-block-extra=$version" >&2
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "qemu-block-extra=$version" >&2 && return 0
+  fi
+  ensure_packages qemu-block-extra
+}
+
 ensure_rust_components() {
   local comp
   for comp in "$@"; do
