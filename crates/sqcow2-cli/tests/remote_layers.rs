@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::object_store::Garage;
-use common::vhost::Daemon;
+use common::vhost::{connect_retry, Daemon};
 use common::{gen_chain, qemu_img, qemu_raw, run, run_raw, s, sqcow2, sqcow2_bin};
 
 /// `sqcow2 ARGS` with the store's variables and `cache` as the remote
@@ -189,6 +189,61 @@ fn a_chain_pushed_serves_and_pulls_back_byte_for_byte() {
     assert!(ours.contains("\"valid\""), "{ours}");
 }
 
+/// Over vhost-user, reads of blocks the local cache holds go to its file
+/// directly (no engine thread), the blocks pinned until the read is done:
+/// with each layer's cache two blocks, so that every fetch evicts, reads
+/// of every size at random places, twice (the second pass mostly from
+/// the cache) and then in order, give the bytes QEMU reads from the
+/// local chain.
+#[test]
+fn reads_from_a_cache_smaller_than_the_reads_are_right() {
+    let garage = Garage::start();
+    let d = tempfile::tempdir().unwrap();
+    let d = d.path();
+    let top = gen_chain(d, 5, "32M", "0.7");
+    let expected = qemu_raw(&top, d);
+    let cache = d.join("cache");
+    push(&garage, &cache, &top, "small-cache");
+    let mut env = garage.env();
+    env.push(("SQCOW2_REMOTE_CACHE", cache.to_str().unwrap()));
+    let mut daemon = Daemon::start_with_env(
+        d,
+        &top,
+        &["--read-only", "--remote-cache-size", "128K"],
+        &env,
+    );
+    let mut client = connect_retry(&daemon, 1, true);
+    let mut rng = fastrand::Rng::with_seed(48);
+    let size = expected.len() as u64;
+    let places: Vec<(u64, usize)> = (0..300)
+        .map(|_| {
+            let len = [512usize, 4096, 65536, 196_608, 1 << 20][rng.usize(0..5)];
+            let at = rng.u64(0..(size - len as u64) / 512) * 512;
+            (at, len)
+        })
+        .collect();
+    for pass in 0..2 {
+        for &(at, len) in &places {
+            let got = client
+                .try_read(at, len)
+                .unwrap_or_else(|e| panic!("{len} bytes at {at}: {e}\n{}", daemon.log()));
+            assert!(
+                got == expected[at as usize..at as usize + len],
+                "pass {pass}: {len} bytes at {at} differ"
+            );
+        }
+    }
+    for at in (0..size).step_by(1 << 20) {
+        let got = client.read(at, 1 << 20);
+        assert!(
+            got == expected[at as usize..at as usize + (1 << 20)],
+            "1 MiB at {at} differs"
+        );
+    }
+    drop(client);
+    daemon.stop();
+}
+
 /// The store stopped under a daemon serving from it: reads of what the
 /// local cache holds go on, a read that needs the store fails with an
 /// I/O error after the bounded retry (no hang, no wrong bytes), and once
@@ -210,15 +265,15 @@ fn a_stopped_store_fails_reads_cleanly_and_the_daemon_recovers() {
     let warm = nbd_slice(&sock, 0, mib, &out).expect("read with the store up");
     assert!(warm == want(0));
     garage.stop();
-    let cold = nbd_slice(&sock, 20 * mib, mib, &out);
+    let cold = nbd_slice(&sock, 30 * mib, mib, &out);
     assert!(cold.is_err(), "a read needing the stopped store succeeded");
     let again = nbd_slice(&sock, 0, mib, &out).expect("a cached read with the store down");
     assert!(again == want(0), "cached bytes differ with the store down");
 
     garage.start_again();
-    let back = nbd_slice(&sock, 20 * mib, mib, &out).expect("the read once the store is back");
+    let back = nbd_slice(&sock, 30 * mib, mib, &out).expect("the read once the store is back");
     assert!(
-        back == want(20 * mib),
+        back == want(30 * mib),
         "the read after the store came back differs"
     );
     let all = raw_over_nbd(&sock, &d.join("all.raw"));

@@ -158,6 +158,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn pinned_file(&self) -> io::Result<Option<PinnedFile>> {
         Ok(None)
     }
+    /// For storage that keeps a local copy of some of its bytes (a layer
+    /// in an object store and its cache file): the file holding all of
+    /// `[offset, offset + len)` at the same offsets, and a pin that keeps
+    /// them there until dropped, for callers that submit their own I/O
+    /// (as [`Storage::pinned_file`]). `None` when not all of it is held.
+    fn pin_cached(&self, _offset: u64, _len: u64) -> Option<(PinnedFile, CachedRangePin)> {
+        None
+    }
     /// Allocation status of `[offset, offset + len)`: `Some((is_data, run))`
     /// where `run` bytes from `offset` share the status, or `None` when the
     /// storage cannot tell (everything is then data).
@@ -206,6 +214,9 @@ fn extend_to<S: Storage + ?Sized>(storage: &S, end: u64) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Keeps a range [`Storage::pin_cached`] gave where it is until dropped.
+pub type CachedRangePin = Box<dyn std::any::Any + Send + Sync>;
 
 /// An open file pinned for a transfer, and how I/O to it is best
 /// submitted.

@@ -24,6 +24,6 @@ pub use error::StoreError;
 pub use layers::{ObjectPlace, StoreLayers, DEFAULT_BLOCK, DEFAULT_CACHE_BYTES};
 pub use manifest::{Manifest, ManifestLayer, MANIFEST_SUFFIX};
 pub use range_cache::{CacheStart, RangeCache};
-pub use remote_object::RemoteObject;
+pub use remote_object::{CachePin, RemoteObject};
 pub use retry::Retry;
 pub use store::{ObjectInfo, ObjectStore};

@@ -12,11 +12,12 @@
 //! afresh; a block whose bytes no longer match their checksum is a miss,
 //! never wrong data.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 const MAGIC: &[u8; 8] = b"SQ2RCMAP";
 const VERSION: u32 = 1;
@@ -39,7 +40,7 @@ pub enum CacheStart {
 /// The cache of one object.
 #[derive(Debug)]
 pub struct RangeCache {
-    data: File,
+    data: Arc<File>,
     map_path: PathBuf,
     object_len: u64,
     block: u32,
@@ -51,6 +52,9 @@ pub struct RangeCache {
     by_use: BTreeMap<u64, u64>,
     clock: u64,
     changed: bool,
+    /// Blocks pinned ([`RangeCache::pin`]) and how many times: never
+    /// evicted.
+    pins: HashMap<u64, u32>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +96,7 @@ impl RangeCache {
         let blocks = usize::try_from(blocks)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "object too large"))?;
         let mut cache = RangeCache {
-            data,
+            data: Arc::new(data),
             map_path,
             object_len,
             block,
@@ -102,6 +106,7 @@ impl RangeCache {
             by_use: BTreeMap::new(),
             clock: 0,
             changed: false,
+            pins: HashMap::new(),
         };
         let start = match std::fs::read(&cache.map_path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => CacheStart::New,
@@ -245,6 +250,58 @@ impl RangeCache {
         }
         self.data
             .read_exact_at(out, index * u64::from(self.block) + at as u64)?;
+        self.touch(index);
+        Ok(true)
+    }
+
+    /// Pins blocks `first..=last` if the cache holds every one of them
+    /// checked (read whole once since open, or written by this process):
+    /// they are not evicted until [`RangeCache::unpin`], so the data file
+    /// (see [`RangeCache::file`]) can be read there directly. `false`
+    /// (nothing pinned) otherwise.
+    pub fn pin(&mut self, first: u64, last: u64) -> bool {
+        let verified = |i: u64| {
+            usize::try_from(i)
+                .ok()
+                .and_then(|i| self.held.get(i).copied().flatten())
+                .is_some_and(|h| h.verified)
+        };
+        if first > last || !(first..=last).all(verified) {
+            return false;
+        }
+        for i in first..=last {
+            *self.pins.entry(i).or_insert(0) += 1;
+            self.touch(i);
+        }
+        true
+    }
+
+    /// Gives up one pin of each of blocks `first..=last`.
+    pub fn unpin(&mut self, first: u64, last: u64) {
+        for i in first..=last {
+            if let Some(n) = self.pins.get_mut(&i) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pins.remove(&i);
+                }
+            }
+        }
+        // Evictions skipped for the pins happen now.
+        if let Err(e) = self.evict() {
+            tracing::warn!(error = %e, "a cache block could not be punched out");
+        }
+    }
+
+    /// The data file: block `i` at `i * block_size`, as in the object.
+    pub fn file(&self) -> &Arc<File> {
+        &self.data
+    }
+
+    /// Marks held block `index` just used.
+    fn touch(&mut self, index: u64) {
+        let Some(held) = self.held[index as usize] else {
+            return;
+        };
         self.by_use.remove(&held.used);
         self.clock += 1;
         self.held[index as usize] = Some(Held {
@@ -252,7 +309,6 @@ impl RangeCache {
             ..held
         });
         self.by_use.insert(self.clock, index);
-        Ok(true)
     }
 
     /// Keeps block `index` (its whole length: the last block may be
@@ -328,9 +384,17 @@ impl RangeCache {
     /// Drops least recently used blocks while past the capacity.
     fn evict(&mut self) -> io::Result<()> {
         while self.by_use.len() > self.capacity_blocks {
-            let Some((_, index)) = self.by_use.pop_first() else {
+            // The oldest not pinned: pinned ones stay (past the capacity
+            // by at most the blocks of the reads in flight).
+            let Some((used, index)) = self
+                .by_use
+                .iter()
+                .find(|(_, i)| !self.pins.contains_key(i))
+                .map(|(&u, &i)| (u, i))
+            else {
                 break;
             };
+            self.by_use.remove(&used);
             self.held[index as usize] = None;
             self.punch(index)?;
         }
@@ -341,7 +405,10 @@ impl RangeCache {
         if let Some(h) = self.held[index as usize].take() {
             self.by_use.remove(&h.used);
             self.changed = true;
-            self.punch(index)?;
+            // A pinned block's range is being read: it stays as it is.
+            if !self.pins.contains_key(&index) {
+                self.punch(index)?;
+            }
         }
         Ok(())
     }
@@ -451,6 +518,44 @@ mod tests {
             .map(|i| (i, ()))
             .collect();
         assert_eq!(model.len(), c.blocks_held());
+    }
+
+    /// A pinned block is never evicted and its bytes stay in the data
+    /// file at the object's offsets; only checked blocks are pinned; once
+    /// unpinned, the capacity holds again.
+    #[test]
+    fn pinned_blocks_stay_in_the_file_until_unpinned() {
+        let dir = tempfile::tempdir().unwrap();
+        let obj = object();
+        let (mut c, _) = open(dir.path(), "\"v1\"", 3);
+        assert!(!c.pin(0, 0), "a block not held was pinned");
+        c.put(0, block_of(&obj, 0)).unwrap();
+        c.put(1, block_of(&obj, 1)).unwrap();
+        assert!(!c.pin(0, 2), "a run with a missing block was pinned");
+        assert!(c.pin(0, 1));
+        for i in 2..6 {
+            c.put(i, block_of(&obj, i)).unwrap();
+        }
+        let mut buf = vec![0u8; 2 * BLOCK as usize];
+        c.file().read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, obj[..2 * BLOCK as usize], "pinned bytes changed");
+        assert!(c.holds(0) && c.holds(1));
+        assert_eq!(c.blocks_held(), 3);
+        assert!(c.holds(5), "the block put last was dropped");
+        c.unpin(0, 1);
+        c.put(6, block_of(&obj, 6)).unwrap();
+        assert_eq!(c.blocks_held(), 3);
+        assert!(!c.holds(0), "an unpinned block outlived newer ones");
+        // Taken up again after a restart, a block is pinned only once
+        // read whole (checked).
+        c.persist().unwrap();
+        drop(c);
+        let (mut c, _) = open(dir.path(), "\"v1\"", 2);
+        let held: Vec<u64> = (0..11).filter(|&i| c.holds(i)).collect();
+        assert!(!held.is_empty());
+        assert!(!c.pin(held[0], held[0]), "an unchecked block was pinned");
+        assert!(c.get(held[0]).unwrap().is_some());
+        assert!(c.pin(held[0], held[0]));
     }
 
     /// Persisted and reopened, the same blocks come back (in their order

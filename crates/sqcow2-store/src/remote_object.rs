@@ -16,6 +16,14 @@ use crate::{CacheStart, ObjectInfo, ObjectStore, RangeCache, Retry, StoreError};
 /// Most bytes one prefetch GET asks for.
 pub const PREFETCH_RUN: u64 = 2 << 20;
 
+/// A prefetch takes in the object's bytes this far past the range asked
+/// for. A layer written in guest order keeps the clusters a sequential
+/// reader needs next from it right after the ones it needs now: in a
+/// long chain each layer holds a few clusters of any window of the
+/// disk, and fetching them one ranged GET each would bound the reader
+/// by requests, not bytes.
+pub const PREFETCH_NEIGHBOURS: u64 = 1 << 20;
+
 /// An object of a store and its cache.
 #[derive(Debug)]
 pub struct RemoteObject {
@@ -246,15 +254,19 @@ impl RemoteObject {
         self.fetched.notify_all();
     }
 
-    /// Starts fetching the blocks of `[offset, offset + len)` the cache
-    /// lacks and no one fetches, on the prefetch threads (runs of at most
-    /// 2 MiB, several in flight); returns at once. A
-    /// reader of those blocks meanwhile waits for these fetches.
+    /// Starts fetching the blocks of `[offset, offset + len)`, and of the
+    /// [`PREFETCH_NEIGHBOURS`] bytes after it, that the cache lacks and
+    /// no one fetches, on the prefetch threads (runs of at most 2 MiB,
+    /// several in flight); returns at once. A reader of those blocks
+    /// meanwhile waits for these fetches.
     pub fn prefetch(&self, offset: u64, len: u64) {
         let Some((pool, me)) = &self.prefetch else {
             return;
         };
-        let end = offset.saturating_add(len).min(self.info.len);
+        let end = offset
+            .saturating_add(len)
+            .saturating_add(PREFETCH_NEIGHBOURS)
+            .min(self.info.len);
         if offset >= end {
             return;
         }
@@ -289,6 +301,33 @@ impl RemoteObject {
         }
     }
 
+    /// The cache's data file, if it holds all of `[offset, offset + len)`
+    /// checked, and a pin that keeps those bytes there (no eviction)
+    /// until dropped: a reader may then read the file at the same offsets
+    /// itself. `None` when any of it is missing (read through
+    /// [`RemoteObject::read_range`], which fetches).
+    pub fn pin_cached(&self, offset: u64, len: u64) -> Option<(Arc<std::fs::File>, CachePin)> {
+        let (_, me) = self.prefetch.as_ref()?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| len > 0 && e <= self.info.len)?;
+        let mut state = self.lock();
+        let block = u64::from(state.cache.block_size());
+        let (first, last) = (offset / block, (end - 1) / block);
+        if !state.cache.pin(first, last) {
+            return None;
+        }
+        let file = state.cache.file().clone();
+        Some((
+            file,
+            CachePin {
+                object: me.clone(),
+                first,
+                last,
+            },
+        ))
+    }
+
     /// Makes the cache survive a restart.
     pub fn persist(&self) -> Result<(), StoreError> {
         self.lock().cache.persist().map_err(|e| self.io(e))
@@ -302,6 +341,24 @@ impl RemoteObject {
         StoreError::Io {
             path: format!("cache of {}", self.key),
             source,
+        }
+    }
+}
+
+/// Blocks of a [`RemoteObject`]'s cache kept in its data file while held
+/// ([`RemoteObject::pin_cached`]).
+#[derive(Debug)]
+#[must_use = "the blocks may be evicted once the pin is dropped"]
+pub struct CachePin {
+    object: Weak<RemoteObject>,
+    first: u64,
+    last: u64,
+}
+
+impl Drop for CachePin {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.upgrade() {
+            object.lock().cache.unpin(self.first, self.last);
         }
     }
 }
@@ -343,5 +400,23 @@ impl sqcow2_format::storage::Storage for RemoteObject {
 
     fn fetches_remotely(&self) -> bool {
         true
+    }
+
+    fn pin_cached(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Option<(
+        sqcow2_format::storage::PinnedFile,
+        sqcow2_format::storage::CachedRangePin,
+    )> {
+        let (file, pin) = RemoteObject::pin_cached(self, offset, len)?;
+        let pinned = sqcow2_format::storage::PinnedFile {
+            file,
+            // A local file.
+            nowait: true,
+            direct: None,
+        };
+        Some((pinned, Box::new(pin)))
     }
 }

@@ -49,8 +49,9 @@ impl Drop for DrainHold {
 }
 
 /// What a transfer the caller moves itself must hold until its data has
-/// moved, when the chain is being committed live: a mark of a live
-/// commit's mirror, the range of a drain, the base's own ticket.
+/// moved: when the chain is being committed live, a mark of a live
+/// commit's mirror, the range of a drain, the base's own ticket; for a
+/// layer in an object store, the range of its cache file read.
 #[must_use = "drop it once the data has moved, not before"]
 #[derive(Debug)]
 pub struct TransferHold(#[allow(dead_code)] HoldKind);
@@ -62,6 +63,9 @@ enum HoldKind {
     Mark(super::mirror::ChangeMark),
     Range(DrainHold),
     Ticket(TransferTicket),
+    /// A range of a layer's local cache kept where it is.
+    Cached(crate::storage::CachedRangePin),
+    Both(Box<(TransferHold, TransferHold)>),
 }
 
 impl TransferHold {
@@ -73,6 +77,13 @@ impl TransferHold {
     }
     pub(crate) fn ticket(ticket: TransferTicket) -> Self {
         TransferHold(HoldKind::Ticket(ticket))
+    }
+    pub(crate) fn cached(pin: crate::storage::CachedRangePin) -> Self {
+        TransferHold(HoldKind::Cached(pin))
+    }
+    /// `self` and `other`, both held.
+    pub(crate) fn and(self, other: TransferHold) -> Self {
+        TransferHold(HoldKind::Both(Box::new((self, other))))
     }
 }
 

@@ -585,12 +585,26 @@ impl Transfers<'_> {
         self.chain.check_range(start.0, max)?;
         self.chain.check_readable()?;
         let extent = self.chain.resolve(start, max, false)?;
+        let mut hold = None;
         let file = match extent.kind {
-            ExtentKind::Data { .. } => self
-                .chain
-                .storage_of(extent.layer)
-                .pinned_file()
-                .map_err(|e| self.chain.layer_io(extent.layer, e))?,
+            ExtentKind::Data { host } => {
+                let storage = self.chain.storage_of(extent.layer);
+                match storage
+                    .pinned_file()
+                    .map_err(|e| self.chain.layer_io(extent.layer, e))?
+                {
+                    Some(file) => Some(file),
+                    // A layer in an object store: its cache file where it
+                    // holds the range (else the read fetches it).
+                    None => storage.pin_cached(host.0, extent.len).map(|(file, pin)| {
+                        hold = Some(super::TransferHold::cached(pin));
+                        if let Some(readahead) = &self.chain.readahead {
+                            self.chain.fetch_ahead(readahead, start.0, extent.len);
+                        }
+                        file
+                    }),
+                }
+            }
             _ => None,
         };
         if extent.layer != self.chain.top_index() {
@@ -600,18 +614,18 @@ impl Transfers<'_> {
                 let base = drain.target.transfers();
                 let ticket = base.begin();
                 let mut read = base.resolve_for_read(&ticket, start, extent.len)?;
-                read.hold = Some(super::TransferHold::ticket(ticket));
+                let ticket = super::TransferHold::ticket(ticket);
+                read.hold = Some(match read.hold.take() {
+                    Some(cached) => cached.and(ticket),
+                    None => ticket,
+                });
                 return Ok(read);
             }
         }
         if !matches!(extent.kind, ExtentKind::Zero { .. }) {
             self.chain.count_data_read(extent.layer);
         }
-        Ok(ReadExtent {
-            extent,
-            file,
-            hold: None,
-        })
+        Ok(ReadExtent { extent, file, hold })
     }
 
     /// [`crate::Transfers::resolve_for_read`] from cached metadata only: `None` when
